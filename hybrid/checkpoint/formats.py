@@ -1,0 +1,155 @@
+"""Quantized tensor formats: NVFP4 (E2M1 + E4M3 block scales + fp32 global scale) and FP8 E4M3.
+
+Legend: N = out features (rows), K = in features (columns), G = K // 16 groups per row.
+
+NVFP4, ModelOpt layout, for a Linear [N, K]:
+    weight         uint8   [N, K/2]   byte j = element 2j (low nibble) | element 2j+1 (high nibble)
+    weight_scale   e4m3fn  [N, K/16]  one scale per 16-element group
+    weight_scale_2 float32 []         global scale
+    value = E2M1[nibble] * fp32(weight_scale) * weight_scale_2
+FP8 per tensor: weight e4m3fn [N, K], weight_scale float32 []; value = fp8 * weight_scale.
+"""
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+import torch
+
+GROUP = 16  # NVFP4 elements per block scale
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+
+# E2M1 magnitudes by the 3 low bits; bit 3 is the sign.
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_TABLE = np.array(list(E2M1_MAGNITUDES) + [-v for v in E2M1_MAGNITUDES], dtype=np.float32)
+_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+
+
+class QType(enum.Enum):
+    """Storage type of one linear weight."""
+
+    F32 = "f32"
+    F16 = "f16"
+    BF16 = "bf16"
+    FP8 = "fp8"        # e4m3fn, per-tensor fp32 scale
+    NVFP4 = "nvfp4"    # e2m1 packed, e4m3 per-16 scale, fp32 global scale
+
+    @property
+    def is_quantized(self) -> bool:
+        return self in (QType.FP8, QType.NVFP4)
+
+
+DENSE_DTYPES = {torch.float32: QType.F32, torch.float16: QType.F16, torch.bfloat16: QType.BF16}
+
+
+def e4m3_table() -> np.ndarray:
+    """float32 value of every e4m3fn byte (0x7F / 0xFF are NaN), computed from the bit layout."""
+    out = np.empty(256, dtype=np.float32)
+    for b in range(256):
+        sign = -1.0 if b & 0x80 else 1.0
+        exp = (b >> 3) & 0xF
+        man = b & 0x7
+        if exp == 0xF and man == 0x7:
+            out[b] = np.nan
+        elif exp == 0:
+            out[b] = sign * (man / 8.0) * 2.0 ** -6
+        else:
+            out[b] = sign * (1.0 + man / 8.0) * 2.0 ** (exp - 7)
+    return out
+
+
+E4M3_TABLE = e4m3_table()
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 -> float32 values."""
+    return torch.from_numpy(E2M1_TABLE)[codes.long()]
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> uint8 codes [..., K]; low nibble is the even element."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., K] (K even) -> packed uint8 [..., K/2]."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"cannot pack an odd number of E2M1 codes ({codes.shape[-1]})")
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, 2)
+    return (c[..., 0] | (c[..., 1] << 4)).contiguous()
+
+
+def fp8_to_float(t: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn (or its uint8 bits) -> float32."""
+    if t.dtype == torch.uint8:
+        return torch.from_numpy(E4M3_TABLE)[t.long()]
+    return t.to(torch.float32)
+
+
+def dequant_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor,
+                  weight_scale_2: torch.Tensor | float) -> torch.Tensor:
+    """NVFP4 [N, K/2] u8 + [N, K/16] e4m3 + scalar -> float32 [N, K]."""
+    n, half_k = weight.shape
+    k = half_k * 2
+    if weight_scale.shape != (n, k // GROUP):
+        raise ValueError(f"weight_scale shape {tuple(weight_scale.shape)} != {(n, k // GROUP)}")
+    vals = decode_e2m1(unpack_nibbles(weight)).view(n, k // GROUP, GROUP)
+    scales = fp8_to_float(weight_scale).view(n, k // GROUP, 1)
+    return (vals * scales * float(weight_scale_2)).view(n, k)
+
+
+def dequant_fp8(weight: torch.Tensor, weight_scale: torch.Tensor | float) -> torch.Tensor:
+    """FP8 e4m3fn [N, K] + scalar scale -> float32 [N, K]."""
+    return fp8_to_float(weight) * float(weight_scale)
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> E2M1 codes (uint8), round half to even, saturating at +-6."""
+    a = x.abs().clamp(max=E2M1_MAX)
+    mids = _E2M1_MIDPOINTS.to(a.device)
+    code = torch.bucketize(a, mids, right=False)        # count of midpoints < a
+    tie = (code < len(mids)) & (a == mids[code.clamp(max=len(mids) - 1)])
+    code = code + (tie & (code % 2 == 1)).to(code.dtype)  # ties go to the even code
+    sign = (torch.signbit(x) & (code > 0)).to(torch.uint8) << 3
+    return code.to(torch.uint8) | sign
+
+
+def nvfp4_global_scale(amax: float) -> float:
+    """weight_scale_2 = amax / (6 * 448); 1.0 for an all-zero tensor."""
+    amax = float(amax)
+    return amax / (E2M1_MAX * E4M3_MAX) if amax > 0 else 1.0
+
+
+def quantize_nvfp4(w: torch.Tensor, weight_scale_2: float | None = None):
+    """float [N, K] -> (weight u8 [N, K/2], weight_scale e4m3fn [N, K/16], weight_scale_2 f32 []).
+
+    Pass weight_scale_2 to share a global scale between linears that share an input.
+    """
+    if w.dim() != 2 or w.shape[1] % GROUP:
+        raise ValueError(f"NVFP4 needs a 2-D weight with in-features divisible by {GROUP}, "
+                         f"got shape {tuple(w.shape)}")
+    w = w.detach().to(torch.float32)
+    n, k = w.shape
+    if weight_scale_2 is None:
+        weight_scale_2 = nvfp4_global_scale(w.abs().max())
+    blocks = w.view(n, k // GROUP, GROUP)
+    block_amax = blocks.abs().amax(dim=-1)
+    scale = (block_amax / (E2M1_MAX * weight_scale_2)).clamp(max=E4M3_MAX)
+    scale_fp8 = scale.to(torch.float8_e4m3fn)
+    scale_f = scale_fp8.to(torch.float32) * weight_scale_2
+    safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f)).unsqueeze(-1)
+    codes = round_to_e2m1(torch.where(scale_f.unsqueeze(-1) > 0, blocks / safe, torch.zeros_like(blocks)))
+    packed = pack_nibbles(codes.view(n, k))
+    return packed, scale_fp8, torch.tensor(weight_scale_2, dtype=torch.float32)
+
+
+def quantize_fp8(w: torch.Tensor):
+    """float [N, K] -> (weight e4m3fn [N, K], weight_scale f32 []), per-tensor amax / 448."""
+    w = w.detach().to(torch.float32)
+    amax = float(w.abs().max())
+    scale = amax / E4M3_MAX if amax > 0 else 1.0
+    q = (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, torch.tensor(scale, dtype=torch.float32)

@@ -1,0 +1,1 @@
+"""Console scripts, one per job (llama.cpp style)."""

@@ -1,0 +1,31 @@
+"""Shared plumbing for the console scripts: user errors become one line and an exit code."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
+
+from hybrid.errors import HybridError
+
+EXIT_USER_ERROR = 2
+
+
+def add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+
+
+def run_cli(body: Callable[[argparse.Namespace], int | None], parser: argparse.ArgumentParser,
+            argv: Sequence[str] | None = None) -> int:
+    """Parse argv, run body(args); HybridError -> `error: ...` on stderr and exit code 2."""
+    args = parser.parse_args(argv)
+    try:
+        rc = body(args)
+    except HybridError as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
