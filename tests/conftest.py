@@ -1,0 +1,9 @@
+import pytest
+
+from hybrid.testing import write_random_model
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    """A small random BF16 qwen3_moe folder, sharded in two."""
+    return write_random_model(tmp_path_factory.mktemp("qwen3"), "qwen3_moe", shards=2)
