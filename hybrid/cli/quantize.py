@@ -1,0 +1,72 @@
+"""hybrid-quantize: turn a BF16/FP16/FP32 Hugging Face MoE checkpoint into NVFP4, FP8 or mixed FP4/FP8.
+
+Examples:
+    hybrid-quantize ./Qwen3-30B-A3B ./Qwen3-30B-A3B-NVFP4 --recipe nvfp4
+    hybrid-quantize ./Qwen3-30B-A3B ./Qwen3-30B-A3B-mixed --recipe mixed --shard-size 4096
+    hybrid-quantize tiny ./tiny-nvfp4 --recipe nvfp4 --format compressed-tensors
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hybrid.checkpoint.recipes import FORMATS, RECIPES
+from hybrid.cli.common import add_debug_flag, run_cli
+from hybrid.errors import HybridError
+
+RECIPE_HELP = ("nvfp4: all Linears NVFP4 except router / shared-expert gate / lm_head; "
+               "fp8: the same Linears FP8 per-tensor; "
+               "mixed: attention FP8, experts and lm_head NVFP4, router/norms/embeddings BF16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybrid-quantize", description=__doc__.splitlines()[0],
+                                epilog="\n".join(__doc__.splitlines()[2:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", metavar="SRC", help="source model folder (BF16/FP16/FP32 safetensors), or 'tiny' "
+                   "for the embedded tiny model")
+    p.add_argument("dst", metavar="DST", help="output folder; must not exist (or be empty). Written "
+                   "atomically: on any error nothing is left behind")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="nvfp4", help=RECIPE_HELP)
+    p.add_argument("--format", dest="fmt", choices=FORMATS, default="modelopt",
+                   help="output layout: modelopt (hf_quant_config.json; default) or compressed-tensors "
+                        "(nvfp4-pack-quantized; --recipe nvfp4 only)")
+    p.add_argument("--shard-size", type=float, default=4096, metavar="MB",
+                   help="largest safetensors shard, in MiB (default 4096)")
+    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                   help="also keep Linears matching this module name or `*` wildcard unquantized "
+                        "(repeatable), e.g. 'model.layers.0.*'")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_debug_flag(p)
+    return p
+
+
+def resolve_source(name_or_path: str) -> Path:
+    """A folder, or a registered model name such as 'tiny' (hybrid.model.registry, when present)."""
+    try:
+        from hybrid.model.registry import resolve_model_path
+    except ImportError:
+        return Path(name_or_path)
+    return Path(resolve_model_path(name_or_path))
+
+
+def body(args: argparse.Namespace) -> int:
+    from hybrid.checkpoint.writer import quantize_checkpoint
+
+    src = resolve_source(args.src)
+    try:
+        result = quantize_checkpoint(src, args.dst, args.recipe, shard_mb=args.shard_size, fmt=args.fmt,
+                                     exclude=tuple(args.exclude), progress=False if args.no_progress else None)
+    except OSError as exc:   # disk full, permissions: the environment, not a bug
+        raise HybridError(f"{exc.filename or args.dst}: {exc.strerror or exc}") from exc
+    print(result.summary())
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_cli(body, build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
