@@ -45,7 +45,7 @@ def _check_args(args) -> None:
 
 def body(args) -> int:
     from hybrid.generate import generate
-    from hybrid.model import load_model, resolve_model_path
+    from hybrid.model import ModelConfig, load_model, resolve_model_path
     from hybrid.sampler import Sampler, SamplerConfig
     from hybrid.tokenizer import Tokenizer
 
@@ -53,9 +53,9 @@ def body(args) -> int:
     sampler = Sampler(SamplerConfig(args.temperature, args.top_k, args.top_p, args.min_p,
                                     args.presence_penalty, args.repetition_penalty, args.seed))
     path = resolve_model_path(args.model)
-    model = load_model(path, device=args.device)
-    cfg = model.cfg
+    cfg = ModelConfig.from_folder(path)
     tok = Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    model = load_model(path, device=args.device)
     prompt = tok.apply_chat(args.prompt, args.system) if args.chat else args.prompt
     ids = tok.encode(prompt)
     if not ids:

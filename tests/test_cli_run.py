@@ -1,0 +1,121 @@
+"""hybrid-run end to end, and one clear line + exit 2 for every bad input."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hybrid.cli.run import main
+
+
+def run(args, capsys):
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_json_output(qwen3_dir, capsys):
+    rc, out, _ = run(["--model", qwen3_dir, "--prompt", "def fib", "-n", "6", "--json"], capsys)
+    assert rc == 0
+    d = json.loads(out)
+    assert len(d["generated_ids"]) == 6 and d["prompt_ids"] and d["decode_tok_s"] > 0
+    assert set(d) >= {"prompt_ids", "generated_ids", "text", "prefill_tok_s", "decode_tok_s"}
+
+
+def test_streams_text_and_summary(qwen3_dir, capsys):
+    rc, out, err = run(["--model", qwen3_dir, "--prompt", "hello", "-n", "4"], capsys)
+    assert rc == 0 and out.startswith("hello") and "decode" in err
+
+
+def test_greedy_deterministic_and_seeded_sampling(qwen3_dir, capsys):
+    outs = [json.loads(run(["--model", qwen3_dir, "-n", "8", "--json"] + extra, capsys)[1])["generated_ids"]
+            for extra in ([], [], ["--temperature", "1", "--seed", "3"], ["--temperature", "1", "--seed", "3"])]
+    assert outs[0] == outs[1] and outs[2] == outs[3]
+
+
+def copy(src, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    return d
+
+
+def corrupt_missing_config(d):
+    (d / "config.json").unlink()
+
+
+def corrupt_arch(d):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "llama4"
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def edit_tensor(d, fn):
+    for f in d.glob("*.safetensors"):
+        sd = load_file(str(f))
+        if fn(sd):
+            save_file(sd, str(f))
+            return
+
+
+def corrupt_missing_tensor(d):
+    edit_tensor(d, lambda sd: sd.pop("model.layers.1.self_attn.o_proj.weight", None) is not None)
+
+
+def corrupt_shape(d):
+    k = "model.layers.0.self_attn.q_proj.weight"
+    edit_tensor(d, lambda sd: k in sd and sd.__setitem__(k, sd[k][:-1].contiguous()) is None)
+
+
+def corrupt_dtype(d):
+    k = "model.norm.weight"
+    edit_tensor(d, lambda sd: k in sd and sd.__setitem__(k, sd[k].to(torch.int32)) is None)
+
+
+def corrupt_truncate(d):
+    f = sorted(d.glob("*.safetensors"))[0]
+    f.write_bytes(f.read_bytes()[:1000])
+
+
+def corrupt_tokenizer(d):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["vocab_size"] = 100
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+CASES = {
+    "missing_config": (corrupt_missing_config, "config.json"),
+    "unknown_arch": (corrupt_arch, "llama4"),
+    "missing_tensor": (corrupt_missing_tensor, "o_proj"),
+    "wrong_shape": (corrupt_shape, "q_proj"),
+    "wrong_dtype": (corrupt_dtype, "model.norm.weight"),
+    "truncated": (corrupt_truncate, "safetensors"),
+    "tokenizer_vocab": (corrupt_tokenizer, "vocab_size"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_model_one_line_exit_2(case, qwen3_dir, tmp_path, capsys):
+    corrupt, needle = CASES[case]
+    d = copy(qwen3_dir, tmp_path)
+    corrupt(d)
+    rc, _, err = run(["--model", d, "-n", "2"], capsys)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+
+
+@pytest.mark.parametrize("args,needle", [(["-n", "0"], "--max-tokens"), (["--top-p", "0"], "--top-p"),
+                                         (["--temperature", "-1"], "--temperature")])
+def test_bad_flags(args, needle, qwen3_dir, capsys):
+    rc, _, err = run(["--model", qwen3_dir] + args, capsys)
+    assert rc == 2 and needle in err and "Traceback" not in err
+
+
+def test_console_script_no_traceback(tmp_path):
+    exe = shutil.which("hybrid-run")
+    cmd = [exe] if exe else [sys.executable, "-m", "hybrid.cli.run"]
+    p = subprocess.run(cmd + ["--model", str(tmp_path / "nope")], capture_output=True, text=True)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "model folder not found" in p.stderr
