@@ -1,0 +1,250 @@
+"""Expert-cache policies behind one small interface; the ExpertCache owns slots, a policy only decides.
+
+Per layer, the cache calls, in this order within a decode step:
+    touch(layer, used, step)        the unique experts routed this step (hits and misses), sorted
+    rank(layer, misses)             the order in which missed experts are considered for promotion
+    victim(layer, candidates)       which evictable resident to drop (candidates never include
+                                    experts the layer uses this step)
+    admit(layer, expert, victim)    promote `expert` into a free slot (victim None) or over `victim`?
+Every choice breaks ties by expert id, so a policy is a deterministic function of what it saw:
+the runtime and an offline replay of its trace make the same decisions.
+
+Policies:
+- "lfu-decay" (default, "ours"): score_e(t) = sum over uses s <= t of g^(t-s), g = 0.5^(1/half_life)
+  (each step a layer is looked up, all of its scores are multiplied by g, then +1 for each expert
+  used). A missed expert e is promoted into a free slot, or over the weakest evictable resident v
+  (lowest score) only when score_e > score_v + margin. The margin is hysteresis: after e displaces
+  v, v can only come back once their score difference has moved by 2*margin, and that difference
+  moves by at most 2 per step, so a pair swaps at most once every `margin` steps. margin=0 is plain decayed
+  LFU. half_life=inf gives undecayed counts (classic LFU).
+- "lru": evict the least recently used resident; always promote a miss.
+- "static": a fixed set per layer, the top-`slots` experts of an expert-popularity profile; only
+  members are promoted (into free slots or over non-members), members are never evicted. With a
+  warm start from the same profile it never promotes at all.
+- "belady": offline optimum for the hit rate (needs the future requests): evict the resident whose
+  next use is farthest, promote a miss only if its next use is nearer than the victim's (bypass
+  otherwise), warm start with the experts used first. Upper bound for every policy run under the
+  cache's rules (promote only what was just routed, never evict what the layer uses this step).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from hybrid.errors import HybridError
+from hybrid.experts.popularity import ExpertProfile
+
+DEFAULT_POLICY = "lfu-decay"
+OURS = {"half_life": 64.0, "margin": 1.0}   # the runtime's default "lfu-decay" parameters
+NEVER = math.inf
+
+
+class PolicyError(HybridError):
+    """Unknown cache policy or missing input for one (e.g. static without a profile)."""
+
+
+class CachePolicy:
+    """Base class: per-layer state, decisions only. See the module docstring for the call order."""
+
+    name = "?"
+
+    def params(self) -> dict:
+        return {}
+
+    def spec(self) -> dict:
+        """{"name": ..., **params}: enough for make_policy to rebuild it (traces store this)."""
+        return {"name": self.name, **self.params()}
+
+    def attach(self, layer: int, capacity: int, num_experts: int) -> None:
+        """Called once per layer by the cache before any other call."""
+
+    def seed(self, layer: int, probs: np.ndarray) -> None:
+        """Warm start hint: P(token uses expert e) for the layer, float [E]. Default: ignored."""
+
+    def touch(self, layer: int, used: Sequence[int], step: int) -> None:
+        raise NotImplementedError
+
+    def rank(self, layer: int, misses: Sequence[int]) -> list[int]:
+        return sorted(misses)
+
+    def victim(self, layer: int, candidates: Sequence[int]) -> int:
+        raise NotImplementedError
+
+    def admit(self, layer: int, expert: int, victim: int | None) -> bool:
+        return True
+
+
+class DecayedLFU(CachePolicy):
+    """Frequency with exponential decay and a promotion margin ("lfu-decay", the default)."""
+
+    name = "lfu-decay"
+
+    def __init__(self, half_life: float = OURS["half_life"], margin: float = OURS["margin"]):
+        if not half_life > 0 or margin < 0:
+            raise PolicyError(f"lfu-decay: need half_life > 0 and margin >= 0, got {half_life}, {margin}")
+        self.half_life, self.margin = float(half_life), float(margin)
+        self.gamma = 1.0 if math.isinf(self.half_life) else 0.5 ** (1.0 / self.half_life)
+        self.scores: dict[int, np.ndarray] = {}   # layer -> float64 [E]
+        self.last: dict[int, int] = {}            # layer -> step of its last decay
+
+    def params(self) -> dict:
+        return {"half_life": self.half_life, "margin": self.margin}
+
+    def attach(self, layer: int, capacity: int, num_experts: int) -> None:
+        self.scores[layer] = np.zeros(num_experts, dtype=np.float64)
+        self.last[layer] = 0
+
+    def seed(self, layer: int, probs: np.ndarray) -> None:
+        """Steady state of the decayed score of an expert used with probability p: p / (1 - g)."""
+        scale = 1.0 / (1.0 - self.gamma) if self.gamma < 1.0 else 1.0
+        self.scores[layer] = np.asarray(probs, dtype=np.float64) * scale
+
+    def touch(self, layer: int, used: Sequence[int], step: int) -> None:
+        s = self.scores[layer]
+        for _ in range(step - self.last[layer]):   # repeated multiply: bit-identical everywhere
+            s *= self.gamma
+        self.last[layer] = max(step, self.last[layer])
+        s[list(used)] += 1.0
+
+    def score(self, layer: int, expert: int) -> float:
+        return float(self.scores[layer][expert])
+
+    def rank(self, layer: int, misses: Sequence[int]) -> list[int]:
+        s = self.scores[layer]
+        return sorted(misses, key=lambda e: (-s[e], e))
+
+    def victim(self, layer: int, candidates: Sequence[int]) -> int:
+        s = self.scores[layer]
+        return min(candidates, key=lambda e: (s[e], e))
+
+    def admit(self, layer: int, expert: int, victim: int | None) -> bool:
+        if victim is None:
+            return True
+        s = self.scores[layer]
+        return bool(s[expert] > s[victim] + self.margin)
+
+
+class LRU(CachePolicy):
+    """Least recently used ("lru")."""
+
+    name = "lru"
+
+    def __init__(self):
+        self.last_use: dict[int, np.ndarray] = {}   # layer -> int64 [E], -1 = never
+
+    def attach(self, layer: int, capacity: int, num_experts: int) -> None:
+        self.last_use[layer] = np.full(num_experts, -1, dtype=np.int64)
+
+    def touch(self, layer: int, used: Sequence[int], step: int) -> None:
+        self.last_use[layer][list(used)] = step
+
+    def victim(self, layer: int, candidates: Sequence[int]) -> int:
+        t = self.last_use[layer]
+        return min(candidates, key=lambda e: (t[e], e))
+
+
+class StaticPolicy(CachePolicy):
+    """A fixed set per layer: the top-capacity experts of a popularity profile ("static")."""
+
+    name = "static"
+
+    def __init__(self, profile: ExpertProfile):
+        self.profile = profile
+        self.fixed: dict[int, set[int]] = {}
+
+    def attach(self, layer: int, capacity: int, num_experts: int) -> None:
+        if layer >= self.profile.num_layers or num_experts != self.profile.num_experts:
+            raise PolicyError(f"static: profile {self.profile.model!r} has {self.profile.num_layers} "
+                              f"layers x {self.profile.num_experts} experts; cache wants layer "
+                              f"{layer} of {num_experts} experts")
+        self.fixed[layer] = set(self.profile.top(layer, capacity))
+
+    def touch(self, layer: int, used: Sequence[int], step: int) -> None:
+        pass
+
+    def rank(self, layer: int, misses: Sequence[int]) -> list[int]:
+        c = self.profile.counts[layer]
+        return sorted(misses, key=lambda e: (-c[e], e))
+
+    def victim(self, layer: int, candidates: Sequence[int]) -> int:
+        fixed = self.fixed[layer]
+        return min(candidates, key=lambda e: (e in fixed, e))
+
+    def admit(self, layer: int, expert: int, victim: int | None) -> bool:
+        fixed = self.fixed[layer]
+        return expert in fixed and (victim is None or victim not in fixed)
+
+
+class Belady(CachePolicy):
+    """Offline optimum: farthest next use out, bypass when the miss is needed later than the victim.
+
+    requests: layer -> per step (cache step 0, 1, ...) the ids routed at that step (any shape).
+    """
+
+    name = "belady"
+
+    def __init__(self, requests: Mapping[int, Sequence[Sequence[int]]]):
+        self.uses: dict[int, dict[int, list[int]]] = {}   # layer -> expert -> sorted steps
+        for layer, steps in requests.items():
+            per: dict[int, list[int]] = {}
+            for t, ids in enumerate(steps):
+                for e in np.unique(np.asarray(ids, dtype=np.int64)).tolist():
+                    per.setdefault(e, []).append(t)
+            self.uses[layer] = per
+        self.now: dict[int, int] = {}
+
+    def attach(self, layer: int, capacity: int, num_experts: int) -> None:
+        self.uses.setdefault(layer, {})
+        self.now[layer] = -1
+
+    def next_use(self, layer: int, expert: int) -> float:
+        steps = self.uses[layer].get(expert, ())
+        i = bisect.bisect_right(steps, self.now[layer])
+        return steps[i] if i < len(steps) else NEVER
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        """Best warm start: the `capacity` experts whose first use comes first."""
+        first = sorted((steps[0], e) for e, steps in self.uses[layer].items())
+        return [e for _, e in first[:capacity]]
+
+    def touch(self, layer: int, used: Sequence[int], step: int) -> None:
+        self.now[layer] = step
+
+    def rank(self, layer: int, misses: Sequence[int]) -> list[int]:
+        return sorted(misses, key=lambda e: (self.next_use(layer, e), e))
+
+    def victim(self, layer: int, candidates: Sequence[int]) -> int:
+        return max(candidates, key=lambda e: (self.next_use(layer, e), e))
+
+    def admit(self, layer: int, expert: int, victim: int | None) -> bool:
+        nxt = self.next_use(layer, expert)
+        return nxt < (NEVER if victim is None else self.next_use(layer, victim))
+
+
+POLICIES = ("lfu-decay", "lru", "static", "belady")
+
+
+def make_policy(spec: str | Mapping, profile: ExpertProfile | None = None,
+                requests: Mapping[int, Sequence[Sequence[int]]] | None = None) -> CachePolicy:
+    """Build a policy from a name or a spec dict ({"name": ..., **params}, as CachePolicy.spec())."""
+    spec = {"name": spec} if isinstance(spec, str) else dict(spec)
+    name = spec.pop("name", DEFAULT_POLICY)
+    if name == "lfu-decay":
+        unknown = set(spec) - {"half_life", "margin"}
+        if unknown:
+            raise PolicyError(f"lfu-decay: unknown parameter(s) {', '.join(sorted(unknown))}")
+        return DecayedLFU(**{k: float(v) for k, v in spec.items()})
+    if name == "lru":
+        return LRU()
+    if name == "static":
+        if profile is None:
+            raise PolicyError("cache policy 'static' needs an expert-popularity profile (--profile)")
+        return StaticPolicy(profile)
+    if name == "belady":
+        if requests is None:
+            raise PolicyError("cache policy 'belady' needs the future requests (offline replay only)")
+        return Belady(requests)
+    raise PolicyError(f"unknown cache policy {name!r}; expected one of {', '.join(POLICIES)}")
