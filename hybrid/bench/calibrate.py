@@ -1,0 +1,295 @@
+"""hybrid-bench calibrate: measure this machine and write a hardware profile for the planner.
+
+Measures per GPU: device read (a large read-only reduction) and copy bandwidth, pinned PCIe
+H2D/D2H, the CUDA context's memory, the router-ids round trip; on the CPU: a STREAM-like copy with
+all physical cores, a thread hand-off, and the NVFP4 expert kernel's GB/s if the cpu/ package
+provides it. Figures it cannot measure come from --base (a profile) or defaults, marked "assumed".
+Without a GPU it writes a CPU-only profile (gpus = []).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from hybrid.errors import HybridError
+from hybrid.hardware import detect
+from hybrid.planner.profile import (SCHEMA, CPUProfile, Figure, GPUProfile, HardwareProfile, HostProfile,
+                                    Overheads, load_profile, profile_from_dict)
+
+HELP = "measure GPU/PCIe/CPU bandwidths and write a hardware profile (profiles/NAME.json)"
+MIB, GIB = 2**20, 2**30
+
+DEFAULTS = {  # used when neither a measurement nor --base gives the figure
+    "kernel_efficiency": (0.7, "default: QPN kernels' share of read bandwidth on decode shapes; "
+                               "measure with hybrid-bench cuda-kernels"),
+    "context_mib": (500, "default CUDA context + torch runtime reserve"),
+    "token_us": (300, "default per-token overhead (embed, sampler, Python)"),
+}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", required=True, metavar="FILE", help="profile to write, e.g. profiles/mybox.json")
+    p.add_argument("--name", default=None, help="profile name (default: the file name without .json)")
+    p.add_argument("--base", default=None, metavar="NAME|FILE",
+                   help="profile to take unmeasured figures from (e.g. kernel_efficiency)")
+    p.add_argument("--gpu-mib", type=int, default=1024, help="GPU buffer size, MiB (default 1024)")
+    p.add_argument("--pcie-mib", type=int, default=256, help="PCIe transfer size, MiB (default 256)")
+    p.add_argument("--cpu-mib", type=int, default=512, help="CPU copy buffer size, MiB (default 512)")
+    p.add_argument("--repeats", type=int, default=10, help="timed repetitions; the median is kept (default 10)")
+    p.add_argument("--ram-usable-gib", type=float, default=None,
+                   help="RAM hybrid may use (default: MemAvailable)")
+
+
+def run(args) -> int:
+    if args.repeats < 1 or min(args.gpu_mib, args.pcie_mib, args.cpu_mib) < 1:
+        raise HybridError("--repeats and the buffer sizes must be >= 1")
+    out = Path(args.out)
+    name = args.name or out.name.removesuffix(".json")
+    base = load_profile(args.base) if args.base else None
+    stamp = _stamp(args)
+    prof = calibrate(name, base, args, stamp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(prof.to_json())
+    for line in summary(prof):
+        print(line)
+    print(f"wrote {out}")
+    return 0
+
+
+def calibrate(name: str, base: HardwareProfile | None, args, stamp: str) -> HardwareProfile:
+    import torch
+
+    hw = detect()
+    measured = lambda v, how: Figure(round(v, 3), "measured", f"{how}; {stamp}")  # noqa: E731
+    gpus = ()
+    if torch.cuda.is_available():
+        gpus = tuple(_gpu_profile(i, hw, base, args, measured) for i in range(torch.cuda.device_count()))
+    cpu = _cpu_profile(hw, base, args, measured)
+    ram = args.ram_usable_gib or round(hw.memory.available_bytes / GIB, 1)
+    host = HostProfile(ram_usable_gib=ram, hugepages_2m_total=hw.memory.hugepages_total
+                       if hw.memory.hugepage_size_bytes == 2 * MIB else 0,
+                       reserve_gib=base.host.reserve_gib if base else 4.0)
+    sync = measured(_router_sync_us(args.repeats), "top-k of a [1, 128] router row + ids to the host, mean") \
+        if gpus else _keep(base, "overheads", "layer_sync_us", 10.0, "no GPU: no host round trip")
+    oh = Overheads(layer_sync_us=sync,
+                   cpu_dispatch_us=measured(_dispatch_us(), "ThreadPoolExecutor submit+result of a no-op, "
+                                                           "mean (proxy for the CPU runner's hand-off)"),
+                   token_us=_keep(base, "overheads", "token_us", *DEFAULTS["token_us"]))
+    desc = (f"measured by hybrid-bench calibrate on {len(gpus)} GPU(s) "
+            f"{', '.join(sorted({g.name for g in gpus})) or '(none)'}, {cpu.model}; {stamp}")
+    prof = HardwareProfile(name=name, description=desc, gpus=gpus, cpu=cpu, host=host, overheads=oh)
+    return profile_from_dict(json.loads(prof.to_json()), "calibrated profile")   # validates
+
+
+def _keep(base: HardwareProfile | None, section: str, key: str, default: float, note: str,
+          gpu: int | None = None) -> Figure:
+    """A figure from the base profile if it has one, else an assumed default."""
+    if base is not None:
+        obj = getattr(base, section)
+        if gpu is not None:
+            obj = obj[min(gpu, len(obj) - 1)] if obj else None
+        if obj is not None:
+            return getattr(obj, key)
+    return Figure(default, "assumed", note)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _gpu_profile(i: int, hw, base, args, measured) -> GPUProfile:
+    import torch
+
+    info = next((g for g in hw.gpus if g.index == i), None)
+    ctx = _context_mib(i)             # first: before anything allocates on GPU i
+    props = torch.cuda.get_device_properties(i)
+    n, reps = args.gpu_mib * MIB, args.repeats
+    read = _gpu_time(i, n, reps, "read")
+    copy = _gpu_time(i, n, reps, "copy")
+    h2d, d2h = (_pcie_time(i, args.pcie_mib * MIB, reps, d) for d in ("h2d", "d2h"))
+    how = f"{args.gpu_mib} MiB, median of {reps}, CUDA events"
+    return GPUProfile(
+        name=props.name, compute_capability=f"{props.major}.{props.minor}",
+        memory_mib=props.total_memory // MIB,
+        pcie_gen=(info.pcie_gen_max or 0) if info else 0, pcie_width=(info.pcie_width_max or 0) if info else 0,
+        read_gbs=measured(n / read / 1e9, f"sum over an fp32 buffer, bytes read / time, {how}"),
+        copy_gbs=measured(2 * n / copy / 1e9, f"device copy, bytes read + written / time, {how}"),
+        kernel_efficiency=_keep(base, "gpus", "kernel_efficiency", *DEFAULTS["kernel_efficiency"], gpu=i),
+        h2d_gbs=measured(args.pcie_mib * MIB / h2d / 1e9, f"pinned host->device, {args.pcie_mib} MiB, median of {reps}"),
+        d2h_gbs=measured(args.pcie_mib * MIB / d2h / 1e9, f"pinned device->host, {args.pcie_mib} MiB, median of {reps}"),
+        context_mib=measured(ctx, "NVML used memory after CUDA init minus before, minus torch's reserve")
+        if ctx else _keep(base, "gpus", "context_mib", *DEFAULTS["context_mib"], gpu=i),
+    )
+
+
+def _context_mib(i: int) -> float | None:
+    """VRAM the CUDA context + runtime take, from NVML before/after init; None if unreadable."""
+    import torch
+
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        before = pynvml.nvmlDeviceGetMemoryInfo(h).used
+        torch.zeros(1, device=f"cuda:{i}")
+        torch.cuda.synchronize(i)
+        after = pynvml.nvmlDeviceGetMemoryInfo(h).used
+        pynvml.nvmlShutdown()
+    except Exception:   # noqa: BLE001 - NVML missing or not matching CUDA ordinals: fall back
+        return None
+    ctx = (after - before - torch.cuda.memory_reserved(i)) / MIB
+    return round(ctx, 1) if ctx > 0 else None
+
+
+def _gpu_time(i: int, nbytes: int, reps: int, what: str) -> float:
+    """Median seconds of one read (sum) or copy of an nbytes buffer on GPU i."""
+    import torch
+
+    dev = f"cuda:{i}"
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    y = torch.empty_like(x) if what == "copy" else None
+    op = (lambda: y.copy_(x)) if what == "copy" else (lambda: x.sum())
+    t = _events(dev, op, reps)
+    del x, y
+    torch.cuda.empty_cache()
+    return t
+
+
+def _pcie_time(i: int, nbytes: int, reps: int, direction: str) -> float:
+    import torch
+
+    dev = f"cuda:{i}"
+    host = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    op = (lambda: gpu.copy_(host, non_blocking=True)) if direction == "h2d" else \
+         (lambda: host.copy_(gpu, non_blocking=True))
+    return _events(dev, op, reps)
+
+
+def _events(dev: str, op, reps: int) -> float:
+    import torch
+
+    with torch.cuda.device(dev):
+        for _ in range(2):
+            op()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            op()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def _router_sync_us(reps: int) -> float:
+    import torch
+
+    logits = torch.randn(1, 128, device="cuda")
+    for _ in range(10):
+        torch.topk(logits, 8).indices.cpu()
+    n = max(reps * 20, 100)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        torch.topk(logits, 8).indices.cpu()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+# ---------------------------------------------------------------- CPU
+
+
+def _cpu_profile(hw, base, args, measured) -> CPUProfile:
+    copy = _cpu_copy_gbs(args.cpu_mib * MIB, args.repeats, hw.cpu.physical_cores)
+    stream = measured(copy, f"torch copy of {args.cpu_mib} MiB fp32, bytes read + written / time, "
+                            f"{hw.cpu.physical_cores} threads, median of {args.repeats}")
+    kernel = _cpu_kernel_gbs(hw.cpu.physical_cores)
+    nvfp4 = measured(kernel, "cpu/ NVFP4 expert kernel, M = 1, all physical cores") if kernel else \
+        Figure(round(copy * 0.5, 3), "assumed", "half the measured STREAM copy: the cpu/ NVFP4 kernel "
+                                                 "benchmark hook was not importable")
+    return CPUProfile(model=hw.cpu.model, physical_cores=hw.cpu.physical_cores, avx2=hw.cpu.avx2,
+                      avx512=hw.cpu.avx512, stream_copy_gbs=stream, nvfp4_kernel_gbs=nvfp4)
+
+
+def _cpu_copy_gbs(nbytes: int, reps: int, threads: int) -> float:
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(nbytes // 4, dtype=torch.float32)
+        y = torch.empty_like(x)
+        y.copy_(x)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            y.copy_(x)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(old)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def _cpu_kernel_gbs(threads: int) -> float | None:
+    """GB/s of packed NVFP4 expert bytes from cpu/'s benchmark hook, if present.
+
+    Expected hook (written with the CPU engine): `cpu.bench.nvfp4_expert_gbs(threads=N) -> float`.
+    """
+    try:
+        from cpu import bench as cpu_bench   # noqa: PLC0415 - optional, lazily imported
+        fn = cpu_bench.nvfp4_expert_gbs
+    except (ImportError, AttributeError):
+        return None
+    return float(fn(threads=threads))
+
+
+def _dispatch_us(n: int = 2000) -> float:
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(int).result()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            pool.submit(int).result()
+        return (time.perf_counter() - t0) / n * 1e6
+
+
+# ---------------------------------------------------------------- output
+
+
+def _stamp(args) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        sha = "unknown"
+    return f"{now}, git {sha}, host {_hostname()}"
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def summary(prof: HardwareProfile) -> list[str]:
+    lines = [f"profile {prof.name} (schema {SCHEMA})"]
+    for i, g in enumerate(prof.gpus):
+        lines.append(f"  gpu {i} {g.name} sm_{g.compute_capability.replace('.', '')} {g.memory_mib} MiB: "
+                     f"read {g.read_gbs.value:.0f} GB/s, copy {g.copy_gbs.value:.0f} GB/s, "
+                     f"H2D {g.h2d_gbs.value:.1f} GB/s, D2H {g.d2h_gbs.value:.1f} GB/s, "
+                     f"context {g.context_mib.value:.0f} MiB ({g.context_mib.source})")
+    c = prof.cpu
+    lines.append(f"  cpu {c.model}, {c.physical_cores} cores, avx2={c.avx2} avx512={c.avx512}: "
+                 f"copy {c.stream_copy_gbs.value:.1f} GB/s, NVFP4 kernel {c.nvfp4_kernel_gbs.value:.1f} GB/s "
+                 f"({c.nvfp4_kernel_gbs.source})")
+    o = prof.overheads
+    lines.append(f"  overheads: layer sync {o.layer_sync_us.value:.1f} us ({o.layer_sync_us.source}), "
+                 f"cpu dispatch {o.cpu_dispatch_us.value:.1f} us, token {o.token_us.value:.0f} us "
+                 f"({o.token_us.source})")
+    return lines

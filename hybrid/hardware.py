@@ -1,0 +1,178 @@
+"""Detect this machine: GPUs (pynvml), CPU (psutil + /proc/cpuinfo flags), RAM and hugepages
+(/proc/meminfo). Detection never fails: what cannot be read is None / empty, and why is in `notes`.
+
+The parse_* functions take file text so they can be tested with fixtures.
+"""
+from __future__ import annotations
+
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    index: int
+    name: str
+    compute_capability: str          # "7.0"
+    memory_total_bytes: int
+    memory_free_bytes: int
+    pcie_gen: int | None             # current link (may read lower while the GPU idles)
+    pcie_width: int | None
+    pcie_gen_max: int | None
+    pcie_width_max: int | None
+
+
+@dataclass(frozen=True)
+class CPUInfo:
+    model: str
+    physical_cores: int
+    logical_cores: int
+    avx2: bool
+    avx512: bool                     # avx512f
+    fma: bool
+    f16c: bool
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    total_bytes: int
+    available_bytes: int
+    hugepages_total: int
+    hugepages_free: int
+    hugepage_size_bytes: int
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: tuple[GPUInfo, ...]
+    cpu: CPUInfo
+    memory: MemoryInfo
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def parse_meminfo(text: str) -> MemoryInfo:
+    """/proc/meminfo text -> MemoryInfo (kB fields turned into bytes)."""
+    kv = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts:
+            n = int(parts[0])
+            kv[key.strip()] = n * 1024 if len(parts) > 1 and parts[1] == "kB" else n
+    total = kv.get("MemTotal", 0)
+    return MemoryInfo(total_bytes=total, available_bytes=kv.get("MemAvailable", kv.get("MemFree", 0)),
+                      hugepages_total=kv.get("HugePages_Total", 0), hugepages_free=kv.get("HugePages_Free", 0),
+                      hugepage_size_bytes=kv.get("Hugepagesize", 2048 * 1024))
+
+
+def parse_cpuinfo(text: str) -> dict:
+    """/proc/cpuinfo text -> {model, flags (set), logical, physical (unique core ids; 0 if unknown)}."""
+    model, flags, logical, cores = "", set(), 0, set()
+    phys = core = None
+    for line in text.splitlines() + [""]:
+        key, _, val = (s.strip() for s in line.partition(":"))
+        if key == "processor":
+            logical += 1
+        elif key == "model name" and not model:
+            model = val
+        elif key in ("flags", "Features") and not flags:
+            flags = set(val.split())
+        elif key == "physical id":
+            phys = val
+        elif key == "core id":
+            core = val
+        elif not line.strip():
+            if core is not None:
+                cores.add((phys, core))
+            phys = core = None
+    return {"model": model, "flags": flags, "logical": logical, "physical": len(cores)}
+
+
+def cpu_from(cpuinfo: dict, psutil_physical: int | None, psutil_logical: int | None) -> CPUInfo:
+    f = cpuinfo["flags"]
+    logical = psutil_logical or cpuinfo["logical"] or 1
+    physical = psutil_physical or cpuinfo["physical"] or logical
+    return CPUInfo(model=cpuinfo["model"] or platform.processor() or "unknown", physical_cores=physical,
+                   logical_cores=logical, avx2="avx2" in f, avx512="avx512f" in f, fma="fma" in f,
+                   f16c="f16c" in f)
+
+
+# ---------------------------------------------------------------- detection
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def detect_cpu(cpuinfo_text: str | None = None) -> CPUInfo:
+    import psutil
+
+    info = parse_cpuinfo(_read("/proc/cpuinfo") if cpuinfo_text is None else cpuinfo_text)
+    return cpu_from(info, psutil.cpu_count(logical=False), psutil.cpu_count(logical=True))
+
+
+def detect_memory(meminfo_text: str | None = None) -> MemoryInfo:
+    text = _read("/proc/meminfo") if meminfo_text is None else meminfo_text
+    if text:
+        return parse_meminfo(text)
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return MemoryInfo(vm.total, vm.available, 0, 0, 2 * 2**20)
+
+
+def detect_gpus(notes: list[str] | None = None) -> tuple[GPUInfo, ...]:
+    """Every GPU NVML sees; () with a note when pynvml or the driver is missing."""
+    notes = [] if notes is None else notes
+    try:
+        import pynvml
+    except ImportError:
+        notes.append("pynvml not installed (pip install nvidia-ml-py): no GPU detection")
+        return ()
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        notes.append(f"NVML unavailable ({exc}): no NVIDIA driver, or no GPU")
+        return ()
+    try:
+        return tuple(_gpu(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount()))
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _gpu(nv, i: int) -> GPUInfo:
+    h = nv.nvmlDeviceGetHandleByIndex(i)
+    name = nv.nvmlDeviceGetName(h)
+    name = name.decode() if isinstance(name, bytes) else name
+    major, minor = nv.nvmlDeviceGetCudaComputeCapability(h)
+    mem = nv.nvmlDeviceGetMemoryInfo(h)
+
+    def opt(fn):
+        try:
+            return int(getattr(nv, fn)(h))
+        except nv.NVMLError:
+            return None
+
+    return GPUInfo(index=i, name=name, compute_capability=f"{major}.{minor}",
+                   memory_total_bytes=int(mem.total), memory_free_bytes=int(mem.free),
+                   pcie_gen=opt("nvmlDeviceGetCurrPcieLinkGeneration"),
+                   pcie_width=opt("nvmlDeviceGetCurrPcieLinkWidth"),
+                   pcie_gen_max=opt("nvmlDeviceGetMaxPcieLinkGeneration"),
+                   pcie_width_max=opt("nvmlDeviceGetMaxPcieLinkWidth"))
+
+
+def detect() -> Hardware:
+    """This machine's GPUs, CPU and memory."""
+    notes: list[str] = []
+    gpus = detect_gpus(notes)
+    return Hardware(gpus=gpus, cpu=detect_cpu(), memory=detect_memory(), notes=tuple(notes))

@@ -1,0 +1,191 @@
+"""Make a Plan: hardware profile + model bytes + request -> per-card placement, host needs, prediction.
+
+Layers [0, s1) go to card 0, [s1, s2) to card 1, ... (s = the layer split). A plan that does not
+fit raises PlanError naming the card (or the host), what it holds and by how much it overflows.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hybrid.errors import PlanError
+from hybrid.planner.memory import GIB, KV_DTYPES, MIB, gib, kv_bytes, workspace_bytes
+from hybrid.planner.model_bytes import ModelBytes
+from hybrid.planner.plan import CardPlan, HostPlan, Plan, PlanInputs
+from hybrid.planner.popularity import Popularity, allot_slots
+from hybrid.planner.predict import predict
+from hybrid.planner.profile import HardwareProfile
+
+HUGEPAGE = 2 * MIB
+MAX_PCIE_FRAC = 0.9
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked for (the flags of hybrid-plan / hybrid-run). Validates itself.
+
+    gpus: profile GPU index per logical card (repeat an index for logical cards on one GPU);
+    layer_split: card boundaries, None = auto; cache_slots: per card, None = auto (fill);
+    vram_cap_gib: per card, None = the GPU's memory shared evenly among its logical cards.
+    """
+
+    gpus: tuple[int, ...]
+    layer_split: tuple[int, ...] | None = None
+    kv_tokens: int = 4096
+    kv_dtype: str = "fp16"
+    cache_slots: tuple[int, ...] | None = None
+    vram_cap_gib: tuple[float, ...] | None = None
+    pcie_frac: float = 0.1
+    context: int = 1024
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        n = len(self.gpus)
+        if self.kv_dtype not in KV_DTYPES:
+            raise PlanError(f"--kv-dtype {self.kv_dtype}: expected one of {', '.join(KV_DTYPES)}")
+        if self.kv_tokens < 0 or self.context < 0 or self.prefill_chunk <= 0:
+            raise PlanError("--kv-resident and --context must be >= 0, --prefill-chunk > 0")
+        if not 0.0 <= self.pcie_frac <= MAX_PCIE_FRAC:
+            raise PlanError(f"--pcie-frac {self.pcie_frac}: expected a fraction in [0, {MAX_PCIE_FRAC}] "
+                            f"(the rest of the link carries activations)")
+        if any(g < 0 for g in self.gpus):
+            raise PlanError(f"--gpus: indices must be >= 0, got {list(self.gpus)}")
+        for flag, v in (("--layer-split", self.layer_split), ("--cache-slots", self.cache_slots),
+                        ("--vram-cap", self.vram_cap_gib)):
+            if v is not None and flag != "--layer-split" and len(v) not in (1, n):
+                raise PlanError(f"{flag}: give one value or one per card ({n}), got {len(v)}")
+        if self.layer_split is not None and len(self.layer_split) != max(n - 1, 0):
+            raise PlanError(f"--layer-split: {n} cards need {max(n - 1, 0)} boundaries, "
+                            f"got {len(self.layer_split)}")
+        if self.cache_slots is not None and any(s < 0 for s in self.cache_slots):
+            raise PlanError("--cache-slots must be >= 0")
+        if self.vram_cap_gib is not None and any(v <= 0 for v in self.vram_cap_gib):
+            raise PlanError("--vram-cap must be > 0")
+
+    def per_card(self, values, i):
+        return None if values is None else values[i if len(values) > 1 else 0]
+
+
+def make_plan(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, pop: Popularity | None = None,
+              model: str = "", experts_path: str | None = None) -> Plan:
+    """The plan for req.layer_split (which must be set; see search.best_plan for auto)."""
+    if req.layer_split is None:
+        from hybrid.planner.search import best_plan
+        return best_plan(mb, prof, req, pop, model, experts_path)
+    cfg = mb.config
+    ranges = layer_ranges(cfg.num_hidden_layers, req.layer_split, len(req.gpus))
+    caps = card_caps(prof, req)
+    warnings: list[str] = []
+    cards = tuple(_card(mb, prof, req, i, r, caps[i], pop, warnings) for i, r in enumerate(ranges))
+    host = _host(mb, prof, req, bool(cards), warnings)
+    hits = _hit_rates(mb, cards, pop)
+    pred = predict(mb, prof, cards, hits, req)
+    inputs = PlanInputs(model=model, profile=prof.name, gpus=req.gpus, layer_split=req.layer_split,
+                        kv_tokens=req.kv_tokens, kv_dtype=req.kv_dtype, cache_slots=req.cache_slots,
+                        vram_cap_gib=req.vram_cap_gib, pcie_frac=req.pcie_frac, context=req.context,
+                        prefill_chunk=req.prefill_chunk, experts_profile=experts_path,
+                        bytes_source=mb.source)
+    return Plan(inputs, cards, host, pred, tuple(warnings))
+
+
+def layer_ranges(num_layers: int, split: tuple[int, ...], cards: int) -> list[range]:
+    """[0, s1), [s1, s2), ..., [s_last, L); every card gets at least one layer."""
+    if cards == 0:
+        return []
+    bounds = (0, *split, num_layers)
+    if any(b >= a2 for b, a2 in zip(bounds, bounds[1:])):
+        raise PlanError(f"--layer-split {','.join(map(str, split))}: boundaries must increase "
+                        f"strictly within 1..{num_layers - 1} so each card holds a layer")
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def card_caps(prof: HardwareProfile, req: PlanRequest) -> list[int]:
+    """VRAM bytes each logical card may use; checks the caps sharing a GPU fit in it."""
+    caps = []
+    for i, g in enumerate(req.gpus):
+        if g >= len(prof.gpus):
+            raise PlanError(f"--gpus {g}: profile {prof.name} has {len(prof.gpus)} GPU(s) "
+                            f"(indices 0..{len(prof.gpus) - 1})")
+        share = req.gpus.count(g)
+        cap = req.per_card(req.vram_cap_gib, i)
+        caps.append(prof.gpus[g].memory_bytes // share if cap is None else int(cap * GIB))
+    for g in set(req.gpus):
+        asked = sum(c for c, gg in zip(caps, req.gpus) if gg == g)
+        have = prof.gpus[g].memory_bytes
+        if asked > have:
+            raise PlanError(f"--vram-cap: the card(s) on GPU {g} ({_short(prof.gpus[g].name)}) ask "
+                            f"{gib(asked)} but it has {gib(have)}")
+    return caps
+
+
+def _card(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, i: int, layers: range,
+          cap: int, pop: Popularity | None, warnings: list[str]) -> CardPlan:
+    cfg, g = mb.config, req.gpus[i]
+    gpu = prof.gpus[g]
+    first, last = i == 0, i == len(req.gpus) - 1
+    dense = sum(mb.layer_dense[layers.start:layers.stop])
+    dense += mb.embed if first else 0
+    if last:
+        dense += mb.final_norm + (mb.lm_head if not mb.tied else (0 if first else mb.embed))
+    kv = kv_bytes(cfg, req.kv_tokens, len(layers), req.kv_dtype)
+    ctx = int(gpu.context_mib.value * MIB) if req.gpus.index(g) == i else 0
+    ws = workspace_bytes(cfg, req.prefill_chunk, ctx, last)
+    parts = [("dense", dense), ("KV", kv), ("workspace", ws)]
+    n_exp, slot = len(layers) * cfg.num_experts, mb.slot_bytes
+    want = req.per_card(req.cache_slots, i)
+    if want is None:
+        slots = max(0, min((cap - dense - kv - ws) // slot, n_exp))
+    else:
+        if want > n_exp:
+            warnings.append(f"card {i}: --cache-slots {want} > its {n_exp} experts; using {n_exp}")
+        slots = min(want, n_exp)
+        parts.append((f"expert cache {slots} x {slot / MIB:.2f} MiB", slots * slot))
+    _check_fits(f"card {i} ({_short(gpu.name)}, cap {gib(cap)})", parts, cap)
+    per_layer, _ = allot_slots(layers, slots, cfg.num_experts, pop)
+    return CardPlan(card=i, device=g, name=gpu.name, layers=(layers.start, layers.stop),
+                    kv_tokens=req.kv_tokens, kv_dtype=req.kv_dtype, slots=slots,
+                    slots_per_layer=per_layer, slot_bytes=slot, cap_bytes=cap, dense_bytes=dense,
+                    kv_bytes=kv, workspace_bytes=ws, holds_embed=first, holds_head=last)
+
+
+def _host(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, has_cards: bool,
+          warnings: list[str]) -> HostPlan:
+    """All experts live in the host arena; on a CPU-only plan the dense weights and KV too."""
+    store = mb.expert_store
+    dense = 0 if has_cards else mb.total - store
+    kv = 0 if has_cards else kv_bytes(mb.config, req.kv_tokens, mb.config.num_hidden_layers, req.kv_dtype)
+    reserve = int(prof.host.reserve_gib * GIB)
+    cap = int(prof.host.ram_usable_gib * GIB)
+    parts = [("expert store", store)] + ([("dense", dense), ("KV", kv)] if dense else []) + [("reserve", reserve)]
+    _check_fits(f"host ({gib(cap)} usable RAM)", parts, cap)
+    pages, have = math.ceil(store / HUGEPAGE), prof.host.hugepages_2m_total
+    if have < pages:
+        warnings.append(f"host: the expert store needs {pages} 2 MiB hugepages, {have} reserved; it "
+                        f"falls back to transparent hugepages (reserve: sudo sysctl vm.nr_hugepages={pages})")
+    return HostPlan(expert_store_bytes=store, dense_bytes=dense, kv_bytes=kv, reserve_bytes=reserve, ram_cap_bytes=cap,
+                    hugepages_2m=pages, hugepages_2m_reserved=have)
+
+
+def _check_fits(where: str, parts: list[tuple[str, int]], cap: int) -> None:
+    total = sum(b for _, b in parts)
+    if total > cap:
+        terms = " + ".join(f"{what} {gib(b)}" for what, b in parts)
+        raise PlanError(f"{where}: {terms} = {gib(total)} exceeds {gib(cap)} by {gib(total - cap)}")
+
+
+def _hit_rates(mb: ModelBytes, cards: tuple[CardPlan, ...], pop: Popularity | None) -> list[float]:
+    """Expected hit rate per layer (0 for layers on no card)."""
+    hits = [0.0] * mb.config.num_hidden_layers
+    for c in cards:
+        layers = range(*c.layers)
+        _, rates = allot_slots(layers, c.slots, mb.config.num_experts, pop)
+        for layer, h in zip(layers, rates):
+            hits[layer] = h
+    return hits
+
+
+def _short(name: str) -> str:
+    for prefix in ("Tesla ", "NVIDIA "):
+        if name.startswith(prefix) and len(name) > len(prefix) + 4:
+            return name[len(prefix):]
+    return name

@@ -1,0 +1,148 @@
+"""The Plan: what the runtime consumes (per card: device, layer range, cache slots, KV tokens)
+plus the byte accounting and the prediction that justify it. Frozen; to_dict()/from_dict() round trip.
+
+All sizes are bytes; times microseconds; bandwidths bytes/s.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class CardPlan:
+    """One logical card. layers = (start, stop): layers [start, stop) run here."""
+
+    card: int                 # logical index (position in --gpus)
+    device: int               # physical GPU index (profile / CUDA ordinal)
+    name: str
+    layers: tuple[int, int]
+    kv_tokens: int
+    kv_dtype: str
+    slots: int                # expert-cache slots on this card
+    slots_per_layer: tuple[int, ...]
+    slot_bytes: int
+    cap_bytes: int            # VRAM this card may use
+    dense_bytes: int          # attention/norm/router weights (+ embed on card 0, + head on the last)
+    kv_bytes: int
+    workspace_bytes: int      # context + activations + graph reserve (see planner.memory)
+    holds_embed: bool
+    holds_head: bool
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.dense_bytes + self.kv_bytes + self.workspace_bytes + self.cache_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.cap_bytes - self.used_bytes
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    expert_store_bytes: int   # every expert of every layer, packed (the CPU runner's arena)
+    dense_bytes: int          # dense weights kept in host RAM (CPU-only plans)
+    kv_bytes: int             # KV cache in host RAM (CPU-only plans)
+    reserve_bytes: int
+    ram_cap_bytes: int
+    hugepages_2m: int         # 2 MiB pages the expert arena needs
+    hugepages_2m_reserved: int
+
+    @property
+    def used_bytes(self) -> int:
+        return self.expert_store_bytes + self.dense_bytes + self.kv_bytes + self.reserve_bytes
+
+
+@dataclass(frozen=True)
+class LayerPrediction:
+    layer: int
+    card: int                 # -1: on the CPU
+    slots: int
+    hit_rate: float
+    dense_us: float           # attention + router weights + KV read on the GPU
+    gpu_experts_us: float     # hits through the grouped QPN kernel
+    cpu_experts_us: float     # misses on the CPU incl. dispatch and activation transfers
+    total_us: float           # dense + sync + max(gpu_experts, cpu_experts)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    context: int              # tokens of context the prediction is for
+    tok_s: float
+    token_us: float
+    hit_rate: float           # mean over layers
+    gpu_bytes: int            # per token, read by GPU kernels
+    cpu_bytes: int            # per token, expected expert bytes read by the CPU
+    pcie_bytes: int           # per token: activations + card hops (excluding promotions)
+    promotion_budget_bytes: int   # per token, what --pcie-frac allows for promotions
+    layers: tuple[LayerPrediction, ...]
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    model: str
+    profile: str
+    gpus: tuple[int, ...]
+    layer_split: tuple[int, ...]  # card boundaries, e.g. (24,) for two cards
+    kv_tokens: int
+    kv_dtype: str
+    cache_slots: tuple[int, ...] | None   # None = auto
+    vram_cap_gib: tuple[float, ...] | None
+    pcie_frac: float
+    context: int
+    prefill_chunk: int
+    experts_profile: str | None
+    bytes_source: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    inputs: PlanInputs
+    cards: tuple[CardPlan, ...]
+    host: HostPlan
+    prediction: Prediction
+    warnings: tuple[str, ...] = ()
+
+    def card_of_layer(self, layer: int) -> CardPlan | None:
+        for c in self.cards:
+            if c.layers[0] <= layer < c.layers[1]:
+                return c
+        return None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for c, cd in zip(self.cards, d["cards"]):
+            cd.update(cache_bytes=c.cache_bytes, used_bytes=c.used_bytes, free_bytes=c.free_bytes)
+        d["host"]["used_bytes"] = self.host.used_bytes
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        p = d["prediction"]
+        return cls(
+            inputs=_make(PlanInputs, d["inputs"]),
+            cards=tuple(_make(CardPlan, c) for c in d["cards"]),
+            host=_make(HostPlan, d["host"]),
+            prediction=_make(Prediction, {**p, "layers": tuple(_make(LayerPrediction, x) for x in p["layers"])}),
+            warnings=tuple(d.get("warnings", ())),
+        )
+
+
+def _make(cls, d: dict):
+    """cls from a dict, ignoring derived keys and turning lists back into tuples."""
+    kw = {}
+    for f in fields(cls):
+        v = d[f.name]
+        kw[f.name] = tuple(v) if isinstance(v, list) else v
+    return cls(**kw)

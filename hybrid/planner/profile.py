@@ -1,0 +1,299 @@
+"""Hardware profiles: JSON files that stand in for detection, so a rig can be planned from anywhere.
+
+Units: memory in MiB / GiB (2**20 / 2**30 bytes, as nvidia-smi and llama.cpp print them);
+bandwidths in GB/s (1e9 bytes/s); times in microseconds.
+
+Every speed figure is a `Figure`: {"value": 12.0, "source": "measured"|"assumed", "note": "..."}.
+"measured" means `hybrid-bench calibrate` wrote it on that machine; "assumed" figures must say
+where they come from in `note`. See profiles/README.md for the full format.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybrid.errors import HybridError
+
+SCHEMA = 1
+SOURCES = ("measured", "assumed")
+
+
+class ProfileError(HybridError):
+    """A hardware or expert-popularity profile is missing or malformed."""
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One number with where it came from."""
+
+    value: float
+    source: str
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {self.source!r}")
+        if not (isinstance(self.value, (int, float)) and self.value > 0):
+            raise ValueError(f"value must be a positive number, got {self.value!r}")
+        if self.source == "assumed" and not self.note.strip():
+            raise ValueError("an assumed figure needs a note saying where it comes from")
+
+
+@dataclass(frozen=True)
+class GPUProfile:
+    """One GPU. read_gbs: large read-only reduction; copy_gbs: device copy, read+write counted;
+    kernel_efficiency: fraction of read_gbs that the QPN decode kernels reach;
+    h2d/d2h: pinned host<->device copies; context_mib: CUDA context + runtime reserve."""
+
+    name: str
+    compute_capability: str
+    memory_mib: int
+    pcie_gen: int
+    pcie_width: int
+    read_gbs: Figure
+    copy_gbs: Figure
+    kernel_efficiency: Figure
+    h2d_gbs: Figure
+    d2h_gbs: Figure
+    context_mib: Figure
+
+    def __post_init__(self) -> None:
+        if self.memory_mib <= 0:
+            raise ValueError(f"memory_mib must be positive, got {self.memory_mib}")
+        if self.kernel_efficiency.value > 1.0:
+            raise ValueError(f"kernel_efficiency is a fraction (0, 1], got {self.kernel_efficiency.value}")
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mib * 2**20
+
+    @property
+    def kernel_bytes_per_s(self) -> float:
+        """Bytes/s the QPN kernels read on decode shapes."""
+        return self.read_gbs.value * self.kernel_efficiency.value * 1e9
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        """The slower direction of the PCIe link, bytes/s."""
+        return min(self.h2d_gbs.value, self.d2h_gbs.value) * 1e9
+
+
+@dataclass(frozen=True)
+class CPUProfile:
+    """stream_copy_gbs: STREAM-like copy, read+write counted, all cores;
+    nvfp4_kernel_gbs: packed expert bytes (+ scales) the CPU kernels consume per second at M = 1."""
+
+    model: str
+    physical_cores: int
+    avx2: bool
+    avx512: bool | None
+    stream_copy_gbs: Figure
+    nvfp4_kernel_gbs: Figure
+
+    def __post_init__(self) -> None:
+        if self.physical_cores <= 0:
+            raise ValueError(f"physical_cores must be positive, got {self.physical_cores}")
+        if self.avx512 not in (True, False, None):
+            raise ValueError(f"avx512 must be true, false or null (unknown), got {self.avx512!r}")
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    """ram_usable_gib: RAM hybrid may use; hugepages_2m_total: 2 MiB pages reserved (vm.nr_hugepages);
+    reserve_gib: RAM kept for the OS, Python and torch."""
+
+    ram_usable_gib: float
+    hugepages_2m_total: int = 0
+    reserve_gib: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.ram_usable_gib <= 0 or self.reserve_gib < 0 or self.hugepages_2m_total < 0:
+            raise ValueError("ram_usable_gib must be positive, reserve_gib and hugepages_2m_total >= 0")
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Fixed costs. layer_sync_us: router ids to the host once per layer;
+    cpu_dispatch_us: hand a layer's misses to the CPU pool and collect them;
+    token_us: per token (embed, sampler, Python)."""
+
+    layer_sync_us: Figure
+    cpu_dispatch_us: Figure
+    token_us: Figure
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str
+    gpus: tuple[GPUProfile, ...]
+    cpu: CPUProfile
+    host: HostProfile
+    overheads: Overheads
+    path: str = field(default="", compare=False)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("path")
+        d["gpus"] = list(d["gpus"])
+        return {"schema": SCHEMA, **d}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @property
+    def assumed(self) -> list[str]:
+        """Dotted names of the figures that were not measured."""
+        return [k for k, f in _figures(self.to_dict()) if f["source"] == "assumed"]
+
+
+def _figures(d: Any, prefix: str = ""):
+    if isinstance(d, dict) and "source" in d and "value" in d:
+        yield prefix, d
+    elif isinstance(d, dict):
+        for k, v in d.items():
+            yield from _figures(v, f"{prefix}.{k}" if prefix else k)
+    elif isinstance(d, list):
+        for i, v in enumerate(d):
+            yield from _figures(v, f"{prefix}[{i}]")
+
+
+# ---------------------------------------------------------------- parsing with clear errors
+
+_FIGURE_FIELDS = {
+    GPUProfile: ("read_gbs", "copy_gbs", "kernel_efficiency", "h2d_gbs", "d2h_gbs", "context_mib"),
+    CPUProfile: ("stream_copy_gbs", "nvfp4_kernel_gbs"),
+    Overheads: ("layer_sync_us", "cpu_dispatch_us", "token_us"),
+    HostProfile: (),
+}
+
+
+def _build(cls, d: Any, where: str):
+    """cls(**d) with each figure field parsed; unknown or missing keys are errors."""
+    if not isinstance(d, dict):
+        raise ProfileError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    fields = {n: f for n, f in cls.__dataclass_fields__.items() if n != "path"}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ProfileError(f"{where}: unknown key {unknown[0]!r}; expected {', '.join(fields)}")
+    missing = [n for n, f in fields.items() if n not in d and f.default is MISSING]
+    if missing:
+        raise ProfileError(f"{where}: missing key {missing[0]!r}")
+    kw = {k: _figure(v, f"{where}.{k}") if k in _FIGURE_FIELDS[cls] else v for k, v in d.items()}
+    try:
+        return cls(**kw)
+    except ValueError as exc:
+        raise ProfileError(f"{where}: {exc}") from None
+
+
+def _figure(v: Any, where: str) -> Figure:
+    if not isinstance(v, dict) or "value" not in v or "source" not in v:
+        raise ProfileError(f"{where}: expected {{\"value\": N, \"source\": \"measured\"|\"assumed\", "
+                           f"\"note\": \"...\"}}, got {json.dumps(v)[:60]}")
+    extra = set(v) - {"value", "source", "note"}
+    if extra:
+        raise ProfileError(f"{where}: unknown key {sorted(extra)[0]!r} in a figure")
+    try:
+        return Figure(v["value"], v["source"], v.get("note", ""))
+    except ValueError as exc:
+        raise ProfileError(f"{where}: {exc}") from None
+
+
+_TYPES = {"name": str, "description": str, "compute_capability": str, "model": str,
+          "memory_mib": int, "pcie_gen": int, "pcie_width": int, "physical_cores": int,
+          "hugepages_2m_total": int, "avx2": bool, "ram_usable_gib": (int, float),
+          "reserve_gib": (int, float)}
+
+
+def _check_types(d: Any, where: str) -> None:
+    if isinstance(d, dict):
+        for k, v in d.items():
+            t = _TYPES.get(k)
+            bad = t is not None and (not isinstance(v, t) or (t is int and isinstance(v, bool)))
+            if bad:
+                raise ProfileError(f"{where}.{k}: expected {getattr(t, '__name__', 'a number')}, "
+                                   f"got {json.dumps(v)}")
+            _check_types(v, f"{where}.{k}")
+    elif isinstance(d, list):
+        for i, v in enumerate(d):
+            _check_types(v, f"{where}[{i}]")
+
+
+def profile_from_dict(d: Any, where: str = "profile") -> HardwareProfile:
+    """Validate and build a HardwareProfile from parsed JSON."""
+    if not isinstance(d, dict):
+        raise ProfileError(f"{where}: expected a JSON object")
+    if d.get("schema") != SCHEMA:
+        raise ProfileError(f"{where}: schema must be {SCHEMA}, got {d.get('schema')!r}")
+    top = ("schema", "name", "description", "gpus", "cpu", "host", "overheads")
+    unknown = sorted(set(d) - set(top))
+    if unknown:
+        raise ProfileError(f"{where}: unknown key {unknown[0]!r}; expected {', '.join(top)}")
+    for k in top:
+        if k not in d:
+            raise ProfileError(f"{where}: missing key {k!r}")
+    _check_types(d, where)
+    if not isinstance(d["gpus"], list):
+        raise ProfileError(f"{where}.gpus: expected a list (empty for a CPU-only machine)")
+    gpus = tuple(_build(GPUProfile, g, f"{where}.gpus[{i}]") for i, g in enumerate(d["gpus"]))
+    return HardwareProfile(
+        name=d["name"], description=d["description"], gpus=gpus,
+        cpu=_build(CPUProfile, d["cpu"], f"{where}.cpu"),
+        host=_build(HostProfile, d["host"], f"{where}.host"),
+        overheads=_build(Overheads, d["overheads"], f"{where}.overheads"),
+    )
+
+
+# ---------------------------------------------------------------- finding profiles
+
+def profile_dirs() -> list[Path]:
+    """Where profiles are looked up by name, in order: ./profiles (the working directory), the
+    repository's profiles/ (source checkout / editable install), the copy shipped in the package."""
+    pkg = Path(__file__).resolve().parent
+    dirs = [Path.cwd() / "profiles", pkg.parents[1] / "profiles", pkg / "profiles"]
+    out: list[Path] = []
+    for d in dirs:
+        if d.is_dir() and all(d.resolve() != o.resolve() for o in out):
+            out.append(d)
+    return out
+
+
+def find_profile_file(name_or_file: str, suffix: str = ".json") -> Path:
+    """A path to an existing file, or a name looked up as NAME+suffix in profile_dirs()."""
+    p = Path(name_or_file)
+    if p.is_file():
+        return p
+    if p.suffix == ".json" or len(p.parts) > 1:
+        raise ProfileError(f"{name_or_file}: no such profile file")
+    for d in profile_dirs():
+        cand = d / f"{name_or_file}{suffix}"
+        if cand.is_file():
+            return cand
+    known = sorted({f.name[: -len(suffix)] for d in profile_dirs() for f in d.glob(f"*{suffix}")
+                    if not f.name.endswith(".experts.json") or suffix == ".experts.json"})
+    raise ProfileError(f"--profile {name_or_file}: no profile of that name; known: "
+                       f"{', '.join(known) or 'none'} (or give a path to a .json file)")
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def load_profile(name_or_file: str) -> HardwareProfile:
+    """Load a hardware profile by name (profiles/NAME.json) or path; validates it."""
+    path = find_profile_file(name_or_file)
+    prof = profile_from_dict(read_json(path), str(path))
+    return HardwareProfile(**{**prof.__dict__, "path": str(path)})
+
+
+def list_profiles() -> list[str]:
+    """Names of the hardware profiles that load_profile finds."""
+    return sorted({f.stem for d in profile_dirs() for f in d.glob("*.json")
+                   if not f.name.endswith(".experts.json")})

@@ -1,0 +1,52 @@
+"""`--layer-split auto`: try every split, keep the one with the best predicted tok/s that fits."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+from hybrid.errors import PlanError
+from hybrid.planner.model_bytes import ModelBytes
+from hybrid.planner.plan import Plan
+from hybrid.planner.popularity import Popularity
+from hybrid.planner.profile import HardwareProfile
+
+MAX_AUTO_CARDS = 3
+
+
+def candidate_splits(num_layers: int, cards: int) -> list[tuple[int, ...]]:
+    """Every split that gives each card at least one layer (cards <= MAX_AUTO_CARDS)."""
+    if cards > MAX_AUTO_CARDS:
+        raise PlanError(f"--layer-split auto searches up to {MAX_AUTO_CARDS} cards; "
+                        f"give the {cards - 1} boundaries explicitly")
+    if cards > num_layers:
+        raise PlanError(f"--gpus: {cards} cards but the model has only {num_layers} layers")
+    return list(itertools.combinations(range(1, num_layers), max(cards - 1, 0)))
+
+
+def even_split(num_layers: int, cards: int) -> tuple[int, ...]:
+    return tuple(round(num_layers * i / cards) for i in range(1, cards))
+
+
+def best_plan(mb: ModelBytes, prof: HardwareProfile, req, pop: Popularity | None = None,
+              model: str = "", experts_path: str | None = None) -> Plan:
+    """Highest predicted tok/s among the splits that fit; ties go to the most even split."""
+    from hybrid.planner.build import make_plan
+
+    L, n = mb.config.num_hidden_layers, len(req.gpus)
+    best, best_key = None, None
+    for split in candidate_splits(L, n):
+        try:
+            plan = make_plan(mb, prof, replace(req, layer_split=split), pop, model, experts_path)
+        except PlanError:
+            continue
+        sizes = [b - a for a, b in (c.layers for c in plan.cards)]
+        key = (round(plan.prediction.tok_s, 6), -(max(sizes, default=0) - min(sizes, default=0)))
+        if best_key is None or key > best_key:
+            best, best_key = plan, key
+    if best is None:
+        even = even_split(L, n)
+        try:
+            make_plan(mb, prof, replace(req, layer_split=even), pop, model, experts_path)
+        except PlanError as exc:
+            raise PlanError(f"no layer split fits; at the even split {','.join(map(str, even)) or '-'}: {exc}") from None
+    return best
