@@ -39,6 +39,7 @@ from hybrid.model.config import ModelConfig
 
 INDEX = "model.safetensors.index.json"
 INPUT_SCALE = 1.0
+ROW_CHUNK = 4096   # rows of one Linear quantized at a time
 SOURCE_DTYPES = {"BF16": 2, "F16": 2, "F32": 4}
 QUANT_SUFFIXES = (".weight_scale", ".weight_scale_2", ".weight_packed", ".weight_global_scale",
                   ".input_scale", ".qweight", ".scales", ".qzeros")
@@ -271,9 +272,17 @@ def plan_units(source: SourceModel, specs: list[R.LinearSpec], plan: dict[str, s
     return units
 
 
+def quantize_nvfp4_rows(w: torch.Tensor, scale_2: float | None = None, rows: int = ROW_CHUNK):
+    """quantize_nvfp4 over row chunks (same result; bounded fp32 temporaries for e.g. lm_head [V, H])."""
+    if scale_2 is None:
+        scale_2 = nvfp4_global_scale(float(w.abs().max()))
+    parts = [quantize_nvfp4(w[i:i + rows].float(), scale_2) for i in range(0, w.shape[0], rows)]
+    return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), parts[0][2])
+
+
 def quantize_group(source: SourceModel, linears: tuple[R.LinearSpec, ...], plan, fmt: str):
     """-> {output tensor name: tensor} for one Linear group (one shared NVFP4 weight_scale_2)."""
-    weights = {s.name: source.get(f"{s.name}.weight").float() for s in linears}   # [N, K] each
+    weights = {s.name: source.get(f"{s.name}.weight") for s in linears}   # [N, K] each, source dtype
     scale_2 = None
     if len(linears) > 1:
         scale_2 = nvfp4_global_scale(max(float(w.abs().max()) for w in weights.values()))
@@ -281,7 +290,7 @@ def quantize_group(source: SourceModel, linears: tuple[R.LinearSpec, ...], plan,
     for s in linears:
         w, m = weights[s.name], s.name
         if plan[m] == R.NVFP4:
-            packed, scale, s2 = quantize_nvfp4(w, scale_2)
+            packed, scale, s2 = quantize_nvfp4_rows(w, scale_2)
             if fmt == "compressed-tensors":
                 out.update({f"{m}.weight_packed": packed, f"{m}.weight_scale": scale,
                             f"{m}.weight_global_scale": (1.0 / s2.reshape(1)).to(torch.float32)})
@@ -289,7 +298,7 @@ def quantize_group(source: SourceModel, linears: tuple[R.LinearSpec, ...], plan,
                 out.update({f"{m}.weight": packed, f"{m}.weight_scale": scale, f"{m}.weight_scale_2": s2,
                             f"{m}.input_scale": torch.tensor(INPUT_SCALE, dtype=torch.float32)})
         else:
-            q, scale = quantize_fp8(w)
+            q, scale = quantize_fp8(w.float())
             out.update({f"{m}.weight": q, f"{m}.weight_scale": scale,
                         f"{m}.input_scale": torch.tensor(INPUT_SCALE, dtype=torch.float32)})
     return out
