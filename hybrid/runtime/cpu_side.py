@@ -1,0 +1,103 @@
+"""The CPU half of the expert split: a runner with submit(...) -> handle, sync(handle) -> [T, H].
+
+Legend: T tokens, H hidden, A (token, expert) pairs that missed the cache.
+Quantized checkpoints use hybrid.experts.cpu_runner.CpuExpertRunner (Numba kernels over the
+hugepage-backed ExpertStore of every expert); dense checkpoints, or `--cpu-engine torch`, use
+TorchCpuRunner: the same interface over the reference linear path, in one worker thread (torch
+releases the GIL, so it overlaps the GPU work like the Numba runner does).
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hybrid.errors import HybridError
+from hybrid.model.linear import Linear
+
+
+class TorchCpuRunner:
+    """Reference CPU expert runner; get_expert(layer, e) -> (gate, up, down) QWeight."""
+
+    def __init__(self, get_expert, threads: int | None = None):
+        self.get_expert = get_expert
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-experts")
+        self.threads = threads
+
+    def submit(self, layer: int, expert_ids, token_rows, route_weights, x: np.ndarray) -> Future:
+        """expert_ids/token_rows/route_weights [A]; x [T, H] f32 -> handle."""
+        return self.pool.submit(self._run, layer, np.asarray(expert_ids), np.asarray(token_rows),
+                                np.asarray(route_weights, dtype=np.float32), x)
+
+    def sync(self, handle: Future) -> np.ndarray:
+        return handle.result()
+
+    def _run(self, layer, expert_ids, token_rows, route_weights, x) -> np.ndarray:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        xt = torch.from_numpy(x)                                              # [T, H]
+        out = torch.zeros(xt.shape, dtype=torch.float32)
+        for e in np.unique(expert_ids).tolist():
+            sel = expert_ids == e
+            rows = torch.from_numpy(token_rows[sel]).long()
+            g, u, d = (Linear(w) for w in self.get_expert(layer, e))
+            xs = xt[rows]
+            y = d(F.silu(g(xs)) * u(xs))                                     # [t_e, H]
+            out.index_add_(0, rows, y.float() * torch.from_numpy(route_weights[sel])[:, None])
+        return out.numpy()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class NumbaCpuRunner:
+    """Adapter over hybrid.experts (ExpertStore + CpuExpertRunner); builds the store of all experts."""
+
+    def __init__(self, cfg, get_expert, qtype, threads: int | None, hugepages: str, progress: bool):
+        from hybrid.experts.cpu_runner import CpuExpertRunner
+        from hybrid.experts.store import ExpertStore
+
+        t0 = time.perf_counter()
+        self.store = ExpertStore.build(cfg.num_hidden_layers, cfg.num_experts, cfg.hidden_size,
+                                       cfg.moe_intermediate_size, get_expert, qtype,
+                                       hugepages=hugepages, progress=progress)
+        self.build_s = time.perf_counter() - t0
+        self.runner = CpuExpertRunner(self.store, threads=threads)
+
+    def submit(self, layer, expert_ids, token_rows, route_weights, x):
+        return self.runner.submit(layer, np.ascontiguousarray(expert_ids, dtype=np.int32),
+                                  np.ascontiguousarray(token_rows, dtype=np.int32),
+                                  np.ascontiguousarray(route_weights, dtype=np.float32),
+                                  np.ascontiguousarray(x, dtype=np.float32))
+
+    def sync(self, handle) -> np.ndarray:
+        return self.runner.sync(handle)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def numba_available() -> bool:
+    try:
+        from hybrid.experts.cpu_runner import CpuExpertRunner  # noqa: F401
+        from hybrid.experts.store import ExpertStore  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_cpu_runner(cfg, get_expert, qtype, engine: str = "auto", threads: int | None = None,
+                    hugepages: str = "auto", progress: bool = False):
+    """engine: auto (Numba for NVFP4/FP8 experts when available, else torch), numba, torch."""
+    quantized = getattr(qtype, "is_quantized", False)
+    if engine == "numba" or (engine == "auto" and quantized and numba_available()):
+        if not quantized:
+            raise HybridError(f"--cpu-engine numba: the experts are {qtype.name}; the Numba kernels "
+                              f"take NVFP4/FP8 experts (use --cpu-engine torch)")
+        if not numba_available():
+            raise HybridError("--cpu-engine numba: hybrid.experts.cpu_runner is not installed")
+        return NumbaCpuRunner(cfg, get_expert, qtype, threads, hugepages, progress)
+    return TorchCpuRunner(get_expert, threads)

@@ -1,0 +1,166 @@
+"""HybridExperts: the ExpertExecutor that splits each MoE layer between a card's expert cache and
+the CPU runner.
+
+Legend: T tokens, H hidden, k experts per token, A (token, expert) pairs.
+Per layer (DESIGN §1):
+    ids + weights to the host once -> cache.lookup -> hit pairs / miss pairs
+    misses: activations to the host, runner.submit(...)          (CPU starts first)
+    hits:   grouped slot kernel on the card                       (runs while the CPU works)
+    combine: hits + runner.sync(...) (result back to the card)
+    promotions the policy admits (within the step's PCIe budget): weights into their slots on a
+    side stream; the layer's next grouped launch waits for them.
+Step boundaries come from HybridModel.forward (begin_step / end_step), which also writes the trace.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hybrid.experts.cache import ExpertCache
+from hybrid.runtime.placement import CardSpec
+from hybrid.runtime.slots import CardSlots
+from hybrid.runtime.stats import RuntimeStats
+
+
+@dataclass
+class CardRuntime:
+    """One logical card: its placement, cache bookkeeping, slot storage and promotion stream."""
+
+    spec: CardSpec
+    cache: ExpertCache
+    slots: CardSlots
+    stream: object = None                         # torch.cuda.Stream for promotions (CUDA only)
+    ready: dict = field(default_factory=dict)     # layer -> cuda Event after its last promotions
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.spec.device)
+
+
+class HybridExperts:
+    """ExpertExecutor over cards + a CPU runner. get_expert(layer, e) -> (gate, up, down) QWeight."""
+
+    def __init__(self, cards: list[CardRuntime], cpu, get_expert, num_layers: int, stats: RuntimeStats,
+                 trace=None):
+        self.cards, self.cpu, self.get_expert = cards, cpu, get_expert
+        self.card_of = {l: c for c in cards for l in c.spec.layer_ids}
+        self.num_layers, self.stats, self.trace = num_layers, stats, trace
+        self._step: dict | None = None
+
+    # ---- step boundaries (HybridModel.forward) -----------------------------------------------
+    def begin_step(self, tokens: int) -> None:
+        for c in self.cards:
+            c.cache.begin_step()
+        self._step = {"t0": time.perf_counter(), "tokens": tokens, "ids": [None] * self.num_layers,
+                      "weights": [None] * self.num_layers, "hits": [0] * self.num_layers,
+                      "promotions": [0] * self.num_layers, "gpu": [], "cpu_s": 0.0, "pcie": 0}
+
+    def end_step(self) -> None:
+        st, self._step = self._step, None
+        gpu_s = self._gpu_times(st["gpu"])
+        phase = "decode" if st["tokens"] == 1 else "prefill"
+        seconds = time.perf_counter() - st["t0"]
+        self.stats.add_step(phase, seconds, st["tokens"])
+        if self.trace is not None:
+            self.trace.step(np.stack(st["ids"]), weights=np.stack(st["weights"]), phase=phase,
+                            hits=st["hits"], promotions=st["promotions"],
+                            timings={"step_ms": round(1e3 * seconds, 4), "gpu_expert_ms": round(1e3 * gpu_s, 4),
+                                     "cpu_expert_ms": round(1e3 * st["cpu_s"], 4), "pcie_bytes": st["pcie"]})
+
+    def _gpu_times(self, pending: list) -> float:
+        """Resolve the step's (layer, start, end) CUDA events into seconds (events are done by now)."""
+        total = 0.0
+        for layer, a, b in pending:
+            b.synchronize()
+            s = a.elapsed_time(b) / 1e3
+            self.stats.gpu_expert_s[layer] += s
+            total += s
+        return total
+
+    # ---- one layer ---------------------------------------------------------------------------
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], ids/weights [T, k] on the layer's device -> Σ_k weight · expert(x) [T, H]."""
+        card, st = self.card_of[layer], self._step
+        if st is None:                       # called outside HybridModel.forward: a one-layer step
+            raise RuntimeError("HybridExperts called outside a step (use HybridModel.forward)")
+        t0 = time.perf_counter()
+        ids_h, w_h = _to_host(ids, weights)                                   # [T, k] int64, f32
+        lk = card.cache.lookup(layer, ids_h)
+        hit = lk.slots >= 0                                                   # [T, k]
+        mt, mj = np.nonzero(~hit)                                             # miss pairs [A_m]
+        x_h = x.float().cpu().numpy() if len(mt) else None                    # [T, H] f32
+        self.stats.route_sync_s[layer] += time.perf_counter() - t0
+        handle = self.cpu.submit(layer, ids_h[mt, mj], mt, w_h[mt, mj], x_h) if len(mt) else None
+        t_sub = time.perf_counter()
+        out = self._hits(card, layer, x, weights, lk.slots, hit)             # [T, H] fp32 or None
+        if handle is not None:
+            t_wait = time.perf_counter()
+            y = torch.from_numpy(self.cpu.sync(handle))                       # [T, H] f32
+            t_done = time.perf_counter()
+            self.stats.cpu_wait_s[layer] += t_done - t_wait
+            self.stats.cpu_expert_s[layer] += t_done - t_sub
+            st["cpu_s"] += t_done - t_sub
+            y = y.to(x.device, non_blocking=False)
+            out = y if out is None else out + y
+        self._promote(card, layer, lk)
+        self._account(layer, x, ids_h, w_h, lk, len(mt))
+        return out.to(x.dtype)
+
+    def _hits(self, card: CardRuntime, layer: int, x, weights, slots_h: np.ndarray, hit: np.ndarray):
+        ht, hj = np.nonzero(hit)                                              # hit pairs [A_h]
+        if not len(ht):
+            return None
+        dev = x.device
+        slot_ids = torch.from_numpy(slots_h[ht, hj]).to(dev)                 # [A_h]
+        tok = torch.from_numpy(ht).to(dev)
+        route_w = weights[tok, torch.from_numpy(hj).to(dev)].float()        # [A_h]
+        if dev.type == "cuda":
+            if layer in card.ready:
+                torch.cuda.current_stream(dev).wait_event(card.ready.pop(layer))
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = card.slots.moe(layer, x, slot_ids, tok, route_w).float()
+            b.record()
+            self._step["gpu"].append((layer, a, b))
+            return out
+        t0 = time.perf_counter()
+        out = card.slots.moe(layer, x, slot_ids, tok, route_w).float()
+        self.stats.gpu_expert_s[layer] += time.perf_counter() - t0
+        return out
+
+    def _promote(self, card: CardRuntime, layer: int, lk) -> None:
+        done = card.cache.promote_misses(layer, lk)
+        for p in done:
+            card.slots.load(layer, p.slot, self.get_expert(layer, p.expert), stream=card.stream)
+        if done and card.stream is not None:
+            ev = torch.cuda.Event()
+            ev.record(card.stream)
+            card.ready[layer] = ev
+        self._step["promotions"][layer] = len(done)
+        if done and card.device.type == "cuda":
+            self._pcie("promotions", len(done) * card.cache.bytes_per_expert)
+
+    def _account(self, layer: int, x, ids_h, w_h, lk, misses: int) -> None:
+        st = self._step
+        st["ids"][layer], st["weights"][layer], st["hits"][layer] = ids_h, w_h, len(lk.hits)
+        if x.is_cuda:
+            self._pcie("ids_d2h", ids_h.size * 8)
+            if misses:
+                self._pcie("act_d2h", x.numel() * 4)
+                self._pcie("out_h2d", x.numel() * 4)
+
+    def _pcie(self, kind: str, n: int) -> None:
+        self.stats.pcie[kind] += int(n)
+        self._step["pcie"] += int(n)
+
+
+def _to_host(ids: torch.Tensor, weights: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """One device->host copy for both: ids [T, k] int64 and weights [T, k] -> numpy."""
+    if not ids.is_cuda:
+        return ids.numpy().astype(np.int64, copy=False), weights.float().numpy()
+    both = torch.cat([ids.float(), weights.float()], dim=1).cpu()           # [T, 2k]; ids < 2^24
+    k = ids.shape[1]
+    return both[:, :k].numpy().astype(np.int64), both[:, k:].numpy()

@@ -1,0 +1,49 @@
+"""HybridModel: the MoEModel as generate() sees it, with step boundaries for the expert executor
+and the --kv-resident limit. Everything else is the wrapped model's."""
+from __future__ import annotations
+
+import torch
+
+from hybrid.errors import HybridError
+
+
+class HybridModel:
+    def __init__(self, model, experts, kv_resident: int | None = None, kv_dtype: str = "fp16"):
+        self.model, self.experts = model, experts
+        self.kv_resident, self.kv_dtype = kv_resident, kv_dtype
+        devs = model.layer_devices
+        self._hops = sum(1 for a, b in zip(devs, devs[1:]) if a != b)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def new_cache(self, max_tokens: int):
+        if self.kv_resident is not None and max_tokens > self.kv_resident:
+            raise HybridError(f"--kv-resident {self.kv_resident}: this request needs {max_tokens} tokens "
+                              f"of KV (prompt + --max-tokens); raise --kv-resident or shorten it")
+        cache = self.model.new_cache(max_tokens)
+        if self.kv_dtype == "int8":
+            from hybrid.model.layers import Int8KVCache
+
+            cache = Int8KVCache.like(cache, self.model.layer_devices)
+            self.model.cache = cache
+        return cache
+
+    def forward(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
+        """One step: ids [T] at positions start.. -> logits [T or 1, V] fp32."""
+        self.experts.begin_step(int(ids.shape[0]))
+        try:
+            logits = self.model.forward(ids, start, last_only)
+        except BaseException:
+            self.experts._step = None
+            raise
+        if self._hops and self.model.layer_devices[0].type == "cuda":
+            n = self._hops * int(ids.shape[0]) * self.model.cfg.hidden_size * 2
+            self.experts._pcie("hops", n)
+        self.experts.end_step()
+        return logits
+
+    def forward_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits with a fresh cache: ids [T] -> [T, V] fp32."""
+        self.new_cache(ids.shape[0])
+        return self.forward(ids, 0)

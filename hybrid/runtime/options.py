@@ -1,0 +1,71 @@
+"""RuntimeOptions: the hybrid-run flags the runtime consumes, validated in one place."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybrid.errors import HybridError
+
+KV_DTYPES = ("fp16", "int8")
+HUGEPAGES = ("auto", "on", "off")
+CPU_ENGINES = ("auto", "numba", "torch")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """None means `auto` (the planner decides, or the default named in the flag's help).
+
+    gpus: CUDA ordinal per logical card (repeat one to put two logical cards on one GPU);
+    layer_split: card boundaries (len(gpus) - 1 of them); cache_slots: slots per card (one value
+    or one per card); vram_cap_gib: per card; kv_resident: KV tokens each card holds.
+    """
+
+    device: str = "cpu"
+    gpus: tuple[int, ...] = (0,)
+    layer_split: tuple[int, ...] | None = None
+    kv_resident: int | None = None
+    kv_dtype: str = "fp16"
+    cache_slots: tuple[int, ...] | None = None
+    cpu_threads: int | None = None
+    hugepages: str = "auto"
+    prefill_chunk: int | None = None
+    pcie_frac: float = 0.1
+    profile: str | None = None
+    vram_cap_gib: tuple[float, ...] | None = None
+    expert_profile: str | None = None
+    policy: str = "lfu-decay"
+    cpu_engine: str = "auto"
+    trace: str | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.gpus)
+        if self.device not in ("cpu", "cuda"):
+            raise HybridError(f"--device {self.device}: expected cpu or cuda")
+        if n < 1 or any(g < 0 for g in self.gpus):
+            raise HybridError(f"--gpus: expected one or more indices >= 0, got {list(self.gpus)}")
+        if self.layer_split is not None and len(self.layer_split) != n - 1:
+            raise HybridError(f"--layer-split: {n} card(s) need {n - 1} boundary(ies), "
+                              f"got {len(self.layer_split)}")
+        for flag, v in (("--cache-slots", self.cache_slots), ("--vram-cap", self.vram_cap_gib)):
+            if v is not None and len(v) not in (1, n):
+                raise HybridError(f"{flag}: give one value or one per card ({n}), got {len(v)}")
+        if self.cache_slots is not None and any(s < 0 for s in self.cache_slots):
+            raise HybridError("--cache-slots must be >= 0")
+        if self.vram_cap_gib is not None and any(v <= 0 for v in self.vram_cap_gib):
+            raise HybridError("--vram-cap must be > 0 GB")
+        if self.kv_resident is not None and self.kv_resident < 1:
+            raise HybridError(f"--kv-resident must be >= 1 token, got {self.kv_resident}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise HybridError(f"--kv-dtype {self.kv_dtype}: expected one of {', '.join(KV_DTYPES)}")
+        if self.hugepages not in HUGEPAGES:
+            raise HybridError(f"--hugepages {self.hugepages}: expected one of {', '.join(HUGEPAGES)}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise HybridError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise HybridError(f"--prefill-chunk must be >= 1 or auto, got {self.prefill_chunk}")
+        if not 0.0 <= self.pcie_frac <= 1.0:
+            raise HybridError(f"--pcie-frac must be a fraction in [0, 1], got {self.pcie_frac}")
+        if self.cpu_engine not in CPU_ENGINES:
+            raise HybridError(f"--cpu-engine {self.cpu_engine}: expected one of {', '.join(CPU_ENGINES)}")
+
+    def per_card(self, values, card: int):
+        return None if values is None else values[card if len(values) > 1 else 0]

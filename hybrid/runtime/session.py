@@ -1,0 +1,193 @@
+"""open_session: hybrid-run flags (+ a planner Plan when a hardware profile is known) -> a running
+hybrid model: layer_devices from the placement, dense weights per card, one ExpertCache + slot
+storage per card, the CPU runner over every expert, stats and an optional routing trace."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybrid.errors import HybridError
+from hybrid.experts.cache import ExpertCache
+from hybrid.experts.policy import make_policy
+from hybrid.experts.popularity import ExpertProfile, load_profile as load_expert_profile
+from hybrid.experts.trace import TraceHeader, TraceWriter
+from hybrid.model.config import ModelConfig
+from hybrid.runtime.cpu_side import make_cpu_runner
+from hybrid.runtime.hybrid_experts import CardRuntime, HybridExperts
+from hybrid.runtime.hybrid_model import HybridModel
+from hybrid.runtime.options import RuntimeOptions
+from hybrid.runtime.placement import Placement
+from hybrid.runtime.slots import CardSlots
+from hybrid.runtime.stats import RuntimeStats, summary_lines
+
+
+@dataclass
+class Session:
+    model: HybridModel
+    placement: Placement
+    plan: object
+    cards: list[CardRuntime]
+    cpu: object
+    stats: RuntimeStats
+    opts: RuntimeOptions
+    trace: TraceWriter | None = None
+    expert_profile: ExpertProfile | None = None
+    load_s: dict = field(default_factory=dict)
+
+    @property
+    def caches(self) -> list[ExpertCache]:
+        return [c.cache for c in self.cards]
+
+    @property
+    def prefill_chunk(self) -> int:
+        """0 = the whole prompt at once."""
+        if self.opts.prefill_chunk is not None:
+            return self.opts.prefill_chunk
+        return self.plan.inputs.prefill_chunk if self.plan is not None else 0
+
+    def report(self, measured_tok_s: float | None = None) -> dict:
+        d = self.stats.to_dict(self.caches, self.plan, measured_tok_s)
+        d["placement"] = self.placement.describe()
+        d["slot_storage"] = sorted({k for c in self.cards for k in c.slots.kinds})
+        d["cpu_runner"] = type(self.cpu).__name__
+        d["load_s"] = {k: round(v, 3) for k, v in self.load_s.items()}
+        return d
+
+    def summary(self, measured_tok_s: float | None = None) -> list[str]:
+        return [self.placement.describe()] + summary_lines(self.report(measured_tok_s))
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+        self.cpu.close()
+
+
+def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, meta: dict | None = None,
+                 progress: bool = False) -> Session:
+    """Load the model at `path` for hybrid decoding as `opts` asks. context: tokens the planner predicts for."""
+    from hybrid.model.loader import load_model
+
+    path = Path(path)
+    cfg = ModelConfig.from_folder(path)
+    _check_devices(opts)
+    t0 = time.perf_counter()
+    eprof, eprof_path = _expert_profile(path, opts, cfg)
+    plan = _plan(path, cfg, opts, eprof_path, context)
+    placement = (Placement.from_plan(plan, opts.device, cfg.num_experts) if plan is not None else
+                 Placement.manual(cfg.num_hidden_layers, cfg.num_experts, opts.gpus, opts.device,
+                                  opts.layer_split, opts.cache_slots))
+    t1 = time.perf_counter()
+    model = load_model(path, device=placement.cards[0].device, layer_devices=placement.layer_devices())
+    t2 = time.perf_counter()
+    ws = model.weights
+    get_expert = ws.expert_weights
+    first = [get_expert(l, 0) for l in range(cfg.num_hidden_layers)]
+    qtypes = {l: w[0].qtype for l, w in enumerate(first)}
+    bytes_per_expert = max(sum(q.nbytes for q in w) for w in first)
+    budget = plan.prediction.promotion_budget_bytes if plan is not None else None
+    cards = [_card(spec, cfg, opts, eprof, qtypes, bytes_per_expert, budget, get_expert)
+             for spec in placement.cards]
+    t3 = time.perf_counter()
+    cpu = make_cpu_runner(cfg, get_expert, qtypes[0], opts.cpu_engine, opts.cpu_threads,
+                          opts.hugepages, progress)
+    t4 = time.perf_counter()
+    stats = RuntimeStats(cfg.num_hidden_layers)
+    trace = _trace(opts, path, cfg, cards, placement, meta)
+    experts = HybridExperts(cards, cpu, get_expert, cfg.num_hidden_layers, stats, trace)
+    model.experts = experts
+    hm = HybridModel(model, experts, opts.kv_resident, opts.kv_dtype)
+    return Session(hm, placement, plan, cards, cpu, stats, opts, trace, eprof,
+                   {"plan": t1 - t0, "dense": t2 - t1, "expert_cache": t3 - t2, "cpu_store": t4 - t3})
+
+
+def _check_devices(opts: RuntimeOptions) -> None:
+    if opts.device != "cuda":
+        return
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise HybridError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
+    bad = [g for g in opts.gpus if g >= n]
+    if bad:
+        raise HybridError(f"--gpus {','.join(map(str, opts.gpus))}: GPU {bad[0]} does not exist "
+                          f"({n} visible: 0..{n - 1})")
+
+
+def _expert_profile(path: Path, opts: RuntimeOptions, cfg: ModelConfig):
+    """--expert-profile FILE, else profiles/<folder>.experts.json if there is one."""
+    from hybrid.planner.popularity import find_popularity
+
+    p = Path(opts.expert_profile) if opts.expert_profile else find_popularity(path)
+    if p is None:
+        if opts.policy == "static":
+            raise HybridError("--cache-policy static needs an expert profile (--expert-profile FILE "
+                              "or profiles/<model>.experts.json from hybrid-profile)")
+        return None, None
+    prof = load_expert_profile(p)
+    if (prof.num_layers, prof.num_experts) != (cfg.num_hidden_layers, cfg.num_experts):
+        raise HybridError(f"{p}: expert profile is for {prof.num_layers} layers x {prof.num_experts} "
+                          f"experts; the model has {cfg.num_hidden_layers} x {cfg.num_experts}")
+    return prof, p
+
+
+def _plan(path: Path, cfg: ModelConfig, opts: RuntimeOptions, eprof_path, context: int):
+    """A planner Plan when a hardware profile is known (--profile, or detection on CUDA); else None."""
+    from hybrid.planner import ModelBytes, PlanRequest, load_popularity, make_plan
+
+    prof = _hardware_profile(opts)
+    if prof is None:
+        return None
+    pop = load_popularity(eprof_path, cfg) if eprof_path is not None else None
+    req = PlanRequest(gpus=tuple(opts.gpus), layer_split=opts.layer_split,
+                      kv_tokens=opts.kv_resident or max(context, 1), kv_dtype=opts.kv_dtype,
+                      cache_slots=opts.cache_slots, vram_cap_gib=opts.vram_cap_gib,
+                      pcie_frac=min(opts.pcie_frac, 0.9), context=context,
+                      prefill_chunk=opts.prefill_chunk or 512)
+    return make_plan(ModelBytes.from_folder(path), prof, req, pop, model=path.resolve().name,
+                     experts_path=None if eprof_path is None else str(eprof_path))
+
+
+def _hardware_profile(opts: RuntimeOptions):
+    from hybrid.planner import load_profile
+
+    if opts.profile:
+        return load_profile(opts.profile)
+    if opts.device == "cuda":
+        try:
+            from hybrid.hardware import detect_profile
+        except ImportError:
+            return None
+        return detect_profile()
+    return None
+
+
+def _card(spec, cfg, opts, eprof, qtypes, bytes_per_expert, budget, get_expert) -> CardRuntime:
+    policy = make_policy(opts.policy, profile=eprof)
+    cache = ExpertCache(list(spec.layer_ids), list(spec.slots_per_layer), cfg.num_experts, policy,
+                        bytes_per_expert=bytes_per_expert, budget_bytes=budget)
+    if eprof is not None:
+        cache.warm_from_profile(eprof)
+    layer_slots = {l: (cache.slot_range(l).start, len(cache.slot_range(l))) for l in spec.layer_ids}
+    slots = CardSlots(torch.device(spec.device), layer_slots, {l: qtypes[l] for l in spec.layer_ids},
+                      cfg.hidden_size, cfg.moe_intermediate_size)
+    for l in spec.layer_ids:
+        for e, s in cache.residents(l).items():
+            slots.load(l, s, get_expert(l, e))
+    dev = torch.device(spec.device)
+    stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    return CardRuntime(spec, cache, slots, stream)
+
+
+def _trace(opts, path, cfg, cards, placement, meta):
+    if not opts.trace:
+        return None
+    header = TraceHeader(path.resolve().name, cfg.num_hidden_layers, cfg.num_experts,
+                         cfg.num_experts_per_tok, [c.cache.describe() for c in cards],
+                         {**(meta or {}), "placement": placement.describe()})
+    try:
+        return TraceWriter(opts.trace, header)
+    except OSError as exc:
+        raise HybridError(f"--trace {opts.trace}: cannot write ({exc.strerror})") from None
