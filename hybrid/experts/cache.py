@@ -21,6 +21,7 @@ and promotions of a step cost bytes_per_expert each, at most budget_bytes per st
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
@@ -110,6 +111,8 @@ class ExpertCache:
         nl, e = len(self.layers), self.num_experts
         self.table = np.full((nl, e), -1, dtype=np.int64)              # [nL, E] expert -> slot
         self.owner = np.full(int(self._base[-1]), -1, dtype=np.int64)  # [S] slot -> expert
+        self._res: list[dict[int, int]] = [{} for _ in range(nl)]     # per row: expert -> slot
+        self._free = [list(self.slot_range(l)) for l in self.layers]   # per row: heap of free slots
         self.hits, self.misses, self.promotions, self.evictions = (
             np.zeros((nl, e), dtype=np.int64) for _ in range(4))
         self.step, self.bytes_promoted, self.max_step_bytes = -1, 0, 0
@@ -163,8 +166,8 @@ class ExpertCache:
 
     def residents(self, layer: int) -> dict[int, int]:
         """expert -> slot of one layer's resident experts, by slot."""
-        r = self.slot_range(layer)
-        return {int(self.owner[s]): s for s in r if self.owner[s] >= 0}
+        res = self._res[self._row_of(layer)]
+        return dict(sorted(res.items(), key=lambda kv: kv[1]))
 
     def _row_of(self, layer: int) -> int:
         try:
@@ -192,32 +195,34 @@ class ExpertCache:
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
             raise ValueError(f"layer {layer}: routed ids outside 0..{self.num_experts - 1}")
         slots = self.table[i][ids]                     # [T, k]
-        used = np.unique(ids)                          # [U] ascending
-        resident = self.table[i][used] >= 0
-        hits, misses = used[resident], used[~resident]
-        self.hits[i, hits] += 1
-        self.misses[i, misses] += 1
-        self.policy.touch(layer, used.tolist(), self.step)
-        self._used.setdefault(layer, set()).update(used.tolist())
-        return Lookup(layer, slots, tuple(hits.tolist()), tuple(misses.tolist()),
-                      tuple(self.table[i][hits].tolist()))
+        used = sorted(set(ids.ravel().tolist()))       # [U] ascending
+        res = self._res[i]
+        hits = tuple(e for e in used if e in res)
+        misses = tuple(e for e in used if e not in res)
+        self.hits[i, list(hits)] += 1
+        self.misses[i, list(misses)] += 1
+        self.policy.touch(layer, used, self.step)
+        self._used.setdefault(layer, set()).update(used)
+        return Lookup(layer, slots, hits, misses, tuple(res[e] for e in hits))
 
     def promote_misses(self, layer: int, lookup: Lookup) -> list[Promotion]:
         """Promote what the policy admits among lookup.misses, within this step's PCIe budget."""
-        done = []
+        done, i, cands = [], self._row_of(layer), None
         for e in self.policy.rank(layer, lookup.misses):
             if not self.affordable():
                 break
-            if self.slot_of(layer, e) is not None:
+            if e in self._res[i]:
                 continue
             victim = None
-            if self._free_slot(layer) is None:
-                cands = self.evictable(layer)
+            if not self._free[i]:
+                cands = self.evictable(layer) if cands is None else cands
                 if not cands:
                     break
                 victim = self.policy.victim(layer, cands)
             if self.policy.admit(layer, e, victim):
                 done.append(self._place(layer, e, victim, charge=True))
+                if victim is not None:
+                    cands.remove(victim)    # e itself is in use this step: never a candidate
         return done
 
     def access(self, layer: int, ids) -> tuple[Lookup, list[Promotion]]:
@@ -235,7 +240,7 @@ class ExpertCache:
         if not self.affordable():
             raise CacheError(f"layer {layer}: the PCIe budget of step {self.step} is spent")
         victim = None
-        if self._free_slot(layer) is None:
+        if not self._free[self._row_of(layer)]:
             cands = self.evictable(layer)
             if not cands:
                 raise CacheError(f"layer {layer}: no slot to promote expert {expert} into")
@@ -249,23 +254,18 @@ class ExpertCache:
     def evictable(self, layer: int) -> list[int]:
         """Residents the layer does not use in this step, ascending."""
         used = self._used.get(layer, set())
-        return sorted(e for e in self.residents(layer) if e not in used)
-
-    def _free_slot(self, layer: int) -> int | None:
-        for s in self.slot_range(layer):
-            if self.owner[s] < 0:
-                return s
-        return None
+        return sorted(e for e in self._res[self._row_of(layer)] if e not in used)
 
     def _place(self, layer: int, expert: int, victim: int | None, charge: bool) -> Promotion:
         i = self._row_of(layer)
         if victim is None:
-            slot = self._free_slot(layer)
+            slot = heapq.heappop(self._free[i])             # lowest free slot
         else:
-            slot = int(self.table[i, victim])
+            slot = self._res[i].pop(victim)
             self.table[i, victim] = -1
             self.evictions[i, victim] += int(charge)
         self.table[i, expert], self.owner[slot] = slot, expert
+        self._res[i][expert] = slot
         if charge:
             self.promotions[i, expert] += 1
             self._left -= self.bytes_per_expert
@@ -283,7 +283,7 @@ class ExpertCache:
                 continue
             placed = self.warm.setdefault(layer, [])
             for e in ids:
-                if self._free_slot(layer) is None:
+                if not self._free[self._row[layer]]:
                     break
                 if self.slot_of(layer, int(e)) is None:
                     self._place(layer, int(e), None, charge=False)

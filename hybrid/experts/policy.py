@@ -23,7 +23,8 @@ Policies:
   warm start from the same profile it never promotes at all.
 - "belady": offline optimum for the hit rate (needs the future requests): evict the resident whose
   next use is farthest, promote a miss only if its next use is nearer than the victim's (bypass
-  otherwise), warm start with the experts used first. Upper bound for every policy run under the
+  otherwise), warm start with the experts used first; ties on the next use are broken by the
+  uses after it. Upper bound for every policy run under the
   cache's rules (promote only what was just routed, never evict what the layer uses this step).
 """
 from __future__ import annotations
@@ -178,9 +179,43 @@ class StaticPolicy(CachePolicy):
         return expert in fixed and (victim is None or victim not in fixed)
 
 
-class Belady(CachePolicy):
-    """Offline optimum: farthest next use out, bypass when the miss is needed later than the victim.
+class _Future:
+    """The steps at which one expert is used after `now`, compared lexicographically: the sooner
+    next use is smaller; on a tie the sooner use after that, and so on (no more uses = never)."""
 
+    __slots__ = ("steps", "i")
+
+    def __init__(self, steps: Sequence[int], now: int):
+        self.steps, self.i = steps, bisect.bisect_right(steps, now)
+
+    @property
+    def next(self) -> float:
+        return self.steps[self.i] if self.i < len(self.steps) else NEVER
+
+    def _cmp(self, other: "_Future") -> int:
+        a, b, i, j = self.steps, other.steps, self.i, other.i
+        while True:
+            x = a[i] if i < len(a) else NEVER
+            y = b[j] if j < len(b) else NEVER
+            if x != y:
+                return -1 if x < y else 1
+            if x == NEVER:
+                return 0
+            i, j = i + 1, j + 1
+
+    def __lt__(self, other: "_Future") -> bool:
+        return self._cmp(other) < 0
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Future) and self._cmp(other) == 0
+
+
+class Belady(CachePolicy):
+    """Offline optimum: farthest future out, bypass when the miss is needed later than the victim.
+
+    "Farther" compares the next use and, on a tie, the uses after it: several experts of a layer
+    are routed in the same step and the one the cache holds then cannot be evicted in that step,
+    so which of two tied experts is held decides what survives the step.
     requests: layer -> per step (cache step 0, 1, ...) the ids routed at that step (any shape).
     """
 
@@ -200,28 +235,30 @@ class Belady(CachePolicy):
         self.uses.setdefault(layer, {})
         self.now[layer] = -1
 
+    def future(self, layer: int, expert: int) -> _Future:
+        return _Future(self.uses[layer].get(expert, ()), self.now[layer])
+
     def next_use(self, layer: int, expert: int) -> float:
-        steps = self.uses[layer].get(expert, ())
-        i = bisect.bisect_right(steps, self.now[layer])
-        return steps[i] if i < len(steps) else NEVER
+        return self.future(layer, expert).next
 
     def initial(self, layer: int, capacity: int) -> list[int]:
-        """Best warm start: the `capacity` experts whose first use comes first."""
-        first = sorted((steps[0], e) for e, steps in self.uses[layer].items())
-        return [e for _, e in first[:capacity]]
+        """Best warm start: the `capacity` experts with the nearest futures (never-used ones excluded)."""
+        self.now[layer] = -1
+        used = sorted(self.uses[layer])
+        return sorted(used, key=lambda e: (self.future(layer, e), e))[:capacity]
 
     def touch(self, layer: int, used: Sequence[int], step: int) -> None:
         self.now[layer] = step
 
     def rank(self, layer: int, misses: Sequence[int]) -> list[int]:
-        return sorted(misses, key=lambda e: (self.next_use(layer, e), e))
+        return sorted(misses, key=lambda e: (self.future(layer, e), e))
 
     def victim(self, layer: int, candidates: Sequence[int]) -> int:
-        return max(candidates, key=lambda e: (self.next_use(layer, e), e))
+        return max(candidates, key=lambda e: (self.future(layer, e), e))
 
     def admit(self, layer: int, expert: int, victim: int | None) -> bool:
-        nxt = self.next_use(layer, expert)
-        return nxt < (NEVER if victim is None else self.next_use(layer, victim))
+        mine = self.future(layer, expert)
+        return mine.next < NEVER if victim is None else mine < self.future(layer, victim)
 
 
 POLICIES = ("lfu-decay", "lru", "static", "belady")
