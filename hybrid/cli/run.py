@@ -1,4 +1,11 @@
-"""hybrid-run: generate text from an NVFP4 / FP8 / mixed / BF16 MoE checkpoint."""
+"""hybrid-run: generate text from an NVFP4 / FP8 / mixed / BF16 MoE checkpoint.
+
+Without runtime flags the model runs on one device through the reference path. Any of the hybrid
+runtime flags (--gpus, --layer-split, --cache-slots, --profile, --stats, --trace, ...) runs it on
+the hybrid runtime: layers split over logical cards, hot experts in per-card caches, the rest on
+the CPU expert runner (DESIGN §1). On --device cpu the same orchestration runs with torch on the
+CPU standing in for the GPUs.
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,9 +14,13 @@ import sys
 
 from hybrid.cli.common import add_debug_flag, run_cli
 
+RUNTIME_FLAGS = ("gpus", "layer_split", "kv_resident", "cache_slots", "cpu_threads", "hugepages",
+                 "pcie_frac", "profile", "vram_cap", "stats", "trace", "expert_profile", "cache_policy",
+                 "cpu_engine", "metrics", "hybrid")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybrid-run", description=__doc__)
+    p = argparse.ArgumentParser(prog="hybrid-run", description=__doc__.splitlines()[0])
     p.add_argument("--model", "-m", default=None,
                    help="model folder, or 'tiny' for the embedded model (default: tiny)")
     p.add_argument("--prompt", "-p", default="def fibonacci(n):", help="prompt text")
@@ -27,8 +38,51 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--presence-penalty", type=float, default=0.0, help="subtract from seen tokens' logits")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="divide seen tokens' logits (1 = off)")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    _runtime_flags(p)
     add_debug_flag(p)
     return p
+
+
+def _runtime_flags(p: argparse.ArgumentParser) -> None:
+    r = p.add_argument_group("hybrid runtime (any of these turns it on)")
+    r.add_argument("--gpus", default=None, metavar="0,1",
+                   help="GPU per logical card; repeat one (0,0) for two logical cards on one GPU "
+                        "(default: one card per --layer-split part)")
+    r.add_argument("--layer-split", default=None, metavar="N|auto",
+                   help="layers [0,N) on the first card, [N,L) on the next (comma list for more cards); "
+                        "auto = the planner's best split (or an even one without --profile)")
+    r.add_argument("--kv-resident", type=int, default=None, metavar="TOKENS",
+                   help="KV tokens each card holds (default: prompt + --max-tokens)")
+    r.add_argument("--kv-dtype", default="fp16", choices=["fp16", "int8"],
+                   help="KV cache type: fp16 (default; fp32 on CPU) or int8 (per token-head scales)")
+    r.add_argument("--cache-slots", default=None, metavar="N|auto",
+                   help="expert-cache slots per card (one value or one per card); auto = what the "
+                        "planner fits in VRAM (half of each card's experts without --profile)")
+    r.add_argument("--cache-policy", default=None, choices=["lfu-decay", "lru", "static"],
+                   help="expert-cache policy (default lfu-decay: decayed frequency with a promotion margin)")
+    r.add_argument("--expert-profile", default=None, metavar="FILE",
+                   help="expert-popularity profile for the warm start (default: "
+                        "profiles/<model folder>.experts.json if present, else the cache warms up online)")
+    r.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="threads of the CPU expert runner (default: physical cores)")
+    r.add_argument("--cpu-engine", default=None, choices=["auto", "numba", "torch"],
+                   help="CPU expert kernels: numba for NVFP4/FP8, torch reference otherwise (default auto)")
+    r.add_argument("--hugepages", default=None, choices=["auto", "on", "off"],
+                   help="back the CPU expert store with 2 MiB hugepages (default auto)")
+    r.add_argument("--prefill-chunk", default=None, metavar="N|auto",
+                   help="prompt tokens per forward pass (default auto: the plan's chunk, else the whole prompt)")
+    r.add_argument("--pcie-frac", type=float, default=None, metavar="F",
+                   help="fraction of the PCIe link expert promotions may use per step (default 0.1)")
+    r.add_argument("--profile", default=None, metavar="NAME|FILE",
+                   help="hardware profile for the planner (profiles/NAME.json or a path)")
+    r.add_argument("--vram-cap", default=None, metavar="GB",
+                   help="VRAM each logical card may use, GiB (one value or one per card)")
+    r.add_argument("--stats", action="store_true",
+                   help="end with per-layer hit rates, CPU vs GPU expert time, PCIe bytes, tok/s vs the plan")
+    r.add_argument("--trace", default=None, metavar="FILE", help="write per-step routing and timings (JSONL)")
+    r.add_argument("--metrics", default=None, metavar="FILE",
+                   help="write the run's counters: Prometheus text, or dashboard JSON if FILE ends in .json")
+    r.add_argument("--hybrid", action="store_true", help="use the hybrid runtime with all defaults")
 
 
 def _check_args(args) -> None:
@@ -43,9 +97,13 @@ def _check_args(args) -> None:
             raise HybridError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
 
 
+def uses_runtime(args) -> bool:
+    return any(getattr(args, f) not in (None, False) for f in RUNTIME_FLAGS) or args.kv_dtype != "fp16"
+
+
 def body(args) -> int:
     from hybrid.generate import generate
-    from hybrid.model import ModelConfig, load_model, resolve_model_path
+    from hybrid.model import ModelConfig, resolve_model_path
     from hybrid.sampler import Sampler, SamplerConfig
     from hybrid.tokenizer import Tokenizer
 
@@ -55,27 +113,119 @@ def body(args) -> int:
     path = resolve_model_path(args.model)
     cfg = ModelConfig.from_folder(path)
     tok = Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-    model = load_model(path, device=args.device)
     prompt = tok.apply_chat(args.prompt, args.system) if args.chat else args.prompt
     ids = tok.encode(prompt)
     if not ids:
         from hybrid.errors import HybridError
         raise HybridError("--prompt: the prompt encodes to zero tokens")
+    session = _open(args, path, cfg, len(ids) + args.max_tokens) if uses_runtime(args) else None
+    model = session.model if session else _reference_model(args, path)
+    chunk = session.prefill_chunk if session else _chunk(args.prefill_chunk)
     if not args.json:
         sys.stdout.write(prompt)
         sys.stdout.flush()
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    res = generate(model, tok, ids, args.max_tokens, sampler, args.stop, on_text)
-    if args.json:
-        print(json.dumps({"model": str(path), "prompt_ids": res.prompt_ids,
-                          "generated_ids": res.generated_ids, "text": res.text,
-                          "stop_reason": res.stop_reason, "prefill_tok_s": round(res.prefill_tok_s, 3),
-                          "decode_tok_s": round(res.decode_tok_s, 3)}))
-    else:
-        print(f"\n\nprompt: {len(res.prompt_ids)} tokens, {res.prefill_tok_s:.1f} tok/s prefill | "
-              f"generated: {len(res.generated_ids)} tokens, {res.decode_tok_s:.1f} tok/s decode "
-              f"| stop: {res.stop_reason}", file=sys.stderr)
+    try:
+        res = generate(model, tok, ids, args.max_tokens, sampler, args.stop, on_text, prefill_chunk=chunk)
+    finally:
+        if session:
+            session.close()
+    report = session.report(res.decode_tok_s) if session else None
+    _print(args, path, res, session, report)
+    if session and args.metrics:
+        from hybrid.metrics import write_metrics
+
+        write_metrics(args.metrics, report)
     return 0
+
+
+def _reference_model(args, path):
+    from hybrid.model import load_model
+
+    return load_model(path, device=args.device)
+
+
+def _chunk(text):
+    from hybrid.cli.plan import parse_ints
+
+    if text is None or text == "auto":
+        return 0
+    (n,) = parse_ints("--prefill-chunk", text)
+    return n
+
+
+def _open(args, path, cfg, context: int):
+    from hybrid.runtime import RuntimeOptions, open_session
+
+    opts = options_from_args(args, cfg.num_hidden_layers)
+    meta = {"command": "hybrid-run " + " ".join(sys.argv[1:]), "git_sha": _git_sha()}
+    return open_session(path, opts, context=context, meta=meta)
+
+
+def options_from_args(args, num_layers: int):
+    """RuntimeOptions from the hybrid-run flags."""
+    from hybrid.cli.plan import parse_floats, parse_ints
+    from hybrid.errors import HybridError
+    from hybrid.runtime import RuntimeOptions
+
+    split = None if args.layer_split in (None, "auto") else parse_ints("--layer-split", args.layer_split)
+    if args.gpus is not None:
+        gpus = parse_ints("--gpus", args.gpus)
+    else:
+        gpus = _default_gpus(args, 1 if split is None else len(split) + 1)
+    if args.layer_split == "auto" and len(gpus) == 1 and args.gpus is None:
+        gpus = _default_gpus(args, 2)
+    if split is not None and len(split) != len(gpus) - 1:
+        raise HybridError(f"--layer-split {args.layer_split}: {len(gpus)} card(s) in --gpus need "
+                          f"{len(gpus) - 1} boundary(ies)")
+    slots = None if args.cache_slots in (None, "auto") else parse_ints("--cache-slots", args.cache_slots)
+    cap = None if args.vram_cap is None else parse_floats("--vram-cap", args.vram_cap)
+    chunk = None if args.prefill_chunk in (None, "auto") else parse_ints("--prefill-chunk", args.prefill_chunk)[0]
+    return RuntimeOptions(device=args.device, gpus=gpus, layer_split=split, kv_resident=args.kv_resident,
+                          kv_dtype=args.kv_dtype, cache_slots=slots, cpu_threads=args.cpu_threads,
+                          hugepages=args.hugepages or "auto", prefill_chunk=chunk,
+                          pcie_frac=0.1 if args.pcie_frac is None else args.pcie_frac,
+                          profile=args.profile, vram_cap_gib=cap, expert_profile=args.expert_profile,
+                          policy=args.cache_policy or "lfu-decay", cpu_engine=args.cpu_engine or "auto",
+                          trace=args.trace)
+
+
+def _default_gpus(args, cards: int) -> tuple[int, ...]:
+    """One card per GPU while there are GPUs, then logical cards on GPU 0."""
+    n = 1
+    if args.device == "cuda":
+        import torch
+
+        n = max(torch.cuda.device_count(), 1)
+    return tuple(i if cards <= n else 0 for i in range(cards))
+
+
+def _git_sha() -> str:
+    import subprocess
+    from pathlib import Path
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _print(args, path, res, session, report) -> None:
+    if args.json:
+        d = {"model": str(path), "prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids,
+             "text": res.text, "stop_reason": res.stop_reason, "prefill_tok_s": round(res.prefill_tok_s, 3),
+             "decode_tok_s": round(res.decode_tok_s, 3)}
+        if report is not None:
+            d["stats"] = report
+        print(json.dumps(d))
+        return
+    print(f"\n\nprompt: {len(res.prompt_ids)} tokens, {res.prefill_tok_s:.1f} tok/s prefill | "
+          f"generated: {len(res.generated_ids)} tokens, {res.decode_tok_s:.1f} tok/s decode "
+          f"| stop: {res.stop_reason}", file=sys.stderr)
+    if session is not None and args.stats:
+        for line in session.summary(res.decode_tok_s):
+            print(line, file=sys.stderr)
 
 
 def main(argv=None) -> int:
