@@ -139,7 +139,7 @@ def _card(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, i: int, layer
         if want > n_exp:
             warnings.append(f"card {i}: --cache-slots {want} > its {n_exp} experts; using {n_exp}")
         slots = min(want, n_exp)
-        parts.append((f"expert cache {slots} x {slot / MIB:.2f} MiB", slots * slot))
+        parts.append((f"expert cache ({slots} x {slot / MIB:.2f} MiB)", slots * slot))
     _check_fits(f"card {i} ({_short(gpu.name)}, cap {gib(cap)})", parts, cap)
     per_layer, _ = allot_slots(layers, slots, cfg.num_experts, pop)
     return CardPlan(card=i, device=g, name=gpu.name, layers=(layers.start, layers.stop),

@@ -47,4 +47,5 @@ def workspace_bytes(cfg: ModelConfig, chunk: int, context_bytes: int, holds_head
 
 
 def gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
+    """A readable size: '15.8 GiB', or '732 MiB' below 1 GiB."""
+    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / MIB:.0f} MiB"

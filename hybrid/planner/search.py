@@ -30,8 +30,9 @@ def even_split(num_layers: int, cards: int) -> tuple[int, ...]:
 def best_plan(mb: ModelBytes, prof: HardwareProfile, req, pop: Popularity | None = None,
               model: str = "", experts_path: str | None = None) -> Plan:
     """Highest predicted tok/s among the splits that fit; ties go to the most even split."""
-    from hybrid.planner.build import make_plan
+    from hybrid.planner.build import card_caps, make_plan
 
+    card_caps(prof, req)              # errors about --gpus / --vram-cap come before any split
     L, n = mb.config.num_hidden_layers, len(req.gpus)
     best, best_key = None, None
     for split in candidate_splits(L, n):

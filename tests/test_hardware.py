@@ -1,0 +1,121 @@
+"""Hardware detection (parsers, a fake NVML) and `hybrid-bench calibrate` writing a loadable profile."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+from hybrid import hardware
+from hybrid.cli.bench import main as bench_main
+from hybrid.planner import load_profile
+
+MEMINFO = """MemTotal:       131916292 kB
+MemFree:         2000000 kB
+MemAvailable:   126877696 kB
+HugePages_Total:    8192
+HugePages_Free:     8000
+Hugepagesize:       2048 kB
+"""
+
+# two sockets' worth of lines trimmed to: 4 logical CPUs, 2 physical cores (hyper-threads)
+CPUINFO = "".join(
+    f"processor\t: {i}\nmodel name\t: Intel(R) Xeon(R) CPU E5-2686 v4 @ 2.30GHz\n"
+    f"physical id\t: 0\ncore id\t\t: {i % 2}\n"
+    f"flags\t\t: fpu sse2 avx avx2 fma f16c bmi2\n\n" for i in range(4))
+
+
+def test_parse_meminfo():
+    m = hardware.parse_meminfo(MEMINFO)
+    assert m.total_bytes == 131916292 * 1024 and m.available_bytes == 126877696 * 1024
+    assert (m.hugepages_total, m.hugepages_free, m.hugepage_size_bytes) == (8192, 8000, 2 * 2**20)
+
+
+def test_parse_cpuinfo_and_flags():
+    info = hardware.parse_cpuinfo(CPUINFO)
+    assert (info["logical"], info["physical"]) == (4, 2)
+    cpu = hardware.cpu_from(info, None, None)
+    assert cpu.model.startswith("Intel(R) Xeon(R) CPU E5-2686 v4")
+    assert (cpu.physical_cores, cpu.logical_cores) == (2, 4)
+    assert cpu.avx2 and cpu.fma and cpu.f16c and not cpu.avx512
+    assert hardware.cpu_from(info, 18, 36).physical_cores == 18    # psutil wins when it answers
+
+
+def _fake_pynvml(fail_init=False):
+    m = types.ModuleType("pynvml")
+
+    class NVMLError(Exception):
+        pass
+
+    def init():
+        if fail_init:
+            raise NVMLError("Driver Not Loaded")
+
+    def unsupported(h):
+        raise NVMLError("Not Supported")
+
+    m.NVMLError = NVMLError
+    m.nvmlInit, m.nvmlShutdown = init, lambda: None
+    m.nvmlDeviceGetCount = lambda: 2
+    m.nvmlDeviceGetHandleByIndex = lambda i: i
+    m.nvmlDeviceGetName = lambda h: b"Tesla V100-SXM2-16GB"
+    m.nvmlDeviceGetCudaComputeCapability = lambda h: (7, 0)
+    m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=16945512448, free=16500000000, used=0)
+    m.nvmlDeviceGetCurrPcieLinkGeneration = lambda h: 3
+    m.nvmlDeviceGetCurrPcieLinkWidth = unsupported
+    m.nvmlDeviceGetMaxPcieLinkGeneration = lambda h: 3
+    m.nvmlDeviceGetMaxPcieLinkWidth = lambda h: 16
+    return m
+
+
+def test_detect_gpus_with_fake_nvml(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
+    gpus = hardware.detect_gpus()
+    assert len(gpus) == 2 and gpus[1].index == 1
+    g = gpus[0]
+    assert (g.name, g.compute_capability, g.memory_total_bytes) == ("Tesla V100-SXM2-16GB", "7.0", 16945512448)
+    assert (g.pcie_gen, g.pcie_width, g.pcie_gen_max, g.pcie_width_max) == (3, None, 3, 16)
+
+
+def test_detect_gpus_without_driver(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(fail_init=True))
+    notes: list[str] = []
+    assert hardware.detect_gpus(notes) == ()
+    assert "NVML unavailable (Driver Not Loaded)" in notes[0]
+
+
+def test_detect_this_machine():
+    hw = hardware.detect()
+    assert hw.cpu.physical_cores >= 1 and hw.cpu.logical_cores >= hw.cpu.physical_cores
+    assert hw.memory.total_bytes > 2**28
+    assert json.loads(json.dumps(hw.to_dict()))["cpu"]["model"]
+
+
+def test_calibrate_writes_a_loadable_profile(tmp_path, capsys):
+    out = tmp_path / "here.json"
+    rc = bench_main(["calibrate", "--out", str(out), "--cpu-mib", "16", "--gpu-mib", "16",
+                     "--pcie-mib", "8", "--repeats", "2", "--base", "v100x2-e5v4"])
+    assert rc == 0 and f"wrote {out}" in capsys.readouterr().out
+    prof = load_profile(str(out))
+    assert prof.name == "here"
+    assert prof.cpu.stream_copy_gbs.source == "measured" and prof.cpu.stream_copy_gbs.value > 0
+    assert prof.overheads.cpu_dispatch_us.source == "measured"
+    assert prof.overheads.token_us == load_profile("v100x2-e5v4").overheads.token_us   # from --base
+    assert "git " in prof.cpu.stream_copy_gbs.note
+    import torch
+
+    assert len(prof.gpus) == torch.cuda.device_count()
+    for g in prof.gpus:
+        assert g.read_gbs.source == g.h2d_gbs.source == "measured"
+
+
+def test_calibrate_bad_flag(tmp_path, capsys):
+    assert bench_main(["calibrate", "--out", str(tmp_path / "x.json"), "--repeats", "0"]) == 2
+    assert "error: --repeats" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["", "garbage without colon\n"])
+def test_parsers_tolerate_odd_input(text):
+    assert hardware.parse_meminfo(text).total_bytes == 0
+    assert hardware.parse_cpuinfo(text)["logical"] == 0

@@ -1,0 +1,447 @@
+"""Planner: byte accounting from headers, plan arithmetic, fit errors, auto split, JSON, CLI, profiles."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hybrid.cli.plan import main as plan_main
+from hybrid.errors import CheckpointError, PlanError
+from hybrid.model.config import ModelConfig
+from hybrid.planner import (ModelBytes, Plan, PlanRequest, Popularity, ProfileError, best_plan,
+                            load_profile, make_plan)
+from hybrid.planner.memory import GIB, MIB, kv_bytes, workspace_bytes
+from hybrid.planner.popularity import allot_slots
+from hybrid.planner.profile import profile_from_dict
+from hybrid.testing import random_config
+
+# ---------------------------------------------------------------- fixtures
+
+TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8,
+            num_experts_per_tok=2)
+
+Q30 = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+       "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+       "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+       "norm_topk_prob": True, "tie_word_embeddings": False}
+
+
+def nvfp4(sd: dict, name: str, n: int, k: int) -> None:
+    """ModelOpt NVFP4 tensors of a Linear [n, k] (zeros: only shapes and dtypes matter here)."""
+    sd[f"{name}.weight"] = torch.zeros(n, k // 2, dtype=torch.uint8)
+    sd[f"{name}.weight_scale"] = torch.zeros(n, k // 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    sd[f"{name}.weight_scale_2"] = torch.ones((), dtype=torch.float32)
+    sd[f"{name}.input_scale"] = torch.ones((), dtype=torch.float32)
+
+
+def bf16(sd: dict, name: str, *shape) -> None:
+    sd[f"{name}.weight"] = torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+def nvfp4_state_dict(c: dict) -> dict:
+    h, hd, i = c["hidden_size"], c["head_dim"], c["moe_intermediate_size"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    sd: dict = {}
+    bf16(sd, "model.embed_tokens", c["vocab_size"], h)
+    bf16(sd, "lm_head", c["vocab_size"], h)
+    bf16(sd, "model.norm", h)
+    for L in range(c["num_hidden_layers"]):
+        p = f"model.layers.{L}"
+        for proj, n, k in (("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q)):
+            nvfp4(sd, f"{p}.self_attn.{proj}", n, k)
+        for norm, n in (("input_layernorm", h), ("post_attention_layernorm", h),
+                        ("self_attn.q_norm", hd), ("self_attn.k_norm", hd)):
+            bf16(sd, f"{p}.{norm}", n)
+        bf16(sd, f"{p}.mlp.gate", c["num_experts"], h)
+        for e in range(c["num_experts"]):
+            nvfp4(sd, f"{p}.mlp.experts.{e}.gate_proj", i, h)
+            nvfp4(sd, f"{p}.mlp.experts.{e}.up_proj", i, h)
+            nvfp4(sd, f"{p}.mlp.experts.{e}.down_proj", h, i)
+    return sd
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A qwen3_moe folder with NVFP4-shaped safetensors in two shards + index."""
+    folder = tmp_path_factory.mktemp("tiny_nvfp4")
+    cfg = random_config("qwen3_moe", **TINY)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    sd = nvfp4_state_dict(cfg)
+    keys = sorted(sd)
+    wm = {}
+    for s in range(2):
+        fname = f"model-{s + 1:05d}-of-00002.safetensors"
+        save_file({k: sd[k] for k in keys[s::2]}, str(folder / fname))
+        wm.update({k: fname for k in keys[s::2]})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    return folder
+
+
+def gpu(memory_mib=1024, **kw) -> dict:
+    fig = lambda v: {"value": v, "source": "assumed", "note": "test"}  # noqa: E731
+    g = {"name": "Tesla V100-SXM2-16GB", "compute_capability": "7.0", "memory_mib": memory_mib,
+         "pcie_gen": 3, "pcie_width": 16, "read_gbs": fig(800), "copy_gbs": fig(750),
+         "kernel_efficiency": fig(0.5), "h2d_gbs": fig(12), "d2h_gbs": fig(12), "context_mib": fig(100)}
+    g.update(kw)
+    return g
+
+
+def profile_dict(gpus=2, memory_mib=1024) -> dict:
+    fig = lambda v: {"value": v, "source": "assumed", "note": "test"}  # noqa: E731
+    return {"schema": 1, "name": "test", "description": "test rig",
+            "gpus": [gpu(memory_mib) for _ in range(gpus)],
+            "cpu": {"model": "test cpu", "physical_cores": 8, "avx2": True, "avx512": False,
+                    "stream_copy_gbs": fig(40), "nvfp4_kernel_gbs": fig(20)},
+            "host": {"ram_usable_gib": 16, "hugepages_2m_total": 0, "reserve_gib": 1},
+            "overheads": {"layer_sync_us": fig(20), "cpu_dispatch_us": fig(30), "token_us": fig(100)}}
+
+
+@pytest.fixture
+def prof():
+    return profile_from_dict(profile_dict())
+
+
+def tiny_cfg(**kw) -> ModelConfig:
+    return ModelConfig.from_dict(random_config("qwen3_moe", **{**TINY, **kw}))
+
+
+# ---------------------------------------------------------------- model bytes
+
+
+def test_header_bytes_match_formula(tiny_dir):
+    mb = ModelBytes.from_folder(tiny_dir)
+    assert mb.source == "safetensors headers"
+    lin = lambda n, k: n * k // 2 + n * k // 16 + 8  # noqa: E731  packed + scales + 2 fp32 scalars
+    assert mb.slot_bytes == 2 * lin(32, 64) + lin(64, 32) == 3480
+    attn = lin(64, 64) + 2 * lin(32, 64) + lin(64, 64)
+    assert mb.layer_dense == (attn + 2 * 64 * 2 + 2 * 16 * 2 + 8 * 64 * 2,) * 4
+    assert mb.embed == mb.lm_head == 512 * 64 * 2 and mb.final_norm == 128
+    assert mb.expert_store == 4 * 8 * 3480
+
+
+def test_header_bytes_equal_config_estimate(tiny_dir):
+    mb = ModelBytes.from_folder(tiny_dir)
+    est = ModelBytes.from_config(mb.config, "nvfp4")
+    assert (est.layer_dense, est.experts, est.embed, est.lm_head, est.final_norm) == \
+           (mb.layer_dense, mb.experts, mb.embed, mb.lm_head, mb.final_norm)
+
+
+def test_no_safetensors_needs_assumption(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(random_config("qwen3_moe", **TINY)))
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        ModelBytes.from_folder(tmp_path)
+    assert ModelBytes.from_folder(tmp_path, assume="fp8").source == "config.json (assumed fp8)"
+
+
+def test_corrupt_header_is_checkpoint_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(random_config("qwen3_moe", **TINY)))
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(CheckpointError, match="model.safetensors: safetensors header is not valid JSON"):
+        ModelBytes.from_folder(tmp_path)
+
+
+def test_missing_expert_is_named(tmp_path):
+    cfg = random_config("qwen3_moe", **TINY)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    sd = {k: v for k, v in nvfp4_state_dict(cfg).items() if ".experts.5." not in k or "layers.2." not in k}
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="layer 2 expert 5: no tensors"):
+        ModelBytes.from_folder(tmp_path)
+
+
+# ---------------------------------------------------------------- plan arithmetic
+
+
+def test_card_arithmetic(tiny_dir, prof):
+    mb = ModelBytes.from_folder(tiny_dir)
+    cfg = mb.config
+    plan = make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(1,), kv_tokens=1000, prefill_chunk=64))
+    c0, c1 = plan.cards
+    assert (c0.layers, c1.layers) == ((0, 1), (1, 4))
+    assert c0.dense_bytes == mb.layer_dense[0] + mb.embed
+    assert c1.dense_bytes == sum(mb.layer_dense[1:]) + mb.lm_head + mb.final_norm
+    assert c1.kv_bytes == 1000 * 3 * 2 * 16 * 2 * 2 == kv_bytes(cfg, 1000, 3, "fp16")
+    assert c0.workspace_bytes == workspace_bytes(cfg, 64, 100 * MIB, False)
+    assert c1.workspace_bytes == workspace_bytes(cfg, 64, 100 * MIB, True)   # its own physical GPU
+    assert (c0.slots, c1.slots) == (8, 24)                                   # auto: every expert fits
+    assert c0.cap_bytes == 1024 * MIB and c0.free_bytes == c0.cap_bytes - c0.used_bytes
+    assert plan.host.expert_store_bytes == mb.expert_store
+    assert plan.host.hugepages_2m == math.ceil(mb.expert_store / (2 * MIB))
+    assert plan.prediction.hit_rate == 1.0 and plan.prediction.cpu_bytes == 0
+
+
+def test_logical_cards_share_one_gpu(tiny_dir, prof):
+    mb = ModelBytes.from_folder(tiny_dir)
+    plan = make_plan(mb, prof, PlanRequest(gpus=(0, 0), layer_split=(2,)))
+    assert [c.device for c in plan.cards] == [0, 0]
+    assert all(c.cap_bytes == 512 * MIB for c in plan.cards)
+    assert plan.cards[1].workspace_bytes < plan.cards[0].workspace_bytes + 1 * MIB - 100 * MIB  # context once
+    with pytest.raises(PlanError, match=r"--vram-cap: the card\(s\) on GPU 0 .* ask 1.2 GiB but it has 1.0 GiB"):
+        make_plan(mb, prof, PlanRequest(gpus=(0, 0), layer_split=(2,), vram_cap_gib=(0.6,)))
+
+
+def test_int8_kv_is_smaller(tiny_dir, prof):
+    mb = ModelBytes.from_folder(tiny_dir)
+    f16 = make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(2,), kv_tokens=4096))
+    i8 = make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(2,), kv_tokens=4096, kv_dtype="int8"))
+    assert i8.cards[0].kv_bytes == 4096 * 2 * 2 * (16 + 2) * 2 < f16.cards[0].kv_bytes
+
+
+def test_slots_limited_by_memory():
+    cfg = tiny_cfg(num_hidden_layers=8, num_experts=64, hidden_size=512, moe_intermediate_size=1024)
+    mb = ModelBytes.from_config(cfg)
+    p = profile_from_dict(profile_dict(memory_mib=400))
+    plan = make_plan(mb, p, PlanRequest(gpus=(0, 1), layer_split=(4,), kv_tokens=512))
+    for c in plan.cards:
+        room = c.cap_bytes - c.dense_bytes - c.kv_bytes - c.workspace_bytes
+        assert c.slots == room // mb.slot_bytes < 4 * 64
+        assert 0 <= c.free_bytes < mb.slot_bytes
+        assert sum(c.slots_per_layer) == c.slots and max(c.slots_per_layer) - min(c.slots_per_layer) <= 1
+    assert 0 < plan.prediction.hit_rate < 1 and plan.prediction.cpu_bytes > 0
+
+
+# ---------------------------------------------------------------- fit errors
+
+
+def test_kv_overflow_names_card_and_amount(tiny_dir, prof):
+    mb = ModelBytes.from_folder(tiny_dir)
+    with pytest.raises(PlanError) as ei:
+        make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(1,), kv_tokens=2_000_000))
+    msg = str(ei.value)
+    assert msg == ("card 1 (V100-SXM2-16GB, cap 1.0 GiB): dense 0 MiB + KV 732 MiB + workspace 365 MiB "
+                   "= 1.1 GiB exceeds 1.0 GiB by 74 MiB")      # card 0 holds 1 layer and fits
+
+
+def test_explicit_slots_that_do_not_fit(tiny_dir, prof):
+    cfg = tiny_cfg(num_hidden_layers=4, num_experts=128, hidden_size=1024, moe_intermediate_size=2048)
+    mb = ModelBytes.from_config(cfg)
+    plan = make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(2,), cache_slots=(1, 100)))
+    assert [c.slots for c in plan.cards] == [1, 100]
+    with pytest.raises(PlanError, match=r"^card 1 \(V100-SXM2-16GB, cap 1.0 GiB\): dense 2 MiB \+ KV 1 MiB \+ workspace 383 MiB "
+                                  r"\+ expert cache \(256 x 3.38 MiB\) 864 MiB = 1.2 GiB exceeds 1.0 GiB by 225 MiB$"):
+        make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(2,), cache_slots=(1, 256)))
+
+
+def test_host_overflow():
+    mb = ModelBytes.from_config(ModelConfig.from_dict(Q30))
+    p = profile_dict(memory_mib=16160)
+    p["host"]["ram_usable_gib"] = 10
+    with pytest.raises(PlanError, match=r"^host \(10.0 GiB usable RAM\): expert store 15.2 GiB \+ reserve "
+                                        r"1.0 GiB = 16.2 GiB exceeds 10.0 GiB by 6.2 GiB$"):
+        make_plan(mb, profile_from_dict(p), PlanRequest(gpus=(0, 1), layer_split=(24,), kv_tokens=16))
+
+
+def test_bad_requests():
+    with pytest.raises(PlanError, match="--pcie-frac 1.5"):
+        PlanRequest(gpus=(0,), pcie_frac=1.5)
+    with pytest.raises(PlanError, match="--layer-split: 2 cards need 1 boundaries, got 2"):
+        PlanRequest(gpus=(0, 1), layer_split=(1, 2))
+    with pytest.raises(PlanError, match="--kv-dtype fp8"):
+        PlanRequest(gpus=(0,), kv_dtype="fp8")
+
+
+def test_bad_split_and_gpu(tiny_dir, prof):
+    mb = ModelBytes.from_folder(tiny_dir)
+    with pytest.raises(PlanError, match="--layer-split 4: boundaries must increase strictly within 1..3"):
+        make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(4,)))
+    with pytest.raises(PlanError, match="--gpus 2: profile test has 2 GPU"):
+        make_plan(mb, prof, PlanRequest(gpus=(0, 2), layer_split=(2,)))
+
+
+# ---------------------------------------------------------------- prediction and auto split
+
+
+def test_more_slots_predicts_faster(prof):
+    mb = ModelBytes.from_config(ModelConfig.from_dict(Q30))
+    v100 = load_profile("v100x2-e5v4")
+    speeds = [make_plan(mb, v100, PlanRequest(gpus=(0, 1), layer_split=(24,), cache_slots=(s,))).prediction.tok_s
+              for s in (0, 768, 1536, 3072)]
+    assert speeds == sorted(speeds) and speeds[-1] > 3 * speeds[0]
+
+
+def test_auto_split_is_the_best_that_fits():
+    cfg = tiny_cfg(num_hidden_layers=12, num_experts=32, hidden_size=512, moe_intermediate_size=512)
+    mb = ModelBytes.from_config(cfg)
+    p = profile_dict(memory_mib=600)
+    p["gpus"][1]["memory_mib"] = 450           # an uneven pair: card 1 cannot hold many layers' KV
+    prof = profile_from_dict(p)
+    req = PlanRequest(gpus=(0, 1), kv_tokens=80_000)
+    auto = best_plan(mb, prof, req)
+    fits = {}
+    for s in range(1, 12):
+        try:
+            fits[s] = make_plan(mb, prof, replace(req, layer_split=(s,))).prediction.tok_s
+        except PlanError:
+            pass
+    assert 0 < len(fits) < 11                   # some splits do not fit
+    assert auto.inputs.layer_split[0] in fits
+    assert auto.prediction.tok_s == pytest.approx(max(fits.values()))
+    assert min(fits) > 1 and max(fits) == 11
+    assert auto.inputs.layer_split == (max(fits, key=fits.get),)
+
+
+def test_auto_split_none_fits(tiny_dir, prof):
+    mb = ModelBytes.from_folder(tiny_dir)
+    with pytest.raises(PlanError, match=r"^no layer split fits; at the even split 2: card 0 "):
+        best_plan(mb, prof, PlanRequest(gpus=(0, 1), kv_tokens=4_000_000))
+
+
+def test_popularity_raises_hit_rate():
+    cfg = tiny_cfg(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
+    counts = [[40, 30, 10, 10, 5, 3, 1, 1]] * 2                  # 100 tokens x top-2 per layer
+    d = {"schema": 1, "kind": "expert-popularity", "model": "t", "model_type": "qwen3_moe",
+         "num_layers": 2, "num_experts": 8, "top_k": 2, "tokens": 50, "counts": counts}
+    pop = Popularity.from_dict(d, cfg)
+    per, hits = allot_slots(range(2), 4, 8, pop)
+    assert per == (2, 2) and hits == pytest.approx((0.7, 0.7))
+    per_u, hits_u = allot_slots(range(2), 4, 8, None)
+    assert per_u == (2, 2) and hits_u == (0.25, 0.25)
+    bad = copy.deepcopy(d)
+    bad["counts"][1] = [1] * 8
+    with pytest.raises(ProfileError, match=r"counts\[1\] sums to 8, expected tokens x top_k = 100"):
+        Popularity.from_dict(bad, cfg)
+    with pytest.raises(ProfileError, match="num_experts is 8 but the model has 16"):
+        Popularity.from_dict(d, tiny_cfg(num_hidden_layers=2, num_experts=16))
+
+
+def test_cpu_only_plan(tiny_dir):
+    p = profile_dict(gpus=0)
+    plan = make_plan(ModelBytes.from_folder(tiny_dir), profile_from_dict(p), PlanRequest(gpus=(), layer_split=()))
+    assert plan.cards == () and plan.host.dense_bytes > 0 and plan.prediction.gpu_bytes == 0
+    assert all(x.card == -1 for x in plan.prediction.layers)
+
+
+# ---------------------------------------------------------------- JSON and the 30B-A3B shape
+
+
+def test_json_round_trip(tiny_dir, prof):
+    plan = make_plan(ModelBytes.from_folder(tiny_dir), prof, PlanRequest(gpus=(0, 1), layer_split=(3,)))
+    back = Plan.from_dict(json.loads(plan.to_json()))
+    assert back == plan
+    assert json.loads(plan.to_json())["cards"][0]["free_bytes"] == plan.cards[0].free_bytes
+
+
+def test_qwen3_30b_a3b_on_v100x2():
+    mb = ModelBytes.from_config(ModelConfig.from_dict(Q30), "nvfp4")
+    assert mb.slot_bytes == 3 * (768 * 2048 // 2 + 768 * 2048 // 16 + 8) == 2_654_232
+    prof = load_profile("v100x2-e5v4")
+    plan = make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(24,), kv_tokens=20480))
+    c0, c1 = plan.cards
+    assert c0.layers == (0, 24) and c1.layers == (24, 48)
+    assert c0.kv_bytes == 20480 * 24 * 4 * 128 * 2 * 2
+    assert c0.slots == c1.slots == 24 * 128                   # NVFP4 30B-A3B fits in 2 x 16 GB
+    assert c0.cap_bytes == 16160 * MIB and c0.free_bytes > 0
+    assert plan.host.expert_store_bytes == 48 * 128 * 2_654_232
+    assert 50 < plan.prediction.tok_s < 1000
+    with pytest.raises(PlanError, match=r"card 0 \(V100-SXM2-16GB, cap 15.8 GiB\)"):
+        make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(24,), kv_tokens=400_000))
+    h200 = make_plan(mb, load_profile("h200"),
+                     PlanRequest(gpus=(0, 0), layer_split=(24,), kv_tokens=20480, vram_cap_gib=(16,)))
+    assert [c.cap_bytes for c in h200.cards] == [16 * GIB] * 2
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_json(tiny_dir, tmp_path, capsys):
+    pfile = tmp_path / "rig.json"
+    pfile.write_text(json.dumps(profile_dict()))
+    rc = plan_main(["--model", str(tiny_dir), "--profile", str(pfile), "--layer-split", "2",
+                    "--kv-resident", "512", "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [c["layers"] for c in d["cards"]] == [[0, 2], [2, 4]]
+    assert Plan.from_dict(d).cards[1].kv_tokens == 512
+
+
+def test_cli_table(tiny_dir, tmp_path, capsys):
+    pfile = tmp_path / "rig.json"
+    pfile.write_text(json.dumps(profile_dict()))
+    assert plan_main(["--model", str(tiny_dir), "--profile", str(pfile), "--per-layer"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted decode" in out and "tok/s" in out and "V100-SXM2-16GB" in out
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--layer-split", "abc"], "error: --layer-split abc: expected an integer"),
+    (["--pcie-frac", "2"], "error: --pcie-frac 2.0: expected a fraction"),
+    (["--gpus", "0,7"], "error: --gpus 7: profile test has 2 GPU(s)"),
+    (["--cache-slots", "x"], "error: --cache-slots x: expected an integer"),
+    (["--layer-split", "2", "--gpus", "0"], "error: --layer-split 2: needs two or more cards"),
+])
+def test_cli_bad_values_one_line(tiny_dir, tmp_path, capsys, flags, expect):
+    pfile = tmp_path / "rig.json"
+    pfile.write_text(json.dumps(profile_dict()))
+    rc = plan_main(["--model", str(tiny_dir), "--profile", str(pfile), *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(expect) and err.count("\n") == 1
+
+
+def test_cli_unknown_flag_one_line(tiny_dir, capsys):
+    with pytest.raises(SystemExit) as ei:
+        plan_main(["--model", str(tiny_dir), "--profile", "v100x2-e5v4", "--frobnicate"])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "unrecognized arguments: --frobnicate" in err and err.count("\n") == 1
+
+
+def test_cli_unknown_profile(tiny_dir, capsys):
+    assert plan_main(["--model", str(tiny_dir), "--profile", "nosuchrig"]) == 2
+    err = capsys.readouterr().err
+    assert "--profile nosuchrig: no profile of that name; known:" in err and "v100x2-e5v4" in err
+
+
+# ---------------------------------------------------------------- profiles
+
+
+@pytest.mark.parametrize("name", ["v100x2-e5v4", "h200"])
+def test_shipped_profiles_load(name):
+    p = load_profile(name)
+    assert p.name == name and p.gpus and p.path.endswith(f"{name}.json")
+    assert all(f.note for f in (p.gpus[0].read_gbs, p.cpu.nvfp4_kernel_gbs, p.overheads.token_us))
+    assert "gpus[0].read_gbs" in p.assumed                  # hand-written: nothing claims "measured"
+    assert profile_from_dict(json.loads(p.to_json())) == p  # to_json round trip
+
+
+def test_v100_profile_facts():
+    p = load_profile("v100x2-e5v4")
+    assert len(p.gpus) == 2 and p.gpus[0].compute_capability == "7.0"
+    assert p.gpus[0].h2d_gbs.value == 12.0 and p.cpu.physical_cores == 18
+    assert p.cpu.avx2 and p.cpu.avx512 is False and p.host.ram_usable_gib == 121
+
+
+def _bad(mutate):
+    d = profile_dict()
+    mutate(d)
+    return d
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d.pop("cpu"), r"profile: missing key 'cpu'"),
+    (lambda d: d["gpus"][1].pop("h2d_gbs"), r"profile.gpus\[1\]: missing key 'h2d_gbs'"),
+    (lambda d: d["gpus"][0].update(vram=1), r"profile.gpus\[0\]: unknown key 'vram'"),
+    (lambda d: d["gpus"][0].update(memory_mib="16GB"), r"profile.gpus\[0\].memory_mib: expected int"),
+    (lambda d: d["cpu"].update(stream_copy_gbs=40), r"profile.cpu.stream_copy_gbs: expected \{\"value\""),
+    (lambda d: d["cpu"]["stream_copy_gbs"].update(source="guessed"), r"source must be one of measured, assumed"),
+    (lambda d: d["cpu"]["stream_copy_gbs"].update(note=""), r"an assumed figure needs a note"),
+    (lambda d: d["overheads"]["token_us"].update(value=-1), r"profile.overheads.token_us: value must be a positive"),
+    (lambda d: d["gpus"][0]["kernel_efficiency"].update(value=1.5), r"kernel_efficiency is a fraction"),
+    (lambda d: d.update(schema=2), r"schema must be 1"),
+])
+def test_bad_profile_is_clear(mutate, match):
+    with pytest.raises(ProfileError, match=match):
+        profile_from_dict(_bad(mutate))
+
+
+def test_bad_profile_file(tmp_path):
+    f = tmp_path / "broken.json"
+    f.write_text('{"schema": 1, "name": ')
+    with pytest.raises(ProfileError, match=r"broken.json: not valid JSON"):
+        load_profile(str(f))
+    with pytest.raises(ProfileError, match=r"nothere.json: no such profile file"):
+        load_profile(str(tmp_path / "nothere.json"))
