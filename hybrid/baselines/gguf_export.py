@@ -120,7 +120,7 @@ class _Exporter:
         n = self.names
         self.dense("token_embd.weight", self.src.tensor(f"{n.embed()}.weight"))
         self.f32("output_norm.weight", f"{n.final_norm()}.weight")
-        if not self.cfg.tie_word_embeddings:
+        if self.src.has(f"{n.lm_head()}.weight"):       # tied models may still store a quantized head
             self.linear("output", n.lm_head())
         for L in range(self.cfg.num_hidden_layers):
             self.layer(L)

@@ -1,0 +1,149 @@
+"""Quality-bench candidates: where each one's weights come from and which engine runs them.
+
+- hybrid recipes (bf16, nvfp4, mixed, fp8): `hybrid-quantize` checkpoints run by hybrid's runtime
+  (`hybrid.model.load_model(...).forward_logits`), the very path `hybrid-run` uses.
+- gguf-<recipe>: the same hybrid checkpoint re-packed into a GGUF (NVFP4 bit-exact), run by llama.cpp.
+- llama.cpp types (Q8_0, Q4_K_M, IQ4_XS, ...): the BF16 export quantized by llama.cpp's quantizer.
+Files are built once in the work folder and reused; engines load lazily and `close()` frees them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from hybrid.baselines import report
+from hybrid.baselines.gguf_export import export_gguf
+from hybrid.baselines.quantize import TYPES, quantize_gguf
+from hybrid.errors import HybridError
+
+HYBRID_RECIPES = ("bf16", "nvfp4", "mixed", "fp8")
+RECIPE_WEIGHTS = {
+    "bf16": "source weights (unquantized)",
+    "nvfp4": "hybrid NVFP4: attention + experts + lm_head(if untied) FP4, router/norms/embed BF16",
+    "mixed": "hybrid mixed: attention FP8, experts + lm_head NVFP4, router/norms/embed BF16",
+    "fp8": "hybrid FP8 per-tensor linears",
+}
+OUTTYPE_OF_DTYPE = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+
+def llama_info() -> dict:
+    from hybrid.baselines.llama_runner import llama_cpp_info
+
+    return {"llama_cpp": llama_cpp_info()}
+
+
+class Candidate:
+    """One row of the table. logits(ids int [T]) -> float32 [T, V], teacher-forced, fresh cache."""
+
+    def __init__(self, name: str, engine: str, weights: str, path: Path):
+        self.name, self.engine, self.weights, self.path = name, engine, weights, Path(path)
+
+    def describe(self) -> dict:
+        is_gguf = self.path.suffix == ".gguf"
+        size = self.path.stat().st_size if is_gguf else report.folder_bytes(self.path)
+        experts = report.gguf_expert_bytes(self.path) if is_gguf else report.checkpoint_expert_bytes(self.path)
+        return {"candidate": self.name, "engine": self.engine, "weights": self.weights,
+                "file_bytes": int(size), "expert_bytes": int(experts)}
+
+    def logits(self, ids) -> np.ndarray:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class GGUFCandidate(Candidate):
+    def __init__(self, name, weights, path, n_ctx: int, threads: int | None):
+        super().__init__(name, "llama.cpp", weights, path)
+        self.n_ctx, self.threads, self._runner = n_ctx, threads, None
+
+    @property
+    def runner(self):
+        from hybrid.baselines.llama_runner import LlamaRunner
+
+        if self._runner is None:
+            self._runner = LlamaRunner(self.path, n_ctx=self.n_ctx, n_threads=self.threads)
+        return self._runner
+
+    def logits(self, ids) -> np.ndarray:
+        return self.runner.logits(ids)
+
+    def close(self) -> None:
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+
+
+class HybridCandidate(Candidate):
+    def __init__(self, name, weights, path, **load_kw):
+        super().__init__(name, "hybrid", weights, path)
+        self.load_kw, self._model = load_kw, None
+
+    def logits(self, ids) -> np.ndarray:
+        import torch
+
+        from hybrid.model import load_model
+
+        if self._model is None:
+            self._model = load_model(self.path, device="cpu", **self.load_kw)
+        out = self._model.forward_logits(torch.as_tensor(np.asarray(ids), dtype=torch.long))
+        return out.float().cpu().numpy()
+
+    def close(self) -> None:
+        self._model = None
+
+
+class CandidateMaker:
+    """Builds (once, in `work`) the files each candidate name needs."""
+
+    def __init__(self, src: Path, work: Path, n_ctx: int, threads: int | None = None):
+        self.src, self.work, self.n_ctx, self.threads = Path(src), Path(work), n_ctx, threads
+
+    def base_gguf(self) -> Path:
+        """The unquantized GGUF export, in the source's own dtype (lossless)."""
+        import json
+
+        dtype = json.loads((self.src / "config.json").read_text()).get("torch_dtype", "bfloat16")
+        outtype = OUTTYPE_OF_DTYPE.get(str(dtype), "f32")
+        path = self.work / f"model-{outtype}.gguf"
+        if not path.exists():
+            export_gguf(self.src, path, outtype)
+        return path
+
+    def hybrid_checkpoint(self, recipe: str) -> Path:
+        if recipe == "bf16":
+            return self.src
+        dst = self.work / f"hybrid-{recipe}"
+        if not (dst / "config.json").exists():
+            from hybrid.checkpoint.writer import quantize_checkpoint
+
+            quantize_checkpoint(self.src, dst, recipe, progress=False)
+        return dst
+
+    def gguf_type(self, qtype: str) -> Path:
+        base = self.base_gguf()
+        if base.stem == f"model-{qtype.lower()}":
+            return base
+        path = self.work / f"model-{qtype}.gguf"
+        if not path.exists():
+            quantize_gguf(base, path, qtype)
+        return path
+
+    def make(self, name: str) -> Candidate:
+        low = name.lower()
+        if low in HYBRID_RECIPES:
+            return HybridCandidate(name, RECIPE_WEIGHTS[low], self.hybrid_checkpoint(low))
+        if low.startswith("gguf-") and low[5:] in HYBRID_RECIPES:
+            recipe = low[5:]
+            path = self.work / f"{low}.gguf"
+            if not path.exists():
+                export_gguf(self.hybrid_checkpoint(recipe), path, "bf16")
+            return GGUFCandidate(name, f"{RECIPE_WEIGHTS[recipe]}; re-packed into GGUF (NVFP4 bit-exact, "
+                                       "FP8 dequantized to F32)", path, self.n_ctx, self.threads)
+        if name.upper() in TYPES:
+            qtype = name.upper()
+            return GGUFCandidate(qtype, f"llama.cpp {qtype} mix (llama_model_quantize defaults, no imatrix)",
+                                 self.gguf_type(qtype), self.n_ctx, self.threads)
+        raise HybridError(f"--against {name!r}: expected a hybrid recipe ({', '.join(HYBRID_RECIPES)}), "
+                          f"gguf-<recipe>, or a llama.cpp type ({', '.join(TYPES)})")

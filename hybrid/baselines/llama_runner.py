@@ -1,0 +1,116 @@
+"""Run a GGUF through llama-cpp-python: teacher-forced logits and wall-clock-timed prefill/decode.
+
+Settings are pinned so every engine sees the same conditions: flash attention OFF (hybrid's CPU
+attention is plain softmax attention), F16 KV cache (llama.cpp's default), no BOS insertion (the
+caller feeds exact token ids), one batch per chunk. llama.cpp computes synchronously on CPU, so
+`time.perf_counter()` around `eval` is a synchronized wall clock.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hybrid.errors import HybridError
+
+FLASH_ATTN = False
+
+
+def require_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise HybridError("llama-cpp-python is not installed; `pip install llama-cpp-python` "
+                          "(or `pip install .[gguf]`)") from exc
+    return llama_cpp
+
+
+def llama_cpp_info() -> dict:
+    """Version facts for result records."""
+    llama_cpp = require_llama_cpp()
+    return {"llama_cpp_python": llama_cpp.__version__,
+            "libllama": llama_cpp.llama_version().decode() if hasattr(llama_cpp, "llama_version") else "?",
+            "nvfp4": hasattr(llama_cpp, "GGML_TYPE_NVFP4"),
+            "system": llama_cpp.llama_print_system_info().decode().strip()}
+
+
+@dataclass(slots=True)
+class DecodeTiming:
+    """Greedy decode of `tokens` after a prompt: prefill seconds and one wall time per new token."""
+
+    tokens: list[int]
+    prefill_s: float
+    step_s: list[float]
+
+    @property
+    def median_tok_s(self) -> float:
+        return 1.0 / float(np.median(self.step_s)) if self.step_s else 0.0
+
+
+class LlamaRunner:
+    """One GGUF loaded in llama.cpp. logits_all=True for teacher-forced logits, False for speed."""
+
+    def __init__(self, path: str | Path, n_ctx: int = 512, n_threads: int | None = None,
+                 logits_all: bool = True):
+        llama_cpp = require_llama_cpp()
+        path = Path(path)
+        if not path.exists():
+            raise HybridError(f"{path}: GGUF not found")
+        kw = {"n_threads": n_threads, "n_threads_batch": n_threads} if n_threads else {}
+        self.path = path
+        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                                   logits_all=logits_all, flash_attn=FLASH_ATTN, verbose=False, **kw)
+        self.n_ctx = n_ctx
+        self.n_vocab = self.llm.n_vocab()
+        self._llama_cpp = llama_cpp
+
+    def tokenize(self, text: str) -> list[int]:
+        """llama.cpp's tokenization of `text` (no BOS, special tokens not parsed)."""
+        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+
+    def _check(self, ids) -> list[int]:
+        ids = [int(t) for t in ids]
+        if not ids or len(ids) > self.n_ctx:
+            raise HybridError(f"{len(ids)} tokens; {self.path.name} was opened with n_ctx={self.n_ctx}")
+        return ids
+
+    def logits(self, ids) -> np.ndarray:
+        """Teacher-forced float32 [T, V] logits from an empty KV cache."""
+        ids = self._check(ids)
+        self.llm.reset()
+        self.llm.eval(ids)
+        return np.array(self.llm.scores[: len(ids)], dtype=np.float32, copy=True)
+
+    def _last_logits(self) -> np.ndarray:
+        ptr = self._llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def prefill_seconds(self, ids) -> float:
+        """Wall time of one prefill of `ids` from an empty cache."""
+        ids = self._check(ids)
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        return time.perf_counter() - t0
+
+    def greedy_decode(self, prompt, n_new: int) -> DecodeTiming:
+        """Prefill `prompt`, then n_new greedy steps, each timed by wall clock."""
+        prompt = self._check(list(prompt) + [0] * n_new)[: len(prompt)]
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(prompt)
+        prefill = time.perf_counter() - t0
+        out, steps = [], []
+        tok = int(np.argmax(self._last_logits()))
+        for _ in range(n_new):
+            out.append(tok)
+            t0 = time.perf_counter()
+            self.llm.eval([tok])
+            steps.append(time.perf_counter() - t0)
+            tok = int(np.argmax(self._last_logits()))
+        return DecodeTiming(out, prefill, steps)
+
+    def close(self) -> None:
+        self.llm.close() if hasattr(self.llm, "close") else None

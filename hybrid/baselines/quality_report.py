@@ -1,0 +1,98 @@
+"""Render quality records: one console line each, the markdown table, the bar chart."""
+from __future__ import annotations
+
+from pathlib import Path
+
+MIB = 2**20
+
+NOTES = """\
+How to read this table
+- Teacher-forced: the same token stream (tokenized once with `tokenizers`) is fed to every engine;
+  each chunk of n_ctx tokens starts from an empty KV cache.
+- Reference: llama.cpp (llama-cpp-python) on the Q8_0 GGUF of the same model.
+- Scoring exactly as llama.cpp `perplexity --kl-divergence`: only the second half of each chunk is
+  scored; reference log-probs stored as uint16 over [max-16, max]; KL sums tokens above the -16
+  floor; same-top compares argmaxes (first index on ties); ± is one standard error.
+- PPL is the candidate's perplexity on the scored tokens (the reference's is PPL(Q8_0)).
+- file = download size (GGUF file, or the checkpoint's safetensors); experts = bytes of all expert
+  tensors, i.e. the RAM needed to hold every expert as stored (hybrid never dequantizes them).
+- engine `hybrid` rows run through hybrid's runtime (`load_model(...).forward_logits`);
+  `gguf-<recipe>` rows are hybrid's own quantized weights re-packed into a GGUF and run by
+  llama.cpp (NVFP4 tensors bit-identical, GGML type 40 + per-tensor `.scale`), an engine A/B on
+  identical weights. llama.cpp's CPU backend multiplies NVFP4 (and Q*/IQ*) weights with
+  activations quantized to Q8_0/Q8_K; hybrid keeps activations in fp32 on CPU.
+- Flash attention is off in llama.cpp; its KV cache is F16.
+"""
+
+
+def one_line(r: dict) -> str:
+    return (f"{r['candidate']:>12} [{r['engine']}]  same-top {r['same_top_pct']:6.2f} ± {r['same_top_unc_pct']:.2f} %"
+            f"  KLD {r['mean_kld']:.5f} (p99 {r['p99_kld']:.5f})  PPL {r['ppl']:.3f}"
+            f"  file {r['file_bytes'] / MIB:.2f} MiB  experts {r['expert_bytes'] / MIB:.2f} MiB")
+
+
+def _row(r: dict) -> str:
+    return (f"| {r['candidate']} | {r['engine']} | {r['same_top_pct']:.2f} ± {r['same_top_unc_pct']:.2f} "
+            f"| {r['mean_kld']:.5f} ± {r['mean_kld_unc']:.5f} | {r['p99_kld']:.5f} | {r['ppl']:.3f} "
+            f"| {r['file_bytes'] / MIB:.2f} | {r['expert_bytes'] / MIB:.2f} | {r['weights']} |")
+
+
+def markdown(records: list[dict]) -> str:
+    if not records:
+        return "(no candidates)\n"
+    r0 = records[0]
+    parity = r0["tokenizer_parity"]
+    lc = r0["llama_cpp"]
+    by_class = sorted({c for r in records for c in r["same_top_by_class"]})
+    lines = [
+        "# Quality vs Q8_0: same-top-token, KL divergence, perplexity", "",
+        f"- machine: {r0['machine']}",
+        f"- command: `{r0['command']}`",
+        f"- git: {r0['git_sha']}, {r0['time_utc']}",
+        f"- model: {r0['model']}; n_ctx {r0['n_ctx']}, {r0['chunks']} chunks, {r0['count']} scored tokens",
+        f"- llama-cpp-python {lc['llama_cpp_python']} (libllama {lc['libllama']}), NVFP4 type known: "
+        f"{lc['nvfp4']}; {lc['system']}",
+        f"- reference PPL(Q8_0): {r0['ppl_base']:.3f}; tokenizer parity llama.cpp vs tokenizers: "
+        + ", ".join(f"{c} {'ok' if ok else 'MISMATCH'}" for c, ok in parity.items()),
+        "",
+        "| candidate | engine | same-top % | mean KLD | p99 KLD | PPL | file MiB | experts MiB | weights |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *[_row(r) for r in records],
+        "",
+        "Same-top % by prompt class:", "",
+        "| candidate | " + " | ".join(by_class) + " |",
+        "|---|" + "---|" * len(by_class),
+        *[f"| {r['candidate']} | " + " | ".join(f"{r['same_top_by_class'].get(c, float('nan')):.1f}"
+                                                for c in by_class) + " |" for r in records],
+        "", NOTES,
+    ]
+    return "\n".join(lines)
+
+
+def chart(records: list[dict], path: Path) -> None:
+    """Bars: same-top % with ±1 s.e., and mean KLD (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [f"{r['candidate']} ({r['engine']})" for r in records]
+    y = range(len(records))
+    colors = ["tab:green" if r["engine"] == "hybrid" else "tab:blue" for r in records]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 0.45 * len(records) + 1.8), sharey=True)
+    a1.barh(y, [r["same_top_pct"] for r in records], xerr=[r["same_top_unc_pct"] for r in records],
+            color=colors, capsize=3)
+    lo = min(r["same_top_pct"] - r["same_top_unc_pct"] for r in records)
+    a1.set_xlim(max(0.0, lo - 5), 100.5)
+    a1.set_xlabel("same top token vs Q8_0 (%)")
+    a1.set_yticks(list(y), names)
+    a1.invert_yaxis()
+    a2.barh(y, [max(r["mean_kld"], 1e-7) for r in records], color=colors)
+    a2.set_xscale("log")
+    a2.set_xlabel("mean KL divergence vs Q8_0 (nats)")
+    r0 = records[0]
+    fig.suptitle(f"{r0['model']}: {r0['count']} scored tokens, git {r0['git_sha']}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,91 @@
+"""Result-record plumbing for the baseline benchmarks: machine, git sha, command, sizes, JSONL."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+MIB = 2**20
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10)
+        sha = out.stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine() -> str:
+    """One line: CPU model, cores, RAM, OS, python."""
+    cpu = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import psutil
+        ram = f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM"
+    except ImportError:
+        ram = "RAM ?"
+    return f"{cpu}, {os.cpu_count()} logical cores, {ram}, {platform.system()} {platform.release()}, " \
+           f"python {platform.python_version()}"
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name] + sys.argv[1:])
+
+
+def stamp() -> dict:
+    return {"time_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "git_sha": git_sha(), "machine": machine(), "command": command_line()}
+
+
+def append_jsonl(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for r in records:
+            f.write(json.dumps(r, sort_keys=True) + "\n")
+
+
+def folder_bytes(folder: Path) -> int:
+    """Download size of a HF checkpoint: its safetensors files."""
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+
+def _safetensors_entries(path: Path) -> dict:
+    with path.open("rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n))
+
+
+def checkpoint_expert_bytes(folder: Path) -> int:
+    """Bytes of every stored expert tensor (weights + scales) in a HF checkpoint."""
+    total = 0
+    for f in Path(folder).glob("*.safetensors"):
+        for name, meta in _safetensors_entries(f).items():
+            if name != "__metadata__" and ".mlp.experts." in name:
+                a, b = meta["data_offsets"]
+                total += b - a
+    return total
+
+
+def gguf_expert_bytes(path: Path) -> int:
+    """Bytes of the stacked expert tensors (blk.N.ffn_*_exps.*) in a GGUF."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return int(sum(t.n_bytes for t in reader.tensors if "_exps." in t.name))

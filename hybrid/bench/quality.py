@@ -1,0 +1,108 @@
+"""hybrid-bench quality: same-top-token %, KL and perplexity of quantizations vs the Q8_0 GGUF.
+
+One token stream (the fixed prompt set + held-out model text, tokenized once with `tokenizers`)
+is fed teacher-forced to every engine: llama-cpp-python for GGUFs, hybrid's runtime for hybrid's
+checkpoints. The reference is llama.cpp on the Q8_0 GGUF; scoring is llama.cpp's
+`--kl-divergence` (hybrid.metrics.kl). Writes results/quality.{md,jsonl,png}.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from hybrid.baselines import candidates as qc
+from hybrid.bench.prompts import all_texts
+from hybrid.errors import HybridError
+from hybrid.metrics.kl import BaseLogProbs, KLAccumulator, chunk_tokens, scored_rows
+
+HELP = "same-top-token %, KL divergence and perplexity vs the Q8_0 GGUF, llama.cpp-style"
+DEFAULT_AGAINST = "bf16,nvfp4,mixed,gguf-nvfp4,Q4_K_M,IQ4_XS,IQ3_S,MXFP4_MOE"
+REFERENCE = "Q8_0"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="tiny", help="model folder (BF16 safetensors) or 'tiny' (default)")
+    p.add_argument("--against", default=DEFAULT_AGAINST,
+                   help="comma list of candidates: hybrid recipes (bf16, nvfp4, mixed, fp8) run by hybrid; "
+                        "gguf-<recipe> = hybrid's weights exported to GGUF, run by llama.cpp; llama.cpp "
+                        f"types (Q8_0, Q4_K_M, IQ4_XS, IQ3_S, MXFP4_MOE, ...). Default: {DEFAULT_AGAINST}")
+    p.add_argument("--quick", action="store_true", help="CI size: n_ctx 64, one chunk per prompt class")
+    p.add_argument("--n-ctx", type=int, default=None, help="tokens per chunk (default 256, quick 64; "
+                   "capped at the model's context)")
+    p.add_argument("--out", default="results", help="folder for quality.md/.jsonl/.png (default results/)")
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+    p.add_argument("--work", default=None, help="folder for GGUFs and quantized checkpoints "
+                   "(reused when present; default: a temporary folder)")
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: its own)")
+
+
+def token_stream(src: Path, n_ctx: int, quick: bool) -> tuple[np.ndarray, list[str], dict[str, list[int]]]:
+    """Chunks int32 [C, n_ctx], the class of each chunk, and each text's token ids."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    ids = {c: tok.encode(t, add_special_tokens=False).ids for c, t in all_texts(src).items()}
+    chunks, classes = [], []
+    for c, t in ids.items():
+        ch = chunk_tokens(t, n_ctx)
+        ch = ch[:1] if quick else ch
+        chunks.extend(ch)
+        classes.extend([c] * len(ch))
+    if not chunks:
+        raise HybridError(f"no text class has {n_ctx} tokens; use a smaller --n-ctx")
+    return np.stack(chunks), classes, ids
+
+
+def score(cand: qc.Candidate, chunks: np.ndarray, classes: list[str], bases: list[BaseLogProbs]) -> dict:
+    """Feed every chunk to `cand`; llama.cpp statistics overall and same-top per class."""
+    rows = scored_rows(chunks.shape[1])
+    total, per_class = KLAccumulator(), {}
+    for chunk, cls, base in zip(chunks, classes, bases):
+        logits = cand.logits(chunk)[rows]                                     # [R, V]
+        nxt = chunk[rows.start + 1:]
+        total.add_rows(base, logits, nxt)
+        per_class.setdefault(cls, KLAccumulator()).add_rows(base, logits, nxt)
+    res = total.result().as_dict()
+    res["same_top_by_class"] = {c: round(a.result().same_top_pct, 3) for c, a in per_class.items()}
+    return res
+
+
+def run(args) -> int:
+    from hybrid.baselines import report
+    from hybrid.baselines import quality_report
+    from hybrid.model import resolve_model_path
+    from hybrid.model.config import ModelConfig
+
+    src = resolve_model_path(args.model)
+    cfg = ModelConfig.from_folder(src)
+    n_ctx = min(args.n_ctx or (64 if args.quick else 256), cfg.max_position_embeddings)
+    names = [n.strip() for n in args.against.split(",") if n.strip()]
+    with tempfile.TemporaryDirectory(prefix="hybrid-quality-") as tmp:
+        work = Path(args.work) if args.work else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        maker = qc.CandidateMaker(src, work, n_ctx, args.threads)
+        cands = [maker.make(n) for n in names]                       # fail fast on bad names
+        chunks, classes, ids = token_stream(src, n_ctx, args.quick)
+        ref = maker.make(REFERENCE)
+        parity = {c: ref.runner.tokenize(t) == ids[c] for c, t in all_texts(src).items()}
+        rows = scored_rows(n_ctx)
+        bases = [BaseLogProbs.from_logits(ref.logits(ch)[rows]) for ch in chunks]
+        stamp = report.stamp()
+        meta = {"model": str(args.model), "n_ctx": n_ctx, "chunks": len(chunks), "reference": REFERENCE,
+                "tokenizer_parity": parity, "quick": bool(args.quick), **qc.llama_info()}
+        records = []
+        for cand in cands:
+            rec = {**stamp, **meta, **cand.describe(), **score(cand, chunks, classes, bases)}
+            records.append(rec)
+            print(quality_report.one_line(rec), flush=True)
+            cand.close()
+    print(quality_report.markdown(records))
+    if not args.no_write:
+        out = Path(args.out)
+        report.append_jsonl(out / "quality.jsonl", records)
+        (out / "quality.md").write_text(quality_report.markdown(records))
+        quality_report.chart(records, out / "quality.png")
+        print(f"wrote {out / 'quality.md'}, {out / 'quality.jsonl'}, {out / 'quality.png'}")
+    return 0
