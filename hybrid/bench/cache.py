@@ -24,16 +24,20 @@ ROWS = ("lru", "lfu-decay", "static", "ours", "belady")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", required=True, metavar="FILE", help="routing trace (JSONL) from hybrid-run --trace")
+    p.add_argument("--trace", required=True, metavar="FILE",
+                   help="routing trace (JSONL) from hybrid-run --trace")
     p.add_argument("--slots", default=None, metavar="N,N,...",
                    help="slots per layer to try (default: top_k, 2x, 4x, ... up to the expert count)")
     p.add_argument("--profile", metavar="FILE", help="expert-popularity profile (<model>.experts.json) "
                    "for the static row and the warm start of ours")
     p.add_argument("--budget-experts", type=int, default=None, metavar="N",
                    help="promotions allowed per step over all layers (default: unbounded)")
-    p.add_argument("--half-life", type=float, default=OURS["half_life"], help="ours: score half-life in steps")
-    p.add_argument("--margin", type=float, default=OURS["margin"], help="ours: promotion margin (in uses)")
-    p.add_argument("--json", action="store_true", help="print one JSON record per (policy, slots) instead of a table")
+    p.add_argument("--half-life", type=float, default=OURS["half_life"],
+                   help="ours: score half-life in steps (default %(default)s)")
+    p.add_argument("--margin", type=float, default=OURS["margin"],
+                   help="ours: promotion margin, in uses (default %(default)s)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON record per (policy, slots) instead of a table")
 
 
 def slot_counts(arg: str | None, trace: Trace) -> list[int]:
@@ -72,8 +76,9 @@ def run(args) -> int:
     profile = load_profile(args.profile) if args.profile else None
     if profile is not None and (profile.num_layers, profile.num_experts) != (
             trace.header.num_layers, trace.header.num_experts):
-        raise HybridError(f"{args.profile}: profile is {profile.num_layers} layers x {profile.num_experts} "
-                          f"experts, trace {args.trace} is {trace.header.num_layers} x {trace.header.num_experts}")
+        raise HybridError(f"{args.profile}: profile is {profile.num_layers} layers x "
+                          f"{profile.num_experts} experts, trace {args.trace} is "
+                          f"{trace.header.num_layers} x {trace.header.num_experts}")
     if trace.header.cards and not args.json:
         bad = verify(trace)
         print(f"run replay: {'matches the recorded hits' if not bad else bad[0]}")
