@@ -445,3 +445,20 @@ def test_bad_profile_file(tmp_path):
         load_profile(str(f))
     with pytest.raises(ProfileError, match=r"nothere.json: no such profile file"):
         load_profile(str(tmp_path / "nothere.json"))
+
+
+def test_cli_finds_expert_popularity(tiny_dir, tmp_path, monkeypatch, capsys):
+    """profiles/<model folder>.experts.json in the working directory is picked up by name."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "rig.json").write_text(json.dumps(profile_dict()))
+    counts = [[90, 10, 0, 0, 0, 0, 0, 0]] * 4                           # 50 tokens x top-2
+    (tmp_path / "profiles" / f"{tiny_dir.name}.experts.json").write_text(json.dumps(
+        {"schema": 1, "kind": "expert-popularity", "model": tiny_dir.name, "model_type": "qwen3_moe",
+         "num_layers": 4, "num_experts": 8, "top_k": 2, "tokens": 50, "counts": counts}))
+    args = ["--model", str(tiny_dir), "--profile", "rig", "--layer-split", "2", "--json"]
+    assert plan_main([*args, "--cache-slots", "2"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["inputs"]["experts_profile"].endswith(f"{tiny_dir.name}.experts.json")
+    assert d["cards"][0]["slots_per_layer"] == [1, 1]                    # layer 0 and 1 each get expert 0
+    assert d["prediction"]["hit_rate"] == pytest.approx(0.9)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hybrid.cli.common import EXIT_USER_ERROR, add_debug_flag, run_cli
 from hybrid.errors import HybridError, PlanError
-from hybrid.planner import (ModelBytes, PlanRequest, find_popularity, load_popularity, load_profile,
+from hybrid.planner import (ModelBytes, Plan, PlanRequest, find_popularity, load_popularity, load_profile,
                             make_plan)
 from hybrid.planner.memory import KV_DTYPES
 from hybrid.planner.model_bytes import ASSUMED_QUANTS
@@ -26,10 +26,9 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(EXIT_USER_ERROR)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="hybrid-plan", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model folder")
-    p.add_argument("--profile", required=True, metavar="NAME|FILE",
+def add_plan_arguments(p: argparse.ArgumentParser, profile_required: bool = True) -> None:
+    """The placement flags shared by hybrid-plan and hybrid-run (read back by request_from_args)."""
+    p.add_argument("--profile", required=profile_required, metavar="NAME|FILE",
                    help="hardware profile: a name in profiles/ (e.g. v100x2-e5v4, h200) or a .json path")
     p.add_argument("--layer-split", default="auto", metavar="N|auto",
                    help="layers [0,N) on the first card, [N,L) on the next (comma list for more cards); "
@@ -45,13 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="VRAM each card may use, GiB (one value or one per card); default: the GPU's "
                         "memory shared among its logical cards")
     p.add_argument("--pcie-frac", type=float, default=0.1, metavar="F",
-                   help="fraction of the PCIe link promotions may use (default 0.1)")
+                   help="fraction of the PCIe link promotions may use, 0..0.9 (default 0.1)")
     p.add_argument("--context", type=int, default=1024, metavar="T",
                    help="context length the tok/s prediction is for (default 1024, capped at --kv-resident)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="prefill chunk tokens, sizes the workspace")
     p.add_argument("--experts", default=None, metavar="FILE",
                    help="expert-popularity profile (default: profiles/<model folder name>.experts.json if present; "
                         "else uniform routing)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="hybrid-plan", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model folder")
+    add_plan_arguments(p)
     p.add_argument("--assume-quant", default="nvfp4", choices=ASSUMED_QUANTS,
                    help="quantization assumed when the folder has only config.json (default nvfp4)")
     p.add_argument("--per-layer", action="store_true", help="also print the per-layer prediction")
@@ -93,12 +98,13 @@ def request_from_args(args, num_gpus: int) -> PlanRequest:
                        context=args.context, prefill_chunk=args.prefill_chunk)
 
 
-def plan_from_args(args):
+def plan_from_args(args) -> Plan:
+    """The Plan for --model and the placement flags (loads headers and profiles, no weights)."""
     model = Path(args.model)
     if not model.is_dir():
         raise HybridError(f"--model {args.model}: no such folder")
     prof = load_profile(args.profile)
-    mb = ModelBytes.from_folder(model, assume=args.assume_quant)
+    mb = ModelBytes.from_folder(model, assume=getattr(args, "assume_quant", None))
     experts = Path(args.experts) if args.experts else find_popularity(model)
     pop = load_popularity(experts, mb.config) if experts else None
     req = request_from_args(args, len(prof.gpus))

@@ -260,19 +260,18 @@ def profile_dirs() -> list[Path]:
     return out
 
 
-def find_profile_file(name_or_file: str, suffix: str = ".json") -> Path:
-    """A path to an existing file, or a name looked up as NAME+suffix in profile_dirs()."""
+def find_profile_file(name_or_file: str) -> Path:
+    """A path to an existing file, or a name looked up as NAME.json in profile_dirs()."""
     p = Path(name_or_file)
     if p.is_file():
         return p
     if p.suffix == ".json" or len(p.parts) > 1:
         raise ProfileError(f"{name_or_file}: no such profile file")
     for d in profile_dirs():
-        cand = d / f"{name_or_file}{suffix}"
+        cand = d / f"{name_or_file}.json"
         if cand.is_file():
             return cand
-    known = sorted({f.name[: -len(suffix)] for d in profile_dirs() for f in d.glob(f"*{suffix}")
-                    if not f.name.endswith(".experts.json") or suffix == ".experts.json"})
+    known = list_profiles()
     raise ProfileError(f"--profile {name_or_file}: no profile of that name; known: "
                        f"{', '.join(known) or 'none'} (or give a path to a .json file)")
 
