@@ -1,0 +1,96 @@
+"""Fused SwiGLU experts over an arena of prepacked weights: out += w * down(silu(gate x) * up x).
+
+One expert slot in the arena (byte offsets from cpu/layout.py, R rows per tile):
+    gate_up: NTI tile pairs [gate tile t | up tile t]      (weights [I, H], K = H)
+    down:    NTH tiles                                      (weight  [H, I], K = I)
+The two phases are separate calls so that threads can split rows with a barrier between them:
+    phase 1 `experts_gate_up`: work units (expert e, I-tile t), e-major, any split is race-free
+    phase 2 `experts_down`:    H-tiles [t0, t1) of every listed expert (a thread owns its columns)
+
+Legend: T tokens, H hidden, I intermediate (Ipad = NTI * R), E listed experts,
+P = Σ_e rows of expert e (token rows concatenated: rows[ptr[e]:ptr[e+1]]).
+Inputs:  qkind NVFP4=0 | FP8=1, arena u8 [*], gu_off/dn_off i64 [E] byte offsets,
+         scl f32 [E, 3] global scales (gate, up, down), x f32 [T, H], rows i64 [P],
+         ptr i64 [E + 1], w f32 [P] routing weights; h f32 [P, Ipad] scratch; out f32 [T, H].
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from cpu.gemm import FP8_FACTOR, MB, NVFP4_FACTOR, scratch
+from cpu.layout import GROUP
+from cpu.tiles import JIT, fp8_tile, nvfp4_tile
+
+NVFP4, FP8 = 0, 1
+
+
+@njit(**JIT)
+def tile_nbytes(qkind, k, R):
+    """Bytes of one R-row tile of a weight with k in-features."""
+    return (k // GROUP) * 9 * R if qkind == NVFP4 else k * R
+
+
+@njit(**JIT)
+def _tile(qkind, arena, base, k, x, rows, p0, p1, acc, accg, dec):
+    R = acc.shape[1]
+    if qkind == NVFP4:
+        g = k // GROUP
+        nvfp4_tile(arena[base: base + g * 9 * R].reshape((g, 9, R)), x, rows, p0, p1, acc, accg, dec)
+    else:
+        fp8_tile(arena[base: base + k * R].reshape((k, R)), x, rows, p0, p1, acc, accg, dec)
+
+
+@njit(**JIT)
+def experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, u0, u1, h, H, I, R):
+    """Phase 1, units [u0, u1): h[p, t*R:(t+1)*R] = silu(gate) * up for the expert's rows p."""
+    nti = (I + R - 1) // R
+    tb = tile_nbytes(qkind, H, R)
+    fac = NVFP4_FACTOR if qkind == NVFP4 else FP8_FACTOR
+    acc_g, accg, dec = scratch(R)
+    acc_u = np.empty_like(acc_g)
+    for u in range(u0, u1):
+        e, t = u // nti, u % nti
+        base = gu_off[e] + 2 * t * tb
+        cg, cu = scl[e, 0] * fac, scl[e, 1] * fac
+        for b0 in range(ptr[e], ptr[e + 1], MB):
+            b1 = min(ptr[e + 1], b0 + MB)
+            _tile(qkind, arena, base, H, x, rows, b0, b1, acc_g, accg, dec)        # [m, R]
+            _tile(qkind, arena, base + tb, H, x, rows, b0, b1, acc_u, accg, dec)   # [m, R]
+            for m in range(b1 - b0):
+                for r in range(R):
+                    g = acc_g[m, r] * cg
+                    h[b0 + m, t * R + r] = g / (np.float32(1.0) + math.exp(-g)) * (acc_u[m, r] * cu)
+
+
+@njit(**JIT)
+def experts_down(qkind, arena, dn_off, scl, h, rows, ptr, w, t0, t1, out, H, I, R):
+    """Phase 2, H-tiles [t0, t1): out[rows[p], cols] += w[p] * down(h[p]) for every listed expert."""
+    tb = tile_nbytes(qkind, I, R)
+    fac = NVFP4_FACTOR if qkind == NVFP4 else FP8_FACTOR
+    hrows = np.arange(h.shape[0])
+    acc, accg, dec = scratch(R)
+    for t in range(t0, t1):
+        n0 = t * R
+        nr = min(R, H - n0)
+        for e in range(len(ptr) - 1):
+            cd = scl[e, 2] * fac
+            for b0 in range(ptr[e], ptr[e + 1], MB):
+                b1 = min(ptr[e + 1], b0 + MB)
+                _tile(qkind, arena, dn_off[e] + t * tb, I, h, hrows, b0, b1, acc, accg, dec)
+                for m in range(b1 - b0):
+                    tok, wm = rows[b0 + m], w[b0 + m] * cd
+                    for r in range(nr):
+                        out[tok, n0 + r] += wm * acc[m, r]
+
+
+@njit(**JIT)
+def experts_forward(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R):
+    """Both phases on the calling thread: out[T, H] += Σ_e w * expert_e(x[rows_e])."""
+    nti = (I + R - 1) // R
+    nth = (H + R - 1) // R
+    h = np.empty((rows.shape[0], nti * R), np.float32)
+    experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, 0, (len(ptr) - 1) * nti, h, H, I, R)
+    experts_down(qkind, arena, dn_off, scl, h, rows, ptr, w, 0, nth, out, H, I, R)

@@ -1,0 +1,95 @@
+"""Kernel layouts of one linear weight [N, K], prepacked once at load (cpu/ kernels read only these).
+
+Rows are cut into tiles of R = 64 output features (the last tile zero-padded); each tile is one
+contiguous run of bytes, so a worker that owns a range of tiles streams memory linearly.
+
+NVFP4 tile  u8 [G, 9, R]   (G = K / 16 groups)
+    [g, j, r]  j < 8: elements 16g+2j (lo) and 16g+2j+1 (hi) of row r, re-coded as
+               bit 7 sign_hi | bit 6 sign_lo | bits 5..3 mag_hi | bits 2..0 mag_lo
+               (ModelOpt: low nibble = element 2j, bit 3 of a nibble = sign)
+    [g, 8, r]  the row's e4m3 block scale of group g
+    value = E2M1 * e4m3(scale) * weight_scale_2        (weight_scale_2 kept outside, fp32)
+FP8 tile    u8 [K, R]      [k, r] = e4m3 bits of W[r, k]; value = e4m3 * weight_scale
+
+Legend: N out features, K in features, R rows per tile, NT = ceil(N / R) tiles.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+R = 64        # output rows per tile
+GROUP = 16    # NVFP4 elements per block scale
+
+
+def num_tiles(n: int) -> int:
+    return -(-n // R)
+
+
+def nvfp4_nbytes(n: int, k: int) -> int:
+    """Bytes of the NVFP4 tile layout of an [n, k] weight (padding included)."""
+    _check_k(k)
+    return num_tiles(n) * (k // GROUP) * 9 * R
+
+
+def fp8_nbytes(n: int, k: int) -> int:
+    _check_k(k)
+    return num_tiles(n) * k * R
+
+
+def _check_k(k: int) -> None:
+    if k % GROUP:
+        raise ValueError(f"in-features {k} must be a multiple of {GROUP}")
+
+
+def _recode_table() -> np.ndarray:
+    """ModelOpt byte (lo nibble | hi nibble << 4) -> kernel byte (see module docstring)."""
+    b = np.arange(256, dtype=np.uint16)
+    lo, hi = b & 0xF, b >> 4
+    out = ((hi & 8) << 4) | ((lo & 8) << 3) | ((hi & 7) << 3) | (lo & 7)
+    return out.astype(np.uint8)
+
+
+RECODE = _recode_table()
+
+
+def pack_nvfp4(data: np.ndarray, scale: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """ModelOpt data u8 [N, K/2] + scale bits u8 [N, K/16] -> tiles u8 [NT, G, 9, R].
+
+    Writes into `out` (any contiguous u8 buffer of nvfp4_nbytes) when given: no second copy.
+    """
+    n, half_k = data.shape
+    k = half_k * 2
+    nt, g = num_tiles(n), k // GROUP
+    if scale.shape != (n, g):
+        raise ValueError(f"NVFP4 scale shape {scale.shape} != {(n, g)}")
+    tiles = _out(out, (nt, g, 9, R), nvfp4_nbytes(n, k))
+    # [N, G, 8] -> [NT, R, G, 8] -> [NT, G, 8, R]
+    for t in range(nt):
+        rows = slice(t * R, min(n, (t + 1) * R))
+        m = rows.stop - rows.start
+        tiles[t, :, :8, :m] = RECODE[data[rows].reshape(m, g, 8)].transpose(1, 2, 0)
+        tiles[t, :, 8, :m] = scale[rows].T
+        tiles[t, :, :, m:] = 0
+    return tiles
+
+
+def pack_fp8(data: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """e4m3 bits u8 [N, K] -> tiles u8 [NT, K, R]."""
+    n, k = data.shape
+    nt = num_tiles(n)
+    tiles = _out(out, (nt, k, R), fp8_nbytes(n, k))
+    for t in range(nt):
+        rows = slice(t * R, min(n, (t + 1) * R))
+        m = rows.stop - rows.start
+        tiles[t, :, :m] = data[rows].T
+        tiles[t, :, m:] = 0
+    return tiles
+
+
+def _out(out, shape, nbytes):
+    if out is None:
+        return np.empty(shape, dtype=np.uint8)
+    if out.dtype != np.uint8 or out.size != nbytes or not out.flags.c_contiguous:
+        raise ValueError(f"output buffer must be contiguous u8 of {nbytes} bytes, "
+                         f"got {out.dtype} {out.size}")
+    return out.reshape(shape)

@@ -1,0 +1,205 @@
+"""CpuExpertRunner: a pool of worker threads that run the cpu/ expert kernels on the ExpertStore.
+
+    handle = runner.submit(layer, expert_ids, token_rows, route_weights, x)   # returns at once
+    y = runner.sync(handle)                                                   # [T, H] f32
+
+y = Σ over listed experts of weight * down(silu(gate(x_rows)) * up(x_rows)), scattered into the
+token rows (untouched rows are 0).  Every worker takes a slice of every expert's rows: phase 1
+splits (expert, I-tile) units, a barrier, phase 2 splits H-tiles.  The kernels release the GIL
+(numba nogil), so the thread that submitted keeps running Python/GPU work meanwhile.
+Each output element is computed by one worker in a fixed order, so the result does not depend
+on the thread count.
+
+Legend: T tokens, H hidden, I intermediate, E listed experts, P = Σ_e rows of expert e.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cpu import layout
+from cpu.expert import experts_down, experts_gate_up
+
+
+def physical_cores() -> int:
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)
+    except ImportError:
+        n = None
+    return n or os.cpu_count() or 1
+
+
+@dataclass
+class Work:
+    """One submitted call: the kernel inputs (see cpu/expert.py) and the hand-off state."""
+
+    ids: np.ndarray           # i64 [E]
+    rows: np.ndarray          # i64 [P]
+    ptr: np.ndarray           # i64 [E + 1]
+    w: np.ndarray             # f32 [P]
+    x: np.ndarray             # f32 [T, H]
+    out: np.ndarray           # f32 [T, H]
+    h: np.ndarray             # f32 [P, Ipad]
+    slots: tuple              # gate_up offsets [E], down offsets [E], scales [E, 3]
+    units: list               # per worker (u0, u1) of phase 1 and (t0, t1) of phase 2
+    barrier: threading.Barrier | None = None
+    left: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class CpuExpertRunner:
+    """Worker pool over an ExpertStore; threads default to the physical core count."""
+
+    def __init__(self, store, threads: int | None = None):
+        self.store = store
+        self.threads = int(threads or physical_cores())
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self._queues = [queue.SimpleQueue() for _ in range(self.threads)]
+        self._workers = [threading.Thread(target=self._loop, args=(i,), daemon=True,
+                                          name=f"cpu-experts-{i}") for i in range(self.threads)]
+        for t in self._workers:
+            t.start()
+        self._closed = False
+        self._warm_up()
+
+    # --------------------------------------------------------------------- public
+    def submit(self, layer: int, expert_ids, token_rows, route_weights, x: np.ndarray) -> Work:
+        """expert_ids list[int] [E], token_rows list of int arrays, route_weights list of f32 arrays,
+        x [T, H] f32 -> handle.  (Also accepted: flat [A] arrays of (expert, token, weight) pairs.)"""
+        if self._closed:
+            raise RuntimeError("CpuExpertRunner is closed")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.store.hidden:
+            raise ValueError(f"x must be [T, {self.store.hidden}] f32, got {x.shape}")
+        ids, rows, ptr, w = _group(expert_ids, token_rows, route_weights, x.shape[0])
+        work = self._plan(layer, ids, rows, ptr, w, x)
+        if work.left == 0:
+            work.done.set()
+        for i, q in enumerate(self._queues[: work.left]):
+            q.put((work, i))
+        return work
+
+    def sync(self, handle: Work) -> np.ndarray:
+        """Wait for a submitted call -> out [T, H] f32."""
+        handle.done.wait()
+        if handle.error is not None:
+            raise handle.error
+        return handle.out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for q in self._queues:
+            q.put(None)
+        for t in self._workers:
+            t.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --------------------------------------------------------------------- internals
+    def _plan(self, layer, ids, rows, ptr, w, x) -> Work:
+        s, R = self.store, self.store.R
+        nti, nth = layout.num_tiles(s.inter), layout.num_tiles(s.hidden)
+        out = np.zeros_like(x)
+        h = np.empty((rows.shape[0], nti * R), np.float32)
+        work = Work(ids, rows, ptr, w, x, out, h, s.slots(layer, ids), [])
+        if rows.shape[0] == 0:
+            return work
+        n = self.threads
+        p1, p2 = _split(len(ids) * nti, n), _split(nth, n)
+        work.units = list(zip(p1, p2))
+        work.left = n
+        work.barrier = threading.Barrier(n)
+        return work
+
+    def _warm_up(self) -> None:
+        """Compile (or load from numba's cache) both phases for these argument types, on no work."""
+        s = self.store
+        x = np.zeros((1, s.hidden), np.float32)
+        rows, ptr, w = np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.float32)
+        gu, dn, scl = s.slots(0, [])
+        h = np.zeros((0, layout.num_tiles(s.inter) * s.R), np.float32)
+        experts_gate_up(s.qkind, s.arena.array, gu, scl, x, rows, ptr, 0, 0, h, s.hidden, s.inter, s.R)
+        experts_down(s.qkind, s.arena.array, dn, scl, h, rows, ptr, w, 0, 0, x, s.hidden, s.inter, s.R)
+
+    def _loop(self, i: int) -> None:
+        q = self._queues[i]
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            work, k = item
+            try:
+                self._run(work, k)
+            finally:
+                with work.lock:
+                    work.left -= 1
+                    if work.left == 0:
+                        work.done.set()
+
+    def _run(self, work: Work, k: int) -> None:
+        s = self.store
+        arena, kind, H, I, R = s.arena.array, s.qkind, s.hidden, s.inter, s.R
+        gu, dn, scl = work.slots
+        (u0, u1), (t0, t1) = work.units[k]
+        try:
+            experts_gate_up(kind, arena, gu, scl, work.x, work.rows, work.ptr, u0, u1, work.h, H, I, R)
+        except BaseException as exc:            # noqa: BLE001 - handed to sync()
+            work.error = exc
+            work.barrier.abort()
+        try:
+            work.barrier.wait()
+        except threading.BrokenBarrierError:
+            return
+        try:
+            experts_down(kind, arena, dn, scl, work.h, work.rows, work.ptr, work.w, t0, t1, work.out, H, I, R)
+        except BaseException as exc:            # noqa: BLE001
+            work.error = exc
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    """[0, n) into `parts` contiguous ranges whose sizes differ by at most one."""
+    edges = [n * i // parts for i in range(parts + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _group(expert_ids, token_rows, route_weights, T: int):
+    """-> ids i64 [E], rows i64 [P], ptr i64 [E + 1], w f32 [P] (rows of entry e: ptr[e]:ptr[e+1])."""
+    flat = isinstance(token_rows, np.ndarray) and token_rows.ndim == 1 and token_rows.dtype.kind in "iu"
+    if flat:                                    # [A] pairs -> grouped by expert, first-seen order
+        e = np.asarray(expert_ids, dtype=np.int64)
+        order = np.argsort(e, kind="stable")
+        ids, counts = np.unique(e[order], return_counts=True)
+        rows = np.asarray(token_rows, dtype=np.int64)[order]
+        w = np.asarray(route_weights, dtype=np.float32)[order]
+    else:
+        if not len(expert_ids) == len(token_rows) == len(route_weights):
+            raise ValueError("expert_ids, token_rows and route_weights must have one entry per expert")
+        ids = np.asarray(list(expert_ids), dtype=np.int64)
+        parts = [np.asarray(r, dtype=np.int64).reshape(-1) for r in token_rows]
+        wparts = [np.asarray(v, dtype=np.float32).reshape(-1) for v in route_weights]
+        for e, r, v in zip(ids.tolist(), parts, wparts):
+            if r.shape != v.shape:
+                raise ValueError(f"expert {e}: {r.size} token rows but {v.size} route weights")
+        counts = np.array([r.size for r in parts], dtype=np.int64)
+        rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        w = np.concatenate(wparts) if wparts else np.zeros(0, np.float32)
+    if rows.size and (rows.min() < 0 or rows.max() >= T):
+        raise ValueError(f"token rows must lie in [0, {T})")
+    ptr = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum(counts, out=ptr[1:])
+    return ids, np.ascontiguousarray(rows), ptr, np.ascontiguousarray(w)
