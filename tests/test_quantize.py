@@ -382,11 +382,12 @@ def test_bad_missing_shard(capsys, tmp_path):
     expect_error(capsys, src, tmp_path / "dst", match=r"model-00002-of-00002\.safetensors: shard listed")
 
 
-def test_bad_nan_weights_found_mid_write_leave_nothing(capsys, src, tmp_path):
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_bad_nan_weights_found_mid_write_leave_nothing(capsys, src, tmp_path, bad):
     """The NaN sits in the last layer: shards were already written when it is found."""
     def poison(sd):
         sd[EXPERT] = sd[EXPERT].clone()
-        sd[EXPERT][3, 5] = float("nan")
+        sd[EXPERT][3, 5] = bad
     rewrite(src, poison)
     expect_error(capsys, src, tmp_path / "dst", "--shard-size", "0.02",
                  match=rf"model\.safetensors: tensor {re.escape(EXPERT)} contains NaN")

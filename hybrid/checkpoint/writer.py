@@ -20,6 +20,7 @@ Every other tensor (norms, embeddings, router, biases, excluded Linears) is copi
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -104,12 +105,13 @@ class SourceModel:
         return n
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor, checked finite (NaN / Inf weights are refused)."""
+        """The tensor, checked finite (NaN / Inf weights are refused; aminmax propagates NaN and is
+        ~10x faster than isfinite on bf16)."""
         try:
             t = self._open(self.where[name]).get_tensor(name)
         except Exception as exc:
             raise CheckpointError(f"{self.path(name)}: cannot read tensor {name} ({exc})") from None
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and t.numel() and not all(map(math.isfinite, torch.aminmax(t))):
             raise CheckpointError(f"{self.path(name)}: tensor {name} contains NaN or Inf values; "
                                   "expected finite weights")
         return t
