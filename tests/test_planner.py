@@ -462,3 +462,14 @@ def test_cli_finds_expert_popularity(tiny_dir, tmp_path, monkeypatch, capsys):
     assert d["inputs"]["experts_profile"].endswith(f"{tiny_dir.name}.experts.json")
     assert d["cards"][0]["slots_per_layer"] == [1, 1]                    # layer 0 and 1 each get expert 0
     assert d["prediction"]["hit_rate"] == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_bf16_headers_equal_config_estimate(tmp_path, model_type):
+    """Every architecture's names are sorted into the right buckets (shared expert, biases, w1/w2/w3)."""
+    from hybrid.testing import write_random_model
+
+    mb = ModelBytes.from_folder(write_random_model(tmp_path, model_type, shards=2))
+    est = ModelBytes.from_config(mb.config, "bf16")
+    assert (mb.layer_dense, mb.experts, mb.embed, mb.lm_head, mb.final_norm, mb.other) == \
+           (est.layer_dense, est.experts, est.embed, est.lm_head, est.final_norm, 0)
