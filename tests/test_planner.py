@@ -473,3 +473,14 @@ def test_bf16_headers_equal_config_estimate(tmp_path, model_type):
     est = ModelBytes.from_config(mb.config, "bf16")
     assert (mb.layer_dense, mb.experts, mb.embed, mb.lm_head, mb.final_norm, mb.other) == \
            (est.layer_dense, est.experts, est.embed, est.lm_head, est.final_norm, 0)
+
+
+def test_tied_head_is_copied_to_the_last_card(tmp_path, prof):
+    from hybrid.testing import write_random_model
+
+    mb = ModelBytes.from_folder(write_random_model(tmp_path, "qwen3_moe", tie_word_embeddings=True))
+    assert mb.tied and mb.lm_head == 0 and mb.head_bytes == mb.embed
+    plan = make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(1,)))
+    assert plan.cards[1].dense_bytes == mb.layer_dense[1] + mb.embed + mb.final_norm
+    one = make_plan(mb, profile_from_dict(profile_dict(gpus=1)), PlanRequest(gpus=(0,), layer_split=()))
+    assert one.cards[0].dense_bytes == sum(mb.layer_dense) + mb.embed + mb.final_norm   # shared, not copied
