@@ -25,6 +25,9 @@ def run_cli(body: Callable[[argparse.Namespace], int | None], parser: argparse.A
             raise
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except BrokenPipeError:  # e.g. `hybrid-plan | head`
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
