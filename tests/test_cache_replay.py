@@ -77,6 +77,19 @@ def test_verify_reports_a_run_that_differs(tmp_path):
                                         f"{[h - (i == 2) for i, h in enumerate(rec['hits'])]}"]
 
 
+def test_replay_run_needs_the_runs_caches():
+    with pytest.raises(TraceError, match="routing-only"):
+        replay_run(synthetic_trace(2, 8, 2, 3))
+
+
+def test_prefill_chunks_count_one_request_per_expert(tmp_path):
+    tr = synthetic_trace(1, 8, 2, 2)
+    tr.steps[0] = StepRecord(0, [[[1, 2], [2, 3], [1, 3]]], phase="prefill")   # T=3
+    r = replay(read_trace(write_trace(tr, tmp_path / "t.jsonl")), "lru", 4)
+    assert r.caches[0].misses.sum() + r.caches[0].hits.sum() == 3 + len(set(tr.steps[1].ids.ravel()))
+    assert r.promotions[0].tolist() == [3]
+
+
 # ---- Belady ---------------------------------------------------------------------------------
 
 def brute_force_optimum(seq: list[set[int]], experts: int, slots: int) -> int:

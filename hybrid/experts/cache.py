@@ -17,7 +17,9 @@ Counting: one request = one expert of one layer in one lookup, however many of t
 route to it (that is what costs bytes); hits + misses == requests. Rules every policy obeys:
 only an expert the layer just missed can be promoted, an expert the layer uses in this step is
 never evicted (so the grouped kernel's slots and the promotions of the same layer never collide),
-and promotions of a step cost bytes_per_expert each, at most budget_bytes per step in all.
+and promotions of a step cost bytes_per_expert each, at most budget_bytes per step in all. The
+budget is spent in layer order, so a cold cache under a tight budget fills its front layers first.
+ids are host integers (numpy or CPU tensors), after the one device-to-host copy of the router ids.
 """
 from __future__ import annotations
 
@@ -192,15 +194,17 @@ class ExpertCache:
             raise RuntimeError("ExpertCache.lookup before begin_step")
         i = self._row_of(layer)
         ids = np.asarray(ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
+        used = sorted(set(ids.ravel().tolist()))       # [U] ascending
+        if used and (used[0] < 0 or used[-1] >= self.num_experts):
             raise ValueError(f"layer {layer}: routed ids outside 0..{self.num_experts - 1}")
         slots = self.table[i][ids]                     # [T, k]
-        used = sorted(set(ids.ravel().tolist()))       # [U] ascending
-        res = self._res[i]
+        res, hit_row, miss_row = self._res[i], self.hits[i], self.misses[i]
         hits = tuple(e for e in used if e in res)
         misses = tuple(e for e in used if e not in res)
-        self.hits[i, list(hits)] += 1
-        self.misses[i, list(misses)] += 1
+        for e in hits:
+            hit_row[e] += 1
+        for e in misses:
+            miss_row[e] += 1
         self.policy.touch(layer, used, self.step)
         self._used.setdefault(layer, set()).update(used)
         return Lookup(layer, slots, hits, misses, tuple(res[e] for e in hits))

@@ -118,11 +118,11 @@ class DecayedLFU(CachePolicy):
         return float(self.scores[layer][expert])
 
     def rank(self, layer: int, misses: Sequence[int]) -> list[int]:
-        s = self.scores[layer]
+        s = self.scores[layer].tolist()
         return sorted(misses, key=lambda e: (-s[e], e))
 
     def victim(self, layer: int, candidates: Sequence[int]) -> int:
-        s = self.scores[layer]
+        s = self.scores[layer].tolist()
         return min(candidates, key=lambda e: (s[e], e))
 
     def admit(self, layer: int, expert: int, victim: int | None) -> bool:
@@ -147,7 +147,7 @@ class LRU(CachePolicy):
         self.last_use[layer][list(used)] = step
 
     def victim(self, layer: int, candidates: Sequence[int]) -> int:
-        t = self.last_use[layer]
+        t = self.last_use[layer].tolist()
         return min(candidates, key=lambda e: (t[e], e))
 
 
@@ -171,7 +171,7 @@ class StaticPolicy(CachePolicy):
         pass
 
     def rank(self, layer: int, misses: Sequence[int]) -> list[int]:
-        c = self.profile.counts[layer]
+        c = self.profile.counts[layer].tolist()
         return sorted(misses, key=lambda e: (-c[e], e))
 
     def victim(self, layer: int, candidates: Sequence[int]) -> int:
