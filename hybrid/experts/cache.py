@@ -237,7 +237,8 @@ class ExpertCache:
     def promote(self, layer: int, expert: int) -> tuple[int, int | None]:
         """Force expert into a slot now (free slot first, else the policy's victim): (slot, evicted).
 
-        Charged to this step's budget like any promotion; the runtime copies the weights.
+        Charged to this step's budget like any promotion; the runtime copies the weights. A trace
+        does not record forced promotions: a run that calls this will not replay exactly.
         """
         if self.slot_of(layer, expert) is not None:
             raise ValueError(f"layer {layer}: expert {expert} is already resident")
