@@ -1,6 +1,10 @@
 import pytest
+import torch
 
 from hybrid.testing import write_random_model
+
+# Tests run many tiny ops: intra-op threads only add wake-up latency (and thrash on a busy CI box).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
