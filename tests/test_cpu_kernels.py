@@ -1,0 +1,211 @@
+"""cpu/ kernels against a float64 dequantize + matmul reference; the AVX2 (haswell) build check.
+
+Edge codes are forced into every weight: E2M1 ±0 and ±6, e4m3 scales 448 (largest), 2^-9
+(smallest subnormal), 2^-6 (smallest normal), 0; FP8 weights ±448, ±0 and the smallest subnormal.
+Tolerance: relative error (L2 over each output row) <= 1e-3.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from cpu import layout
+from cpu.expert import FP8, NVFP4, experts_forward
+from cpu.gemm import fp8_gemm, nvfp4_gemm
+from hybrid.checkpoint.formats import E2M1_TABLE, E4M3_TABLE, QType
+from hybrid.checkpoint.qweight import QWeight
+
+RTOL = 1e-3
+E2M1_64 = E2M1_TABLE.astype(np.float64)
+E4M3_64 = E4M3_TABLE.astype(np.float64)
+
+
+# ----------------------------------------------------------------------------- random weights
+def rand_nvfp4(n: int, k: int, rng) -> QWeight:
+    """NVFP4 [n, k] with edge codes: bytes 0x00 (+0,+0), 0x88 (-0,-0), 0x77 (6,6), 0xFF (-6,-6);
+    row 0 all-smallest scales (0x01 = 2^-9), row 1 all 448 (0x7E); 0x08 and 0x00 scattered."""
+    data = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+    data.flat[rng.choice(data.size, size=min(data.size, 64), replace=False)] = \
+        np.resize(np.array([0x00, 0x88, 0x77, 0xFF], np.uint8), min(data.size, 64))
+    scale = rng.integers(0x20, 0x60, size=(n, k // 16), dtype=np.uint8)
+    scale[0], scale[1 % n] = 0x01, 0x7E
+    scale.flat[rng.choice(scale.size, size=min(scale.size, 8), replace=False)] = \
+        np.resize(np.array([0x08, 0x00, 0x7E, 0x01], np.uint8), min(scale.size, 8))
+    s2 = np.float32(rng.uniform(1e-4, 1e-2))
+    return QWeight(QType.NVFP4, (n, k), torch.from_numpy(data),
+                   torch.from_numpy(scale).view(torch.float8_e4m3fn), torch.tensor(s2))
+
+
+def rand_fp8(n: int, k: int, rng) -> QWeight:
+    data = rng.integers(0, 0x7F, size=(n, k), dtype=np.uint8) | (rng.integers(0, 2, (n, k), dtype=np.uint8) << 7)
+    data.flat[rng.choice(data.size, size=6, replace=False)] = [0x7E, 0xFE, 0x00, 0x80, 0x01, 0x81]
+    return QWeight(QType.FP8, (n, k), torch.from_numpy(data).view(torch.float8_e4m3fn),
+                   torch.tensor(np.float32(rng.uniform(1e-4, 1e-2))))
+
+
+def ref_dequant(w: QWeight) -> np.ndarray:
+    """float64 [N, K] straight from the format definition (independent of the kernels)."""
+    if w.qtype is QType.NVFP4:
+        d = w.data.numpy()
+        codes = np.stack([d & 15, d >> 4], axis=-1).reshape(w.shape)
+        s = E4M3_64[w.scale.view(torch.uint8).numpy()]
+        return E2M1_64[codes] * np.repeat(s, 16, axis=1) * float(w.scale_2)
+    return E4M3_64[w.data.view(torch.uint8).numpy()] * float(w.scale)
+
+
+def packed(w: QWeight) -> np.ndarray:
+    if w.qtype is QType.NVFP4:
+        return layout.pack_nvfp4(w.data.numpy(), w.scale.view(torch.uint8).numpy())
+    return layout.pack_fp8(w.data.view(torch.uint8).numpy())
+
+
+def rel_err(y, ref) -> float:
+    """max over rows of ||y - ref|| / ||ref||."""
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    num = np.linalg.norm(y - ref, axis=-1)
+    den = np.maximum(np.linalg.norm(ref, axis=-1), 1e-300)
+    return float((num / den).max())
+
+
+def gemm(w: QWeight, x: np.ndarray, t0=0, t1=None) -> np.ndarray:
+    y = np.zeros((x.shape[0], w.shape[0]), np.float32)
+    t1 = layout.num_tiles(w.shape[0]) if t1 is None else t1
+    if w.qtype is QType.NVFP4:
+        nvfp4_gemm(packed(w), x, np.float32(w.scale_2), y, t0, t1)
+    else:
+        fp8_gemm(packed(w), x, np.float32(w.scale), y, t0, t1)
+    return y
+
+
+# ----------------------------------------------------------------------------- layout
+def test_recode_table_bit_exact():
+    """Kernel byte decodes (fp16 trick, as cpu/decode.py does) to the ModelOpt nibbles."""
+    k = layout.RECODE.astype(np.int32)
+    lo = ((k << 9) & 0x8E00).astype(np.uint16).view(np.float16).astype(np.float64) * 2**14
+    sx = np.where(k & 0x80, k | 0xFF00, k)
+    hi = ((sx << 6) & 0x8E00).astype(np.uint16).view(np.float16).astype(np.float64) * 2**14
+    b = np.arange(256)
+    assert np.array_equal(lo, E2M1_64[b & 15]) and np.array_equal(hi, E2M1_64[b >> 4])
+    assert np.array_equal(np.signbit(lo), np.signbit(E2M1_64[b & 15]))   # -0 kept
+
+
+def test_pack_nvfp4_places_rows_groups_and_scales():
+    rng = np.random.default_rng(1)
+    w = rand_nvfp4(70, 32, rng)                      # 2 tiles, the second padded
+    t = packed(w)
+    d, s = w.data.numpy(), w.scale.view(torch.uint8).numpy()
+    assert t.shape == (2, 2, 9, layout.R)
+    assert t[1, 1, 3, 69 - 64] == layout.RECODE[d[69, 8 + 3]]
+    assert t[0, 1, 8, 5] == s[5, 1]
+    assert not t[1, :, :, 6:].any()                  # padding rows are zero codes
+
+
+# ----------------------------------------------------------------------------- GEMM
+@pytest.mark.parametrize("qtype", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 8, 13, 40])
+def test_gemm_matches_float64_reference(qtype, M):
+    rng = np.random.default_rng(M)
+    N, K = 200, 256
+    w = rand_nvfp4(N, K, rng) if qtype == "nvfp4" else rand_fp8(N, K, rng)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[0, :16] = 0.0
+    ref = x.astype(np.float64) @ ref_dequant(w).T
+    assert rel_err(gemm(w, x).T, ref.T) <= RTOL      # per output feature, over tokens
+    assert rel_err(gemm(w, x), ref) <= RTOL          # per token
+
+
+@pytest.mark.parametrize("qtype", ["nvfp4", "fp8"])
+def test_gemm_tile_range_writes_only_its_rows(qtype):
+    rng = np.random.default_rng(7)
+    w = rand_nvfp4(192, 64, rng) if qtype == "nvfp4" else rand_fp8(192, 64, rng)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    full, part = gemm(w, x), gemm(w, x, 1, 2)
+    assert np.array_equal(part[:, 64:128], full[:, 64:128])
+    assert not part[:, :64].any() and not part[:, 128:].any()
+
+
+# ----------------------------------------------------------------------------- fused expert
+def ref_experts(ws, x, ids, rows, wts) -> np.ndarray:
+    out = np.zeros(x.shape, np.float64)
+    for e, r, v in zip(ids, rows, wts):
+        g, u, d = (ref_dequant(q) for q in ws[e])
+        xs = x[r].astype(np.float64)
+        a = xs @ g.T
+        silu = a * 0.5 * (1 + np.tanh(0.5 * a))                 # = a * sigmoid(a), no overflow
+        out[r] += v[:, None].astype(np.float64) * ((silu * (xs @ u.T)) @ d.T)
+    return out
+
+
+def arena_of(ws, H, I):
+    """Pack experts like ExpertStore does: [gate t | up t]... then down tiles, per expert."""
+    blobs, gu_off, dn_off, scl, pos = [], [], [], [], 0
+    for g, u, d in ws:
+        pg, pu, pd = packed(g), packed(u), packed(d)
+        gu = np.stack([pg.reshape(pg.shape[0], -1), pu.reshape(pu.shape[0], -1)], axis=1).ravel()
+        gu_off.append(pos)
+        dn_off.append(pos + gu.size)
+        pos += gu.size + pd.size
+        blobs += [gu, pd.ravel()]
+        scl.append([float(q.scale_2 if q.qtype is QType.NVFP4 else q.scale) for q in (g, u, d)])
+    return (np.concatenate(blobs), np.array(gu_off, np.int64), np.array(dn_off, np.int64),
+            np.array(scl, np.float32))
+
+
+@pytest.mark.parametrize("qtype", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("T", [1, 6, 40])
+def test_experts_forward_matches_reference(qtype, T):
+    rng = np.random.default_rng(T)
+    H, I, E = 128, 80, 3                              # I not a multiple of the 64-row tile
+    mk = rand_nvfp4 if qtype == "nvfp4" else rand_fp8
+    ws = [(mk(I, H, rng), mk(I, H, rng), mk(H, I, rng)) for _ in range(E)]
+    x = (rng.standard_normal((T, H)) * 30).astype(np.float32)
+    ids = [2, 0, 1]
+    rows = [np.sort(rng.choice(T, size=max(1, T - i), replace=False)) for i in range(3)]
+    wts = [rng.uniform(0.1, 1, r.size).astype(np.float32) for r in rows]
+    arena, gu, dn, scl = arena_of([ws[e] for e in ids], H, I)
+    ptr = np.concatenate([[0], np.cumsum([r.size for r in rows])]).astype(np.int64)
+    out = np.zeros((T, H), np.float32)
+    experts_forward(NVFP4 if qtype == "nvfp4" else FP8, arena, gu, dn, scl, x,
+                    np.concatenate(rows).astype(np.int64), ptr, np.concatenate(wts), out, H, I, layout.R)
+    ref = ref_experts(ws, x, ids, rows, wts)
+    assert rel_err(out, ref) <= RTOL
+
+
+# ----------------------------------------------------------------------------- AVX2 proof
+HASWELL_PROBE = r"""
+import numpy as np, re, json
+from cpu import tiles
+from cpu.gemm import scratch
+acc, accg, dec = scratch(64)
+x = np.ones((4, 32), np.float32); rows = np.arange(4)
+t4 = np.zeros((2, 9, 64), np.uint8); t8 = np.zeros((32, 64), np.uint8)
+tiles.nvfp4_tile(t4, x, rows, 0, 1, acc, accg, dec); tiles.nvfp4_tile(t4, x, rows, 0, 4, acc, accg, dec)
+tiles.fp8_tile(t8, x, rows, 0, 1, acc, accg, dec); tiles.fp8_tile(t8, x, rows, 0, 4, acc, accg, dec)
+out = {}
+for f in (tiles.nvfp4_tile_m1, tiles.nvfp4_tile_m4, tiles.fp8_tile_m1, tiles._dot16):
+    asm = "\n".join(f.inspect_asm(s) for s in f.signatures)
+    out[f.__name__] = dict(fma=len(re.findall(r"vfmadd\w*ps\s[^\n]*%ymm", asm)),
+                           cvt=len(re.findall(r"vcvtph2ps\s[^\n]*%ymm", asm)),
+                           zmm=len(re.findall(r"%zmm", asm)))
+print(json.dumps(out))
+"""
+
+
+def test_kernels_vectorize_for_haswell_avx2(tmp_path):
+    """Compile for -mcpu=haswell (no AVX-512): the hot loops use 256-bit FMAs and vcvtph2ps."""
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="",
+               NUMBA_CACHE_DIR=str(tmp_path))          # fresh cache: inspect_asm needs a compile
+    res = subprocess.run([sys.executable, "-c", HASWELL_PROBE], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+    stats = json.loads(res.stdout.strip().splitlines()[-1])
+    for name, s in stats.items():
+        assert s["zmm"] == 0, f"{name}: AVX-512 code in a haswell build"
+        assert s["fma"] >= 2, f"{name}: no 256-bit vfmadd (ymm) in the hot loop: {s}"
+    for name in ("nvfp4_tile_m1", "nvfp4_tile_m4", "fp8_tile_m1"):
+        assert stats[name]["cvt"] >= 2, f"{name}: decode not vectorized (no vcvtph2ps ymm)"

@@ -1,0 +1,90 @@
+"""CpuExpertRunner: submit/sync against a float64 reference, thread-count invariance, input forms."""
+import numpy as np
+import pytest
+
+from cpu import expert
+from hybrid.experts.cpu_runner import CpuExpertRunner, _split
+from hybrid.experts.store import ExpertStore
+from tests.test_cpu_kernels import RTOL, rand_fp8, rand_nvfp4, ref_experts, rel_err
+
+L, E, H, I = 2, 5, 192, 128
+
+
+@pytest.fixture(scope="module", params=["nvfp4", "fp8"])
+def store_and_weights(request):
+    rng = np.random.default_rng(3)
+    mk = rand_nvfp4 if request.param == "nvfp4" else rand_fp8
+    ws = {(l, e): (mk(I, H, rng), mk(I, H, rng), mk(H, I, rng)) for l in range(L) for e in range(E)}
+    s = ExpertStore.build(L, E, H, I, lambda l, e: ws[l, e], request.param, progress=False)
+    yield s, ws
+    s.close()
+
+
+def routing(T, rng, k=3):
+    """top-k routing of T tokens -> per-expert lists (expert ids, token rows, weights)."""
+    choice = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])      # [T, k]
+    wt = rng.uniform(0.05, 1, size=(T, k)).astype(np.float32)
+    ids = sorted(set(choice.ravel().tolist()))
+    rows = [np.nonzero((choice == e).any(1))[0] for e in ids]
+    wts = [wt[r, np.argmax(choice[r] == e, axis=1)] for e, r in zip(ids, rows)]
+    return ids, rows, wts
+
+
+@pytest.mark.parametrize("T", [1, 8, 37])
+def test_runner_matches_reference(store_and_weights, T):
+    s, ws = store_and_weights
+    rng = np.random.default_rng(T)
+    x = (rng.standard_normal((T, H)) * 20).astype(np.float32)
+    ids, rows, wts = routing(T, rng)
+    with CpuExpertRunner(s, threads=2) as runner:
+        y = runner.sync(runner.submit(1, ids, rows, wts, x))
+    ref = ref_experts({e: ws[1, e] for e in range(E)}, x, ids, rows, wts)
+    assert y.dtype == np.float32 and y.shape == (T, H)
+    assert rel_err(y, ref) <= RTOL
+
+
+def test_thread_counts_give_the_same_result(store_and_weights):
+    s, _ = store_and_weights
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((9, H)).astype(np.float32)
+    ids, rows, wts = routing(9, rng)
+    outs = []
+    for n in range(1, 6):
+        with CpuExpertRunner(s, threads=n) as runner:
+            outs.append(runner.sync(runner.submit(0, ids, rows, wts, x)))
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+def test_untouched_rows_are_zero_and_flat_pairs_match(store_and_weights):
+    s, _ = store_and_weights
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, H)).astype(np.float32)
+    ids, rows, wts = [4, 1], [np.array([0, 3]), np.array([3])], [np.array([.5, .25], np.float32), np.array([1.0], np.float32)]
+    with CpuExpertRunner(s, threads=3) as runner:
+        h1 = runner.submit(1, ids, rows, wts, x)
+        h2 = runner.submit(1, np.array([4, 1, 4], np.int32), np.array([0, 3, 3], np.int32),
+                           np.array([.5, 1.0, .25], np.float32), x)
+        y1, y2 = runner.sync(h1), runner.sync(h2)
+        empty = runner.sync(runner.submit(1, [], [], [], x))
+    assert not y1[[1, 2, 4, 5]].any() and y1[[0, 3]].any()
+    assert rel_err(y1, y2) <= 1e-5                    # same sum, experts in another order
+    assert not empty.any()
+
+
+def test_bad_inputs_raise(store_and_weights):
+    s, _ = store_and_weights
+    x = np.zeros((2, H), np.float32)
+    with CpuExpertRunner(s, threads=1) as runner:
+        with pytest.raises(ValueError, match="token rows"):
+            runner.submit(0, [1], [np.array([2])], [np.array([1.0])], x)
+        with pytest.raises(IndexError):
+            runner.submit(0, [E], [np.array([0])], [np.array([1.0])], x)
+        with pytest.raises(ValueError, match=r"\[T, 192\]"):
+            runner.submit(0, [1], [np.array([0])], [np.array([1.0])], np.zeros((2, 7), np.float32))
+
+
+def test_kernels_release_the_gil_and_split_is_even():
+    for f in (expert.experts_gate_up, expert.experts_down):
+        assert f.targetoptions.get("nogil") is True
+    assert _split(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert _split(2, 4) == [(0, 0), (0, 1), (1, 1), (1, 2)]
