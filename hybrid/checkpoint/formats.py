@@ -23,7 +23,6 @@ E4M3_MAX = 448.0
 # E2M1 magnitudes by the 3 low bits; bit 3 is the sign.
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_TABLE = np.array(list(E2M1_MAGNITUDES) + [-v for v in E2M1_MAGNITUDES], dtype=np.float32)
-_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
 
 
 class QType(enum.Enum):
@@ -107,14 +106,15 @@ def dequant_fp8(weight: torch.Tensor, weight_scale: torch.Tensor | float) -> tor
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """float32 -> E2M1 codes (uint8), round half to even, saturating at +-6."""
+    """float32 -> E2M1 codes (uint8), round half to even, saturating at +-6.
+
+    The grid has step 0.5 below 2, 1 below 4 and 2 up to 6; torch.round is half-to-even.
+    """
     a = x.abs().clamp(max=E2M1_MAX)
-    mids = _E2M1_MIDPOINTS.to(a.device)
-    code = torch.bucketize(a, mids, right=False)        # count of midpoints < a
-    tie = (code < len(mids)) & (a == mids[code.clamp(max=len(mids) - 1)])
-    code = code + (tie & (code % 2 == 1)).to(code.dtype)  # ties go to the even code
-    sign = (torch.signbit(x) & (code > 0)).to(torch.uint8) << 3
-    return code.to(torch.uint8) | sign
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    v = torch.round(a / step) * step
+    code = torch.where(v <= 2, v * 2, torch.where(v == 3, 5.0, torch.where(v == 4, 6.0, 7.0))).to(torch.uint8)
+    return code | ((torch.signbit(x) & (code > 0)).to(torch.uint8) << 3)
 
 
 def nvfp4_global_scale(amax: float) -> float:
