@@ -4,7 +4,8 @@ Legend: T tokens, H hidden, I expert intermediate, A (token, expert) pairs that 
 The ExpertCache hands out card-global slot ids (each layer owns a contiguous block). Storage is
 grouped by weight type: quantized experts (NVFP4/FP8) go to hybrid.kernels.QPNExpertSlots and run
 through the grouped qpn_moe kernel (its torch reference on CPU tensors); dense experts (BF16/FP16
-checkpoints) go to TorchExpertSlots, which runs them through the reference linear path.
+checkpoints, or shapes the kernels cannot take) go to TorchExpertSlots, which runs them through
+the reference linear path. Each layer has its own storage, indexed from 0.
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ class QPNSlots:
     def moe(self, x: torch.Tensor, slot_ids, token_idx, route_w) -> torch.Tensor:
         from hybrid.kernels import qpn_moe
 
-        return qpn_moe(x.to(torch.float16) if x.is_cuda else x, self.slots, slot_ids.int(),
-                       token_idx.int(), route_w.float())
+        return qpn_moe(x.to(torch.float16), self.slots, slot_ids.int(), token_idx.int(),
+                       route_w.float())
 
 
 def kernels_available() -> bool:
@@ -74,42 +75,34 @@ class CardSlots:
     """All slot storage of one card, addressed by the cache's card-global slot ids.
 
     layer_slots: {layer: (first global slot, slot count)} as the ExpertCache lays them out;
-    qtypes: {layer: expert weight QType}. Layers of one qtype share one storage group.
+    qtypes: {layer: expert weight QType}. Each layer gets its own storage (the grouped kernel's
+    grid then spans only that layer's slots); a layer with 0 slots gets none.
     """
 
     def __init__(self, device: torch.device, layer_slots: dict[int, tuple[int, int]],
                  qtypes: dict[int, object], hidden: int, inter: int, use_kernels: bool = True):
         self.device = torch.device(device)
         self.layer_slots = dict(layer_slots)
-        self._group: dict[int, object] = {}
-        self._local: dict[int, int] = {}         # layer -> first local slot in its group
-        by_type: dict[object, list[int]] = {}
-        for layer in sorted(layer_slots):
-            by_type.setdefault(qtypes[layer], []).append(layer)
-        for qtype, layers in by_type.items():
-            n, base = 0, {}
-            for l in layers:
-                base[l], n = n, n + layer_slots[l][1]
-            store = _make_store(max(n, 1), hidden, inter, qtype, self.device, use_kernels)
-            for l in layers:
-                self._group[l], self._local[l] = store, base[l]
-        self.kinds = sorted({type(g).__name__ for g in self._group.values()})
-
-    def _local_slot(self, layer: int, slot):
-        return slot - self.layer_slots[layer][0] + self._local[layer]
+        self._store = {l: _make_store(n, hidden, inter, qtypes[l], self.device, use_kernels)
+                       for l, (_, n) in self.layer_slots.items() if n > 0}
+        self.kinds = sorted({type(g).__name__ for g in self._store.values()})
 
     def load(self, layer: int, slot: int, weights: Sequence[QWeight], stream=None) -> None:
-        self._group[layer].load(int(self._local_slot(layer, slot)), *weights, stream=stream)
+        self._store[layer].load(int(slot) - self.layer_slots[layer][0], *weights, stream=stream)
 
     def moe(self, layer: int, x: torch.Tensor, slot_ids: torch.Tensor, token_idx: torch.Tensor,
             route_w: torch.Tensor) -> torch.Tensor:
-        """Hits of one layer: x [T, H], global slot_ids/token_idx/route_w [A] -> [T, H]."""
-        return self._group[layer].moe(x, self._local_slot(layer, slot_ids), token_idx, route_w)
+        """Hits of one layer: x [T, H], global slot_ids/token_idx/route_w [A] -> [T, H] fp32."""
+        return self._store[layer].moe(x, slot_ids - self.layer_slots[layer][0], token_idx, route_w)
 
 
 def _make_store(n: int, hidden: int, inter: int, qtype, device, use_kernels: bool):
+    """QPN storage when the kernels take this type and shape, else the torch reference storage."""
     if use_kernels and getattr(qtype, "is_quantized", False) and kernels_available():
-        return QPNSlots(n, hidden, inter, qtype, device)
+        try:
+            return QPNSlots(n, hidden, inter, qtype, device)
+        except ValueError:          # shape the kernels cannot take (e.g. in-features % 64)
+            pass
     return TorchExpertSlots(n, device)
 
 

@@ -1,0 +1,177 @@
+"""Hybrid runtime in CPU mode: greedy output identical to the reference model for every placement
+(all experts on the CPU runner, cache at 0/50/100 %, the split at every layer, one or two logical
+cards), on BF16, NVFP4 and mixed NVFP4/FP8 checkpoints; hit rates equal an offline replay of the
+run's own trace."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid.experts.replay import replay_run, verify
+from hybrid.experts.trace import read_trace
+from hybrid.generate import generate
+from hybrid.model.config import ModelConfig
+from hybrid.model.loader import load_model
+from hybrid.runtime import RuntimeOptions, open_session
+from hybrid.sampler import Sampler, SamplerConfig
+from hybrid.testing import write_random_model
+from hybrid.tokenizer import Tokenizer
+from tests.quant_layouts import to_nvfp4
+
+LAYERS, EXPERTS, TOPK = 4, 16, 4
+PROMPT = "def fibonacci(n):\n    if n < 2:"
+N_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rt")
+    bf16 = write_random_model(root / "bf16", "qwen3_moe", seed=3, skew=1.0, num_hidden_layers=LAYERS,
+                              num_experts=EXPERTS, num_experts_per_tok=TOPK,
+                              moe_intermediate_size=64)   # QPN kernels take in-features % 64
+    return {"bf16": bf16, "nvfp4": to_nvfp4(bf16, root / "nvfp4", "modelopt"),
+            "mixed": to_nvfp4(bf16, root / "mixed", "mixed")}
+
+
+def _tok(path):
+    cfg = ModelConfig.from_folder(path)
+    return Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+
+
+def _greedy(model, path, n=N_TOKENS, chunk=0):
+    tok = _tok(path)
+    res = generate(model, tok, tok.encode(PROMPT), n, Sampler(SamplerConfig()), prefill_chunk=chunk)
+    return res.generated_ids
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    return {k: _greedy(load_model(p), p) for k, p in models.items()}
+
+
+def _run(path, **kw):
+    s = open_session(path, RuntimeOptions(**kw))
+    try:
+        out = _greedy(s.model, path, chunk=s.prefill_chunk)
+    finally:
+        s.close()
+    return out, s
+
+
+HALF = LAYERS * EXPERTS // 2
+PLACEMENTS = {
+    "all_cpu": dict(cache_slots=(0,)),
+    "cache_50": dict(cache_slots=(HALF,)),
+    "cache_100": dict(cache_slots=(LAYERS * EXPERTS,)),
+    "two_cards_split1": dict(gpus=(0, 0), layer_split=(1,), cache_slots=(8,)),
+    "two_cards_split2": dict(gpus=(0, 1), layer_split=(2,), cache_slots=(0, 32)),
+    "two_cards_split3": dict(gpus=(0, 0), layer_split=(3,), cache_slots=(48, 4)),
+    "three_cards": dict(gpus=(0, 0, 0), layer_split=(1, 3), cache_slots=(16,)),
+    "chunked_prefill": dict(cache_slots=(HALF,), prefill_chunk=3),
+}
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4", "mixed"])
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_greedy_identical_to_reference(models, reference, kind, placement):
+    got, s = _run(models[kind], **PLACEMENTS[placement])
+    assert got == reference[kind], placement
+    rep = s.report()
+    if kind != "bf16" and rep["cards"] and any(c.spec.slots for c in s.cards):
+        assert rep["slot_storage"] == ["QPNSlots"]          # hits through qpn_moe (torch reference)
+    slots = PLACEMENTS[placement]["cache_slots"]
+    assert sum(c["slots"] for c in rep["cards"]) == sum(min(x, 64) for x in
+                                                        (slots * len(s.cards) if len(slots) == 1 else slots))
+    if slots == (0,):
+        assert rep["hit_rate"] == 0.0 and rep["cpu_expert_ms"] > 0 and rep["gpu_expert_ms"] == 0
+    if slots == (LAYERS * EXPERTS,):   # cache warms up online: every expert misses once, then hits
+        assert rep["hit_rate"] > 0.5 and all(c["evictions"] == 0 for c in rep["cards"])
+
+
+def test_logits_match_reference(models):
+    """Teacher-forced logits through the hybrid path vs the reference (fp32, stated tolerance)."""
+    path = models["nvfp4"]
+    ids = torch.tensor(_tok(path).encode(PROMPT))
+    want = load_model(path).forward_logits(ids)
+    s = open_session(path, RuntimeOptions(gpus=(0, 0), layer_split=(2,), cache_slots=(10, 20)))
+    got = s.model.forward_logits(ids)
+    s.close()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["lfu-decay", "lru"])
+def test_hit_rates_equal_replay_of_own_trace(models, tmp_path, policy):
+    trace_path = tmp_path / "t.jsonl"
+    _, s = _run(models["nvfp4"], gpus=(0, 0), layer_split=(2,), cache_slots=(12, 20), policy=policy,
+                trace=str(trace_path))
+    rep = s.report()
+    trace = read_trace(trace_path)
+    assert len(trace.steps) == N_TOKENS   # prefill + N-1 decode steps
+    assert trace.steps[0].phase == "prefill" and trace.steps[-1].phase == "decode"
+    assert verify(trace) == []
+    res = replay_run(trace)
+    assert res.hit_rate == pytest.approx(rep["hit_rate"], abs=1e-6)
+    for card, cache in zip(rep["cards"], res.caches):
+        assert card["hit_rate"] == pytest.approx(cache.stats().hit_rate(), abs=1e-6)
+        assert card["promotions"] == int(cache.promotions.sum())
+    assert 0 < rep["hit_rate"] < 1
+
+
+def _profile(path, out):
+    from hybrid.cli.profile import main
+
+    texts = out.parent / "calib.txt"
+    texts.write_text("def fibonacci(n):\n    return n\n\nThe quick brown fox jumps over the lazy dog.\n")
+    assert main(["--model", str(path), "--out", str(out), "--prompts", str(texts), "--max-tokens", "4"]) == 0
+    return out
+
+
+def test_warm_start_from_profile_replays(models, reference, tmp_path):
+    prof = _profile(models["nvfp4"], tmp_path / "p.experts.json")
+    d = json.loads(prof.read_text())
+    assert np.asarray(d["counts"]).sum(1).tolist() == [d["tokens"] * TOPK] * LAYERS
+    trace_path = tmp_path / "t.jsonl"
+    got, s = _run(models["nvfp4"], cache_slots=(HALF,), expert_profile=str(prof), trace=str(trace_path))
+    assert got == reference["nvfp4"]
+    trace = read_trace(trace_path)
+    assert trace.header.cards[0]["seeded"] and trace.steps[0].hits[0] > 0   # hits from the first step
+    assert verify(trace) == []
+
+
+def test_static_policy_never_promotes_after_warm_start(models, tmp_path):
+    prof = _profile(models["bf16"], tmp_path / "p.experts.json")
+    _, s = _run(models["bf16"], cache_slots=(HALF,), expert_profile=str(prof), policy="static")
+    assert all(c["promotions"] == 0 for c in s.report()["cards"])
+
+
+def test_plan_drives_placement_and_zero_pcie_budget(models, reference):
+    """With a hardware profile the planner places layers and slots; --pcie-frac 0 forbids promotions."""
+    got, s = _run(models["nvfp4"], gpus=(0, 1), layer_split=(1,), cache_slots=(8,), profile="v100x2-e5v4",
+                  pcie_frac=0.0)
+    assert got == reference["nvfp4"]
+    assert [c.spec.layers for c in s.cards] == [(0, 1), (1, LAYERS)]
+    rep = s.report()
+    assert all(c["promotions"] == 0 for c in rep["cards"]) and rep["hit_rate"] == 0.0
+    assert rep["prediction"]["tok_s"] > 0 and rep["prediction"]["profile"] == "v100x2-e5v4"
+
+
+def test_kv_resident_limit(models):
+    from hybrid.errors import HybridError
+
+    s = open_session(models["bf16"], RuntimeOptions(kv_resident=8, cache_slots=(0,)))
+    with pytest.raises(HybridError, match="--kv-resident 8"):
+        s.model.new_cache(9)
+    s.close()
+
+
+@pytest.mark.parametrize("kw,needle", [(dict(gpus=(0, 0), layer_split=(4,)), "--layer-split"),
+                                       (dict(gpus=(0,), layer_split=(2,)), "--layer-split"),
+                                       (dict(cache_slots=(-1,)), "--cache-slots"),
+                                       (dict(pcie_frac=1.5), "--pcie-frac"),
+                                       (dict(policy="static"), "expert profile")])
+def test_bad_options_one_line(models, kw, needle):
+    from hybrid.errors import HybridError
+
+    with pytest.raises(HybridError, match=needle):
+        open_session(models["bf16"], RuntimeOptions(**kw))
