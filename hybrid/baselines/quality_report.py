@@ -70,7 +70,7 @@ def markdown(records: list[dict]) -> str:
 
 
 def chart(records: list[dict], path: Path) -> None:
-    """Bars: same-top % with ±1 s.e., and mean KLD (log scale)."""
+    """Bars: same-top % and mean KLD, each with ±1 s.e.; hybrid rows green, llama.cpp rows blue."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,8 +87,11 @@ def chart(records: list[dict], path: Path) -> None:
     a1.set_xlabel("same top token vs Q8_0 (%)")
     a1.set_yticks(list(y), names)
     a1.invert_yaxis()
-    a2.barh(y, [max(r["mean_kld"], 1e-7) for r in records], color=colors)
-    a2.set_xscale("log")
+    kl = [r["mean_kld"] for r in records]
+    a2.barh(y, kl, xerr=[r["mean_kld_unc"] for r in records], color=colors, capsize=3)
+    for yi, (v, r) in enumerate(zip(kl, records)):
+        a2.text(v + r["mean_kld_unc"], yi, f"  {v:.4f}  p99 {r['p99_kld']:.3f}", va="center", fontsize=8)
+    a2.set_xlim(0, max(kl) * 1.6 if max(kl) > 0 else 1)
     a2.set_xlabel("mean KL divergence vs Q8_0 (nats)")
     r0 = records[0]
     fig.suptitle(f"{r0['model']}: {r0['count']} scored tokens, git {r0['git_sha']}", fontsize=9)

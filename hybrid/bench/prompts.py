@@ -1,8 +1,9 @@
 """The fixed prompt set for quality and speed benchmarks: four classes plus held-out model text.
 
 Each class is a few prompt+answer texts; teacher-forced scoring feeds the whole text, decode
-timing starts from the prompt part. `heldout` text comes from the model folder when it ships one
-(text the fixture model was not trained on, from its own corpus).
+timing starts from the prompt part. `heldout` is text from the model's own corpus that it was not
+trained on: a `heldout.txt` in the model folder, or the test-split files its corpus manifest
+names, read from this machine only where their sha256 matches.
 """
 from __future__ import annotations
 
@@ -62,14 +63,23 @@ PROMPTS: dict[str, list[tuple[str, str]]] = {   # class -> [(prompt, answer)]
          "A cache is a small, fast store that keeps copies of data that was used recently, so that "
          "the next request for the same data is answered quickly. When the cache is full, a policy "
          "decides which entry to drop, for example the least recently used one.\n"),
+        ("Explain what a Python generator is.\n",
+         "A generator is a function that uses `yield` instead of `return`. Calling it does not run the "
+         "body; it returns an iterator. Each call to `next()` runs the body until the next `yield`, "
+         "hands out that value and pauses, keeping its local variables. When the body ends, the "
+         "iterator raises `StopIteration`. Generators are useful for long or endless sequences, "
+         "because they produce one item at a time instead of building a whole list in memory:\n\n"
+         "    def count_up(n):\n        i = 0\n        while i < n:\n            yield i\n            i += 1\n"),
     ],
 }
 
-HELDOUT_FILES = ("heldout.txt", "corpus_heldout.txt", "eval.txt", "valid.txt")
+HELDOUT_FILES = ("heldout.txt",)
+MANIFEST = "corpus_manifest.json.gz"
+SKIP_PREFIXES = ("encodings/",)      # codec tables: long regular tables, not text
 
 
 def class_texts() -> dict[str, str]:
-    """class -> all of its prompt+answer texts joined by blank lines (the teacher-forced stream)."""
+    """class -> all of its prompt+answer texts joined by newlines (the teacher-forced stream)."""
     return {c: "\n".join(p + a for p, a in PROMPTS[c]) for c in CLASSES}
 
 
@@ -78,19 +88,52 @@ def class_prompts() -> dict[str, list[str]]:
     return {c: [p for p, _ in PROMPTS[c]] for c in CLASSES}
 
 
-def heldout_text(model_dir: str | Path) -> str | None:
-    """Held-out text shipped with the model folder, if any."""
+def _manifest_heldout(manifest: Path, max_bytes: int) -> tuple[str, list[str]]:
+    """Test-split files of the model's corpus that this machine holds byte-identical (sha256 checked).
+
+    The embedded tiny model was trained on Python's standard library; its manifest lists every
+    file's split and sha256, so the held-out text is read from the local stdlib only where the
+    bytes match exactly what the model's test split held."""
+    import gzip
+    import hashlib
+    import json
+    import sysconfig
+
+    m = json.loads(gzip.decompress(manifest.read_bytes()))
+    roots = {"stdlib": Path(sysconfig.get_paths()["stdlib"])}
+    texts, sources, total = [], [], 0
+    for root, rel, sha, _size, split in m.get("files", []):
+        if split != "test" or root not in roots or rel.startswith(SKIP_PREFIXES) or total >= max_bytes:
+            continue
+        path = roots[root] / rel
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() != sha:
+            continue
+        texts.append(data.decode("utf-8"))
+        sources.append(f"{root}/{rel} sha256:{sha[:12]}")
+        total += len(data)
+    return "\n".join(texts), sources
+
+
+def heldout(model_dir: str | Path, max_bytes: int = 64 * 1024) -> tuple[str, list[str]] | None:
+    """(held-out text, its sources) for the model folder, or None when none is available here."""
+    folder = Path(model_dir)
     for name in HELDOUT_FILES:
-        path = Path(model_dir) / name
-        if path.is_file():
-            return path.read_text(encoding="utf-8")
+        if (folder / name).is_file():
+            return (folder / name).read_text(encoding="utf-8"), [name]
+    if (folder / MANIFEST).is_file():
+        text, sources = _manifest_heldout(folder / MANIFEST, max_bytes)
+        if text:
+            return text, sources
     return None
 
 
 def all_texts(model_dir: str | Path | None = None) -> dict[str, str]:
-    """The four classes plus `heldout` when the model folder has it."""
+    """The four classes plus `heldout` when the model's held-out text is available."""
     texts = class_texts()
-    held = heldout_text(model_dir) if model_dir is not None else None
+    held = heldout(model_dir) if model_dir is not None else None
     if held:
-        texts["heldout"] = held
+        texts["heldout"] = held[0]
     return texts

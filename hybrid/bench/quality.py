@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from hybrid.baselines import candidates as qc
-from hybrid.bench.prompts import all_texts
+from hybrid.bench.prompts import all_texts, heldout
 from hybrid.errors import HybridError
 from hybrid.metrics.kl import BaseLogProbs, KLAccumulator, chunk_tokens, scored_rows
 
@@ -29,7 +29,7 @@ def add_arguments(p) -> None:
                         "gguf-<recipe> = hybrid's weights exported to GGUF, run by llama.cpp; llama.cpp "
                         f"types (Q8_0, Q4_K_M, IQ4_XS, IQ3_S, MXFP4_MOE, ...). Default: {DEFAULT_AGAINST}")
     p.add_argument("--quick", action="store_true", help="CI size: n_ctx 64, one chunk per prompt class")
-    p.add_argument("--n-ctx", type=int, default=None, help="tokens per chunk (default 256, quick 64; "
+    p.add_argument("--n-ctx", type=int, default=None, help="tokens per chunk (default 128, quick 64; "
                    "capped at the model's context)")
     p.add_argument("--out", default="results", help="folder for quality.md/.jsonl/.png (default results/)")
     p.add_argument("--no-write", action="store_true", help="print the table only")
@@ -77,7 +77,7 @@ def run(args) -> int:
 
     src = resolve_model_path(args.model)
     cfg = ModelConfig.from_folder(src)
-    n_ctx = min(args.n_ctx or (64 if args.quick else 256), cfg.max_position_embeddings)
+    n_ctx = min(args.n_ctx or (64 if args.quick else 128), cfg.max_position_embeddings)
     names = [n.strip() for n in args.against.split(",") if n.strip()]
     with tempfile.TemporaryDirectory(prefix="hybrid-quality-") as tmp:
         work = Path(args.work) if args.work else Path(tmp)
@@ -91,7 +91,8 @@ def run(args) -> int:
         bases = [BaseLogProbs.from_logits(ref.logits(ch)[rows]) for ch in chunks]
         stamp = report.stamp()
         meta = {"model": str(args.model), "n_ctx": n_ctx, "chunks": len(chunks), "reference": REFERENCE,
-                "tokenizer_parity": parity, "quick": bool(args.quick), **qc.llama_info()}
+                "tokenizer_parity": parity, "quick": bool(args.quick), **qc.llama_info(),
+                "heldout_sources": (heldout(src) or ("", []))[1]}
         records = []
         for cand in cands:
             rec = {**stamp, **meta, **cand.describe(), **score(cand, chunks, classes, bases)}
