@@ -1,0 +1,138 @@
+"""hybrid-bench quality end to end (small random model, quick mode) and placement invariance."""
+import inspect
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid.testing import write_random_model
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("gguf")
+
+DIMS = dict(hidden_size=256, moe_intermediate_size=256, head_dim=64, num_experts=4, num_experts_per_tok=2,
+            vocab_size=512, num_hidden_layers=2)
+FIELDS = ("candidate", "engine", "same_top_pct", "same_top_unc_pct", "mean_kld", "p99_kld", "ppl",
+          "file_bytes", "expert_bytes", "git_sha", "machine", "command", "n_ctx", "count", "tokenizer_parity")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("q") / "m", seed=5, **DIMS)
+
+
+@pytest.fixture(scope="module")
+def quick_run(model_dir, tmp_path_factory):
+    from hybrid.cli.bench import main
+
+    out = tmp_path_factory.mktemp("qout")
+    rc = main(["quality", "--model", str(model_dir), "--quick", "--against", "Q8_0,bf16,nvfp4,gguf-nvfp4,Q4_K_M",
+               "--out", str(out), "--work", str(out / "work")])
+    assert rc == 0
+    recs = [json.loads(line) for line in (out / "quality.jsonl").read_text().splitlines()]
+    return out, {r["candidate"]: r for r in recs}
+
+
+def test_quick_run_writes_table_records_and_chart(quick_run):
+    out, recs = quick_run
+    assert list(recs) == ["Q8_0", "bf16", "nvfp4", "gguf-nvfp4", "Q4_K_M"]
+    for r in recs.values():
+        assert all(f in r for f in FIELDS), set(FIELDS) - set(r)
+        assert r["n_ctx"] == 64 and r["count"] == 4 * 31                   # 4 classes x (64 - 1 - 32)
+        assert all(r["tokenizer_parity"].values())
+    md = (out / "quality.md").read_text()
+    assert "| candidate | engine | same-top % |" in md and "git:" in md and "machine:" in md
+    assert (out / "quality.png").stat().st_size > 5000
+
+
+def test_reference_against_itself_is_the_storage_floor(quick_run):
+    r = quick_run[1]["Q8_0"]
+    assert r["same_top_pct"] == 100.0 and r["mean_kld"] < 1e-4
+    assert r["ppl"] == pytest.approx(r["ppl_base"], rel=1e-3)
+
+
+def test_rows_are_ordered_by_quantization_error(quick_run):
+    recs = quick_run[1]
+    assert recs["bf16"]["engine"] == "hybrid" and recs["gguf-nvfp4"]["engine"] == "llama.cpp"
+    assert recs["bf16"]["mean_kld"] < recs["nvfp4"]["mean_kld"]
+    assert recs["bf16"]["same_top_pct"] >= 90.0
+    # hybrid NVFP4 and its GGUF re-pack hold the same expert bytes (up to scalar input_scales)
+    assert recs["nvfp4"]["expert_bytes"] == pytest.approx(recs["gguf-nvfp4"]["expert_bytes"], rel=1e-3)
+    assert recs["nvfp4"]["expert_bytes"] < 0.3 * recs["bf16"]["expert_bytes"]
+    # same weights in two engines: KL of one against the other's reference is close
+    assert abs(recs["nvfp4"]["mean_kld"] - recs["gguf-nvfp4"]["mean_kld"]) < 0.5 * recs["nvfp4"]["mean_kld"]
+
+
+def test_unknown_candidate_is_a_user_error(model_dir, tmp_path, capsys):
+    from hybrid.cli.bench import main
+
+    assert main(["quality", "--model", str(model_dir), "--quick", "--against", "Q7_X", "--no-write",
+                 "--work", str(tmp_path)]) == 2
+    assert "--against 'Q7_X'" in capsys.readouterr().err
+
+
+class SplitExperts:
+    """Placement stand-in: 'resident' experts computed as one group, the rest as another, then summed
+    (the structure of a GPU-hits + CPU-misses MoE layer)."""
+
+    def __init__(self, inner, resident):
+        self.inner, self.resident = inner, torch.tensor(sorted(resident))
+
+    def __call__(self, layer, x, ids, weights):
+        hit = torch.isin(ids, self.resident)
+        zero = torch.zeros_like(weights)
+        a = self.inner(layer, x, ids, torch.where(hit, weights, zero)).float()
+        b = self.inner(layer, x, ids, torch.where(hit, zero, weights)).float()
+        return (b + a).to(x.dtype)
+
+
+def _placements(n_layers):
+    out = [("default", {}, None), ("explicit-layer-devices", {"layer_devices": [torch.device("cpu")] * n_layers}, None),
+           ("even-resident", {}, {0, 2}), ("odd-resident", {}, {1, 3})]
+    from hybrid.model import load_model
+    if "placement" in inspect.signature(load_model).parameters:   # the runtime's own placements, when present
+        out += [("placement-cpu", {"placement": "cpu"}, None)]
+    return out
+
+
+def test_nvfp4_rows_identical_whatever_the_placement(model_dir, tmp_path):
+    from hybrid.baselines.candidates import CandidateMaker, HybridCandidate
+    from hybrid.bench.quality import score, token_stream
+    from hybrid.metrics.kl import BaseLogProbs, scored_rows
+
+    maker = CandidateMaker(model_dir, tmp_path, 64)
+    chunks, classes, _ = token_stream(model_dir, 64, quick=True)
+    ref = maker.make("Q8_0")
+    bases = [BaseLogProbs.from_logits(ref.logits(c)[scored_rows(64)]) for c in chunks]
+    folder = maker.hybrid_checkpoint("nvfp4")
+    rows, logits = {}, {}
+    for name, kw, resident in _placements(DIMS["num_hidden_layers"]):
+        cand = HybridCandidate("nvfp4", "", folder, **kw)
+        cand.logits(chunks[0])                                          # load
+        if resident is not None:
+            cand._model.experts = SplitExperts(cand._model.experts, resident)
+        logits[name] = cand.logits(chunks[0])
+        r = score(cand, chunks, classes, bases)
+        rows[name] = (round(r["same_top_pct"], 2), round(r["mean_kld"], 5), round(r["p99_kld"], 5),
+                      round(r["ppl"], 3))
+    assert len(set(rows.values())) == 1, rows
+    for name, lg in logits.items():
+        np.testing.assert_allclose(lg, logits["default"], rtol=0, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.slow
+def test_full_table_on_tiny(tmp_path):
+    from hybrid.cli.bench import main
+    from hybrid.errors import HybridError
+    from hybrid.model.registry import resolve_model_path
+
+    try:
+        resolve_model_path("tiny")
+    except HybridError:
+        pytest.skip("embedded tiny model not installed")
+    assert main(["quality", "--out", str(tmp_path), "--work", str(tmp_path / "w")]) == 0
+    recs = {json.loads(x)["candidate"]: json.loads(x) for x in (tmp_path / "quality.jsonl").read_text().splitlines()}
+    assert recs["bf16"]["same_top_pct"] > 97 and recs["bf16"]["count"] > 2000
+    assert all(r["same_top_pct"] > 60 for r in recs.values())
+    assert recs["IQ3_S"]["mean_kld"] > recs["Q4_K_M"]["mean_kld"]
