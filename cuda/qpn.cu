@@ -1,0 +1,542 @@
+// QPN kernels: NVFP4 (QPN2) and FP8 (QPN8) weight-only GEMV/GEMM on tensor cores.
+//
+// One source, compiled at run time by NVRTC for the device's architecture:
+//   __CUDA_ARCH__ >= 800  mma.sync.m16n8k16 (f16 x f16 -> f32)
+//   __CUDA_ARCH__ >= 750  2 x mma.sync.m16n8k8
+//   __CUDA_ARCH__ == 70   mma.sync.m8n8k4 (Volta; four independent 8x8x4 products per warp)
+// The source includes no header, so NVRTC needs no include path at run time.
+//
+// Legend: M activation rows (tokens), N out features, K in features, G = K/16 groups,
+//         T tile of 16 weight rows, C chunks per tile row (64 k for QPN2, 32 k for QPN8),
+//         S expert slots, A routed assignments, H hidden, I expert intermediate.
+//
+// y[M, N] = x[M, K] . W[N, K]^T, x fp16, W packed (never dequantized in memory), fp32 accumulate.
+// The weight is the MMA's A operand (16 rows); up to 8 activation rows are the B operand (n = 8),
+// so M <= 8 is one 8-row tile (a k = 7 speculative verify costs what M = 1 costs) and M > 8
+// loops over MT 8-row tiles per pass, decoding each weight fragment once per pass.
+//
+// Prepacked layout (built once at load by hybrid/kernels/layout.py; Npad = N rounded up to 16):
+//   Within a 16-row tile, lane l of a warp owns rows r = l/4 and r+8 and the k-slice q = l%4:
+//   elements 16g + 4q + {0,1,2,3} of group g. MMA k-slots are permuted (a bijection shared by
+//   A and B), so each lane's k-slice is 4 contiguous activations: one 8-byte load.
+//   QPN2 words  u32 [Npad/16, K/64, 32 lanes, 4 groups]   8 E2M1 codes: (r, k0..k3), (r+8, k0..k3)
+//     bit layout per word (s = sign, m = 3-bit magnitude):
+//       (r,k0) m 9-11 s 15   (r,k1) m 25-27 s 31   -> half2 = w & 0x8E008E00
+//       (r8,k0) m 6-8 s 12   (r8,k1) m 22-24 s 28  -> half2 = (w << 3) & 0x8E008E00
+//       (r,k2) m 0-2 s 13    (r,k3) m 16-18 s 29   -> ((w << 9) & 0x0E000E00) | ((w << 2) & 0x80008000)
+//       (r8,k2) m 3-5 s 14   (r8,k3) m 19-21 s 30  -> ((w << 6) & 0x0E000E00) | ((w << 1) & 0x80008000)
+//     each half2 holds E2M1 * 2^-14 exactly (fp16 bits ((n&8)<<12)|((n&7)<<9)).
+//   QPN2 scales u8 [Npad/16, K/64, 8 (r), 8]: bytes [s(r,g0) s(r,g1) s(r+8,g0) s(r+8,g1)
+//     s(r,g2) s(r,g3) s(r+8,g2) s(r+8,g3)], 7-bit e4m3 magnitudes (a negative block scale is
+//     folded into its 16 codes' signs at prepack, exactly); half2 = (w << 7 | w >> 1) & 0x3F803F80
+//     gives scale * 2^-8 exactly; the group scale is applied in fp32 after each one-group MMA,
+//     and weight_scale_2 * 2^22 (the folded 2^14 * 2^8) once at the end.
+//   QPN8 words  u32 [Npad/16, K/32, 32 lanes, 4]: (g0,r) (g0,r+8) (g1,r) (g1,r+8), bytes of a word
+//     are e4m3 codes of k0 k2 k1 k3 -> half2(k0,k1) = ((w<<8)&0x80008000)|((w<<7)&0x3F803F80),
+//     half2(k2,k3) = (w & 0x80008000) | ((w>>1) & 0x3F803F80) = e4m3 * 2^-8; the per-tensor scale
+//     * 2^8 is applied at the end. (e4m3 NaN codes are not preserved; quantizers never emit them.)
+// Volta reads the same layout: lane l of quadpair p = (l/4)%4 loads the words of lane
+// 4*((l%4) + 4*(l/16)) + p, so each quadpair multiplies one k-slice of 8 rows (x 2 halves).
+//
+// No __launch_bounds__ on the GEMM kernels: with (256) ptxas for sm_90 spilled at 40 registers.
+// Kernels (all blockDim = 256 = 8 warps; KS warps split K, 8/KS tile groups per block):
+//   qpn{2,8}_linear_mt{1,2,4}  grid.x = tile blocks * passes; y[M, N] fp16
+//   qpn_moe_route              one block: slot_ids[A] -> offsets[S+1], perm[A] (grouped by slot)
+//   qpn{2,8}_moe_gateup_mt{1,4} grid (I/16 / TG, S): h[A, I] fp16 = silu(gate x) * up x  (sorted rows)
+//   qpn{2,8}_moe_down_mt{1,4}   grid (H/16 / TG, S): y[T, H] fp32 += route_w * down h (atomicAdd)
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+struct __align__(16) u32x4 { u32 x, y, z, w; };
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define QPN_MMA 2
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+#define QPN_MMA 1
+#else
+#define QPN_MMA 0
+#endif
+
+#define WARPS 8
+#define THREADS 256
+#define ACCN (QPN_MMA == 0 ? 16 : 4)      // fp32 accumulators per lane per (tile, 8-row tile)
+#define SROWS (QPN_MMA == 0 ? 4 : 1)      // scale rows a lane reads per chunk
+#define UNROLL (QPN_MMA == 0 ? 2 : 4)     // chunks in flight per warp
+#define MTMAX (QPN_MMA == 0 ? 2 : 4)
+
+// ---------------------------------------------------------------- loads, conversions
+__device__ __forceinline__ u32x4 ld_stream(const u32x4* p) {
+  u32x4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u64 ld_stream64(const u64* p) {
+  u64 v;
+  asm("ld.global.nc.L1::no_allocate.u64 %0, [%1];" : "=l"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u64 ld_act(const u16* p) {  // 4 fp16 activations, 8-byte aligned
+  u64 v;
+  asm("ld.global.nc.u64 %0, [%1];" : "=l"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void h2_to_f2(u32 h, float& lo, float& hi) {
+  asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}"
+      : "=f"(lo), "=f"(hi) : "r"(h));
+}
+__device__ __forceinline__ u16 f_to_h(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// ---------------------------------------------------------------- register decode
+// 8 E2M1 codes -> 4 half2 (value * 2^-14): p0 (r,k0k1) p1 (r8,k0k1) p2 (r,k2k3) p3 (r8,k2k3)
+__device__ __forceinline__ void dec_fp4(u32 w, u32& p0, u32& p1, u32& p2, u32& p3) {
+  p0 = w & 0x8E008E00u;
+  p1 = (w << 3) & 0x8E008E00u;
+  p2 = ((w << 9) & 0x0E000E00u) | ((w << 2) & 0x80008000u);
+  p3 = ((w << 6) & 0x0E000E00u) | ((w << 1) & 0x80008000u);
+}
+// 4 e4m3 codes stored k0 k2 k1 k3 -> half2 (k0,k1), (k2,k3) (value * 2^-8)
+__device__ __forceinline__ void dec_fp8(u32 w, u32& k01, u32& k23) {
+  k01 = ((w << 8) & 0x80008000u) | ((w << 7) & 0x3F803F80u);
+  k23 = (w & 0x80008000u) | ((w >> 1) & 0x3F803F80u);
+}
+// scale word -> (scale(r) * 2^-8, scale(r+8) * 2^-8) of group j (j & 1 picks the byte pair)
+__device__ __forceinline__ void dec_scale(u32 w, int odd, float& sr, float& s8) {
+  u32 h = (odd ? (w >> 1) : (w << 7)) & 0x3F803F80u;
+  h2_to_f2(h, sr, s8);
+}
+
+// ---------------------------------------------------------------- MMA
+#if QPN_MMA >= 1
+// d[16x8] (+)= a[16x16] . b[16x8]; a = 4 half2, b = 2 half2 (row-major A, col-major B)
+__device__ __forceinline__ void mma_tile(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if QPN_MMA == 2
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(b0));
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a2), "r"(a3), "r"(b1));
+#endif
+}
+#else
+// Volta: per quadpair d[8 tokens x 8 rows] (+)= x[8 x 4] . w[4 x 8]
+__device__ __forceinline__ void mma_qp(float* d, u32 a0, u32 a1, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11}, {%0,%1,%2,%3,%4,%5,%6,%7};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7])
+      : "r"(a0), "r"(a1), "r"(b0), "r"(b1));
+}
+#endif
+
+// lane -> activation row within an 8-row tile, and k offset of its slice
+__device__ __forceinline__ int lane_tok(int lane) {
+  return QPN_MMA == 0 ? (lane & 3) + 4 * (lane >> 4) : lane >> 2;
+}
+__device__ __forceinline__ int lane_k(int lane) {
+  return QPN_MMA == 0 ? 4 * ((lane >> 2) & 3) : 4 * (lane & 3);
+}
+// lane whose packed words this lane reads (Volta re-maps; see header)
+__device__ __forceinline__ int lane_src(int lane) {
+  return QPN_MMA == 0 ? 4 * ((lane & 3) + 4 * (lane >> 4)) + ((lane >> 2) & 3) : lane;
+}
+__device__ __forceinline__ int lane_srow(int lane, int i) {  // scale row r for slot i < SROWS
+  return QPN_MMA == 0 ? (lane & 2) + (i & 1) + 4 * (i >> 1) : lane >> 2;
+}
+
+// ---------------------------------------------------------------- one group of 16 k
+// NVFP4: one-group MMA from zero, then acc += group scale * d in fp32.
+template <int MT>
+__device__ __forceinline__ void group_fp4(float (&acc)[MT][ACCN], u32 w, const float* sc0,
+                                          const float* sc1, const u64 (&xb)[MT]) {
+  u32 p0, p1, p2, p3;
+  dec_fp4(w, p0, p1, p2, p3);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    u32 b0 = (u32)xb[mt], b1 = (u32)(xb[mt] >> 32);
+#if QPN_MMA >= 1
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_tile(d, p0, p1, p2, p3, b0, b1);
+    acc[mt][0] += sc0[0] * d[0];
+    acc[mt][1] += sc0[0] * d[1];
+    acc[mt][2] += sc1[0] * d[2];
+    acc[mt][3] += sc1[0] * d[3];
+#else
+    float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    mma_qp(d, b0, b1, p0, p2);  // rows 0..7 of the tile
+#pragma unroll
+    for (int r = 0; r < 8; ++r) acc[mt][r] += sc0[(r & 1) + 2 * ((r >> 2) & 1)] * d[r];
+    float e[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    mma_qp(e, b0, b1, p1, p3);  // rows 8..15
+#pragma unroll
+    for (int r = 0; r < 8; ++r) acc[mt][8 + r] += sc1[(r & 1) + 2 * ((r >> 2) & 1)] * e[r];
+#endif
+  }
+}
+
+// FP8: per-tensor scale, so the MMA accumulates straight into acc.
+template <int MT>
+__device__ __forceinline__ void group_fp8(float (&acc)[MT][ACCN], u32 wr, u32 wr8,
+                                          const u64 (&xb)[MT]) {
+  u32 p0, p1, p2, p3;
+  dec_fp8(wr, p0, p2);
+  dec_fp8(wr8, p1, p3);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    u32 b0 = (u32)xb[mt], b1 = (u32)(xb[mt] >> 32);
+#if QPN_MMA >= 1
+    mma_tile(acc[mt], p0, p1, p2, p3, b0, b1);
+#else
+    mma_qp(&acc[mt][0], b0, b1, p0, p2);
+    mma_qp(&acc[mt][8], b0, b1, p1, p3);
+#endif
+  }
+}
+
+template <int MT>
+__device__ __forceinline__ void load_x(u64 (&xb)[MT], const u16* const (&xr)[MT], int k) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) xb[mt] = xr[mt] ? ld_act(xr[mt] + k) : 0ull;
+}
+
+// ---------------------------------------------------------------- one chunk
+template <int FMT, int MT, int NT>
+__device__ __forceinline__ void chunk(float (&acc)[NT][MT][ACCN], const u32x4 (&wv)[NT],
+                                      const u64 (&sv)[NT][SROWS], const u16* const (&xr)[MT],
+                                      int kbase) {
+  if (FMT == 2) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      u64 xb[MT];
+      load_x<MT>(xb, xr, kbase + 16 * j);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float sc0[SROWS], sc1[SROWS];
+#pragma unroll
+        for (int i = 0; i < SROWS; ++i) {
+          u32 sw = (u32)(sv[nt][i] >> (32 * (j >> 1)));
+          dec_scale(sw, j & 1, sc0[i], sc1[i]);
+        }
+        u32 w = j == 0 ? wv[nt].x : j == 1 ? wv[nt].y : j == 2 ? wv[nt].z : wv[nt].w;
+        group_fp4<MT>(acc[nt], w, sc0, sc1, xb);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      u64 xb[MT];
+      load_x<MT>(xb, xr, kbase + 16 * j);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        group_fp8<MT>(acc[nt], j == 0 ? wv[nt].x : wv[nt].z, j == 0 ? wv[nt].y : wv[nt].w, xb);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- one warp over chunks [c0, c1)
+// wt[nt]: tile base (C * 32 u32x4), st[nt]: scale tile base (C * 8 u64), xr[mt]: lane's x row.
+template <int FMT, int MT, int NT>
+__device__ __forceinline__ void warp_gemm(float (&acc)[NT][MT][ACCN], const u32x4* const (&wt)[NT],
+                                          const u64* const (&st)[NT], int c0, int c1,
+                                          const u16* const (&xr)[MT], int lane) {
+  const int CK = FMT == 2 ? 64 : 32;
+  const int src = lane_src(lane);
+  int c = c0;
+  for (; c + UNROLL <= c1; c += UNROLL) {
+    u32x4 wv[UNROLL][NT];
+    u64 sv[UNROLL][NT][SROWS];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        wv[u][nt] = ld_stream(wt[nt] + (size_t)(c + u) * 32 + src);
+#pragma unroll
+        for (int i = 0; i < SROWS; ++i)
+          sv[u][nt][i] = FMT == 2 ? ld_stream64(st[nt] + (size_t)(c + u) * 8 + lane_srow(lane, i)) : 0ull;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) chunk<FMT, MT, NT>(acc, wv[u], sv[u], xr, (c + u) * CK);
+  }
+  for (; c < c1; ++c) {
+    u32x4 wv[NT];
+    u64 sv[NT][SROWS];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      wv[nt] = ld_stream(wt[nt] + (size_t)c * 32 + src);
+#pragma unroll
+      for (int i = 0; i < SROWS; ++i)
+        sv[nt][i] = FMT == 2 ? ld_stream64(st[nt] + (size_t)c * 8 + lane_srow(lane, i)) : 0ull;
+    }
+    chunk<FMT, MT, NT>(acc, wv, sv, xr, c * CK);
+  }
+}
+
+// ---------------------------------------------------------------- partial sums through shared memory
+// red[warp][nt][tok][row]: this warp's fp32 partial of (8*MT tokens) x (16 rows) per tile.
+template <int MT, int NT>
+__device__ __forceinline__ void store_partials(float (*red)[NT][8 * MT][16], int warp, int lane,
+                                               float (&acc)[NT][MT][ACCN]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#if QPN_MMA >= 1
+      int r = lane >> 2, q = lane & 3, t0 = 8 * mt + 2 * q;
+      red[warp][nt][t0][r] = acc[nt][mt][0];
+      red[warp][nt][t0 + 1][r] = acc[nt][mt][1];
+      red[warp][nt][t0][r + 8] = acc[nt][mt][2];
+      red[warp][nt][t0 + 1][r + 8] = acc[nt][mt][3];
+#else
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {  // sum the four quadpairs' k-slices
+        float v = acc[nt][mt][i];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        acc[nt][mt][i] = v;
+      }
+      if (((lane >> 2) & 3) == 0) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          int reg = i & 7, part = i >> 3;
+          int tok = 8 * mt + (lane & 1) + 2 * ((reg >> 1) & 1) + 4 * (lane >> 4);
+          int row = 4 * ((reg >> 2) & 1) + (lane & 2) + (reg & 1) + 8 * part;
+          red[warp][nt][tok][row] = acc[nt][mt][i];
+        }
+      }
+#endif
+    }
+  }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ float red_sum(float (*red)[NT][8 * MT][16], int tg, int KS, int nt,
+                                         int tok, int row) {
+  float v = 0.f;
+  for (int k = 0; k < KS; ++k) v += red[tg * KS + k][nt][tok][row];
+  return v;
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[NT][MT][ACCN]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < ACCN; ++i) acc[nt][mt][i] = 0.f;
+}
+
+// ---------------------------------------------------------------- linear
+// w: packed [Npad/16, C, 32, 4] u32, s: scales [Npad/16, C, 8] u64 (QPN2 only), gs: folded global
+// scale, x [M, K] fp16, y [M, N] fp16. grid.x = ceil(tiles / TG) * P, P = ceil(M / (8 MT)).
+template <int FMT, int MT>
+__device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                            float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                            int M, int N, int K, int KS, int P) {
+  __shared__ float red[WARPS][1][8 * MT][16];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int pass = blockIdx.x % P, tb = blockIdx.x / P;
+  const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
+  const int CK = FMT == 2 ? 64 : 32, C = K / CK, tiles = (N + 15) >> 4;
+  const int t = tb * TG + tg;
+  float acc[1][MT][ACCN];
+  zero_acc<MT, 1>(acc);
+  if (t < tiles) {
+    const u32x4* wt[1] = {w + (size_t)t * C * 32};
+    const u64* st[1] = {s + (size_t)t * C * 8};
+    const u16* xr[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      int m = pass * 8 * MT + 8 * mt + lane_tok(lane);
+      xr[mt] = m < M ? x + (size_t)m * K + lane_k(lane) : (const u16*)0;
+    }
+    warp_gemm<FMT, MT, 1>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
+  }
+  store_partials<MT, 1>(red, warp, lane, acc);
+  __syncthreads();
+  for (int o = threadIdx.x; o < TG * 8 * MT * 16; o += THREADS) {
+    int row = o & 15, tok = (o >> 4) % (8 * MT), g = o / (16 * 8 * MT);
+    int n = (tb * TG + g) * 16 + row, m = pass * 8 * MT + tok;
+    if (n < N && m < M) y[(size_t)m * N + n] = f_to_h(red_sum<MT, 1>(red, g, KS, 0, tok, row) * gs);
+  }
+}
+
+#define LINEAR(NAME, FMT, MT)                                                                     \
+  extern "C" __global__ void                                          \
+      NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,                     \
+           const u16* __restrict__ x, u16* __restrict__ y, int M, int N, int K, int KS, int P) { \
+    linear_body<FMT, (MT < MTMAX ? MT : MTMAX)>(w, s, gs, x, y, M, N, K, KS, P);                   \
+  }
+LINEAR(qpn2_linear_mt1, 2, 1)
+LINEAR(qpn2_linear_mt2, 2, 2)
+LINEAR(qpn2_linear_mt4, 2, 4)
+LINEAR(qpn8_linear_mt1, 8, 1)
+LINEAR(qpn8_linear_mt2, 8, 2)
+LINEAR(qpn8_linear_mt4, 8, 4)
+
+// ---------------------------------------------------------------- MoE routing
+// slot_ids [A] -> offsets [S+1] (exclusive prefix of per-slot counts), perm [A] (assignments
+// grouped by slot). One block of 1024 threads; S <= 1024. Ids outside [0, S) are dropped.
+extern "C" __global__ void __launch_bounds__(1024)
+    qpn_moe_route(const int* __restrict__ slot_ids, int A, int S, int* __restrict__ offsets,
+                  int* __restrict__ perm) {
+  __shared__ int cnt[1024], scan[1024];
+  const int t = threadIdx.x;
+  cnt[t] = 0;
+  __syncthreads();
+  for (int a = t; a < A; a += 1024) {
+    int s = slot_ids[a];
+    if (s >= 0 && s < S) atomicAdd(&cnt[s], 1);
+  }
+  __syncthreads();
+  scan[t] = cnt[t];
+  __syncthreads();
+  for (int d = 1; d < 1024; d <<= 1) {  // inclusive Hillis-Steele scan
+    int v = t >= d ? scan[t - d] : 0;
+    __syncthreads();
+    scan[t] += v;
+    __syncthreads();
+  }
+  int start = scan[t] - cnt[t];
+  if (t < S) offsets[t] = start;
+  if (t == S - 1) offsets[S] = scan[t];
+  cnt[t] = start;  // becomes the scatter cursor
+  __syncthreads();
+  for (int a = t; a < A; a += 1024) {
+    int s = slot_ids[a];
+    if (s >= 0 && s < S) perm[atomicAdd(&cnt[s], 1)] = a;
+  }
+}
+
+// ---------------------------------------------------------------- MoE gate+up (fused SiLU * mul)
+// w13: per slot [2 * I/16 tiles (gate then up), H/CK, 32, 4] u32; s13 likewise; gs [S, 3].
+// x [T, H] fp16; h [A, I] fp16 indexed by position in perm. grid (ceil(I/16 / TG), S).
+template <int FMT, int MT>
+__device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const u64* __restrict__ s13,
+                                            const float* __restrict__ gs, long long wstride,
+                                            long long sstride, const u16* __restrict__ x,
+                                            const int* __restrict__ token_idx,
+                                            const int* __restrict__ offsets,
+                                            const int* __restrict__ perm, u16* __restrict__ h,
+                                            int H, int I, int KS) {
+  __shared__ float red[WARPS][2][8 * MT][16];
+  const int slot = blockIdx.y;
+  const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
+  if (cnt <= 0) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
+  const int CK = FMT == 2 ? 64 : 32, C = H / CK, It = I >> 4;
+  const int t = blockIdx.x * TG + tg;
+  const u32x4* wb = w13 + slot * wstride;
+  const u64* sb = s13 + slot * sstride;
+  const u32x4* wt[2] = {wb + (size_t)t * C * 32, wb + (size_t)(It + t) * C * 32};
+  const u64* st[2] = {sb + (size_t)t * C * 8, sb + (size_t)(It + t) * C * 8};
+  const float gg = gs[slot * 3 + 0], gu = gs[slot * 3 + 1];
+  for (int base = 0; base < cnt; base += 8 * MT) {
+    float acc[2][MT][ACCN];
+    zero_acc<MT, 2>(acc);
+    if (t < It) {
+      const u16* xr[MT];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        int i = base + 8 * mt + lane_tok(lane);
+        xr[mt] = i < cnt ? x + (size_t)token_idx[perm[beg + i]] * H + lane_k(lane) : (const u16*)0;
+      }
+      warp_gemm<FMT, MT, 2>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
+    }
+    store_partials<MT, 2>(red, warp, lane, acc);
+    __syncthreads();
+    for (int o = threadIdx.x; o < TG * 8 * MT * 16; o += THREADS) {
+      int row = o & 15, tok = (o >> 4) % (8 * MT), g = o / (16 * 8 * MT);
+      int n = (blockIdx.x * TG + g) * 16 + row, i = base + tok;
+      if (n < I && i < cnt) {
+        float a = red_sum<MT, 2>(red, g, KS, 0, tok, row) * gg;
+        float b = red_sum<MT, 2>(red, g, KS, 1, tok, row) * gu;
+        h[(size_t)(beg + i) * I + n] = f_to_h(a / (1.f + __expf(-a)) * b);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------- MoE down + weighted sum
+// w2: per slot [H/16, I/CK, 32, 4] u32; h [A, I] fp16 (perm order); y [T, H] fp32 (+=).
+template <int FMT, int MT>
+__device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u64* __restrict__ s2,
+                                          const float* __restrict__ gs, long long wstride,
+                                          long long sstride, const u16* __restrict__ h,
+                                          const int* __restrict__ token_idx,
+                                          const float* __restrict__ route_w,
+                                          const int* __restrict__ offsets,
+                                          const int* __restrict__ perm, float* __restrict__ y,
+                                          int H, int I, int KS) {
+  __shared__ float red[WARPS][1][8 * MT][16];
+  const int slot = blockIdx.y;
+  const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
+  if (cnt <= 0) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
+  const int CK = FMT == 2 ? 64 : 32, C = I / CK, Ht = H >> 4;
+  const int t = blockIdx.x * TG + tg;
+  const u32x4* wt[1] = {w2 + slot * wstride + (size_t)t * C * 32};
+  const u64* st[1] = {s2 + slot * sstride + (size_t)t * C * 8};
+  const float gd = gs[slot * 3 + 2];
+  for (int base = 0; base < cnt; base += 8 * MT) {
+    float acc[1][MT][ACCN];
+    zero_acc<MT, 1>(acc);
+    if (t < Ht) {
+      const u16* xr[MT];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        int i = base + 8 * mt + lane_tok(lane);
+        xr[mt] = i < cnt ? h + (size_t)(beg + i) * I + lane_k(lane) : (const u16*)0;
+      }
+      warp_gemm<FMT, MT, 1>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
+    }
+    store_partials<MT, 1>(red, warp, lane, acc);
+    __syncthreads();
+    for (int o = threadIdx.x; o < TG * 8 * MT * 16; o += THREADS) {
+      int row = o & 15, tok = (o >> 4) % (8 * MT), g = o / (16 * 8 * MT);
+      int n = (blockIdx.x * TG + g) * 16 + row, i = base + tok;
+      if (n < H && i < cnt) {
+        int a = perm[beg + i];
+        atomicAdd(y + (size_t)token_idx[a] * H + n,
+                  route_w[a] * red_sum<MT, 1>(red, g, KS, 0, tok, row) * gd);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+#define MOE(FMT, MT)                                                                               \
+  extern "C" __global__ void qpn##FMT##_moe_gateup_mt##MT(            \
+      const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
+      long long wstride, long long sstride, const u16* __restrict__ x,                             \
+      const int* __restrict__ token_idx, const int* __restrict__ offsets,                          \
+      const int* __restrict__ perm, u16* __restrict__ h, int H, int I, int KS) {                   \
+    gateup_body<FMT, (MT < MTMAX ? MT : MTMAX)>(w13, s13, gs, wstride, sstride, x, token_idx,    \
+                                                 offsets, perm, h, H, I, KS);                      \
+  }                                                                                                \
+  extern "C" __global__ void qpn##FMT##_moe_down_mt##MT(              \
+      const u32x4* __restrict__ w2, const u64* __restrict__ s2, const float* __restrict__ gs,      \
+      long long wstride, long long sstride, const u16* __restrict__ h,                             \
+      const int* __restrict__ token_idx, const float* __restrict__ route_w,                        \
+      const int* __restrict__ offsets, const int* __restrict__ perm, float* __restrict__ y, int H, \
+      int I, int KS) {                                                                             \
+    down_body<FMT, (MT < MTMAX ? MT : MTMAX)>(w2, s2, gs, wstride, sstride, h, token_idx,        \
+                                               route_w, offsets, perm, y, H, I, KS);               \
+  }
+MOE(2, 1)
+MOE(2, 4)
+MOE(8, 1)
+MOE(8, 4)

@@ -1,0 +1,320 @@
+"""hybrid-bench cuda-kernels: QPN kernel build check (CPU-only) and GPU timing vs cuBLAS FP16.
+
+Efficiency = bytes that must move (packed weights + scales, read once) / kernel time, as a % of
+the device read bandwidth measured in the same run (a large read-only reduction); copy bandwidth
+is reported beside it. Kernel time: CUDA events around each launch, queued behind a GPU sleep so
+host overhead is excluded, median over launches that rotate among enough weight copies that
+nothing is served from L2.
+Legend: M rows (tokens), N out, K in.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+HELP = "QPN CUDA kernels: --compile-only register/spill check (no GPU), or timing vs cuBLAS FP16"
+
+# Qwen3-30B-A3B (hidden 2048, 32 q heads x 128, 4 kv heads x 128, expert 768) and a dense 32B class.
+SHAPES = [  # name, N, K
+    ("q_proj", 4096, 2048), ("k_proj", 512, 2048), ("v_proj", 512, 2048), ("o_proj", 2048, 4096),
+    ("expert_gate_up", 768, 2048), ("expert_down", 2048, 768), ("lm_head", 151936, 2048),
+    ("dense_up", 25600, 5120), ("dense_down", 5120, 25600),
+]
+MS = [1, 2, 4, 8, 16, 128, 512]
+ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile every kernel with NVRTC 12 + ptxas (pip wheels), no GPU; fail on spills")
+    p.add_argument("--arch", action="append", default=None,
+                   help="sm_XX target(s) for --compile-only (repeatable; default sm_70 and sm_90)")
+    p.add_argument("--emit", type=Path, default=None,
+                   help="with --compile-only: also write the PTX as prebuilt files into this folder")
+    p.add_argument("--out", type=Path, default=Path("results/cuda_kernels"),
+                   help="timing: write OUT.md and append OUT.jsonl")
+    p.add_argument("--formats", default="nvfp4,fp8", help="timing: comma list of nvfp4, fp8")
+    p.add_argument("--m", default=",".join(map(str, MS)), help="timing: comma list of M values")
+    p.add_argument("--shapes", default="all", help="timing: comma list of shape names or 'all'")
+    p.add_argument("--reps", type=int, default=40, help="timed launches per measurement")
+    p.add_argument("--git-sha", default=None, help="git sha to record (default: git rev-parse HEAD)")
+    p.add_argument("--command", default=None, help="command line to record (default: argv)")
+
+
+def run(args) -> int:
+    if args.compile_only:
+        return compile_only([_sm(a) for a in (args.arch or ["sm_70", "sm_90"])], args.emit)
+    return bench(args)
+
+
+def _sm(arch: str) -> int:
+    try:
+        return int(arch.lower().replace("sm_", "").replace("compute_", ""))
+    except ValueError:
+        from hybrid.errors import HybridError
+        raise HybridError(f"--arch: expected sm_XX (e.g. sm_70), got {arch!r}") from None
+
+
+# ---------------------------------------------------------------------------- compile-only
+def compile_only(sms: list[int], emit: Path | None) -> int:
+    from hybrid.kernels.build import compile_check, prebuilt_path
+    from hybrid.kernels.nvrtc import load_nvrtc
+
+    nv = load_nvrtc(12)
+    print(f"NVRTC {nv.version[0]}.{nv.version[1]} ({nv.path})")
+    bad = 0
+    for sm in sms:
+        reports, ptx = compile_check(sm)
+        mmas = sorted({ln.split()[0] for ln in ptx.splitlines() if "mma.sync" in ln})
+        print(f"\nsm_{sm}: {len(reports)} kernels, MMA: {', '.join(mmas) or 'none'}")
+        print(f"{'kernel':28s} {'regs':>5s} {'spill st':>9s} {'spill ld':>9s} {'stack':>6s} {'smem':>6s}")
+        for r in sorted(reports, key=lambda r: r.name):
+            flag = "  SPILL" if r.spill_stores or r.spill_loads else ""
+            print(f"{r.name:28s} {r.registers:5d} {r.spill_stores:9d} {r.spill_loads:9d} "
+                  f"{r.stack:6d} {r.smem:6d}{flag}")
+            bad += bool(flag)
+        if emit:
+            emit.mkdir(parents=True, exist_ok=True)
+            prebuilt_path(sm, emit).write_text(ptx)
+    print(f"\n{'FAIL: ' + str(bad) + ' kernel(s) spill' if bad else 'OK: no spills'}")
+    return 1 if bad else 0
+
+
+# ---------------------------------------------------------------------------- timing helpers
+def time_ms(fns, reps: int) -> float:
+    """Median GPU time of one call, calls rotating over fns, queued behind a GPU sleep."""
+    import torch
+
+    for f in fns[: min(len(fns), 3)]:
+        f()
+    torch.cuda.synchronize()
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+           for _ in range(reps)]
+    torch.cuda._sleep(int(4e7))
+    for i, (a, b) in enumerate(evs):
+        a.record()
+        fns[i % len(fns)]()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in evs)
+
+
+def bandwidths() -> tuple[float, float]:
+    """(read GB/s of a 2 GiB fp32 sum, copy GB/s counting read + write of 1 GiB), medians."""
+    import torch
+
+    big = torch.rand(512 << 20, device="cuda")  # 2 GiB
+    t = time_ms([lambda: big.sum()], 10)
+    read = big.numel() * 4 / t / 1e6
+    src, dst = big[: 256 << 20], torch.empty(256 << 20, device="cuda")
+    t = time_ms([lambda: dst.copy_(src)], 10)
+    copy = 2 * src.numel() * 4 / t / 1e6
+    del big, dst
+    torch.cuda.empty_cache()
+    return read, copy
+
+
+def random_qweight(qtype, n: int, k: int, device):
+    """Random valid packed weight straight on the device (no NaN codes, realistic scales)."""
+    import torch
+
+    from hybrid.checkpoint.formats import QType
+    from hybrid.checkpoint.qweight import QWeight
+
+    g = torch.Generator(device=device).manual_seed(n * 7 + k)
+    if qtype is QType.NVFP4:
+        data = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=g)
+        sc = torch.randint(0x28, 0x60, (n, k // 16), dtype=torch.uint8, device=device, generator=g)
+        return QWeight(qtype, (n, k), data, sc.view(torch.float8_e4m3fn),
+                       torch.tensor(1e-3, device=device))
+    b = torch.randint(0, 0x7E, (n, k), dtype=torch.uint8, device=device, generator=g)
+    b |= torch.randint(0, 2, (n, k), dtype=torch.uint8, device=device, generator=g) << 7
+    return QWeight(qtype, (n, k), b.view(torch.float8_e4m3fn), torch.tensor(1e-2, device=device))
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, min(512, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
+
+
+# ---------------------------------------------------------------------------- measurements
+def bench_linear(name, n, k, qtype, ms, reps, read_bw):
+    """Our kernel vs cuBLAS FP16 (x @ W^T) vs dequantize-then-matmul, for each M."""
+    import torch
+
+    from hybrid.kernels import QPNWeight, qpn_linear
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    qw = random_qweight(qtype, n, k, dev)
+    base = QPNWeight.from_qweight(qw, dev)
+    ws = [base] + [_clone_weight(base) for _ in range(copies_for(base.nbytes) - 1)]
+    wd = _gpu_dequant(qw).half()
+    dense = [wd] + [wd.clone() for _ in range(copies_for(wd.numel() * 2) - 1)]
+    out = []
+    for m in ms:
+        x = torch.randn(m, k, device=dev, dtype=torch.float16)
+        t = time_ms([lambda w=w: qpn_linear(x, w) for w in ws], reps)
+        tc = time_ms([lambda d=d: x @ d.t() for d in dense], reps)
+        rec = dict(shape=name, n=n, k=k, format=qtype.value, m=m, bytes=base.nbytes, t_us=t * 1e3,
+                   eff_read=base.nbytes / t / 1e6 / read_bw, cublas_t_us=tc * 1e3,
+                   cublas_eff_read=wd.numel() * 2 / tc / 1e6 / read_bw, speedup_vs_cublas=tc / t)
+        if m == 1:
+            td = time_ms([lambda: x @ _gpu_dequant(qw).half().t()], max(5, reps // 8))
+            rec.update(dequant_matmul_t_us=td * 1e3, speedup_vs_dequant=td / t)
+        out.append(rec)
+        print(_line(rec), flush=True)
+    del ws, dense
+    torch.cuda.empty_cache()
+    return out
+
+
+def _clone_weight(w):
+    from dataclasses import replace
+
+    return replace(w, words=w.words.clone(), scales=w.scales.clone())
+
+
+def _gpu_dequant(qw):
+    """Dequantize on the GPU with torch ops (the 'dequantize then FP16 matmul' path we refuse)."""
+    import torch
+
+    from hybrid.checkpoint.formats import E2M1_TABLE, GROUP, QType
+
+    if qw.qtype is QType.FP8:
+        return qw.data.float() * qw.scale.float()
+    n, k = qw.shape
+    table = torch.from_numpy(E2M1_TABLE).to(qw.data.device)
+    codes = torch.stack((qw.data & 0x0F, qw.data >> 4), dim=-1).view(n, k // GROUP, GROUP)
+    return (table[codes.long()] * qw.scale.float().unsqueeze(-1) * qw.scale_2.float()).view(n, k)
+
+
+def bench_moe(qtype, ts, reps, read_bw, h=2048, i=768, topk=8):
+    """All 8 selected experts of one Qwen3-30B-A3B layer through qpn_moe vs batched cuBLAS FP16."""
+    import torch
+
+    from hybrid.kernels import QPNExpertSlots, qpn_moe
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sets = []
+    for _ in range(copies_for(topk * 3 * i * h // 2)):
+        sl = QPNExpertSlots(topk, h, i, qtype, dev)
+        for s in range(topk):
+            sl.load(s, random_qweight(qtype, i, h, dev), random_qweight(qtype, i, h, dev),
+                    random_qweight(qtype, h, i, dev))
+        sets.append(sl)
+    nbytes = topk * sets[0].nbytes_per_slot
+    w13 = torch.randn(topk, 2 * i, h, device=dev, dtype=torch.float16) * 0.02
+    w2 = torch.randn(topk, h, i, device=dev, dtype=torch.float16) * 0.02
+    out = []
+    for t in ts:
+        x = torch.randn(t, h, device=dev, dtype=torch.float16)
+        ids = torch.stack([torch.randperm(topk, device=dev)[:topk] for _ in range(t)]).int().flatten()
+        tok = torch.arange(t, device=dev, dtype=torch.int32).repeat_interleave(topk)
+        rw = torch.rand(t * topk, device=dev)
+        tq = time_ms([lambda sl=sl: qpn_moe(x, sl, ids, tok, rw) for sl in sets], reps)
+        tc = time_ms([lambda: _cublas_moe(x, w13, w2, i)], reps)
+        rec = dict(shape="moe_8_experts", n=h, k=i, format=qtype.value, m=t, bytes=nbytes,
+                   t_us=tq * 1e3, eff_read=nbytes / tq / 1e6 / read_bw, cublas_t_us=tc * 1e3,
+                   cublas_eff_read=(w13.numel() + w2.numel()) * 2 / tc / 1e6 / read_bw,
+                   speedup_vs_cublas=tc / tq)
+        out.append(rec)
+        print(_line(rec), flush=True)
+    del sets
+    torch.cuda.empty_cache()
+    return out
+
+
+def _cublas_moe(x, w13, w2, i):
+    """Each token through all 8 experts (decode: every token uses the layer's 8 experts)."""
+    import torch
+    import torch.nn.functional as F
+
+    xe = x.unsqueeze(0).expand(w13.shape[0], -1, -1)               # [E, T, H]
+    gu = torch.bmm(xe, w13.transpose(1, 2))                         # [E, T, 2I]
+    hmid = F.silu(gu[..., :i]) * gu[..., i:]
+    return torch.bmm(hmid, w2.transpose(1, 2)).sum(0)               # [T, H]
+
+
+def _line(r) -> str:
+    extra = f" dequant+mm x{r['speedup_vs_dequant']:.1f}" if "speedup_vs_dequant" in r else ""
+    return (f"{r['shape']:15s} {r['format']:5s} M={r['m']:4d} {r['t_us']:9.1f} us "
+            f"{100 * r['eff_read']:5.1f}% | cuBLAS {r['cublas_t_us']:9.1f} us "
+            f"{100 * r['cublas_eff_read']:5.1f}% | x{r['speedup_vs_cublas']:.2f}{extra}")
+
+
+# ---------------------------------------------------------------------------- report
+def bench(args) -> int:
+    import torch
+
+    from hybrid.checkpoint.formats import QType
+    from hybrid.errors import HybridError
+
+    if not torch.cuda.is_available():
+        raise HybridError("hybrid-bench cuda-kernels needs a CUDA GPU (use --compile-only without one)")
+    fmts = [QType(f.strip()) for f in args.formats.split(",")]
+    ms = [int(m) for m in args.m.split(",")]
+    shapes = SHAPES if args.shapes == "all" else [s for s in SHAPES if s[0] in args.shapes.split(",")]
+    env = _environment(args)
+    read_bw, copy_bw = bandwidths()
+    env.update(read_gbs=read_bw, copy_gbs=copy_bw)
+    print(f"{env['gpu']}: read {read_bw:.0f} GB/s, copy {copy_bw:.0f} GB/s", flush=True)
+    recs = []
+    for qtype in fmts:
+        for name, n, k in shapes:
+            recs += bench_linear(name, n, k, qtype, ms, args.reps, read_bw)
+        if args.shapes == "all" or "moe" in args.shapes:
+            recs += bench_moe(qtype, [m for m in ms if m <= 16], args.reps, read_bw)
+    write_results(args.out, env, recs)
+    return 0
+
+
+def _environment(args) -> dict:
+    import subprocess
+
+    import torch
+
+    from hybrid.kernels.build import module
+    from hybrid.kernels.nvrtc import load_nvrtc
+
+    sha = args.git_sha
+    if sha is None:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+        sha = r.stdout.strip() or "unknown"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    mod = module(dev)
+    nv = load_nvrtc()
+    return dict(gpu=torch.cuda.get_device_name(dev), sm=mod.sm, torch=torch.__version__,
+                nvrtc=f"{nv.version[0]}.{nv.version[1]}", host=platform.node(), git_sha=sha,
+                command=args.command or " ".join(["hybrid-bench", "cuda-kernels", *sys.argv[2:]]))
+
+
+def write_results(out: Path, env: dict, recs: list[dict]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".jsonl"), "a") as f:
+        for r in recs:
+            f.write(json.dumps({**env, **r}) + "\n")
+    out.with_suffix(".md").write_text(markdown(env, recs))
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.jsonl')}")
+
+
+def markdown(env: dict, recs: list[dict]) -> str:
+    lines = [f"# QPN CUDA kernels on {env['gpu']}", "",
+             f"- command: `{env['command']}`", f"- git sha: `{env['git_sha']}`",
+             f"- torch {env['torch']}, NVRTC {env['nvrtc']}, native sm_{env['sm']}",
+             f"- measured read bandwidth {env['read_gbs']:.0f} GB/s (2 GiB fp32 sum), "
+             f"copy {env['copy_gbs']:.0f} GB/s (read + write)",
+             "- eff = packed bytes (weights + scales) / median kernel time / read bandwidth; "
+             "cuBLAS = torch FP16 matmul on pre-dequantized weights (FP16 bytes); "
+             "x = cuBLAS time / our time", "",
+             "| shape | N | K | fmt | M | ours us | ours eff | cuBLAS us | cuBLAS eff | x vs cuBLAS "
+             "| x vs dequant+matmul |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in recs:
+        dq = f"{r['speedup_vs_dequant']:.1f}" if "speedup_vs_dequant" in r else ""
+        lines.append(f"| {r['shape']} | {r['n']} | {r['k']} | {r['format']} | {r['m']} | "
+                     f"{r['t_us']:.1f} | {100 * r['eff_read']:.1f}% | {r['cublas_t_us']:.1f} | "
+                     f"{100 * r['cublas_eff_read']:.1f}% | {r['speedup_vs_cublas']:.2f} | {dq} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,195 @@
+"""Run-time build of the QPN kernels: NVRTC -> CUBIN (or PTX for the driver to JIT), cached on disk.
+
+Cache key: sha256 of (source, options, NVRTC version) + target, under $HYBRID_CACHE_DIR or
+~/.cache/hybrid/qpn. A device the local NVRTC cannot target natively (e.g. a GPU newer than the
+NVRTC) gets PTX of the highest supported compute_XX, which the driver compiles at load.
+Also the CPU-only check: compile every kernel for compute_XX, run ptxas -v, report registers/spills.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybrid.kernels.nvrtc import Nvrtc, NvrtcError, load_nvrtc, wheel_dir
+
+SOURCE_NAME = "qpn.cu"
+OPTIONS = ["-std=c++17", "-default-device", "--restrict"]
+
+KERNELS = tuple(
+    [f"qpn{f}_linear_mt{m}" for f in (2, 8) for m in (1, 2, 4)]
+    + ["qpn_moe_route"]
+    + [f"qpn{f}_moe_{p}_mt{m}" for f in (2, 8) for p in ("gateup", "down") for m in (1, 4)]
+)
+
+
+def source_path() -> Path:
+    """The kernel source: hybrid/kernels/qpn.cu (a link to cuda/qpn.cu in a checkout)."""
+    return Path(__file__).with_name(SOURCE_NAME)
+
+
+def source() -> str:
+    return source_path().read_text()
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("HYBRID_CACHE_DIR")
+    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hybrid"
+    return base / "qpn"
+
+
+@dataclass(frozen=True)
+class Target:
+    """sm (e.g. 90) and whether to emit native CUBIN (True) or PTX for the driver JIT."""
+
+    sm: int
+    cubin: bool
+
+    @property
+    def arch_option(self) -> str:
+        return f"--gpu-architecture={'sm' if self.cubin else 'compute'}_{self.sm}"
+
+    @property
+    def suffix(self) -> str:
+        return f"sm_{self.sm}.cubin" if self.cubin else f"compute_{self.sm}.ptx"
+
+
+def pick_target(nv: Nvrtc, sm: int, force_ptx: bool = False) -> Target:
+    archs = nv.supported_archs()
+    if sm in archs and not force_ptx:
+        return Target(sm, cubin=True)
+    lower = [a for a in archs if a <= sm]
+    if not lower:
+        raise NvrtcError(f"NVRTC {nv.version} at {nv.path} cannot target sm_{sm} "
+                         f"(supports {archs}); for Volta use nvidia-cuda-nvrtc-cu12")
+    return Target(max(lower) if sm not in archs else sm, cubin=False)
+
+
+def compile_image(nv: Nvrtc, target: Target, src: str | None = None, use_cache: bool = True) -> bytes:
+    """Compile (or fetch from the cache) the module image for target."""
+    src = source() if src is None else src
+    opts = OPTIONS + [target.arch_option]
+    key = hashlib.sha256("\0".join([src, *opts, str(nv.version)]).encode()).hexdigest()[:20]
+    path = cache_dir() / f"{key}-{target.suffix}"
+    if use_cache and path.exists():
+        return path.read_bytes()
+    image = nv.compile(src, SOURCE_NAME, opts, cubin=target.cubin)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(image)
+        tmp.replace(path)
+    return image
+
+
+_MODULES: dict[tuple[int, bool], object] = {}
+
+
+def module(device: torch.device, force_ptx_sm: int | None = None):
+    """The loaded kernel module for a CUDA device (built on first use).
+
+    force_ptx_sm: load PTX of compute_<sm> instead (tests: compute_70 PTX through the driver JIT).
+    """
+    from hybrid.kernels.driver import Module
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, force_ptx_sm)
+    mod = _MODULES.get(key)
+    if mod is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        sm = force_ptx_sm or major * 10 + minor
+        mod = Module(_image_for(sm, force_ptx_sm is not None), torch.device("cuda", index))
+        mod.sm = sm
+        _MODULES[key] = mod
+    return mod
+
+
+def _image_for(sm: int, force_ptx: bool) -> bytes:
+    """Native CUBIN (or PTX) from NVRTC; if NVRTC is missing or cannot target sm, a PTX file
+    prebuilt for this exact source (`hybrid-bench cuda-kernels --compile-only --emit DIR`)."""
+    try:
+        nv = load_nvrtc(12 if sm < 75 else None)
+        return compile_image(nv, pick_target(nv, sm, force_ptx=force_ptx))
+    except NvrtcError:
+        pre = prebuilt_path(sm)
+        if pre.exists():
+            return pre.read_bytes()
+        raise
+
+
+def prebuilt_path(sm: int, folder: Path | None = None) -> Path:
+    digest = hashlib.sha256(source().encode()).hexdigest()[:16]
+    return (folder or cache_dir()) / f"prebuilt-{digest}-compute_{sm}.ptx"
+
+
+# ---------------------------------------------------------------------------- compile-only check
+@dataclass(frozen=True)
+class KernelReport:
+    name: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+    smem: int
+
+
+def ptxas_path() -> Path:
+    d = wheel_dir("cuda_nvcc")
+    cands = ([d / "bin" / "ptxas"] if d else []) + [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "ptxas"]
+    for c in cands:
+        if c.exists():
+            return c
+    raise NvrtcError("ptxas not found; install it with `pip install nvidia-cuda-nvcc-cu12`")
+
+
+def include_options() -> list[str]:
+    """Include paths of the pip wheels (the source needs none; passed for headers users add)."""
+    out = []
+    for pkg in ("cuda_runtime", "cuda_nvcc"):
+        d = wheel_dir(pkg)
+        if d and (d / "include").is_dir():
+            out.append(f"--include-path={d / 'include'}")
+    return out
+
+
+def compile_check(sm: int) -> tuple[list[KernelReport], str]:
+    """NVRTC -> PTX (compute_<sm>) -> ptxas -arch=sm_<sm> -v; per-kernel registers and spills."""
+    nv = load_nvrtc(12)
+    ptx = nv.compile(source(), SOURCE_NAME, OPTIONS + include_options()
+                     + [f"--gpu-architecture=compute_{sm}"], cubin=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "qpn.ptx"
+        p.write_bytes(ptx)
+        res = subprocess.run([str(ptxas_path()), f"-arch=sm_{sm}", "-v", str(p), "-o",
+                              str(Path(tmp) / "qpn.cubin")], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise NvrtcError(f"ptxas failed for sm_{sm}:\n{res.stderr}")
+    return parse_ptxas(res.stderr), ptx.decode()
+
+
+def parse_ptxas(log: str) -> list[KernelReport]:
+    reports, cur = [], None
+    stack = stores = loads = 0
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line) or re.search(
+            r"Function properties for (\w+)", line)
+        if m:
+            cur = m.group(1)
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            stack, stores, loads = map(int, m.groups())
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and cur:
+            sm = re.search(r"(\d+) bytes smem", line)
+            reports.append(KernelReport(cur, int(m.group(1)), stores, loads, stack,
+                                        int(sm.group(1)) if sm else 0))
+            stack = stores = loads = 0
+    return reports

@@ -1,0 +1,91 @@
+"""CUDA driver API through ctypes: load a PTX/CUBIN module into PyTorch's context and launch.
+
+PyTorch owns the device memory and the streams; this module only loads modules and calls
+cuLaunchKernel on torch's current stream, so no CUDA toolkit or extra Python package is needed.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+
+class DriverError(RuntimeError):
+    """A CUDA driver call failed."""
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda() -> ctypes.CDLL:
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise DriverError("libcuda (the NVIDIA driver) not found")
+
+
+def check(rc: int, what: str) -> None:
+    if rc != 0:
+        msg = ctypes.c_char_p()
+        _cuda().cuGetErrorString(rc, ctypes.byref(msg))
+        raise DriverError(f"{what} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
+
+
+def _ensure_context(device: torch.device) -> None:
+    """Make torch's primary context of this device current on this thread."""
+    torch.cuda.init()
+    with torch.cuda.device(device):
+        torch.cuda.current_stream(device)  # forces the runtime to bind its context
+        ctx = ctypes.c_void_p()
+        check(_cuda().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            dev = ctypes.c_int()
+            check(_cuda().cuDeviceGet(ctypes.byref(dev), device.index or 0), "cuDeviceGet")
+            check(_cuda().cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            check(_cuda().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+class Module:
+    """A loaded module; kernels by name; launch(name, grid, block, args, stream)."""
+
+    def __init__(self, image: bytes, device: torch.device):
+        self.device = device
+        with torch.cuda.device(device):
+            _ensure_context(device)
+            self._handle = ctypes.c_void_p()
+            buf = ctypes.create_string_buffer(image + (b"" if image.endswith(b"\0") else b"\0"))
+            check(_cuda().cuModuleLoadData(ctypes.byref(self._handle), buf), "cuModuleLoadData")
+        self._funcs: dict[str, ctypes.c_void_p] = {}
+
+    def function(self, name: str) -> ctypes.c_void_p:
+        fn = self._funcs.get(name)
+        if fn is None:
+            fn = ctypes.c_void_p()
+            check(_cuda().cuModuleGetFunction(ctypes.byref(fn), self._handle, name.encode()),
+                  f"cuModuleGetFunction({name})")
+            self._funcs[name] = fn
+        return fn
+
+    def launch(self, name: str, grid: tuple[int, int, int], block: int, args: list,
+               stream: torch.cuda.Stream | None = None) -> None:
+        """args: ctypes scalars (c_void_p for pointers, c_int, c_float, c_longlong)."""
+        fn = self.function(name)
+        s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        if torch.cuda.current_device() != self.device.index:
+            with torch.cuda.device(self.device):
+                _ensure_context(self.device)
+                self._launch(fn, name, grid, block, s, ptrs)
+        else:
+            self._launch(fn, name, grid, block, s, ptrs)
+
+    @staticmethod
+    def _launch(fn, name, grid, block, stream, ptrs) -> None:
+        check(_cuda().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block, 1, 1, 0,
+                                     ctypes.c_void_p(stream.cuda_stream), ptrs, None),
+              f"cuLaunchKernel({name})")
+
+
+def ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())

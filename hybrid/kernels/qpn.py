@@ -1,0 +1,311 @@
+"""QPN launchers: checked entry points for the kernels in cuda/qpn.cu, with torch references on CPU.
+
+Legend: M rows (tokens), N out, K in, T tokens, H hidden, I expert intermediate, S slots,
+A routed assignments.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+
+from hybrid.checkpoint.formats import QType
+from hybrid.checkpoint.qweight import QWeight
+from hybrid.kernels import layout
+from hybrid.kernels.reference import ref_linear, ref_moe
+
+THREADS = 256
+WARPS = 8
+MAX_SLOTS = 1024
+
+
+# ---------------------------------------------------------------------------- weights
+@dataclass
+class QPNWeight:
+    """One linear weight [N, K] ready for qpn_linear on `device`.
+
+    CUDA: packed words (+ NVFP4 group scales) in the QPN layout and the folded global scale.
+    CPU: the QWeight as stored (the reference dequantizes it transiently per call).
+    Dense (F16/BF16/F32) weights are kept as fp16 [N, K] and use torch.matmul.
+    """
+
+    qtype: QType
+    shape: tuple[int, int]
+    device: torch.device
+    words: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    gscale: float = 1.0
+    qweight: QWeight | None = None
+    dense: torch.Tensor | None = None
+    name: str = ""
+
+    @classmethod
+    def from_qweight(cls, qw: QWeight, device) -> "QPNWeight":
+        device = _device(device)
+        n, k = qw.shape
+        if not qw.qtype.is_quantized:
+            return cls(qw.qtype, (n, k), device, dense=qw.data.to(device, torch.float16).contiguous(),
+                       name=qw.name)
+        layout.check_shape(qw.qtype, n, k, qw.name or "weight")
+        if device.type != "cuda":
+            return cls(qw.qtype, (n, k), device, qweight=qw.to(device), name=qw.name)
+        q = qw.to(device)
+        if qw.qtype is QType.NVFP4:
+            words, scales = layout.pack_nvfp4(q)
+        else:
+            words, scales = layout.pack_fp8(q), torch.zeros(16, dtype=torch.uint8, device=device)
+        return cls(qw.qtype, (n, k), device, words, scales, layout.global_scale(qw), name=qw.name)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the device (packed weights + scales, or the stored/dense tensors)."""
+        if self.dense is not None:
+            return self.dense.numel() * 2
+        if self.qweight is not None:
+            return self.qweight.nbytes
+        return _nbytes(self.words) + (_nbytes(self.scales) if self.qtype is QType.NVFP4 else 0)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _device(device) -> torch.device:
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+# ---------------------------------------------------------------------------- validation
+def _check_tensor(t, name: str, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if _device(t.device) != device:
+        raise ValueError(f"{name}: on {t.device}, but the weights are on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (call .contiguous())")
+    if t.device.type == "cuda" and t.numel() and t.data_ptr() % 16:
+        raise ValueError(f"{name}: data pointer must be 16-byte aligned")
+
+
+# ---------------------------------------------------------------------------- launch helpers
+def _mt(m_rows: int, sm: int) -> int:
+    """8-row tiles per pass: 1 for M <= 8 (decode / speculative verify), more for prefill."""
+    if m_rows <= 8:
+        return 1
+    if sm < 75 or m_rows <= 16:
+        return 2
+    return 4
+
+
+def _pick_ks(units: int, chunks: int, sms: int) -> int:
+    """Warps splitting K: enough warps to fill the GPU, each keeping >= 4 chunks."""
+    ks = 1
+    while ks < WARPS and units * ks < sms * 32 and chunks >= 8 * ks:
+        ks *= 2
+    return ks
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _module(device: torch.device):
+    from hybrid.kernels.build import module
+
+    return module(device, _FORCE_PTX.get(device.index))
+
+
+_FORCE_PTX: dict[int, int] = {}
+
+
+def force_ptx(device, sm: int | None) -> None:
+    """Tests: run this device's kernels from compute_<sm> PTX through the driver JIT (None: native)."""
+    d = _device(device)
+    if sm is None:
+        _FORCE_PTX.pop(d.index, None)
+    else:
+        _FORCE_PTX[d.index] = sm
+
+
+def _fmt(qtype: QType) -> int:
+    return 2 if qtype is QType.NVFP4 else 8
+
+
+# ---------------------------------------------------------------------------- linear
+def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[M, N] fp16 = x[M, K] fp16 . W^T. CUDA: the QPN kernel; CPU: torch reference.
+
+    out: optional fp16 [M, N] buffer the CUDA kernel writes into (every element is written)."""
+    if not isinstance(w, QPNWeight):
+        raise ValueError(f"w: expected a QPNWeight, got {type(w).__name__}")
+    n, k = w.shape
+    _check_tensor(x, "x", torch.float16, (None, k), w.device)
+    m = x.shape[0]
+    if out is not None:
+        _check_tensor(out, "out", torch.float16, (m, n), w.device)
+    if w.dense is not None or w.device.type != "cuda":
+        y = _linear_torch(x, w)
+        return y if out is None else out.copy_(y)
+    y = torch.empty(m, n, dtype=torch.float16, device=w.device) if out is None else out
+    if m == 0:
+        return y
+    mod = _module(w.device)
+    mt = _mt(m, mod.sm)
+    passes = -(-m // (8 * mt))
+    tiles = -(-n // 16)
+    chunks = k // layout.CHUNK[w.qtype]
+    ks = _pick_ks(tiles * passes, chunks, _sms(w.device))
+    tg = WARPS // ks
+    grid = (-(-tiles // tg) * passes, 1, 1)
+    args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
+            ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
+    mod.launch(f"qpn{_fmt(w.qtype)}_linear_mt{mt}", grid, THREADS, args)
+    return y
+
+
+def _linear_torch(x: torch.Tensor, w: QPNWeight) -> torch.Tensor:
+    if w.dense is None:
+        return ref_linear(x, w.qweight)
+    return x @ w.dense.t() if w.device.type == "cuda" else (x.float() @ w.dense.float().t()).half()
+
+
+def _p(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+# ---------------------------------------------------------------------------- MoE expert slots
+@dataclass
+class QPNExpertSlots:
+    """Preallocated packed storage for S experts of one layer (gate/up [I, H], down [H, I]).
+
+    CUDA: w13 int32 [S, 2*I/16, H/CK, 32, 4] (gate tiles then up tiles), s13 uint8 (NVFP4),
+    w2 int32 [S, H/16, I/CK, 32, 4], s2 uint8, gs fp32 [S, 3] folded global scales.
+    CPU: a list of (gate, up, down) QWeights per slot (reference).
+    """
+
+    num_slots: int
+    hidden: int
+    inter: int
+    qtype: QType
+    device: torch.device
+    host: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.device = _device(self.device)
+        if not 1 <= self.num_slots <= MAX_SLOTS:
+            raise ValueError(f"num_slots must be in 1..{MAX_SLOTS}, got {self.num_slots}")
+        layout.check_shape(self.qtype, self.inter, self.hidden, "expert gate/up")
+        layout.check_shape(self.qtype, self.hidden, self.inter, "expert down")
+        if self.hidden % 16 or self.inter % 16:
+            raise ValueError(f"expert sizes must be multiples of 16, got H={self.hidden} I={self.inter}")
+        self.host = [None] * self.num_slots
+        if self.device.type == "cuda":
+            self._alloc()
+
+    def _alloc(self) -> None:
+        s, h, i, dev = self.num_slots, self.hidden, self.inter, self.device
+        ck = layout.CHUNK[self.qtype]
+        self.w13 = torch.zeros(s, 2 * i // 16, h // ck, 32, 4, dtype=torch.int32, device=dev)
+        self.w2 = torch.zeros(s, h // 16, i // ck, 32, 4, dtype=torch.int32, device=dev)
+        fp4 = self.qtype is QType.NVFP4
+        self.s13 = torch.zeros((s, 2 * i // 16, h // ck, 8, 8) if fp4 else (16,), dtype=torch.uint8, device=dev)
+        self.s2 = torch.zeros((s, h // 16, i // ck, 8, 8) if fp4 else (16,), dtype=torch.uint8, device=dev)
+        self.gs = torch.zeros(s, 3, dtype=torch.float32, device=dev)
+
+    @property
+    def nbytes_per_slot(self) -> int:
+        ck, h, i = layout.CHUNK[self.qtype], self.hidden, self.inter
+        words = (2 * i // 16 * h // ck + h // 16 * i // ck) * 512
+        scales = words // 8 if self.qtype is QType.NVFP4 else 0
+        return words + scales + 12
+
+    def _check(self, slot: int, gate: QWeight, up: QWeight, down: QWeight) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} outside 0..{self.num_slots - 1}")
+        for name, qw, shape in (("gate", gate, (self.inter, self.hidden)),
+                                ("up", up, (self.inter, self.hidden)),
+                                ("down", down, (self.hidden, self.inter))):
+            if not isinstance(qw, QWeight) or qw.qtype is not self.qtype or tuple(qw.shape) != shape:
+                got = (qw.qtype.value, tuple(qw.shape)) if isinstance(qw, QWeight) else type(qw).__name__
+                raise ValueError(f"{name}: expected {self.qtype.value} {shape}, got {got}")
+
+    def load(self, slot: int, gate: QWeight, up: QWeight, down: QWeight, stream=None) -> None:
+        """Copy one expert into `slot` (packs on the device, on `stream` if given)."""
+        self._check(slot, gate, up, down)
+        if self.device.type != "cuda":
+            self.host[slot] = (gate.to(self.device), up.to(self.device), down.to(self.device))
+            return
+        ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
+        with ctx:
+            qs = [q.to(self.device) for q in (gate, up, down)]
+            if self.qtype is QType.NVFP4:
+                (wg, sg), (wu, su), (wd, sd) = (layout.pack_nvfp4(q) for q in qs)
+                self.s13[slot].copy_(torch.cat([sg, su]))
+                self.s2[slot].copy_(sd)
+            else:
+                wg, wu, wd = (layout.pack_fp8(q) for q in qs)
+            self.w13[slot].copy_(torch.cat([wg, wu]))
+            self.w2[slot].copy_(wd)
+            self.gs[slot].copy_(torch.tensor([layout.global_scale(q) for q in (gate, up, down)]))
+        self.host[slot] = True
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+# ---------------------------------------------------------------------------- MoE
+def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, token_idx: torch.Tensor,
+            route_w: torch.Tensor) -> torch.Tensor:
+    """y[T, H] fp32 = sum_a route_w[a] * down_s(silu(gate_s x[t]) * up_s x[t]), s = slot_ids[a],
+    t = token_idx[a]. CUDA: route + fused gate/up + down kernels; CPU: torch reference."""
+    if not isinstance(slots, QPNExpertSlots):
+        raise ValueError(f"slots: expected QPNExpertSlots, got {type(slots).__name__}")
+    dev, h, i = slots.device, slots.hidden, slots.inter
+    _check_tensor(x, "x", torch.float16, (None, h), dev)
+    _check_tensor(slot_ids, "slot_ids", torch.int32, (None,), dev)
+    a = slot_ids.shape[0]
+    _check_tensor(token_idx, "token_idx", torch.int32, (a,), dev)
+    _check_tensor(route_w, "route_w", torch.float32, (a,), dev)
+    t = x.shape[0]
+    if dev.type != "cuda":
+        return ref_moe(x, slots.host, slot_ids, token_idx, route_w)
+    y = torch.zeros(t, h, dtype=torch.float32, device=dev)
+    if a == 0 or t == 0:
+        return y
+    mod = _module(dev)
+    s = slots.num_slots
+    offsets = torch.empty(s + 1, dtype=torch.int32, device=dev)
+    perm = torch.empty(a, dtype=torch.int32, device=dev)
+    hbuf = torch.empty(a, i, dtype=torch.float16, device=dev)
+    mod.launch("qpn_moe_route", (1, 1, 1), 1024,
+               [_p(slot_ids), ctypes.c_int(a), ctypes.c_int(s), _p(offsets), _p(perm)])
+    mt = 1 if t <= 8 else 4
+    fmt, ck, sms = _fmt(slots.qtype), layout.CHUNK[slots.qtype], _sms(dev)
+    active = min(a, s)
+    ks = _pick_ks(i // 16 * active, h // ck, sms)
+    ws13, ws2 = slots.w13[0].numel() // 4, slots.w2[0].numel() // 4
+    ss13 = slots.s13[0].numel() // 8 if slots.s13.dim() > 1 else 0
+    ss2 = slots.s2[0].numel() // 8 if slots.s2.dim() > 1 else 0
+    mod.launch(f"qpn{fmt}_moe_gateup_mt{mt}", (-(-(i // 16) // (WARPS // ks)), s, 1), THREADS,
+               [_p(slots.w13), _p(slots.s13), _p(slots.gs), ctypes.c_longlong(ws13),
+                ctypes.c_longlong(ss13), _p(x), _p(token_idx), _p(offsets), _p(perm), _p(hbuf),
+                ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)])
+    ks = _pick_ks(h // 16 * active, i // ck, sms)
+    mod.launch(f"qpn{fmt}_moe_down_mt{mt}", (-(-(h // 16) // (WARPS // ks)), s, 1), THREADS,
+               [_p(slots.w2), _p(slots.s2), _p(slots.gs), ctypes.c_longlong(ws2),
+                ctypes.c_longlong(ss2), _p(hbuf), _p(token_idx), _p(route_w), _p(offsets),
+                _p(perm), _p(y), ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)])
+    return y

@@ -1,0 +1,38 @@
+"""Torch references for the QPN kernels (CPU mode and tests): dequantize one weight transiently,
+multiply in fp32. Legend: M rows, N out, K in, T tokens, H hidden, A assignments."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybrid.checkpoint.qweight import QWeight
+
+
+def ref_linear(x: torch.Tensor, qw: QWeight) -> torch.Tensor:
+    """x [M, K] fp16 -> [M, N] fp16, computed in fp32."""
+    return (x.float() @ qw.dequantize(torch.float32).t()).to(torch.float16)
+
+
+def ref_expert(x: torch.Tensor, gate: QWeight, up: QWeight, down: QWeight,
+               round_h: bool = True) -> torch.Tensor:
+    """x [R, H] fp16 -> [R, H] fp32: down(silu(gate x) * up x); h rounded to fp16 like the kernel."""
+    xf = x.float()
+    hmid = F.silu(xf @ gate.dequantize().t()) * (xf @ up.dequantize().t())  # [R, I]
+    if round_h:
+        hmid = hmid.half().float()
+    return hmid @ down.dequantize().t()
+
+
+def ref_moe(x: torch.Tensor, experts: list, slot_ids: torch.Tensor, token_idx: torch.Tensor,
+            route_w: torch.Tensor) -> torch.Tensor:
+    """y [T, H] fp32 = sum over assignments a of route_w[a] * expert_{slot_ids[a]}(x[token_idx[a]])."""
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    sid, tok = slot_ids.long().cpu(), token_idx.long().cpu()
+    for s in sid.unique().tolist():
+        sel = (sid == s).nonzero().flatten()
+        if not 0 <= s < len(experts) or not isinstance(experts[s], tuple):
+            raise ValueError(f"slot_ids: slot {s} is empty or out of range")
+        rows = tok[sel].to(x.device)
+        out = ref_expert(x[rows], *experts[s])
+        y.index_add_(0, rows, out * route_w[sel.to(x.device)].unsqueeze(1))
+    return y

@@ -1,0 +1,25 @@
+"""CPU-only build check: every QPN kernel compiles for sm_70 and sm_90 (NVRTC 12 + ptxas from the
+pip wheels) with no register spills, and each path uses its tensor-core instruction."""
+import pytest
+
+nvrtc = pytest.importorskip("nvidia.cuda_nvrtc", reason="needs nvidia-cuda-nvrtc-cu12 (pip)")
+pytest.importorskip("nvidia.cuda_nvcc", reason="needs nvidia-cuda-nvcc-cu12 (pip) for ptxas")
+
+from hybrid.kernels.build import KERNELS, compile_check  # noqa: E402
+
+
+@pytest.mark.parametrize("sm,mma", [(70, "mma.sync.aligned.m8n8k4"), (90, "mma.sync.aligned.m16n8k16")])
+def test_compiles_without_spills(sm, mma):
+    reports, ptx = compile_check(sm)
+    assert sorted(r.name for r in reports) == sorted(KERNELS)
+    spills = [r.name for r in reports if r.spill_stores or r.spill_loads]
+    assert not spills, f"sm_{sm} kernels spill: {spills}"
+    assert mma in ptx
+
+
+def test_cli_compile_only_exit_code(capsys):
+    from hybrid.cli.bench import main
+
+    assert main(["cuda-kernels", "--compile-only", "--arch", "sm_70"]) == 0
+    out = capsys.readouterr().out
+    assert "qpn2_linear_mt1" in out and "OK: no spills" in out

@@ -1,0 +1,100 @@
+"""QPN kernels on a GPU vs the CPU reference: fresh random inputs, outputs poisoned with NaN first,
+every M shape class, the native build and compute_70 PTX through the driver JIT (the Volta code)."""
+import pytest
+import torch
+
+from hybrid.checkpoint.formats import QType
+from hybrid.kernels import QPNExpertSlots, QPNWeight, qpn_linear, qpn_moe
+from hybrid.kernels import layout
+from hybrid.kernels.qpn import force_ptx
+from hybrid.kernels.reference import ref_moe
+from tests.test_qpn_layout import fp8, nvfp4
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+MAKE = {QType.NVFP4: nvfp4, QType.FP8: fp8}
+MS = [1, 2, 3, 4, 5, 6, 7, 8, 16, 64, 333]
+SEED = [1000]
+
+
+def fresh(shape, dtype=torch.float16):
+    SEED[0] += 1
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(SEED[0])).to(dtype)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.fixture(params=["native", "ptx70"])
+def backend(request):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    force_ptx(dev, 70 if request.param == "ptx70" else None)
+    yield request.param
+    force_ptx(dev, None)
+
+
+@pytest.mark.parametrize("qtype,n,k", [(QType.NVFP4, 200, 320), (QType.FP8, 200, 352),
+                                       (QType.NVFP4, 1024, 4096), (QType.FP8, 48, 1024)])
+def test_linear_matches_reference_all_m(backend, qtype, n, k):
+    qw = MAKE[qtype](n, k, seed=n + k)
+    w = QPNWeight.from_qweight(qw, "cuda")
+    wref = qw.dequantize(torch.float64)
+    for m in MS:
+        x = fresh((m, k))
+        out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+        y = qpn_linear(x.cuda(), w, out=out).cpu()
+        ref = x.double() @ wref.t()
+        assert not torch.isnan(y).any(), f"M={m}: unwritten or NaN outputs"
+        err = rel_err(y, ref)
+        assert err < 2e-3, f"{backend} {qtype.value} M={m}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+def test_prepack_on_gpu_equals_cpu(qtype):
+    qw = MAKE[qtype](72, 256, seed=5)
+    if qtype is QType.NVFP4:
+        a, b = layout.pack_nvfp4(qw), layout.pack_nvfp4(qw.to("cuda"))
+        assert torch.equal(a[0], b[0].cpu()) and torch.equal(a[1], b[1].cpu())
+    else:
+        assert torch.equal(layout.pack_fp8(qw), layout.pack_fp8(qw.to("cuda")).cpu())
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+@pytest.mark.parametrize("t", [1, 3, 8, 20])
+def test_moe_matches_reference(backend, qtype, t):
+    s, h, i, topk = 6, 256, 128, 4
+    slots = QPNExpertSlots(s, h, i, qtype, "cuda")
+    experts = []
+    for j in range(s):
+        e = (MAKE[qtype](i, h, seed=10 * j + t), MAKE[qtype](i, h, seed=10 * j + 1 + t),
+             MAKE[qtype](h, i, seed=10 * j + 2 + t))
+        slots.load(j, *e)
+        experts.append(e)
+    g = torch.Generator().manual_seed(t)
+    ids = torch.stack([torch.randperm(s, generator=g)[:topk] for _ in range(t)]).flatten().int()
+    tok = torch.arange(t, dtype=torch.int32).repeat_interleave(topk)
+    rw = torch.rand(t * topk, generator=g)
+    x = fresh((t, h)) * 4
+    y = qpn_moe(x.cuda(), slots, ids.cuda(), tok.cuda(), rw.cuda()).cpu()
+    ref = ref_moe(x, experts, ids, tok, rw).double()
+    assert not torch.isnan(y).any()
+    err = rel_err(y, ref)
+    assert err < 3e-3, f"{backend} {qtype.value} T={t}: relative error {err:.2e}"
+
+
+def test_launcher_rejects_device_and_alignment_errors():
+    w = QPNWeight.from_qweight(nvfp4(32, 128), "cuda")
+    with pytest.raises(ValueError, match="weights are on"):
+        qpn_linear(torch.randn(2, 128).half(), w)
+    flat = torch.empty(2 * 128 + 1, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="aligned"):
+        qpn_linear(flat[1:].view(2, 128), w)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        QPNWeight.from_qweight(nvfp4(32, 96), "cuda")
+
+
+def test_m_zero_returns_empty():
+    w = QPNWeight.from_qweight(fp8(32, 64), "cuda")
+    assert qpn_linear(torch.empty(0, 64, dtype=torch.float16, device="cuda"), w).shape == (0, 32)
