@@ -86,19 +86,28 @@ def compile_only(sms: list[int], emit: Path | None) -> int:
 
 
 # ---------------------------------------------------------------------------- timing helpers
+_NEXT = [0]
+
+
+def _next(fns):
+    _NEXT[0] += 1
+    return fns[_NEXT[0] % len(fns)]
+
+
 def time_ms(fns, reps: int) -> float:
-    """Median GPU time of one call, calls rotating over fns, queued behind a GPU sleep."""
+    """Median GPU time of one call, calls rotating over fns (continuing across measurements, so a
+    copy is reused only after the others' bytes went by), queued behind a GPU sleep."""
     import torch
 
-    for f in fns[: min(len(fns), 3)]:
-        f()
+    for _ in range(min(len(fns), 3)):
+        _next(fns)()
     torch.cuda.synchronize()
     evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
            for _ in range(reps)]
     torch.cuda._sleep(int(4e7))
-    for i, (a, b) in enumerate(evs):
+    for a, b in evs:
         a.record()
-        fns[i % len(fns)]()
+        _next(fns)()
         b.record()
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) for a, b in evs)
@@ -317,4 +326,36 @@ def markdown(env: dict, recs: list[dict]) -> str:
         lines.append(f"| {r['shape']} | {r['n']} | {r['k']} | {r['format']} | {r['m']} | "
                      f"{r['t_us']:.1f} | {100 * r['eff_read']:.1f}% | {r['cublas_t_us']:.1f} | "
                      f"{100 * r['cublas_eff_read']:.1f}% | {r['speedup_vs_cublas']:.2f} | {dq} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [""] + targets(recs)) + "\n"
+
+
+LARGE = ("lm_head", "dense_up", "dense_down")
+
+
+def targets(recs: list[dict]) -> list[str]:
+    """The issue's targets, checked against these records (met / not met, with the numbers)."""
+    out = ["## Targets", ""]
+    worse = [f"{r['shape']} {r['format']} M={r['m']} ({100 * r['eff_read']:.1f}% < "
+             f"{100 * r['cublas_eff_read']:.1f}%)" for r in recs if r["eff_read"] < r["cublas_eff_read"]]
+    out.append(f"- efficiency >= cuBLAS FP16 on every shape and M: {'met' if not worse else 'NOT met'}"
+               + (f" ({len(worse)} of {len(recs)} below: {'; '.join(worse)})" if worse else ""))
+    lm = [r for r in recs if r["shape"] == "lm_head" and r["format"] == "nvfp4" and r["m"] == 1]
+    if lm:
+        e = 100 * lm[0]["eff_read"]
+        out.append(f"- NVFP4 M=1 lm_head >= 85%: {'met' if e >= 85 else 'NOT met'} ({e:.1f}%)")
+    ratios = []
+    for r in recs:
+        if r["m"] == 8:
+            one = [q for q in recs if q["m"] == 1 and q["shape"] == r["shape"] and q["format"] == r["format"]]
+            if one:
+                ratios.append((r["t_us"] / one[0]["t_us"], f"{r['shape']} {r['format']}"))
+    bad = [f"{n} x{x:.2f}" for x, n in ratios if x > 1.10]
+    if ratios:
+        out.append(f"- M=8 within 10% of M=1: {'met' if not bad else 'NOT met'} (worst x"
+                   f"{max(x for x, _ in ratios):.2f}{'; ' + '; '.join(bad) if bad else ''})")
+    dq = [r for r in recs if r["m"] == 1 and r["shape"] in LARGE and "speedup_vs_dequant" in r]
+    if dq:
+        lo = min(r["speedup_vs_dequant"] for r in dq)
+        out.append(f"- >= 3x faster than dequantize-then-FP16-matmul at M=1 on large shapes: "
+                   f"{'met' if lo >= 3 else 'NOT met'} (lowest x{lo:.1f})")
+    return out

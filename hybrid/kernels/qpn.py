@@ -106,10 +106,15 @@ def _mt(m_rows: int, sm: int) -> int:
 
 
 def _pick_ks(units: int, chunks: int, sms: int) -> int:
-    """Warps splitting K: enough warps to fill the GPU, each keeping >= 4 chunks."""
+    """Warps splitting K (1..8). Big problems: many short warp work items (>= 8 chunks each) so
+    the last wave is a small tail; small problems: enough warps to fill the GPU."""
     ks = 1
-    while ks < WARPS and units * ks < sms * 32 and chunks >= 8 * ks:
-        ks *= 2
+    while ks < WARPS:
+        per = chunks // (2 * ks)
+        if (per >= 8 and units * ks < sms * 400) or (per >= 2 and units * ks < sms * 32):
+            ks *= 2
+        else:
+            break
     return ks
 
 
