@@ -1,0 +1,470 @@
+"""hybrid-bench cpu-kernels: GB/s of the cpu/ NVFP4/FP8 expert kernels beside what bounds them.
+
+In one run, on random experts of Qwen3-30B-A3B's shape (hidden 2048, moe_intermediate 768) and
+the fixture model's (256, 256), over a set of experts larger than the last-level cache:
+  ours      CpuExpertRunner, top-8 experts per call, M tokens routed to each, 1 and all threads;
+            GB/s = packed weight + scale bytes of the experts touched / wall time.
+  haswell   the same kernels compiled for -mcpu=haswell (AVX2, no AVX-512), in a subprocess.
+  copy      STREAM-like numpy copy, bytes read + written / time, 1 and all threads.
+  numpy     dequantize (table lookup) then matmul, per expert.
+  ggml      ggml's own NVFP4 mul_mat (GGML_TYPE_NVFP4 = 40, q8_0 activations) on the same shapes
+            and thread counts, through the libggml inside llama-cpp-python (ctypes, one graph).
+and the activation-format check: relative error of int8-per-32-block activations vs fp32.
+Legend: H hidden, I intermediate, M tokens per expert, E experts in the set.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cpu import layout
+from cpu.gemm import nvfp4_gemm
+from hybrid.checkpoint.formats import E2M1_TABLE, E4M3_TABLE, QType
+from hybrid.checkpoint.qweight import QWeight
+
+HELP = "CPU expert kernels: GB/s vs copy bandwidth, numpy and ggml NVFP4, host and haswell builds"
+SHAPES = {"qwen3-30b-a3b": (2048, 768), "fixture": (256, 256)}
+MS = (1, 2, 4, 8)
+TOPK = 8
+GGML_NVFP4 = 40
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON records instead of a table")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="'all threads' count (default: physical cores)")
+    p.add_argument("--quick", action="store_true", help="smaller expert sets, fewer repeats")
+    p.add_argument("--record", metavar="DIR", default=None,
+                   help="append JSONL to DIR/cpu_kernels.jsonl and write DIR/cpu_kernels.md")
+    p.add_argument("--no-haswell", action="store_true", help="skip the haswell-target subprocess")
+    p.add_argument("--_kernels-only", dest="kernels_only", action="store_true", help=argparse.SUPPRESS)
+
+
+# ----------------------------------------------------------------------------- records
+@dataclass
+class Row:
+    shape: str
+    qtype: str
+    M: int
+    threads: int
+    ours_gbs: float
+    haswell_gbs: float | None = None
+    copy_gbs: float | None = None
+    ggml_gbs: float | None = None
+    numpy_gbs: float | None = None
+    m1_gbs: float | None = None
+
+    @property
+    def pct_copy(self):
+        return None if not self.copy_gbs else 100 * self.ours_gbs / self.copy_gbs
+
+    @property
+    def vs_ggml(self):
+        return None if not self.ggml_gbs else self.ours_gbs / self.ggml_gbs
+
+    @property
+    def cost_vs_m1(self):
+        """Time of one call at this M over the time at M = 1 (same bytes)."""
+        return None if not self.m1_gbs else self.m1_gbs / self.ours_gbs
+
+
+def machine() -> dict:
+    from hybrid.experts.cpu_runner import physical_cores
+    from hybrid.experts.store import thp_mode
+    import llvmlite.binding as ll
+    import numba
+
+    model = next((ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines()
+                  if ln.startswith("model name")), platform.processor())
+    flags = next((ln for ln in _read("/proc/cpuinfo").splitlines() if ln.startswith("flags")), "")
+    return dict(cpu=model, physical_cores=physical_cores(), logical_cpus=os.cpu_count(),
+                llvm_cpu=ll.get_host_cpu_name(), avx2=" avx2" in flags, avx512=" avx512f" in flags,
+                l3_bytes=l3_bytes(), thp=thp_mode(), numba=numba.__version__, numpy=np.__version__)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def l3_bytes() -> int:
+    best = 0
+    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        size = _read(str(idx / "size")).strip()
+        if size.endswith("K"):
+            best = max(best, int(size[:-1]) << 10)
+        elif size.endswith("M"):
+            best = max(best, int(size[:-1]) << 20)
+    return best or 32 << 20
+
+
+# ----------------------------------------------------------------------------- random experts
+def random_qweight(n: int, k: int, qtype: QType, rng) -> QWeight:
+    if qtype is QType.NVFP4:
+        data = torch.from_numpy(rng.integers(0, 256, (n, k // 2), dtype=np.uint8))
+        scale = torch.from_numpy(rng.integers(0x28, 0x50, (n, k // 16), dtype=np.uint8))
+        return QWeight(qtype, (n, k), data, scale.view(torch.float8_e4m3fn), torch.tensor(1e-3))
+    data = torch.from_numpy(rng.integers(0, 0x7F, (n, k), dtype=np.uint8) | 0x80 * rng.integers(0, 2, (n, k), dtype=np.uint8))
+    return QWeight(qtype, (n, k), data.view(torch.float8_e4m3fn), torch.tensor(1e-3))
+
+
+def expert_count(H: int, I: int, qtype: QType, quick: bool) -> int:
+    per = 3 * H * I * (0.5625 if qtype is QType.NVFP4 else 1.0)
+    target = (2 if quick else 4) * l3_bytes()
+    return max(2 * TOPK, int(-(-target // per)))
+
+
+def build_store(H: int, I: int, qtype: QType, n: int, seed: int = 0):
+    from hybrid.experts.store import ExpertStore
+
+    rng = np.random.default_rng(seed)
+    get = lambda l, e: (random_qweight(I, H, qtype, rng), random_qweight(I, H, qtype, rng),  # noqa: E731
+                        random_qweight(H, I, qtype, rng))
+    return ExpertStore.build(1, n, H, I, get, qtype, progress=False)
+
+
+# ----------------------------------------------------------------------------- timing
+def best_time(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def ours_gbs(store, runner, M: int, reps: int) -> float:
+    """All experts of the store once, TOPK per call, M tokens each -> GB/s of packed bytes."""
+    n, H = store.num_experts, store.hidden
+    x = np.random.default_rng(1).standard_normal((M, H)).astype(np.float32)
+    rows = [np.arange(M)] * TOPK
+    wts = [np.full(M, 1.0 / TOPK, np.float32)] * TOPK
+    calls = [list(range(i, i + TOPK)) for i in range(0, n - TOPK + 1, TOPK)]
+
+    def sweep():
+        for ids in calls:
+            runner.sync(runner.submit(0, ids, rows, wts, x))
+    return len(calls) * TOPK * store.slot_nbytes / best_time(sweep, reps) / 1e9
+
+
+def copy_gbs(threads: int, nbytes: int, reps: int) -> float:
+    """STREAM copy: (read + write) bytes / time, the array split across `threads` threads."""
+    src = np.ones(nbytes // 8, np.float64)
+    dst = np.empty_like(src)
+    parts = np.array_split(np.arange(src.size), threads)
+    spans = [(p[0], p[-1] + 1) for p in parts if p.size]
+    with ThreadPoolExecutor(threads) as pool:
+        def run():
+            list(pool.map(lambda s: np.copyto(dst[s[0]:s[1]], src[s[0]:s[1]]), spans))
+        return 2 * src.nbytes / best_time(run, reps) / 1e9
+
+
+class NumpyBaseline:
+    """Dequantize each expert with numpy tables, then matmul (numpy's BLAS threads), 4 experts."""
+
+    def __init__(self, store, n: int = 4):
+        self.store, self.mats = store, [_numpy_dequant_inputs(store, e) for e in range(n)]
+
+    def gbs(self, M: int, reps: int) -> float:
+        x = np.random.default_rng(2).standard_normal((M, self.store.hidden)).astype(np.float32)
+
+        def run():
+            for g, u, d in self.mats:
+                a = x @ _deq(*g).T                                            # [M, I]
+                hh = a * 0.5 * (1 + np.tanh(0.5 * a)) * (x @ _deq(*u).T)     # silu(a) * up
+                hh @ _deq(*d).T                                               # [M, H]
+        return len(self.mats) * self.store.slot_nbytes / best_time(run, reps) / 1e9
+
+
+def _numpy_dequant_inputs(store, e):
+    """Back from the tile layout to ModelOpt-like codes [N, K] + scales [N, G] (setup, untimed)."""
+    H, I, R = store.hidden, store.inter, store.R
+    gu0, dn0 = store.offsets[0, e]
+    nti, nth = layout.num_tiles(I), layout.num_tiles(H)
+    pairs = store.arena.array[gu0:dn0].reshape(nti, 2, H // 16, 9, R)
+    down = store.arena.array[dn0: gu0 + store.slot_nbytes].reshape(nth, I // 16, 9, R)
+    return _untile(pairs[:, 0]), _untile(pairs[:, 1]), _untile(down)
+
+
+_LO = np.array([E2M1_TABLE[(b & 7) | ((b >> 3) & 8)] for b in range(256)], np.float32)
+_HI = np.array([E2M1_TABLE[((b >> 3) & 7) | ((b >> 4) & 8)] for b in range(256)], np.float32)
+
+
+def _untile(t):
+    """tiles [NT, G, 9, R] -> (packed bytes [N, G, 8], scale bytes [N, G])."""
+    nt, g, _, r = t.shape
+    data = t[:, :, :8, :].transpose(0, 3, 1, 2).reshape(nt * r, g, 8).copy()
+    scale = t[:, :, 8, :].transpose(0, 2, 1).reshape(nt * r, g).copy()
+    return data, scale
+
+
+def _deq(data, scale):
+    """(bytes [N, G, 8], scale bytes [N, G]) -> f32 [N, 16 G] via lookup tables."""
+    n, g, _ = data.shape
+    v = np.stack([_LO[data], _HI[data]], axis=-1).reshape(n, g, 16)
+    return (v * E4M3_TABLE[scale][:, :, None]).reshape(n, g * 16)
+
+
+# ----------------------------------------------------------------------------- ggml
+class Ggml:
+    """ctypes view of libggml (llama-cpp-python's copy): NVFP4 mul_mat graphs on the CPU."""
+
+    class _Init(ctypes.Structure):
+        _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+    class _Traits(ctypes.Structure):
+        _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64),
+                    ("blck_size_interleave", ctypes.c_int64), ("type_size", ctypes.c_size_t),
+                    ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
+                    ("from_float_ref", ctypes.c_void_p)]
+
+    def __init__(self):
+        import llama_cpp
+
+        libdir = Path(llama_cpp.__file__).parent / "lib"
+        self.base = ctypes.CDLL(str(libdir / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+        self.cpu = ctypes.CDLL(str(libdir / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+        self.version = getattr(llama_cpp, "__version__", "?")
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._sig(self.base, "ggml_init", vp, [self._Init])
+        self._sig(self.base, "ggml_free", None, [vp])
+        self._sig(self.base, "ggml_new_tensor_2d", vp, [vp, ctypes.c_int, i64, i64])
+        self._sig(self.base, "ggml_get_data", vp, [vp])
+        self._sig(self.base, "ggml_nbytes", ctypes.c_size_t, [vp])
+        self._sig(self.base, "ggml_mul_mat", vp, [vp, vp, vp])
+        self._sig(self.base, "ggml_new_graph_custom", vp, [vp, ctypes.c_size_t, ctypes.c_bool])
+        self._sig(self.base, "ggml_build_forward_expand", None, [vp, vp])
+        self._sig(self.base, "ggml_get_type_traits", ctypes.POINTER(self._Traits), [ctypes.c_int])
+        self._sig(self.cpu, "ggml_graph_compute_with_ctx", ctypes.c_int, [vp, vp, ctypes.c_int])
+        self.cpu.ggml_cpu_init()
+        t = self.base.ggml_get_type_traits(GGML_NVFP4).contents
+        if t.type_name != b"nvfp4" or t.blck_size != 64 or t.type_size != 36:
+            raise RuntimeError(f"ggml type 40 is {t.type_name!r} ({t.blck_size}, {t.type_size} B), not NVFP4")
+        self.simd = {f: bool(getattr(self.cpu, f"ggml_cpu_has_{f}")()) for f in ("avx2", "avx512", "fma", "f16c")}
+
+    @staticmethod
+    def _sig(lib, name, res, args):
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
+
+    def expert_graph(self, experts, M: int):
+        """experts: list of (gate, up, down) ggml-NVFP4 byte arrays [N, K/64 * 36] -> (ctx, graph)."""
+        H = experts[0][2].shape[0]
+        I = experts[0][0].shape[0]
+        wbytes = sum(w.nbytes for ex in experts for w in ex)
+        ctx = self.base.ggml_init(self._Init(wbytes + (64 << 20) + 64 * M * (H + I) * len(experts), None, False))
+        x = self._f32(ctx, H, M)
+        xd = self._f32(ctx, I, M)
+        gf = self.base.ggml_new_graph_custom(ctx, 4 * len(experts) + 16, False)
+        for ex in experts:
+            for w, inp, k in ((ex[0], x, H), (ex[1], x, H), (ex[2], xd, I)):
+                t = self.base.ggml_new_tensor_2d(ctx, GGML_NVFP4, k, w.shape[0])
+                ctypes.memmove(self.base.ggml_get_data(t), w.ctypes.data, w.nbytes)
+                self.base.ggml_build_forward_expand(gf, self.base.ggml_mul_mat(ctx, t, inp))
+        return ctx, gf, wbytes
+
+    def _f32(self, ctx, k, m):
+        t = self.base.ggml_new_tensor_2d(ctx, 0, k, m)
+        n = self.base.ggml_nbytes(t) // 4
+        arr = np.ctypeslib.as_array((ctypes.c_float * n).from_address(self.base.ggml_get_data(t)))
+        arr[:] = np.random.default_rng(3).standard_normal(n)
+        return t
+
+    def compute(self, ctx, gf, threads: int) -> None:
+        if self.cpu.ggml_graph_compute_with_ctx(ctx, gf, threads) != 0:
+            raise RuntimeError("ggml_graph_compute_with_ctx failed")
+
+
+def to_ggml_nvfp4(data: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """ModelOpt NVFP4 (u8 [N, K/2], e4m3 bits [N, K/16]) -> ggml block_nvfp4 bytes [N, K/64 * 36].
+
+    ggml block of 64: 4 scale bytes (unsigned e4m3, one per 16), then 32 bytes where byte
+    8s + j holds element 16s + j (low nibble) and 16s + j + 8 (high) of sub-block s.
+    """
+    n, half = data.shape
+    k = half * 2
+    if k % 64:
+        raise ValueError(f"ggml NVFP4 needs K % 64 == 0, got {k}")
+    codes = np.stack([data & 15, data >> 4], axis=-1).reshape(n, k // 16, 16)    # [N, K/16, 16]
+    qs = (codes[:, :, :8] | (codes[:, :, 8:] << 4)).reshape(n, k // 64, 32)
+    sc = scale.reshape(n, k // 64, 4) & 0x7F
+    return np.concatenate([sc, qs], axis=-1).reshape(n, -1)
+
+
+def ggml_graphs(gg: Ggml, H: int, I: int, n: int) -> dict:
+    """{M: (ctx, graph, weight bytes)}: n random experts as ggml NVFP4 mul_mats, one graph per M."""
+    rng = np.random.default_rng(4)
+
+    def mat(N, K):
+        return to_ggml_nvfp4(rng.integers(0, 256, (N, K // 2), dtype=np.uint8),
+                             rng.integers(0x28, 0x50, (N, K // 16), dtype=np.uint8))
+    experts = [(mat(I, H), mat(I, H), mat(H, I)) for _ in range(n)]
+    return {M: gg.expert_graph(experts, M) for M in MS}
+
+
+# ----------------------------------------------------------------------------- activation format
+def activation_format_errors(H: int = 2048, I: int = 768, M: int = 8) -> dict:
+    """Relative error (L2, per token, max) vs float64: our fp32 activations, int8 per 32-block."""
+    rng = np.random.default_rng(5)
+    w = random_qweight(I, H, QType.NVFP4, rng)
+    W = (E2M1_TABLE.astype(np.float64)[np.stack([w.data.numpy() & 15, w.data.numpy() >> 4], -1).reshape(I, H)]
+         * np.repeat(E4M3_TABLE.astype(np.float64)[w.scale.view(torch.uint8).numpy()], 16, axis=1))
+    x = rng.standard_normal((M, H)).astype(np.float32)
+    ref = x.astype(np.float64) @ W.T
+    y = np.zeros((M, I), np.float32)
+    tiles = layout.pack_nvfp4(w.data.numpy(), w.scale.view(torch.uint8).numpy())
+    nvfp4_gemm(tiles, x, np.float32(1.0), y, 0, layout.num_tiles(I))
+    xb = x.reshape(M, H // 32, 32).astype(np.float64)
+    d = np.abs(xb).max(-1, keepdims=True) / 127
+    xq = (np.round(xb / np.where(d > 0, d, 1)) * d).reshape(M, H)
+    err = lambda a: float((np.linalg.norm(a - ref, axis=1) / np.linalg.norm(ref, axis=1)).max())  # noqa: E731
+    return {"fp32": err(y), "int8_block32": err(xq @ W.T)}
+
+
+# ----------------------------------------------------------------------------- driver
+def shape_rows(name: str, threads: list[int], quick: bool, gg: "Ggml | None", kernels_only: bool) -> list[Row]:
+    """All rows of one shape.  ours, ggml and numpy are measured in alternating rounds (the
+    machine may be shared), each keeping its best round."""
+    from hybrid.experts.cpu_runner import CpuExpertRunner
+
+    H, I = SHAPES[name]
+    reps, rounds = (2, 2) if quick else (3, 4)
+    rows = []
+    for qtype, ms in ((QType.NVFP4, MS), (QType.FP8, (1, 8))):
+        n = expert_count(H, I, qtype, quick)
+        store = build_store(H, I, qtype, n)
+        graphs = {} if kernels_only or gg is None or qtype is not QType.NVFP4 else ggml_graphs(gg, H, I, n)
+        npy = None if kernels_only or qtype is not QType.NVFP4 else NumpyBaseline(store)
+        try:
+            for th in threads:
+                with CpuExpertRunner(store, threads=th) as runner:
+                    for M in ms:
+                        row = Row(name, qtype.value, M, th, 0.0)
+                        for _ in range(rounds):
+                            row.ours_gbs = max(row.ours_gbs, ours_gbs(store, runner, M, reps))
+                            if M in graphs:
+                                ctx, gf, wbytes = graphs[M]
+                                g = wbytes / best_time(lambda: gg.compute(ctx, gf, th), reps) / 1e9
+                                row.ggml_gbs = max(row.ggml_gbs or 0.0, g)
+                            if npy is not None and th == threads[-1] and M in (1, 8):
+                                row.numpy_gbs = max(row.numpy_gbs or 0.0, npy.gbs(M, reps))
+                        rows.append(row)
+        finally:
+            for ctx, _, _ in graphs.values():
+                gg.base.ggml_free(ctx)
+            store.close()
+    return rows
+
+
+def haswell_rows(args, threads: list[int]) -> dict:
+    """Run the kernel part of this benchmark compiled for haswell, in a child process."""
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="")
+    cmd = [sys.executable, "-m", "hybrid.bench.cpu_kernels", "--_kernels-only", "--threads", str(max(threads))]
+    cmd += ["--quick"] if args.quick else []
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"haswell run failed: {res.stderr[-1000:]}")
+    return {(r["shape"], r["qtype"], r["M"], r["threads"]): r["ours_gbs"]
+            for r in map(json.loads, res.stdout.splitlines()) if r}
+
+
+def run(args) -> int:
+    from hybrid.experts.cpu_runner import physical_cores
+
+    all_t = args.threads or physical_cores()
+    threads = sorted({1, all_t})
+    if args.kernels_only:
+        for name in SHAPES:
+            for r in shape_rows(name, threads, args.quick, None, True):
+                print(json.dumps(asdict(r)), flush=True)
+        return 0
+    reps = 3 if args.quick else 5
+    info = dict(machine=machine(), command="hybrid-bench cpu-kernels " + " ".join(sys.argv[2:]),
+                git=_git_sha(), time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    gg, info["ggml"] = _ggml()
+    copies = {th: copy_gbs(th, (64 if args.quick else 256) << 20, reps) for th in threads}
+    rows = [r for name in SHAPES for r in shape_rows(name, threads, args.quick, gg, False)]
+    for th in threads:                      # copy again after the kernels: keep the better
+        copies[th] = max(copies[th], copy_gbs(th, (64 if args.quick else 256) << 20, reps))
+    hsw = {} if args.no_haswell else haswell_rows(args, threads)
+    for r in rows:
+        r.haswell_gbs = hsw.get((r.shape, r.qtype, r.M, r.threads))
+        r.copy_gbs = copies[r.threads]
+        r.m1_gbs = next(q.ours_gbs for q in rows
+                        if (q.shape, q.qtype, q.threads, q.M) == (r.shape, r.qtype, r.threads, 1))
+    info.update(activation_error=activation_format_errors(), copy_gbs=copies)
+    _emit(args, info, rows)
+    return 0
+
+
+def _ggml():
+    try:
+        gg = Ggml()
+    except (ImportError, OSError, AttributeError, RuntimeError) as exc:
+        return None, f"ggml unavailable: {exc}"
+    return gg, (f"llama-cpp-python {gg.version}, libggml CPU features {gg.simd}, "
+                f"NVFP4 vec_dot with q8_0 activations")
+
+
+def _git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# ----------------------------------------------------------------------------- output
+def _f(v, fmt="{:.2f}"):
+    return "-" if v is None else fmt.format(v)
+
+
+def table(rows: list[Row]) -> list[str]:
+    out = ["| shape | qtype | M | threads | ours GB/s | haswell GB/s | % of copy | ggml GB/s | ours/ggml "
+           "| numpy GB/s | cost M / cost M=1 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r.shape} | {r.qtype} | {r.M} | {r.threads} | {_f(r.ours_gbs)} | {_f(r.haswell_gbs)} "
+                   f"| {_f(r.pct_copy, '{:.0f}%')} | {_f(r.ggml_gbs)} | {_f(r.vs_ggml)} | {_f(r.numpy_gbs)} "
+                   f"| {_f(r.cost_vs_m1)} |")
+    return out
+
+
+def _emit(args, info, rows):
+    recs = [dict(info, **asdict(r), pct_copy=r.pct_copy, vs_ggml=r.vs_ggml, cost_vs_m1=r.cost_vs_m1) for r in rows]
+    if args.json:
+        for rec in recs:
+            print(json.dumps(rec))
+    else:
+        m = info["machine"]
+        print(f"{m['cpu']} ({m['physical_cores']} cores), git {info['git']}; copy GB/s {info['copy_gbs']}")
+        print("\n".join(table(rows)))
+        print(f"ggml: {info['ggml']}; activation error {info['activation_error']}")
+    if args.record:
+        d = Path(args.record)
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / "cpu_kernels.jsonl", "a") as f:
+            for rec in recs:
+                f.write(json.dumps(rec) + "\n")
+        (d / "cpu_kernels.table.md").write_text("\n".join(table(rows)) + "\n")
+
+
+if __name__ == "__main__":
+    _p = argparse.ArgumentParser()
+    add_arguments(_p)
+    sys.exit(run(_p.parse_args()))
