@@ -69,6 +69,7 @@ PLACEMENTS = {
     "two_cards_split3": dict(gpus=(0, 0), layer_split=(3,), cache_slots=(48, 4)),
     "three_cards": dict(gpus=(0, 0, 0), layer_split=(1, 3), cache_slots=(16,)),
     "chunked_prefill": dict(cache_slots=(HALF,), prefill_chunk=3),
+    "torch_cpu_engine": dict(cache_slots=(HALF,), cpu_engine="torch"),
 }
 
 
@@ -80,6 +81,8 @@ def test_greedy_identical_to_reference(models, reference, kind, placement):
     rep = s.report()
     if kind != "bf16" and rep["cards"] and any(c.spec.slots for c in s.cards):
         assert rep["slot_storage"] == ["QPNSlots"]          # hits through qpn_moe (torch reference)
+    torch_engine = kind == "bf16" or PLACEMENTS[placement].get("cpu_engine") == "torch"
+    assert rep["cpu_runner"] == ("TorchCpuRunner" if torch_engine else "NumbaCpuRunner")
     slots = PLACEMENTS[placement]["cache_slots"]
     assert sum(c["slots"] for c in rep["cards"]) == sum(min(x, 64) for x in
                                                         (slots * len(s.cards) if len(slots) == 1 else slots))

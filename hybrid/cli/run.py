@@ -121,6 +121,8 @@ def body(args) -> int:
     session = _open(args, path, cfg, len(ids) + args.max_tokens) if uses_runtime(args) else None
     model = session.model if session else _reference_model(args, path)
     chunk = session.prefill_chunk if session else _chunk(args.prefill_chunk)
+    if session:
+        session.model.prompt_tokens = len(ids)
     if not args.json:
         sys.stdout.write(prompt)
         sys.stdout.flush()

@@ -51,17 +51,17 @@ class HybridExperts:
         self._step: dict | None = None
 
     # ---- step boundaries (HybridModel.forward) -----------------------------------------------
-    def begin_step(self, tokens: int) -> None:
+    def begin_step(self, tokens: int, phase: str = "decode") -> None:
         for c in self.cards:
             c.cache.begin_step()
-        self._step = {"t0": time.perf_counter(), "tokens": tokens, "ids": [None] * self.num_layers,
+        self._step = {"t0": time.perf_counter(), "tokens": tokens, "phase": phase, "ids": [None] * self.num_layers,
                       "weights": [None] * self.num_layers, "hits": [0] * self.num_layers,
                       "promotions": [0] * self.num_layers, "gpu": [], "cpu_s": 0.0, "pcie": 0}
 
     def end_step(self) -> None:
         st, self._step = self._step, None
         gpu_s = self._gpu_times(st["gpu"])
-        phase = "decode" if st["tokens"] == 1 else "prefill"
+        phase = st["phase"]
         seconds = time.perf_counter() - st["t0"]
         self.stats.add_step(phase, seconds, st["tokens"])
         if self.trace is not None:

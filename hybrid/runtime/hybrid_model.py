@@ -11,6 +11,7 @@ class HybridModel:
     def __init__(self, model, experts, kv_resident: int | None = None, kv_dtype: str = "fp16"):
         self.model, self.experts = model, experts
         self.kv_resident, self.kv_dtype = kv_resident, kv_dtype
+        self.prompt_tokens: int | None = None   # set before generate(): positions below are prefill
         devs = model.layer_devices
         self._hops = sum(1 for a, b in zip(devs, devs[1:]) if a != b)
 
@@ -31,7 +32,9 @@ class HybridModel:
 
     def forward(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
         """One step: ids [T] at positions start.. -> logits [T or 1, V] fp32."""
-        self.experts.begin_step(int(ids.shape[0]))
+        t = int(ids.shape[0])
+        prefill = t > 1 if self.prompt_tokens is None else start < self.prompt_tokens
+        self.experts.begin_step(t, "prefill" if prefill else "decode")
         try:
             logits = self.model.forward(ids, start, last_only)
         except BaseException:

@@ -1,0 +1,74 @@
+"""hybrid-run on the hybrid runtime, end to end on the embedded tiny model (CPU mode): same greedy
+tokens as the reference path, --stats / --trace / --metrics outputs, bad runtime flags."""
+import json
+
+import pytest
+
+from hybrid.cli.run import main
+from hybrid.experts.replay import replay_run, verify
+from hybrid.experts.trace import read_trace
+from hybrid.model.registry import EMBEDDED
+
+pytestmark = pytest.mark.skipif(not (EMBEDDED["tiny"] / "config.json").is_file(),
+                                reason="embedded tiny model not installed")
+BASE = ["--prompt", "def fibonacci(n):", "-n", "6", "--json"]
+
+
+def run(args, capsys):
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def reference_ids():
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(BASE) == 0
+    return json.loads(buf.getvalue())["generated_ids"]
+
+
+@pytest.mark.parametrize("flags", [["--layer-split", "1", "--cache-slots", "0"],
+                                   ["--layer-split", "2", "--cache-slots", "32", "--gpus", "0,0"],
+                                   ["--layer-split", "3", "--cache-slots", "96,32"],
+                                   ["--cache-slots", "128", "--prefill-chunk", "2"]])
+def test_tiny_hybrid_matches_reference(flags, reference_ids, capsys):
+    rc, out, _ = run(BASE + flags, capsys)
+    d = json.loads(out)
+    assert rc == 0 and d["generated_ids"] == reference_ids
+    st = d["stats"]
+    assert st["steps"]["decode"] == 5 and len(st["layers"]) == 4
+    assert len(st["cards"]) == (1 if "--layer-split" not in flags else 2)
+
+
+def test_stats_trace_metrics(tmp_path, capsys):
+    trace, prom, dash = tmp_path / "t.jsonl", tmp_path / "m.prom", tmp_path / "m.json"
+    args = ["--prompt", "hello", "-n", "5", "--layer-split", "2", "--cache-slots", "24", "--stats",
+            "--trace", trace, "--metrics", prom]
+    rc, out, err = run(args, capsys)
+    assert rc == 0 and out.startswith("hello")
+    assert "hit rate" in err and "PCIe" in err and "card 1: layers 2-3" in err
+    t = read_trace(trace)
+    assert len(t.steps) == 5 and verify(t) == []
+    assert 0 <= replay_run(t).hit_rate <= 1 and t.header.meta["git_sha"] is not None
+    text = prom.read_text()
+    assert "# TYPE hybrid_expert_hits_total counter" in text
+    assert 'hybrid_expert_hits_total{card="1",layer="3"}' in text
+    rc, _, _ = run(["--prompt", "hello", "-n", "3", "--cache-slots", "8", "--metrics", dash], capsys)
+    d = json.loads(dash.read_text())
+    assert rc == 0 and d["kind"] == "hybrid-dashboard" and len(d["series"]["hit_rate"]) == 4
+
+
+@pytest.mark.parametrize("args,needle", [(["--layer-split", "9"], "--layer-split"),
+                                         (["--gpus", "0", "--layer-split", "2"], "--layer-split"),
+                                         (["--cache-slots", "x"], "--cache-slots"),
+                                         (["--pcie-frac", "2"], "--pcie-frac"),
+                                         (["--profile", "nope"], "nope"),
+                                         (["--kv-resident", "4"], "--kv-resident"),
+                                         (["--cache-policy", "static"], "expert profile")])
+def test_bad_runtime_flags_one_line(args, needle, capsys):
+    rc, _, err = run(["-n", "2"] + args, capsys)
+    assert rc == 2 and needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
