@@ -136,3 +136,19 @@ def test_full_table_on_tiny(tmp_path):
     assert recs["bf16"]["same_top_pct"] > 97 and recs["bf16"]["count"] > 2000
     assert all(r["same_top_pct"] > 60 for r in recs.values())
     assert recs["IQ3_S"]["mean_kld"] > recs["Q4_K_M"]["mean_kld"]
+
+
+def test_speed_quick(model_dir, tmp_path):
+    from hybrid.cli.bench import main
+
+    rc = main(["speed", "--model", str(model_dir), "--quick", "--against", "bf16,Q8_0", "--ladder", "8,32",
+               "--new-tokens", "3", "--out", str(tmp_path), "--work", str(tmp_path / "w")])
+    assert rc == 0
+    recs = [json.loads(x) for x in (tmp_path / "speed.jsonl").read_text().splitlines()]
+    assert [r["engine"] for r in recs] == ["hybrid", "llama.cpp"]
+    for r in recs:
+        assert set(r["prefill_tok_s"]) == {"8", "32"} and all(v > 0 for v in r["prefill_tok_s"].values())
+        assert set(r["decode_tok_s"]) == {"code", "essay", "translate", "explain"}
+        assert all(v > 0 for v in r["decode_tok_s"].values()) and r["git_sha"] and r["machine"]
+    md = (tmp_path / "speed.md").read_text()
+    assert "Prefill tok/s" in md and "| bf16 | hybrid |" in md
