@@ -45,13 +45,14 @@ def machine() -> str:
            f"python {platform.python_version()}"
 
 
-def command_line() -> str:
-    return " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name] + sys.argv[1:])
+def command_line(prog: str | None = None) -> str:
+    """The command as typed; `prog` replaces argv[0] (e.g. when run as `python -m ...`)."""
+    return " ".join(shlex.quote(a) for a in [prog or Path(sys.argv[0]).name] + sys.argv[1:])
 
 
-def stamp() -> dict:
+def stamp(prog: str | None = None) -> dict:
     return {"time_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "git_sha": git_sha(), "machine": machine(), "command": command_line()}
+            "git_sha": git_sha(), "machine": machine(), "command": command_line(prog)}
 
 
 def append_jsonl(path: Path, records: list[dict]) -> None:

@@ -89,7 +89,7 @@ def run(args) -> int:
         parity = {c: ref.runner.tokenize(t) == ids[c] for c, t in all_texts(src).items()}
         rows = scored_rows(n_ctx)
         bases = [BaseLogProbs.from_logits(ref.logits(ch)[rows]) for ch in chunks]
-        stamp = report.stamp()
+        stamp = report.stamp("hybrid-bench")
         meta = {"model": str(args.model), "n_ctx": n_ctx, "chunks": len(chunks), "reference": REFERENCE,
                 "tokenizer_parity": parity, "quick": bool(args.quick), **qc.llama_info(),
                 "heldout_sources": (heldout(src) or ("", []))[1]}

@@ -150,7 +150,7 @@ def run(args) -> int:
         engines = {n: make_engine(c, n_ctx, s["threads"]) for n, c in cands.items()}
         prefill = measure_prefill(engines, stream, s["ladder"], s["repeats"])
         decode = measure_decode(engines, prompts, s["new_tokens"])
-    stamp = report.stamp()
+    stamp = report.stamp("hybrid-bench")
     records = [{**stamp, **s, **llama_info(), "model": str(args.model), "candidate": n,
                 "engine": cands[n].engine, "prefill_tok_s": {str(k): v for k, v in prefill[n].items()},
                 "decode_tok_s": decode[n], "loadavg": os.getloadavg()[0], "torch_threads": torch.get_num_threads()}
