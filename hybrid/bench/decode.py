@@ -1,0 +1,138 @@
+"""hybrid-bench decode: measured decode tok/s of the hybrid runtime beside the planner's prediction
+(and llama.cpp on a GGUF of the same model, when one is given and llama-cpp-python is installed).
+
+One session: a warm-up generation fills the expert caches, then a measured generation; hit rates,
+expert times and PCIe bytes are the measured window's alone. Appends results/runtime.jsonl.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HELP = "decode tok/s of the hybrid runtime vs the planner's prediction (optionally llama.cpp beside it)"
+CALIBRATION = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+
+
+def add_arguments(p) -> None:
+    from hybrid.cli.run import _runtime_flags
+
+    p.add_argument("--model", "-m", default=None, help="model folder or 'tiny' (default)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (default 32)")
+    p.add_argument("--warmup", type=int, default=16, help="tokens generated first to warm the caches (default 16)")
+    p.add_argument("--tokens", type=int, default=32, help="tokens in the measured generation (default 32)")
+    p.add_argument("--label", default="", help="free text stored with the record")
+    p.add_argument("--llama-gguf", default=None, metavar="FILE", help="also time llama.cpp on this GGUF")
+    p.add_argument("--out", default="results", help="folder for runtime.jsonl (default results/)")
+    p.add_argument("--no-write", action="store_true", help="print only")
+    _runtime_flags(p)
+
+
+def prompt_ids(tok, n: int) -> list[int]:
+    """n prompt tokens: the calibration text repeated."""
+    ids = tok.encode(CALIBRATION)
+    return (ids * (n // max(len(ids), 1) + 1))[:n]
+
+
+def snapshot(session) -> dict:
+    s = session.stats
+    return {"hits": [c.hits.copy() for c in session.caches], "misses": [c.misses.copy() for c in session.caches],
+            "promotions": [c.promotions.copy() for c in session.caches],
+            "gpu": s.gpu_expert_s.copy(), "cpu": s.cpu_expert_s.copy(), "wait": s.cpu_wait_s.copy(),
+            "sync": s.route_sync_s.copy(), "pcie": dict(s.pcie)}
+
+
+def window(session, a: dict, b: dict, steps: int) -> dict:
+    """What changed between two snapshots, per decode step where it is a time or a byte count."""
+    cards = []
+    for i, c in enumerate(session.caches):
+        h = b["hits"][i] - a["hits"][i]
+        m = b["misses"][i] - a["misses"][i]
+        per_layer = [round(float(x), 4) for x in h.sum(1) / np.maximum(h.sum(1) + m.sum(1), 1)]
+        cards.append({"card": i, "device": session.placement.cards[i].device,
+                      "layers": list(session.placement.cards[i].layers), "slots": c.num_slots,
+                      "hit_rate": round(float(h.sum() / max(h.sum() + m.sum(), 1)), 4),
+                      "layer_hit_rate": per_layer,
+                      "promotions": int((b["promotions"][i] - a["promotions"][i]).sum())})
+    per = max(steps, 1)
+    return {"cards": cards,
+            "gpu_expert_ms_per_token": round(1e3 * float((b["gpu"] - a["gpu"]).sum()) / per, 3),
+            "cpu_expert_ms_per_token": round(1e3 * float((b["cpu"] - a["cpu"]).sum()) / per, 3),
+            "cpu_wait_ms_per_token": round(1e3 * float((b["wait"] - a["wait"]).sum()) / per, 3),
+            "route_sync_ms_per_token": round(1e3 * float((b["sync"] - a["sync"]).sum()) / per, 3),
+            "pcie_bytes_per_token": {k: round((b["pcie"][k] - a["pcie"][k]) / per) for k in b["pcie"]}}
+
+
+def measure(session, tok, n_prompt: int, warmup: int, tokens: int) -> dict:
+    """Warm-up generation, then the measured one; -> record fields."""
+    from hybrid.generate import generate
+    from hybrid.sampler import Sampler, SamplerConfig
+
+    ids = prompt_ids(tok, n_prompt)
+    session.model.prompt_tokens = len(ids)
+    greedy = Sampler(SamplerConfig())
+    if warmup:
+        generate(session.model, tok, ids, warmup, greedy, prefill_chunk=session.prefill_chunk)
+    a = snapshot(session)
+    n_dec0 = session.stats.steps["decode"]
+    res = generate(session.model, tok, ids, tokens, greedy, prefill_chunk=session.prefill_chunk)
+    steps = session.stats.steps["decode"] - n_dec0
+    rec = {"prompt_tokens": len(ids), "warmup_tokens": warmup, "tokens": len(res.generated_ids),
+           "decode_tok_s": round(res.decode_tok_s, 3), "prefill_tok_s": round(res.prefill_tok_s, 3),
+           "generated_ids_head": res.generated_ids[:16], **window(session, a, snapshot(session), steps)}
+    plan = session.plan
+    if plan is not None:
+        p = plan.prediction
+        rec["prediction"] = {"tok_s": round(p.tok_s, 3), "hit_rate": round(p.hit_rate, 4),
+                             "profile": plan.inputs.profile, "context": p.context,
+                             "pcie_bytes_per_token": p.pcie_bytes}
+        rec["measured_over_predicted"] = round(res.decode_tok_s / p.tok_s, 4) if p.tok_s else None
+    rec["placement"] = session.placement.describe()
+    rec["load_s"] = {k: round(v, 2) for k, v in session.load_s.items()}
+    return rec
+
+
+def llama_decode(gguf: str, ids: list[int], tokens: int, threads: int | None) -> dict:
+    from hybrid.baselines.llama_runner import LlamaRunner, llama_cpp_info
+
+    r = LlamaRunner(gguf, n_ctx=len(ids) + tokens + 8, n_threads=threads, logits_all=False)
+    try:
+        t = r.greedy_decode(ids, tokens)
+    finally:
+        r.close()
+    return {"gguf": str(gguf), "median_tok_s": round(t.median_tok_s, 3), "llama_cpp": llama_cpp_info()}
+
+
+def run(args) -> int:
+    from hybrid.baselines.report import stamp
+    from hybrid.cli.run import options_from_args
+    from hybrid.model import ModelConfig, resolve_model_path
+    from hybrid.runtime import open_session
+    from hybrid.tokenizer import Tokenizer
+
+    path = resolve_model_path(args.model)
+    cfg = ModelConfig.from_folder(path)
+    tok = Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    opts = options_from_args(args, cfg.num_hidden_layers)
+    context = args.prompt_tokens + max(args.warmup, args.tokens)
+    session = open_session(path, opts, context=context)
+    try:
+        rec = measure(session, tok, args.prompt_tokens, args.warmup, args.tokens)
+    finally:
+        session.close()
+    rec = {"bench": "decode", "model": path.resolve().name, "device": args.device, "label": args.label,
+           **rec, **stamp("hybrid-bench")}
+    if args.llama_gguf:
+        rec["llama"] = llama_decode(args.llama_gguf, prompt_ids(tok, args.prompt_tokens), args.tokens,
+                                    args.cpu_threads)
+    print(json.dumps(rec))
+    if not args.no_write:
+        out = Path(args.out) / "runtime.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(f"appended {out}", file=sys.stderr)
+    return 0
