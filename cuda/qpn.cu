@@ -29,8 +29,16 @@
 //   QPN2 scales u8 [Npad/16, K/64, 8 (r), 8]: bytes [s(r,g0) s(r,g1) s(r+8,g0) s(r+8,g1)
 //     s(r,g2) s(r,g3) s(r+8,g2) s(r+8,g3)], 7-bit e4m3 magnitudes (a negative block scale is
 //     folded into its 16 codes' signs at prepack, exactly); half2 = (w << 7 | w >> 1) & 0x3F803F80
-//     gives scale * 2^-8 exactly; the group scale is applied in fp32 after each one-group MMA,
-//     and weight_scale_2 * 2^22 (the folded 2^14 * 2^8) once at the end.
+//     gives scale * 2^-8 exactly.
+//   Group scale, exactly: the E2M1 half2 (v * 2^-14) is multiplied in fp16 by S = scale * 2^7
+//     (= the decoded scale * 2^15; S <= 448 * 2^7 = 57344 < 65504, exact: 4 significant bits).
+//     The product v * scale * 2^-7 has at most 6 significant bits, its lowest bit is >= 2^-17
+//     (v >= 0.5, scale >= 2^-9) and its magnitude <= 2688 * 2^-7 = 21, so it is exactly
+//     representable in fp16 (subnormals included; no FTZ): the group scale is applied with no
+//     rounding and no overflow, bit-identical to applying it in fp32, and the tensor core then
+//     accumulates exact products in fp32 across groups. weight_scale_2 * 2^7 is applied in fp32
+//     at the end. (Applying it after a one-group MMA in fp32 costs 4 FFMA + a zeroed MMA per
+//     group and measured 58% of read bandwidth on lm_head on the H200, issue-bound.)
 //   QPN8 words  u32 [Npad/16, K/32, 32 lanes, 4]: (g0,r) (g0,r+8) (g1,r) (g1,r+8), bytes of a word
 //     are e4m3 codes of k0 k2 k1 k3 -> half2(k0,k1) = ((w<<8)&0x80008000)|((w<<7)&0x3F803F80),
 //     half2(k2,k3) = (w & 0x80008000) | ((w>>1) & 0x3F803F80) = e4m3 * 2^-8; the per-tensor scale
@@ -60,10 +68,11 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 
 #define WARPS 8
 #define THREADS 256
-#define ACCN (QPN_MMA == 0 ? 16 : 4)      // fp32 accumulators per lane per (tile, 8-row tile)
-#define SROWS (QPN_MMA == 0 ? 4 : 1)      // scale rows a lane reads per chunk
-#define UNROLL (QPN_MMA == 0 ? 2 : 4)     // chunks in flight per warp
+#define ACCN (QPN_MMA == 0 ? 16 : 8)      // fp32 accumulators per lane per (tile, 8-row tile);
+                                          // sm_75+: two banks of 4 (even / odd groups)
 #define MTMAX (QPN_MMA == 0 ? 2 : 4)
+// chunks per pipeline stage (two stages in registers: loads of the next overlap this one's math)
+#define UNROLL_FOR(NT, MT) (QPN_MMA == 0 ? 2 : ((NT) * (MT) >= 4 ? 2 : 4))
 
 // ---------------------------------------------------------------- loads, conversions
 __device__ __forceinline__ u32x4 ld_stream(const u32x4* p) {
@@ -105,10 +114,22 @@ __device__ __forceinline__ void dec_fp8(u32 w, u32& k01, u32& k23) {
   k01 = ((w << 8) & 0x80008000u) | ((w << 7) & 0x3F803F80u);
   k23 = (w & 0x80008000u) | ((w >> 1) & 0x3F803F80u);
 }
-// scale word -> (scale(r) * 2^-8, scale(r+8) * 2^-8) of group j (j & 1 picks the byte pair)
-__device__ __forceinline__ void dec_scale(u32 w, int odd, float& sr, float& s8) {
-  u32 h = (odd ? (w >> 1) : (w << 7)) & 0x3F803F80u;
-  h2_to_f2(h, sr, s8);
+// scale word -> half2 (S(r), S(r+8)), S = scale * 2^7, of group j (j & 1 picks the byte pair)
+__device__ __forceinline__ u32 dec_scale(u32 w, int odd) {
+  u32 h = (odd ? (w >> 1) : (w << 7)) & 0x3F803F80u, d;  // scale * 2^-8
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(h), "r"(0x78007800u));  // * 2^15
+  return d;
+}
+// a * (lo(s), lo(s)) or a * (hi(s), hi(s)) in fp16x2 (ptxas folds the splat into the operand)
+__device__ __forceinline__ u32 hmul2_splat(u32 a, u32 s, int hi) {
+  u32 d;
+  if (hi)
+    asm("{.reg .b16 l, h;\n .reg .b32 t;\n mov.b32 {l, h}, %2;\n mov.b32 t, {h, h};\n"
+        " mul.rn.f16x2 %0, %1, t;}" : "=r"(d) : "r"(a), "r"(s));
+  else
+    asm("{.reg .b16 l, h;\n .reg .b32 t;\n mov.b32 {l, h}, %2;\n mov.b32 t, {l, l};\n"
+        " mul.rn.f16x2 %0, %1, t;}" : "=r"(d) : "r"(a), "r"(s));
+  return d;
 }
 
 // ---------------------------------------------------------------- MMA
@@ -149,135 +170,123 @@ __device__ __forceinline__ int lane_k(int lane) {
 __device__ __forceinline__ int lane_src(int lane) {
   return QPN_MMA == 0 ? 4 * ((lane & 3) + 4 * (lane >> 4)) + ((lane >> 2) & 3) : lane;
 }
-__device__ __forceinline__ int lane_srow(int lane, int i) {  // scale row r for slot i < SROWS
-  return QPN_MMA == 0 ? (lane & 2) + (i & 1) + 4 * (i >> 1) : lane >> 2;
-}
 
 // ---------------------------------------------------------------- one group of 16 k
-// NVFP4: one-group MMA from zero, then acc += group scale * d in fp32.
+// acc layout per 8-row tile: sm_75+ [bank][4] (bank = group parity, summed at the end);
+// Volta [rows 0-7 | rows 8-15][8].
 template <int MT>
-__device__ __forceinline__ void group_fp4(float (&acc)[MT][ACCN], u32 w, const float* sc0,
-                                          const float* sc1, const u64 (&xb)[MT]) {
-  u32 p0, p1, p2, p3;
-  dec_fp4(w, p0, p1, p2, p3);
+__device__ __forceinline__ void mma_group(float (&acc)[MT][ACCN], int bank, u32 p0, u32 p1, u32 p2,
+                                          u32 p3, const u64 (&xb)[MT]) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     u32 b0 = (u32)xb[mt], b1 = (u32)(xb[mt] >> 32);
 #if QPN_MMA >= 1
-    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    float* a = &acc[mt][4 * bank];
+    float (&d)[4] = *reinterpret_cast<float (*)[4]>(a);
     mma_tile(d, p0, p1, p2, p3, b0, b1);
-    acc[mt][0] += sc0[0] * d[0];
-    acc[mt][1] += sc0[0] * d[1];
-    acc[mt][2] += sc1[0] * d[2];
-    acc[mt][3] += sc1[0] * d[3];
 #else
-    float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    mma_qp(d, b0, b1, p0, p2);  // rows 0..7 of the tile
-#pragma unroll
-    for (int r = 0; r < 8; ++r) acc[mt][r] += sc0[(r & 1) + 2 * ((r >> 2) & 1)] * d[r];
-    float e[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    mma_qp(e, b0, b1, p1, p3);  // rows 8..15
-#pragma unroll
-    for (int r = 0; r < 8; ++r) acc[mt][8 + r] += sc1[(r & 1) + 2 * ((r >> 2) & 1)] * e[r];
+    mma_qp(&acc[mt][0], b0, b1, p0, p2);  // rows 0..7 of the tile
+    mma_qp(&acc[mt][8], b0, b1, p1, p3);  // rows 8..15
 #endif
   }
 }
 
-// FP8: per-tensor scale, so the MMA accumulates straight into acc.
+// NVFP4: decode, apply the group scale exactly in fp16 (see header), accumulate in the MMA.
 template <int MT>
-__device__ __forceinline__ void group_fp8(float (&acc)[MT][ACCN], u32 wr, u32 wr8,
+__device__ __forceinline__ void group_fp4(float (&acc)[MT][ACCN], int bank, u32 w, u32 s2,
+                                          const u64 (&xb)[MT]) {
+  u32 p0, p1, p2, p3;
+  dec_fp4(w, p0, p1, p2, p3);
+  mma_group<MT>(acc, bank, hmul2_splat(p0, s2, 0), hmul2_splat(p1, s2, 1), hmul2_splat(p2, s2, 0),
+                hmul2_splat(p3, s2, 1), xb);
+}
+
+// FP8: per-tensor scale, applied at the end.
+template <int MT>
+__device__ __forceinline__ void group_fp8(float (&acc)[MT][ACCN], int bank, u32 wr, u32 wr8,
                                           const u64 (&xb)[MT]) {
   u32 p0, p1, p2, p3;
   dec_fp8(wr, p0, p2);
   dec_fp8(wr8, p1, p3);
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    u32 b0 = (u32)xb[mt], b1 = (u32)(xb[mt] >> 32);
-#if QPN_MMA >= 1
-    mma_tile(acc[mt], p0, p1, p2, p3, b0, b1);
-#else
-    mma_qp(&acc[mt][0], b0, b1, p0, p2);
-    mma_qp(&acc[mt][8], b0, b1, p1, p3);
-#endif
-  }
+  mma_group<MT>(acc, bank, p0, p1, p2, p3, xb);
 }
 
+// xr[mt] always points at readable activations (rows past M re-read a valid row; their
+// results are never written), so the loads need no predicate.
 template <int MT>
 __device__ __forceinline__ void load_x(u64 (&xb)[MT], const u16* const (&xr)[MT], int k) {
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) xb[mt] = xr[mt] ? ld_act(xr[mt] + k) : 0ull;
+  for (int mt = 0; mt < MT; ++mt) xb[mt] = ld_act(xr[mt] + k);
 }
 
 // ---------------------------------------------------------------- one chunk
 template <int FMT, int MT, int NT>
 __device__ __forceinline__ void chunk(float (&acc)[NT][MT][ACCN], const u32x4 (&wv)[NT],
-                                      const u64 (&sv)[NT][SROWS], const u16* const (&xr)[MT],
-                                      int kbase) {
+                                      const u64 (&sv)[NT], const u16* const (&xr0)[MT], int kbase) {
+  const u16* xr[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) xr[mt] = xr0[mt] + kbase;
   if (FMT == 2) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       u64 xb[MT];
-      load_x<MT>(xb, xr, kbase + 16 * j);
+      load_x<MT>(xb, xr, 16 * j);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        float sc0[SROWS], sc1[SROWS];
-#pragma unroll
-        for (int i = 0; i < SROWS; ++i) {
-          u32 sw = (u32)(sv[nt][i] >> (32 * (j >> 1)));
-          dec_scale(sw, j & 1, sc0[i], sc1[i]);
-        }
-        u32 w = j == 0 ? wv[nt].x : j == 1 ? wv[nt].y : j == 2 ? wv[nt].z : wv[nt].w;
-        group_fp4<MT>(acc[nt], w, sc0, sc1, xb);
+        const u32 s2 = dec_scale((u32)(sv[nt] >> (32 * (j >> 1))), j & 1);
+        const u32 w = j == 0 ? wv[nt].x : j == 1 ? wv[nt].y : j == 2 ? wv[nt].z : wv[nt].w;
+        group_fp4<MT>(acc[nt], j & 1, w, s2, xb);
       }
     }
   } else {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       u64 xb[MT];
-      load_x<MT>(xb, xr, kbase + 16 * j);
+      load_x<MT>(xb, xr, 16 * j);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
-        group_fp8<MT>(acc[nt], j == 0 ? wv[nt].x : wv[nt].z, j == 0 ? wv[nt].y : wv[nt].w, xb);
+        group_fp8<MT>(acc[nt], j, j == 0 ? wv[nt].x : wv[nt].z, j == 0 ? wv[nt].y : wv[nt].w, xb);
     }
   }
 }
 
 // ---------------------------------------------------------------- one warp over chunks [c0, c1)
 // wt[nt]: tile base (C * 32 u32x4), st[nt]: scale tile base (C * 8 u64), xr[mt]: lane's x row.
-template <int FMT, int MT, int NT>
+// Two register stages of U chunks: the loads of stage i+1 are issued before the math of stage i.
+template <int FMT, int NT, int U>
+__device__ __forceinline__ void load_stage(u32x4 (&wv)[U][NT], u64 (&sv)[U][NT],
+                                           const u32x4* const (&wt)[NT], const u64* const (&st)[NT],
+                                           int c, int c1, int src) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (c + u < c1) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        wv[u][nt] = ld_stream(wt[nt] + (size_t)(c + u) * 32 + src);
+        sv[u][nt] = FMT == 2 ? ld_stream64(st[nt] + (size_t)(c + u) * 8 + (src >> 2)) : 0ull;
+      }
+    }
+  }
+}
+
+template <int FMT, int MT, int NT, int U = UNROLL_FOR(NT, MT)>
 __device__ __forceinline__ void warp_gemm(float (&acc)[NT][MT][ACCN], const u32x4* const (&wt)[NT],
                                           const u64* const (&st)[NT], int c0, int c1,
                                           const u16* const (&xr)[MT], int lane) {
   const int CK = FMT == 2 ? 64 : 32;
   const int src = lane_src(lane);
-  int c = c0;
-  for (; c + UNROLL <= c1; c += UNROLL) {
-    u32x4 wv[UNROLL][NT];
-    u64 sv[UNROLL][NT][SROWS];
+  u32x4 wa[U][NT], wb[U][NT];
+  u64 sa[U][NT], sb[U][NT];
+  load_stage<FMT, NT, U>(wa, sa, wt, st, c0, c1, src);
+  for (int c = c0; c < c1; c += 2 * U) {
+    load_stage<FMT, NT, U>(wb, sb, wt, st, c + U, c1, src);
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int u = 0; u < U; ++u)
+      if (c + u < c1) chunk<FMT, MT, NT>(acc, wa[u], sa[u], xr, (c + u) * CK);
+    load_stage<FMT, NT, U>(wa, sa, wt, st, c + 2 * U, c1, src);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        wv[u][nt] = ld_stream(wt[nt] + (size_t)(c + u) * 32 + src);
-#pragma unroll
-        for (int i = 0; i < SROWS; ++i)
-          sv[u][nt][i] = FMT == 2 ? ld_stream64(st[nt] + (size_t)(c + u) * 8 + lane_srow(lane, i)) : 0ull;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) chunk<FMT, MT, NT>(acc, wv[u], sv[u], xr, (c + u) * CK);
-  }
-  for (; c < c1; ++c) {
-    u32x4 wv[NT];
-    u64 sv[NT][SROWS];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      wv[nt] = ld_stream(wt[nt] + (size_t)c * 32 + src);
-#pragma unroll
-      for (int i = 0; i < SROWS; ++i)
-        sv[nt][i] = FMT == 2 ? ld_stream64(st[nt] + (size_t)c * 8 + lane_srow(lane, i)) : 0ull;
-    }
-    chunk<FMT, MT, NT>(acc, wv, sv, xr, c * CK);
+    for (int u = 0; u < U; ++u)
+      if (c + U + u < c1) chunk<FMT, MT, NT>(acc, wb[u], sb[u], xr, (c + U + u) * CK);
   }
 }
 
@@ -292,10 +301,11 @@ __device__ __forceinline__ void store_partials(float (*red)[NT][8 * MT][16], int
     for (int mt = 0; mt < MT; ++mt) {
 #if QPN_MMA >= 1
       int r = lane >> 2, q = lane & 3, t0 = 8 * mt + 2 * q;
-      red[warp][nt][t0][r] = acc[nt][mt][0];
-      red[warp][nt][t0 + 1][r] = acc[nt][mt][1];
-      red[warp][nt][t0][r + 8] = acc[nt][mt][2];
-      red[warp][nt][t0 + 1][r + 8] = acc[nt][mt][3];
+      const float* a = acc[nt][mt];
+      red[warp][nt][t0][r] = a[0] + a[4];
+      red[warp][nt][t0 + 1][r] = a[1] + a[5];
+      red[warp][nt][t0][r + 8] = a[2] + a[6];
+      red[warp][nt][t0 + 1][r + 8] = a[3] + a[7];
 #else
 #pragma unroll
       for (int i = 0; i < 16; ++i) {  // sum the four quadpairs' k-slices
@@ -339,7 +349,7 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NT][MT][ACCN]) {
 // ---------------------------------------------------------------- linear
 // w: packed [Npad/16, C, 32, 4] u32, s: scales [Npad/16, C, 8] u64 (QPN2 only), gs: folded global
 // scale, x [M, K] fp16, y [M, N] fp16. grid.x = ceil(tiles / TG) * P, P = ceil(M / (8 MT)).
-template <int FMT, int MT>
+template <int FMT, int MT, int U>
 __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                             float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                             int M, int N, int K, int KS, int P) {
@@ -358,9 +368,9 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       int m = pass * 8 * MT + 8 * mt + lane_tok(lane);
-      xr[mt] = m < M ? x + (size_t)m * K + lane_k(lane) : (const u16*)0;
+      xr[mt] = x + (size_t)(m < M ? m : M - 1) * K + lane_k(lane);
     }
-    warp_gemm<FMT, MT, 1>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
+    warp_gemm<FMT, MT, 1, U>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
   }
   store_partials<MT, 1>(red, warp, lane, acc);
   __syncthreads();
@@ -371,18 +381,21 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
   }
 }
 
-#define LINEAR(NAME, FMT, MT)                                                                     \
-  extern "C" __global__ void                                          \
-      NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,                     \
-           const u16* __restrict__ x, u16* __restrict__ y, int M, int N, int K, int KS, int P) { \
-    linear_body<FMT, (MT < MTMAX ? MT : MTMAX)>(w, s, gs, x, y, M, N, K, KS, P);                   \
+#define LINEAR(NAME, FMT, MT, U)                                                                  \
+  extern "C" __global__ void NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, \
+                                  const u16* __restrict__ x, u16* __restrict__ y, int M, int N,     \
+                                  int K, int KS, int P) {                                           \
+    linear_body<FMT, (MT < MTMAX ? MT : MTMAX), U>(w, s, gs, x, y, M, N, K, KS, P);                \
   }
-LINEAR(qpn2_linear_mt1, 2, 1)
-LINEAR(qpn2_linear_mt2, 2, 2)
-LINEAR(qpn2_linear_mt4, 2, 4)
-LINEAR(qpn8_linear_mt1, 8, 1)
-LINEAR(qpn8_linear_mt2, 8, 2)
-LINEAR(qpn8_linear_mt4, 8, 4)
+LINEAR(qpn2_linear_mt1, 2, 1, UNROLL_FOR(1, 1))
+LINEAR(qpn2_linear_mt2, 2, 2, UNROLL_FOR(1, 2))
+LINEAR(qpn2_linear_mt4, 2, 4, UNROLL_FOR(1, 4))
+LINEAR(qpn8_linear_mt1, 8, 1, UNROLL_FOR(1, 1))
+LINEAR(qpn8_linear_mt2, 8, 2, UNROLL_FOR(1, 2))
+LINEAR(qpn8_linear_mt4, 8, 4, UNROLL_FOR(1, 4))
+// pipeline-depth variants (2 chunks per stage) measured beside the defaults by the benchmark
+LINEAR(qpn2_linear_mt1_u2, 2, 1, 2)
+LINEAR(qpn8_linear_mt1_u2, 8, 1, 2)
 
 // ---------------------------------------------------------------- MoE routing
 // slot_ids [A] -> offsets [S+1] (exclusive prefix of per-slot counts), perm [A] (assignments
@@ -450,7 +463,7 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         int i = base + 8 * mt + lane_tok(lane);
-        xr[mt] = i < cnt ? x + (size_t)token_idx[perm[beg + i]] * H + lane_k(lane) : (const u16*)0;
+        xr[mt] = x + (size_t)token_idx[perm[beg + (i < cnt ? i : cnt - 1)]] * H + lane_k(lane);
       }
       warp_gemm<FMT, MT, 2>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
     }
@@ -499,7 +512,7 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         int i = base + 8 * mt + lane_tok(lane);
-        xr[mt] = i < cnt ? h + (size_t)(beg + i) * I + lane_k(lane) : (const u16*)0;
+        xr[mt] = h + (size_t)(beg + (i < cnt ? i : cnt - 1)) * I + lane_k(lane);
       }
       warp_gemm<FMT, MT, 1>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
     }

@@ -69,6 +69,24 @@ def test_shapes_the_kernels_cannot_take_are_rejected(qtype, k):
 
 def test_global_scale_folds_decode_bias():
     qw = nvfp4(16, 64)
-    assert layout.global_scale(qw) == pytest.approx(float(qw.scale_2) * 2 ** 22)
+    assert layout.global_scale(qw) == pytest.approx(float(qw.scale_2) * 2 ** 7)
     qf = fp8(16, 64)
     assert layout.global_scale(qf) == pytest.approx(float(qf.scale) * 2 ** 8)
+
+
+def test_fp16_group_scale_product_is_exact():
+    """The kernel multiplies the decoded E2M1 half (v * 2^-14) by S = scale * 2^7 in fp16: for every
+    code and every e4m3 scale magnitude, S is exact, and the product equals v * scale * 2^-7 exactly."""
+    from hybrid.checkpoint.formats import E2M1_TABLE, E4M3_TABLE
+
+    codes = torch.arange(16)
+    wbits = ((codes & 8) << 12) | ((codes & 7) << 9)
+    w16 = wbits.to(torch.int16).view(torch.float16)                      # v * 2^-14
+    mags = torch.arange(0x7F)                                            # scale bytes, NaN excluded
+    sbits = (mags << 7).to(torch.int16).view(torch.float16)              # scale * 2^-8
+    s16 = sbits * torch.tensor(32768.0, dtype=torch.float16)             # scale * 2^7
+    e4m3 = torch.from_numpy(E4M3_TABLE)[mags]
+    assert torch.equal(s16.float(), e4m3 * 2.0 ** 7)
+    prod = w16.view(16, 1) * s16.view(1, -1)                             # fp16 multiply
+    want = torch.from_numpy(E2M1_TABLE).view(16, 1) * e4m3.view(1, -1) * 2.0 ** -7
+    assert torch.equal(prod.float(), want)

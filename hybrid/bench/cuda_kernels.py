@@ -181,6 +181,23 @@ def bench_linear(name, n, k, qtype, ms, reps, read_bw):
     return out
 
 
+def bench_variants(fmts, reps, read_bw):
+    """The M <= 8 kernels with a 2-chunk pipeline stage ('_u2') beside the default, same run."""
+    from hybrid.kernels import qpn
+
+    out = []
+    try:
+        qpn.LINEAR_VARIANT[0] = "_u2"
+        for qtype in fmts:
+            for name, n, k in SHAPES:
+                if name in ("lm_head", "dense_up", "dense_down", "q_proj", "o_proj"):
+                    for r in bench_linear(name, n, k, qtype, [1, 8], reps, read_bw):
+                        out.append({**r, "shape": name + "[u2]"})
+    finally:
+        qpn.LINEAR_VARIANT[0] = ""
+    return out
+
+
 def _clone_weight(w):
     from dataclasses import replace
 
@@ -277,6 +294,8 @@ def bench(args) -> int:
             recs += bench_linear(name, n, k, qtype, ms, args.reps, read_bw)
         if args.shapes == "all" or "moe" in args.shapes:
             recs += bench_moe(qtype, [m for m in ms if m <= 16], args.reps, read_bw)
+    if args.shapes == "all":
+        recs += bench_variants(fmts, args.reps, read_bw)
     write_results(args.out, env, recs)
     return 0
 

@@ -1,6 +1,6 @@
 """Run-time build of the QPN kernels: NVRTC -> CUBIN (or PTX for the driver to JIT), cached on disk.
 
-Cache key: sha256 of (source, options, NVRTC version) + target, under $HYBRID_CACHE_DIR or
+Cache key: sha256 of (source, options, NVRTC version) + target, in $HYBRID_CACHE_DIR or
 ~/.cache/hybrid/qpn. A device the local NVRTC cannot target natively (e.g. a GPU newer than the
 NVRTC) gets PTX of the highest supported compute_XX, which the driver compiles at load.
 Also the CPU-only check: compile every kernel for compute_XX, run ptxas -v, report registers/spills.
@@ -24,6 +24,7 @@ OPTIONS = ["-std=c++17", "-default-device", "--restrict"]
 
 KERNELS = tuple(
     [f"qpn{f}_linear_mt{m}" for f in (2, 8) for m in (1, 2, 4)]
+    + [f"qpn{f}_linear_mt1_u2" for f in (2, 8)]
     + ["qpn_moe_route"]
     + [f"qpn{f}_moe_{p}_mt{m}" for f in (2, 8) for p in ("gateup", "down") for m in (1, 4)]
 )
@@ -39,9 +40,11 @@ def source() -> str:
 
 
 def cache_dir() -> Path:
+    """$HYBRID_CACHE_DIR, else ~/.cache/hybrid/qpn (or under $XDG_CACHE_HOME)."""
     env = os.environ.get("HYBRID_CACHE_DIR")
-    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hybrid"
-    return base / "qpn"
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hybrid" / "qpn"
 
 
 @dataclass(frozen=True)

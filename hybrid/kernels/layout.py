@@ -19,7 +19,7 @@ from hybrid.checkpoint.qweight import QWeight
 
 TILE = 16
 CHUNK = {QType.NVFP4: 64, QType.FP8: 32}
-FOLD = {QType.NVFP4: 2.0 ** 22, QType.FP8: 2.0 ** 8}  # undoes the decode's 2^-14 * 2^-8 / 2^-8
+FOLD = {QType.NVFP4: 2.0 ** 7, QType.FP8: 2.0 ** 8}  # undoes the register decode's 2^-7 / 2^-8
 
 # NVFP4 word: (half, kk) -> (magnitude shift, sign shift); half 0 = row r, 1 = row r+8
 FP4_BITS = {(0, 0): (9, 15), (0, 1): (25, 31), (1, 0): (6, 12), (1, 1): (22, 28),

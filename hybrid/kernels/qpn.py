@@ -18,6 +18,7 @@ from hybrid.kernels.reference import ref_linear, ref_moe
 THREADS = 256
 WARPS = 8
 MAX_SLOTS = 1024
+LINEAR_VARIANT = [""]  # "" (default pipeline depth) or "_u2"; the benchmark measures both
 
 
 # ---------------------------------------------------------------------------- weights
@@ -172,7 +173,8 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     grid = (-(-tiles // tg) * passes, 1, 1)
     args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
-    mod.launch(f"qpn{_fmt(w.qtype)}_linear_mt{mt}", grid, THREADS, args)
+    suffix = LINEAR_VARIANT[0] if mt == 1 else ""
+    mod.launch(f"qpn{_fmt(w.qtype)}_linear_mt{mt}{suffix}", grid, THREADS, args)
     return y
 
 
