@@ -209,3 +209,21 @@ def test_kernels_vectorize_for_haswell_avx2(tmp_path):
         assert s["fma"] >= 2, f"{name}: no 256-bit vfmadd (ymm) in the hot loop: {s}"
     for name in ("nvfp4_tile_m1", "nvfp4_tile_m4", "fp8_tile_m1"):
         assert stats[name]["cvt"] >= 2, f"{name}: decode not vectorized (no vcvtph2ps ymm)"
+
+
+# ----------------------------------------------------------------------------- ggml re-pack (bench)
+@pytest.mark.llama
+def test_ggml_nvfp4_repack_decodes_like_modelopt():
+    """hybrid-bench cpu-kernels feeds ggml re-packed blocks: ggml's own to_float must agree."""
+    pytest.importorskip("llama_cpp")
+    import ctypes
+    from hybrid.bench.cpu_kernels import Ggml, to_ggml_nvfp4
+    gg = Ggml()
+    rng = np.random.default_rng(9)
+    w = rand_nvfp4(3, 128, rng)
+    blocks = to_ggml_nvfp4(w.data.numpy(), w.scale.view(torch.uint8).numpy())
+    to_float = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(
+        gg.base.ggml_get_type_traits(40).contents.to_float)
+    out = np.zeros(3 * 128, np.float32)
+    to_float(blocks.ctypes.data, out.ctypes.data, out.size)
+    assert np.array_equal(out.reshape(3, 128), (ref_dequant(w) / float(w.scale_2)).astype(np.float32))
