@@ -259,3 +259,55 @@ def test_export_refuses_other_architectures(tmp_path):
         export_gguf(d, tmp_path / "x.gguf")
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["model_type"] == "mixtral"
+
+
+def test_imatrix_is_mean_squared_input(model_dir, tmp_path):
+    from hybrid.baselines import imatrix as im
+    from hybrid.model.layers import rms_norm
+    from safetensors.torch import load_file
+
+    chunks = [list(range(3, 35)), list(range(40, 72))]
+    data = im.compute_imatrix(model_dir, chunks)
+    names = {f"blk.{L}.{n}.weight" for L in range(2)
+             for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+    assert set(data) == names
+    assert data["blk.0.ffn_gate_exps.weight"].shape == (4 * 256,)
+    # layer 0's q/k/v input is rms_norm(embedding) of the calibration tokens
+    sd = load_file(str(model_dir / "model.safetensors"))
+    x = rms_norm(sd["model.embed_tokens.weight"].float()[torch.tensor(chunks).reshape(-1)],
+                 sd["model.layers.0.input_layernorm.weight"].float(), 1e-6)
+    np.testing.assert_allclose(data["blk.0.attn_q.weight"], (x.double() ** 2).mean(0).numpy(), rtol=1e-5)
+    np.testing.assert_array_equal(data["blk.0.attn_q.weight"], data["blk.0.attn_v.weight"])
+    # gate and up of an expert see the same inputs; down sees the SwiGLU product
+    np.testing.assert_array_equal(data["blk.1.ffn_gate_exps.weight"], data["blk.1.ffn_up_exps.weight"])
+    assert (data["blk.1.ffn_down_exps.weight"] > 0).all()
+    im.save(tmp_path / "i.npz", data)
+    back = im.load(tmp_path / "i.npz")
+    assert set(back) == names and all(np.array_equal(back[k], data[k]) for k in names)
+
+
+def test_quantize_with_imatrix_changes_the_weights(f32_gguf, model_dir, tmp_path):
+    pytest.importorskip("llama_cpp")
+    from hybrid.baselines import imatrix as im
+    from hybrid.baselines.quantize import quantize_gguf
+
+    data = im.compute_imatrix(model_dir, [list(range(3, 67))])
+    skewed = {k: v * np.linspace(0.01, 10, v.size, dtype=np.float32) for k, v in data.items()}
+    a = quantize_gguf(f32_gguf, tmp_path / "a.gguf", "IQ3_S")
+    b = quantize_gguf(f32_gguf, tmp_path / "b.gguf", "IQ3_S", imatrix=skewed)
+    ta = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(a)).tensors}
+    tb = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(b)).tensors}
+    assert not np.array_equal(ta["blk.0.ffn_up_exps.weight"], tb["blk.0.ffn_up_exps.weight"])
+    np.testing.assert_array_equal(ta["blk.0.ffn_gate_inp.weight"], tb["blk.0.ffn_gate_inp.weight"])
+
+
+def test_cli_imatrix(model_dir, tmp_path):
+    pytest.importorskip("llama_cpp")
+    from hybrid.cli.gguf import main
+
+    assert main(["imatrix", str(model_dir), str(tmp_path / "i.npz"), "--n-ctx", "16", "--chunks", "2"]) == 0
+    assert main(["export", str(model_dir), str(tmp_path / "a.gguf")]) == 0
+    assert main(["quantize", str(tmp_path / "a.gguf"), str(tmp_path / "b.gguf"), "--type", "IQ4_XS",
+                 "--imatrix", str(tmp_path / "i.npz")]) == 0
+    assert main(["quantize", str(tmp_path / "a.gguf"), str(tmp_path / "c.gguf"), "--type", "IQ4_XS",
+                 "--imatrix", str(tmp_path / "none.npz")]) == 2

@@ -3,7 +3,8 @@
 - hybrid recipes (bf16, nvfp4, mixed, fp8): `hybrid-quantize` checkpoints run by hybrid's runtime
   (`hybrid.model.load_model(...).forward_logits`), the very path `hybrid-run` uses.
 - gguf-<recipe>: the same hybrid checkpoint re-packed into a GGUF (NVFP4 bit-exact), run by llama.cpp.
-- llama.cpp types (Q8_0, Q4_K_M, IQ4_XS, ...): the BF16 export quantized by llama.cpp's quantizer.
+- llama.cpp types (Q8_0, Q4_K_M, IQ4_XS, ...): the BF16 export quantized by llama.cpp's quantizer;
+  `<TYPE>-imat` adds an importance matrix computed by hybrid.baselines.imatrix.
 Files are built once in the work folder and reused; engines load lazily and `close()` frees them.
 """
 from __future__ import annotations
@@ -24,6 +25,8 @@ RECIPE_WEIGHTS = {
     "mixed": "hybrid mixed: attention FP8, experts + lm_head NVFP4, router/norms/embed BF16",
     "fp8": "hybrid FP8 per-tensor linears",
 }
+IMAT_SUFFIX = "-IMAT"
+IMATRIX_CTX, IMATRIX_CHUNKS = 128, 16
 OUTTYPE_OF_DTYPE = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 
@@ -121,13 +124,26 @@ class CandidateMaker:
             quantize_checkpoint(self.src, dst, recipe, progress=False)
         return dst
 
-    def gguf_type(self, qtype: str) -> Path:
+    def imatrix(self) -> dict:
+        """Importance matrix from hybrid's forward on the model's training text (cached in work)."""
+        from tokenizers import Tokenizer
+
+        from hybrid.baselines import imatrix as im
+
+        path = self.work / "imatrix.npz"
+        if not path.exists():
+            tok = Tokenizer.from_file(str(self.src / "tokenizer.json"))
+            chunks = im.calibration_chunks(self.src, tok, IMATRIX_CTX, IMATRIX_CHUNKS)
+            im.save(path, im.compute_imatrix(self.src, chunks))
+        return im.load(path)
+
+    def gguf_type(self, qtype: str, with_imatrix: bool = False) -> Path:
         base = self.base_gguf()
         if base.stem == f"model-{qtype.lower()}":
             return base
-        path = self.work / f"model-{qtype}.gguf"
+        path = self.work / f"model-{qtype}{'-imat' if with_imatrix else ''}.gguf"
         if not path.exists():
-            quantize_gguf(base, path, qtype)
+            quantize_gguf(base, path, qtype, imatrix=self.imatrix() if with_imatrix else None)
         return path
 
     def make(self, name: str) -> Candidate:
@@ -145,5 +161,10 @@ class CandidateMaker:
             qtype = name.upper()
             return GGUFCandidate(qtype, f"llama.cpp {qtype} mix (llama_model_quantize defaults, no imatrix)",
                                  self.gguf_type(qtype), self.n_ctx, self.threads)
+        if name.upper().endswith(IMAT_SUFFIX) and name.upper()[: -len(IMAT_SUFFIX)] in TYPES:
+            qtype = name.upper()[: -len(IMAT_SUFFIX)]
+            return GGUFCandidate(f"{qtype}{IMAT_SUFFIX.lower()}", f"llama.cpp {qtype} mix with an importance matrix "
+                                 f"({IMATRIX_CHUNKS}x{IMATRIX_CTX} training-split tokens, hybrid.baselines.imatrix)",
+                                 self.gguf_type(qtype, True), self.n_ctx, self.threads)
         raise HybridError(f"--against {name!r}: expected a hybrid recipe ({', '.join(HYBRID_RECIPES)}), "
-                          f"gguf-<recipe>, or a llama.cpp type ({', '.join(TYPES)})")
+                          f"gguf-<recipe>, or a llama.cpp type ({', '.join(TYPES)}), optionally with -imat")

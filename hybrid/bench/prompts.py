@@ -88,12 +88,12 @@ def class_prompts() -> dict[str, list[str]]:
     return {c: [p for p, _ in PROMPTS[c]] for c in CLASSES}
 
 
-def _manifest_heldout(manifest: Path, max_bytes: int) -> tuple[str, list[str]]:
-    """Test-split files of the model's corpus that this machine holds byte-identical (sha256 checked).
+def manifest_text(manifest: Path, split: str, max_bytes: int) -> tuple[str, list[str]]:
+    """Files of one corpus split that this machine holds byte-identical (sha256 checked).
 
     The embedded tiny model was trained on Python's standard library; its manifest lists every
-    file's split and sha256, so the held-out text is read from the local stdlib only where the
-    bytes match exactly what the model's test split held."""
+    file's split and sha256, so text is read from the local stdlib only where the bytes match
+    exactly what the model's `split` held (test: held-out text; train: calibration text)."""
     import gzip
     import hashlib
     import json
@@ -102,8 +102,8 @@ def _manifest_heldout(manifest: Path, max_bytes: int) -> tuple[str, list[str]]:
     m = json.loads(gzip.decompress(manifest.read_bytes()))
     roots = {"stdlib": Path(sysconfig.get_paths()["stdlib"])}
     texts, sources, total = [], [], 0
-    for root, rel, sha, _size, split in m.get("files", []):
-        if split != "test" or root not in roots or rel.startswith(SKIP_PREFIXES) or total >= max_bytes:
+    for root, rel, sha, _size, fsplit in m.get("files", []):
+        if fsplit != split or root not in roots or rel.startswith(SKIP_PREFIXES) or total >= max_bytes:
             continue
         path = roots[root] / rel
         if not path.is_file():
@@ -124,7 +124,7 @@ def heldout(model_dir: str | Path, max_bytes: int = 64 * 1024) -> tuple[str, lis
         if (folder / name).is_file():
             return (folder / name).read_text(encoding="utf-8"), [name]
     if (folder / MANIFEST).is_file():
-        text, sources = _manifest_heldout(folder / MANIFEST, max_bytes)
+        text, sources = manifest_text(folder / MANIFEST, "test", max_bytes)
         if text:
             return text, sources
     return None
