@@ -36,6 +36,7 @@ class Session:
     trace: TraceWriter | None = None
     expert_profile: ExpertProfile | None = None
     load_s: dict = field(default_factory=dict)
+    owns_cpu: bool = True
 
     @property
     def caches(self) -> list[ExpertCache]:
@@ -63,12 +64,14 @@ class Session:
         if self.trace is not None:
             self.trace.close()
             self.trace = None
-        self.cpu.close()
+        if self.owns_cpu:
+            self.cpu.close()
 
 
 def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, meta: dict | None = None,
-                 progress: bool = False) -> Session:
-    """Load the model at `path` for hybrid decoding as `opts` asks. context: tokens the planner predicts for."""
+                 progress: bool = False, cpu=None) -> Session:
+    """Load the model at `path` for hybrid decoding as `opts` asks. context: tokens the planner
+    predicts for; cpu: a CPU runner of an earlier session of the same model to reuse (not closed here)."""
     from hybrid.model.loader import load_model
 
     path = Path(path)
@@ -92,8 +95,10 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     cards = [_card(spec, cfg, opts, eprof, qtypes, bytes_per_expert, budget, get_expert)
              for spec in placement.cards]
     t3 = time.perf_counter()
-    cpu = make_cpu_runner(cfg, get_expert, qtypes[0], opts.cpu_engine, opts.cpu_threads,
-                          opts.hugepages, progress)
+    owns_cpu = cpu is None
+    if owns_cpu:
+        cpu = make_cpu_runner(cfg, get_expert, qtypes[0], opts.cpu_engine, opts.cpu_threads,
+                              opts.hugepages, progress)
     t4 = time.perf_counter()
     stats = RuntimeStats(cfg.num_hidden_layers)
     trace = _trace(opts, path, cfg, cards, placement, meta)
@@ -101,7 +106,8 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     model.experts = experts
     hm = HybridModel(model, experts, opts.kv_resident, opts.kv_dtype)
     return Session(hm, placement, plan, cards, cpu, stats, opts, trace, eprof,
-                   {"plan": t1 - t0, "dense": t2 - t1, "expert_cache": t3 - t2, "cpu_store": t4 - t3})
+                   {"plan": t1 - t0, "dense": t2 - t1, "expert_cache": t3 - t2, "cpu_store": t4 - t3},
+                   owns_cpu)
 
 
 def _check_devices(opts: RuntimeOptions) -> None:

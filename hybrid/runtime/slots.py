@@ -87,6 +87,17 @@ class CardSlots:
                        for l, (_, n) in self.layer_slots.items() if n > 0}
         self.kinds = sorted({type(g).__name__ for g in self._store.values()})
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the slot storage (QPN storage; 0 for the reference storage)."""
+        total = 0
+        for st in self._store.values():
+            inner = getattr(st, "slots", None)
+            for name in ("w13", "w2", "s13", "s2", "gs"):
+                t = getattr(inner, name, None)
+                total += t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+        return total
+
     def load(self, layer: int, slot: int, weights: Sequence[QWeight], stream=None) -> None:
         self._store[layer].load(int(slot) - self.layer_slots[layer][0], *weights, stream=stream)
 
