@@ -59,11 +59,13 @@ def markdown(records: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
         *[_row(r) for r in records],
         "",
-        "Same-top % by prompt class:", "",
-        "| candidate | " + " | ".join(by_class) + " |",
+        "Same-top % (and PPL) by prompt class; the reference PPL(Q8_0) of each class in the header:", "",
+        "| candidate | " + " | ".join(f"{c} (PPL {r0.get('ppl_base_by_class', {}).get(c, float('nan')):.2f})"
+                                      for c in by_class) + " |",
         "|---|" + "---|" * len(by_class),
-        *[f"| {r['candidate']} | " + " | ".join(f"{r['same_top_by_class'].get(c, float('nan')):.1f}"
-                                                for c in by_class) + " |" for r in records],
+        *[f"| {r['candidate']} | " + " | ".join(
+            f"{r['same_top_by_class'].get(c, float('nan')):.1f} ({r.get('ppl_by_class', {}).get(c, float('nan')):.2f})"
+            for c in by_class) + " |" for r in records],
         "", NOTES,
     ]
     return "\n".join(lines)

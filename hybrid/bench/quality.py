@@ -18,7 +18,8 @@ from hybrid.errors import HybridError
 from hybrid.metrics.kl import BaseLogProbs, KLAccumulator, chunk_tokens, scored_rows
 
 HELP = "same-top-token %, KL divergence and perplexity vs the Q8_0 GGUF, llama.cpp-style"
-DEFAULT_AGAINST = "bf16,nvfp4,mixed,gguf-nvfp4,Q4_K_M,IQ4_XS,IQ3_S,MXFP4_MOE"
+DEFAULT_AGAINST = ("bf16,nvfp4,mixed,gguf-nvfp4,gguf-mixed,Q4_K_M,IQ4_XS,IQ3_S,MXFP4_MOE,"
+                   "Q4_K_M-imat,IQ4_XS-imat,IQ3_S-imat")
 REFERENCE = "Q8_0"
 
 
@@ -65,7 +66,10 @@ def score(cand: qc.Candidate, chunks: np.ndarray, classes: list[str], bases: lis
         total.add_rows(base, logits, nxt)
         per_class.setdefault(cls, KLAccumulator()).add_rows(base, logits, nxt)
     res = total.result().as_dict()
-    res["same_top_by_class"] = {c: round(a.result().same_top_pct, 3) for c, a in per_class.items()}
+    by_class = {c: a.result() for c, a in per_class.items()}
+    res["same_top_by_class"] = {c: round(r.same_top_pct, 3) for c, r in by_class.items()}
+    res["ppl_by_class"] = {c: round(r.ppl, 4) for c, r in by_class.items()}
+    res["ppl_base_by_class"] = {c: round(r.ppl_base, 4) for c, r in by_class.items()}
     return res
 
 
