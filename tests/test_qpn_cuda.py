@@ -35,9 +35,18 @@ def backend(request):
     force_ptx(dev, None)
 
 
+@pytest.fixture(params=["", "_u4"])
+def variant(request):
+    from hybrid.kernels import qpn
+
+    qpn.LINEAR_VARIANT[0] = request.param
+    yield request.param
+    qpn.LINEAR_VARIANT[0] = ""
+
+
 @pytest.mark.parametrize("qtype,n,k", [(QType.NVFP4, 200, 320), (QType.FP8, 200, 352),
                                        (QType.NVFP4, 1024, 4096), (QType.FP8, 48, 1024)])
-def test_linear_matches_reference_all_m(backend, qtype, n, k):
+def test_linear_matches_reference_all_m(backend, variant, qtype, n, k):
     qw = MAKE[qtype](n, k, seed=n + k)
     w = QPNWeight.from_qweight(qw, "cuda")
     wref = qw.dequantize(torch.float64)

@@ -18,7 +18,7 @@ from hybrid.kernels.reference import ref_linear, ref_moe
 THREADS = 256
 WARPS = 8
 MAX_SLOTS = 1024
-LINEAR_VARIANT = [""]  # "" (default pipeline depth) or "_u2"; the benchmark measures both
+LINEAR_VARIANT = [""]  # M <= 8 kernel suffix: "" (default) or "_u4" (deeper pipeline; benchmark, tests)
 
 
 # ---------------------------------------------------------------------------- weights

@@ -1,0 +1,46 @@
+"""hybrid-bench cuda-kernels without a GPU: the report renders from stored records, and the
+target checks compute met / not met from the numbers."""
+import json
+
+from hybrid.bench.cuda_kernels import markdown, promote, targets
+from hybrid.cli.bench import main
+
+
+def rec(shape, fmt, m, t, eff, ceff, **kw):
+    return dict(gpu="G", sm=90, torch="t", nvrtc="n", git_sha="abc", command="c", read_gbs=1.0,
+                copy_gbs=1.0, shape=shape, n=16, k=64, format=fmt, m=m, bytes=1, t_us=t,
+                eff_read=eff, cublas_t_us=2 * t, cublas_eff_read=ceff, speedup_vs_cublas=2.0, **kw)
+
+
+def test_targets_met_and_not_met():
+    recs = [rec("lm_head", "nvfp4", 1, 10.0, 0.9, 0.8, speedup_vs_dequant=5.0),
+            rec("lm_head", "nvfp4", 8, 12.0, 0.75, 0.8)]
+    text = "\n".join(targets(recs))
+    assert "NVFP4 M=1 lm_head >= 85%: met (90.0%)" in text
+    assert "M=8 within 10% of M=1: NOT met" in text
+    assert "every shape and M: NOT met (1 of 2" in text
+    assert "dequantize-then-FP16-matmul at M=1 on large shapes: met" in text
+
+
+def test_promote_marks_kernels():
+    recs = [rec("lm_head", "fp8", 1, 10.0, 0.5, 0.9), rec("lm_head[u2]", "fp8", 1, 8.0, 0.6, 0.9),
+            rec("lm_head", "fp8", 16, 20.0, 0.3, 0.9)]
+    out = {(r["shape"], r["m"]): r for r in promote(recs, "u2", "u4")}
+    assert out[("lm_head", 1)]["t_us"] == 8.0 and out[("lm_head", 1)]["kernel"] == "default"
+    assert out[("lm_head[u4]", 1)]["t_us"] == 10.0
+    assert out[("lm_head", 16)]["kernel"] == "default"
+
+
+def test_render_from_jsonl(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(rec("dense_up", "nvfp4", m, 5.0 + m, 0.5, 0.8)) for m in (1, 8)))
+    assert main(["cuda-kernels", "--from-jsonl", str(path), "--out", str(tmp_path / "o")]) == 0
+    text = (tmp_path / "o.md").read_text()
+    assert "| dense_up | 16 | 64 | nvfp4 | 8 |" in text and "## Targets" in text
+    assert markdown({"gpu": "G", "command": "c", "git_sha": "s", "torch": "t", "nvrtc": "n", "sm": 90,
+                     "read_gbs": 1.0, "copy_gbs": 1.0}, []).startswith("# QPN CUDA kernels on G")
+
+
+def test_render_missing_file_is_a_user_error(tmp_path, capsys):
+    assert main(["cuda-kernels", "--from-jsonl", str(tmp_path / "none.jsonl")]) == 2
+    assert "not found" in capsys.readouterr().err
