@@ -107,3 +107,15 @@ def test_launcher_rejects_device_and_alignment_errors():
 def test_m_zero_returns_empty():
     w = QPNWeight.from_qweight(fp8(32, 64), "cuda")
     assert qpn_linear(torch.empty(0, 64, dtype=torch.float16, device="cuda"), w).shape == (0, 32)
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+def test_load_packed_equals_load(qtype):
+    a = QPNExpertSlots(2, 256, 128, qtype, "cuda")
+    b = QPNExpertSlots(2, 256, 128, qtype, "cuda")
+    e = (MAKE[qtype](128, 256, seed=1), MAKE[qtype](128, 256, seed=2), MAKE[qtype](256, 128, seed=3))
+    a.load(1, *e)
+    b.load_packed(1, b.pack_host(*e), stream=torch.cuda.Stream())
+    torch.cuda.synchronize()
+    for name in ("w13", "w2", "s13", "s2", "gs"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name

@@ -122,3 +122,13 @@ def test_moe_rejects_bad_routing_tensors():
         qpn_moe(x, sl, ids, tok, rw.half())
     with pytest.raises(ValueError, match="x"):
         qpn_moe(x.float(), sl, ids, tok, rw)
+
+
+def test_pack_host_shapes_match_slot_storage():
+    sl = QPNExpertSlots(2, 128, 64, QType.NVFP4, "cpu")
+    packed = sl.pack_host(nvfp4(64, 128), nvfp4(64, 128, seed=1), nvfp4(128, 64, seed=2))
+    assert tuple(packed["w13"].shape) == (2 * 64 // 16, 128 // 64, 32, 4)
+    assert tuple(packed["w2"].shape) == (128 // 16, 64 // 64, 32, 4)
+    assert tuple(packed["s13"].shape) == (8, 2, 8, 8) and packed["gs"].shape == (3,)
+    with pytest.raises(ValueError, match="CUDA"):
+        sl.load_packed(0, packed)

@@ -7,6 +7,7 @@ A routed assignments):
     y = qpn_linear(x, w)                         # x [M, K] fp16 -> y [M, N] fp16
     slots = QPNExpertSlots(S, H, I, qtype, device); slots.load(s, gate, up, down, stream)
     y = qpn_moe(x, slots, slot_ids, token_idx, route_w)   # [T, H] fp32
+    packed = slots.pack_host(gate, up, down); slots.load_packed(s, packed, stream)  # pure copy
 
 On CUDA tensors the kernels in cuda/qpn.cu run; on CPU tensors a torch reference does the same
 math (dequantize one weight transiently, multiply in fp32), so CPU mode works everywhere.
@@ -29,6 +30,7 @@ Why NVRTC rather than a torch C++/CUDA extension:
 CUDA 13 dropped sm_70: Volta users need NVRTC 12.x (nvidia-cuda-nvrtc-cu12). A CPU-only check
 (`hybrid-bench cuda-kernels --compile-only --arch sm_70`) compiles every kernel with NVRTC 12 and
 ptxas from the pip wheels and fails on any register spill.
+Measured speed and efficiency (H200) with the machine, command and git sha: results/cuda_kernels.md.
 """
 from hybrid.kernels.qpn import QPNExpertSlots, QPNWeight, qpn_linear, qpn_moe
 

@@ -265,6 +265,40 @@ class QPNExpertSlots:
         self.host[slot] = True
 
 
+    def pack_host(self, gate: QWeight, up: QWeight, down: QWeight) -> dict[str, torch.Tensor]:
+        """Prepack one expert on the CPU (once, at load) so that a later promotion is a pure copy:
+        {'w13', 'w2', 'gs'} (+ 's13', 's2' for NVFP4), pinned when CUDA is available."""
+        self._check(0, gate, up, down)
+        qs = [q.to("cpu") for q in (gate, up, down)]
+        if self.qtype is QType.NVFP4:
+            (wg, sg), (wu, su), (wd, sd) = (layout.pack_nvfp4(q) for q in qs)
+            out = dict(w13=torch.cat([wg, wu]), w2=wd, s13=torch.cat([sg, su]), s2=sd)
+        else:
+            wg, wu, wd = (layout.pack_fp8(q) for q in qs)
+            out = dict(w13=torch.cat([wg, wu]), w2=wd)
+        out["gs"] = torch.tensor([layout.global_scale(q) for q in qs], dtype=torch.float32)
+        if torch.cuda.is_available():
+            out = {k: v.pin_memory() for k, v in out.items()}
+        return out
+
+    def load_packed(self, slot: int, packed: dict[str, torch.Tensor], stream=None) -> None:
+        """Copy an expert prepacked by pack_host into `slot` (non-blocking, on `stream` if given)."""
+        if self.device.type != "cuda":
+            raise ValueError("load_packed needs CUDA slots; on CPU use load()")
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} outside 0..{self.num_slots - 1}")
+        names = ("w13", "w2", "gs") + (("s13", "s2") if self.qtype is QType.NVFP4 else ())
+        ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
+        with ctx:
+            for name in names:
+                dst = getattr(self, name)[slot]
+                if tuple(packed[name].shape) != tuple(dst.shape):
+                    raise ValueError(f"packed {name}: expected shape {tuple(dst.shape)}, "
+                                     f"got {tuple(packed[name].shape)}")
+                dst.copy_(packed[name], non_blocking=True)
+        self.host[slot] = True
+
+
 class _nullctx:
     def __enter__(self):
         return self
