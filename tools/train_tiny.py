@@ -3,9 +3,11 @@
     PYTHONPATH=. python3 tools/train_tiny.py --out /tmp/tiny --git-sha $(git rev-parse HEAD)
     python3 tools/train_tiny.py --out /tmp/tiny-smoke --smoke      # a few CPU steps, whole pipeline
 
-Deterministic given the seed and the step count (printed, and written into the card). If the
-step-time probe finds the planned steps would overrun --max-train-s, the step count is cut
-before the cosine phase starts and the card says so.
+Deterministic given the seed, the machine's files and the step count (printed, and written into
+the card). The training budget is min(--max-train-s, --deadline-s - time already spent -
+--eval-reserve-s); if the step-time probe finds the planned steps would overrun it, the step count
+is cut before the cosine phase starts and the card says so. With --compare-old, the folder it
+names (the model being replaced) is scored on the same held-out texts in the same run.
 Legend: B batch, S sequence, V vocabulary.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import tiny_card
+import tiny_compare
 import tiny_corpus
 import tiny_eval
 import tiny_model
@@ -32,6 +35,8 @@ import tiny_model
 SHARD_LIMIT = 15_000_000
 FOLDER_LIMIT = 56 * 2**20
 SAMPLE_PROMPT = "def fibonacci(n):"
+REPO = Path(__file__).resolve().parents[1]
+TEST_WINDOWS = 1000         # held-out windows scored by tiny_eval.evaluate at most
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,10 +47,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq", type=int, default=2048, help="training window length")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=32)
     p.add_argument("--epochs", type=float, default=8.0, help="planned passes over the train split")
     p.add_argument("--max-steps", type=int, default=4000)
-    p.add_argument("--max-train-s", type=float, default=320.0, help="wall-clock cap for the training loop")
+    p.add_argument("--max-train-s", type=float, default=190.0, help="wall-clock cap for the training loop")
+    p.add_argument("--deadline-s", type=float, default=275.0,
+                   help="wall-clock budget of the whole run; training gets what is left minus --eval-reserve-s")
+    p.add_argument("--eval-reserve-s", type=float, default=45.0, help="seconds kept for evaluation and saving")
+    p.add_argument("--max-train-tokens", type=int, default=60_000_000, help="cap on the train stream")
+    p.add_argument("--max-site-mb", type=float, default=tiny_corpus.MAX_SITE_BYTES / 1e6,
+                   help="site-packages bytes read at most (MB)")
+    p.add_argument("--no-site", dest="site", action="store_false", help="standard library (and docs) only")
+    p.add_argument("--compare-old", default=str(REPO / "hybrid" / "assets" / "tiny"),
+                   help="folder of the model being replaced, scored on the same held-out texts ('' for none)")
+    p.add_argument("--previous-record", default=str(REPO / "results" / "tiny_model.jsonl"),
+                   help="JSONL whose first record is the replaced model's ('' for none)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--min-lr-frac", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=100)
@@ -53,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mtp-weight", type=float, default=0.3)
     p.add_argument("--aux-coef", type=float, default=0.001)
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--val-windows", type=int, default=40, help="val windows (spread over the split) per eval")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--doc-root", default="/usr/share/doc", help="plain-text docs to add ('' for none)")
     p.add_argument("--gen-tokens", type=int, default=64)
@@ -60,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.smoke:
         a.seq, a.batch, a.max_steps, a.eval_every, a.log_every, a.warmup = 64, 2, 4, 2, 1, 2
-        a.gen_tokens = 12
+        a.gen_tokens, a.val_windows, a.max_site_mb = 12, 4, min(a.max_site_mb, 3.0)
     return a
 
 
@@ -70,20 +87,35 @@ def log(msg: str) -> None:
 
 # ---------------------------------------------------------------- data
 def prepare_data(args, out: Path):
-    docs, info = tiny_corpus.collect(args.doc_root or None, limit=60 if args.smoke else None)
-    man = tiny_corpus.manifest(docs, info)
-    tiny_corpus.write_manifest(man, out / "corpus_manifest.json.gz")
-    log(f"corpus: {len(docs)} files {man['splits']} skipped {info['skipped']} sha {man['corpus_sha256'][:16]}")
-    train_docs = [d for d in docs if d.split == "train"]
-    tok = tiny_corpus.train_tokenizer([d.text for d in train_docs], args.vocab)
+    t0 = time.time()
+    docs, info = tiny_corpus.collect(args.doc_root or None, limit=60 if args.smoke else None,
+                                     with_site=args.site, max_site_bytes=int(args.max_site_mb * 1e6))
+    log(f"corpus read: {len(docs)} files, {sum(d.nbytes for d in docs):,} bytes in {time.time() - t0:.1f}s; "
+        f"skipped {info['skipped']}")
+    t1 = time.time()
+    sample = tiny_corpus.tokenizer_sample(docs)
+    tok = tiny_corpus.train_tokenizer(sample, args.vocab)
     tok.save(str(out / "tokenizer.json"), pretty=False)
     (out / "tokenizer_config.json").write_text(json.dumps(tiny_corpus.tokenizer_config(args.seq), indent=2))
+    t2 = time.time()
+    enc = tiny_corpus.encode_docs(tok, docs)
+    docs, enc, dropped = tiny_corpus.trim_train(docs, enc, args.max_train_tokens)
+    info["skipped"]["over_token_cap"] = dropped
+    info["caps"]["max_train_tokens"] = args.max_train_tokens
     streams, nbytes = {}, {}
     for split in ("train", "val", "test"):
-        ids, nb = tiny_corpus.encode_stream(tok, [d for d in docs if d.split == split])
-        streams[split], nbytes[split] = torch.tensor(ids, dtype=torch.int32), nb
-    log(f"tokenizer: vocab {tok.get_vocab_size()}; tokens " + str({k: v.numel() for k, v in streams.items()}))
-    return tok, man, streams, nbytes
+        part = [e for d, e in zip(docs, enc) if d.split == split]
+        streams[split] = torch.from_numpy(tiny_corpus.join_stream(tok, part))
+        nbytes[split] = sum(d.nbytes for d in docs if d.split == split)
+    tokens = {k: v.numel() for k, v in streams.items()}
+    man = tiny_corpus.manifest(docs, info, tokens)
+    man["tokenizer_sample"] = {"files": len(sample), "bytes": sum(len(t.encode()) for t in sample)}
+    size = tiny_corpus.write_manifest(man, out / "corpus_manifest.json.gz")
+    log(f"tokenizer {t2 - t1:.1f}s (sample {len(sample)} files), encode+trim {time.time() - t2:.1f}s; "
+        f"tokens {tokens}; dropped {dropped} train files over the token cap; manifest {size:,} bytes; "
+        f"sha {man['corpus_sha256'][:16]}")
+    prep = {"read_s": t1 - t0, "tokenizer_s": t2 - t1, "encode_s": time.time() - t2, "manifest_bytes": size}
+    return tok, man, streams, nbytes, docs, prep
 
 
 # ---------------------------------------------------------------- training
@@ -115,21 +147,31 @@ def losses(model, w: torch.Tensor, args):
 
 
 @torch.no_grad()
-def val_loss(model, stream, args, max_windows: int) -> float:
+def val_loss(model, stream, args, max_windows: int) -> tuple[float, list[float]]:
+    """Loss on max_windows windows spread evenly over the val split, and per layer the share of
+    routing mass taken by the top 10% of experts on them."""
     was = model.training
     model.eval()
+    cfg = model.cfg
+    ws = tiny_eval.windows(stream, args.seq)
+    ws = ws[:: max(1, len(ws) // max_windows)][:max_windows]
+    mass = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.float64, device=args.device)
     tot = n = 0
     with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=args.device.startswith("cuda")):
-        for w in tiny_eval.windows(stream, args.seq)[:max_windows]:
+        for w in ws:
             w = w.to(args.device).long()
-            logits = model(w[None, :-1], mtp=False)["logits"][0].float()
-            tot += float(F.cross_entropy(logits, w[1:], reduction="sum"))
+            out = model(w[None, :-1], mtp=False)
+            tot += float(F.cross_entropy(out["logits"][0].float(), w[1:], reduction="sum"))
             n += w.numel() - 1
+            for layer, (_, top_w, top_i) in enumerate(out["routes"]):
+                mass[layer].index_add_(0, top_i.reshape(-1), top_w.reshape(-1).double())
     model.train(was)
-    return tot / max(n, 1)
+    shares = [r["top10pct_mass_share"] for r in tiny_eval.routing_stats(mass.cpu(), mass.cpu())]
+    return tot / max(n, 1), shares
 
 
-def train(model, streams, args):
+def train(model, streams, args, budget_s: float):
+    """Train in place; keeps the weights of the lowest val loss. budget_s: wall-clock seconds."""
     train_s = streams["train"].to(args.device).long()
     n = train_s.numel()
     tps = args.batch * args.seq
@@ -158,7 +200,7 @@ def train(model, streams, args):
             t10 = time.time()
         if step == 40 and not args.smoke:
             per = (time.time() - t10) / 30
-            fit = int((args.max_train_s - (time.time() - t0)) / (per * 1.1)) + 40
+            fit = int((budget_s - (time.time() - t0)) / (per * 1.1)) + 40
             if fit < total:
                 note = f" The step-time probe ({per * 1e3:.0f} ms/step) cut the plan from {total} to {fit} steps."
                 total = max(fit, args.warmup + 1)
@@ -171,18 +213,18 @@ def train(model, streams, args):
                 log(f"step {step}/{total} loss {rec['loss']:.3f} mtp {rec['mtp_loss']:.3f} aux {rec['aux']:.3f} "
                     f"lr {rec['lr']:.2e} {rec['s']:.0f}s")
         if step % args.eval_every == 0 or step == total:
-            vl = val_loss(model, streams["val"], args, 4 if args.smoke else 32)
-            hist["val"].append({"step": step, "tokens": step * tps, "loss": vl})
-            log(f"val step {step}: {vl:.4f}")
+            vl, shares = val_loss(model, streams["val"], args, args.val_windows)
+            hist["val"].append({"step": step, "tokens": step * tps, "loss": vl, "routing_top10": shares})
+            log(f"val step {step}: {vl:.4f} routing top-10% " + " ".join(f"{x:.3f}" for x in shares))
             if vl < best[0]:
                 best = (vl, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
-        if time.time() - t0 > args.max_train_s * 1.15:
+        if time.time() - t0 > budget_s * 1.15:
             note += f" Stopped by the wall-clock cap at step {step}."
             break
     model.load_state_dict(best[2])
     info = {"steps_run": step, "planned_steps": total, "best_step": best[1], "best_val": best[0],
             "tokens_seen": step * tps, "epochs_seen": step * tps / n, "train_seconds": time.time() - t0,
-            "note": note, "val_windows": 4 if args.smoke else 32}
+            "note": note, "val_windows": args.val_windows, "budget_s": budget_s}
     return hist, info
 
 
@@ -249,57 +291,102 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    tok, man, streams, nbytes = prepare_data(args, out)
+    tok, man, streams, nbytes, docs, prep = prepare_data(args, out)
     cfg = tiny_model.TinyConfig(vocab_size=args.vocab, max_position_embeddings=args.seq)
     torch.manual_seed(args.seed)
     model = tiny_model.TinyMoE(cfg).to(args.device).train()
-    hist, tinfo = train(model, streams, args)
+    budget = min(args.max_train_s, args.deadline_s - (time.time() - t_start) - args.eval_reserve_s)
+    log(f"training budget {budget:.0f}s ({time.time() - t_start:.0f}s spent before training)")
+    hist, tinfo = train(model, streams, args, max(budget, 10.0))
     files = save_folder(model, tok, args, out)
     log(f"saved: {files}")
     del model
-    stats = run_eval(args, out, cfg, tok, streams, nbytes)
-    stats.update({"files": files, "training": {**vars_subset(args), **tinfo}, "history": hist})
+    stats = run_eval(args, out, cfg, tok, streams, nbytes, docs)
+    stats.update({"files": files, "training": {**vars_subset(args), **tinfo}, "history": hist, "prep": prep})
     finish(args, out, man, stats, streams, t_start)
     return 0
 
 
 def vars_subset(args) -> dict:
     keys = ("seed", "seq", "batch", "epochs", "lr", "min_lr_frac", "warmup", "weight_decay",
-            "mtp_weight", "aux_coef", "smoke")
+            "mtp_weight", "aux_coef", "smoke", "max_train_s", "deadline_s", "max_train_tokens")
     d = {k: getattr(args, k) for k in keys}
     d["seq_len"] = d.pop("seq")
     return d
 
 
-def run_eval(args, out: Path, cfg, tok, streams, nbytes) -> dict:
+def run_eval(args, out: Path, cfg, tok, streams, nbytes, docs) -> dict:
     m = load_saved(out, cfg, args.device)
-    te = tiny_eval.evaluate(m, streams["test"], args.seq, max_windows=2 if args.smoke else None)
-    te["unigram_nll"] = tiny_eval.unigram_nll(streams["train"], streams["test"][1:], cfg.vocab_size)
+    t0 = time.time()
+    te = tiny_eval.evaluate(m, streams["test"], args.seq, max_windows=2 if args.smoke else TEST_WINDOWS)
+    te["unigram_nll"] = tiny_eval.unigram_nll(streams["train"], streams["test"][1:1 + te["tokens"]], cfg.vocab_size)
     te["unigram_nll_val"] = tiny_eval.unigram_nll(streams["train"], streams["val"][1:], cfg.vocab_size)
-    bits = math.log(2) * nbytes["test"]
-    covered = te["tokens"] == streams["test"].numel() - 1      # every test token scored (not in --smoke)
-    te["bpb"] = te["nll"] * te["tokens"] / bits if covered else float("nan")
-    te["unigram_bpb"] = te["unigram_nll"] * te["tokens"] / bits if covered else float("nan")
-    log(f"test: nll {te['nll']:.4f} (ppl {math.exp(te['nll']):.2f}) unigram {te['unigram_nll']:.4f} "
-        f"mtp agree {te['mtp_agree_greedy']:.3f}")
+    tb = torch.from_numpy(tiny_corpus.token_bytes(tok))
+    scored_bytes = int(tb[streams["test"][1:1 + te["tokens"]].long()].sum())   # bytes of the scored targets
+    te["scored_bytes"], te["covered"] = scored_bytes, te["tokens"] == streams["test"].numel() - 1
+    te["bpb"] = te["nll"] * te["tokens"] / (math.log(2) * scored_bytes)
+    te["unigram_bpb"] = te["unigram_nll"] * te["tokens"] / (math.log(2) * scored_bytes)
+    log(f"test: nll {te['nll']:.4f} (ppl {math.exp(te['nll']):.2f}) bpb {te['bpb']:.3f} unigram {te['unigram_nll']:.4f} "
+        f"mtp agree {te['mtp_agree_greedy']:.3f} ({time.time() - t0:.1f}s)")
     for r in te["routing"]:
         log(f"routing L{r['layer']}: top10% {r['top10pct_mass_share']:.3f} entropy {r['entropy_bits']:.2f}")
     eot = tok.token_to_id(tiny_corpus.EOT)
     prompt = [eot] + tok.encode(SAMPLE_PROMPT).ids
     mine = tiny_eval.greedy(m, prompt, args.gen_tokens, eos=eot)
+    text = SAMPLE_PROMPT + tok.decode(mine)
+    log("sample:\n" + text)
+    comparison = compare_old(args, m, tok, docs)
     check_ids = streams["test"][: min(256, streams["test"].numel())].tolist()
     try:
         hf = tiny_eval.hf_cross_check(str(out), m, check_ids, prompt, len(mine))
     except Exception as exc:  # recorded in the card, never fatal: the weights are already saved
         hf = {"error": f"{type(exc).__name__}: {exc}"}
     log(f"hf check: { {k: v for k, v in hf.items() if k != 'hf_greedy_ids'} }")
-    text = SAMPLE_PROMPT + tok.decode(mine)
-    log("sample:\n" + text)
     sample = {"prompt": SAMPLE_PROMPT, "new_tokens": len(mine), "text": text,
               "hf_equal": hf.get("hf_greedy_ids") == mine}
     tokens = {k: v.numel() for k, v in streams.items()}
-    return {"test": te, "hf_check": hf, "sample": sample, "tokens": tokens,
-            "tokenizer": {"vocab": tok.get_vocab_size(), "eot_id": eot}}
+    return {"test": te, "hf_check": hf, "sample": sample, "tokens": tokens, "comparison": comparison,
+            "previous": previous_record(args), "tokenizer": {"vocab": tok.get_vocab_size(), "eot_id": eot}}
+
+
+def compare_old(args, model, tok, docs) -> dict | None:
+    """The replaced model and this one on the same texts: the replaced model's test split (the
+    stdlib test files, checked against its manifest) and this corpus's whole test split."""
+    old = Path(args.compare_old) if args.compare_old else None
+    if old is None or not (old / "config.json").is_file():
+        return None
+    t0 = time.time()
+    try:
+        old_test = tiny_compare.old_test_split(old)
+        mine = [d for d in docs if (d.root, d.rel, d.sha256) in old_test]
+        sets = {"first_model_test_split": [d.text for d in mine],
+                "this_test_split": [d.text for d in docs if d.split == "test"]}
+        if args.smoke:
+            sets = {k: v[:3] for k, v in sets.items()}
+        res = tiny_compare.compare(old, model, tok, sets, args.seq, SAMPLE_PROMPT, args.gen_tokens)
+        res["first_model_test_files"] = {"in_manifest": len(old_test), "found_identical": len(mine),
+                                         "all_in_this_test_split": all(d.split == "test" for d in mine)}
+    except Exception as exc:  # never fatal: recorded
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    for name, r in res["sets"].items():
+        log(f"compare {name}: old bpb {r['old']['bpb']:.3f} (ppl {r['old']['ppl']:.2f}/{r['old']['tokens']} tok) "
+            f"new bpb {r['new']['bpb']:.3f} (ppl {r['new']['ppl']:.2f}/{r['new']['tokens']} tok)")
+    log(f"compare: {res['first_model_test_files']} in {time.time() - t0:.1f}s; old sample:\n{res['old_sample']}")
+    return res
+
+
+def previous_record(args) -> dict | None:
+    """The replaced model's record (first line of --previous-record), the fields the card quotes."""
+    path = Path(args.previous_record) if args.previous_record else None
+    if path is None or not path.is_file():
+        return None
+    r = json.loads(path.read_text().splitlines()[0])
+    keep = ("nll", "tokens", "bpb", "unigram_nll", "unigram_bpb", "main_top1", "mtp_agree_greedy")
+    return {"date": r.get("date"), "git_sha": r.get("git_sha"), "corpus_tokens": r["corpus"]["tokens"],
+            "training": {k: r["training"][k] for k in ("tokens_seen", "epochs_seen", "train_seconds", "batch")},
+            "test": {k: r["test"][k] for k in keep},
+            "routing_top10": [x["top10pct_mass_share"] for x in r["test"]["routing"]],
+            "sample": r["sample"]["text"]}
 
 
 def folder_bytes(out: Path, skip: str = "") -> int:
@@ -313,10 +400,15 @@ def finish(args, out: Path, man: dict, stats: dict, streams, t_start: float) -> 
         "machine": machine(), "git_sha": args.git_sha,
         "command": "python3 tools/train_tiny.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "arch": cfg.to_dict(), "params": param_counts(cfg),
-        "corpus": {k: man[k] for k in ("corpus_sha256", "python", "roots", "skipped", "split_rule", "splits")},
+        "corpus": {k: man[k] for k in ("corpus_sha256", "train_sha256", "python", "roots", "skipped", "caps",
+                                       "split_rule", "splits", "tokenizer_sample")},
     })
     stats["corpus"]["tokens"] = stats.pop("tokens")
-    tiny_card.plot_curve(stats["history"], stats["test"]["unigram_nll_val"], out / "training_curve.png")
+    pk = sorted(man["packages"].items(), key=lambda kv: -kv[1][3])
+    stats["corpus"]["packages"] = len(pk)
+    stats["corpus"]["top_packages"] = [[k, sum(v[:3]), v[3]] for k, v in pk[:16]]
+    tiny_card.plot_curve(stats["history"], stats["test"]["unigram_nll_val"], out / "training_curve.png",
+                         stats["test"]["routing"][0]["uniform_share"])
     stats["files"]["folder_bytes"] = folder_bytes(out, skip="MODEL_CARD.md")
     tiny_card.write_card(stats, out / "MODEL_CARD.md")
     stats["total_seconds"] = time.time() - t_start
