@@ -1,7 +1,7 @@
 """Quality-bench candidates: where each one's weights come from and which engine runs them.
 
 - hybrid recipes (bf16, nvfp4, mixed, fp8): `hybrid-quantize` checkpoints run by hybrid's runtime
-  (`hybrid.model.load_model(...).forward_logits`), the very path `hybrid-run` uses.
+  (`hybrid.runtime.open_session(...).model.forward_logits`), the very path `hybrid-run` uses.
 - gguf-<recipe>: the same hybrid checkpoint re-packed into a GGUF (NVFP4 bit-exact), run by llama.cpp.
 - llama.cpp types (Q8_0, Q4_K_M, IQ4_XS, ...): the BF16 export quantized by llama.cpp's quantizer;
   `<TYPE>-imat` adds an importance matrix computed by hybrid.baselines.imatrix.
@@ -79,29 +79,66 @@ class GGUFCandidate(Candidate):
 
 
 class HybridCandidate(Candidate):
-    def __init__(self, name, weights, path, **load_kw):
+    """hybrid's runtime as `hybrid-run` opens it: `open_session(folder, RuntimeOptions(...))`.
+
+    opts: RuntimeOptions fields (device, cache_slots, gpus, layer_split, cpu_engine, ...); the
+    default is `hybrid-run --device cpu`."""
+
+    def __init__(self, name, weights, path, **opts):
         super().__init__(name, "hybrid", weights, path)
-        self.load_kw, self._model = load_kw, None
+        self.opts, self._session = {"device": "cpu", **opts}, None
+
+    @property
+    def session(self):
+        from hybrid.runtime import RuntimeOptions, open_session
+
+        if self._session is None:
+            self._session = open_session(self.path, RuntimeOptions(**self.opts))
+        return self._session
+
+    def describe(self) -> dict:
+        d = super().describe()
+        if self._session is not None:
+            d["placement"] = self._session.placement.describe()
+            d["cpu_runner"] = type(self._session.cpu).__name__
+        return d
 
     def logits(self, ids) -> np.ndarray:
         import torch
 
-        from hybrid.model import load_model
-
-        if self._model is None:
-            self._model = load_model(self.path, device="cpu", **self.load_kw)
-        out = self._model.forward_logits(torch.as_tensor(np.asarray(ids), dtype=torch.long))
+        out = self.session.model.forward_logits(torch.as_tensor(np.asarray(ids), dtype=torch.long))
         return out.float().cpu().numpy()
 
     def close(self) -> None:
-        self._model = None
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+
+def placement_opts(where: str, name: str) -> dict:
+    """'' | 'slots=N' (expert slots per card; 0 = every expert on the CPU runner) | 'split=L'
+    (two logical cards, layers split at L) | 'torch' (torch CPU expert engine) -> RuntimeOptions fields."""
+    if not where:
+        return {}
+    key, _, val = where.partition("=")
+    try:
+        if key == "slots":
+            return {"cache_slots": (int(val),)}
+        if key == "split":
+            return {"gpus": (0, 0), "layer_split": (int(val),)}
+    except ValueError:
+        pass
+    if key == "torch" and not val:
+        return {"cpu_engine": "torch"}
+    raise HybridError(f"--against {name!r}: placement {where!r}; expected slots=N, split=L or torch")
 
 
 class CandidateMaker:
     """Builds (once, in `work`) the files each candidate name needs."""
 
-    def __init__(self, src: Path, work: Path, n_ctx: int, threads: int | None = None):
+    def __init__(self, src: Path, work: Path, n_ctx: int, threads: int | None = None, hybrid_opts=None):
         self.src, self.work, self.n_ctx, self.threads = Path(src), Path(work), n_ctx, threads
+        self.hybrid_opts = dict(hybrid_opts or {})
 
     def base_gguf(self) -> Path:
         """The unquantized GGUF export, in the source's own dtype (lossless)."""
@@ -147,9 +184,12 @@ class CandidateMaker:
         return path
 
     def make(self, name: str) -> Candidate:
-        low = name.lower()
+        low, _, where = name.lower().partition("@")
         if low in HYBRID_RECIPES:
-            return HybridCandidate(name, RECIPE_WEIGHTS[low], self.hybrid_checkpoint(low))
+            opts = {**self.hybrid_opts, **placement_opts(where, name)}
+            return HybridCandidate(name, RECIPE_WEIGHTS[low], self.hybrid_checkpoint(low), **opts)
+        if where:
+            raise HybridError(f"--against {name!r}: @placement applies to hybrid recipes only")
         if low.startswith("gguf-") and low[5:] in HYBRID_RECIPES:
             recipe = low[5:]
             path = self.work / f"{low}.gguf"

@@ -10,8 +10,9 @@ How these were measured
 - Engines are interleaved within each repetition, with the same thread count (torch and llama.cpp).
 - This is a shared CPU machine: compare engines within this run (ratios), not absolute numbers
   across runs. `loadavg` in speed.jsonl shows how busy it was.
-- hybrid on CPU here is the reference forward (torch fp32, weights decoded per call), not the
-  Numba expert kernels or the GPU path; llama.cpp runs its optimized CPU kernels.
+- hybrid runs as `hybrid-run --device cpu` opens it (`open_session`): dense layers through the
+  torch reference linear (weights decoded per call), experts split between the "card" slots and
+  the CPU expert runner (Numba NVFP4/FP8 kernels; torch for BF16 experts) — see `placement`.
 """
 
 

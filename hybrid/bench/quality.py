@@ -1,8 +1,8 @@
 """hybrid-bench quality: same-top-token %, KL and perplexity of quantizations vs the Q8_0 GGUF.
 
 One token stream (the fixed prompt set + held-out model text, tokenized once with `tokenizers`)
-is fed teacher-forced to every engine: llama-cpp-python for GGUFs, hybrid's runtime for hybrid's
-checkpoints. The reference is llama.cpp on the Q8_0 GGUF; scoring is llama.cpp's
+is fed teacher-forced to every engine: llama-cpp-python for GGUFs, hybrid's runtime (`open_session`,
+as `hybrid-run` opens it) for hybrid's checkpoints. The reference is llama.cpp on the Q8_0 GGUF; scoring is llama.cpp's
 `--kl-divergence` (hybrid.metrics.kl). Writes results/quality.{md,jsonl,png}.
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ REFERENCE = "Q8_0"
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="model folder (BF16 safetensors) or 'tiny' (default)")
     p.add_argument("--against", default=DEFAULT_AGAINST,
-                   help="comma list of candidates: hybrid recipes (bf16, nvfp4, mixed, fp8) run by hybrid; "
+                   help="comma list of candidates: hybrid recipes (bf16, nvfp4, mixed, fp8) run by hybrid, "
+                        "optionally @slots=N, @split=L or @torch to pick the placement; "
                         "gguf-<recipe> = hybrid's weights exported to GGUF, run by llama.cpp; llama.cpp "
                         f"types (Q8_0, Q4_K_M, IQ4_XS, IQ3_S, MXFP4_MOE, ...). Default: {DEFAULT_AGAINST}")
     p.add_argument("--quick", action="store_true", help="CI size: n_ctx 64, one chunk per prompt class")
@@ -37,6 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--work", default=None, help="folder for GGUFs and quantized checkpoints "
                    "(reused when present; default: a temporary folder)")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: its own)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="hybrid runtime device (default cpu)")
 
 
 def token_stream(src: Path, n_ctx: int, quick: bool) -> tuple[np.ndarray, list[str], dict[str, list[int]]]:
@@ -86,7 +88,7 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="hybrid-quality-") as tmp:
         work = Path(args.work) if args.work else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        maker = qc.CandidateMaker(src, work, n_ctx, args.threads)
+        maker = qc.CandidateMaker(src, work, n_ctx, args.threads, {"device": args.device})
         cands = [maker.make(n) for n in names]                       # fail fast on bad names
         chunks, classes, ids = token_stream(src, n_ctx, args.quick)
         ref = maker.make(REFERENCE)
@@ -99,7 +101,8 @@ def run(args) -> int:
                 "heldout_sources": (heldout(src) or ("", []))[1]}
         records = []
         for cand in cands:
-            rec = {**stamp, **meta, **cand.describe(), **score(cand, chunks, classes, bases)}
+            scores = score(cand, chunks, classes, bases)
+            rec = {**stamp, **meta, **cand.describe(), **scores}
             records.append(rec)
             print(quality_report.one_line(rec), flush=True)
             cand.close()

@@ -38,12 +38,12 @@ def add_arguments(p) -> None:
 
 
 class HybridSpeed:
-    """hybrid's runtime: prefill = one forward over the prompt; decode = one token per forward."""
+    """hybrid's runtime as `hybrid-run` opens it; prefill = one forward over the prompt, decode =
+    one token per forward."""
 
-    def __init__(self, folder: Path):
-        from hybrid.model import load_model
-
-        self.model = load_model(folder, device="cpu")
+    def __init__(self, cand):
+        self.cand = cand
+        self.model = cand.session.model
 
     def _sync(self) -> None:
         import torch
@@ -56,6 +56,7 @@ class HybridSpeed:
 
         x = torch.as_tensor(np.asarray(ids), dtype=torch.long)
         self.model.new_cache(len(ids))
+        self.model.prompt_tokens = len(ids)
         t0 = time.perf_counter()
         self.model.forward(x, 0, last_only=True)
         self._sync()
@@ -67,6 +68,7 @@ class HybridSpeed:
         from hybrid.baselines.llama_runner import DecodeTiming
 
         self.model.new_cache(len(prompt) + n_new + 1)
+        self.model.prompt_tokens = len(prompt)
         t0 = time.perf_counter()
         logits = self.model.forward(torch.as_tensor(list(prompt), dtype=torch.long), 0, last_only=True)
         self._sync()
@@ -88,7 +90,7 @@ def make_engine(cand, n_ctx: int, threads: int):
 
     if isinstance(cand, GGUFCandidate):
         return LlamaRunner(cand.path, n_ctx=n_ctx, n_threads=threads, logits_all=False)
-    return HybridSpeed(cand.path)
+    return HybridSpeed(cand)
 
 
 def _settings(args) -> dict:
@@ -145,14 +147,17 @@ def run(args) -> int:
     n_ctx = max(max(s["ladder"]), max(len(p) for ps in prompts.values() for p in ps) + s["new_tokens"] + 1)
     names = [n.strip() for n in args.against.split(",") if n.strip()]
     with tempfile.TemporaryDirectory(prefix="hybrid-speed-") as tmp:
-        maker = CandidateMaker(src, Path(args.work) if args.work else Path(tmp), n_ctx, s["threads"])
+        maker = CandidateMaker(src, Path(args.work) if args.work else Path(tmp), n_ctx, s["threads"],
+                               {"device": "cpu", "cpu_threads": s["threads"]})
         cands = {n: maker.make(n) for n in names}
         engines = {n: make_engine(c, n_ctx, s["threads"]) for n, c in cands.items()}
         prefill = measure_prefill(engines, stream, s["ladder"], s["repeats"])
         decode = measure_decode(engines, prompts, s["new_tokens"])
+        described = {n: c.describe() for n, c in cands.items()}
+        for c in cands.values():
+            c.close()
     stamp = report.stamp("hybrid-bench")
-    records = [{**stamp, **s, **llama_info(), "model": str(args.model), "candidate": n,
-                "engine": cands[n].engine, "prefill_tok_s": {str(k): v for k, v in prefill[n].items()},
+    records = [{**stamp, **s, **llama_info(), **described[n], "model": str(args.model), "candidate": n, "prefill_tok_s": {str(k): v for k, v in prefill[n].items()},
                 "decode_tok_s": decode[n], "loadavg": os.getloadavg()[0], "torch_threads": torch.get_num_threads()}
                for n in names]
     text = speed_report.markdown(records)
