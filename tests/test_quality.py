@@ -69,6 +69,28 @@ def test_unknown_candidate_is_a_user_error(model_dir, tmp_path, capsys):
     assert main(["quality", "--model", str(model_dir), "--quick", "--against", "Q7_X", "--no-write",
                  "--work", str(tmp_path)]) == 2
     assert "--against 'Q7_X'" in capsys.readouterr().err
+    assert main(["quality", "--model", str(model_dir), "--quick", "--against", "nvfp4@nowhere", "--no-write",
+                 "--work", str(tmp_path)]) == 2
+    assert "placement 'nowhere'" in capsys.readouterr().err
+
+
+def test_heldout_text_is_sha_checked_test_split(tmp_path):
+    import gzip
+    import hashlib
+    import sysconfig
+    from pathlib import Path
+
+    from hybrid.bench.prompts import MANIFEST, all_texts, heldout
+
+    std = Path(sysconfig.get_paths()["stdlib"])
+    good = (std / "textwrap.py").read_bytes()
+    files = [["stdlib", "textwrap.py", hashlib.sha256(good).hexdigest(), len(good), "test"],
+             ["stdlib", "string.py", "0" * 64, 1, "test"],                       # sha mismatch: skipped
+             ["stdlib", "abc.py", hashlib.sha256((std / "abc.py").read_bytes()).hexdigest(), 1, "train"]]
+    (tmp_path / MANIFEST).write_bytes(gzip.compress(json.dumps({"files": files}).encode()))
+    text, sources = heldout(tmp_path)
+    assert text == good.decode() and sources == [f"stdlib/textwrap.py sha256:{files[0][2][:12]}"]
+    assert "heldout" in all_texts(tmp_path) and "heldout" not in all_texts(tmp_path / "nothing")
 
 
 PLACEMENTS = {   # RuntimeOptions on CPU: expert slots on the "card" vs the CPU runner, layer split, engine

@@ -22,6 +22,14 @@ How to read this table
   identical weights. llama.cpp's CPU backend multiplies NVFP4 (and Q*/IQ*) weights with
   activations quantized to Q8_0/Q8_K; hybrid keeps activations in fp32 on CPU.
 - Flash attention is off in llama.cpp; its KV cache is F16.
+- NVFP4 in llama.cpp: the bundled llama.cpp (llama-cpp-python 0.3.36 vendors llama.cpp commit
+  0c1e570) loads GGML type 40 (NVFP4: 64-element blocks, four UE4M3 sub-scales) and multiplies
+  each weight's `.scale` tensor (ModelOpt's weight_scale_2; per expert for stacked experts) after
+  the matmul, so hybrid's NVFP4 weights run unchanged in both engines (gguf-nvfp4). Its quantizer
+  cannot *produce* NVFP4 ("invalid output file type 39"); MXFP4_MOE is its own FP4 option.
+- `<TYPE>-imat` rows: importance matrix = mean squared matmul inputs per column (per expert),
+  computed by hybrid's forward on the model's training-split text, as llama-imatrix defines it;
+  other llama.cpp rows use no imatrix (IQ3_S / IQ4_XS do not require one in llama.cpp).
 """
 
 
