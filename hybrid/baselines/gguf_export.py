@@ -16,7 +16,7 @@ import torch
 
 from hybrid.baselines import nvfp4_gguf
 from hybrid.baselines.gguf_vocab import read_vocab, write_vocab
-from hybrid.baselines.source import DENSE, FP8, NVFP4, Linear, SourceModel
+from hybrid.baselines.source import DENSE, FP8, NVFP4, SourceModel
 from hybrid.checkpoint.names import Names
 from hybrid.errors import CheckpointError, HybridError
 from hybrid.model.config import ModelConfig
@@ -182,4 +182,4 @@ def export_gguf(model_dir: str | Path, out: str | Path, outtype: str = "bf16") -
     return report
 
 
-__all__ = ["export_gguf", "ExportReport", "OUTTYPES", "Linear"]
+__all__ = ["export_gguf", "ExportReport", "OUTTYPES"]

@@ -157,7 +157,8 @@ def run(args) -> int:
         for c in cands.values():
             c.close()
     stamp = report.stamp("hybrid-bench")
-    records = [{**stamp, **s, **llama_info(), **described[n], "model": str(args.model), "candidate": n, "prefill_tok_s": {str(k): v for k, v in prefill[n].items()},
+    records = [{**stamp, **s, **llama_info(), **described[n], "model": str(args.model), "candidate": n,
+                "prefill_tok_s": {str(k): v for k, v in prefill[n].items()},
                 "decode_tok_s": decode[n], "loadavg": os.getloadavg()[0], "torch_threads": torch.get_num_threads()}
                for n in names]
     text = speed_report.markdown(records)

@@ -5,7 +5,8 @@ Examples:
     hybrid-gguf export ./tiny-nvfp4 tiny-nvfp4.gguf          # hybrid NVFP4 weights, re-packed bit-exact
     hybrid-gguf quantize tiny-bf16.gguf tiny-Q4_K_M.gguf --type Q4_K_M
     hybrid-gguf quantize tiny-bf16.gguf tiny-Q8_0-pure.gguf --type Q8_0 --pure
-    hybrid-gguf imatrix tiny imatrix.npz && hybrid-gguf quantize tiny-bf16.gguf t.gguf --type IQ3_S --imatrix imatrix.npz
+    hybrid-gguf imatrix tiny imatrix.npz
+    hybrid-gguf quantize tiny-bf16.gguf tiny-IQ3_S-imat.gguf --type IQ3_S --imatrix imatrix.npz
 """
 from __future__ import annotations
 
