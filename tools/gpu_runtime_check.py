@@ -163,6 +163,7 @@ def synth_runs(path: Path, deadline: float, tokens: int, device: str) -> None:
             "cpu_threads": getattr(getattr(cpu, "runner", None), "threads", None)})
     prof = OUT / "synth30.experts.json"
     calibrate_profile(s0, tok, path, prof)
+    s0.owns_cpu = False                  # the runner serves the next sessions; closed at the end
     s0.close()
     del s0
     torch.cuda.empty_cache() if cuda else None
