@@ -22,12 +22,14 @@ class HybridModel:
         if self.kv_resident is not None and max_tokens > self.kv_resident:
             raise HybridError(f"--kv-resident {self.kv_resident}: this request needs {max_tokens} tokens "
                               f"of KV (prompt + --max-tokens); raise --kv-resident or shorten it")
-        cache = self.model.new_cache(max_tokens)
-        if self.kv_dtype == "int8":
-            from hybrid.model.layers import Int8KVCache
+        if self.kv_dtype != "int8":
+            return self.model.new_cache(max_tokens)
+        from hybrid.runtime.kv_int8 import Int8KVCache
 
-            cache = Int8KVCache.like(cache, self.model.layer_devices)
-            self.model.cache = cache
+        m, cfg = self.model, self.model.cfg
+        cache = Int8KVCache(cfg.num_hidden_layers, max_tokens, cfg.num_key_value_heads, cfg.head_dim,
+                            m.dtype, m.layer_devices)
+        m.cache = cache
         return cache
 
     def forward(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
