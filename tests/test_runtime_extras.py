@@ -81,3 +81,14 @@ def test_profile_cli_feeds_planner(model_dir, tmp_path):
     assert main(["--model", str(model_dir), "--prompts", str(texts), "--out", str(out)]) == 0
     pop = load_popularity(out, ModelConfig.from_folder(model_dir))         # the planner's strict reader
     assert len(pop.shares) == 2 and abs(sum(pop.shares[0]) - 1) < 1e-9
+
+
+@pytest.mark.parametrize("gpu,gpus,want", [("NVIDIA H200", (0, 0), "h200"),
+                                           ("Tesla V100-SXM2-16GB", (0, 1), "v100x2-e5v4"),
+                                           ("NVIDIA H200", (0, 1), None), ("Quadro X", (0,), None)])
+def test_cuda_without_profile_picks_matching_shipped_profile(monkeypatch, gpu, gpus, want):
+    from hybrid.runtime.session import _hardware_profile
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: gpu)
+    prof = _hardware_profile(RuntimeOptions(device="cuda", gpus=gpus))
+    assert (prof.name if prof else None) == want

@@ -157,16 +157,21 @@ def _plan(path: Path, cfg: ModelConfig, opts: RuntimeOptions, eprof_path, contex
 
 
 def _hardware_profile(opts: RuntimeOptions):
-    from hybrid.planner import load_profile
+    """--profile, else (on CUDA) the first shipped profile whose GPU is the one visible, else None."""
+    from hybrid.planner import list_profiles, load_profile
 
     if opts.profile:
         return load_profile(opts.profile)
-    if opts.device == "cuda":
+    if opts.device != "cuda":
+        return None
+    name = torch.cuda.get_device_name(opts.gpus[0])
+    for cand in list_profiles():
         try:
-            from hybrid.hardware import detect_profile
-        except ImportError:
-            return None
-        return detect_profile()
+            prof = load_profile(cand)
+        except HybridError:
+            continue
+        if prof.gpus and all(g < len(prof.gpus) and prof.gpus[g].name == name for g in set(opts.gpus)):
+            return prof
     return None
 
 
