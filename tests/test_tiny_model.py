@@ -40,6 +40,33 @@ def test_folder_present_and_within_size_limits():
     assert sorted(set(index["weight_map"].values())) == shards
 
 
+def test_manifest_is_compact_and_records_the_held_out_files():
+    import gzip
+    m = json.loads(gzip.decompress((TINY / "corpus_manifest.json.gz").read_bytes()))
+    assert m["columns"] == ["root", "rel", "sha256", "bytes", "split"]   # hybrid.bench.prompts reads these
+    rows = m["files"]
+    assert rows and {r[4] for r in rows} <= {"val", "test"}
+    assert all(len(r[2]) == 64 and r[3] > 0 for r in rows)
+    test = [r for r in rows if r[4] == "test"]
+    assert len(test) == m["splits"]["test"]["files"] and any(r[0] == "stdlib" for r in test)
+    assert sum(r[3] for r in test) == m["splits"]["test"]["bytes"]
+    counts = [sum(v[i] for v in m["packages"].values()) for i in range(3)]
+    assert counts == [m["splits"][s]["files"] for s in ("train", "val", "test")]
+    assert len(m["corpus_sha256"]) == len(m["train_sha256"]) == 64
+    assert m["splits"]["train"]["tokens"] <= m["caps"]["max_train_tokens"]
+
+
+def test_card_numbers_match_the_record():
+    card = (TINY / "MODEL_CARD.md").read_text()
+    rec = [json.loads(line) for line in (Path(__file__).parents[1] / "results" / "tiny_model.jsonl").read_text().splitlines()]
+    last = rec[-1]
+    assert last["git_sha"] in card and f"{math.exp(last['test']['nll']):.2f}" in card
+    assert "Replaces the first model" in card and len(rec) >= 2
+    first_set = last["comparison"]["sets"]["first_model_test_split"]
+    assert first_set["new"]["bpb"] < first_set["old"]["bpb"]          # committed only if better
+    assert sum(r["top10pct_mass_share"] >= 0.2 for r in last["test"]["routing"]) > len(last["test"]["routing"]) / 2
+
+
 def test_tensor_names_are_qwen3_moe_plus_mtp():
     cfg = json.loads((TINY / "config.json").read_text())
     names = set(json.loads((TINY / "model.safetensors.index.json").read_text())["weight_map"])
