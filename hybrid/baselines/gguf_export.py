@@ -4,7 +4,8 @@ Tensor names follow llama.cpp's QWEN3MOE table; experts are stacked [E, N, K] pe
 Dense source weights are written in `outtype`; norms and the router stay F32 (as llama.cpp's own
 converter does). NVFP4 linears are re-packed bit-exactly into GGML NVFP4 plus a `.scale` tensor,
 so llama.cpp runs the very weights hybrid runs. FP8 linears (mixed recipe) have no GGML type;
-they are written dequantized in F32 (fp8 value * per-tensor scale).
+they are written dequantized in F32 (fp8 value * per-tensor scale). An MTP module (`mtp.*`) is
+not exported: llama.cpp's qwen3moe has no such head.
 """
 from __future__ import annotations
 

@@ -16,7 +16,11 @@ How to read this table
 - PPL is the candidate's perplexity on the scored tokens (the reference's is PPL(Q8_0)).
 - file = download size (GGUF file, or the checkpoint's safetensors); experts = bytes of all expert
   tensors, i.e. the RAM needed to hold every expert as stored (hybrid never dequantizes them).
-- engine `hybrid` rows run through hybrid's runtime (`load_model(...).forward_logits`);
+  hybrid checkpoints also carry the model's MTP module (`mtp.*`), which the GGUF export drops
+  (llama.cpp's qwen3moe has none); GGUF files of the mixed recipe hold FP8 weights as F32.
+- engine `hybrid` rows run through hybrid's runtime as `hybrid-run --device cpu` opens it
+  (`open_session(...).model.forward_logits`); `@slots=N` / `@split=L` pick the placement (expert
+  slots on the card vs the CPU expert runner; two logical cards split at layer L);
   `gguf-<recipe>` rows are hybrid's own quantized weights re-packed into a GGUF and run by
   llama.cpp (NVFP4 tensors bit-identical, GGML type 40 + per-tensor `.scale`), an engine A/B on
   identical weights. llama.cpp's CPU backend multiplies NVFP4 (and Q*/IQ*) weights with
@@ -45,6 +49,26 @@ def _row(r: dict) -> str:
             f"| {r['file_bytes'] / MIB:.2f} | {r['expert_bytes'] / MIB:.2f} | {r['weights']} |")
 
 
+def placement_lines(records: list[dict]) -> list[str]:
+    """One line per hybrid recipe measured under several placements: the spread of its row."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        if r["engine"] == "hybrid":
+            groups.setdefault(r["candidate"].split("@")[0], []).append(r)
+    out = []
+    for recipe, rs in groups.items():
+        if len(rs) < 2:
+            continue
+        n = rs[0]["count"]
+        tops = [round(r["same_top_pct"] * n / 100) for r in rs]
+        kl = [r["mean_kld"] for r in rs]
+        ppl = [r["ppl"] for r in rs]
+        out.append(f"- {recipe} under {len(rs)} placements ({', '.join(r['candidate'] for r in rs)}): same top "
+                   f"token at {min(tops)}..{max(tops)} of {n} positions (spread {max(tops) - min(tops)}); "
+                   f"mean KLD {min(kl):.5f}..{max(kl):.5f}; PPL {min(ppl):.3f}..{max(ppl):.3f}")
+    return out
+
+
 def markdown(records: list[dict]) -> str:
     if not records:
         return "(no candidates)\n"
@@ -67,6 +91,8 @@ def markdown(records: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
         *[_row(r) for r in records],
         "",
+        *(["Placement invariance (same weights, different expert placement / layer split):", "",
+           *placement_lines(records), ""] if placement_lines(records) else []),
         "Same-top % (and PPL) by prompt class; the reference PPL(Q8_0) of each class in the header:", "",
         "| candidate | " + " | ".join(f"{c} (PPL {r0.get('ppl_base_by_class', {}).get(c, float('nan')):.2f})"
                                       for c in by_class) + " |",
