@@ -178,3 +178,19 @@ def test_bad_options_one_line(models, kw, needle):
 
     with pytest.raises(HybridError, match=needle):
         open_session(models["bf16"], RuntimeOptions(**kw))
+
+
+@pytest.mark.parametrize("slots", [(2 * EXPERTS, 2 * EXPERTS), (2 * EXPERTS, EXPERTS)])
+def test_fully_resident_layers_skip_sync_and_replay(models, reference, tmp_path, slots):
+    """Layers holding all their experts (warm start) take the sync-free path, lookups deferred to the
+    step's end, mixed in one step with layers that miss; greedy ids and the trace replay are unchanged."""
+    prof = _profile(models["nvfp4"], tmp_path / "p.experts.json")
+    got, s = _run(models["nvfp4"], gpus=(0, 0), layer_split=(2,), cache_slots=slots, expert_profile=str(prof),
+                  trace=str(tmp_path / "t.jsonl"))
+    assert got == reference["nvfp4"]
+    assert set(s.cards[0].full) == {0, 1}                                    # full from the first step
+    assert (set(s.cards[1].full) == {2, 3}) == (slots[1] == 2 * EXPERTS)
+    trace = read_trace(tmp_path / "t.jsonl")
+    assert verify(trace) == []
+    assert replay_run(trace).hit_rate == pytest.approx(s.report()["hit_rate"], abs=1e-6)
+    assert s.report()["cards"][0]["hit_rate"] == 1.0

@@ -10,6 +10,12 @@ Per layer (DESIGN §1):
     promotions the policy admits (within the step's PCIe budget): weights into their slots on a
     side stream; the layer's next grouped launch waits for them.
 Step boundaries come from HybridModel.forward (begin_step / end_step), which also writes the trace.
+
+A layer whose every expert is resident cannot miss, so it skips the per-layer host sync: slot ids
+come from a device-side expert->slot table, and its cache lookup (counters, policy) runs at the end
+of the step from one copy of the step's deferred ids. Lookups of different layers touch disjoint
+state and a layer without misses promotes nothing, so the bookkeeping (and an offline replay of the
+trace) is the same as if the lookup had run in place.
 """
 from __future__ import annotations
 
@@ -34,10 +40,20 @@ class CardRuntime:
     slots: CardSlots
     stream: object = None                         # torch.cuda.Stream for promotions (CUDA only)
     ready: dict = field(default_factory=dict)     # layer -> cuda Event after its last promotions
+    full: dict = field(default_factory=dict)      # layer -> expert->slot table [E] on the device,
+                                                  #   for layers whose every expert is resident
 
     @property
     def device(self) -> torch.device:
         return torch.device(self.spec.device)
+
+    def refresh(self, layer: int) -> None:
+        """Note whether every expert of the layer is resident (then it can skip the host sync)."""
+        table = self.cache.slot_table(layer)                                  # [E] int64, -1 = absent
+        if (table >= 0).all():
+            self.full[layer] = torch.from_numpy(table).to(self.device)
+        else:
+            self.full.pop(layer, None)
 
 
 class HybridExperts:
@@ -56,9 +72,11 @@ class HybridExperts:
             c.cache.begin_step()
         self._step = {"t0": time.perf_counter(), "tokens": tokens, "phase": phase, "ids": [None] * self.num_layers,
                       "weights": [None] * self.num_layers, "hits": [0] * self.num_layers,
-                      "promotions": [0] * self.num_layers, "gpu": [], "cpu_s": 0.0, "pcie": 0}
+                      "promotions": [0] * self.num_layers, "gpu": [], "cpu_s": 0.0, "pcie": 0,
+                      "deferred": []}
 
     def end_step(self) -> None:
+        self._settle(self._step)
         st, self._step = self._step, None
         gpu_s = self._gpu_times(st["gpu"])
         phase = st["phase"]
@@ -69,6 +87,28 @@ class HybridExperts:
                             hits=st["hits"], promotions=st["promotions"],
                             timings={"step_ms": round(1e3 * seconds, 4), "gpu_expert_ms": round(1e3 * gpu_s, 4),
                                      "cpu_expert_ms": round(1e3 * st["cpu_s"], 4), "pcie_bytes": st["pcie"]})
+
+    def _settle(self, st: dict) -> None:
+        """Cache lookups of the step's fully resident layers, from one host copy per device."""
+        if not st["deferred"]:
+            return
+        t0 = time.perf_counter()
+        by_dev: dict = {}
+        for item in st["deferred"]:
+            by_dev.setdefault(item[1].device, []).append(item)
+        for items in by_dev.values():
+            k = items[0][1].shape[1]
+            both = torch.stack([torch.cat([i.float(), w.float()], 1) for _, i, w in items]).cpu().numpy()
+            for (layer, _, _), b in zip(items, both):                         # b [T, 2k]
+                ids_h, w_h = b[:, :k].astype(np.int64), b[:, k:]
+                card = self.card_of[layer]
+                lk = card.cache.lookup(layer, ids_h)
+                if lk.misses or card.cache.promote_misses(layer, lk):
+                    raise RuntimeError(f"layer {layer}: a fully resident layer missed")
+                self._account(layer, items[0][1], ids_h, w_h, lk, 0)
+        dt = (time.perf_counter() - t0) / len(st["deferred"])
+        for layer, _, _ in st["deferred"]:
+            self.stats.route_sync_s[layer] += dt
 
     def _gpu_times(self, pending: list) -> float:
         """Resolve the step's (layer, start, end) CUDA events into seconds (events are done by now)."""
@@ -86,6 +126,8 @@ class HybridExperts:
         card, st = self.card_of[layer], self._step
         if st is None:                       # called outside HybridModel.forward: a one-layer step
             raise RuntimeError("HybridExperts called outside a step (use HybridModel.forward)")
+        if layer in card.full:
+            return self._resident(card, layer, x, ids, weights)
         t0 = time.perf_counter()
         ids_h, w_h = _to_host(ids, weights)                                   # [T, k] int64, f32
         lk = card.cache.lookup(layer, ids_h)
@@ -109,14 +151,28 @@ class HybridExperts:
         self._account(layer, x, ids_h, w_h, lk, len(mt))
         return out.to(x.dtype)
 
+    def _resident(self, card: CardRuntime, layer: int, x, ids, weights) -> torch.Tensor:
+        """Every expert of the layer is in a slot: no host sync, lookup deferred to the step's end."""
+        t, k = ids.shape
+        slot_ids = card.full[layer][ids.reshape(-1)]                          # [T*k]
+        tok = torch.arange(t, device=x.device).repeat_interleave(k)           # [T*k]
+        out = self._launch(card, layer, x, slot_ids, tok, weights.reshape(-1).float())
+        self._step["deferred"].append((layer, ids, weights))
+        return out.to(x.dtype)
+
     def _hits(self, card: CardRuntime, layer: int, x, weights, slots_h: np.ndarray, hit: np.ndarray):
         ht, hj = np.nonzero(hit)                                              # hit pairs [A_h]
         if not len(ht):
             return None
         dev = x.device
-        slot_ids = torch.from_numpy(slots_h[ht, hj]).to(dev)                 # [A_h]
-        tok = torch.from_numpy(ht).to(dev)
-        route_w = weights[tok, torch.from_numpy(hj).to(dev)].float()        # [A_h]
+        sel = torch.from_numpy(np.stack([slots_h[ht, hj], ht, hj])).to(dev)  # [3, A_h], one copy
+        slot_ids, tok = sel[0], sel[1]
+        route_w = weights[tok, sel[2]].float()                               # [A_h]
+        return self._launch(card, layer, x, slot_ids, tok, route_w)
+
+    def _launch(self, card: CardRuntime, layer: int, x, slot_ids, tok, route_w) -> torch.Tensor:
+        """The grouped slot kernel for one layer's hits, timed (CUDA events on the GPU) -> [T, H] fp32."""
+        dev = x.device
         if dev.type == "cuda":
             if layer in card.ready:
                 torch.cuda.current_stream(dev).wait_event(card.ready.pop(layer))
@@ -135,6 +191,8 @@ class HybridExperts:
         done = card.cache.promote_misses(layer, lk)
         for p in done:
             card.slots.load(layer, p.slot, self.get_expert(layer, p.expert), stream=card.stream)
+        if done:
+            card.refresh(layer)
         if done and card.stream is not None:
             ev = torch.cuda.Event()
             ev.record(card.stream)

@@ -189,7 +189,10 @@ def _card(spec, cfg, opts, eprof, qtypes, bytes_per_expert, budget, get_expert) 
             slots.load(l, s, get_expert(l, e))
     dev = torch.device(spec.device)
     stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-    return CardRuntime(spec, cache, slots, stream)
+    card = CardRuntime(spec, cache, slots, stream)
+    for l in spec.layer_ids:
+        card.refresh(l)
+    return card
 
 
 def _trace(opts, path, cfg, cards, placement, meta):
