@@ -88,6 +88,10 @@ class HybridExperts:
                             timings={"step_ms": round(1e3 * seconds, 4), "gpu_expert_ms": round(1e3 * gpu_s, 4),
                                      "cpu_expert_ms": round(1e3 * st["cpu_s"], 4), "pcie_bytes": st["pcie"]})
 
+    def abort_step(self) -> None:
+        """Drop the step in progress (its forward raised)."""
+        self._step = None
+
     def _settle(self, st: dict) -> None:
         """Cache lookups of the step's fully resident layers, from one host copy per device."""
         if not st["deferred"]:
@@ -105,7 +109,7 @@ class HybridExperts:
                 lk = card.cache.lookup(layer, ids_h)
                 if lk.misses or card.cache.promote_misses(layer, lk):
                     raise RuntimeError(f"layer {layer}: a fully resident layer missed")
-                self._account(layer, items[0][1], ids_h, w_h, lk, 0)
+                self._account(layer, items[0][1].is_cuda, ids_h, w_h, lk, 0, 0)
         dt = (time.perf_counter() - t0) / len(st["deferred"])
         for layer, _, _ in st["deferred"]:
             self.stats.route_sync_s[layer] += dt
@@ -148,7 +152,7 @@ class HybridExperts:
             y = y.to(x.device, non_blocking=False)
             out = y if out is None else out + y
         self._promote(card, layer, lk)
-        self._account(layer, x, ids_h, w_h, lk, len(mt))
+        self._account(layer, x.is_cuda, ids_h, w_h, lk, len(mt), x.numel())
         return out.to(x.dtype)
 
     def _resident(self, card: CardRuntime, layer: int, x, ids, weights) -> torch.Tensor:
@@ -199,18 +203,19 @@ class HybridExperts:
             card.ready[layer] = ev
         self._step["promotions"][layer] = len(done)
         if done and card.device.type == "cuda":
-            self._pcie("promotions", len(done) * card.cache.bytes_per_expert)
+            self.add_pcie("promotions", len(done) * card.cache.bytes_per_expert)
 
-    def _account(self, layer: int, x, ids_h, w_h, lk, misses: int) -> None:
+    def _account(self, layer: int, cuda: bool, ids_h, w_h, lk, misses: int, x_elems: int) -> None:
+        """Record the layer's routing for the trace; count what crossed PCIe (f32 activations)."""
         st = self._step
         st["ids"][layer], st["weights"][layer], st["hits"][layer] = ids_h, w_h, len(lk.hits)
-        if x.is_cuda:
-            self._pcie("ids_d2h", ids_h.size * 8)
+        if cuda:
+            self.add_pcie("ids_d2h", ids_h.size * 8)
             if misses:
-                self._pcie("act_d2h", x.numel() * 4)
-                self._pcie("out_h2d", x.numel() * 4)
+                self.add_pcie("act_d2h", x_elems * 4)
+                self.add_pcie("out_h2d", x_elems * 4)
 
-    def _pcie(self, kind: str, n: int) -> None:
+    def add_pcie(self, kind: str, n: int) -> None:
         self.stats.pcie[kind] += int(n)
         self._step["pcie"] += int(n)
 

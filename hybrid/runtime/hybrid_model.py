@@ -40,11 +40,11 @@ class HybridModel:
         try:
             logits = self.model.forward(ids, start, last_only)
         except BaseException:
-            self.experts._step = None
+            self.experts.abort_step()
             raise
         if self._hops and self.model.layer_devices[0].type == "cuda":
             n = self._hops * int(ids.shape[0]) * self.model.cfg.hidden_size * 2
-            self.experts._pcie("hops", n)
+            self.experts.add_pcie("hops", n)
         self.experts.end_step()
         return logits
 
