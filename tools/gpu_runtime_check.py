@@ -11,6 +11,10 @@
 Everything has a deadline; what did not run is recorded as skipped.
 
     PYTHONPATH=. python3 tools/gpu_runtime_check.py --tiny-ref scratch/tiny_ref.json
+
+scratch/tiny_ref.json (not committed) is the CPU reference for the current tiny weights, made here:
+    hybrid-quantize tiny /tmp/tiny_nvfp4 && hybrid-run --model /tmp/tiny_nvfp4 -p "def fibonacci(n):" -n 24 --json
+    -> {"prompt": "def fibonacci(n):", "n": 24, "generated_ids": [...]}
 """
 from __future__ import annotations
 
