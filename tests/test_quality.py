@@ -162,3 +162,18 @@ def test_speed_quick(model_dir, tmp_path):
         assert all(v > 0 for v in r["decode_tok_s"].values()) and r["git_sha"] and r["machine"]
     md = (tmp_path / "speed.md").read_text()
     assert "Prefill tok/s" in md and "| bf16 | hybrid |" in md
+
+
+def test_work_cache_is_keyed_by_the_model(model_dir, tmp_path):
+    import shutil
+
+    from hybrid.baselines.candidates import CandidateMaker, source_fingerprint
+
+    copy = tmp_path / "m"
+    shutil.copytree(model_dir, copy)
+    a = source_fingerprint(copy)
+    assert source_fingerprint(copy) == a
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, "rope_theta": 5e5}))
+    assert source_fingerprint(copy) != a
+    assert CandidateMaker(copy, tmp_path / "w", 64).work != CandidateMaker(model_dir, tmp_path / "w", 64).work

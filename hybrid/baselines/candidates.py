@@ -5,7 +5,8 @@
 - gguf-<recipe>: the same hybrid checkpoint re-packed into a GGUF (NVFP4 bit-exact), run by llama.cpp.
 - llama.cpp types (Q8_0, Q4_K_M, IQ4_XS, ...): the BF16 export quantized by llama.cpp's quantizer;
   `<TYPE>-imat` adds an importance matrix computed by hybrid.baselines.imatrix.
-Files are built once in the work folder and reused; engines load lazily and `close()` frees them.
+Files are built once in a per-model subfolder of the work folder (keyed by a fingerprint of the
+model folder) and reused; engines load lazily and `close()` frees them.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ RECIPE_WEIGHTS = {
     "fp8": "hybrid FP8 per-tensor linears",
 }
 IMAT_SUFFIX = "-IMAT"
-IMATRIX_CTX, IMATRIX_CHUNKS = 128, 16
+IMATRIX_CTX, IMATRIX_CHUNKS = 128, 64
 OUTTYPE_OF_DTYPE = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 
@@ -115,6 +116,20 @@ class HybridCandidate(Candidate):
             self._session = None
 
 
+def source_fingerprint(src: Path) -> str:
+    """Short hash of a model folder: its JSON files' bytes and its weight files' names, sizes, mtimes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(Path(src).iterdir()):
+        if f.suffix == ".json":
+            h.update(f.name.encode() + f.read_bytes())
+        elif f.suffix == ".safetensors":
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return f"{Path(src).resolve().name}-{h.hexdigest()[:12]}"
+
+
 def placement_opts(where: str, name: str) -> dict:
     """'' | 'slots=N' (expert slots per card; 0 = every expert on the CPU runner) | 'split=L'
     (two logical cards, layers split at L) | 'torch' (torch CPU expert engine) -> RuntimeOptions fields."""
@@ -137,7 +152,9 @@ class CandidateMaker:
     """Builds (once, in `work`) the files each candidate name needs."""
 
     def __init__(self, src: Path, work: Path, n_ctx: int, threads: int | None = None, hybrid_opts=None):
-        self.src, self.work, self.n_ctx, self.threads = Path(src), Path(work), n_ctx, threads
+        self.src, self.n_ctx, self.threads = Path(src), n_ctx, threads
+        self.work = Path(work) / source_fingerprint(self.src)        # a changed model gets new files
+        self.work.mkdir(parents=True, exist_ok=True)
         self.hybrid_opts = dict(hybrid_opts or {})
 
     def base_gguf(self) -> Path:

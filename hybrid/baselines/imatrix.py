@@ -4,7 +4,7 @@ llama.cpp's `llama-imatrix` records, for every weight matrix, the mean of x_j² 
 that reach it, per input column j (per expert for the stacked expert tensors: layout [E, K]).
 The quantizer weighs rounding errors by it. llama-cpp-python ships no imatrix tool, so we compute
 the same statistic with hybrid's reference forward on calibration text (the model's training
-split when the model folder says where that is) and pass it through `llama_model_quantize`.
+or validation split when the model folder says where that is) and pass it through `llama_model_quantize`.
 Experts no calibration token reached get uniform importance (ones).
 Legend: T tokens, H hidden, I expert intermediate, E experts, K in-features.
 """
@@ -92,11 +92,16 @@ def compute_imatrix(model_dir: str | Path, token_chunks: list[list[int]]) -> dic
 
 
 def calibration_chunks(model_dir: str | Path, tokenizer, n_ctx: int, max_chunks: int) -> list[list[int]]:
-    """Token chunks of the model's training split (sha256-checked local files), else the prompt set."""
+    """Token chunks of calibration text: the model's validation split, else its training split
+    (sha256-checked local files named by its corpus manifest), else the prompt set. Never the
+    test split, which the quality bench scores on."""
     from hybrid.bench.prompts import MANIFEST, class_texts, manifest_text
 
     manifest = Path(model_dir) / MANIFEST
-    text = manifest_text(manifest, "train", n_ctx * max_chunks * 8)[0] if manifest.is_file() else ""
+    text = ""
+    for split in ("val", "train"):
+        if not text and manifest.is_file():
+            text = manifest_text(manifest, split, n_ctx * max_chunks * 8)[0]
     if not text:
         text = "\n".join(class_texts().values())
     ids = tokenizer.encode(text, add_special_tokens=False).ids

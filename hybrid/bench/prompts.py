@@ -100,7 +100,8 @@ def manifest_text(manifest: Path, split: str, max_bytes: int) -> tuple[str, list
     import sysconfig
 
     m = json.loads(gzip.decompress(manifest.read_bytes()))
-    roots = {"stdlib": Path(sysconfig.get_paths()["stdlib"])}
+    paths = sysconfig.get_paths()
+    roots = {"stdlib": Path(paths["stdlib"]), "site": Path(paths["purelib"])}
     texts, sources, total = [], [], 0
     for root, rel, sha, _size, fsplit in m.get("files", []):
         if fsplit != split or root not in roots or rel.startswith(SKIP_PREFIXES) or total >= max_bytes:
@@ -109,7 +110,7 @@ def manifest_text(manifest: Path, split: str, max_bytes: int) -> tuple[str, list
         if not path.is_file():
             continue
         data = path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != sha:
+        if hashlib.sha256(data).hexdigest() != sha or (texts and total + len(data) > max_bytes):
             continue
         texts.append(data.decode("utf-8"))
         sources.append(f"{root}/{rel} sha256:{sha[:12]}")
@@ -117,7 +118,7 @@ def manifest_text(manifest: Path, split: str, max_bytes: int) -> tuple[str, list
     return "\n".join(texts), sources
 
 
-def heldout(model_dir: str | Path, max_bytes: int = 64 * 1024) -> tuple[str, list[str]] | None:
+def heldout(model_dir: str | Path, max_bytes: int = 32 * 1024) -> tuple[str, list[str]] | None:
     """(held-out text, its sources) for the model folder, or None when none is available here."""
     folder = Path(model_dir)
     for name in HELDOUT_FILES:

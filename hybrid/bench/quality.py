@@ -93,6 +93,10 @@ def run(args) -> int:
         chunks, classes, ids = token_stream(src, n_ctx, args.quick)
         ref = maker.make(REFERENCE)
         parity = {c: ref.runner.tokenize(t) == ids[c] for c, t in all_texts(src).items()}
+        if not all(parity.values()):
+            bad = ", ".join(c for c, ok in parity.items() if not ok)
+            raise HybridError(f"{ref.path}: llama.cpp tokenizes the {bad} text differently from "
+                              f"{src}/tokenizer.json; the GGUF does not match the model (stale --work?)")
         rows = scored_rows(n_ctx)
         bases = [BaseLogProbs.from_logits(ref.logits(ch)[rows]) for ch in chunks]
         stamp = report.stamp("hybrid-bench")
