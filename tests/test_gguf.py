@@ -78,6 +78,7 @@ def test_tied_model_has_no_output_tensor(tmp_path):
     assert "output.weight" not in names and "token_embd.weight" in names
 
 
+@pytest.mark.llama
 def test_llama_logits_match_hybrid_reference(model_dir, f32_gguf):
     pytest.importorskip("llama_cpp")
     from hybrid.baselines.llama_runner import LlamaRunner
@@ -94,6 +95,7 @@ def test_llama_logits_match_hybrid_reference(model_dir, f32_gguf):
     np.testing.assert_array_equal(again, theirs)
 
 
+@pytest.mark.llama
 def test_tokenizer_parity_with_tokenizers(model_dir, f32_gguf):
     pytest.importorskip("llama_cpp")
     from tokenizers import Tokenizer
@@ -107,6 +109,7 @@ def test_tokenizer_parity_with_tokenizers(model_dir, f32_gguf):
         assert r.tokenize(text) == tok.encode(text, add_special_tokens=False).ids, text[:40]
 
 
+@pytest.mark.llama
 def test_tokenizer_parity_embedded_tiny(tmp_path):
     pytest.importorskip("llama_cpp")
     from tokenizers import Tokenizer
@@ -194,6 +197,7 @@ def test_nvfp4_checkpoint_exports_identical_weights(nvfp4_dir, tmp_path):
     assert _kv(r, "general.file_type") == 39
 
 
+@pytest.mark.llama
 def test_nvfp4_gguf_runs_close_to_hybrid(nvfp4_dir, tmp_path):
     pytest.importorskip("llama_cpp")
     from hybrid.baselines.gguf_export import export_gguf
@@ -212,6 +216,7 @@ def test_nvfp4_gguf_runs_close_to_hybrid(nvfp4_dir, tmp_path):
 
 @pytest.mark.parametrize("qtype,expert_type", [("Q8_0", "Q8_0"), ("Q4_K_M", "Q4_K"), ("IQ4_XS", "IQ4_XS"),
                                                ("IQ3_S", "IQ3_S"), ("MXFP4_MOE", "MXFP4")])
+@pytest.mark.llama
 def test_quantize_types(f32_gguf, tmp_path, qtype, expert_type):
     pytest.importorskip("llama_cpp")
     from hybrid.baselines.quantize import quantize_gguf
@@ -223,6 +228,7 @@ def test_quantize_types(f32_gguf, tmp_path, qtype, expert_type):
     assert types["blk.0.ffn_gate_inp.weight"] == "F32"                  # router never quantized
 
 
+@pytest.mark.llama
 def test_quantize_pure_and_errors(f32_gguf, tmp_path):
     pytest.importorskip("llama_cpp")
     from hybrid.baselines.quantize import quantize_gguf
@@ -238,6 +244,7 @@ def test_quantize_pure_and_errors(f32_gguf, tmp_path):
         quantize_gguf(f32_gguf, tmp_path / "x.gguf", "IQ2_XXS")
 
 
+@pytest.mark.llama
 def test_cli(model_dir, tmp_path, capsys):
     pytest.importorskip("llama_cpp")
     from hybrid.cli.gguf import main
@@ -286,6 +293,7 @@ def test_imatrix_is_mean_squared_input(model_dir, tmp_path):
     assert set(back) == names and all(np.array_equal(back[k], data[k]) for k in names)
 
 
+@pytest.mark.llama
 def test_quantize_with_imatrix_changes_the_weights(f32_gguf, model_dir, tmp_path):
     pytest.importorskip("llama_cpp")
     from hybrid.baselines import imatrix as im
@@ -301,6 +309,7 @@ def test_quantize_with_imatrix_changes_the_weights(f32_gguf, model_dir, tmp_path
     np.testing.assert_array_equal(ta["blk.0.ffn_gate_inp.weight"], tb["blk.0.ffn_gate_inp.weight"])
 
 
+@pytest.mark.llama
 def test_cli_imatrix(model_dir, tmp_path):
     pytest.importorskip("llama_cpp")
     from hybrid.cli.gguf import main

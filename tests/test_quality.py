@@ -8,6 +8,7 @@ from hybrid.testing import write_random_model
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
+pytestmark = pytest.mark.llama
 
 DIMS = dict(hidden_size=256, moe_intermediate_size=256, head_dim=64, num_experts=4, num_experts_per_tok=2,
             vocab_size=512, num_hidden_layers=2)
