@@ -97,8 +97,11 @@ def test_bad_hugepages_flag_and_bad_expert_are_user_errors():
     with pytest.raises(CheckpointError, match="layer 0 expert 0 down"):
         ExpertStore.build(L, E, H, I, lambda l, e: (ws[l, e][0], ws[l, e][1], ws[l, e][0]), "nvfp4",
                           hugepages="off", progress=False)
-    with pytest.raises(HybridError, match="qtype"):
-        ExpertStore.build(L, E, H, I, lambda l, e: ws[l, e], "bf16", hugepages="off", progress=False)
+    for bad in ("bf16", "int3"):
+        with pytest.raises(HybridError, match="qtype"):
+            ExpertStore.build(L, E, H, I, lambda l, e: ws[l, e], bad, hugepages="off", progress=False)
+    with pytest.raises(HybridError, match="inter size 40"):
+        ExpertStore.build(L, E, H, 40, lambda l, e: ws[l, e], "NVFP4", hugepages="off", progress=False)
 
 
 @pytest.mark.skipif(0 <= resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] < (4 << 20),

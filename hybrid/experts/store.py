@@ -153,20 +153,20 @@ class ExpertStore:
     def __post_init__(self) -> None:
         if self.qtype not in QKIND:
             raise HybridError(f"expert store: qtype {self.qtype} not supported (NVFP4 or FP8)")
-        for name, dim in (("hidden", self.hidden), ("inter", self.inter)):
-            if dim <= 0 or dim % layout.GROUP:
-                raise HybridError(f"expert store: {name} size {dim} must be a positive multiple "
-                                  f"of {layout.GROUP}")
+        if self.offsets.shape != (self.num_layers, self.num_experts, 2):
+            raise ValueError(f"expert store: offsets shape {self.offsets.shape} does not match "
+                             f"{self.num_layers} layers x {self.num_experts} experts")
 
     # --------------------------------------------------------------------- construction
     @classmethod
     def build(cls, num_layers: int, num_experts: int, hidden: int, inter: int, get_expert, qtype,
               hugepages: str = "auto", mlock: bool = False, progress: bool = True) -> "ExpertStore":
         """Allocate the arena and copy every expert from get_expert(layer, e) -> (gate, up, down)."""
-        qtype = qtype if isinstance(qtype, QType) else QType(qtype)
-        kind = QKIND.get(qtype)
-        if kind is None:
-            raise HybridError(f"expert store: qtype {qtype.value} not supported (nvfp4 or fp8)")
+        qtype, kind = _qkind(qtype)
+        for name, dim in (("hidden", hidden), ("inter", inter)):
+            if dim <= 0 or dim % layout.GROUP:
+                raise HybridError(f"expert store: {name} size {dim} must be a positive multiple "
+                                  f"of {layout.GROUP}")
         gu = 2 * layout.num_tiles(inter) * _tile_nbytes(kind, hidden)
         slot = gu + layout.num_tiles(hidden) * _tile_nbytes(kind, inter)
         n = num_layers * num_experts
@@ -174,12 +174,16 @@ class ExpertStore:
         log.info("expert store: %s backing for %.2f GiB (%d experts x %.2f MiB): %s",
                  arena.backing, n * slot / 2**30, n, slot / 2**20, arena.why)
         base = np.arange(n, dtype=np.int64).reshape(num_layers, num_experts) * slot
-        offsets = np.stack([base, base + gu], axis=-1)
-        store = cls(num_layers, num_experts, hidden, inter, qtype, arena, offsets,
+        store = cls(num_layers, num_experts, hidden, inter, qtype, arena,
+                    np.stack([base, base + gu], axis=-1),
                     np.zeros((num_layers, num_experts, 3), np.float32), slot)
-        store._fill(get_expert, progress)
-        if mlock:
-            lock_memory(arena.array)
+        try:
+            store._fill(get_expert, progress)
+            if mlock:
+                lock_memory(arena.array)
+        except BaseException:
+            store.close()
+            raise
         return store
 
     def _fill(self, get_expert, progress: bool) -> None:
@@ -239,6 +243,17 @@ class ExpertStore:
 
     def close(self) -> None:
         self.arena.close()
+
+
+def _qkind(qtype) -> tuple[QType, int]:
+    """QType or its name ('nvfp4', 'FP8', ...) -> (QType, kernel kind); HybridError otherwise."""
+    try:
+        q = qtype if isinstance(qtype, QType) else QType(str(qtype).lower())
+    except ValueError:
+        q = None
+    if q not in QKIND:
+        raise HybridError(f"expert store: qtype {qtype!r} not supported (nvfp4 or fp8)")
+    return q, QKIND[q]
 
 
 def _tile_nbytes(kind: int, k: int) -> int:
