@@ -180,7 +180,7 @@ def _split(n: int, parts: int) -> list[tuple[int, int]]:
 def _group(expert_ids, token_rows, route_weights, T: int):
     """-> ids i64 [E], rows i64 [P], ptr i64 [E + 1], w f32 [P] (rows of entry e: ptr[e]:ptr[e+1])."""
     flat = isinstance(token_rows, np.ndarray) and token_rows.ndim == 1 and token_rows.dtype.kind in "iu"
-    if flat:                                    # [A] pairs -> grouped by expert, first-seen order
+    if flat:                                    # [A] pairs -> grouped by expert id, ascending
         e = np.asarray(expert_ids, dtype=np.int64)
         order = np.argsort(e, kind="stable")
         ids, counts = np.unique(e[order], return_counts=True)
@@ -189,15 +189,13 @@ def _group(expert_ids, token_rows, route_weights, T: int):
     else:
         if not len(expert_ids) == len(token_rows) == len(route_weights):
             raise ValueError("expert_ids, token_rows and route_weights must have one entry per expert")
-        ids = np.asarray(list(expert_ids), dtype=np.int64)
-        parts = [np.asarray(r, dtype=np.int64).reshape(-1) for r in token_rows]
-        wparts = [np.asarray(v, dtype=np.float32).reshape(-1) for v in route_weights]
-        for e, r, v in zip(ids.tolist(), parts, wparts):
-            if r.shape != v.shape:
-                raise ValueError(f"expert {e}: {r.size} token rows but {v.size} route weights")
-        counts = np.array([r.size for r in parts], dtype=np.int64)
-        rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        w = np.concatenate(wparts) if wparts else np.zeros(0, np.float32)
+        ids = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
+        counts = [len(r) for r in token_rows]
+        if counts != [len(v) for v in route_weights]:
+            raise ValueError(f"token rows per expert {counts} != route weights per expert "
+                             f"{[len(v) for v in route_weights]}")
+        rows = np.concatenate(token_rows).astype(np.int64, copy=False) if counts else np.zeros(0, np.int64)
+        w = np.concatenate(route_weights).astype(np.float32, copy=False) if counts else np.zeros(0, np.float32)
     if rows.size and (rows.min() < 0 or rows.max() >= T):
         raise ValueError(f"token rows must lie in [0, {T})")
     ptr = np.zeros(len(ids) + 1, dtype=np.int64)
