@@ -221,7 +221,7 @@ class CandidateMaker:
         if name.upper().endswith(IMAT_SUFFIX) and name.upper()[: -len(IMAT_SUFFIX)] in TYPES:
             qtype = name.upper()[: -len(IMAT_SUFFIX)]
             return GGUFCandidate(f"{qtype}{IMAT_SUFFIX.lower()}", f"llama.cpp {qtype} mix with an importance matrix "
-                                 f"({IMATRIX_CHUNKS}x{IMATRIX_CTX} training-split tokens, hybrid.baselines.imatrix)",
+                                 f"({IMATRIX_CHUNKS}x{IMATRIX_CTX} validation-split tokens, hybrid.baselines.imatrix)",
                                  self.gguf_type(qtype, True), self.n_ctx, self.threads)
         raise HybridError(f"--against {name!r}: expected a hybrid recipe ({', '.join(HYBRID_RECIPES)}), "
                           f"gguf-<recipe>, or a llama.cpp type ({', '.join(TYPES)}), optionally with -imat")

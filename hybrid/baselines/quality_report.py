@@ -32,7 +32,8 @@ How to read this table
   the matmul, so hybrid's NVFP4 weights run unchanged in both engines (gguf-nvfp4). Its quantizer
   cannot *produce* NVFP4 ("invalid output file type 39"); MXFP4_MOE is its own FP4 option.
 - `<TYPE>-imat` rows: importance matrix = mean squared matmul inputs per column (per expert),
-  computed by hybrid's forward on the model's training-split text, as llama-imatrix defines it;
+  computed by hybrid's forward on the model's validation-split text (never the scored test
+  split), as llama-imatrix defines it;
   other llama.cpp rows use no imatrix (IQ3_S / IQ4_XS do not require one in llama.cpp).
 """
 
