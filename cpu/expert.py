@@ -34,13 +34,13 @@ def tile_nbytes(qkind, k, R):
 
 
 @njit(**JIT)
-def _tile(qkind, arena, base, k, x, rows, p0, p1, acc, accg, dec):
+def _tile(qkind, arena, base, k, x, rows, p0, p1, acc, dec):
     R = acc.shape[1]
     if qkind == NVFP4:
         g = k // GROUP
-        nvfp4_tile(arena[base: base + g * 9 * R].reshape((g, 9, R)), x, rows, p0, p1, acc, accg, dec)
+        nvfp4_tile(arena[base: base + g * 9 * R].reshape((g, 9, R)), x, rows, p0, p1, acc, dec)
     else:
-        fp8_tile(arena[base: base + k * R].reshape((k, R)), x, rows, p0, p1, acc, accg, dec)
+        fp8_tile(arena[base: base + k * R].reshape((k, R)), x, rows, p0, p1, acc, dec)
 
 
 @njit(**JIT)
@@ -49,7 +49,7 @@ def experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, u0, u1, h, H, I, R)
     nti = (I + R - 1) // R
     tb = tile_nbytes(qkind, H, R)
     fac = NVFP4_FACTOR if qkind == NVFP4 else FP8_FACTOR
-    acc_g, accg, dec = scratch(R)
+    acc_g, dec = scratch(R)
     acc_u = np.empty_like(acc_g)
     for u in range(u0, u1):
         e, t = u // nti, u % nti
@@ -57,8 +57,8 @@ def experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, u0, u1, h, H, I, R)
         cg, cu = scl[e, 0] * fac, scl[e, 1] * fac
         for b0 in range(ptr[e], ptr[e + 1], MB):
             b1 = min(ptr[e + 1], b0 + MB)
-            _tile(qkind, arena, base, H, x, rows, b0, b1, acc_g, accg, dec)        # [m, R]
-            _tile(qkind, arena, base + tb, H, x, rows, b0, b1, acc_u, accg, dec)   # [m, R]
+            _tile(qkind, arena, base, H, x, rows, b0, b1, acc_g, dec)              # [m, R]
+            _tile(qkind, arena, base + tb, H, x, rows, b0, b1, acc_u, dec)         # [m, R]
             for m in range(b1 - b0):
                 for r in range(R):
                     g = acc_g[m, r] * cg
@@ -71,7 +71,7 @@ def experts_down(qkind, arena, dn_off, scl, h, rows, ptr, w, t0, t1, out, H, I, 
     tb = tile_nbytes(qkind, I, R)
     fac = NVFP4_FACTOR if qkind == NVFP4 else FP8_FACTOR
     hrows = np.arange(h.shape[0])
-    acc, accg, dec = scratch(R)
+    acc, dec = scratch(R)
     for t in range(t0, t1):
         n0 = t * R
         nr = min(R, H - n0)
@@ -79,7 +79,7 @@ def experts_down(qkind, arena, dn_off, scl, h, rows, ptr, w, t0, t1, out, H, I, 
             cd = scl[e, 2] * fac
             for b0 in range(ptr[e], ptr[e + 1], MB):
                 b1 = min(ptr[e + 1], b0 + MB)
-                _tile(qkind, arena, dn_off[e] + t * tb, I, h, hrows, b0, b1, acc, accg, dec)
+                _tile(qkind, arena, dn_off[e] + t * tb, I, h, hrows, b0, b1, acc, dec)
                 for m in range(b1 - b0):
                     tok, wm = rows[b0 + m], w[b0 + m] * cd
                     for r in range(nr):

@@ -22,12 +22,12 @@ def nvfp4_gemm(tiles, x, scale_2, y, t0, t1):
     R = tiles.shape[3]
     M = x.shape[0]
     rows = np.arange(M)
-    acc, accg, dec = scratch(R)
+    acc, dec = scratch(R)
     c = np.float32(scale_2) * NVFP4_FACTOR
     for t in range(t0, t1):
         for b0 in range(0, M, MB):
             b1 = min(M, b0 + MB)
-            nvfp4_tile(tiles[t], x, rows, b0, b1, acc, accg, dec)
+            nvfp4_tile(tiles[t], x, rows, b0, b1, acc, dec)
             _store(acc, b0, b1, t * R, c, y)
 
 
@@ -37,20 +37,19 @@ def fp8_gemm(tiles, x, scale, y, t0, t1):
     R = tiles.shape[2]
     M = x.shape[0]
     rows = np.arange(M)
-    acc, accg, dec = scratch(R)
+    acc, dec = scratch(R)
     c = np.float32(scale) * FP8_FACTOR
     for t in range(t0, t1):
         for b0 in range(0, M, MB):
             b1 = min(M, b0 + MB)
-            fp8_tile(tiles[t], x, rows, b0, b1, acc, accg, dec)
+            fp8_tile(tiles[t], x, rows, b0, b1, acc, dec)
             _store(acc, b0, b1, t * R, c, y)
 
 
 @njit(**JIT)
 def scratch(R):
-    """acc f32 [MB, R], accg f32 [4, R], dec f32 [16, R]."""
-    return (np.empty((MB, R), np.float32), np.empty((4, R), np.float32),
-            np.empty((16, R), np.float32))
+    """acc f32 [MB, R], dec f32 [16, R]."""
+    return np.empty((MB, R), np.float32), np.empty((16, R), np.float32)
 
 
 @njit(**JIT)

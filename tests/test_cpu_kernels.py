@@ -178,15 +178,15 @@ def test_experts_forward_matches_reference(qtype, T):
 # ----------------------------------------------------------------------------- AVX2 proof
 HASWELL_PROBE = r"""
 import numpy as np, re, json
-from cpu import tiles
+from cpu import tiles, tiles_unrolled as tu
 from cpu.gemm import scratch
-acc, accg, dec = scratch(64)
+acc, dec = scratch(64)
 x = np.ones((4, 32), np.float32); rows = np.arange(4)
 t4 = np.zeros((2, 9, 64), np.uint8); t8 = np.zeros((32, 64), np.uint8)
-tiles.nvfp4_tile(t4, x, rows, 0, 1, acc, accg, dec); tiles.nvfp4_tile(t4, x, rows, 0, 4, acc, accg, dec)
-tiles.fp8_tile(t8, x, rows, 0, 1, acc, accg, dec); tiles.fp8_tile(t8, x, rows, 0, 4, acc, accg, dec)
+tiles.nvfp4_tile(t4, x, rows, 0, 1, acc, dec); tiles.nvfp4_tile(t4, x, rows, 0, 4, acc, dec)
+tiles.fp8_tile(t8, x, rows, 0, 1, acc, dec); tiles.fp8_tile(t8, x, rows, 0, 4, acc, dec)
 out = {}
-for f in (tiles.nvfp4_tile_m1, tiles.nvfp4_tile_m4, tiles.fp8_tile_m1, tiles._dot16):
+for f in (tu.nvfp4_tile_m1, tu.nvfp4_tile_m4, tu.fp8_tile_m1, tiles._dot16):
     asm = "\n".join(f.inspect_asm(s) for s in f.signatures)
     out[f.__name__] = dict(fma=len(re.findall(r"vfmadd\w*ps\s[^\n]*%ymm", asm)),
                            cvt=len(re.findall(r"vcvtph2ps\s[^\n]*%ymm", asm)),
