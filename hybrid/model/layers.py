@@ -1,16 +1,26 @@
 """Building blocks of the Qwen-MoE family: RMSNorm, rotary embedding, GQA attention with a KV cache.
 
-Legend: T tokens in this call, P past tokens in the cache, H hidden, Hq/Hkv heads, D head_dim.
+Legend: T tokens in this call, P past tokens in the cache, H hidden, Hq/Hkv heads, D head_dim,
+L keys attended (a bucket of the KV store in a graphed decode step).
+
+CPU tensors take the plain fp32 reference path (the tests compare it with transformers). CUDA
+tensors take a path with fewer launches and no host work: fused RMSNorm, one RoPE table per device,
+q/k/v as one QPN call where the weights allow it, scaled_dot_product_attention on views of the
+cache (no repeat_interleave copies). `Attention.decode` is the T = 1 step whose position is a
+device tensor, so a CUDA graph can replay it (hybrid.runtime.graphs).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from hybrid.model.linear import Linear
+from hybrid.model.linear import Linear, fused_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., H] -> [..., H], computed in fp32."""
+    if x.is_cuda:
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)
@@ -22,11 +32,26 @@ class Rotary:
     def __init__(self, head_dim: int, theta: float):
         self.head_dim = head_dim
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self._tables: dict = {}
 
     def cos_sin(self, positions: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().to(device)[:, None] * self.inv_freq.to(device)[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)                                            # [T, D]
         return emb.cos(), emb.sin()
+
+    def table(self, device: torch.device, n: int) -> torch.Tensor:
+        """cos and signed sin for positions 0..n-1 on `device`, built once: [n, 2, D] fp32.
+
+        Row p = (cos(p f), s * sin(p f)) with s = -1 on the first half, so that
+        rope(x) = x * cos + swap_halves(x) * signed_sin (the same values as cos_sin)."""
+        t = self._tables.get(device)
+        if t is None or t.shape[0] < n:
+            cos, sin = self.cos_sin(torch.arange(n), device)                                # [n, D]
+            half = self.head_dim // 2
+            sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+            t = torch.stack((cos, sin), dim=1).contiguous()                                 # [n, 2, D]
+            self._tables[device] = t
+        return t
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -36,16 +61,35 @@ class Rotary:
         xf = x.float() * cos[:, None, :] + rot.float() * sin[:, None, :]
         return xf.to(x.dtype)
 
+    @staticmethod
+    def apply_table(xf: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+        """xf: [T, heads, D] fp32, cs: [T, 2, D] rows of table() -> [T, heads, D] fp32."""
+        t, heads, d = xf.shape
+        swapped = xf.view(t, heads, 2, d // 2).flip(2).reshape(t, heads, d)
+        return torch.addcmul(xf * cs[:, None, 0], swapped, cs[:, None, 1])
+
 
 class KVCache:
-    """Preallocated per-layer K/V: [max_tokens, Hkv, D] each, fp16/fp32 (int8 arrives with the runtime)."""
+    """Preallocated per-layer K/V: [max_tokens, Hkv, D] each, fp16/fp32 (int8: hybrid.runtime.kv_int8).
+
+    k_store/v_store are the full tensors; k/v are their first max_tokens rows. A new cache may reuse
+    the stores of an older, larger one (MoEModel.new_cache on CUDA), so graphs captured on them stay
+    valid across generations."""
 
     def __init__(self, num_layers: int, max_tokens: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, devices: list[torch.device]):
+                 dtype: torch.dtype, devices: list[torch.device], stores: tuple | None = None):
         self.max_tokens = max_tokens
-        self.k = [torch.zeros(max_tokens, kv_heads, head_dim, dtype=dtype, device=d) for d in devices]
-        self.v = [torch.zeros(max_tokens, kv_heads, head_dim, dtype=dtype, device=d) for d in devices]
+        if stores is None:
+            stores = ([torch.zeros(max_tokens, kv_heads, head_dim, dtype=dtype, device=d) for d in devices],
+                      [torch.zeros(max_tokens, kv_heads, head_dim, dtype=dtype, device=d) for d in devices])
+        self.k_store, self.v_store = stores
+        self.k = [s[:max_tokens] for s in self.k_store]
+        self.v = [s[:max_tokens] for s in self.v_store]
         self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k_store[0].shape[0]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         end = start + k.shape[0]
@@ -66,9 +110,13 @@ class Attention:
         self.q, self.k, self.v, self.o = q, k, v, o
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
         self.q_norm, self.k_norm, self.eps = q_norm, k_norm, eps
+        self._qkv = None          # CUDA: fused q/k/v (a callable x [T, H] -> [T, (Hq+2Hkv)*D])
+        self._qk_w = None         # CUDA: q/k norm weights per head [Hq+Hkv, D] fp32
 
     def __call__(self, x: torch.Tensor, layer: int, start: int, cache: KVCache,
                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and isinstance(cache, KVCache):
+            return self._cuda(x, layer, start, cache, cos)
         t = x.shape[0]
         q = self.q(x).view(t, self.n_heads, self.head_dim)   # [T, Hq, D]
         k = self.k(x).view(t, self.n_kv, self.head_dim)      # [T, Hkv, D]
@@ -94,3 +142,58 @@ class Attention:
         scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
         out = torch.softmax(scores, dim=-1) @ vh                             # [Hq, T, D]
         return out.transpose(0, 1).reshape(t, -1).to(q.dtype)
+
+    # ---- CUDA path ---------------------------------------------------------------------------
+    def _qk_rope(self, x: torch.Tensor, cs: torch.Tensor):
+        """x [T, H] -> q, k roped [T, Hq / Hkv, D] and v [T, Hkv, D] (x's dtype); cs [T, 2, D]."""
+        t, hq, hkv, d = x.shape[0], self.n_heads, self.n_kv, self.head_dim
+        if self._qkv is None:
+            self._qkv = fused_linear([self.q, self.k, self.v])
+        qkv = self._qkv(x)                                                   # [T, (Hq+2Hkv)*D]
+        qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d).float()           # [T, Hq+Hkv, D]
+        if self.q_norm is not None:
+            if self._qk_w is None:
+                self._qk_w = torch.cat([self.q_norm.float().expand(hq, d), self.k_norm.float().expand(hkv, d)])
+            qk = F.rms_norm(qk, (d,), None, self.eps) * self._qk_w           # per-head weights
+        qk = Rotary.apply_table(qk, cs).to(x.dtype)
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+        return qk[:, :hq], qk[:, hq:], v
+
+    def _cuda(self, x, layer: int, start: int, cache: KVCache, table: torch.Tensor) -> torch.Tensor:
+        """Eager CUDA step (any T); table: the device's Rotary.table."""
+        t = x.shape[0]
+        q, k, v = self._qk_rope(x, table[start:start + t])
+        cache.write(layer, start, k, v)
+        keys, vals = cache.k[layer][: start + t], cache.v[layer][: start + t]  # [P+T, Hkv, D]
+        if t == 1:
+            return self.o(self._sdpa1(q, keys, vals, None))
+        qh = q.transpose(0, 1)[None]                                          # [1, Hq, T, D]
+        kh, vh = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]       # [1, Hkv, P+T, D]
+        if start == 0:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+        else:
+            pos_k = torch.arange(start + t, device=x.device)
+            mask = pos_k[None, :] <= pos_k[start:, None]                       # [T, P+T] True = attend
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        return self.o(out[0].transpose(0, 1).reshape(t, -1))                  # [T, Hq*D]
+
+    def _sdpa1(self, q, keys, vals, mask):
+        """One query token: q [1, Hq, D]; keys/vals [L, Hkv, D]; mask [1, 1, 1, L] additive or None.
+        The Hq/Hkv query heads of a KV head become its query rows, so no K/V is copied."""
+        g = self.n_heads // self.n_kv
+        qh = q.reshape(1, self.n_kv, g, self.head_dim)                        # [1, Hkv, g, D]
+        kh, vh = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]       # [1, Hkv, L, D]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)     # [1, Hkv, g, D]
+        return out.reshape(1, self.n_heads * self.head_dim)
+
+    def decode(self, x: torch.Tensor, layer: int, cache: KVCache, pos: torch.Tensor, cs: torch.Tensor,
+               keys: int, mask: torch.Tensor) -> torch.Tensor:
+        """One token at device position pos [1] int64 (graph-safe: no host values).
+
+        cs [1, 2, D]: table rows at pos; keys: rows of the KV store attended (>= pos + 1);
+        mask [1, 1, 1, keys] additive (-inf past pos)."""
+        q, k, v = self._qk_rope(x, cs)
+        cache.k_store[layer].index_copy_(0, pos, k)
+        cache.v_store[layer].index_copy_(0, pos, v)
+        out = self._sdpa1(q, cache.k_store[layer][:keys], cache.v_store[layer][:keys], mask)
+        return self.o(out)

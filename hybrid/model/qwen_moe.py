@@ -1,7 +1,11 @@
 """Reference forward of the Qwen-MoE family (qwen3_moe; qwen2_moe's shared expert; mixtral).
 
-Legend: T tokens, H hidden, V vocab, L layers. Each layer lives on a device from
-`layer_devices`; the hidden state hops where consecutive layers differ (the layer split).
+Legend: T tokens, H hidden, V vocab, L layers, k experts per token. Each layer lives on a device
+from `layer_devices`; the hidden state hops where consecutive layers differ (the layer split).
+
+`forward` is the eager step. The pieces `embed_tokens`, `decode_dense`, `moe_out`, `head` are
+the same math for one token with its position as a device tensor, for CUDA graphs
+(hybrid.runtime.graphs).
 """
 from __future__ import annotations
 
@@ -37,11 +41,44 @@ class MoEModel:
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self.cache: KVCache | None = None
         self.on_route = None  # optional callback(layer, ids, weights) for traces and stats
+        self._prepared = False
+        self.kv_reserve = 0   # CUDA: rows the first KV store gets at least (the runtime's context)
 
     def new_cache(self, max_tokens: int) -> KVCache:
-        self.cache = KVCache(self.cfg.num_hidden_layers, max_tokens, self.cfg.num_key_value_heads,
-                             self.cfg.head_dim, self.dtype, self.layer_devices)
+        """A fresh cache. On CUDA it reuses the K/V stores of the last one when they are large
+        enough (stale rows past the new tokens are never read), so captured graphs stay valid."""
+        cfg, old = self.cfg, self.cache
+        cuda = self.layer_devices[0].type == "cuda"
+        stores = None
+        if (isinstance(old, KVCache) and cuda and old.capacity >= max_tokens
+                and old.k_store[0].dtype == self.dtype):
+            stores = (old.k_store, old.v_store)
+        elif cuda and self.kv_reserve > max_tokens:
+            stores = KVCache(cfg.num_hidden_layers, self.kv_reserve, cfg.num_key_value_heads, cfg.head_dim,
+                             self.dtype, self.layer_devices)
+            stores = (stores.k_store, stores.v_store)
+        self.cache = KVCache(cfg.num_hidden_layers, max_tokens, cfg.num_key_value_heads,
+                             cfg.head_dim, self.dtype, self.layer_devices, stores)
         return self.cache
+
+    def prepare(self) -> None:
+        """CUDA: router and norm weights in fp32 once (exact), instead of converting at every call."""
+        if self._prepared:
+            return
+        for i, layer in enumerate(self.layers):
+            if self.layer_devices[i].type == "cuda":
+                layer.router = layer.router.float()
+                layer.input_norm, layer.post_norm = layer.input_norm.float(), layer.post_norm.float()
+                if layer.attn.q_norm is not None:
+                    layer.attn.q_norm, layer.attn.k_norm = layer.attn.q_norm.float(), layer.attn.k_norm.float()
+        if self.final_norm.is_cuda:
+            self.final_norm = self.final_norm.float()
+        self._prepared = True
+
+    def rope_table(self, device: torch.device) -> torch.Tensor:
+        """[n, 2, D] cos / signed sin for every position the cache holds."""
+        n = self.cache.capacity if isinstance(self.cache, KVCache) else self.cache.max_tokens
+        return self.rotary.table(device, max(n, self.cfg.max_position_embeddings or 0, 1))
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
@@ -49,16 +86,20 @@ class MoEModel:
         cfg, cache = self.cfg, self.cache
         if cache is None or start + ids.shape[0] > cache.max_tokens:
             raise ValueError("KV cache missing or too small: call new_cache(max_tokens) first")
-        dev0 = self.layer_devices[0]
-        x = self.embed[ids.to(self.embed.device)].to(dev0, self.dtype)       # [T, H]
-        positions = torch.arange(start, start + ids.shape[0])
+        self.prepare()
+        x = self.embed_tokens(ids)                                           # [T, H]
+        positions = None
         cos_sin: dict[torch.device, tuple] = {}
         for i, layer in enumerate(self.layers):
             dev = self.layer_devices[i]
             if x.device != dev:
                 x = x.to(dev)                                                # layer-split hop
             if dev not in cos_sin:
-                cos_sin[dev] = self.rotary.cos_sin(positions, dev)
+                if dev.type == "cuda" and isinstance(cache, KVCache):
+                    cos_sin[dev] = (self.rope_table(dev), None)         # Attention's CUDA path
+                else:
+                    positions = torch.arange(start, start + ids.shape[0]) if positions is None else positions
+                    cos_sin[dev] = self.rotary.cos_sin(positions, dev)
             cos, sin = cos_sin[dev]
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             x = x + layer.attn(h, i, start, cache, cos, sin)
@@ -67,18 +108,51 @@ class MoEModel:
         cache.length = start + ids.shape[0]
         if last_only:
             x = x[-1:]
-        x = rms_norm(x.to(self.lm_head.device), self.final_norm, cfg.rms_norm_eps)
+        return self.head(x)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> [T, H] in the model dtype on the first layer's device."""
+        return self.embed[ids.to(self.embed.device)].to(self.layer_devices[0], self.dtype)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head: [T, H] -> logits [T, V] fp32."""
+        x = rms_norm(x.to(self.lm_head.device), self.final_norm, self.cfg.rms_norm_eps)
         return self.lm_head(x).float()                                       # [T, V]
 
+    def route(self, i: int, h: torch.Tensor):
+        return route(h, self.layers[i].router, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+
     def _moe(self, i: int, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
-        ids, weights = route(h, layer.router, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        ids, weights = self.route(i, h)
         if self.on_route is not None:
             self.on_route(i, ids, weights)
-        out = self.experts(i, h, ids, weights)                               # [T, H]
+        return self.moe_out(i, h, self.experts(i, h, ids, weights))
+
+    def moe_out(self, i: int, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Routed experts' sum `out` [T, H] (+ the gated shared expert where the model has one)."""
+        layer = self.layers[i]
         if layer.shared is not None:
             gate = torch.sigmoid(h.float() @ layer.shared_gate.float().T)    # [T, 1]
             out = out + (gate * layer.shared(h).float()).to(out.dtype)
         return out
+
+    # ---- one decode token, position on the device (graph-safe) --------------------------------
+    def decode_mask(self, pos: torch.Tensor, keys: int) -> torch.Tensor:
+        """Additive mask [1, 1, 1, keys] in the model dtype: 0 up to pos, -inf after."""
+        ar = torch.arange(keys, device=pos.device)
+        m = torch.zeros(keys, dtype=self.dtype, device=pos.device).masked_fill_(ar > pos, float("-inf"))
+        return m.view(1, 1, 1, keys)
+
+    def decode_dense(self, i: int, x: torch.Tensor, pos: torch.Tensor, keys: int, mask: torch.Tensor):
+        """Layer i up to its router for one token: x [1, H] -> (x after attention [1, H],
+        normed h [1, H], ids [1, k] int64, weights [1, k] fp32). No host sync, no host values."""
+        layer, eps = self.layers[i], self.cfg.rms_norm_eps
+        cs = self.rope_table(x.device).index_select(0, pos)                  # [1, 2, D]
+        h = rms_norm(x, layer.input_norm, eps)
+        x = x + layer.attn.decode(h, i, self.cache, pos, cs, keys, mask)
+        h = rms_norm(x, layer.post_norm, eps)
+        ids, weights = self.route(i, h)
+        return x, h, ids, weights
 
     def forward_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits for a whole sequence with a fresh cache: ids [T] -> [T, V] fp32."""

@@ -48,10 +48,12 @@ class CardRuntime:
         return torch.device(self.spec.device)
 
     def refresh(self, layer: int) -> None:
-        """Note whether every expert of the layer is resident (then it can skip the host sync)."""
+        """Note whether every expert of the layer is resident (then it can skip the host sync).
+        The table holds the layer's local slot ids (int32), what the slot storage indexes."""
         table = self.cache.slot_table(layer)                                  # [E] int64, -1 = absent
         if (table >= 0).all():
-            self.full[layer] = torch.from_numpy(table).to(self.device)
+            local = table - self.slots.layer_slots[layer][0]
+            self.full[layer] = torch.from_numpy(local.astype(np.int32)).to(self.device)
         else:
             self.full.pop(layer, None)
 
@@ -65,6 +67,8 @@ class HybridExperts:
         self.card_of = {l: c for c in cards for l in c.spec.layer_ids}
         self.num_layers, self.stats, self.trace = num_layers, stats, trace
         self._step: dict | None = None
+        self.version = 0                     # bumped when a layer's residency may have changed
+        self._tok: dict = {}                 # (T, k, device) -> token index of each pair [T*k] int32
 
     # ---- step boundaries (HybridModel.forward) -----------------------------------------------
     def begin_step(self, tokens: int, phase: str = "decode") -> None:
@@ -97,22 +101,32 @@ class HybridExperts:
         if not st["deferred"]:
             return
         t0 = time.perf_counter()
-        by_dev: dict = {}
+        blocks, by_dev = [], {}
         for item in st["deferred"]:
-            by_dev.setdefault(item[1].device, []).append(item)
+            if item[0] == "block":                                            # graphed: [n, T, 2k] buffer
+                blocks.append((item[1], item[2]))
+            else:
+                by_dev.setdefault(item[1].device, []).append(item)
         for items in by_dev.values():
-            k = items[0][1].shape[1]
-            both = torch.stack([torch.cat([i.float(), w.float()], 1) for _, i, w in items]).cpu().numpy()
-            for (layer, _, _), b in zip(items, both):                         # b [T, 2k]
-                ids_h, w_h = b[:, :k].astype(np.int64), b[:, k:]
-                card = self.card_of[layer]
-                lk = card.cache.lookup(layer, ids_h)
-                if lk.misses or card.cache.promote_misses(layer, lk):
-                    raise RuntimeError(f"layer {layer}: a fully resident layer missed")
-                self._account(layer, items[0][1].is_cuda, ids_h, w_h, lk, 0, 0)
-        dt = (time.perf_counter() - t0) / len(st["deferred"])
-        for layer, _, _ in st["deferred"]:
+            both = torch.stack([torch.cat([i.float(), w.float()], 1) for _, i, w in items])
+            blocks.append(([layer for layer, _, _ in items], both))
+        host = [(layers, buf.cpu().numpy()) for layers, buf in blocks]        # one copy per block
+        layers_done = []
+        for layers, both in host:
+            k = both.shape[2] // 2
+            for layer, b in zip(layers, both):                                # b [T, 2k]
+                self._settle_layer(layer, b[:, :k].astype(np.int64), b[:, k:])
+                layers_done.append(layer)
+        dt = (time.perf_counter() - t0) / max(len(layers_done), 1)
+        for layer in layers_done:
             self.stats.route_sync_s[layer] += dt
+
+    def _settle_layer(self, layer: int, ids_h: np.ndarray, w_h: np.ndarray) -> None:
+        card = self.card_of[layer]
+        lk = card.cache.lookup(layer, ids_h)
+        if lk.misses or card.cache.promote_misses(layer, lk):
+            raise RuntimeError(f"layer {layer}: a fully resident layer missed")
+        self._account(layer, card.device.type == "cuda", ids_h, w_h, lk, 0, 0)
 
     def _gpu_times(self, pending: list) -> float:
         """Resolve the step's (layer, start, end) CUDA events into seconds (events are done by now)."""
@@ -157,12 +171,52 @@ class HybridExperts:
 
     def _resident(self, card: CardRuntime, layer: int, x, ids, weights) -> torch.Tensor:
         """Every expert of the layer is in a slot: no host sync, lookup deferred to the step's end."""
-        t, k = ids.shape
-        slot_ids = card.full[layer][ids.reshape(-1)]                          # [T*k]
-        tok = torch.arange(t, device=x.device).repeat_interleave(k)           # [T*k]
-        out = self._launch(card, layer, x, slot_ids, tok, weights.reshape(-1).float())
+        if x.is_cuda:
+            self._wait_ready(card, layer)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = self.moe_device(layer, x, ids, weights)
+            b.record()
+            self._step["gpu"].append((layer, a, b))
+        else:
+            t0 = time.perf_counter()
+            out = self.moe_device(layer, x, ids, weights)
+            self.stats.gpu_expert_s[layer] += time.perf_counter() - t0
         self._step["deferred"].append((layer, ids, weights))
+        return out
+
+    # ---- graph-safe pieces (hybrid.runtime.graphs) ---------------------------------------------
+    def device_only(self, layer: int) -> bool:
+        """True when the layer's MoE needs no host work: every expert resident on its card."""
+        return layer in self.card_of[layer].full
+
+    def moe_device(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """A fully resident layer's experts, device work only (capturable): -> [T, H] x.dtype.
+        No stats, no bookkeeping: the caller reports the routing (note_device / deferred)."""
+        card = self.card_of[layer]
+        t, k = ids.shape
+        slot_ids = card.full[layer][ids.reshape(-1)]                          # [T*k] int32 local
+        key = (t, k, x.device)
+        tok = self._tok.get(key)
+        if tok is None:
+            tok = torch.arange(t, dtype=torch.int32, device=x.device).repeat_interleave(k)  # [T*k]
+            self._tok[key] = tok
+        out = card.slots.moe_local(layer, x, slot_ids, tok, weights.reshape(-1).float())
         return out.to(x.dtype)
+
+    def prepare_device(self, layers) -> None:
+        """Before replaying graphed layers: the stream waits for their pending promotions."""
+        for layer in layers:
+            self._wait_ready(self.card_of[layer], layer)
+
+    def note_device(self, layers: list[int], route_buf: torch.Tensor) -> None:
+        """After a graph replay: the routing of its resident layers, route_buf [n, T, 2k] (ids as
+        floats, then weights), is settled at the step's end like the eager path's deferred ids."""
+        self._step["deferred"].append(("block", list(layers), route_buf))
+
+    def _wait_ready(self, card: CardRuntime, layer: int) -> None:
+        if layer in card.ready:
+            torch.cuda.current_stream(card.device).wait_event(card.ready.pop(layer))
 
     def _hits(self, card: CardRuntime, layer: int, x, weights, slots_h: np.ndarray, hit: np.ndarray):
         ht, hj = np.nonzero(hit)                                              # hit pairs [A_h]
@@ -178,8 +232,7 @@ class HybridExperts:
         """The grouped slot kernel for one layer's hits, timed (CUDA events on the GPU) -> [T, H] fp32."""
         dev = x.device
         if dev.type == "cuda":
-            if layer in card.ready:
-                torch.cuda.current_stream(dev).wait_event(card.ready.pop(layer))
+            self._wait_ready(card, layer)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             out = card.slots.moe(layer, x, slot_ids, tok, route_w).float()
@@ -197,6 +250,7 @@ class HybridExperts:
             card.slots.load(layer, p.slot, self.get_expert(layer, p.expert), stream=card.stream)
         if done:
             card.refresh(layer)
+            self.version += 1
         if done and card.stream is not None:
             ev = torch.cuda.Event()
             ev.record(card.stream)

@@ -2,18 +2,22 @@
 and the --kv-resident limit. Everything else is the wrapped model's."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from hybrid.errors import HybridError
 
 
 class HybridModel:
-    def __init__(self, model, experts, kv_resident: int | None = None, kv_dtype: str = "fp16"):
+    def __init__(self, model, experts, kv_resident: int | None = None, kv_dtype: str = "fp16",
+                 graphs=None):
         self.model, self.experts = model, experts
         self.kv_resident, self.kv_dtype = kv_resident, kv_dtype
         self.prompt_tokens: int | None = None   # set before generate(): positions below are prefill
         devs = model.layer_devices
         self._hops = sum(1 for a, b in zip(devs, devs[1:]) if a != b)
+        self.graphs = graphs                    # hybrid.runtime.graphs.DecodeGraphs (CUDA) or None
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -36,9 +40,10 @@ class HybridModel:
         """One step: ids [T] at positions start.. -> logits [T or 1, V] fp32."""
         t = int(ids.shape[0])
         prefill = t > 1 if self.prompt_tokens is None else start < self.prompt_tokens
-        self.experts.begin_step(t, "prefill" if prefill else "decode")
+        phase = "prefill" if prefill else "decode"
+        self.experts.begin_step(t, phase)
         try:
-            logits = self.model.forward(ids, start, last_only)
+            logits = self._forward(ids, start, last_only, phase)
         except BaseException:
             self.experts.abort_step()
             raise
@@ -46,6 +51,23 @@ class HybridModel:
             n = self._hops * int(ids.shape[0]) * self.model.cfg.hidden_size * 2
             self.experts.add_pcie("hops", n)
         self.experts.end_step()
+        return logits
+
+    def _forward(self, ids: torch.Tensor, start: int, last_only: bool, phase: str) -> torch.Tensor:
+        g = self.graphs
+        if g is None or not g.usable(ids, start):
+            return self.model.forward(ids, start, last_only)
+        try:
+            logits = g.step(ids, start)
+        except Exception as exc:  # noqa: BLE001 - a graph that cannot be captured: eager from now on
+            if g.error is None:
+                raise
+            print(f"hybrid: CUDA graphs off ({g.error}); running eagerly", file=sys.stderr)
+            self.experts.abort_step()
+            self.experts.begin_step(int(ids.shape[0]), phase)
+            del exc
+            return self.model.forward(ids, start, last_only)
+        self.experts.stats.graph_steps += 1
         return logits
 
     def forward_logits(self, ids: torch.Tensor) -> torch.Tensor:

@@ -104,7 +104,13 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     trace = _trace(opts, path, cfg, cards, placement, meta)
     experts = HybridExperts(cards, cpu, get_expert, cfg.num_hidden_layers, stats, trace)
     model.experts = experts
-    hm = HybridModel(model, experts, opts.kv_resident, opts.kv_dtype)
+    graphs = None
+    if placement.cards[0].device.startswith("cuda"):
+        from hybrid.runtime.graphs import DecodeGraphs
+
+        model.kv_reserve = opts.kv_resident or context     # one KV store for every generation
+        graphs = DecodeGraphs(model, experts)
+    hm = HybridModel(model, experts, opts.kv_resident, opts.kv_dtype, graphs)
     return Session(hm, placement, plan, cards, cpu, stats, opts, trace, eprof,
                    {"plan": t1 - t0, "dense": t2 - t1, "expert_cache": t3 - t2, "cpu_store": t4 - t3},
                    owns_cpu)

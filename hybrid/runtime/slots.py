@@ -106,6 +106,11 @@ class CardSlots:
         """Hits of one layer: x [T, H], global slot_ids/token_idx/route_w [A] -> [T, H] fp32."""
         return self._store[layer].moe(x, slot_ids - self.layer_slots[layer][0], token_idx, route_w)
 
+    def moe_local(self, layer: int, x: torch.Tensor, slot_ids: torch.Tensor, token_idx: torch.Tensor,
+                  route_w: torch.Tensor) -> torch.Tensor:
+        """moe() with slot ids local to the layer's storage (0..its slots - 1) -> [T, H] fp32."""
+        return self._store[layer].moe(x, slot_ids, token_idx, route_w)
+
 
 def _make_store(n: int, hidden: int, inter: int, qtype, device, use_kernels: bool):
     """QPN storage when the kernels take this type and shape, else the torch reference storage."""

@@ -25,6 +25,7 @@ class RuntimeStats:
     steps: dict = field(default_factory=lambda: {"decode": 0, "prefill": 0})
     step_s: dict = field(default_factory=lambda: {"decode": [], "prefill": []})
     tokens: dict = field(default_factory=lambda: {"decode": 0, "prefill": 0})
+    graph_steps: int = 0                 # steps run through CUDA graphs (their expert kernels untimed)
 
     def __post_init__(self) -> None:
         for name in ("gpu_expert_s", "cpu_expert_s", "cpu_wait_s", "route_sync_s"):
@@ -52,6 +53,7 @@ class RuntimeStats:
              "cpu_expert_ms": round(1e3 * float(self.cpu_expert_s.sum()), 3),
              "cpu_wait_ms": round(1e3 * float(self.cpu_wait_s.sum()), 3),
              "route_sync_ms": round(1e3 * float(self.route_sync_s.sum()), 3),
+             "graph_steps": self.graph_steps,
              "pcie_bytes": dict(self.pcie), "pcie_bytes_total": self.pcie_total,
              "cards": [], "layers": []}
         n_tok = max(sum(self.tokens.values()), 1)
