@@ -100,7 +100,9 @@ def request_from_args(args, num_gpus: int) -> PlanRequest:
 
 def plan_from_args(args) -> Plan:
     """The Plan for --model and the placement flags (loads headers and profiles, no weights)."""
-    model = Path(args.model)
+    from hybrid.model.registry import EMBEDDED, resolve_model_path
+
+    model = resolve_model_path(args.model) if args.model in EMBEDDED else Path(args.model)
     if not model.is_dir():
         raise HybridError(f"--model {args.model}: no such folder")
     prof = load_profile(args.profile)
