@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads for the dense path in CPU mode (default: 1 per 1024 of "
+                        "hidden size, at most the physical cores; small ops only lose time to more threads)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -112,6 +115,7 @@ def body(args) -> int:
                                     args.presence_penalty, args.repetition_penalty, args.seed))
     path = resolve_model_path(args.model)
     cfg = ModelConfig.from_folder(path)
+    _set_torch_threads(args, cfg)
     tok = Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     prompt = tok.apply_chat(args.prompt, args.system) if args.chat else args.prompt
     ids = tok.encode(prompt)
@@ -139,6 +143,29 @@ def body(args) -> int:
 
         write_metrics(args.metrics, report)
     return 0
+
+
+def _set_torch_threads(args, cfg) -> None:
+    import os
+
+    import torch
+
+    from hybrid.errors import HybridError
+
+    if args.torch_threads is not None and args.torch_threads < 1:
+        raise HybridError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+    if args.device != "cpu" or (args.torch_threads is None and "OMP_NUM_THREADS" in os.environ):
+        return
+    cores = _physical_cores()
+    torch.set_num_threads(args.torch_threads or max(1, min(cores, cfg.hidden_size // 1024)))
+
+
+def _physical_cores() -> int:
+    import os
+
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 def _reference_model(args, path):
