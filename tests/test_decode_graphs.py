@@ -109,7 +109,6 @@ def test_cuda_attention_math_on_cpu(model_dir):
     table = m.rotary.table(torch.device("cpu"), 64)
     for start, t in ((0, 5), (5, 3), (8, 1)):
         x = torch.randn(t, cfg.hidden_size)
-        c1, c2 = m.new_cache(16), None
         ref_cache, fast_cache = m.new_cache(16), m.new_cache(16)
         for cache in (ref_cache, fast_cache):                  # same past rows in both
             g = torch.Generator().manual_seed(1)
@@ -120,7 +119,6 @@ def test_cuda_attention_math_on_cpu(model_dir):
         got = attn._cuda(x, 0, start, fast_cache, table)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(fast_cache.k[0][: start + t], ref_cache.k[0][: start + t], atol=1e-5, rtol=1e-5)
-        del c1, c2
 
 
 def test_rope_table_matches_cos_sin():
@@ -184,7 +182,7 @@ def test_graphs_match_eager_on_cuda(model_dir, slots, monkeypatch):
         assert steps == (6 if graphs == "1" else 0)
     (i0, l0), (i1, l1) = runs
     assert i0 == i1
-    torch.testing.assert_close(l1, l0, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(l1, l0, atol=1e-3, rtol=1e-3)   # the same kernels, replayed
 
 
 @cuda

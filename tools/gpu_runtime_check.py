@@ -77,7 +77,32 @@ def prefix_match(a: list[int], b: list[int]) -> int:
     return n
 
 
-def tiny_checks(tiny: Path, ref: dict, device: str) -> None:
+def calibrate_h200(state: dict) -> None:
+    """hybrid-bench calibrate --base h200 -> $OUT/h200.json; later parts plan with it."""
+    t = time.perf_counter()
+    out = OUT / "h200.json"
+    cmd = [sys.executable, "-m", "hybrid.cli.bench", "calibrate", "--base", "h200", "--ram-usable-gib", "120",
+           "--out", str(out), "--name", "h200"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    log(p.stdout.strip()[-3000:] + p.stderr.strip()[-2000:])
+    ok = p.returncode == 0 and out.is_file()
+    if ok:
+        state["profile"] = str(out)
+    record({"check": "calibrate", "ok": ok, "seconds": round(time.perf_counter() - t, 1),
+            "command": "hybrid-bench " + " ".join(cmd[3:])})
+
+
+def run_pytest(args: list[str]) -> None:
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                        *args], capture_output=True, text=True, timeout=150)
+    tail = (p.stdout + p.stderr).strip().splitlines()[-25:]
+    log("\n".join(tail))
+    record({"check": "pytest_cuda", "ok": p.returncode == 0, "rc": p.returncode, "args": args,
+            "seconds": round(time.perf_counter() - t, 1), "summary": tail[-1] if tail else ""})
+
+
+def tiny_checks(tiny: Path, ref: dict, device: str, profile: str = "h200") -> None:
     if not (tiny / "config.json").is_file():       # the same bytes as on the dev machine: deterministic
         t = time.perf_counter()
         p = subprocess.run([sys.executable, "-m", "hybrid.cli.quantize", "tiny", str(tiny), "--no-progress"],
@@ -94,13 +119,14 @@ def tiny_checks(tiny: Path, ref: dict, device: str) -> None:
         cards = 2 if split else 1
         layers = [split, 4 - split] if split else [4]
         slots = ",".join(str(int(frac * per_layer * n)) for n in layers)
-        d = run_cli(base + flags + ["--cache-slots", slots, "--profile", "h200"])
+        d = run_cli(base + flags + ["--cache-slots", slots, "--profile", profile])
         got, st = d["generated_ids"], d["stats"]
         record({"check": "tiny_hybrid_cuda", "split": split, "cards": cards, "cache_frac": frac,
                 "match_cpu_reference": got == want, "match_cuda_reference": got == cuda_ref,
                 "prefix_match_cpu": prefix_match(got, want), "n": len(want),
                 "hit_rate": st["hit_rate"], "decode_tok_s": d["decode_tok_s"],
-                "slot_storage": st["slot_storage"], "cpu_runner": st["cpu_runner"]})
+                "slot_storage": st["slot_storage"], "cpu_runner": st["cpu_runner"],
+                "graph_steps": st.get("graph_steps")})
 
 
 def make_synth(path: Path, skew: float, small: bool) -> None:
@@ -143,7 +169,79 @@ def calibrate_profile(session, tok, path: Path, out: Path) -> None:
     out.write_text(json.dumps(d) + "\n")
 
 
-def synth_runs(path: Path, deadline: float, tokens: int, device: str) -> None:
+def step_profile(session, steps: int = 16) -> dict:
+    """Host time to issue one decode step (all layers resident) and its wall / GPU time, eager vs
+    graphs: per step, perf_counter around the launch, then a sync; CUDA events around the step.
+    Expert bookkeeping is left out (the step is aborted), so this is the dense path + kernels."""
+    import statistics
+
+    import torch
+
+    hm, inner, ex = session.model, session.model.model, session.model.experts
+    n_layers = inner.cfg.num_hidden_layers
+    cap = inner.cache.max_tokens if inner.cache is not None else 64
+    hm.new_cache(cap)
+    out = {}
+    for mode in ("eager", "graphs"):
+        if mode == "graphs" and (hm.graphs is None or hm.graphs.error):
+            continue
+        host, wall, gpu = [], [], []
+        for j in range(steps + 3):
+            ids = torch.tensor([100 + j])
+            ex.begin_step(1, "decode")
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            t0 = time.perf_counter()
+            if mode == "eager":
+                inner.forward(ids, j, last_only=True)
+            else:
+                hm.graphs.step(ids, j)
+            t1 = time.perf_counter()
+            e1.record()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            ex.abort_step()
+            if j >= 3:
+                host.append(t1 - t0)
+                wall.append(t2 - t0)
+                gpu.append(e0.elapsed_time(e1) / 1e3)
+        med = lambda v: statistics.median(v) * 1e3  # noqa: E731
+        out[mode] = {"host_issue_ms_per_step": round(med(host), 3),
+                     "host_issue_us_per_layer": round(med(host) * 1e3 / n_layers, 1),
+                     "wall_ms_per_step": round(med(wall), 3), "gpu_events_ms_per_step": round(med(gpu), 3),
+                     "steps": steps}
+    return out
+
+
+def graph_info(session) -> dict:
+    g = session.model.graphs
+    if g is None:
+        return {"graphs": None}
+    return {"graphs": {"enabled": g.enabled, "captures": g.captures, "error": g.error,
+                       "graph_steps": session.stats.graph_steps}}
+
+
+def measure_modes(s, tok, tokens: int, label: str, modes=("graphs", "eager"), deadline: float = 1e18) -> None:
+    """decode measurement with CUDA graphs on, then off (the eager path), in one session."""
+    from hybrid.bench.decode import measure
+
+    g = s.model.graphs
+    for mode in modes:
+        if time.perf_counter() > deadline:
+            record({"check": f"{label}_{mode}", "skipped": "device-time deadline"})
+            continue
+        if g is not None:
+            g.enabled = mode == "graphs"
+        steps0 = s.stats.graph_steps
+        rec = measure(s, tok, 32, 16, tokens)
+        rec["graph_steps_measured"] = s.stats.graph_steps - steps0
+        record({"check": f"{label}_{mode}", "mode": mode, **rec, **graph_info(s)})
+    if g is not None:
+        g.enabled = True
+
+
+def synth_runs(path: Path, deadline: float, tokens: int, device: str, profile: str = "h200") -> None:
     import torch
 
     from hybrid.bench.decode import measure
@@ -157,12 +255,12 @@ def synth_runs(path: Path, deadline: float, tokens: int, device: str) -> None:
     tok = Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     ctx = 32 + tokens
     log("session: all experts on the CPU runner (builds the expert store)")
-    s0 = open_session(path, RuntimeOptions(device=device, gpus=(0,), cache_slots=(0,), profile="h200"),
+    s0 = open_session(path, RuntimeOptions(device=device, gpus=(0,), cache_slots=(0,), profile=profile),
                       context=ctx)
     cpu = s0.cpu
     log(f"  loaded {s0.load_s}")
     rec = measure(s0, tok, 32, 1, 8)
-    record({"check": "synth_all_cpu", "vram_cap_gib": None, **rec,
+    record({"check": "synth_all_cpu", "vram_cap_gib": None, **rec, **graph_info(s0),
             "store_backing": getattr(getattr(cpu, "store", None), "backing", None),
             "cpu_threads": getattr(getattr(cpu, "runner", None), "threads", None)})
     prof = OUT / "synth30.experts.json"
@@ -177,18 +275,25 @@ def synth_runs(path: Path, deadline: float, tokens: int, device: str) -> None:
             continue
         log(f"session: two logical cards on GPU 0, --vram-cap {cap:g} each")
         torch.cuda.reset_peak_memory_stats() if cuda else None
-        s = open_session(path, RuntimeOptions(device=device, gpus=(0, 0), vram_cap_gib=(cap,), profile="h200",
+        s = open_session(path, RuntimeOptions(device=device, gpus=(0, 0), vram_cap_gib=(cap,), profile=profile,
                                               expert_profile=str(prof)), context=ctx, cpu=cpu)
         log(f"  loaded {s.load_s}; {s.placement.describe()}")
         alloc = torch.cuda.memory_allocated(0) if cuda else 0
-        rec = measure(s, tok, 32, 16, tokens)
-        rec["vram"] = {"allocated_gib_both_cards": round(alloc / 2**30, 2),
-                       "peak_gib_both_cards": round(torch.cuda.max_memory_allocated(0) / 2**30, 2) if cuda else 0,
-                       "slot_storage_gib": [round(c.slots.nbytes / 2**30, 2) for c in s.cards],
-                       "plan_used_gib": [round(c.used_bytes / 2**30, 2) for c in s.plan.cards],
-                       "cap_gib": cap}
-        rec["plan_split"] = list(s.plan.inputs.layer_split)
-        record({"check": f"synth_two_cards_cap{cap:g}", **rec})
+        label = f"synth_two_cards_cap{cap:g}"
+        measure_modes(s, tok, tokens, label, deadline=deadline)
+        rec = {"vram": {"allocated_gib_both_cards": round(alloc / 2**30, 2),
+                        "peak_gib_both_cards": round(torch.cuda.max_memory_allocated(0) / 2**30, 2) if cuda else 0,
+                        "slot_storage_gib": [round(c.slots.nbytes / 2**30, 2) for c in s.cards],
+                        "plan_used_gib": [round(c.used_bytes / 2**30, 2) for c in s.plan.cards],
+                        "cap_gib": cap},
+               "plan_split": list(s.plan.inputs.layer_split), "placement": s.placement.describe(),
+               "full_layers": [len(c.full) for c in s.cards]}
+        if cuda and all(len(c.full) == len(c.spec.layer_ids) for c in s.cards):
+            try:
+                rec["step_profile"] = step_profile(s)
+            except Exception as exc:  # noqa: BLE001
+                rec["step_profile_error"] = f"{type(exc).__name__}: {exc}"
+        record({"check": f"{label}_session", **rec, **graph_info(s)})
         s.close()
         del s
         torch.cuda.empty_cache() if cuda else None
@@ -201,20 +306,27 @@ def main() -> int:
                    help="NVFP4 copy of the tiny model (made with hybrid-quantize when missing)")
     p.add_argument("--tiny-ref", type=Path, default=Path("scratch/tiny_ref.json"))
     p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
-    p.add_argument("--skew", type=float, default=0.6)
+    p.add_argument("--skew", type=float, default=0.25)
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--budget-s", type=float, default=330, help="stop starting new parts after this")
     p.add_argument("--device", default="cuda", help="cuda (the GPU call) or cpu (a dry run here)")
     p.add_argument("--small", action="store_true", help="a small synthetic shape (dry run)")
     p.add_argument("--skip-tiny", action="store_true")
+    p.add_argument("--calibrate", action="store_true",
+                   help="first run hybrid-bench calibrate --base h200 into $OUT/h200.json and plan with it")
+    p.add_argument("--pytest", default="", help="pytest node ids/files to run first (CUDA tests), space-separated")
     a = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     deadline = T0 + a.budget_s
     log(subprocess.run(["nvidia-smi" if a.device == "cuda" else "true", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                        capture_output=True, text=True).stdout.strip())
-    parts = [("tiny", lambda: tiny_checks(a.tiny, json.loads(a.tiny_ref.read_text()), a.device))] if not a.skip_tiny else []
+    state = {"profile": "h200"}
+    parts = [("calibrate", lambda: calibrate_h200(state))] if a.calibrate else []
+    parts += [("pytest", lambda: run_pytest(a.pytest.split()))] if a.pytest else []
+    parts += [("tiny", lambda: tiny_checks(a.tiny, json.loads(a.tiny_ref.read_text()), a.device,
+                                           state["profile"]))] if not a.skip_tiny else []
     parts += [("synth_write", lambda: make_synth(a.synth, a.skew, a.small)),
-              ("synth_runs", lambda: synth_runs(a.synth, deadline, a.tokens, a.device))]
+              ("synth_runs", lambda: synth_runs(a.synth, deadline, a.tokens, a.device, state["profile"]))]
     for name, fn in parts:
         if time.perf_counter() > deadline:
             record({"check": name, "skipped": "device-time deadline"})

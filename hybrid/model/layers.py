@@ -17,6 +17,21 @@ import torch.nn.functional as F
 from hybrid.model.linear import Linear, fused_linear
 
 
+BUCKET = 256   # one-token attention reads KV rows in buckets of this many (one graph per bucket)
+
+
+def attn_keys(start: int, capacity: int, bucket: int = BUCKET) -> int:
+    """KV rows a one-token step at position `start` attends: start + 1 rounded up to the bucket."""
+    return min(-(-(start + 1) // bucket) * bucket, capacity)
+
+
+def decode_mask(pos, keys: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [1, 1, 1, keys]: 0 up to pos (an int or a device tensor [1]), -inf after."""
+    ar = torch.arange(keys, device=device)
+    m = torch.zeros(keys, dtype=dtype, device=device).masked_fill_(ar > pos, float("-inf"))
+    return m.view(1, 1, 1, keys)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., H] -> [..., H], computed in fp32."""
     if x.is_cuda:
@@ -164,9 +179,11 @@ class Attention:
         t = x.shape[0]
         q, k, v = self._qk_rope(x, table[start:start + t])
         cache.write(layer, start, k, v)
+        if t == 1:                          # the very kernels of the graphed step (decode)
+            keys = attn_keys(start, cache.capacity)
+            mask = decode_mask(start, keys, x.dtype, x.device)
+            return self.o(self._sdpa1(q, cache.k_store[layer][:keys], cache.v_store[layer][:keys], mask))
         keys, vals = cache.k[layer][: start + t], cache.v[layer][: start + t]  # [P+T, Hkv, D]
-        if t == 1:
-            return self.o(self._sdpa1(q, keys, vals, None))
         qh = q.transpose(0, 1)[None]                                          # [1, Hq, T, D]
         kh, vh = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]       # [1, Hkv, P+T, D]
         if start == 0:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.model.config import ModelConfig
-from hybrid.model.layers import Attention, KVCache, Rotary, rms_norm
+from hybrid.model.layers import Attention, KVCache, Rotary, decode_mask, rms_norm
 from hybrid.model.linear import Linear
 from hybrid.model.moe import ExpertExecutor, SwiGLU, route
 
@@ -53,8 +53,9 @@ class MoEModel:
         if (isinstance(old, KVCache) and cuda and old.capacity >= max_tokens
                 and old.k_store[0].dtype == self.dtype):
             stores = (old.k_store, old.v_store)
-        elif cuda and self.kv_reserve > max_tokens:
-            stores = KVCache(cfg.num_hidden_layers, self.kv_reserve, cfg.num_key_value_heads, cfg.head_dim,
+        elif cuda:                                  # rows a multiple of 64 (aligned attention masks)
+            rows = -(-max(max_tokens, self.kv_reserve) // 64) * 64
+            stores = KVCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, cfg.head_dim,
                              self.dtype, self.layer_devices)
             stores = (stores.k_store, stores.v_store)
         self.cache = KVCache(cfg.num_hidden_layers, max_tokens, cfg.num_key_value_heads,
@@ -139,9 +140,7 @@ class MoEModel:
     # ---- one decode token, position on the device (graph-safe) --------------------------------
     def decode_mask(self, pos: torch.Tensor, keys: int) -> torch.Tensor:
         """Additive mask [1, 1, 1, keys] in the model dtype: 0 up to pos, -inf after."""
-        ar = torch.arange(keys, device=pos.device)
-        m = torch.zeros(keys, dtype=self.dtype, device=pos.device).masked_fill_(ar > pos, float("-inf"))
-        return m.view(1, 1, 1, keys)
+        return decode_mask(pos, keys, self.dtype, pos.device)
 
     def decode_dense(self, i: int, x: torch.Tensor, pos: torch.Tensor, keys: int, mask: torch.Tensor):
         """Layer i up to its router for one token: x [1, H] -> (x after attention [1, H],

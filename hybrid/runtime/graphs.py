@@ -11,7 +11,8 @@ The layers are cut into segments, each one graph on one device:
     a device change (layer split over two GPUs) ends a segment; the last one holds norm + lm_head.
 The position is a device tensor, KV rows are written with index_copy_, and attention reads a
 bucket of L = ceil((pos + 1) / 256) * 256 rows of the KV store with a -inf mask past pos, so one
-graph serves 256 positions. Graphs are captured lazily per (segment, L) and dropped when the KV
+graph serves 256 positions. The eager CUDA decode step runs these very kernels (Attention._cuda), so
+graphs change the host time, not the numbers. Graphs are captured lazily per (segment, L) and dropped when the KV
 store or the residency changes. HYBRID_CUDA_GRAPHS=0 turns them off (the eager path, for before /
 after numbers). With capture=False the same pieces run eagerly (CPU tests of the static math).
 """
@@ -22,9 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybrid.model.layers import KVCache
-
-BUCKET = 256
+from hybrid.model.layers import BUCKET, KVCache, attn_keys
 
 
 def graphs_enabled() -> bool:
@@ -112,7 +111,7 @@ class DecodeGraphs:
         if kv_key != self._kv_key:                   # a new KV store: graphs captured on the old die
             self._runners.clear()
             self._kv_key = kv_key
-        keys = min(-(-(start + 1) // self.bucket) * self.bucket, cache.capacity)
+        keys = attn_keys(start, cache.capacity, self.bucket)
         segs = self._segments()
         for dev in {s.device for s in segs}:
             self._pos_buf(dev).fill_(start)
@@ -131,7 +130,7 @@ class DecodeGraphs:
                 i = seg.layers[-1]
                 x = xm + m.moe_out(i, h, self.experts(i, h, rid, rw))
             elif seg.head:
-                logits = r.out
+                logits = r.out.clone()               # the graph's buffer is rewritten next step
             else:
                 x = r.out
         cache.length = start + 1
@@ -143,8 +142,8 @@ class DecodeGraphs:
         if self._plan is None or self._plan[0] != v:
             m = self.model
             segs = plan_segments(list(m.layer_devices), self.experts.device_only, m.lm_head.device)
-            if self._plan is not None:
-                self._runners.clear()                # residency changed: recapture what is used
+            keep = set(segs)                         # residency changed: drop graphs of old segments
+            self._runners = {key: r for key, r in self._runners.items() if key[0] in keep}
             self._plan = (v, segs)
         return self._plan[1]
 
