@@ -37,6 +37,19 @@ def model_dir(models):
     return models["nvfp4"]
 
 
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory, models):
+    """An expert profile where every expert is used: a warm start fills every slot it is given."""
+    import json
+
+    from hybrid.cli.profile import profile_dict
+
+    counts = np.arange(LAYERS * EXPERTS, dtype=np.int64).reshape(LAYERS, EXPERTS) % 7 + 1
+    path = tmp_path_factory.mktemp("warm") / "experts.json"
+    path.write_text(json.dumps(profile_dict("graphs", "qwen3_moe", counts, 64, TOPK, {"test": True})))
+    return str(path)
+
+
 def _tok(path):
     cfg = ModelConfig.from_folder(path)
     return Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
@@ -55,37 +68,42 @@ def _decode_logits(model, ids, n):
     return out, torch.stack(rows)
 
 
+FULL = [True] * LAYERS
+PLACES = {"all_resident": ((LAYERS * EXPERTS,), {}, FULL),
+          "mixed": ((2 * EXPERTS, 20), dict(gpus=(0, 0), layer_split=(2,)), [True, True, False, False]),
+          "all_cpu": ((0,), {}, [False] * LAYERS)}
+
+
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("slots", [(LAYERS * EXPERTS,), (2 * EXPERTS, 20), (0,)])
-def test_static_decode_matches_eager(models, kind, slots):
+@pytest.mark.parametrize("place", sorted(PLACES))
+def test_static_decode_matches_eager(models, warm, kind, place):
     """bf16 experts run in fp32 (logits within 1e-4); the QPN reference rounds expert inputs to fp16,
     which turns 1e-7 differences into 1e-3 ones, so NVFP4 compares greedy ids (and logits to 1e-2)."""
+    slots, extra, want_full = PLACES[place]
     model_dir = models[kind]
     ids = _tok(model_dir).encode(PROMPT)
-    two = dict(gpus=(0, 0), layer_split=(2,)) if len(slots) == 2 else {}
-    s = open_session(model_dir, RuntimeOptions(cache_slots=slots, **two))
+    s = open_session(model_dir, RuntimeOptions(cache_slots=slots, expert_profile=warm, pcie_frac=0.0, **extra))
     try:
+        full = [s.model.experts.device_only(layer) for layer in range(LAYERS)]
         want_ids, want = _decode_logits(s.model, ids, 6)
         s.model.graphs = DecodeGraphs(s.model.model, s.model.experts, capture=False, enabled=True, bucket=8)
-        full = [s.model.experts.device_only(layer) for layer in range(LAYERS)]
         got_ids, got = _decode_logits(s.model, ids, 6)
         assert s.stats.graph_steps == 6
     finally:
         s.close()
+    assert full == want_full              # resident (graphable) layers and host-sync layers both ran
     assert got_ids == want_ids
     tol = 1e-4 if kind == "bf16" else 1e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-    # warmed by promotions: some layers ran the resident (graphable) path, others the host path
-    want_full = {1: any(full), 2: any(full[:2]) and not any(full[2:])}[len(slots)] if slots[0] else not any(full)
-    assert want_full, full
 
 
-def test_static_decode_counts_hits_like_eager(model_dir):
-    """Hit counters after graphed (static) steps equal those of the eager path."""
+def test_static_decode_counts_hits_like_eager(model_dir, warm):
+    """Hit/miss counters after graphed (static) steps equal those of the eager path."""
     ids = _tok(model_dir).encode(PROMPT)
     counts = []
     for graphed in (False, True):
-        s = open_session(model_dir, RuntimeOptions(cache_slots=(EXPERTS * 3 + 5,), pcie_frac=0.0))
+        s = open_session(model_dir, RuntimeOptions(cache_slots=(2 * EXPERTS, 20), gpus=(0, 0), layer_split=(2,),
+                                                   expert_profile=warm, pcie_frac=0.0))
         try:
             if graphed:
                 s.model.graphs = DecodeGraphs(s.model.model, s.model.experts, capture=False, enabled=True)
@@ -165,15 +183,20 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("slots", [(LAYERS * EXPERTS,), (EXPERTS * 3 + 5,)])
-def test_graphs_match_eager_on_cuda(model_dir, slots, monkeypatch):
+@pytest.mark.parametrize("place", ["all_resident", "mixed"])
+def test_graphs_match_eager_on_cuda(model_dir, warm, place, monkeypatch):
+    """Graph replays give the eager CUDA path's ids and logits (the same kernels) for resident
+    segments and for segments that end at a layer with a host sync."""
+    slots, _, want_full = PLACES[place]
+    slots = slots if len(slots) == 2 else (slots[0] // 2,)
     ids = _tok(model_dir).encode(PROMPT)
     runs = []
     for graphs in ("0", "1"):
         monkeypatch.setenv("HYBRID_CUDA_GRAPHS", graphs)
-        s = open_session(model_dir, RuntimeOptions(device="cuda", gpus=(0, 0), layer_split=(2,),
-                                                   cache_slots=slots, pcie_frac=0.0), context=len(ids) + 8)
+        s = open_session(model_dir, RuntimeOptions(device="cuda", gpus=(0, 0), layer_split=(2,), cache_slots=slots,
+                                                   expert_profile=warm, pcie_frac=0.0), context=len(ids) + 8)
         try:
+            assert [s.model.experts.device_only(layer) for layer in range(LAYERS)] == want_full
             runs.append(_decode_logits(s.model, ids, 6))
             steps, err = s.stats.graph_steps, s.model.graphs.error
         finally:

@@ -161,13 +161,14 @@ class DecodeGraphs:
         return r
 
     def _body(self, seg: Segment, x: torch.Tensor, pos: torch.Tensor, keys: int, route_buf: torch.Tensor):
-        m, last = self.model, len(seg.layers) - 1
+        m, last, k = self.model, len(seg.layers) - 1, self.model.cfg.num_experts_per_tok
         mask = m.decode_mask(pos, keys)                                      # [1, 1, 1, L]
         for j, i in enumerate(seg.layers):
             x, h, rid, rw = m.decode_dense(i, x, pos, keys, mask)
             if seg.host_last and j == last:
                 return x, h, rid, rw
-            route_buf[j].copy_(torch.cat([rid.float(), rw.float()], dim=1))  # [1, 2k]
+            route_buf[j, :, :k].copy_(rid)                                   # [1, k] ids as floats
+            route_buf[j, :, k:].copy_(rw)                                    # [1, k] weights
             x = x + m.moe_out(i, h, self.experts.moe_device(i, h, rid, rw))
         return m.head(x) if seg.head else x
 

@@ -30,6 +30,8 @@ from hybrid.runtime.placement import CardSpec
 from hybrid.runtime.slots import CardSlots
 from hybrid.runtime.stats import RuntimeStats
 
+ACT_WITH_IDS = 8    # up to this many tokens, a layer that may miss copies x with its routed ids
+
 
 @dataclass
 class CardRuntime:
@@ -147,12 +149,16 @@ class HybridExperts:
         if layer in card.full:
             return self._resident(card, layer, x, ids, weights)
         t0 = time.perf_counter()
-        ids_h, w_h = _to_host(ids, weights)                                   # [T, k] int64, f32
+        small = x.is_cuda and x.shape[0] <= ACT_WITH_IDS                      # decode: x rides along
+        ids_h, w_h, x_h = _to_host(ids, weights, x if small else None)        # [T, k] int64, f32; [T, H]
         lk = card.cache.lookup(layer, ids_h)
         hit = lk.slots >= 0                                                   # [T, k]
         mt, mj = np.nonzero(~hit)                                             # miss pairs [A_m]
-        x_h = x.float().cpu().numpy() if len(mt) else None                    # [T, H] f32
+        if len(mt) and x_h is None:
+            x_h = x.float().cpu().numpy()                                     # [T, H] f32
         self.stats.route_sync_s[layer] += time.perf_counter() - t0
+        if small:
+            self.add_pcie("act_d2h", x.numel() * 4)
         handle = self.cpu.submit(layer, ids_h[mt, mj], mt, w_h[mt, mj], x_h) if len(mt) else None
         t_sub = time.perf_counter()
         out = self._hits(card, layer, x, weights, lk.slots, hit)             # [T, H] fp32 or None
@@ -166,7 +172,7 @@ class HybridExperts:
             y = y.to(x.device, non_blocking=False)
             out = y if out is None else out + y
         self._promote(card, layer, lk)
-        self._account(layer, x.is_cuda, ids_h, w_h, lk, len(mt), x.numel())
+        self._account(layer, x.is_cuda, ids_h, w_h, lk, len(mt), x.numel(), act_counted=small)
         return out.to(x.dtype)
 
     def _resident(self, card: CardRuntime, layer: int, x, ids, weights) -> torch.Tensor:
@@ -259,14 +265,17 @@ class HybridExperts:
         if done and card.device.type == "cuda":
             self.add_pcie("promotions", len(done) * card.cache.bytes_per_expert)
 
-    def _account(self, layer: int, cuda: bool, ids_h, w_h, lk, misses: int, x_elems: int) -> None:
-        """Record the layer's routing for the trace; count what crossed PCIe (f32 activations)."""
+    def _account(self, layer: int, cuda: bool, ids_h, w_h, lk, misses: int, x_elems: int,
+                 act_counted: bool = False) -> None:
+        """Record the layer's routing for the trace; count what crossed PCIe (f32 activations;
+        act_counted: x already went down with the ids)."""
         st = self._step
         st["ids"][layer], st["weights"][layer], st["hits"][layer] = ids_h, w_h, len(lk.hits)
         if cuda:
             self.add_pcie("ids_d2h", ids_h.size * 8)
             if misses:
-                self.add_pcie("act_d2h", x_elems * 4)
+                if not act_counted:
+                    self.add_pcie("act_d2h", x_elems * 4)
                 self.add_pcie("out_h2d", x_elems * 4)
 
     def add_pcie(self, kind: str, n: int) -> None:
@@ -274,10 +283,13 @@ class HybridExperts:
         self._step["pcie"] += int(n)
 
 
-def _to_host(ids: torch.Tensor, weights: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """One device->host copy for both: ids [T, k] int64 and weights [T, k] -> numpy."""
+def _to_host(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor | None = None):
+    """One device->host copy for all: ids [T, k] int64, weights [T, k] (and x [T, H] when given)
+    -> numpy (x_h None when x is None)."""
     if not ids.is_cuda:
-        return ids.numpy().astype(np.int64, copy=False), weights.float().numpy()
-    both = torch.cat([ids.float(), weights.float()], dim=1).cpu()           # [T, 2k]; ids < 2^24
+        x_h = None if x is None else x.float().numpy()
+        return ids.numpy().astype(np.int64, copy=False), weights.float().numpy(), x_h
+    parts = [ids.float(), weights.float()] + ([] if x is None else [x.float()])
+    both = torch.cat(parts, dim=1).cpu().numpy()                            # [T, 2k (+H)]; ids < 2^24
     k = ids.shape[1]
-    return both[:, :k].numpy().astype(np.int64), both[:, k:].numpy()
+    return both[:, :k].astype(np.int64), both[:, k:2 * k], None if x is None else both[:, 2 * k:]
