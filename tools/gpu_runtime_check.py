@@ -12,6 +12,12 @@ Everything has a deadline; what did not run is recorded as skipped.
 
     PYTHONPATH=. python3 tools/gpu_runtime_check.py --tiny-ref scratch/tiny_ref.json
 
+Decode-speed run (results/runtime.md section 7): HYBRID_CACHE_DIR=.qpncache HYBRID_GIT_SHA=<sha> ...
+    --calibrate (hybrid-bench calibrate --base h200 -> $OUT/h200.json, used for every plan after)
+    --pytest "tests/test_decode_graphs.py tests/test_runtime_cuda.py" (CUDA tests first)
+Each synthetic session is measured with CUDA graphs on, then off (the eager path), and the
+all-resident one gets a step profile (host time to issue a step, wall and GPU-event time).
+
 scratch/tiny_ref.json (not committed) is the CPU reference for the current tiny weights, made here:
     hybrid-quantize tiny /tmp/tiny_nvfp4 && hybrid-run --model /tmp/tiny_nvfp4 -p "def fibonacci(n):" -n 24 --json
     -> {"prompt": "def fibonacci(n):", "n": 24, "generated_ids": [...]}
@@ -44,6 +50,8 @@ def record(rec: dict) -> None:
     from hybrid.baselines.report import stamp
 
     rec = {**rec, **stamp("tools/gpu_runtime_check.py"), "gpu": gpu_name()}
+    if os.environ.get("HYBRID_GIT_SHA"):          # the device copy has no .git
+        rec["git_sha"] = os.environ["HYBRID_GIT_SHA"]
     with (OUT / "runtime_gpu.jsonl").open("a") as f:
         f.write(json.dumps(rec) + "\n")
     log(f"record {rec.get('check')}: " + json.dumps({k: v for k, v in rec.items()
