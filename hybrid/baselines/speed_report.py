@@ -50,6 +50,9 @@ def markdown(records: list[dict]) -> str:
         "|---|---|" + "---|" * len(classes),
         *[f"| {r['candidate']} | {r['engine']} | " + " | ".join(f"{r['decode_tok_s'][c]:.1f}" for c in classes)
           + " |" for r in records],
-        "", _ratio_line(records), "", NOTES,
+        "", _ratio_line(records), "",
+        *[f"- {r['candidate']} placement: {r['placement']}; CPU expert runner {r.get('cpu_runner')}"
+          for r in records if r.get("placement")],
+        "", NOTES,
     ]
     return "\n".join(lines)
