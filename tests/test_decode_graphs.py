@@ -44,9 +44,16 @@ def warm(tmp_path_factory, models):
 
     from hybrid.cli.profile import profile_dict
 
-    counts = np.arange(LAYERS * EXPERTS, dtype=np.int64).reshape(LAYERS, EXPERTS) % 7 + 1
+    from hybrid.planner import load_popularity
+
+    tokens = 64
+    counts = np.full((LAYERS, EXPERTS), tokens * TOPK // EXPERTS, dtype=np.int64)  # rows sum to T x k
+    for layer in range(LAYERS):
+        counts[layer, layer % EXPERTS] += 1
+        counts[layer, (layer + 1) % EXPERTS] -= 1
     path = tmp_path_factory.mktemp("warm") / "experts.json"
-    path.write_text(json.dumps(profile_dict("graphs", "qwen3_moe", counts, 64, TOPK, {"test": True})))
+    path.write_text(json.dumps(profile_dict("graphs", "qwen3_moe", counts, tokens, TOPK, {"test": True})))
+    load_popularity(path, ModelConfig.from_folder(models["nvfp4"]))   # the planner takes it (CUDA plans)
     return str(path)
 
 
