@@ -21,9 +21,15 @@ TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", 
 NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS")
 
 
+def _llama_cpp():
+    from hybrid.baselines.llama_runner import require_llama_cpp
+
+    return require_llama_cpp()
+
+
 def ftype_of(name: str) -> int:
     """llama_ftype value for a type name such as 'Q4_K_M'."""
-    import llama_cpp
+    llama_cpp = _llama_cpp()
 
     key = name.upper()
     if key not in TYPES or not hasattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{key}"):
@@ -33,8 +39,9 @@ def ftype_of(name: str) -> int:
 
 def _imatrix_array(imatrix: dict[str, "object"]):
     """NULL-terminated llama_model_imatrix_data[] over float32 arrays (kept alive by the caller)."""
-    import llama_cpp
     import numpy as np
+
+    llama_cpp = _llama_cpp()
 
     arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in imatrix.items()}
     entries = (llama_cpp.llama_model_imatrix_data * (len(arrays) + 1))()
@@ -53,7 +60,7 @@ def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, pure: bool = Fal
     """Quantize GGUF `src` to `dst` as `qtype` (e.g. Q4_K_M). pure: every tensor of that one type.
 
     imatrix: {gguf tensor name: float32 [K] or [E*K]} importance (mean squared activations)."""
-    import llama_cpp
+    llama_cpp = _llama_cpp()
 
     src, dst = Path(src), Path(dst)
     if not src.exists():
