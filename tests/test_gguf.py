@@ -320,3 +320,14 @@ def test_cli_imatrix(model_dir, tmp_path):
                  "--imatrix", str(tmp_path / "i.npz")]) == 0
     assert main(["quantize", str(tmp_path / "a.gguf"), str(tmp_path / "c.gguf"), "--type", "IQ4_XS",
                  "--imatrix", str(tmp_path / "none.npz")]) == 2
+
+
+def test_missing_llama_cpp_is_a_user_error(monkeypatch, tmp_path):
+    import sys
+
+    from hybrid.baselines.quantize import quantize_gguf
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)          # import llama_cpp -> ImportError
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    with pytest.raises(HybridError, match="llama-cpp-python is not installed"):
+        quantize_gguf(tmp_path / "a.gguf", tmp_path / "b.gguf", "Q8_0")
