@@ -75,9 +75,31 @@ def score(cand: qc.Candidate, chunks: np.ndarray, classes: list[str], bases: lis
     return res
 
 
+def reference(maker: qc.CandidateMaker, src: Path, chunks: np.ndarray, ids: dict) -> tuple[list, dict]:
+    """Q8_0 reference: stored log-probs of every chunk's scored rows, and tokenizer parity per text."""
+    ref = maker.make(REFERENCE)
+    parity = {c: ref.runner.tokenize(t) == ids[c] for c, t in all_texts(src).items()}
+    if not all(parity.values()):
+        bad = ", ".join(c for c, ok in parity.items() if not ok)
+        raise HybridError(f"{ref.path}: llama.cpp tokenizes the {bad} text differently from "
+                          f"{src}/tokenizer.json; the GGUF does not match the model (stale --work?)")
+    rows = scored_rows(chunks.shape[1])
+    bases = [BaseLogProbs.from_logits(ref.logits(ch)[rows]) for ch in chunks]
+    ref.close()
+    return bases, parity
+
+
+def write(records: list[dict], out: Path) -> None:
+    from hybrid.baselines import quality_report, report
+
+    report.append_jsonl(out / "quality.jsonl", records)
+    (out / "quality.md").write_text(quality_report.markdown(records))
+    quality_report.chart(records, out / "quality.png")
+    print(f"wrote {out / 'quality.md'}, {out / 'quality.jsonl'}, {out / 'quality.png'}")
+
+
 def run(args) -> int:
-    from hybrid.baselines import report
-    from hybrid.baselines import quality_report
+    from hybrid.baselines import quality_report, report
     from hybrid.model import resolve_model_path
     from hybrid.model.config import ModelConfig
 
@@ -91,14 +113,7 @@ def run(args) -> int:
         maker = qc.CandidateMaker(src, work, n_ctx, args.threads, {"device": args.device})
         cands = [maker.make(n) for n in names]                       # fail fast on bad names
         chunks, classes, ids = token_stream(src, n_ctx, args.quick)
-        ref = maker.make(REFERENCE)
-        parity = {c: ref.runner.tokenize(t) == ids[c] for c, t in all_texts(src).items()}
-        if not all(parity.values()):
-            bad = ", ".join(c for c, ok in parity.items() if not ok)
-            raise HybridError(f"{ref.path}: llama.cpp tokenizes the {bad} text differently from "
-                              f"{src}/tokenizer.json; the GGUF does not match the model (stale --work?)")
-        rows = scored_rows(n_ctx)
-        bases = [BaseLogProbs.from_logits(ref.logits(ch)[rows]) for ch in chunks]
+        bases, parity = reference(maker, src, chunks, ids)
         stamp = report.stamp("hybrid-bench")
         meta = {"model": str(args.model), "n_ctx": n_ctx, "chunks": len(chunks), "reference": REFERENCE,
                 "tokenizer_parity": parity, "quick": bool(args.quick), **qc.llama_info(),
@@ -112,9 +127,5 @@ def run(args) -> int:
             cand.close()
     print(quality_report.markdown(records))
     if not args.no_write:
-        out = Path(args.out)
-        report.append_jsonl(out / "quality.jsonl", records)
-        (out / "quality.md").write_text(quality_report.markdown(records))
-        quality_report.chart(records, out / "quality.png")
-        print(f"wrote {out / 'quality.md'}, {out / 'quality.jsonl'}, {out / 'quality.png'}")
+        write(records, Path(args.out))
     return 0
