@@ -143,7 +143,7 @@ def quantize_nvfp4(w: torch.Tensor, weight_scale_2: float | None = None):
     safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f)).unsqueeze(-1)
     codes = round_to_e2m1(torch.where(scale_f.unsqueeze(-1) > 0, blocks / safe, torch.zeros_like(blocks)))
     packed = pack_nibbles(codes.view(n, k))
-    return packed, scale_fp8, torch.tensor(weight_scale_2, dtype=torch.float32)
+    return packed, scale_fp8, torch.tensor(float(weight_scale_2), dtype=torch.float32)
 
 
 def quantize_fp8(w: torch.Tensor):
