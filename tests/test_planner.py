@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -17,7 +18,7 @@ from hybrid.planner import (ModelBytes, Plan, PlanRequest, Popularity, ProfileEr
                             load_profile, make_plan)
 from hybrid.planner.memory import GIB, MIB, kv_bytes, workspace_bytes
 from hybrid.planner.popularity import allot_slots
-from hybrid.planner.profile import profile_from_dict
+from hybrid.planner.profile import _figures, profile_from_dict
 from hybrid.testing import random_config
 
 # ---------------------------------------------------------------- fixtures
@@ -87,7 +88,8 @@ def gpu(memory_mib=1024, **kw) -> dict:
     fig = lambda v: {"value": v, "source": "assumed", "note": "test"}  # noqa: E731
     g = {"name": "Tesla V100-SXM2-16GB", "compute_capability": "7.0", "memory_mib": memory_mib,
          "pcie_gen": 3, "pcie_width": 16, "read_gbs": fig(800), "copy_gbs": fig(750),
-         "kernel_efficiency": fig(0.5), "h2d_gbs": fig(12), "d2h_gbs": fig(12), "context_mib": fig(100)}
+         "kernel_efficiency": fig(0.5), "h2d_gbs": fig(12), "d2h_gbs": fig(12), "context_mib": fig(100),
+         "graph_kernel_us": fig(3), "launch_us": fig(8)}
     g.update(kw)
     return g
 
@@ -99,7 +101,8 @@ def profile_dict(gpus=2, memory_mib=1024) -> dict:
             "cpu": {"model": "test cpu", "physical_cores": 8, "avx2": True, "avx512": False,
                     "stream_copy_gbs": fig(40), "nvfp4_kernel_gbs": fig(20)},
             "host": {"ram_usable_gib": 16, "hugepages_2m_total": 0, "reserve_gib": 1},
-            "overheads": {"layer_sync_us": fig(20), "cpu_dispatch_us": fig(30), "token_us": fig(100)}}
+            "overheads": {"layer_sync_us": fig(20), "cpu_dispatch_us": fig(30), "token_us": fig(100),
+                          "lookup_us": fig(15)}}
 
 
 @pytest.fixture
@@ -265,6 +268,67 @@ def test_more_slots_predicts_faster(prof):
     assert speeds == sorted(speeds) and speeds[-1] > 3 * speeds[0]
 
 
+def _plan_with(prof_d: dict, mb, slots, gpus=(0, 1), shape=None):
+    from hybrid.planner.build import _hit_rates
+    from hybrid.planner.predict import predict
+
+    plan = make_plan(mb, profile_from_dict(prof_d), PlanRequest(gpus=gpus, layer_split=(2,), cache_slots=slots))
+    if shape is None:
+        return plan.prediction
+    return predict(mb, profile_from_dict(prof_d), plan.cards, _hit_rates(mb, plan.cards, None),
+                   PlanRequest(gpus=gpus, layer_split=(2,), cache_slots=slots), shape)
+
+
+def test_resident_layers_pay_no_sync(tiny_dir):
+    """All 8 experts of every layer in slots: graphed, host work = the deferred lookup only."""
+    mb, d = ModelBytes.from_folder(tiny_dir), profile_dict()
+    p = _plan_with(d, mb, (16,))
+    assert all(x.resident and x.host_us == 15 and x.cpu_experts_us == 0 for x in p.layers)
+    assert all(x.total_us == pytest.approx(x.dense_us + x.gpu_experts_us + 15) for x in p.layers)
+    d["overheads"]["layer_sync_us"]["value"] = 5000                   # no resident layer pays it
+    assert _plan_with(d, mb, (16,)).token_us == pytest.approx(p.token_us)
+    d["overheads"]["lookup_us"]["value"] = 115                        # every layer pays its lookup
+    assert _plan_with(d, mb, (16,)).token_us == pytest.approx(p.token_us + 4 * 100)
+
+
+def test_layers_that_can_miss_pay_sync_lookup_and_eager_ops(tiny_dir):
+    from hybrid.planner.step_shape import DECODE
+
+    mb, d = ModelBytes.from_folder(tiny_dir), profile_dict()
+    p = _plan_with(d, mb, (8,))                                       # 4 of 8 experts per layer
+    host = 20 + 15 + DECODE.eager_ops * 8                             # sync + lookup + ops x launch
+    assert all(not x.resident and x.host_us == pytest.approx(host) for x in p.layers)
+    assert all(x.cpu_experts_us > 0 and x.total_us > x.dense_us + host for x in p.layers)
+    d["overheads"]["layer_sync_us"]["value"] = 120
+    assert _plan_with(d, mb, (8,)).token_us == pytest.approx(p.token_us + 4 * 100)
+    mixed = _plan_with(d, mb, (16, 8))                                # card 0 resident, card 1 not
+    assert [x.resident for x in mixed.layers] == [True, True, False, False]
+    assert mixed.host_us == pytest.approx(2 * 15 + 2 * (120 + 15 + DECODE.eager_ops * 8) + 100)
+
+
+def test_more_kernels_more_time(tiny_dir):
+    from hybrid.planner.step_shape import DECODE
+
+    mb, d = ModelBytes.from_folder(tiny_dir), profile_dict()
+    base = _plan_with(d, mb, (16,), shape=DECODE)
+    more = _plan_with(d, mb, (16,), shape=replace(DECODE, dense_kernels=DECODE.dense_kernels + 10))
+    assert more.token_us == pytest.approx(base.token_us + 4 * 10 * 3)   # 4 layers x 10 x 3 us
+    assert more.kernel_us == pytest.approx(base.kernel_us + 4 * 10 * 3)
+    d["gpus"][1]["graph_kernel_us"]["value"] = 6                      # card 1's GPU: slower kernels
+    slow = _plan_with(d, mb, (16,), shape=DECODE)
+    per_layer = (DECODE.dense_kernels + DECODE.expert_kernels) * 3
+    assert slow.token_us == pytest.approx(base.token_us + 2 * per_layer + DECODE.head_kernels * 3)
+
+
+def test_hops_only_between_physical_gpus(tiny_dir):
+    mb, d = ModelBytes.from_folder(tiny_dir), profile_dict()
+    two = _plan_with(d, mb, (16,), gpus=(0, 1))
+    one = _plan_with(d, mb, (16,), gpus=(0, 0))
+    hop = 64 * 2 / (12e9 * 0.9) * 1e6 + 8                               # H fp16 over the link + a launch
+    assert two.token_us == pytest.approx(one.token_us + hop)
+    assert two.pcie_bytes == one.pcie_bytes + 64 * 2
+
+
 def test_auto_split_is_the_best_that_fits():
     cfg = tiny_cfg(num_hidden_layers=12, num_experts=32, hidden_size=512, moe_intermediate_size=512)
     mb = ModelBytes.from_config(cfg)
@@ -324,7 +388,26 @@ def test_json_round_trip(tiny_dir, prof):
     plan = make_plan(ModelBytes.from_folder(tiny_dir), prof, PlanRequest(gpus=(0, 1), layer_split=(3,)))
     back = Plan.from_dict(json.loads(plan.to_json()))
     assert back == plan
-    assert json.loads(plan.to_json())["cards"][0]["free_bytes"] == plan.cards[0].free_bytes
+    d = json.loads(plan.to_json())
+    assert d["cards"][0]["free_bytes"] == plan.cards[0].free_bytes
+    assert d["prediction"]["host_us"] == plan.prediction.host_us > 0
+    assert {"host_us", "kernel_us", "resident"} <= set(d["prediction"]["layers"][0])
+    for key in ("host_us", "kernel_us"):                  # a plan written before these terms still loads
+        d["prediction"].pop(key)
+    for x in d["prediction"]["layers"]:
+        for key in ("host_us", "kernel_us", "resident"):
+            x.pop(key)
+    old = Plan.from_dict(d)
+    assert old.prediction.tok_s == plan.prediction.tok_s and old.prediction.host_us == 0.0
+
+
+def test_profile_json_round_trip_new_fields(prof):
+    back = profile_from_dict(json.loads(prof.to_json()))
+    assert back == prof and back.gpus[1].graph_kernel_us.value == 3 and back.overheads.lookup_us.value == 15
+    d = profile_dict()
+    d["gpus"][0].pop("graph_kernel_us")
+    with pytest.raises(ProfileError, match=r"profile.gpus\[0\]: missing key 'graph_kernel_us'"):
+        profile_from_dict(d)
 
 
 def test_qwen3_30b_a3b_on_v100x2():
@@ -404,8 +487,19 @@ def test_shipped_profiles_load(name):
     p = load_profile(name)
     assert p.name == name and p.gpus and p.path.endswith(f"{name}.json")
     assert all(f.note for f in (p.gpus[0].read_gbs, p.cpu.nvfp4_kernel_gbs, p.overheads.token_us))
-    assert "gpus[0].read_gbs" in p.assumed                  # hand-written: nothing claims "measured"
+    for key, fig in _figures(p.to_dict()):                   # a measured figure names when, what, where
+        if fig["source"] == "measured":                      # (as hybrid-bench calibrate writes it)
+            assert re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\dZ, git [0-9a-f]{7,}, host ", fig["note"]), key
     assert profile_from_dict(json.loads(p.to_json())) == p  # to_json round trip
+
+
+def test_shipped_profile_provenance():
+    """v100x2-e5v4 has never met its rig: every figure hand-written. h200 was calibrated there:
+    its GPU read bandwidth is a measurement (a figure from calibrate, not a fixed value)."""
+    v100, h200 = load_profile("v100x2-e5v4"), load_profile("h200")
+    assert all(f["source"] == "assumed" for _, f in _figures(v100.to_dict()))
+    assert h200.gpus[0].read_gbs.source == "measured"
+    assert 1000 < h200.gpus[0].read_gbs.value < 6000        # HBM3e: 4.8 TB/s peak
 
 
 def test_v100_profile_facts():

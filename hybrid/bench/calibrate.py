@@ -1,9 +1,12 @@
 """hybrid-bench calibrate: measure this machine and write a hardware profile for the planner.
 
 Measures per GPU: device read (a large read-only reduction) and copy bandwidth, pinned PCIe
-H2D/D2H, the CUDA context's memory, the router-ids round trip; on the CPU: a STREAM-like copy with
-all physical cores, a thread hand-off, and the NVFP4 expert kernel's GB/s if the cpu/ package
-provides it. Figures it cannot measure come from --base (a profile) or defaults, marked "assumed".
+H2D/D2H, the CUDA context's memory, the router-ids round trip, the GPU time of one small kernel
+inside a CUDA graph (a captured chain of tiny kernels, replayed) and the host time to issue one
+eager op; on the CPU: a STREAM-like copy with all physical cores, a thread hand-off, the expert
+cache's lookup of one layer's routed ids (hybrid.experts.cache.ExpertCache, 48 layers x 128
+experts, top-8), and the NVFP4 expert kernel's GB/s through the real CpuExpertRunner on
+Qwen3-30B-A3B expert shapes (cpu/bench.py) if the cpu/ package provides it. Figures it cannot measure come from --base (a profile) or defaults, marked "assumed".
 Without a GPU it writes a CPU-only profile (gpus = []).
 """
 from __future__ import annotations
@@ -28,7 +31,8 @@ DEFAULTS = {  # used when neither a measurement nor --base gives the figure
     "kernel_efficiency": (0.7, "default: QPN kernels' share of read bandwidth on decode shapes; "
                                "measure with hybrid-bench cuda-kernels"),
     "context_mib": (500, "default CUDA context + torch runtime reserve"),
-    "token_us": (300, "default per-token overhead (embed, sampler, Python)"),
+    "token_us": (1000, "default per-token host work outside the layers (embed, graph replays, sampler, "
+                       "Python): ~1.0 ms measured on the H200 host (results/runtime.md section 7.3)"),
 }
 
 
@@ -79,7 +83,11 @@ def calibrate(name: str, base: HardwareProfile | None, args, stamp: str) -> Hard
     oh = Overheads(layer_sync_us=sync,
                    cpu_dispatch_us=measured(_dispatch_us(), "ThreadPoolExecutor submit+result of a no-op, "
                                                            "mean (proxy for the CPU runner's hand-off)"),
-                   token_us=_keep(base, "overheads", "token_us", *DEFAULTS["token_us"]))
+                   token_us=_keep(base, "overheads", "token_us", *DEFAULTS["token_us"]),
+                   lookup_us=measured(_lookup_us(), "ExpertCache.lookup + promote_misses of one token's "
+                                      "top-8 in a fully resident layer (48 layers x 128 experts, one "
+                                      "begin_step per 48 lookups), mean; the runtime's per-layer "
+                                      "accounting comes on top"))
     desc = (f"measured by hybrid-bench calibrate on {len(gpus)} GPU(s) "
             f"{', '.join(sorted({g.name for g in gpus})) or '(none)'}, {cpu.model}; {stamp}")
     prof = HardwareProfile(name=name, description=desc, gpus=gpus, cpu=cpu, host=host, overheads=oh)
@@ -123,6 +131,11 @@ def _gpu_profile(i: int, hw, base, args, measured) -> GPUProfile:
         d2h_gbs=measured(args.pcie_mib * MIB / d2h / 1e9, f"pinned device->host, {args.pcie_mib} MiB, median of {reps}"),
         context_mib=measured(ctx, "NVML used memory after CUDA init minus before, minus torch's reserve")
         if ctx else _keep(base, "gpus", "context_mib", *DEFAULTS["context_mib"], gpu=i),
+        graph_kernel_us=measured(_graph_kernel_us(i, reps), f"one CUDA graph of {GRAPH_OPS} tiny dependent "
+                                 f"kernels on [1, 2048] fp16 (mul, add, cast, row sum, cast, add), replay "
+                                 f"time / kernels, median of {reps}, CUDA events"),
+        launch_us=measured(_launch_us(i, reps), f"the same {GRAPH_OPS} ops issued eagerly: host time to "
+                           f"issue them / ops, median of {reps}"),
     )
 
 
@@ -189,6 +202,59 @@ def _events(dev: str, op, reps: int) -> float:
     return statistics.median(times)
 
 
+GRAPH_OPS = 300      # tiny kernels per timed graph / eager burst (6 per cycle, one kernel each)
+
+
+def _tiny_chain(x, w, cycles: int):
+    """6 dependent small kernels per cycle on x [1, H] fp16 (values are irrelevant, NaN or not)."""
+    y = x
+    for _ in range(cycles):
+        y = y * w
+        y = y + x
+        s = y.float().sum(-1, keepdim=True)
+        y = y + s.half()
+    return y
+
+
+def _graph_kernel_us(i: int, reps: int) -> float:
+    """GPU time per kernel of a captured chain of GRAPH_OPS tiny kernels (replay / kernels)."""
+    import torch
+
+    dev = f"cuda:{i}"
+    x = torch.randn(1, 2048, device=dev, dtype=torch.float16)
+    w = torch.randn_like(x)
+    with torch.cuda.device(dev):
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            _tiny_chain(x, w, GRAPH_OPS // 6)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _tiny_chain(x, w, GRAPH_OPS // 6)
+        t = _events(dev, graph.replay, reps)
+    return t / GRAPH_OPS * 1e6
+
+
+def _launch_us(i: int, reps: int) -> float:
+    """Host time to issue one eager op (the GPU is given time to drain between bursts)."""
+    import torch
+
+    dev = f"cuda:{i}"
+    x = torch.randn(1, 2048, device=dev, dtype=torch.float16)
+    w = torch.randn_like(x)
+    times = []
+    for j in range(reps + 2):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        _tiny_chain(x, w, GRAPH_OPS // 6)
+        t = time.perf_counter() - t0
+        if j >= 2:
+            times.append(t)
+    torch.cuda.synchronize(dev)
+    return statistics.median(times) / GRAPH_OPS * 1e6
+
+
 def _router_sync_us(reps: int) -> float:
     import torch
 
@@ -249,6 +315,25 @@ def _cpu_kernel_gbs(threads: int) -> float | None:
     return float(fn(threads=threads))
 
 
+def _lookup_us(tokens: int = 200, layers: int = 48, experts: int = 128, k: int = 8) -> float:
+    """Mean µs of one layer's ExpertCache lookup (+ promote_misses) of one token, fully resident."""
+    import numpy as np
+
+    from hybrid.experts.cache import ExpertCache
+
+    cache = ExpertCache(range(layers), experts, experts)
+    cache.warm_start({l: range(experts) for l in range(layers)})
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.permutation(experts)[:k] for _ in range(tokens * layers)])[:, None, :]  # [N, 1, k]
+    t0 = time.perf_counter()
+    for t in range(tokens):
+        cache.begin_step()
+        for l in range(layers):
+            lk = cache.lookup(l, ids[t * layers + l])
+            cache.promote_misses(l, lk)
+    return (time.perf_counter() - t0) / (tokens * layers) * 1e6
+
+
 def _dispatch_us(n: int = 2000) -> float:
     with ThreadPoolExecutor(max_workers=1) as pool:
         pool.submit(int).result()
@@ -283,13 +368,14 @@ def summary(prof: HardwareProfile) -> list[str]:
         lines.append(f"  gpu {i} {g.name} sm_{g.compute_capability.replace('.', '')} {g.memory_mib} MiB: "
                      f"read {g.read_gbs.value:.0f} GB/s, copy {g.copy_gbs.value:.0f} GB/s, "
                      f"H2D {g.h2d_gbs.value:.1f} GB/s, D2H {g.d2h_gbs.value:.1f} GB/s, "
-                     f"context {g.context_mib.value:.0f} MiB ({g.context_mib.source})")
+                     f"context {g.context_mib.value:.0f} MiB ({g.context_mib.source}), "
+                     f"graph kernel {g.graph_kernel_us.value:.2f} us, eager op {g.launch_us.value:.2f} us")
     c = prof.cpu
     lines.append(f"  cpu {c.model}, {c.physical_cores} cores, avx2={c.avx2} avx512={c.avx512}: "
                  f"copy {c.stream_copy_gbs.value:.1f} GB/s, NVFP4 kernel {c.nvfp4_kernel_gbs.value:.1f} GB/s "
                  f"({c.nvfp4_kernel_gbs.source})")
     o = prof.overheads
     lines.append(f"  overheads: layer sync {o.layer_sync_us.value:.1f} us ({o.layer_sync_us.source}), "
-                 f"cpu dispatch {o.cpu_dispatch_us.value:.1f} us, token {o.token_us.value:.0f} us "
-                 f"({o.token_us.source})")
+                 f"cpu dispatch {o.cpu_dispatch_us.value:.1f} us, lookup {o.lookup_us.value:.1f} us, "
+                 f"token {o.token_us.value:.0f} us ({o.token_us.source})")
     return lines

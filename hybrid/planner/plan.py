@@ -6,7 +6,7 @@ All sizes are bytes; times microseconds; bandwidths bytes/s.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,10 @@ class LayerPrediction:
     dense_us: float           # attention + router weights + KV read on the GPU
     gpu_experts_us: float     # hits through the grouped QPN kernel
     cpu_experts_us: float     # misses on the CPU incl. dispatch and activation transfers
-    total_us: float           # dense + sync + max(gpu_experts, cpu_experts)
+    total_us: float           # dense + host + max(gpu_experts, cpu_experts) (resident: dense + gpu + host)
+    host_us: float = 0.0      # host work: lookup (+ sync + eager ops where the layer can miss)
+    kernel_us: float = 0.0    # of dense + gpu_experts: the fixed cost of the kernels, bytes aside
+    resident: bool = False    # every expert in a slot: graphed with the dense part, no sync
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ class Prediction:
     pcie_bytes: int           # per token: activations + card hops (excluding promotions)
     promotion_budget_bytes: int   # per token, what --pcie-frac allows for promotions
     layers: tuple[LayerPrediction, ...]
+    host_us: float = 0.0      # per token, of token_us: host work (layers' lookups/syncs/eager ops + token_us)
+    kernel_us: float = 0.0    # per token, of token_us: fixed per-kernel GPU cost (graph_kernel_us x kernels)
 
 
 @dataclass(frozen=True)
@@ -140,9 +145,12 @@ class Plan:
 
 
 def _make(cls, d: dict):
-    """cls from a dict, ignoring derived keys and turning lists back into tuples."""
+    """cls from a dict, ignoring derived keys, defaulting keys that older plans lack, and turning
+    lists back into tuples."""
     kw = {}
     for f in fields(cls):
+        if f.name not in d and f.default is not MISSING:
+            continue
         v = d[f.name]
         kw[f.name] = tuple(v) if isinstance(v, list) else v
     return cls(**kw)

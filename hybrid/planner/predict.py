@@ -1,17 +1,23 @@
-"""Predicted decode speed of a placement: a roofline per layer, overlapped as the runtime overlaps.
+"""Predicted decode speed of a placement: per layer, GPU kernels (bytes and a fixed cost per
+kernel) plus the host work its mode needs, overlapped as the runtime overlaps them.
 
 Per layer l on a card (k = top-k, h = expected hit rate, b = mean expert bytes of the layer,
 B_gpu = read_gbs × kernel_efficiency, B_cpu = CPU NVFP4 kernel GB/s, B_link = slower PCIe direction
-× (1 - pcie_frac), the rest of the link being left to promotions):
-    dense   = (attention/router/norm bytes + context × KV bytes per token) / B_gpu
+× (1 - pcie_frac), the rest of the link being left to promotions; κ = graph_kernel_us, λ = launch_us,
+n_d / n_e = the step's dense / expert kernels per layer, n_o its eager ops (planner.step_shape)):
+    dense   = (attention/router/norm bytes + context × KV bytes per token) / B_gpu + n_d·κ
+  a fully resident layer (its card holds all E experts) runs inside the step's CUDA graph:
+    layer   = dense + k·b / B_gpu + n_e·κ + lookup          no sync; its lookup is deferred
+  a layer that can miss ends its graph segment after the router and runs its MoE eagerly:
+    gpu(m)  = (k - m)·b / B_gpu + [m < k]·n_e·κ              its hits, grouped QPN kernel
     cpu(m)  = m·b / B_cpu + [m > 0]·(dispatch + 2·H·2 / B_link)   m misses of one token
               (activations fp16 down, the combined expert output fp16 up)
-    gpu(m)  = (k - m)·b / B_gpu                                   its hits, grouped QPN kernel
-    layer   = dense + layer_sync + E_m[max(gpu(m), cpu(m))]       hits and misses run concurrently
+    layer   = dense + layer_sync + lookup + n_o·λ + E_m[max(gpu(m), cpu(m))]
               m ~ Binomial(k, 1 - h): each of the token's k choices misses independently with
               probability 1 - h (an approximation when routing is skewed).
-token = Σ layers + head (final norm + lm_head) / B_gpu + hops (H·2 / B_link + layer_sync per
-card boundary) + token overhead.  On a CPU-only plan every byte goes through B_cpu, no syncs.
+token = Σ layers + head ((final norm + lm_head) / B_gpu + n_head·κ) + hops (H·2 / B_link + λ
+per boundary between two physical GPUs; logical cards on one GPU share its device) + token_us.
+On a CPU-only plan every byte goes through B_cpu, no syncs, no kernels counted.
 Promotion budget per token = pcie_frac × link × token time (the most promotions may use).
 """
 from __future__ import annotations
@@ -22,65 +28,98 @@ from hybrid.planner.memory import kv_bytes_per_token_layer
 from hybrid.planner.model_bytes import ModelBytes
 from hybrid.planner.plan import CardPlan, LayerPrediction, Prediction
 from hybrid.planner.profile import HardwareProfile
+from hybrid.planner.step_shape import DECODE, StepShape
 
 US = 1e6
 
 
 def predict(mb: ModelBytes, prof: HardwareProfile, cards: tuple[CardPlan, ...], hits: list[float],
-            req) -> Prediction:
+            req, shape: StepShape = DECODE) -> Prediction:
     cfg = mb.config
     ctx = min(req.context, req.kv_tokens) if cards else req.context
     kvread = ctx * kv_bytes_per_token_layer(cfg, req.kv_dtype)
     cpu_bw = prof.cpu.nvfp4_kernel_gbs.value * 1e9
-    oh = prof.overheads
     layers, gpu_bytes, cpu_bytes, pcie_bytes = [], 0.0, 0.0, 0.0
     card_of = {layer: c for c in cards for layer in range(*c.layers)}
-    k, act = cfg.num_experts_per_tok, 2 * cfg.hidden_size * 2
     for layer in range(cfg.num_hidden_layers):
-        b, dense = mb.expert_mean(layer), mb.layer_dense[layer] + kvread
         c = card_of.get(layer)
+        dense, b = mb.layer_dense[layer] + kvread, mb.expert_mean(layer)
         if c is None:
+            k = cfg.num_experts_per_tok
             t = (dense + k * b) / cpu_bw * US
             cpu_bytes += dense + k * b
             layers.append(LayerPrediction(layer, -1, 0, 0.0, 0.0, 0.0, t, t))
             continue
-        gpu = prof.gpus[c.device]
-        bw, link = gpu.kernel_bytes_per_s, gpu.link_bytes_per_s * (1 - req.pcie_frac)
-        h = hits[layer]
-        t_dense = dense / bw * US
-        gpu_t = lambda m: (k - m) * b / bw * US  # noqa: E731  m = misses of one token
-        cpu_t = lambda m: m * b / cpu_bw * US + (m > 0) * (oh.cpu_dispatch_us.value + act / link * US)  # noqa: E731
-        probs = miss_distribution(k, h)
-        t_gpu = sum(p * gpu_t(m) for m, p in enumerate(probs))
-        t_cpu = sum(p * cpu_t(m) for m, p in enumerate(probs))
-        t_both = sum(p * max(gpu_t(m), cpu_t(m)) for m, p in enumerate(probs))
-        p_miss = 1.0 - probs[0]
-        total = t_dense + oh.layer_sync_us.value + t_both
-        layers.append(LayerPrediction(layer, c.card, c.slots_per_layer[layer - c.layers[0]], h,
-                                      t_dense, t_gpu, t_cpu, total))
+        x = _card_layer(mb, prof, c, layer, hits[layer], dense, req, shape)
+        layers.append(x)
+        k, h = cfg.num_experts_per_tok, hits[layer]
         gpu_bytes += dense + k * h * b
         cpu_bytes += k * (1 - h) * b
-        pcie_bytes += p_miss * act
+        pcie_bytes += (1.0 - miss_distribution(k, h)[0]) * _act_bytes(cfg)
     head = mb.head_bytes + mb.final_norm
     if cards:
         last = prof.gpus[cards[-1].device]
-        t_head = head / last.kernel_bytes_per_s * US
+        head_kern = shape.head_kernels * last.graph_kernel_us.value
+        t_head = head / last.kernel_bytes_per_s * US + head_kern
         gpu_bytes += head
-        hop_bytes = cfg.hidden_size * 2
+        t_hops, hop_bytes = _hops(prof, cards, cfg.hidden_size * 2, req.pcie_frac)
+        pcie_bytes += hop_bytes
         link_min = min(prof.gpus[c.device].link_bytes_per_s for c in cards)
-        t_hops = (len(cards) - 1) * (hop_bytes / (link_min * (1 - req.pcie_frac)) * US
-                                     + oh.layer_sync_us.value)
-        pcie_bytes += (len(cards) - 1) * hop_bytes
     else:
-        t_head, t_hops, link_min = head / cpu_bw * US, 0.0, 0.0
+        t_head, t_hops, link_min, head_kern = head / cpu_bw * US, 0.0, 0.0, 0.0
         cpu_bytes += head
-    token_us = sum(x.total_us for x in layers) + t_head + t_hops + oh.token_us.value
+    host_us = sum(x.host_us for x in layers) + prof.overheads.token_us.value
+    token_us = sum(x.total_us for x in layers) + t_head + t_hops + prof.overheads.token_us.value
     return Prediction(
         context=ctx, tok_s=US / token_us, token_us=token_us,
         hit_rate=sum(hits) / len(hits), gpu_bytes=int(gpu_bytes), cpu_bytes=int(cpu_bytes),
         pcie_bytes=int(pcie_bytes),
         promotion_budget_bytes=int(req.pcie_frac * link_min * token_us / US),
-        layers=tuple(layers))
+        layers=tuple(layers), host_us=host_us, kernel_us=sum(x.kernel_us for x in layers) + head_kern)
+
+
+def _card_layer(mb: ModelBytes, prof: HardwareProfile, c: CardPlan, layer: int, h: float, dense: float,
+                req, shape: StepShape) -> LayerPrediction:
+    """One layer on a card: graphed and sync-free when all its experts are resident, else eager MoE."""
+    cfg, oh, gpu = mb.config, prof.overheads, prof.gpus[c.device]
+    k, b, slots = cfg.num_experts_per_tok, mb.expert_mean(layer), c.slots_per_layer[layer - c.layers[0]]
+    bw, link = gpu.kernel_bytes_per_s, gpu.link_bytes_per_s * (1 - req.pcie_frac)
+    kus = gpu.graph_kernel_us.value
+    t_dense = dense / bw * US + shape.dense_kernels * kus
+    if slots >= cfg.num_experts:                                   # resident: inside the graph
+        t_gpu = k * b / bw * US + shape.expert_kernels * kus
+        host = oh.lookup_us.value
+        return LayerPrediction(layer, c.card, slots, h, t_dense, t_gpu, 0.0, t_dense + t_gpu + host,
+                               host_us=host, kernel_us=(shape.dense_kernels + shape.expert_kernels) * kus,
+                               resident=True)
+    gpu_t = lambda m: (k - m) * b / bw * US + (m < k) * shape.expert_kernels * kus  # noqa: E731
+    cpu_t = lambda m: (m * b / (prof.cpu.nvfp4_kernel_gbs.value * 1e9) * US  # noqa: E731
+                       + (m > 0) * (oh.cpu_dispatch_us.value + _act_bytes(cfg) / link * US))
+    probs = miss_distribution(k, h)
+    t_gpu = sum(p * gpu_t(m) for m, p in enumerate(probs))
+    t_cpu = sum(p * cpu_t(m) for m, p in enumerate(probs))
+    t_both = sum(p * max(gpu_t(m), cpu_t(m)) for m, p in enumerate(probs))
+    host = oh.layer_sync_us.value + oh.lookup_us.value + shape.eager_ops * gpu.launch_us.value
+    kern = shape.dense_kernels * kus + (1.0 - probs[k]) * shape.expert_kernels * kus
+    return LayerPrediction(layer, c.card, slots, h, t_dense, t_gpu, t_cpu, t_dense + host + t_both,
+                           host_us=host, kernel_us=kern, resident=False)
+
+
+def _hops(prof: HardwareProfile, cards: tuple[CardPlan, ...], hop_bytes: int, pcie_frac: float):
+    """(us, PCIe bytes) of the hidden state's hops between physical GPUs at the layer split."""
+    t, n = 0.0, 0
+    for a, b in zip(cards, cards[1:]):
+        if a.device == b.device:
+            continue                              # logical cards on one GPU: the same device
+        link = min(prof.gpus[a.device].link_bytes_per_s, prof.gpus[b.device].link_bytes_per_s)
+        t += hop_bytes / (link * (1 - pcie_frac)) * US + prof.gpus[b.device].launch_us.value
+        n += hop_bytes
+    return t, n
+
+
+def _act_bytes(cfg) -> int:
+    """fp16 activations down + the combined expert output up, one token."""
+    return 2 * cfg.hidden_size * 2
 
 
 def miss_distribution(k: int, h: float) -> list[float]:

@@ -45,7 +45,9 @@ class Figure:
 class GPUProfile:
     """One GPU. read_gbs: large read-only reduction; copy_gbs: device copy, read+write counted;
     kernel_efficiency: fraction of read_gbs that the QPN decode kernels reach;
-    h2d/d2h: pinned host<->device copies; context_mib: CUDA context + runtime reserve."""
+    h2d/d2h: pinned host<->device copies; context_mib: CUDA context + runtime reserve;
+    graph_kernel_us: GPU time of one small kernel inside a CUDA graph (the fixed cost each of a
+    layer's ~40 kernels pays whatever its bytes); launch_us: host time to issue one eager op."""
 
     name: str
     compute_capability: str
@@ -58,6 +60,8 @@ class GPUProfile:
     h2d_gbs: Figure
     d2h_gbs: Figure
     context_mib: Figure
+    graph_kernel_us: Figure
+    launch_us: Figure
 
     def __post_init__(self) -> None:
         if self.memory_mib <= 0:
@@ -115,13 +119,16 @@ class HostProfile:
 
 @dataclass(frozen=True)
 class Overheads:
-    """Fixed costs. layer_sync_us: router ids to the host once per layer;
+    """Host costs. layer_sync_us: router ids (+ x) to the host, once per layer that can miss;
+    lookup_us: the expert cache's lookup of one layer's routed ids (every layer on a card: at once
+    where it can miss, deferred to the step's end where it is fully resident);
     cpu_dispatch_us: hand a layer's misses to the CPU pool and collect them;
-    token_us: per token (embed, sampler, Python)."""
+    token_us: per token outside the layers (embed, graph replays, sampler, Python)."""
 
     layer_sync_us: Figure
     cpu_dispatch_us: Figure
     token_us: Figure
+    lookup_us: Figure
 
 
 @dataclass(frozen=True)
@@ -163,9 +170,10 @@ def _figures(d: Any, prefix: str = ""):
 # ---------------------------------------------------------------- parsing with clear errors
 
 _FIGURE_FIELDS = {
-    GPUProfile: ("read_gbs", "copy_gbs", "kernel_efficiency", "h2d_gbs", "d2h_gbs", "context_mib"),
+    GPUProfile: ("read_gbs", "copy_gbs", "kernel_efficiency", "h2d_gbs", "d2h_gbs", "context_mib",
+                 "graph_kernel_us", "launch_us"),
     CPUProfile: ("stream_copy_gbs", "nvfp4_kernel_gbs"),
-    Overheads: ("layer_sync_us", "cpu_dispatch_us", "token_us"),
+    Overheads: ("layer_sync_us", "cpu_dispatch_us", "token_us", "lookup_us"),
     HostProfile: (),
 }
 

@@ -38,11 +38,15 @@ def render(plan: Plan, per_layer: bool = False) -> str:
               f"({p.token_us / 1000:.2f} ms/token), expert hit rate {100 * p.hit_rate:.1f}%",
               f"  per token: GPU reads {p.gpu_bytes / 1e9:.3f} GB, CPU reads {p.cpu_bytes / 1e9:.3f} GB, "
               f"PCIe {p.pcie_bytes / 1e3:.1f} kB (+ up to {p.promotion_budget_bytes / 1e6:.2f} MB promotions "
-              f"at --pcie-frac {i.pcie_frac})"]
+              f"at --pcie-frac {i.pcie_frac})",
+              f"  of the {p.token_us / 1000:.2f} ms: host work {p.host_us / 1000:.2f} ms (syncs, cache lookups, "
+              f"eager ops, per-token), fixed kernel cost {p.kernel_us / 1000:.2f} ms; resident (graphed, "
+              f"no sync) layers {sum(x.resident for x in p.layers)} of {len(p.layers)}"]
     if per_layer:
-        lines += [""] + _table(["layer", "card", "slots", "hit %", "dense us", "gpu exp us", "cpu exp us", "total us"],
+        lines += [""] + _table(["layer", "card", "slots", "hit %", "dense us", "gpu exp us", "cpu exp us",
+                                "host us", "total us"],
                                [[str(x.layer), str(x.card), str(x.slots), f"{100 * x.hit_rate:.1f}",
                                  f"{x.dense_us:.1f}", f"{x.gpu_experts_us:.1f}", f"{x.cpu_experts_us:.1f}",
-                                 f"{x.total_us:.1f}"] for x in p.layers])
+                                 f"{x.host_us:.1f}", f"{x.total_us:.1f}"] for x in p.layers])
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)

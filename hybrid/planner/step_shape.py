@@ -1,0 +1,35 @@
+"""What one decode step of the runtime launches, counted per layer: the planner's kernel-count terms.
+
+These are facts about the runtime's code (hybrid/model/qwen_moe.py decode_dense, Attention.decode,
+hybrid/runtime/hybrid_experts.py moe_device / __call__, hybrid/runtime/graphs.py), not about the
+hardware; the profile gives what one kernel or one op costs (gpus[].graph_kernel_us, launch_us).
+
+    dense_kernels   rope rows, 2 x RMSNorm (cast, norm, cast), fused q/k/v QPN, q/k norm, RoPE,
+                    2 KV index_copy_, masked SDPA, o QPN, residual, router (cast, GEMV, softmax,
+                    top-k, renormalise), route-buffer copies: ~34 small kernels
+    expert_kernels  slot-id gather, weight cast, grouped QPN route + gate/up + down, cast, residual: ~8
+    head_kernels    final RMSNorm (3) + lm_head + fp32 cast: 5
+    eager_ops       a layer that can miss runs its MoE eagerly after the host sync: ids/weights/x
+                    cast + concatenated + copied down, the hit list copied up, weight gather, the
+                    grouped kernel's launches, CPU result up, add, cast, next segment's replay: ~15
+The counts were estimated from the code; tools/gpu_runtime_check.py counts the kernels of one
+eager step on the device (results/runtime.md) to check them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepShape:
+    dense_kernels: int = 34
+    expert_kernels: int = 8
+    head_kernels: int = 5
+    eager_ops: int = 15
+
+    def __post_init__(self) -> None:
+        if min(self.dense_kernels, self.expert_kernels, self.head_kernels, self.eager_ops) < 0:
+            raise ValueError("kernel and op counts must be >= 0")
+
+
+DECODE = StepShape()
