@@ -18,6 +18,13 @@ Decode-speed run (results/runtime.md section 7): HYBRID_CACHE_DIR=.qpncache HYBR
 Each synthetic session is measured with CUDA graphs on, then off (the eager path), and the
 all-resident one gets a step profile (host time to issue a step, wall and GPU-event time).
 
+Planner-model run (results/runtime.md section 8): --calibrate also measures graph_kernel_us, launch_us,
+lookup_us; the synthetic part opens the all-CPU session, writes the expert profile, then records the
+planner's predictions for every configuration (all-CPU, --vram-cap 16, --vram-cap 8, --cache-slots
+--miss-slots per card: real CPU misses) from the profile calibrated in this call BEFORE any decode
+is measured; --modes graphs skips the eager re-measurement; the cap-16 session counts the kernels
+of one eager decode step (torch.profiler) to check planner.step_shape.
+
 scratch/tiny_ref.json (not committed) is the CPU reference for the current tiny weights, made here:
     hybrid-quantize tiny /tmp/tiny_nvfp4 && hybrid-run --model /tmp/tiny_nvfp4 -p "def fibonacci(n):" -n 24 --json
     -> {"prompt": "def fibonacci(n):", "n": 24, "generated_ids": [...]}
@@ -222,6 +229,63 @@ def step_profile(session, steps: int = 16) -> dict:
     return out
 
 
+def synth_configs(miss_slots: int) -> list[tuple[str, dict]]:
+    """(label, RuntimeOptions fields) of the two-card sessions, in the order they are measured."""
+    return [("synth_two_cards_cap16", dict(gpus=(0, 0), vram_cap_gib=(16.0,))),
+            ("synth_two_cards_cap8", dict(gpus=(0, 0), vram_cap_gib=(8.0,))),
+            (f"synth_two_cards_slots{miss_slots}", dict(gpus=(0, 0), cache_slots=(miss_slots,)))]
+
+
+def predictions_before(path: Path, profile: str, expert_profile: Path, ctx: int, miss_slots: int) -> dict:
+    """The planner's predictions for every synthetic configuration, made the way open_session plans
+    (hybrid.runtime.session._plan), recorded before any decode is measured."""
+    from hybrid.model.config import ModelConfig
+    from hybrid.runtime import RuntimeOptions
+    from hybrid.runtime.session import _plan
+
+    cfg = ModelConfig.from_folder(path)
+    out = {}
+    configs = [("synth_all_cpu", dict(gpus=(0,), cache_slots=(0,)), None)]
+    configs += [(label, kw, expert_profile) for label, kw in synth_configs(miss_slots)]
+    for label, kw, eprof in configs:
+        opts = RuntimeOptions(device="cuda", profile=profile, **kw)
+        plan = _plan(path, cfg, opts, eprof, ctx)
+        p = plan.prediction
+        out[label] = {"tok_s": round(p.tok_s, 2), "token_ms": round(p.token_us / 1e3, 3),
+                      "host_ms": round(p.host_us / 1e3, 3), "kernel_ms": round(p.kernel_us / 1e3, 3),
+                      "hit_rate": round(p.hit_rate, 4), "split": list(plan.inputs.layer_split),
+                      "slots": [c.slots for c in plan.cards],
+                      "resident_layers": sum(x.resident for x in p.layers),
+                      "cpu_mb_per_token": round(p.cpu_bytes / 1e6, 2), "gpu_mb_per_token": round(p.gpu_bytes / 1e6, 1)}
+        log(f"prediction {label}: {json.dumps(out[label])}")
+    record({"check": "predictions_before_decode", "profile": profile, "context": ctx, "predictions": out})
+    return out
+
+
+def kernel_count(session) -> dict:
+    """CUDA kernels of one eager decode step (the graphed step runs the same kernels), by torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    hm, inner, ex = session.model, session.model.model, session.model.experts
+    hm.new_cache(64)
+    for j in range(3):                          # warm: lazy packing, library handles
+        ex.begin_step(1, "decode")
+        inner.forward(torch.tensor([100 + j]), j, last_only=True)
+        ex.abort_step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ex.begin_step(1, "decode")
+        inner.forward(torch.tensor([200]), 3, last_only=True)
+        torch.cuda.synchronize()
+        ex.abort_step()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [n for n in names if not n.lower().startswith(("memcpy", "memset"))]
+    layers = inner.cfg.num_hidden_layers
+    return {"kernels_per_step": len(kernels), "copies_per_step": len(names) - len(kernels),
+            "kernels_per_layer": round(len(kernels) / layers, 2), "layers": layers}
+
+
 def graph_info(session) -> dict:
     g = session.model.graphs
     if g is None:
@@ -249,7 +313,8 @@ def measure_modes(s, tok, tokens: int, label: str, modes=("graphs", "eager"), de
         g.enabled = True
 
 
-def synth_runs(path: Path, deadline: float, tokens: int, device: str, profile: str = "h200") -> None:
+def synth_runs(path: Path, deadline: float, tokens: int, device: str, profile: str = "h200",
+               modes=("graphs", "eager"), miss_slots: int = 1024) -> None:
     import torch
 
     from hybrid.bench.decode import measure
@@ -267,28 +332,29 @@ def synth_runs(path: Path, deadline: float, tokens: int, device: str, profile: s
                       context=ctx)
     cpu = s0.cpu
     log(f"  loaded {s0.load_s}")
+    prof = OUT / "synth30.experts.json"
+    calibrate_profile(s0, tok, path, prof)            # routing counts first: the predictions need them
+    predictions_before(path, profile, prof, ctx, miss_slots)
     rec = measure(s0, tok, 32, 1, 8)
     record({"check": "synth_all_cpu", "vram_cap_gib": None, **rec, **graph_info(s0),
             "store_backing": getattr(getattr(cpu, "store", None), "backing", None),
             "cpu_threads": getattr(getattr(cpu, "runner", None), "threads", None)})
-    prof = OUT / "synth30.experts.json"
-    calibrate_profile(s0, tok, path, prof)
     s0.owns_cpu = False                  # the runner serves the next sessions; closed at the end
     s0.close()
     del s0
     torch.cuda.empty_cache() if cuda else None
-    for cap in (16.0, 8.0):
+    for label, kw in synth_configs(miss_slots):
         if time.perf_counter() > deadline:
-            record({"check": f"synth_two_cards_cap{cap:g}", "skipped": "device-time deadline"})
+            record({"check": label, "skipped": "device-time deadline"})
             continue
-        log(f"session: two logical cards on GPU 0, --vram-cap {cap:g} each")
+        log(f"session {label}: {kw}")
         torch.cuda.reset_peak_memory_stats() if cuda else None
-        s = open_session(path, RuntimeOptions(device=device, gpus=(0, 0), vram_cap_gib=(cap,), profile=profile,
-                                              expert_profile=str(prof)), context=ctx, cpu=cpu)
+        s = open_session(path, RuntimeOptions(device=device, profile=profile, expert_profile=str(prof), **kw),
+                         context=ctx, cpu=cpu)
         log(f"  loaded {s.load_s}; {s.placement.describe()}")
         alloc = torch.cuda.memory_allocated(0) if cuda else 0
-        label = f"synth_two_cards_cap{cap:g}"
-        measure_modes(s, tok, tokens, label, deadline=deadline)
+        measure_modes(s, tok, tokens, label, modes=modes, deadline=deadline)
+        cap = kw.get("vram_cap_gib", (None,))[0]
         rec = {"vram": {"allocated_gib_both_cards": round(alloc / 2**30, 2),
                         "peak_gib_both_cards": round(torch.cuda.max_memory_allocated(0) / 2**30, 2) if cuda else 0,
                         "slot_storage_gib": [round(c.slots.nbytes / 2**30, 2) for c in s.cards],
@@ -297,10 +363,11 @@ def synth_runs(path: Path, deadline: float, tokens: int, device: str, profile: s
                "plan_split": list(s.plan.inputs.layer_split), "placement": s.placement.describe(),
                "full_layers": [len(c.full) for c in s.cards]}
         if cuda and all(len(c.full) == len(c.spec.layer_ids) for c in s.cards):
-            try:
-                rec["step_profile"] = step_profile(s)
-            except Exception as exc:  # noqa: BLE001
-                rec["step_profile_error"] = f"{type(exc).__name__}: {exc}"
+            for name, fn in (("step_profile", step_profile), ("kernel_count", kernel_count)):
+                try:
+                    rec[name] = fn(s)
+                except Exception as exc:  # noqa: BLE001
+                    rec[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
         record({"check": f"{label}_session", **rec, **graph_info(s)})
         s.close()
         del s
@@ -323,6 +390,9 @@ def main() -> int:
     p.add_argument("--calibrate", action="store_true",
                    help="first run hybrid-bench calibrate --base h200 into $OUT/h200.json and plan with it")
     p.add_argument("--pytest", default="", help="pytest node ids/files to run first (CUDA tests), space-separated")
+    p.add_argument("--modes", default="graphs,eager", help="decode modes measured per two-card session")
+    p.add_argument("--miss-slots", type=int, default=1024,
+                   help="expert slots per card of the session with real CPU misses (default 1024 of 3072)")
     a = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     deadline = T0 + a.budget_s
@@ -334,7 +404,8 @@ def main() -> int:
     parts += [("tiny", lambda: tiny_checks(a.tiny, json.loads(a.tiny_ref.read_text()), a.device,
                                            state["profile"]))] if not a.skip_tiny else []
     parts += [("synth_write", lambda: make_synth(a.synth, a.skew, a.small)),
-              ("synth_runs", lambda: synth_runs(a.synth, deadline, a.tokens, a.device, state["profile"]))]
+              ("synth_runs", lambda: synth_runs(a.synth, deadline, a.tokens, a.device, state["profile"],
+                                                tuple(a.modes.split(",")), a.miss_slots))]
     for name, fn in parts:
         if time.perf_counter() > deadline:
             record({"check": name, "skipped": "device-time deadline"})
