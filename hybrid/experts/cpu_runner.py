@@ -10,6 +10,12 @@ splits (expert, I-tile) units, a barrier, phase 2 splits H-tiles.  The kernels r
 Each output element is computed by one worker in a fixed order, so the result does not depend
 on the thread count.
 
+Small calls (a decode step's few experts: at most `inline_bytes` of packed weights) skip the pool:
+submit only prepares them and sync runs both phases on the calling thread, as one worker would
+(the same numbers). Handing work to the pool and back costs more than such a call computes, and
+running it in sync keeps the overlap with what the caller does between submit and sync (the GPU's
+hits are launched by then).
+
 Legend: T tokens, H hidden, I intermediate, E listed experts, P = Σ_e rows of expert e.
 """
 from __future__ import annotations
@@ -49,17 +55,23 @@ class Work:
     slots: tuple              # gate_up offsets [E], down offsets [E], scales [E, 3]
     units: list               # per worker (u0, u1) of phase 1 and (t0, t1) of phase 2
     barrier: threading.Barrier | None = None
+    inline: bool = False      # run by sync() on the calling thread
     left: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
 
-class CpuExpertRunner:
-    """Worker pool over an ExpertStore; threads default to the physical core count."""
+INLINE_BYTES = 1 << 20    # calls reading at most this many packed weight bytes run in sync()
 
-    def __init__(self, store, threads: int | None = None):
+
+class CpuExpertRunner:
+    """Worker pool over an ExpertStore; threads default to the physical core count.
+    inline_bytes: calls that read at most this many packed expert bytes run on the caller (0: never)."""
+
+    def __init__(self, store, threads: int | None = None, inline_bytes: int = INLINE_BYTES):
         self.store = store
+        self.inline_bytes = int(inline_bytes)
         self.threads = int(threads or physical_cores())
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -82,6 +94,8 @@ class CpuExpertRunner:
             raise ValueError(f"x must be [T, {self.store.hidden}] f32, got {x.shape}")
         ids, rows, ptr, w = _group(expert_ids, token_rows, route_weights, x.shape[0])
         work = self._plan(layer, ids, rows, ptr, w, x)
+        if work.inline:
+            return work
         if work.left == 0:
             work.done.set()
         for i, q in enumerate(self._queues[: work.left]):
@@ -90,6 +104,10 @@ class CpuExpertRunner:
 
     def sync(self, handle: Work) -> np.ndarray:
         """Wait for a submitted call -> out [T, H] f32."""
+        if handle.inline:
+            handle.inline = False
+            self._run_all(handle)
+            handle.done.set()
         handle.done.wait()
         if handle.error is not None:
             raise handle.error
@@ -118,6 +136,10 @@ class CpuExpertRunner:
         h = np.empty((rows.shape[0], nti * R), np.float32)
         work = Work(ids, rows, ptr, w, x, out, h, s.slots(layer, ids), [])
         if rows.shape[0] == 0:
+            return work
+        if len(ids) * s.slot_nbytes <= self.inline_bytes:
+            work.inline = True
+            work.units = [((0, len(ids) * nti), (0, nth))]
             return work
         n = self.threads
         p1, p2 = _split(len(ids) * nti, n), _split(nth, n)
@@ -150,6 +172,18 @@ class CpuExpertRunner:
                     work.left -= 1
                     if work.left == 0:
                         work.done.set()
+
+    def _run_all(self, work: Work) -> None:
+        """Both phases of the whole call on this thread (what one worker of a 1-thread pool does)."""
+        s = self.store
+        arena, kind, H, I, R = s.arena.array, s.qkind, s.hidden, s.inter, s.R
+        gu, dn, scl = work.slots
+        (u0, u1), (t0, t1) = work.units[0]
+        try:
+            experts_gate_up(kind, arena, gu, scl, work.x, work.rows, work.ptr, u0, u1, work.h, H, I, R)
+            experts_down(kind, arena, dn, scl, work.h, work.rows, work.ptr, work.w, t0, t1, work.out, H, I, R)
+        except BaseException as exc:            # noqa: BLE001 - handed to sync()
+            work.error = exc
 
     def _run(self, work: Work, k: int) -> None:
         s = self.store

@@ -4,7 +4,8 @@ Legend: T tokens, H hidden, A (token, expert) pairs that missed the cache.
 Quantized checkpoints use hybrid.experts.cpu_runner.CpuExpertRunner (Numba kernels over the
 hugepage-backed ExpertStore of every expert); dense checkpoints, or `--cpu-engine torch`, use
 TorchCpuRunner: the same interface over the reference linear path, in one worker thread (torch
-releases the GIL, so it overlaps the GPU work like the Numba runner does).
+releases the GIL, so it overlaps the GPU work like the Numba runner does); small calls run in
+sync() on the calling thread.
 """
 from __future__ import annotations
 
@@ -18,26 +19,67 @@ import torch.nn.functional as F
 from hybrid.errors import HybridError
 from hybrid.model.linear import Linear
 
+INLINE_BYTES = 1 << 20    # calls over at most this many stored expert bytes run in sync()
+KEEP_BYTES = 1 << 30      # TorchCpuRunner: stored expert bytes kept after the first read
+
+
+class _Deferred:
+    """A small TorchCpuRunner call that sync() runs on the calling thread."""
+
+    def __init__(self, args: tuple):
+        self.args = args
+
 
 class TorchCpuRunner:
-    """Reference CPU expert runner; get_expert(layer, e) -> (gate, up, down) QWeight."""
+    """Reference CPU expert runner; get_expert(layer, e) -> (gate, up, down) QWeight.
 
-    def __init__(self, get_expert, threads: int | None = None):
-        self.get_expert = get_expert
+    Calls whose experts hold at most `inline_bytes` (stored) run in sync() on the calling thread
+    (after the caller launched its hits), as the Numba runner's small calls do: a hand-off to the
+    worker costs more than they compute. Experts are read from the checkpoint once and kept as
+    stored (never dequantized) while they fit in `keep_bytes`."""
+
+    def __init__(self, get_expert, threads: int | None = None, inline_bytes: int = INLINE_BYTES,
+                 keep_bytes: int = KEEP_BYTES):
+        self._read = get_expert
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-experts")
         self.threads = threads
+        self.inline_bytes, self.keep_bytes = int(inline_bytes), int(keep_bytes)
+        self._kept: dict = {}
+        self._kept_bytes = 0
 
-    def submit(self, layer: int, expert_ids, token_rows, route_weights, x: np.ndarray) -> Future:
+    def get_expert(self, layer: int, e: int):
+        w = self._kept.get((layer, e))
+        if w is None:
+            w = self._read(layer, e)
+            n = sum(q.nbytes for q in w)
+            if self._kept_bytes + n <= self.keep_bytes:
+                self._kept[(layer, e)] = w
+                self._kept_bytes += n
+        return w
+
+    def submit(self, layer: int, expert_ids, token_rows, route_weights, x: np.ndarray):
         """expert_ids/token_rows/route_weights [A]; x [T, H] f32 -> handle."""
-        return self.pool.submit(self._run, layer, np.asarray(expert_ids), np.asarray(token_rows),
-                                np.asarray(route_weights, dtype=np.float32), x)
+        args = (layer, np.asarray(expert_ids), np.asarray(token_rows),
+                np.asarray(route_weights, dtype=np.float32), x)
+        if self._small(layer, args[1]):
+            return _Deferred(args)
+        return self.pool.submit(self._run_pool, *args)
 
-    def sync(self, handle: Future) -> np.ndarray:
+    def sync(self, handle) -> np.ndarray:
+        if isinstance(handle, _Deferred):
+            return self._run(*handle.args)
         return handle.result()
 
-    def _run(self, layer, expert_ids, token_rows, route_weights, x) -> np.ndarray:
+    def _small(self, layer: int, expert_ids: np.ndarray) -> bool:
+        uniq = np.unique(expert_ids).tolist()
+        return sum(q.nbytes for e in uniq for q in self.get_expert(layer, e)) <= self.inline_bytes
+
+    def _run_pool(self, *args) -> np.ndarray:
         if self.threads:
             torch.set_num_threads(self.threads)
+        return self._run(*args)
+
+    def _run(self, layer, expert_ids, token_rows, route_weights, x) -> np.ndarray:
         xt = torch.from_numpy(x)                                              # [T, H]
         out = torch.zeros(xt.shape, dtype=torch.float32)
         for e in np.unique(expert_ids).tolist():

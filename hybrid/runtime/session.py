@@ -15,6 +15,7 @@ from hybrid.experts.policy import make_policy
 from hybrid.experts.popularity import ExpertProfile, load_profile as load_expert_profile
 from hybrid.experts.trace import TraceHeader, TraceWriter
 from hybrid.model.config import ModelConfig
+from hybrid.runtime.cpu_card import hold_dense
 from hybrid.runtime.cpu_side import make_cpu_runner
 from hybrid.runtime.hybrid_experts import CardRuntime, HybridExperts
 from hybrid.runtime.hybrid_model import HybridModel
@@ -37,6 +38,7 @@ class Session:
     expert_profile: ExpertProfile | None = None
     load_s: dict = field(default_factory=dict)
     owns_cpu: bool = True
+    dense_held: int = 0                  # CPU cards: fp32 bytes of dense weights held (cpu_card)
 
     @property
     def caches(self) -> list[ExpertCache]:
@@ -55,6 +57,7 @@ class Session:
         d["slot_storage"] = sorted({k for c in self.cards for k in c.slots.kinds})
         d["cpu_runner"] = type(self.cpu).__name__
         d["load_s"] = {k: round(v, 3) for k, v in self.load_s.items()}
+        d["cpu_dense_held_bytes"] = self.dense_held
         return d
 
     def summary(self, measured_tok_s: float | None = None) -> list[str]:
@@ -85,6 +88,7 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
                                   opts.layer_split, opts.cache_slots))
     t1 = time.perf_counter()
     model = load_model(path, device=placement.cards[0].device, layer_devices=placement.layer_devices())
+    held = hold_dense(model)                  # CPU cards: dense weights decoded once, not per call
     t2 = time.perf_counter()
     ws = model.weights
     get_expert = ws.expert_weights
@@ -113,7 +117,7 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     hm = HybridModel(model, experts, opts.kv_resident, opts.kv_dtype, graphs)
     return Session(hm, placement, plan, cards, cpu, stats, opts, trace, eprof,
                    {"plan": t1 - t0, "dense": t2 - t1, "expert_cache": t3 - t2, "cpu_store": t4 - t3},
-                   owns_cpu)
+                   owns_cpu, held)
 
 
 def _check_devices(opts: RuntimeOptions) -> None:

@@ -6,14 +6,22 @@ grouped by weight type: quantized experts (NVFP4/FP8) go to hybrid.kernels.QPNEx
 through the grouped qpn_moe kernel (its torch reference on CPU tensors); dense experts (BF16/FP16
 checkpoints, or shapes the kernels cannot take) go to TorchExpertSlots, which runs them through
 the reference linear path. Each layer has its own storage, indexed from 0.
+
+CPU mode (a card that is the CPU): a real card keeps its slots packed and decodes them in registers;
+the stand-in keeps each resident slot's weights dequantized (fp32) once, at load, so a hit costs a
+matmul instead of a transient dequantize per call. Only slots are held this way (at most the
+card's slot count of experts, never the whole model); the numbers are the same as the reference
+kernels' (same dequantized values, same operations, same order).
 """
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hybrid.checkpoint.formats import QType
 from hybrid.checkpoint.qweight import QWeight
 from hybrid.model.linear import Linear
 
@@ -21,13 +29,17 @@ ExpertWeights = Callable[[int, int], tuple[QWeight, QWeight, QWeight]]
 
 
 class TorchExpertSlots:
-    """Reference slot storage (any device, any weight type): one stored SwiGLU per slot."""
+    """Reference slot storage (any device, any weight type): one stored SwiGLU per slot.
+    On a CPU card each slot's weights are held as fp32 (see the module doc)."""
 
     def __init__(self, num_slots: int, device: torch.device):
         self.device = torch.device(device)
         self.slots: list[tuple[Linear, Linear, Linear] | None] = [None] * num_slots
 
     def load(self, slot: int, gate: QWeight, up: QWeight, down: QWeight, stream=None) -> None:
+        if self.device.type == "cpu":
+            self.slots[slot] = tuple(Linear(_as_f32(w)) for w in (gate, up, down))
+            return
         ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
         with ctx:
             self.slots[slot] = tuple(Linear(w).to(self.device) for w in (gate, up, down))
@@ -46,21 +58,70 @@ class TorchExpertSlots:
 
 
 class QPNSlots:
-    """Quantized slot storage through hybrid.kernels (QPN kernel on CUDA, torch reference on CPU)."""
+    """Quantized slot storage through hybrid.kernels (QPN kernel on CUDA); on a CPU card the same
+    math as the kernels' torch reference (hybrid.kernels.reference.ref_moe) over slots held
+    dequantized (see the module doc)."""
 
     def __init__(self, num_slots: int, hidden: int, inter: int, qtype, device: torch.device):
         from hybrid.kernels import QPNExpertSlots
 
         self.slots = QPNExpertSlots(num_slots, hidden, inter, qtype, torch.device(device))
+        self.host = None if self.slots.device.type == "cuda" else [None] * num_slots
 
     def load(self, slot: int, gate: QWeight, up: QWeight, down: QWeight, stream=None) -> None:
-        self.slots.load(slot, gate, up, down, stream=stream)
+        self.slots.load(slot, gate, up, down, stream=stream)          # checks types and shapes
+        if self.host is not None:
+            self.host[slot] = tuple(w.dequantize(torch.float32) for w in (gate, up, down))
 
     def moe(self, x: torch.Tensor, slot_ids, token_idx, route_w) -> torch.Tensor:
+        if self.host is not None:
+            return host_moe(x.to(torch.float16), self.host, slot_ids, token_idx, route_w.float())
         from hybrid.kernels import qpn_moe
 
         return qpn_moe(x.to(torch.float16), self.slots, slot_ids.int(), token_idx.int(),
                        route_w.float())
+
+
+def host_moe(x: torch.Tensor, host: list, slot_ids: torch.Tensor, token_idx: torch.Tensor,
+             route_w: torch.Tensor) -> torch.Tensor:
+    """ref_moe over dequantized slots: x [T, H] fp16; host[s] = (gate [I, H], up [I, H],
+    down [H, I]) fp32; slot_ids/token_idx/route_w [A] -> y [T, H] fp32. Slots in ascending order,
+    h rounded to fp16 as the kernel does: the values ref_moe gives, without its per-call dequantize."""
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)             # [T, H]
+    sid = slot_ids.numpy() if slot_ids.dtype == torch.int64 else slot_ids.long().numpy()   # [A]
+    xf = x.float()                                                           # [T, H]
+    if x.shape[0] == 1 and len(np.unique(sid)) == len(sid):                  # decode: one row per slot
+        rw = route_w.unsqueeze(1)                                            # [A, 1]
+        for a in np.argsort(sid).tolist():
+            y.add_(_swiglu(xf, _slot(host, int(sid[a]))) * rw[a])
+        return y
+    tok = token_idx.long()
+    for s in np.unique(sid).tolist():
+        sel = torch.from_numpy(np.flatnonzero(sid == s))                     # [a_s]
+        rows = tok[sel]
+        out = _swiglu(xf[rows], _slot(host, s))                              # [a_s, H]
+        y.index_add_(0, rows, out * route_w[sel].unsqueeze(1))
+    return y
+
+
+def _slot(host: list, s: int) -> tuple:
+    w = host[s] if 0 <= s < len(host) else None
+    if w is None:
+        raise ValueError(f"slot_ids: slot {s} is empty or out of range")
+    return w
+
+
+def _swiglu(xs: torch.Tensor, w: tuple) -> torch.Tensor:
+    """ref_expert over held weights: xs [R, H] fp32 (fp16 values) -> [R, H] fp32, h rounded to fp16."""
+    hmid = F.silu(xs @ w[0].t()) * (xs @ w[1].t())                            # [R, I]
+    return hmid.half().float() @ w[2].t()
+
+
+def _as_f32(w: QWeight) -> QWeight:
+    """A CPU slot's weight as dense fp32 (what the reference linear multiplies by)."""
+    if w.qtype is QType.F32:
+        return w.to("cpu")
+    return QWeight(QType.F32, w.shape, w.dequantize(torch.float32).contiguous(), name=w.name)
 
 
 def kernels_available() -> bool:
