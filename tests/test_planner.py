@@ -578,3 +578,15 @@ def test_tied_head_is_copied_to_the_last_card(tmp_path, prof):
     assert plan.cards[1].dense_bytes == mb.layer_dense[1] + mb.embed + mb.final_norm
     one = make_plan(mb, profile_from_dict(profile_dict(gpus=1)), PlanRequest(gpus=(0,), layer_split=()))
     assert one.cards[0].dense_bytes == sum(mb.layer_dense) + mb.embed + mb.final_norm   # shared, not copied
+
+
+def test_calibrate_small_kernel_mix_runs_on_cpu():
+    """The decode-layer-like kernel groups calibrate times on the GPU have consistent shapes."""
+    from hybrid.bench.calibrate import _lookup_us, _small_bufs, _small_kernels
+
+    b = _small_bufs("cpu")
+    b["pos"].fill_(3)
+    x = _small_kernels(b, 2)
+    assert x.shape == (1, 2048) and x.dtype == torch.float16
+    assert b["k"][3].abs().sum() > 0 and b["k"][2].abs().sum() == 0     # the KV row at pos written
+    assert 0 < _lookup_us(tokens=2) < 10_000

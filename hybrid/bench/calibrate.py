@@ -123,6 +123,10 @@ def _gpu_profile(i: int, hw, base, args, measured) -> GPUProfile:
     copy = _gpu_time(i, n, reps, "copy")
     h2d, d2h = (_pcie_time(i, args.pcie_mib * MIB, reps, d) for d in ("h2d", "d2h"))
     how = f"{args.gpu_mib} MiB, median of {reps}, CUDA events"
+    try:
+        kus, per = _graph_kernel_us(i, reps)
+    except Exception as exc:  # noqa: BLE001 - _try below falls back to the base figure
+        kus, per = exc, MIX_OPS
     return GPUProfile(
         name=props.name, compute_capability=f"{props.major}.{props.minor}",
         memory_mib=props.total_memory // MIB,
@@ -134,14 +138,22 @@ def _gpu_profile(i: int, hw, base, args, measured) -> GPUProfile:
         d2h_gbs=measured(args.pcie_mib * MIB / d2h / 1e9, f"pinned device->host, {args.pcie_mib} MiB, median of {reps}"),
         context_mib=measured(ctx, "NVML used memory after CUDA init minus before, minus torch's reserve")
         if ctx else _keep(base, "gpus", "context_mib", *DEFAULTS["context_mib"], gpu=i),
-        graph_kernel_us=_try(lambda: measured(_graph_kernel_us(i, reps), f"one CUDA graph of {GRAPH_OPS} tiny "
-                             f"dependent kernels on [1, 2048] fp16 (mul, add, cast, row sum, cast, add), replay "
-                             f"time / kernels, median of {reps}, CUDA events"),
+        graph_kernel_us=_try(lambda: measured(_value(kus), f"one CUDA graph of {CYCLES} groups of a decode layer's small "
+                             f"kernels on Qwen3-30B-A3B shapes (RMSNorm, q/k norm, RoPE, KV writes, masked SDPA "
+                             f"over 256 keys, router softmax/top-k, residuals; {per} kernels a group, counted by "
+                             f"torch.profiler), replay time / kernels, median of {reps}, CUDA events"),
                              lambda why: _keep(base, "gpus", "graph_kernel_us", *DEFAULTS["graph_kernel_us"], gpu=i), i),
-        launch_us=_try(lambda: measured(_launch_us(i, reps), f"the same {GRAPH_OPS} ops issued eagerly: host "
-                       f"time to issue them / ops, median of {reps}"),
+        launch_us=_try(lambda: measured(_launch_us(i, reps, per), f"the same groups issued eagerly: host time "
+                       f"to issue them / kernels, median of {reps}"),
                        lambda why: _keep(base, "gpus", "launch_us", *DEFAULTS["launch_us"], gpu=i), i),
     )
+
+
+def _value(v):
+    """v, or raise it when a measurement left its exception there."""
+    if isinstance(v, BaseException):
+        raise v
+    return v
 
 
 def _try(measure, fallback, gpu: int) -> Figure:
@@ -219,57 +231,104 @@ def _events(dev: str, op, reps: int) -> float:
     return statistics.median(times)
 
 
-GRAPH_OPS = 300      # tiny kernels per timed graph / eager burst (6 per cycle, one kernel each)
+CYCLES = 16          # decode-layer-like groups of small kernels per timed graph / eager burst
+MIX_OPS = 30         # torch ops per group in _small_kernels (kernels when the profiler cannot count)
 
 
-def _tiny_chain(x, w, cycles: int):
-    """6 dependent small kernels per cycle on x [1, H] fp16 (values are irrelevant, NaN or not)."""
-    y = x
+def _small_bufs(dev) -> dict:
+    """Buffers shaped like one Qwen3-30B-A3B decode layer's small operands (H 2048, 32 q / 4 kv
+    heads of 128, 256 cached keys, 128 experts)."""
+    import torch
+
+    f16, f32 = torch.float16, torch.float32
+    return {"x": torch.randn(1, 2048, device=dev, dtype=f16), "w": torch.rand(2048, device=dev, dtype=f32),
+            "hw": torch.rand(128, device=dev, dtype=f32), "cs": torch.randn(2, 128, device=dev, dtype=f32),
+            "k": torch.zeros(256, 4, 128, device=dev, dtype=f16), "v": torch.zeros(256, 4, 128, device=dev, dtype=f16),
+            "mask": torch.zeros(1, 1, 1, 256, device=dev, dtype=f16),
+            "pos": torch.zeros(1, dtype=torch.long, device=dev), "router": torch.randn(1, 128, device=dev)}
+
+
+def _small_kernels(b: dict, cycles: int):
+    """The small kernels of a decode layer, weights' bytes aside: RMSNorm, per-head q/k norm, RoPE,
+    KV row writes, masked SDPA over 256 keys, router softmax / top-k / renormalise, residuals."""
+    import torch
+    import torch.nn.functional as F
+
+    x = b["x"]                                                                  # [1, H] fp16
     for _ in range(cycles):
-        y = y * w
-        y = y + x
-        s = y.float().sum(-1, keepdim=True)
-        y = y + s.half()
-    return y
+        h = F.rms_norm(x.float(), (2048,), b["w"], 1e-6).to(x.dtype)           # [1, H]
+        qk = F.rms_norm(h.float().view(16, 128), (128,), b["hw"], 1e-6)        # [16, D]
+        qk = qk * b["cs"][0] + torch.cat((-qk[:, 64:], qk[:, :64]), -1) * b["cs"][1]   # RoPE
+        kv = qk[:4].to(x.dtype)[None]                                          # [1, Hkv, D]
+        b["k"].index_copy_(0, b["pos"], kv)
+        b["v"].index_copy_(0, b["pos"], kv)
+        q = torch.cat((qk, qk)).to(x.dtype).view(1, 4, 8, 128)                 # [1, Hkv, g, D]
+        o = F.scaled_dot_product_attention(q, b["k"].transpose(0, 1)[None], b["v"].transpose(0, 1)[None],
+                                           attn_mask=b["mask"])               # [1, Hkv, g, D]
+        x = x + o.reshape(1, 4096)[:, :2048]
+        p = torch.softmax(b["router"] + x.float()[:, :128], -1)                 # [1, E]
+        wts, ids = torch.topk(p, 8, dim=-1)
+        wts = wts / wts.sum(-1, keepdim=True)
+        x = x + (wts.sum() * ids.float().mean()).to(x.dtype)
+    return x
 
 
-def _graph_kernel_us(i: int, reps: int) -> float:
-    """GPU time per kernel of a captured chain of GRAPH_OPS tiny kernels (replay / kernels)."""
+def _count_kernels(b: dict) -> int:
+    """CUDA kernels one _small_kernels group launches (torch.profiler); MIX_OPS if it cannot tell."""
+    import torch
+
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _small_kernels(b, 1)
+            torch.cuda.synchronize()
+        n = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                and not e.name.lower().startswith(("memcpy", "memset")))
+    except Exception:  # noqa: BLE001 - no CUPTI: one kernel per op
+        return MIX_OPS
+    return n or MIX_OPS
+
+
+def _graph_kernel_us(i: int, reps: int) -> tuple[float, int]:
+    """GPU µs per kernel of a captured graph of CYCLES groups of a decode layer's small kernels
+    (replay time / kernels), and the kernels per group."""
     import torch
 
     dev = f"cuda:{i}"
-    x = torch.randn(1, 2048, device=dev, dtype=torch.float16)
-    w = torch.randn_like(x)
     with torch.cuda.device(dev):
+        b = _small_bufs(dev)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            _tiny_chain(x, w, GRAPH_OPS // 6)
+            _small_kernels(b, CYCLES)
         torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        per = _count_kernels(b)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            _tiny_chain(x, w, GRAPH_OPS // 6)
+            _small_kernels(b, CYCLES)
         t = _events(dev, graph.replay, reps)
-    return t / GRAPH_OPS * 1e6
+    return t / (CYCLES * per) * 1e6, per
 
 
-def _launch_us(i: int, reps: int) -> float:
-    """Host time to issue one eager op (the GPU is given time to drain between bursts)."""
+def _launch_us(i: int, reps: int, per: int) -> float:
+    """Host µs to issue one eager kernel of the same groups (the GPU drains between bursts)."""
     import torch
 
     dev = f"cuda:{i}"
-    x = torch.randn(1, 2048, device=dev, dtype=torch.float16)
-    w = torch.randn_like(x)
-    times = []
-    for j in range(reps + 2):
+    with torch.cuda.device(dev):
+        b = _small_bufs(dev)
+        times = []
+        for j in range(reps + 2):
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            _small_kernels(b, CYCLES)
+            t = time.perf_counter() - t0
+            if j >= 2:
+                times.append(t)
         torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        _tiny_chain(x, w, GRAPH_OPS // 6)
-        t = time.perf_counter() - t0
-        if j >= 2:
-            times.append(t)
-    torch.cuda.synchronize(dev)
-    return statistics.median(times) / GRAPH_OPS * 1e6
+    return statistics.median(times) / (CYCLES * per) * 1e6
 
 
 def _router_sync_us(reps: int) -> float:
