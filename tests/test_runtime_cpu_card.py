@@ -142,3 +142,15 @@ def test_torch_runner_small_calls_equal_the_pool_and_read_once():
         pool.close()
         inl.close()
     assert sorted(set(reads)) == [(0, 1), (0, 3)] and len(reads) == 4     # once per runner
+
+
+def test_fast_dequantize_is_bit_exact_on_edge_codes():
+    from hybrid.runtime.slots import dequantize_f32
+    from tests.test_cpu_kernels import rand_nvfp4
+
+    rng = np.random.default_rng(7)
+    for n, k in ((64, 128), (48, 256)):
+        q = rand_nvfp4(n, k, rng)                 # +-0, +-6, smallest and largest block scales
+        got, want = dequantize_f32(q), q.dequantize(torch.float32)
+        assert got.dtype == torch.float32 and got.shape == (n, k)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))          # signs of zeros too

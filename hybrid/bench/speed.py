@@ -31,6 +31,9 @@ def add_arguments(p) -> None:
     p.add_argument("--new-tokens", type=int, default=None, help="decode steps per prompt (default 32, quick 8)")
     p.add_argument("--repeats", type=int, default=None, help="prefill repetitions, median kept (default 3, quick 1)")
     p.add_argument("--threads", type=int, default=None, help="threads for both engines (default: all cores)")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads of hybrid's dense path (default: as hybrid-run sets them, "
+                        "1 per 1024 of hidden size, at most --threads; hybrid's CPU expert runner gets --threads)")
     p.add_argument("--quick", action="store_true", help="CI size")
     p.add_argument("--out", default="results", help="folder for speed.md/.jsonl (default results/)")
     p.add_argument("--no-write", action="store_true", help="print only")
@@ -100,7 +103,15 @@ def _settings(args) -> dict:
          "repeats": args.repeats or (1 if q else 3), "threads": args.threads or os.cpu_count() or 1}
     if min(ladder) < 1 or s["new_tokens"] < 1 or s["repeats"] < 1:
         raise HybridError("--ladder entries, --new-tokens and --repeats must be >= 1")
+    if args.torch_threads is not None and args.torch_threads < 1:
+        raise HybridError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     return s
+
+
+def torch_threads(args, threads: int, hidden: int) -> int:
+    """--torch-threads, else hybrid-run's default: 1 per 1024 of hidden size, within [1, threads]
+    (tiny ops only lose time to more threads)."""
+    return args.torch_threads or max(1, min(threads, hidden // 1024))
 
 
 def measure_prefill(engines: dict, stream: list[int], ladder: list[int], repeats: int) -> dict:
@@ -133,11 +144,11 @@ def run(args) -> int:
     from hybrid.baselines.candidates import CandidateMaker, llama_info
     from hybrid.baselines import speed_report
     from hybrid.bench.prompts import all_texts, class_prompts
-    from hybrid.model import resolve_model_path
+    from hybrid.model import ModelConfig, resolve_model_path
 
     s = _settings(args)
     src = resolve_model_path(args.model)
-    torch.set_num_threads(s["threads"])
+    torch.set_num_threads(torch_threads(args, s["threads"], ModelConfig.from_folder(src).hidden_size))
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     enc = lambda t: tok.encode(t, add_special_tokens=False).ids          # noqa: E731
     stream = [i for t in all_texts(src).values() for i in enc(t)]

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hybrid.checkpoint.formats import QType
+from hybrid.checkpoint.formats import E2M1_TABLE, GROUP, QType
 from hybrid.checkpoint.qweight import QWeight
 from hybrid.model.linear import Linear
 
@@ -71,7 +71,7 @@ class QPNSlots:
     def load(self, slot: int, gate: QWeight, up: QWeight, down: QWeight, stream=None) -> None:
         self.slots.load(slot, gate, up, down, stream=stream)          # checks types and shapes
         if self.host is not None:
-            self.host[slot] = tuple(w.dequantize(torch.float32) for w in (gate, up, down))
+            self.host[slot] = tuple(dequantize_f32(w) for w in (gate, up, down))
 
     def moe(self, x: torch.Tensor, slot_ids, token_idx, route_w) -> torch.Tensor:
         if self.host is not None:
@@ -117,11 +117,27 @@ def _swiglu(xs: torch.Tensor, w: tuple) -> torch.Tensor:
     return hmid.half().float() @ w[2].t()
 
 
+# byte -> its two E2M1 values (low nibble first) as one 8-byte word: [256] u64 viewing f32 pairs
+_PAIRS = np.ascontiguousarray(np.stack([E2M1_TABLE[np.arange(256) & 15],
+                                        E2M1_TABLE[np.arange(256) >> 4]], 1)).view(np.uint64).ravel()
+
+
+def dequantize_f32(w: QWeight) -> torch.Tensor:
+    """QWeight.dequantize(float32), the same values, faster for NVFP4 (one table lookup per byte
+    instead of per nibble): value = E2M1 x fp32(scale), then x scale_2, rounded as there."""
+    if w.qtype is not QType.NVFP4 or w.data.device.type != "cpu":
+        return w.dequantize(torch.float32)
+    n, k = w.shape
+    vals = np.take(_PAIRS, w.data.numpy()).view(np.float32).reshape(n, k // GROUP, GROUP)  # [N, K/16, 16]
+    scales = w.scale.float().numpy()[:, :, None]                               # [N, K/16, 1]
+    return torch.from_numpy((vals * scales * np.float32(float(w.scale_2))).reshape(n, k))
+
+
 def _as_f32(w: QWeight) -> QWeight:
     """A CPU slot's weight as dense fp32 (what the reference linear multiplies by)."""
     if w.qtype is QType.F32:
         return w.to("cpu")
-    return QWeight(QType.F32, w.shape, w.dequantize(torch.float32).contiguous(), name=w.name)
+    return QWeight(QType.F32, w.shape, dequantize_f32(w).contiguous(), name=w.name)
 
 
 def kernels_available() -> bool:
