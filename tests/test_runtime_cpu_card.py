@@ -72,6 +72,12 @@ def test_torch_slots_hold_fp32_with_the_same_numbers():
     g, u, d = (q.dequantize(torch.float32) for q in w)
     y = (torch.nn.functional.silu(x[[0, 2]] @ g.T) * (x[[0, 2]] @ u.T)) @ d.T
     assert torch.equal(got[[0, 2]], y * torch.tensor([[0.25], [0.5]])) and not got[1].any()
+    from hybrid.runtime.slots import HoldBudget
+
+    stored = TorchExpertSlots(2, torch.device("cpu"), HoldBudget(0))     # no budget: as stored
+    stored.load(1, *w)
+    assert all(lin.weight.qtype is QType.BF16 for lin in stored.slots[1])
+    assert torch.equal(stored.moe(x, torch.tensor([1, 1]), torch.tensor([0, 2]), torch.tensor([0.25, 0.5])), got)
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +160,24 @@ def test_fast_dequantize_is_bit_exact_on_edge_codes():
         got, want = dequantize_f32(q), q.dequantize(torch.float32)
         assert got.dtype == torch.float32 and got.shape == (n, k)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))          # signs of zeros too
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+def test_slots_past_the_hold_budget_keep_stored_weights_same_numbers(qtype):
+    from hybrid.runtime.slots import HoldBudget
+
+    ex = _experts(qtype, seed=3)
+    one = 4 * 3 * H * I                                   # fp32 bytes of one expert
+    held = QPNSlots(S, H, I, qtype, torch.device("cpu"), HoldBudget(2 * one))
+    full = QPNSlots(S, H, I, qtype, torch.device("cpu"))
+    for s, w in enumerate(ex):
+        held.load(s, *w)
+        full.load(s, *w)
+    assert held.held == [one, one, 0, 0, 0, 0] and held.hold.left == 0
+    assert isinstance(held.host[0][0], torch.Tensor) and isinstance(held.host[2][0], QWeight)
+    held.load(0, *ex[5])                                  # replacing a held slot keeps its bytes
+    assert held.held[0] == one and held.hold.left == 0
+    x = torch.randn(2, H, generator=torch.Generator().manual_seed(0))
+    sid, tok = torch.tensor([1, 2, 4, 3], dtype=torch.int32), torch.tensor([0, 0, 1, 1], dtype=torch.int32)
+    rw = torch.tensor([0.5, 0.25, 1.0, 0.75])
+    assert torch.equal(held.moe(x, sid, tok, rw), full.moe(x, sid, tok, rw))

@@ -9,9 +9,10 @@ the reference linear path. Each layer has its own storage, indexed from 0.
 
 CPU mode (a card that is the CPU): a real card keeps its slots packed and decodes them in registers;
 the stand-in keeps each resident slot's weights dequantized (fp32) once, at load, so a hit costs a
-matmul instead of a transient dequantize per call. Only slots are held this way (at most the
-card's slot count of experts, never the whole model); the numbers are the same as the reference
-kernels' (same dequantized values, same operations, same order).
+matmul instead of a transient dequantize per call. Only slots are held this way, at most
+`hold_bytes` of fp32 per card (HOLD_BYTES; slots past it keep their stored weights and decode them
+per call as before), never the whole model; the numbers are the same as the reference kernels'
+(same dequantized values, same operations, same order).
 """
 from __future__ import annotations
 
@@ -26,19 +27,41 @@ from hybrid.checkpoint.qweight import QWeight
 from hybrid.model.linear import Linear
 
 ExpertWeights = Callable[[int, int], tuple[QWeight, QWeight, QWeight]]
+HOLD_BYTES = 2 << 30      # fp32 bytes of slot weights one CPU card may hold dequantized (2 GiB)
+
+
+class HoldBudget:
+    """fp32 bytes a CPU card may still hold, shared by its layers' slot storages."""
+
+    def __init__(self, nbytes: int = HOLD_BYTES):
+        self.left = int(nbytes)
+
+    def take(self, n: int) -> bool:
+        if n > self.left:
+            return False
+        self.left -= n
+        return True
+
+    def give(self, n: int) -> None:
+        self.left += n
 
 
 class TorchExpertSlots:
     """Reference slot storage (any device, any weight type): one stored SwiGLU per slot.
     On a CPU card each slot's weights are held as fp32 (see the module doc)."""
 
-    def __init__(self, num_slots: int, device: torch.device):
+    def __init__(self, num_slots: int, device: torch.device, hold: HoldBudget | None = None):
         self.device = torch.device(device)
         self.slots: list[tuple[Linear, Linear, Linear] | None] = [None] * num_slots
+        self.hold = hold if hold is not None else HoldBudget()
+        self.held = [0] * num_slots
 
     def load(self, slot: int, gate: QWeight, up: QWeight, down: QWeight, stream=None) -> None:
         if self.device.type == "cpu":
-            self.slots[slot] = tuple(Linear(_as_f32(w)) for w in (gate, up, down))
+            ws = (gate, up, down)
+            if _hold(self.hold, self.held, slot, ws):
+                ws = tuple(_as_f32(w) for w in ws)
+            self.slots[slot] = tuple(Linear(w) for w in ws)
             return
         ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
         with ctx:
@@ -62,16 +85,21 @@ class QPNSlots:
     math as the kernels' torch reference (hybrid.kernels.reference.ref_moe) over slots held
     dequantized (see the module doc)."""
 
-    def __init__(self, num_slots: int, hidden: int, inter: int, qtype, device: torch.device):
+    def __init__(self, num_slots: int, hidden: int, inter: int, qtype, device: torch.device,
+                 hold: HoldBudget | None = None):
         from hybrid.kernels import QPNExpertSlots
 
         self.slots = QPNExpertSlots(num_slots, hidden, inter, qtype, torch.device(device))
         self.host = None if self.slots.device.type == "cuda" else [None] * num_slots
+        self.hold = hold if hold is not None else HoldBudget()
+        self.held = [0] * num_slots
 
     def load(self, slot: int, gate: QWeight, up: QWeight, down: QWeight, stream=None) -> None:
         self.slots.load(slot, gate, up, down, stream=stream)          # checks types and shapes
         if self.host is not None:
-            self.host[slot] = tuple(dequantize_f32(w) for w in (gate, up, down))
+            ws = (gate, up, down)
+            held = _hold(self.hold, self.held, slot, ws)
+            self.host[slot] = tuple(dequantize_f32(w) for w in ws) if held else ws
 
     def moe(self, x: torch.Tensor, slot_ids, token_idx, route_w) -> torch.Tensor:
         if self.host is not None:
@@ -84,8 +112,8 @@ class QPNSlots:
 
 def host_moe(x: torch.Tensor, host: list, slot_ids: torch.Tensor, token_idx: torch.Tensor,
              route_w: torch.Tensor) -> torch.Tensor:
-    """ref_moe over dequantized slots: x [T, H] fp16; host[s] = (gate [I, H], up [I, H],
-    down [H, I]) fp32; slot_ids/token_idx/route_w [A] -> y [T, H] fp32. Slots in ascending order,
+    """ref_moe over held slots: x [T, H] fp16; host[s] = (gate [I, H], up [I, H], down [H, I])
+    fp32 (or their QWeights, decoded here); slot_ids/token_idx/route_w [A] -> y [T, H] fp32. Slots in ascending order,
     h rounded to fp16 as the kernel does: the values ref_moe gives, without its per-call dequantize."""
     y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)             # [T, H]
     sid = slot_ids.numpy() if slot_ids.dtype == torch.int64 else slot_ids.long().numpy()   # [A]
@@ -113,6 +141,7 @@ def _slot(host: list, s: int) -> tuple:
 
 def _swiglu(xs: torch.Tensor, w: tuple) -> torch.Tensor:
     """ref_expert over held weights: xs [R, H] fp32 (fp16 values) -> [R, H] fp32, h rounded to fp16."""
+    w = [t if isinstance(t, torch.Tensor) else dequantize_f32(t) for t in w]
     hmid = F.silu(xs @ w[0].t()) * (xs @ w[1].t())                            # [R, I]
     return hmid.half().float() @ w[2].t()
 
@@ -131,6 +160,14 @@ def dequantize_f32(w: QWeight) -> torch.Tensor:
     vals = np.take(_PAIRS, w.data.numpy()).view(np.float32).reshape(n, k // GROUP, GROUP)  # [N, K/16, 16]
     scales = w.scale.float().numpy()[:, :, None]                               # [N, K/16, 1]
     return torch.from_numpy((vals * scales * np.float32(float(w.scale_2))).reshape(n, k))
+
+
+def _hold(budget: HoldBudget, held: list, slot: int, ws) -> bool:
+    """Replace the slot's held bytes by this expert's fp32 bytes if the budget allows -> held."""
+    budget.give(held[slot])
+    n = sum(4 * w.shape[0] * w.shape[1] for w in ws)
+    held[slot] = n if budget.take(n) else 0
+    return held[slot] > 0
 
 
 def _as_f32(w: QWeight) -> QWeight:
@@ -157,10 +194,12 @@ class CardSlots:
     """
 
     def __init__(self, device: torch.device, layer_slots: dict[int, tuple[int, int]],
-                 qtypes: dict[int, object], hidden: int, inter: int, use_kernels: bool = True):
+                 qtypes: dict[int, object], hidden: int, inter: int, use_kernels: bool = True,
+                 hold_bytes: int = HOLD_BYTES):
         self.device = torch.device(device)
         self.layer_slots = dict(layer_slots)
-        self._store = {l: _make_store(n, hidden, inter, qtypes[l], self.device, use_kernels)
+        self.hold = HoldBudget(hold_bytes)             # CPU card: fp32 slot bytes (module doc)
+        self._store = {l: _make_store(n, hidden, inter, qtypes[l], self.device, use_kernels, self.hold)
                        for l, (_, n) in self.layer_slots.items() if n > 0}
         self.kinds = sorted({type(g).__name__ for g in self._store.values()})
 
@@ -189,14 +228,14 @@ class CardSlots:
         return self._store[layer].moe(x, slot_ids, token_idx, route_w)
 
 
-def _make_store(n: int, hidden: int, inter: int, qtype, device, use_kernels: bool):
+def _make_store(n: int, hidden: int, inter: int, qtype, device, use_kernels: bool, hold=None):
     """QPN storage when the kernels take this type and shape, else the torch reference storage."""
     if use_kernels and getattr(qtype, "is_quantized", False) and kernels_available():
         try:
-            return QPNSlots(n, hidden, inter, qtype, device)
+            return QPNSlots(n, hidden, inter, qtype, device, hold)
         except ValueError:          # shape the kernels cannot take (e.g. in-features % 64)
             pass
-    return TorchExpertSlots(n, device)
+    return TorchExpertSlots(n, device, hold)
 
 
 class _nullctx:
