@@ -141,7 +141,8 @@ def _slot(host: list, s: int) -> tuple:
 
 def _swiglu(xs: torch.Tensor, w: tuple) -> torch.Tensor:
     """ref_expert over held weights: xs [R, H] fp32 (fp16 values) -> [R, H] fp32, h rounded to fp16."""
-    w = [t if isinstance(t, torch.Tensor) else dequantize_f32(t) for t in w]
+    if not isinstance(w[0], torch.Tensor):                                  # a slot past the budget
+        w = [dequantize_f32(t) for t in w]
     hmid = F.silu(xs @ w[0].t()) * (xs @ w[1].t())                            # [R, I]
     return hmid.half().float() @ w[2].t()
 
