@@ -128,7 +128,7 @@ def test_inline_calls_equal_the_pool(store, t):
     assert hi.done.is_set() and np.array_equal(yp, yi) and yi.any()
 
 
-def test_torch_runner_small_calls_equal_the_pool_and_read_once():
+def test_torch_runner_big_and_small_calls_agree_and_read_once():
     from hybrid.runtime.cpu_side import TorchCpuRunner
 
     gen = torch.Generator().manual_seed(4)
@@ -138,16 +138,26 @@ def test_torch_runner_small_calls_equal_the_pool_and_read_once():
     get = lambda l, e: reads.append((l, e)) or ex[e]                                     # noqa: E731
     x = np.random.default_rng(0).standard_normal((2, H)).astype(np.float32)
     e, rows, w = np.array([1, 3, 1]), np.array([0, 0, 1]), np.array([0.5, 0.25, 1.0], np.float32)
-    pool, inl = TorchCpuRunner(get, inline_bytes=0), TorchCpuRunner(get)
-    try:
-        hp, hi = pool.submit(0, e, rows, w, x), inl.submit(0, e, rows, w, x)
-        assert not hasattr(hp, "args") and hasattr(hi, "args")
-        assert np.array_equal(pool.sync(hp), inl.sync(hi))
-        inl.sync(inl.submit(0, e, rows, w, x))
-    finally:
-        pool.close()
-        inl.close()
+    big, small = TorchCpuRunner(get, threads=2, inline_bytes=0), TorchCpuRunner(get, threads=2)
+    before = torch.get_num_threads()
+    hb, hs = big.submit(0, e, rows, w, x), small.submit(0, e, rows, w, x)
+    assert np.array_equal(big.sync(hb), small.sync(hs))
+    assert torch.get_num_threads() == before                 # a big call's thread count is undone
+    small.sync(small.submit(0, e, rows, w, x))
     assert sorted(set(reads)) == [(0, 1), (0, 3)] and len(reads) == 4     # once per runner
+
+
+def test_torch_runner_starts_no_thread():
+    import threading
+
+    from hybrid.runtime.cpu_side import TorchCpuRunner
+
+    ex = [tuple(QWeight(QType.F32, s, torch.randn(*s) * 0.05) for s in ((I, H), (I, H), (H, I)))]
+    n = threading.active_count()
+    r = TorchCpuRunner(lambda l, e: ex[e], threads=2, inline_bytes=0)
+    y = r.sync(r.submit(0, np.array([0]), np.array([0]), np.array([1.0], np.float32),
+                        np.ones((1, H), np.float32)))
+    assert threading.active_count() == n and y.shape == (1, H) and y.any()
 
 
 def test_fast_dequantize_is_bit_exact_on_edge_codes():

@@ -3,14 +3,12 @@
 Legend: T tokens, H hidden, A (token, expert) pairs that missed the cache.
 Quantized checkpoints use hybrid.experts.cpu_runner.CpuExpertRunner (Numba kernels over the
 hugepage-backed ExpertStore of every expert); dense checkpoints, or `--cpu-engine torch`, use
-TorchCpuRunner: the same interface over the reference linear path, in one worker thread (torch
-releases the GIL, so it overlaps the GPU work like the Numba runner does); small calls run in
-sync() on the calling thread.
+TorchCpuRunner: the same interface over the reference linear path, run in sync() on the calling
+thread (after the GPU's hits are launched, so they still overlap; see the class for why no worker).
 """
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -19,12 +17,13 @@ import torch.nn.functional as F
 from hybrid.errors import HybridError
 from hybrid.model.linear import Linear
 
-INLINE_BYTES = 1 << 20    # calls over at most this many stored expert bytes run in sync()
+INLINE_BYTES = 1 << 20    # TorchCpuRunner: calls over at most this many stored expert bytes keep
+                          # the caller's torch threads
 KEEP_BYTES = 1 << 30      # TorchCpuRunner: stored expert bytes kept after the first read
 
 
 class _Deferred:
-    """A small TorchCpuRunner call that sync() runs on the calling thread."""
+    """A submitted TorchCpuRunner call; sync() runs it on the calling thread."""
 
     def __init__(self, args: tuple):
         self.args = args
@@ -33,15 +32,17 @@ class _Deferred:
 class TorchCpuRunner:
     """Reference CPU expert runner; get_expert(layer, e) -> (gate, up, down) QWeight.
 
-    Calls whose experts hold at most `inline_bytes` (stored) run in sync() on the calling thread
-    (after the caller launched its hits), as the Numba runner's small calls do: a hand-off to the
-    worker costs more than they compute. Experts are read from the checkpoint once and kept as
-    stored (never dequantized) while they fit in `keep_bytes`."""
+    Calls run in sync() on the calling thread, after the caller launched its hits (so a GPU still
+    overlaps them), never on a worker thread: torch ops on a second thread start a second OpenMP
+    thread team, and once it exists every OpenMP user of the process (llama.cpp's ggml shares the
+    runtime) slows down severalfold on a small machine. Calls over more than `inline_bytes` of
+    (stored) experts run with `threads` torch threads, the caller's count is restored after; small
+    ones keep the caller's count. Experts are read from the checkpoint once and kept as stored
+    (never dequantized) while they fit in `keep_bytes`."""
 
     def __init__(self, get_expert, threads: int | None = None, inline_bytes: int = INLINE_BYTES,
                  keep_bytes: int = KEEP_BYTES):
         self._read = get_expert
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-experts")
         self.threads = threads
         self.inline_bytes, self.keep_bytes = int(inline_bytes), int(keep_bytes)
         self._kept: dict = {}
@@ -57,27 +58,25 @@ class TorchCpuRunner:
                 self._kept_bytes += n
         return w
 
-    def submit(self, layer: int, expert_ids, token_rows, route_weights, x: np.ndarray):
+    def submit(self, layer: int, expert_ids, token_rows, route_weights, x: np.ndarray) -> _Deferred:
         """expert_ids/token_rows/route_weights [A]; x [T, H] f32 -> handle."""
-        args = (layer, np.asarray(expert_ids), np.asarray(token_rows),
-                np.asarray(route_weights, dtype=np.float32), x)
-        if self._small(layer, args[1]):
-            return _Deferred(args)
-        return self.pool.submit(self._run_pool, *args)
+        return _Deferred((layer, np.asarray(expert_ids), np.asarray(token_rows),
+                          np.asarray(route_weights, dtype=np.float32), x))
 
-    def sync(self, handle) -> np.ndarray:
-        if isinstance(handle, _Deferred):
+    def sync(self, handle: _Deferred) -> np.ndarray:
+        layer, expert_ids = handle.args[:2]
+        if not self.threads or self._small(layer, expert_ids):
             return self._run(*handle.args)
-        return handle.result()
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            return self._run(*handle.args)
+        finally:
+            torch.set_num_threads(before)
 
     def _small(self, layer: int, expert_ids: np.ndarray) -> bool:
         uniq = np.unique(expert_ids).tolist()
         return sum(q.nbytes for e in uniq for q in self.get_expert(layer, e)) <= self.inline_bytes
-
-    def _run_pool(self, *args) -> np.ndarray:
-        if self.threads:
-            torch.set_num_threads(self.threads)
-        return self._run(*args)
 
     def _run(self, layer, expert_ids, token_rows, route_weights, x) -> np.ndarray:
         xt = torch.from_numpy(x)                                              # [T, H]
@@ -92,7 +91,7 @@ class TorchCpuRunner:
         return out.numpy()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self._kept.clear()
 
 
 class NumbaCpuRunner:
