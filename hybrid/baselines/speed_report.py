@@ -7,11 +7,13 @@ How these were measured
 - Prefill: one forward over the first L tokens of the prompt stream from an empty cache, median of
   the repeats after one warm-up; tok/s = L / time. Decode: greedy, one token per call after the
   prompt; the median step time over every step of every prompt of the class, as tok/s.
-- Engines are interleaved within each repetition, with the same thread count (torch and llama.cpp).
+- Engines are interleaved within each repetition; llama.cpp and hybrid's CPU expert runner get `--threads`,
+  hybrid's torch dense path gets `--torch-threads` (default: the rule `hybrid-run` uses).
 - This is a shared CPU machine: compare engines within this run (ratios), not absolute numbers
   across runs. `loadavg` in speed.jsonl shows how busy it was.
 - hybrid runs as `hybrid-run --device cpu` opens it (`open_session`): dense layers through the
-  torch reference linear (weights decoded per call), experts split between the "card" slots and
+  torch reference linear (a CPU card decodes its dense weights once at open, capped at 1 GiB;
+  beyond the cap per call), experts split between the "card" slots and
   the CPU expert runner (Numba NVFP4/FP8 kernels; torch for BF16 experts) — see `placement`.
 """
 
