@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -426,9 +427,10 @@ def _stamp(args) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=5).stdout.strip() or "unknown"
+                             timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        sha = "unknown"
+        sha = ""
+    sha = sha or os.environ.get("HYBRID_GIT_SHA", "")[:7] or "unknown"   # a device copy has no .git
     return f"{now}, git {sha}, host {_hostname()}"
 
 
