@@ -28,8 +28,8 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder}: model folder not found")
         self.config = ModelConfig.from_folder(self.folder)
         self.quant = QuantConfig.load(self.folder, self.config.raw)
+        self._handles: dict[str, object] = {}   # file name -> open safetensors handle (mmap)
         self._where = self._tensor_locations()
-        self._handles: dict[str, object] = {}
 
     # ----- files -------------------------------------------------------------------------
     def _tensor_locations(self) -> dict[str, str]:
@@ -53,15 +53,13 @@ class Checkpoint:
         return where
 
     def _open(self, fname: str):
-        h = self._handles.get(fname) if hasattr(self, "_handles") else None
+        h = self._handles.get(fname)
         if h is None:
             path = self.folder / fname
             try:
                 h = safe_open(str(path), framework="pt", device="cpu")
             except Exception as exc:  # safetensors raises its own error types
                 raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({exc})") from None
-            if not hasattr(self, "_handles"):
-                self._handles = {}
             self._handles[fname] = h
         return h
 
