@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.model.layers import KVCache
+
 
 class _Int8Tensor:
     """q int8 [N, Hkv, D] + scale fp16 [N, Hkv, 1]; slicing dequantizes to `dtype`."""
@@ -46,16 +48,12 @@ class Int8KVCache:
         n, heads, dim = cache.k[0].shape
         return cls(len(cache.k), n, heads, dim, cache.k[0].dtype, devices)
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        end = start + k.shape[0]
-        if end > self.max_tokens:
-            raise ValueError(f"KV cache full: {end} tokens > capacity {self.max_tokens}")
-        self.k[layer][start:end] = k
-        self.v[layer][start:end] = v
+    # KVCache's own write (bounds check, then k[layer][a:b] = ...: here _Int8Tensor quantizes) and
+    # reset. Shared, not inherited: Attention sends a KVCache instance down the CUDA path, which
+    # reads k_store/v_store directly.
+    write = KVCache.write
+    reset = KVCache.reset
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
-
-    def reset(self) -> None:
-        self.length = 0
