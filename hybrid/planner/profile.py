@@ -169,15 +169,6 @@ def _figures(d: Any, prefix: str = ""):
 
 # ---------------------------------------------------------------- parsing with clear errors
 
-_FIGURE_FIELDS = {
-    GPUProfile: ("read_gbs", "copy_gbs", "kernel_efficiency", "h2d_gbs", "d2h_gbs", "context_mib",
-                 "graph_kernel_us", "launch_us"),
-    CPUProfile: ("stream_copy_gbs", "nvfp4_kernel_gbs"),
-    Overheads: ("layer_sync_us", "cpu_dispatch_us", "token_us", "lookup_us"),
-    HostProfile: (),
-}
-
-
 def _build(cls, d: Any, where: str):
     """cls(**d) with each figure field parsed; unknown or missing keys are errors."""
     if not isinstance(d, dict):
@@ -189,7 +180,8 @@ def _build(cls, d: Any, where: str):
     missing = [n for n, f in fields.items() if n not in d and f.default is MISSING]
     if missing:
         raise ProfileError(f"{where}: missing key {missing[0]!r}")
-    kw = {k: _figure(v, f"{where}.{k}") if k in _FIGURE_FIELDS[cls] else v for k, v in d.items()}
+    # Fields annotated `Figure` (a string under `from __future__ import annotations`) are figures.
+    kw = {k: _figure(v, f"{where}.{k}") if fields[k].type in ("Figure", Figure) else v for k, v in d.items()}
     try:
         return cls(**kw)
     except ValueError as exc:
