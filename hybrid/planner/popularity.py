@@ -71,10 +71,11 @@ def _shares(counts, want: dict, tokens: int, where: str) -> tuple[tuple[float, .
             raise ProfileError(f"{where}: counts[{layer}] must have {E} entries (one per expert)")
         if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in row):
             raise ProfileError(f"{where}: counts[{layer}] must hold non-negative integers")
-        if sum(row) != tokens * k:
-            raise ProfileError(f"{where}: counts[{layer}] sums to {sum(row)}, expected tokens x top_k "
+        total = sum(row)
+        if total != tokens * k:
+            raise ProfileError(f"{where}: counts[{layer}] sums to {total}, expected tokens x top_k "
                                f"= {tokens * k}")
-        rows.append(tuple(c / sum(row) for c in row))
+        rows.append(tuple(c / total for c in row))
     return tuple(rows)
 
 
