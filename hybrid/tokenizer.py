@@ -28,10 +28,9 @@ class Tokenizer:
         self.bos_id = bos_id if bos_id is not None else gen.get("bos_token_id")
         eos = eos_ids or gen.get("eos_token_id") or []
         self.eos_ids = set([eos] if isinstance(eos, int) else eos)
-        for name in ("eos_token",):
-            tid = self._special_id(self.config.get(name))
-            if tid is not None:
-                self.eos_ids.add(tid)
+        eos_token_id = self._special_id(self.config.get("eos_token"))
+        if eos_token_id is not None:
+            self.eos_ids.add(eos_token_id)
         self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_id is not None
         self.chat_template = self.config.get("chat_template")
 

@@ -25,16 +25,15 @@ class WeightSource:
         b = self.ckpt.dense(f"{module}.bias", (n,)) if bias else None
         return Linear(self.ckpt.linear(module, (n, k)), b)
 
-    def expert(self, layer: int, e: int) -> SwiGLU:
-        h, i = self.cfg.hidden_size, self.cfg.moe_intermediate_size
-        nm = self.names
-        return SwiGLU(self.linear(nm.expert(layer, e, "gate"), i, h),
-                      self.linear(nm.expert(layer, e, "up"), i, h),
-                      self.linear(nm.expert(layer, e, "down"), h, i))
-
     def expert_weights(self, layer: int, e: int) -> tuple[QWeight, QWeight, QWeight]:
-        sw = self.expert(layer, e)
-        return sw.gate.weight, sw.up.weight, sw.down.weight
+        """Stored (gate [I, H], up [I, H], down [H, I]) of one routed expert."""
+        h, i, nm = self.cfg.hidden_size, self.cfg.moe_intermediate_size, self.names
+        return (self.ckpt.linear(nm.expert(layer, e, "gate"), (i, h)),
+                self.ckpt.linear(nm.expert(layer, e, "up"), (i, h)),
+                self.ckpt.linear(nm.expert(layer, e, "down"), (h, i)))
+
+    def expert(self, layer: int, e: int) -> SwiGLU:
+        return SwiGLU(*(Linear(w) for w in self.expert_weights(layer, e)))
 
     def layer(self, i: int, device: torch.device) -> DecoderLayer:
         cfg, nm, h = self.cfg, self.names, self.cfg.hidden_size
