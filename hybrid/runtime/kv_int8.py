@@ -42,12 +42,6 @@ class Int8KVCache:
         self.v = [_Int8Tensor(max_tokens, kv_heads, head_dim, dtype, d) for d in devices]
         self.length = 0
 
-    @classmethod
-    def like(cls, cache, devices: list) -> "Int8KVCache":
-        """An int8 cache with the shape of a (fresh) fp16/fp32 KVCache."""
-        n, heads, dim = cache.k[0].shape
-        return cls(len(cache.k), n, heads, dim, cache.k[0].dtype, devices)
-
     # KVCache's own write (bounds check, then k[layer][a:b] = ...: here _Int8Tensor quantizes) and
     # reset. Shared, not inherited: Attention sends a KVCache instance down the CUDA path, which
     # reads k_store/v_store directly.
