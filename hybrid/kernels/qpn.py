@@ -6,6 +6,7 @@ A routed assignments.
 from __future__ import annotations
 
 import ctypes
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -250,7 +251,7 @@ class QPNExpertSlots:
         if self.device.type != "cuda":
             self.host[slot] = (gate.to(self.device), up.to(self.device), down.to(self.device))
             return
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
+        ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
         with ctx:
             qs = [q.to(self.device) for q in (gate, up, down)]
             if self.qtype is QType.NVFP4:
@@ -288,7 +289,7 @@ class QPNExpertSlots:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} outside 0..{self.num_slots - 1}")
         names = ("w13", "w2", "gs") + (("s13", "s2") if self.qtype is QType.NVFP4 else ())
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
+        ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
         with ctx:
             for name in names:
                 dst = getattr(self, name)[slot]
@@ -297,14 +298,6 @@ class QPNExpertSlots:
                                      f"got {tuple(packed[name].shape)}")
                 dst.copy_(packed[name], non_blocking=True)
         self.host[slot] = True
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 # ---------------------------------------------------------------------------- MoE

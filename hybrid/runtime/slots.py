@@ -16,6 +16,7 @@ per call as before), never the whole model; the numbers are the same as the refe
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import numpy as np
@@ -63,7 +64,7 @@ class TorchExpertSlots:
                 ws = tuple(_as_f32(w) for w in ws)
             self.slots[slot] = tuple(Linear(w) for w in ws)
             return
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
+        ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
         with ctx:
             self.slots[slot] = tuple(Linear(w).to(self.device) for w in (gate, up, down))
 
@@ -237,11 +238,3 @@ def _make_store(n: int, hidden: int, inter: int, qtype, device, use_kernels: boo
         except ValueError:          # shape the kernels cannot take (e.g. in-features % 64)
             pass
     return TorchExpertSlots(n, device, hold)
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
