@@ -121,6 +121,15 @@ def detect_cpu(cpuinfo_text: str | None = None) -> CPUInfo:
     return cpu_from(info, psutil.cpu_count(logical=False), psutil.cpu_count(logical=True))
 
 
+def physical_cores() -> int:
+    """Physical CPU cores (psutil), else logical ones, at least 1."""
+    import os
+
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
 def detect_memory(meminfo_text: str | None = None) -> MemoryInfo:
     text = _read("/proc/meminfo") if meminfo_text is None else meminfo_text
     if text:

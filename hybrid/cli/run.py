@@ -156,16 +156,10 @@ def _set_torch_threads(args, cfg) -> None:
         raise HybridError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     if args.device != "cpu" or (args.torch_threads is None and "OMP_NUM_THREADS" in os.environ):
         return
-    cores = _physical_cores()
+    from hybrid.hardware import physical_cores
+
+    cores = physical_cores()
     torch.set_num_threads(args.torch_threads or max(1, min(cores, cfg.hidden_size // 1024)))
-
-
-def _physical_cores() -> int:
-    import os
-
-    import psutil
-
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 def _reference_model(args, path):
@@ -184,7 +178,7 @@ def _chunk(text):
 
 
 def _open(args, path, cfg, context: int):
-    from hybrid.runtime import RuntimeOptions, open_session
+    from hybrid.runtime import open_session
 
     opts = options_from_args(args, cfg.num_hidden_layers)
     meta = {"command": "hybrid-run " + " ".join(sys.argv[1:]), "git_sha": _git_sha()}

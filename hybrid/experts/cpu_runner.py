@@ -20,7 +20,6 @@ Legend: T tokens, H hidden, I intermediate, E listed experts, P = Σ_e rows of e
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -28,17 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cpu import layout
+from hybrid.hardware import physical_cores
 from cpu.expert import experts_down, experts_gate_up
-
-
-def physical_cores() -> int:
-    try:
-        import psutil
-
-        n = psutil.cpu_count(logical=False)
-    except ImportError:
-        n = None
-    return n or os.cpu_count() or 1
 
 
 @dataclass
