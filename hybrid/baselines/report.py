@@ -14,16 +14,22 @@ from pathlib import Path
 MIB = 2**20
 
 
-def git_sha() -> str:
+def git_sha(short: bool = True, dirty: bool = True) -> str:
+    """HEAD's sha (`short`: 7 hex digits; `dirty`: "+dirty" when tracked files differ). Where there is
+    no .git (a device copy of the tree) the sha in HYBRID_GIT_SHA, else "unknown"."""
+    here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10)
-        sha = out.stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
+        out = subprocess.run(["git", "rev-parse", *(["--short"] if short else []), "HEAD"], capture_output=True,
+                             text=True, cwd=here, timeout=10)
+        sha = out.stdout.strip()
+        if sha and dirty:
+            sha += "+dirty" if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                              capture_output=True, text=True, cwd=here,
+                                              timeout=10).stdout.strip() else ""
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        sha = ""
+    env = os.environ.get("HYBRID_GIT_SHA", "")
+    return sha or (env[:7] if short else env) or "unknown"
 
 
 def machine() -> str:

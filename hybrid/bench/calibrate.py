@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from hybrid.baselines.report import git_sha
 from hybrid.errors import HybridError
 from hybrid.hardware import detect
 from hybrid.planner.profile import (SCHEMA, CPUProfile, Figure, GPUProfile, HardwareProfile, HostProfile,
@@ -425,12 +424,7 @@ def _dispatch_us(n: int = 2000) -> float:
 
 def _stamp(args) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        sha = ""
-    sha = sha or os.environ.get("HYBRID_GIT_SHA", "")[:7] or "unknown"   # a device copy has no .git
+    sha = git_sha(dirty=False)   # a device copy has no .git: HYBRID_GIT_SHA
     return f"{now}, git {sha}, host {_hostname()}"
 
 

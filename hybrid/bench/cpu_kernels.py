@@ -32,6 +32,7 @@ import torch
 
 from cpu import layout
 from cpu.gemm import nvfp4_gemm
+from hybrid.baselines.report import git_sha
 from hybrid.checkpoint.formats import E2M1_TABLE, E4M3_TABLE, QType
 from hybrid.checkpoint.qweight import QWeight
 
@@ -438,7 +439,7 @@ def run(args) -> int:
         return serve_worker(args.quick)
     threads = sorted({1, args.threads or physical_cores()})
     info = dict(machine=machine(), command="hybrid-bench cpu-kernels " + " ".join(sys.argv[2:]),
-                git=_git_sha(), time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                git=git_sha(dirty=False), time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     gg, info["ggml"] = _ggml()
     hsw = None if args.no_haswell else HaswellWorker(args.quick)
     copies: dict = {}
@@ -463,14 +464,6 @@ def _ggml():
         return None, f"ggml unavailable: {exc}"
     return gg, (f"llama-cpp-python {gg.version}, libggml CPU features {gg.simd}, "
                 f"NVFP4 vec_dot with q8_0 activations")
-
-
-def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 # ----------------------------------------------------------------------------- output

@@ -363,17 +363,13 @@ def history(allr: list[dict], sha: str) -> str:
 
 
 def _environment(args) -> dict:
-    import subprocess
-
     import torch
 
+    from hybrid.baselines.report import git_sha
     from hybrid.kernels.build import module
     from hybrid.kernels.nvrtc import load_nvrtc
 
-    sha = args.git_sha
-    if sha is None:
-        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-        sha = r.stdout.strip() or "unknown"
+    sha = git_sha(short=False, dirty=False) if args.git_sha is None else args.git_sha
     dev = torch.device("cuda", torch.cuda.current_device())
     mod = module(dev)
     nv = load_nvrtc()
