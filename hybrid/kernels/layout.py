@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.checkpoint.formats import GROUP, QType
+from hybrid.checkpoint.formats import GROUP, QType, unpack_nibbles
 from hybrid.checkpoint.qweight import QWeight
 
 TILE = 16
@@ -54,7 +54,7 @@ def pack_nvfp4(qw: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
     check_shape(QType.NVFP4, n, k, qw.name or "weight")
     np_, c = -(-n // TILE) * TILE, k // 64
     data = qw.data
-    codes = torch.stack((data & 0x0F, data >> 4), dim=-1).reshape(n, k).to(torch.int64)
+    codes = unpack_nibbles(data).to(torch.int64)                          # [N, K]
     sb = qw.scale.view(torch.uint8).to(torch.int64)                       # [N, G]
     neg = (sb >= 0x80).repeat_interleave(GROUP, dim=1)                    # [N, K]
     codes = torch.where(neg, codes ^ 8, codes)                            # fold the scale's sign
