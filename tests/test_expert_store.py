@@ -11,6 +11,7 @@ from hybrid.checkpoint.formats import QType
 from hybrid.errors import CheckpointError, HybridError
 from hybrid.experts import store as st
 from hybrid.experts.store import ExpertStore
+from hybrid.hardware import MemoryInfo, detect_memory
 from tests.test_cpu_kernels import packed, rand_fp8, rand_nvfp4
 
 L, E, H, I = 2, 3, 64, 48
@@ -49,7 +50,7 @@ def test_auto_logs_one_line_naming_the_backing(caplog):
     with caplog.at_level(logging.INFO, logger="hybrid.experts"):
         s = ExpertStore.build(L, E, H, I, lambda l, e: ws[l, e], QType.NVFP4, progress=False)
     lines = [r.getMessage() for r in caplog.records if r.name == "hybrid.experts"]
-    expected = ("hugetlb" if st.meminfo().get("HugePages_Free", 0) >= 1
+    expected = ("hugetlb" if detect_memory().hugepages_free >= 1
                 else "thp" if st.thp_mode() in ("always", "madvise") else "normal")
     assert s.backing == expected
     assert len(lines) == 1 and expected in lines[0]
@@ -72,7 +73,7 @@ def test_thp_path_is_2mib_aligned():
     a.close()
 
 
-@pytest.mark.skipif(st.meminfo().get("HugePages_Free", 0) < 1, reason="no 2 MiB hugepages reserved")
+@pytest.mark.skipif(detect_memory().hugepages_free < 1, reason="no 2 MiB hugepages reserved")
 def test_hugetlb_path():
     a = st.alloc_hugetlb(1000)
     a.array[:] = 3
@@ -81,7 +82,8 @@ def test_hugetlb_path():
 
 
 def test_hugepages_on_without_reserve_names_the_sysctl(monkeypatch):
-    monkeypatch.setattr(st, "meminfo", lambda: {"HugePages_Free": 0, "HugePages_Total": 0, "Hugepagesize": 2048})
+    monkeypatch.setattr(st, "detect_memory", lambda: MemoryInfo(0, 0, hugepages_total=0, hugepages_free=0,
+                                                                 hugepage_size_bytes=st.HUGE))
     ws = experts("nvfp4")
     slot = ExpertStore.build(1, 1, H, I, lambda l, e: ws[0, 0], "nvfp4", hugepages="off",
                              progress=False).slot_nbytes

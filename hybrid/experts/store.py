@@ -24,6 +24,7 @@ from cpu import layout
 from cpu.expert import FP8, NVFP4
 from hybrid.checkpoint.formats import QType
 from hybrid.errors import CheckpointError, HybridError
+from hybrid.hardware import detect_memory
 
 log = logging.getLogger("hybrid.experts")
 
@@ -53,18 +54,6 @@ class Arena:
 
 
 # ----------------------------------------------------------------------------- system facts
-def meminfo() -> dict[str, int]:
-    """/proc/meminfo as {key: number} (kB values stay kB, counts stay counts)."""
-    out = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            out[key] = int(rest.split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    return out
-
-
 def thp_mode() -> str:
     """'always' | 'madvise' | 'never' (transparent hugepages), 'never' where unknown."""
     try:
@@ -106,12 +95,11 @@ def allocate(nbytes: int, hugepages: str = "auto") -> Arena:
         raise HybridError(f"--hugepages {hugepages!r}: expected one of {', '.join(HUGEPAGE_MODES)}")
     if hugepages == "off":
         return alloc_normal(nbytes, "--hugepages off")
-    info = meminfo()
+    mem = detect_memory()
     need = -(-nbytes // HUGE)
-    free, total = info.get("HugePages_Free", 0), info.get("HugePages_Total", 0)
-    page_kb = info.get("Hugepagesize", 2048)
+    free, total = mem.hugepages_free, mem.hugepages_total
     why = f"{free} free 2 MiB hugepages < {need} needed"
-    if page_kb == 2048 and free >= need:
+    if mem.hugepage_size_bytes == HUGE and free >= need:
         try:
             return alloc_hugetlb(nbytes)
         except OSError as exc:
