@@ -66,6 +66,3 @@ class RuntimeOptions:
             raise HybridError(f"--pcie-frac must be a fraction in [0, 1], got {self.pcie_frac}")
         if self.cpu_engine not in CPU_ENGINES:
             raise HybridError(f"--cpu-engine {self.cpu_engine}: expected one of {', '.join(CPU_ENGINES)}")
-
-    def per_card(self, values, card: int):
-        return None if values is None else values[card if len(values) > 1 else 0]
