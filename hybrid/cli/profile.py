@@ -94,11 +94,13 @@ def body(args) -> int:
     counts, tokens = count_routing(model, tok, texts, args.max_tokens)
     if tokens == 0:
         raise HybridError("hybrid-profile: the calibration texts encode to zero tokens")
+    from hybrid.experts.popularity import profile_path
+
     name = path.resolve().name
     source = {"command": "hybrid-profile " + " ".join(sys.argv[1:]), "texts": len(texts),
               "prompts": args.prompts or "hybrid.bench.prompts"}
     d = profile_dict(name, cfg.model_type, counts, tokens, cfg.num_experts_per_tok, source)
-    out = Path(args.out) if args.out else Path("profiles") / f"{name}.experts.json"
+    out = Path(args.out) if args.out else profile_path(name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(d) + "\n")
     print(f"{out}: {tokens} tokens over {len(texts)} texts, {cfg.num_hidden_layers} layers x "
