@@ -32,7 +32,7 @@ import torch
 
 from cpu import layout
 from cpu.gemm import nvfp4_gemm
-from hybrid.baselines.report import git_sha
+from hybrid.baselines.report import append_jsonl, git_sha
 from hybrid.checkpoint.formats import E2M1_TABLE, E4M3_TABLE, QType
 from hybrid.checkpoint.qweight import QWeight
 
@@ -556,10 +556,7 @@ def _emit(args, info, rows):
         print(markdown(info, rows))
     if args.record:
         d = Path(args.record)
-        d.mkdir(parents=True, exist_ok=True)
-        with open(d / "cpu_kernels.jsonl", "a") as f:
-            for rec in recs:
-                f.write(json.dumps(rec) + "\n")
+        append_jsonl(d / "cpu_kernels.jsonl", recs)
         (d / "cpu_kernels.md").write_text(markdown(info, rows))
 
 

@@ -379,10 +379,9 @@ def _environment(args) -> dict:
 
 
 def write_results(out: Path, env: dict, recs: list[dict]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".jsonl"), "a") as f:
-        for r in recs:
-            f.write(json.dumps({**env, **r}) + "\n")
+    from hybrid.baselines.report import append_jsonl
+
+    append_jsonl(out.with_suffix(".jsonl"), [{**env, **r} for r in recs])
     out.with_suffix(".md").write_text(markdown(env, recs))
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.jsonl')}")
 

@@ -107,7 +107,7 @@ def llama_decode(gguf: str, ids: list[int], tokens: int, threads: int | None) ->
 
 
 def run(args) -> int:
-    from hybrid.baselines.report import stamp
+    from hybrid.baselines.report import append_jsonl, stamp
     from hybrid.cli.run import options_from_args
     from hybrid.model import ModelConfig, resolve_model_path
     from hybrid.runtime import open_session
@@ -131,8 +131,6 @@ def run(args) -> int:
     print(json.dumps(rec))
     if not args.no_write:
         out = Path(args.out) / "runtime.jsonl"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_jsonl(out, [rec])
         print(f"appended {out}", file=sys.stderr)
     return 0
