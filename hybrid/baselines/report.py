@@ -34,20 +34,12 @@ def git_sha(short: bool = True, dirty: bool = True) -> str:
 
 def machine() -> str:
     """One line: CPU model, cores, RAM, OS, python."""
-    cpu = platform.processor() or "cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        import psutil
-        ram = f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM"
-    except ImportError:
-        ram = "RAM ?"
-    return f"{cpu}, {os.cpu_count()} logical cores, {ram}, {platform.system()} {platform.release()}, " \
+    import psutil
+
+    from hybrid.hardware import detect_cpu
+
+    ram = f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM"
+    return f"{detect_cpu().model}, {os.cpu_count()} logical cores, {ram}, {platform.system()} {platform.release()}, " \
            f"python {platform.python_version()}"
 
 

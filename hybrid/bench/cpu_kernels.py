@@ -19,7 +19,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -85,14 +84,13 @@ class Row:
 def machine() -> dict:
     from hybrid.experts.cpu_runner import physical_cores
     from hybrid.experts.store import thp_mode
+    from hybrid.hardware import detect_cpu
     import llvmlite.binding as ll
     import numba
 
-    model = next((ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines()
-                  if ln.startswith("model name")), platform.processor())
-    flags = next((ln for ln in _read("/proc/cpuinfo").splitlines() if ln.startswith("flags")), "")
-    return dict(cpu=model, physical_cores=physical_cores(), logical_cpus=os.cpu_count(),
-                llvm_cpu=ll.get_host_cpu_name(), avx2=" avx2" in flags, avx512=" avx512f" in flags,
+    cpu = detect_cpu()
+    return dict(cpu=cpu.model, physical_cores=physical_cores(), logical_cpus=os.cpu_count(),
+                llvm_cpu=ll.get_host_cpu_name(), avx2=cpu.avx2, avx512=cpu.avx512,
                 l3_bytes=l3_bytes(), thp=thp_mode(), numba=numba.__version__, numpy=np.__version__)
 
 
