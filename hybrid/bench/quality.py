@@ -15,7 +15,7 @@ import numpy as np
 from hybrid.baselines import candidates as qc
 from hybrid.bench.prompts import all_texts, heldout
 from hybrid.errors import HybridError
-from hybrid.metrics.kl import BaseLogProbs, KLAccumulator, chunk_tokens, scored_rows
+from hybrid.metrics.kl import BaseLogProbs, KLAccumulator, chunk_tokens, score_rows, scored_rows
 
 HELP = "same-top-token %, KL divergence and perplexity vs the Q8_0 GGUF, llama.cpp-style"
 DEFAULT_AGAINST = ("bf16,nvfp4,mixed,gguf-nvfp4,gguf-mixed,Q4_K_M,IQ4_XS,IQ3_S,MXFP4_MOE,"
@@ -65,8 +65,9 @@ def score(cand: qc.Candidate, chunks: np.ndarray, classes: list[str], bases: lis
     for chunk, cls, base in zip(chunks, classes, bases):
         logits = cand.logits(chunk)[rows]                                     # [R, V]
         nxt = chunk[rows.start + 1:]
-        total.add_rows(base, logits, nxt)
-        per_class.setdefault(cls, KLAccumulator()).add_rows(base, logits, nxt)
+        rows_scored = score_rows(base, logits, nxt)                            # once, for both tallies
+        total.add(rows_scored)
+        per_class.setdefault(cls, KLAccumulator()).add(rows_scored)
     res = total.result().as_dict()
     by_class = {c: a.result() for c, a in per_class.items()}
     res["same_top_by_class"] = {c: round(r.same_top_pct, 3) for c, r in by_class.items()}

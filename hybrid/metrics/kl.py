@@ -163,7 +163,11 @@ class KLAccumulator:
         self.add_rows(base, np.asarray(cand_chunk_logits)[rows], np.asarray(chunk_tokens_)[rows.start + 1:])
 
     def add_rows(self, base: BaseLogProbs, cand_logits: np.ndarray, next_tokens) -> None:
-        self.parts.append(score_rows(base, cand_logits, next_tokens))
+        self.add(score_rows(base, cand_logits, next_tokens))
+
+    def add(self, scores: RowScores) -> None:
+        """Rows already scored (one score_rows result may feed several accumulators)."""
+        self.parts.append(scores)
 
     def _cat(self, field: str) -> np.ndarray:
         return np.concatenate([getattr(p, field) for p in self.parts]) if self.parts else np.zeros(0)
