@@ -181,7 +181,9 @@ def _open(args, path, cfg, context: int):
     from hybrid.runtime import open_session
 
     opts = options_from_args(args, cfg.num_hidden_layers)
-    meta = {"command": "hybrid-run " + " ".join(sys.argv[1:]), "git_sha": _git_sha()}
+    from hybrid.baselines.report import git_sha
+
+    meta = {"command": "hybrid-run " + " ".join(sys.argv[1:]), "git_sha": git_sha(short=False, dirty=False)}
     return open_session(path, opts, context=context, meta=meta)
 
 
@@ -221,17 +223,6 @@ def _default_gpus(args, cards: int) -> tuple[int, ...]:
 
         n = max(torch.cuda.device_count(), 1)
     return tuple(i if cards <= n else 0 for i in range(cards))
-
-
-def _git_sha() -> str:
-    import subprocess
-    from pathlib import Path
-
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
 
 
 def _print(args, path, res, session, report) -> None:
