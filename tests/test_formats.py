@@ -209,3 +209,20 @@ def test_nvfp4_rejects_bad_shapes():
         quantize_nvfp4(torch.zeros(4, 24))
     with pytest.raises(ValueError, match="weight_scale shape"):
         dequant_nvfp4(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 3).to(torch.float8_e4m3fn), 1.0)
+
+
+def test_dequant_nvfp4_bit_exact_against_per_nibble_decode_on_edge_codes():
+    """The byte-pair table gives exactly E2M1[nibble] x fp32(scale) x scale_2 (signs of zeros too)."""
+    import numpy as np
+
+    from hybrid.checkpoint.formats import unpack_nibbles
+    from tests.test_cpu_kernels import rand_nvfp4
+
+    rng = np.random.default_rng(7)
+    for n, k in ((64, 128), (48, 256)):
+        q = rand_nvfp4(n, k, rng)                 # +-0, +-6, smallest and largest block scales
+        per_nibble = decode_e2m1(unpack_nibbles(q.data)).view(n, k // GROUP, GROUP)
+        want = (per_nibble * fp8_to_float(q.scale).view(n, k // GROUP, 1) * float(q.scale_2)).view(n, k)
+        got = dequant_nvfp4(q.data, q.scale, q.scale_2)
+        assert got.dtype == torch.float32 and got.shape == (n, k)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hybrid.checkpoint.formats import E2M1_TABLE, GROUP, QType
+from hybrid.checkpoint.formats import QType
 from hybrid.checkpoint.qweight import QWeight
 from hybrid.model.linear import Linear
 
@@ -100,7 +100,7 @@ class QPNSlots:
         if self.host is not None:
             ws = (gate, up, down)
             held = _hold(self.hold, self.held, slot, ws)
-            self.host[slot] = tuple(dequantize_f32(w) for w in ws) if held else ws
+            self.host[slot] = tuple(w.dequantize(torch.float32) for w in ws) if held else ws
 
     def moe(self, x: torch.Tensor, slot_ids, token_idx, route_w) -> torch.Tensor:
         if self.host is not None:
@@ -143,25 +143,9 @@ def _slot(host: list, s: int) -> tuple:
 def _swiglu(xs: torch.Tensor, w: tuple) -> torch.Tensor:
     """ref_expert over held weights: xs [R, H] fp32 (fp16 values) -> [R, H] fp32, h rounded to fp16."""
     if not isinstance(w[0], torch.Tensor):                                  # a slot past the budget
-        w = [dequantize_f32(t) for t in w]
+        w = [t.dequantize(torch.float32) for t in w]
     hmid = F.silu(xs @ w[0].t()) * (xs @ w[1].t())                            # [R, I]
     return hmid.half().float() @ w[2].t()
-
-
-# byte -> its two E2M1 values (low nibble first) as one 8-byte word: [256] u64 viewing f32 pairs
-_PAIRS = np.ascontiguousarray(np.stack([E2M1_TABLE[np.arange(256) & 15],
-                                        E2M1_TABLE[np.arange(256) >> 4]], 1)).view(np.uint64).ravel()
-
-
-def dequantize_f32(w: QWeight) -> torch.Tensor:
-    """QWeight.dequantize(float32), the same values, faster for NVFP4 (one table lookup per byte
-    instead of per nibble): value = E2M1 x fp32(scale), then x scale_2, rounded as there."""
-    if w.qtype is not QType.NVFP4 or w.data.device.type != "cpu":
-        return w.dequantize(torch.float32)
-    n, k = w.shape
-    vals = np.take(_PAIRS, w.data.numpy()).view(np.float32).reshape(n, k // GROUP, GROUP)  # [N, K/16, 16]
-    scales = w.scale.float().numpy()[:, :, None]                               # [N, K/16, 1]
-    return torch.from_numpy((vals * scales * np.float32(float(w.scale_2))).reshape(n, k))
 
 
 def _hold(budget: HoldBudget, held: list, slot: int, ws) -> bool:
@@ -176,7 +160,7 @@ def _as_f32(w: QWeight) -> QWeight:
     """A CPU slot's weight as dense fp32 (what the reference linear multiplies by)."""
     if w.qtype is QType.F32:
         return w.to("cpu")
-    return QWeight(QType.F32, w.shape, dequantize_f32(w).contiguous(), name=w.name)
+    return QWeight(QType.F32, w.shape, w.dequantize(torch.float32).contiguous(), name=w.name)
 
 
 def kernels_available() -> bool:
