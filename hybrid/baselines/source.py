@@ -1,7 +1,6 @@
 """Read a Hugging Face model folder's tensors for GGUF export: dense, NVFP4 (ModelOpt) or FP8 linears.
 
-A small lazy reader over safetensors shards (model.safetensors or an index); export needs only
-tensor-by-name access and the per-linear storage kind.
+Export needs only tensor-by-name access (hybrid.checkpoint.files) and the per-linear storage kind.
 """
 from __future__ import annotations
 
@@ -10,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from hybrid.checkpoint.files import SafetensorsFiles
 from hybrid.errors import CheckpointError
 
 DENSE, NVFP4, FP8 = "dense", "nvfp4", "fp8"
@@ -37,44 +36,19 @@ class Linear:
         return dequant_nvfp4(self.weight, self.scale, torch.tensor(self.scale_2, dtype=torch.float32)).float()
 
 
-class SourceModel:
-    """Tensor access over a model folder's safetensors files (opened lazily, one handle per shard)."""
+class SourceModel(SafetensorsFiles):
+    """config.json plus tensor access over the folder's safetensors files (hybrid.checkpoint.files)."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         self.config = self._read_json("config.json")
-        self.files = self._index()
-        self._handles: dict[str, object] = {}
+        super().__init__(self.folder)
 
     def _read_json(self, name: str) -> dict:
         path = self.folder / name
         if not path.exists():
             raise CheckpointError(f"{path}: missing")
         return json.loads(path.read_text())
-
-    def _index(self) -> dict[str, str]:
-        index = self.folder / "model.safetensors.index.json"
-        if index.exists():
-            return dict(json.loads(index.read_text())["weight_map"])
-        files = sorted(self.folder.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{self.folder}: no *.safetensors files")
-        out = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                out.update({k: f.name for k in h.keys()})
-        return out
-
-    def has(self, name: str) -> bool:
-        return name in self.files
-
-    def tensor(self, name: str) -> torch.Tensor:
-        if name not in self.files:
-            raise CheckpointError(f"{self.folder}: tensor {name!r} not found")
-        fname = self.files[name]
-        if fname not in self._handles:
-            self._handles[fname] = safe_open(str(self.folder / fname), framework="pt")
-        return self._handles[fname].get_tensor(name)
 
     def linear(self, base: str) -> Linear:
         """The linear `base` (name without .weight) with its storage kind."""

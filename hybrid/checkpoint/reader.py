@@ -4,23 +4,21 @@ Nothing is dequantized here: `linear(name)` returns the stored tensors as a QWei
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from hybrid.checkpoint.files import SafetensorsFiles
 from hybrid.checkpoint.formats import DENSE_DTYPES, QType
 from hybrid.checkpoint.quant_config import QuantConfig
 from hybrid.checkpoint.qweight import QWeight
 from hybrid.errors import CheckpointError
 from hybrid.model.config import ModelConfig
 
-INDEX = "model.safetensors.index.json"
 
-
-class Checkpoint:
-    """A model folder: config, quantization config, and tensors by name (mmap, lazy)."""
+class Checkpoint(SafetensorsFiles):
+    """A model folder: config, quantization config, and tensors by name (mmap, lazy; the file
+    layer is hybrid.checkpoint.files)."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -28,72 +26,18 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder}: model folder not found")
         self.config = ModelConfig.from_folder(self.folder)
         self.quant = QuantConfig.load(self.folder, self.config.raw)
-        self._handles: dict[str, object] = {}   # file name -> open safetensors handle (mmap)
-        self._where = self._tensor_locations()
-
-    # ----- files -------------------------------------------------------------------------
-    def _tensor_locations(self) -> dict[str, str]:
-        index = self.folder / INDEX
-        if index.is_file():
-            try:
-                wm = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
-            for f in sorted(set(wm.values())):
-                if not (self.folder / f).is_file():
-                    raise CheckpointError(f"{self.folder / f}: shard listed in {INDEX} is missing")
-            return dict(wm)
-        files = sorted(self.folder.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{self.folder}: no *.safetensors files")
-        where: dict[str, str] = {}
-        for f in files:
-            for k in self._open(f.name).keys():
-                where[k] = f.name
-        return where
-
-    def _open(self, fname: str):
-        h = self._handles.get(fname)
-        if h is None:
-            path = self.folder / fname
-            try:
-                h = safe_open(str(path), framework="pt", device="cpu")
-            except Exception as exc:  # safetensors raises its own error types
-                raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({exc})") from None
-            self._handles[fname] = h
-        return h
-
-    def names(self) -> list[str]:
-        return sorted(self._where)
-
-    def has(self, name: str) -> bool:
-        return name in self._where
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """One stored tensor (mmap-backed where safetensors allows)."""
-        fname = self._where.get(name)
-        if fname is None:
-            raise CheckpointError(f"{self.folder}: missing tensor {name!r}")
-        try:
-            return self._open(fname).get_tensor(name)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(f"{self.folder / fname}: cannot read tensor {name!r} ({exc})") from None
+        super().__init__(self.folder)
 
     def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A float tensor (norm, embedding, router) with its expected shape checked."""
         t = self.tensor(name)
         if t.dtype not in DENSE_DTYPES:
-            raise CheckpointError(f"{self._file(name)}: tensor {name!r} has dtype {t.dtype}, "
+            raise CheckpointError(f"{self.path(name)}: tensor {name!r} has dtype {t.dtype}, "
                                   "expected bf16/fp16/fp32")
         if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{self._file(name)}: tensor {name!r} has shape {tuple(t.shape)}, "
+            raise CheckpointError(f"{self.path(name)}: tensor {name!r} has shape {tuple(t.shape)}, "
                                   f"expected {tuple(shape)}")
         return t
-
-    def _file(self, name: str) -> Path:
-        return self.folder / self._where.get(name, "?")
 
     # ----- linears -------------------------------------------------------------------------
     def linear(self, module: str, shape: tuple[int, int]) -> QWeight:
@@ -111,25 +55,25 @@ class Checkpoint:
             elif w.dtype in DENSE_DTYPES:
                 qw = self._qweight(module, DENSE_DTYPES[w.dtype], shape, w, None, None)
             else:
-                raise CheckpointError(f"{self._file(module + '.weight')}: tensor {module}.weight has "
+                raise CheckpointError(f"{self.path(module + '.weight')}: tensor {module}.weight has "
                                       f"dtype {w.dtype}; expected uint8 (NVFP4), float8_e4m3fn or bf16/fp16/fp32")
         else:
             raise CheckpointError(f"{self.folder}: missing tensor {module + '.weight'!r}")
         if expected is not None and qw.qtype is not expected:
-            raise CheckpointError(f"{self._file(module + '.weight')}: {module} is stored as {qw.qtype.value} "
+            raise CheckpointError(f"{self.path(module + '.weight')}: {module} is stored as {qw.qtype.value} "
                                   f"but {self.quant.source} says {expected.value}")
         return qw
 
     def _compressed_nvfp4(self, module: str, shape) -> QWeight:
         gs = self.tensor(f"{module}.weight_global_scale").float().reshape(-1)[0]
         if not torch.isfinite(gs) or gs <= 0:
-            raise CheckpointError(f"{self._file(module + '.weight_packed')}: {module}.weight_global_scale "
+            raise CheckpointError(f"{self.path(module + '.weight_packed')}: {module}.weight_global_scale "
                                   f"is {gs.item()}; expected a positive finite number")
         return self._qweight(module, QType.NVFP4, shape, self.tensor(f"{module}.weight_packed"),
                              self.tensor(f"{module}.weight_scale"), (1.0 / gs).reshape(()))
 
     def _qweight(self, module, qtype, shape, data, scale, scale_2) -> QWeight:
-        where = self._file(f"{module}.weight" if self.has(f"{module}.weight") else f"{module}.weight_packed")
+        where = self.path(f"{module}.weight" if self.has(f"{module}.weight") else f"{module}.weight_packed")
         if scale_2 is not None:
             scale_2 = scale_2.float().reshape(())
         if qtype is QType.FP8:

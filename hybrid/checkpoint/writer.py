@@ -29,19 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hybrid.checkpoint import recipes as R
+from hybrid.checkpoint.files import INDEX, SafetensorsFiles
 from hybrid.checkpoint.formats import nvfp4_global_scale, quantize_fp8, quantize_nvfp4
 from hybrid.checkpoint.names import Names, shared_scale_groups
 from hybrid.errors import CheckpointError, HybridError
 from hybrid.model.config import ModelConfig
 
-INDEX = "model.safetensors.index.json"
 INPUT_SCALE = 1.0
 ROW_CHUNK = 4096   # rows of one Linear quantized at a time
-SOURCE_DTYPES = {"BF16": 2, "F16": 2, "F32": 4}
+SOURCE_DTYPES = ("BF16", "F16", "F32")
 QUANT_SUFFIXES = (".weight_scale", ".weight_scale_2", ".weight_packed", ".weight_global_scale",
                   ".input_scale", ".qweight", ".scales", ".qzeros")
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
@@ -54,63 +53,18 @@ def natural_key(name: str) -> list:
 
 
 # ----- the source folder ----------------------------------------------------------------------------
-class SourceModel:
-    """Lazy view of a source folder's tensors: name -> file, header metadata, one tensor at a time."""
+class SourceModel(SafetensorsFiles):
+    """Lazy view of a source folder's tensors (hybrid.checkpoint.files), every file opened up front;
+    get() refuses non-finite weights."""
 
     def __init__(self, folder: Path):
-        self.folder = folder
-        self._handles: dict[str, object] = {}
-        self.where = self._locate()
-
-    def _locate(self) -> dict[str, str]:
-        index = self.folder / INDEX
-        if index.is_file():
-            try:
-                wm = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
-            for f in sorted(set(wm.values())):
-                if not (self.folder / f).is_file():
-                    raise CheckpointError(f"{self.folder / f}: shard listed in {INDEX} is missing")
-                self._open(f)
-            return dict(wm)
-        files = sorted(p.name for p in self.folder.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{self.folder}: no *.safetensors files (expected model.safetensors "
-                                  f"or {INDEX} with shards)")
-        return {k: f for f in files for k in self._open(f).keys()}
-
-    def _open(self, fname: str):
-        if fname not in self._handles:
-            path = self.folder / fname
-            try:
-                self._handles[fname] = safe_open(str(path), framework="pt", device="cpu")
-            except Exception as exc:  # SafetensorError, OSError: a corrupt or truncated file
-                raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({exc})") from None
-        return self._handles[fname]
-
-    def path(self, name: str) -> Path:
-        return self.folder / self.where[name]
-
-    def meta(self, name: str) -> tuple[str, tuple[int, ...]]:
-        """(safetensors dtype string, shape) from the header, no data read."""
-        s = self._open(self.where[name]).get_slice(name)
-        return s.get_dtype(), tuple(s.get_shape())
-
-    def nbytes(self, name: str) -> int:
-        dtype, shape = self.meta(name)
-        n = SOURCE_DTYPES.get(dtype, 1)
-        for d in shape:
-            n *= d
-        return n
+        super().__init__(folder, f" (expected model.safetensors or {INDEX} with shards)")
+        self.open_all()
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor, checked finite (NaN / Inf weights are refused; aminmax propagates NaN and is
         ~10x faster than isfinite on bf16)."""
-        try:
-            t = self._open(self.where[name]).get_tensor(name)
-        except Exception as exc:
-            raise CheckpointError(f"{self.path(name)}: cannot read tensor {name} ({exc})") from None
+        t = self.tensor(name)
         if t.is_floating_point() and t.numel() and not all(map(math.isfinite, torch.aminmax(t))):
             raise CheckpointError(f"{self.path(name)}: tensor {name} contains NaN or Inf values; "
                                   "expected finite weights")

@@ -1,27 +1,22 @@
 """Bytes of a model, by where they will live, from safetensors headers (no weight is read).
 
-Legend: L layers, E experts per layer. Each safetensors file starts with an 8-byte little-endian
-header length and a JSON header {name: {dtype, shape, data_offsets}}; only that is read.
+Legend: L layers, E experts per layer. Only each safetensors file's JSON header is read
+(hybrid.checkpoint.files.read_header).
 With no safetensors in the folder, `from_config` estimates the same table from config.json and an
 assumed quantization (what `hybrid-quantize --recipe` would write).
 """
 from __future__ import annotations
 
-import json
-import math
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybrid.checkpoint.files import read_header, shard_files
 from hybrid.checkpoint.names import Names
 from hybrid.errors import CheckpointError
 from hybrid.model.config import ModelConfig
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1,
-               "I8": 1, "I16": 2, "I32": 4, "I64": 8, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}
 ASSUMED_QUANTS = ("nvfp4", "fp8", "bf16")
-MAX_HEADER = 100 * 2**20
 
 
 @dataclass(frozen=True)
@@ -75,7 +70,7 @@ class ModelBytes:
         """From the folder's safetensors headers; with none, estimate with `assume` (else error)."""
         folder = Path(folder)
         cfg = ModelConfig.from_folder(folder)
-        files = safetensors_files(folder)
+        files = shard_files(folder)
         if files:
             return cls.from_headers(cfg, {n: t for f in files for n, t in read_header(f).items()})
         if assume is None:
@@ -123,52 +118,6 @@ def linear_bytes(n: int, k: int, quant: str) -> int:
     if quant == "fp8":
         return n * k + 4 + 4
     return n * k * 2
-
-
-def safetensors_files(folder: Path) -> list[Path]:
-    """The shards named by model.safetensors.index.json, else every *.safetensors in the folder."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object") from None
-        files = [folder / f for f in sorted(set(wm.values()))]
-        for f in files:
-            if not f.is_file():
-                raise CheckpointError(f"{index}: names shard {f.name}, which is missing")
-        return files
-    return sorted(folder.glob("*.safetensors"))
-
-
-def read_header(path: Path) -> dict[str, int]:
-    """name -> stored bytes from one safetensors header; checks dtype x shape vs data_offsets."""
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{path}: truncated safetensors file (no header length)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER:
-            raise CheckpointError(f"{path}: header length {n} is implausible (corrupt file?)")
-        blob = fh.read(n)
-    try:
-        header = json.loads(blob)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise CheckpointError(f"{path}: safetensors header is not valid JSON") from None
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dt, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            nbytes = math.prod(shape) * DTYPE_BYTES[dt]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name}: bad header entry {json.dumps(info)[:80]}") from None
-        if nbytes != end - begin:
-            raise CheckpointError(f"{path}: tensor {name}: {dt} {shape} is {nbytes} bytes but "
-                                  f"data_offsets span {end - begin}")
-        out[name] = nbytes
-    return out
 
 
 class _Accumulator:
