@@ -50,9 +50,14 @@
 // Kernels (all blockDim = 256 = 8 warps; KS warps split K, 8/KS tile groups per block):
 //   qpn{2,8}_linear_mt{1,2,4}  grid.x = tile blocks * passes; y[M, N] fp16
 //   qpn{2,8}_linear_mt1_u4     the M <= 8 kernel with 4 chunks per pipeline stage (benchmark)
+//   qpn{2,8}_linear_mt1_as{,4} sm_80+: the M <= 8 kernel fed by a 6- (4-) stage cp.async ring in
+//                              shared memory instead of registers (Hopper needs ~30 KB of loads in
+//                              flight per SM to reach its bandwidth; Volta, at a fifth of the
+//                              bandwidth, is served by the register pipeline)
 //   qpn_moe_route              one block: slot_ids[A] -> offsets[S+1], perm[A] (grouped by slot)
 //   qpn{2,8}_moe_gateup_mt{1,4} grid (I/16 / TG, S): h[A, I] fp16 = silu(gate x) * up x  (sorted rows)
 //   qpn{2,8}_moe_down_mt{1,4}   grid (H/16 / TG, S): y[T, H] fp32 += route_w * down h (atomicAdd)
+//   qpn{2,8}_moe_{gateup,down}_mt1_as  sm_80+: the same with cp.async rings
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -101,6 +106,34 @@ __device__ __forceinline__ u16 f_to_h(float f) {
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
 }
+
+// sm_80+: cp.async into a warp-private shared-memory ring (see warp_gemm_async)
+#if QPN_MMA >= 2
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{.reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;}" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ u32x4 lds128(u32 a) {
+  u32x4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ u64 lds64(u32 a) {
+  u64 v;
+  asm volatile("ld.shared.u64 %0, [%1];" : "=l"(v) : "r"(a));
+  return v;
+}
+#endif
 
 // ---------------------------------------------------------------- register decode
 // 8 E2M1 codes -> 4 half2 (value * 2^-14): p0 (r,k0k1) p1 (r8,k0k1) p2 (r,k2k3) p3 (r8,k2k3)
@@ -291,6 +324,66 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[NT][MT][ACCN], const u32x
   }
 }
 
+// sm_80+ alternative: ST-stage cp.async ring in shared memory, private to each lane (a lane reads
+// back only the bytes it copied, so no barrier is needed; the WAR hazard on a slot is closed by the
+// math of the chunk that used it). ST - 1 chunks are in flight while one is decoded, without the
+// registers of a register pipeline. Ring per warp: ST * NT * 32 * (16 + 8) bytes.
+template <int FMT, int NT, int ST>
+__device__ __forceinline__ void issue_stage(const u32x4* const (&wt)[NT], const u64* const (&st)[NT],
+                                            int c, int c1, int slot, u32 wbase, u32 sbase, int lane) {
+#if QPN_MMA >= 2
+  if (c < c1) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      cp_async16(wbase + (slot * NT + nt) * 512, wt[nt] + (size_t)c * 32 + lane);
+      if (FMT == 2) cp_async8(sbase + (slot * NT + nt) * 256, st[nt] + (size_t)c * 8 + (lane >> 2));
+    }
+  }
+  cp_commit();  // an empty group past the end keeps the group count uniform
+#endif
+}
+
+template <int FMT, int MT, int NT, int ST>
+__device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], const u32x4* const (&wt)[NT],
+                                                const u64* const (&st)[NT], int c0, int c1,
+                                                const u16* const (&xr)[MT], int lane,
+                                                unsigned char* ring) {
+#if QPN_MMA >= 2
+  const int CK = FMT == 2 ? 64 : 32;
+  const u32 base = smem_addr(ring);
+  const u32 wbase = base + lane * 16, sbase = base + ST * NT * 512 + lane * 8;
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) issue_stage<FMT, NT, ST>(wt, st, c0 + s, c1, s, wbase, sbase, lane);
+  int slot = 0;
+  for (int c = c0; c < c1; ++c) {
+    cp_wait<ST - 2>();  // chunk c has landed
+    // the slot of chunk c - 1 (its math is done) takes chunk c + ST - 1
+    issue_stage<FMT, NT, ST>(wt, st, c + ST - 1, c1, slot == 0 ? ST - 1 : slot - 1, wbase, sbase, lane);
+    u32x4 wv[NT];
+    u64 sv[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      wv[nt] = lds128(wbase + (slot * NT + nt) * 512);
+      sv[nt] = FMT == 2 ? lds64(sbase + (slot * NT + nt) * 256) : 0ull;
+    }
+    chunk<FMT, MT, NT>(acc, wv, sv, xr, c * CK);
+    slot = slot == ST - 1 ? 0 : slot + 1;
+  }
+  cp_wait<0>();
+#else
+  __trap();  // never launched below sm_80 (the launchers pick these kernels on sm_80+ only)
+#endif
+}
+
+// shared memory of one block: the partials (red) and, for ST > 0, the rings, which red aliases
+// (a barrier separates the last ring read from the first partial written)
+template <int MT, int NT, int ST>
+struct Smem {
+  static constexpr int RED = WARPS * NT * 8 * MT * 16 * 4;
+  static constexpr int RING = ST * NT * 32 * 24;  // per warp
+  static constexpr int BYTES = RING * WARPS > RED ? RING * WARPS : RED;
+};
+
 // ---------------------------------------------------------------- partial sums through shared memory
 // red[warp][nt][tok][row]: this warp's fp32 partial of (8*MT tokens) x (16 rows) per tile.
 template <int MT, int NT>
@@ -350,11 +443,12 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NT][MT][ACCN]) {
 // ---------------------------------------------------------------- linear
 // w: packed [Npad/16, C, 32, 4] u32, s: scales [Npad/16, C, 8] u64 (QPN2 only), gs: folded global
 // scale, x [M, K] fp16, y [M, N] fp16. grid.x = ceil(tiles / TG) * P, P = ceil(M / (8 MT)).
-template <int FMT, int MT, int U>
+template <int FMT, int MT, int U, int ST>
 __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                             float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                             int M, int N, int K, int KS, int P) {
-  __shared__ float red[WARPS][1][8 * MT][16];
+  __shared__ __align__(16) unsigned char smem[Smem<MT, 1, ST>::BYTES];
+  float (*red)[1][8 * MT][16] = reinterpret_cast<float (*)[1][8 * MT][16]>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int pass = blockIdx.x % P, tb = blockIdx.x / P;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
@@ -371,8 +465,13 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
       int m = pass * 8 * MT + 8 * mt + lane_tok(lane);
       xr[mt] = x + (size_t)(m < M ? m : M - 1) * K + lane_k(lane);
     }
-    warp_gemm<FMT, MT, 1, U>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
+    if constexpr (ST > 0)
+      warp_gemm_async<FMT, MT, 1, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
+                                      smem + warp * Smem<MT, 1, ST>::RING);
+    else
+      warp_gemm<FMT, MT, 1, U>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
   }
+  if constexpr (ST > 0) __syncthreads();  // red aliases the rings
   store_partials<MT, 1>(red, warp, lane, acc);
   __syncthreads();
   for (int o = threadIdx.x; o < TG * 8 * MT * 16; o += THREADS) {
@@ -382,23 +481,28 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
   }
 }
 
-#define LINEAR(NAME, FMT, MT, U)                                                                  \
+#define LINEAR(NAME, FMT, MT, U, ST)                                                              \
   extern "C" __global__ void NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, \
                                   const u16* __restrict__ x, u16* __restrict__ y, int M, int N,     \
                                   int K, int KS, int P) {                                           \
-    linear_body<FMT, (MT < MTMAX ? MT : MTMAX), U>(w, s, gs, x, y, M, N, K, KS, P);                \
+    linear_body<FMT, (MT < MTMAX ? MT : MTMAX), U, ST>(w, s, gs, x, y, M, N, K, KS, P);            \
   }
 // M <= 8: 2 chunks per pipeline stage (measured on the H200: 80 registers, 60.7% of read
 // bandwidth on lm_head NVFP4, against 127 registers and 51.3% with 4 chunks per stage)
-LINEAR(qpn2_linear_mt1, 2, 1, 2)
-LINEAR(qpn2_linear_mt2, 2, 2, UNROLL_FOR(1, 2))
-LINEAR(qpn2_linear_mt4, 2, 4, UNROLL_FOR(1, 4))
-LINEAR(qpn8_linear_mt1, 8, 1, 2)
-LINEAR(qpn8_linear_mt2, 8, 2, UNROLL_FOR(1, 2))
-LINEAR(qpn8_linear_mt4, 8, 4, UNROLL_FOR(1, 4))
+LINEAR(qpn2_linear_mt1, 2, 1, 2, 0)
+LINEAR(qpn2_linear_mt2, 2, 2, UNROLL_FOR(1, 2), 0)
+LINEAR(qpn2_linear_mt4, 2, 4, UNROLL_FOR(1, 4), 0)
+LINEAR(qpn8_linear_mt1, 8, 1, 2, 0)
+LINEAR(qpn8_linear_mt2, 8, 2, UNROLL_FOR(1, 2), 0)
+LINEAR(qpn8_linear_mt4, 8, 4, UNROLL_FOR(1, 4), 0)
 // deeper-pipeline variants (4 chunks per stage on sm_75+) the benchmark measures beside them
-LINEAR(qpn2_linear_mt1_u4, 2, 1, UNROLL_FOR(1, 1))
-LINEAR(qpn8_linear_mt1_u4, 8, 1, UNROLL_FOR(1, 1))
+LINEAR(qpn2_linear_mt1_u4, 2, 1, UNROLL_FOR(1, 1), 0)
+LINEAR(qpn8_linear_mt1_u4, 8, 1, UNROLL_FOR(1, 1), 0)
+// sm_80+ only: cp.async rings of 6 and 4 stages (5 or 3 chunks in flight per warp)
+LINEAR(qpn2_linear_mt1_as, 2, 1, 2, 6)
+LINEAR(qpn8_linear_mt1_as, 8, 1, 2, 6)
+LINEAR(qpn2_linear_mt1_as4, 2, 1, 2, 4)
+LINEAR(qpn8_linear_mt1_as4, 8, 1, 2, 4)
 
 // ---------------------------------------------------------------- MoE routing
 // slot_ids [A] -> offsets [S+1] (exclusive prefix of per-slot counts), perm [A] (assignments
@@ -437,7 +541,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 // ---------------------------------------------------------------- MoE gate+up (fused SiLU * mul)
 // w13: per slot [2 * I/16 tiles (gate then up), H/CK, 32, 4] u32; s13 likewise; gs [S, 3].
 // x [T, H] fp16; h [A, I] fp16 indexed by position in perm. grid (ceil(I/16 / TG), S).
-template <int FMT, int MT>
+template <int FMT, int MT, int ST>
 __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const u64* __restrict__ s13,
                                             const float* __restrict__ gs, long long wstride,
                                             long long sstride, const u16* __restrict__ x,
@@ -445,7 +549,8 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
                                             const int* __restrict__ offsets,
                                             const int* __restrict__ perm, u16* __restrict__ h,
                                             int H, int I, int KS) {
-  __shared__ float red[WARPS][2][8 * MT][16];
+  __shared__ __align__(16) unsigned char smem[Smem<MT, 2, ST>::BYTES];
+  float (*red)[2][8 * MT][16] = reinterpret_cast<float (*)[2][8 * MT][16]>(smem);
   const int slot = blockIdx.y;
   const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
   if (cnt <= 0) return;
@@ -468,8 +573,13 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
         int i = base + 8 * mt + lane_tok(lane);
         xr[mt] = x + (size_t)token_idx[perm[beg + (i < cnt ? i : cnt - 1)]] * H + lane_k(lane);
       }
-      warp_gemm<FMT, MT, 2>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
+      if constexpr (ST > 0)
+        warp_gemm_async<FMT, MT, 2, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
+                                        smem + warp * Smem<MT, 2, ST>::RING);
+      else
+        warp_gemm<FMT, MT, 2>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
     }
+    if constexpr (ST > 0) __syncthreads();  // red aliases the rings
     store_partials<MT, 2>(red, warp, lane, acc);
     __syncthreads();
     for (int o = threadIdx.x; o < TG * 8 * MT * 16; o += THREADS) {
@@ -487,7 +597,7 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
 
 // ---------------------------------------------------------------- MoE down + weighted sum
 // w2: per slot [H/16, I/CK, 32, 4] u32; h [A, I] fp16 (perm order); y [T, H] fp32 (+=).
-template <int FMT, int MT>
+template <int FMT, int MT, int ST>
 __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u64* __restrict__ s2,
                                           const float* __restrict__ gs, long long wstride,
                                           long long sstride, const u16* __restrict__ h,
@@ -496,7 +606,8 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
                                           const int* __restrict__ offsets,
                                           const int* __restrict__ perm, float* __restrict__ y,
                                           int H, int I, int KS) {
-  __shared__ float red[WARPS][1][8 * MT][16];
+  __shared__ __align__(16) unsigned char smem[Smem<MT, 1, ST>::BYTES];
+  float (*red)[1][8 * MT][16] = reinterpret_cast<float (*)[1][8 * MT][16]>(smem);
   const int slot = blockIdx.y;
   const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
   if (cnt <= 0) return;
@@ -517,8 +628,13 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
         int i = base + 8 * mt + lane_tok(lane);
         xr[mt] = h + (size_t)(beg + (i < cnt ? i : cnt - 1)) * I + lane_k(lane);
       }
-      warp_gemm<FMT, MT, 1>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
+      if constexpr (ST > 0)
+        warp_gemm_async<FMT, MT, 1, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
+                                        smem + warp * Smem<MT, 1, ST>::RING);
+      else
+        warp_gemm<FMT, MT, 1>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
     }
+    if constexpr (ST > 0) __syncthreads();  // red aliases the rings
     store_partials<MT, 1>(red, warp, lane, acc);
     __syncthreads();
     for (int o = threadIdx.x; o < TG * 8 * MT * 16; o += THREADS) {
@@ -534,25 +650,28 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
   }
 }
 
-#define MOE(FMT, MT)                                                                               \
-  extern "C" __global__ void qpn##FMT##_moe_gateup_mt##MT(            \
+#define MOE(FMT, MT, SFX, ST1, ST2)                                                                 \
+  extern "C" __global__ void qpn##FMT##_moe_gateup_mt##MT##SFX(            \
       const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
       long long wstride, long long sstride, const u16* __restrict__ x,                             \
       const int* __restrict__ token_idx, const int* __restrict__ offsets,                          \
       const int* __restrict__ perm, u16* __restrict__ h, int H, int I, int KS) {                   \
-    gateup_body<FMT, (MT < MTMAX ? MT : MTMAX)>(w13, s13, gs, wstride, sstride, x, token_idx,    \
+    gateup_body<FMT, (MT < MTMAX ? MT : MTMAX), ST1>(w13, s13, gs, wstride, sstride, x, token_idx,    \
                                                  offsets, perm, h, H, I, KS);                      \
   }                                                                                                \
-  extern "C" __global__ void qpn##FMT##_moe_down_mt##MT(              \
+  extern "C" __global__ void qpn##FMT##_moe_down_mt##MT##SFX(              \
       const u32x4* __restrict__ w2, const u64* __restrict__ s2, const float* __restrict__ gs,      \
       long long wstride, long long sstride, const u16* __restrict__ h,                             \
       const int* __restrict__ token_idx, const float* __restrict__ route_w,                        \
       const int* __restrict__ offsets, const int* __restrict__ perm, float* __restrict__ y, int H, \
       int I, int KS) {                                                                             \
-    down_body<FMT, (MT < MTMAX ? MT : MTMAX)>(w2, s2, gs, wstride, sstride, h, token_idx,        \
+    down_body<FMT, (MT < MTMAX ? MT : MTMAX), ST2>(w2, s2, gs, wstride, sstride, h, token_idx,        \
                                                route_w, offsets, perm, y, H, I, KS);               \
   }
-MOE(2, 1)
-MOE(2, 4)
-MOE(8, 1)
-MOE(8, 4)
+MOE(2, 1, , 0, 0)
+MOE(2, 4, , 0, 0)
+MOE(8, 1, , 0, 0)
+MOE(8, 4, , 0, 0)
+// sm_80+ only: cp.async rings (gate+up: 3 stages of two tiles; down: 6 stages)
+MOE(2, 1, _as, 3, 6)
+MOE(8, 1, _as, 3, 6)

@@ -35,13 +35,22 @@ def backend(request):
     force_ptx(dev, None)
 
 
-@pytest.fixture(params=["", "_u4"])
+@pytest.fixture(params=[None, "", "_u4", "_as4"])
 def variant(request):
     from hybrid.kernels import qpn
 
     qpn.LINEAR_VARIANT[0] = request.param
     yield request.param
-    qpn.LINEAR_VARIANT[0] = ""
+    qpn.LINEAR_VARIANT[0] = None
+
+
+@pytest.fixture(params=[None, ""])
+def moe_variant(request):
+    from hybrid.kernels import qpn
+
+    qpn.MOE_VARIANT[0] = request.param
+    yield request.param
+    qpn.MOE_VARIANT[0] = None
 
 
 @pytest.mark.parametrize("qtype,n,k", [(QType.NVFP4, 200, 320), (QType.FP8, 200, 352),
@@ -72,7 +81,7 @@ def test_prepack_on_gpu_equals_cpu(qtype):
 
 @pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
 @pytest.mark.parametrize("t", [1, 3, 8, 20])
-def test_moe_matches_reference(backend, qtype, t):
+def test_moe_matches_reference(backend, moe_variant, qtype, t):
     s, h, i, topk = 6, 256, 128, 4
     slots = QPNExpertSlots(s, h, i, qtype, "cuda")
     experts = []

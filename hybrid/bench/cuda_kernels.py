@@ -191,20 +191,40 @@ def bench_linear(name, n, k, qtype, ms, reps, read_bw):
 
 
 def bench_variants(fmts, reps, read_bw):
-    """The M <= 8 kernels with a 4-chunk pipeline stage ('_u4') beside the default, same run."""
+    """The other M <= 8 kernels beside the default, same run: '' (register pipeline, 2 chunks per
+    stage), '_u4' (4 chunks per stage), '_as4' (4-stage cp.async ring; sm_80+), and the MoE kernels
+    without the ring ('')."""
     from hybrid.kernels import qpn
 
     out = []
-    try:
-        qpn.LINEAR_VARIANT[0] = "_u4"
-        for qtype in fmts:
-            for name, n, k in SHAPES:
-                if name in ("lm_head", "dense_up", "dense_down", "q_proj", "o_proj"):
-                    for r in bench_linear(name, n, k, qtype, [1, 8], reps, read_bw):
-                        out.append({**r, "shape": name + "[u4]"})
-    finally:
-        qpn.LINEAR_VARIANT[0] = ""
+    sm = torch_sm()
+    for v in ("", "_u4", "_as4"):
+        if qpn.variant(v, sm) != v or qpn.variant(None, sm) == v:
+            continue  # not on this device, or it is the default (measured above)
+        try:
+            qpn.LINEAR_VARIANT[0] = v
+            for qtype in fmts:
+                for name, n, k in SHAPES:
+                    if name in ("lm_head", "dense_up", "dense_down", "q_proj", "o_proj", "expert_gate_up"):
+                        for r in bench_linear(name, n, k, qtype, [1, 8], reps, read_bw):
+                            out.append({**r, "shape": f"{name}[{v or 'reg'}]"})
+        finally:
+            qpn.LINEAR_VARIANT[0] = None
+    if qpn.variant(None, sm) != "":
+        try:
+            qpn.MOE_VARIANT[0] = ""
+            for qtype in fmts:
+                out += [{**r, "shape": r["shape"] + "[reg]"} for r in bench_moe(qtype, [1, 8], reps, read_bw)]
+        finally:
+            qpn.MOE_VARIANT[0] = None
     return out
+
+
+def torch_sm() -> int:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
 
 
 def _clone_weight(w):
@@ -303,6 +323,10 @@ def bench(args) -> int:
             recs += bench_linear(name, n, k, qtype, ms, args.reps, read_bw)
         if args.shapes == "all" or "moe" in args.shapes:
             recs += bench_moe(qtype, [m for m in ms if m <= 16], args.reps, read_bw)
+    from hybrid.kernels import qpn
+
+    default = qpn.variant(None, env["sm"]) or "reg"
+    recs = [{**r, "kernel": f"default {default}"} if r["m"] <= 8 else r for r in recs]
     if args.shapes == "all":
         recs += bench_variants(fmts, args.reps, read_bw)
     write_results(args.out, env, recs)

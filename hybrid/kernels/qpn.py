@@ -19,7 +19,17 @@ from hybrid.kernels.reference import ref_linear, ref_moe
 THREADS = 256
 WARPS = 8
 MAX_SLOTS = 1024
-LINEAR_VARIANT = [""]  # M <= 8 kernel suffix: "" (default) or "_u4" (deeper pipeline; benchmark, tests)
+# M <= 8 kernel suffix: None = the default for the device (sm_80+: "_as", cp.async ring; older: "",
+# register pipeline); "", "_u4" (deeper register pipeline), "_as4" (4-stage ring): benchmark, tests.
+LINEAR_VARIANT: list[str | None] = [None]
+MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default), "" or "_as"
+
+
+def variant(choice: str | None, sm: int) -> str:
+    """The kernel-name suffix for a variant choice on an sm_<sm> device (rings need sm_80+)."""
+    if choice is None:
+        return "_as" if sm >= 80 else ""
+    return "" if choice.startswith("_as") and sm < 80 else choice
 
 
 # ---------------------------------------------------------------------------- weights
@@ -174,7 +184,7 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     grid = (-(-tiles // tg) * passes, 1, 1)
     args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
-    suffix = LINEAR_VARIANT[0] if mt == 1 else ""
+    suffix = variant(LINEAR_VARIANT[0], mod.sm) if mt == 1 else ""
     mod.launch(f"qpn{_fmt(w.qtype)}_linear_mt{mt}{suffix}", grid, THREADS, args)
     return y
 
@@ -327,18 +337,19 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
     mod.launch("qpn_moe_route", (1, 1, 1), 1024,
                [_p(slot_ids), ctypes.c_int(a), ctypes.c_int(s), _p(offsets), _p(perm)])
     mt = 1 if t <= 8 else 4
+    sfx = variant(MOE_VARIANT[0], mod.sm) if mt == 1 else ""
     fmt, ck, sms = _fmt(slots.qtype), layout.CHUNK[slots.qtype], _sms(dev)
     active = min(a, s)
     ks = _pick_ks(i // 16 * active, h // ck, sms)
     ws13, ws2 = slots.w13[0].numel() // 4, slots.w2[0].numel() // 4
     ss13 = slots.s13[0].numel() // 8 if slots.s13.dim() > 1 else 0
     ss2 = slots.s2[0].numel() // 8 if slots.s2.dim() > 1 else 0
-    mod.launch(f"qpn{fmt}_moe_gateup_mt{mt}", (-(-(i // 16) // (WARPS // ks)), s, 1), THREADS,
+    mod.launch(f"qpn{fmt}_moe_gateup_mt{mt}{sfx}", (-(-(i // 16) // (WARPS // ks)), s, 1), THREADS,
                [_p(slots.w13), _p(slots.s13), _p(slots.gs), ctypes.c_longlong(ws13),
                 ctypes.c_longlong(ss13), _p(x), _p(token_idx), _p(offsets), _p(perm), _p(hbuf),
                 ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)])
     ks = _pick_ks(h // 16 * active, i // ck, sms)
-    mod.launch(f"qpn{fmt}_moe_down_mt{mt}", (-(-(h // 16) // (WARPS // ks)), s, 1), THREADS,
+    mod.launch(f"qpn{fmt}_moe_down_mt{mt}{sfx}", (-(-(h // 16) // (WARPS // ks)), s, 1), THREADS,
                [_p(slots.w2), _p(slots.s2), _p(slots.gs), ctypes.c_longlong(ws2),
                 ctypes.c_longlong(ss2), _p(hbuf), _p(token_idx), _p(route_w), _p(offsets),
                 _p(perm), _p(y), ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)])
