@@ -304,6 +304,28 @@ def test_profile_roundtrip_and_top(tmp_path):
     assert back.probs(0).tolist() == [0.03, 0.09, 0.09, 0.01]
 
 
+def test_one_loader_is_strict_for_a_model(tmp_path):
+    from hybrid.model.config import ModelConfig
+    from hybrid.planner import Popularity, load_popularity
+    from hybrid.testing import random_config
+
+    cfg = ModelConfig.from_dict(random_config("qwen3_moe", num_hidden_layers=2, num_experts=4,
+                                              num_experts_per_tok=2))
+    path = save_profile(profile_of([[3, 9, 7, 1], [0, 0, 10, 10]]), tmp_path / "t.experts.json")
+    d = json.loads(path.read_text())
+    d["tokens"] = 10
+    path.write_text(json.dumps(d))
+    assert load_profile(path).tokens == 10                               # no schema/kind: lenient only
+    with pytest.raises(ProfileError, match="expected schema 1 and kind 'expert-popularity'"):
+        load_profile(path, cfg)
+    path.write_text(json.dumps({**d, "schema": 1, "kind": "expert-popularity"}))
+    strict = load_profile(path, cfg)
+    assert strict.to_dict() == load_profile(path).to_dict()
+    pop = load_popularity(path, cfg)
+    assert pop == Popularity.from_profile(strict, str(path))
+    assert pop.shares == ((0.15, 0.45, 0.35, 0.05), (0.0, 0.0, 0.5, 0.5)) and pop.model == "toy"
+
+
 def test_bad_profiles_are_user_errors(tmp_path):
     with pytest.raises(ProfileError, match="cannot read"):
         load_profile(tmp_path / "missing.experts.json")

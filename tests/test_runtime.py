@@ -159,6 +159,28 @@ def test_plan_drives_placement_and_zero_pcie_budget(models, reference):
     assert rep["prediction"]["tok_s"] > 0 and rep["prediction"]["profile"] == "v100x2-e5v4"
 
 
+def test_expert_profile_read_once_and_strict_only_for_a_plan(models, tmp_path, monkeypatch):
+    """One read of the expert profile feeds the cache and, with a hardware profile, the plan; the
+    planner's strict checks (schema, sums) apply only then."""
+    import hybrid.experts.popularity as popularity
+    from hybrid.errors import HybridError
+
+    prof = _profile(models["bf16"], tmp_path / "p.experts.json")
+    reads = []
+    read_json = popularity.read_json
+    monkeypatch.setattr(popularity, "read_json", lambda p: reads.append(p) or read_json(p))
+    kw = dict(gpus=(0, 1), layer_split=(1,), cache_slots=(8,), expert_profile=str(prof))
+    s = open_session(models["bf16"], RuntimeOptions(profile="v100x2-e5v4", **kw))
+    s.close()
+    assert reads == [prof] and s.plan.inputs.experts_profile == str(prof)
+    assert s.expert_profile.tokens == json.loads(prof.read_text())["tokens"]
+    d = json.loads(prof.read_text())
+    prof.write_text(json.dumps({k: v for k, v in d.items() if k != "schema"}))
+    open_session(models["bf16"], RuntimeOptions(**kw)).close()                # no plan: lenient
+    with pytest.raises(HybridError, match="expected schema 1"):
+        open_session(models["bf16"], RuntimeOptions(profile="v100x2-e5v4", **kw))
+
+
 def test_kv_resident_limit(models):
     from hybrid.errors import HybridError
 

@@ -1,10 +1,26 @@
 """Expert-popularity profiles: `profiles/<model>.experts.json` (how often the router picks each expert).
 
-Format (the planner reads the same file):
-    {"model": str, "num_layers": L, "num_experts": E, "top_k": k, "tokens": n,
-     "counts": [[routing count per expert] per layer]}          # [L, E] ints
-`tokens` is how many tokens were routed, so counts[l].sum() == tokens * top_k for a full profile
-and counts[l, e] / tokens is the probability that a token uses expert e of layer l.
+File (written by `hybrid-profile`; <model> = the model folder's name):
+
+    {
+      "schema": 1,
+      "kind": "expert-popularity",
+      "model": "Qwen3-30B-A3B-NVFP4",       # folder name it was measured on
+      "model_type": "qwen3_moe",
+      "num_layers": 48, "num_experts": 128, "top_k": 8,
+      "tokens": 200000,                      # tokens routed (prefill + decode)
+      "counts": [[...128 ints...], ...48 rows],
+      "source": {"command": "...", "git_sha": "...", "machine": "...", "prompts": "..."}
+    }
+
+counts[l][e] = how many of those tokens chose expert e among their top-k in layer l; so each row
+sums to tokens * top_k for a full profile and counts[l, e] / tokens is the probability that a token
+uses expert e of layer l. "source" is free-form provenance and optional.
+
+One loader for every reader: load_profile(path) checks only what the expert cache needs (the
+fields above from "model" to "counts", counts [L, E], signs); load_profile(path, cfg) is strict, as
+the planner needs: the schema above exactly, layers / experts / top_k those of `cfg`, every row
+summing to tokens * top_k.
 """
 from __future__ import annotations
 
@@ -14,11 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
-from hybrid.errors import HybridError
+from hybrid.model.config import ModelConfig
+from hybrid.planner.profile import ProfileError, read_json
 
+KEYS = ("schema", "kind", "model", "model_type", "num_layers", "num_experts", "top_k", "tokens",
+        "counts", "source")
 
-class ProfileError(HybridError):
-    """An expert-popularity profile is missing or malformed."""
+__all__ = ["ExpertProfile", "ProfileError", "check_strict", "load_profile", "profile_path", "save_profile"]
 
 
 @dataclass
@@ -55,7 +73,11 @@ class ExpertProfile:
                 "top_k": self.top_k, "tokens": self.tokens, "counts": self.counts.tolist()}
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "expert profile") -> "ExpertProfile":
+    def from_dict(cls, d: dict, where: str = "expert profile", cfg: ModelConfig | None = None) -> "ExpertProfile":
+        """Lenient; with `cfg`, strict against that model (check_strict; "model" is then optional)."""
+        if cfg is not None:
+            check_strict(d, cfg, where)
+            d = {"model": "", **d}
         try:
             return cls(model=str(d["model"]), num_layers=int(d["num_layers"]),
                        num_experts=int(d["num_experts"]), top_k=int(d["top_k"]),
@@ -64,18 +86,50 @@ class ExpertProfile:
             raise ProfileError(f"{where}: bad or missing field ({exc})") from None
 
 
+def check_strict(d, cfg: ModelConfig, where: str) -> None:
+    """The file schema exactly, for the model `cfg`: known keys, schema 1 and kind, layers / experts
+    / top_k those of cfg, tokens > 0, counts [L][E] non-negative integers, each row = tokens x top_k."""
+    if not isinstance(d, dict):
+        raise ProfileError(f"{where}: expected a JSON object")
+    unknown = sorted(set(d) - set(KEYS))
+    if unknown:
+        raise ProfileError(f"{where}: unknown key {unknown[0]!r}; expected {', '.join(KEYS)}")
+    if d.get("schema") != 1 or d.get("kind") != "expert-popularity":
+        raise ProfileError(f"{where}: expected schema 1 and kind 'expert-popularity'")
+    want = {"num_layers": cfg.num_hidden_layers, "num_experts": cfg.num_experts,
+            "top_k": cfg.num_experts_per_tok}
+    for k, v in want.items():
+        if d.get(k) != v:
+            raise ProfileError(f"{where}: {k} is {d.get(k)!r} but the model has {v}")
+    tokens = d.get("tokens")
+    if not isinstance(tokens, int) or tokens <= 0:
+        raise ProfileError(f"{where}: tokens must be a positive integer")
+    _check_counts(d.get("counts"), want, tokens, where)
+
+
+def _check_counts(counts, want: dict, tokens: int, where: str) -> None:
+    L, E, k = want["num_layers"], want["num_experts"], want["top_k"]
+    if not isinstance(counts, list) or len(counts) != L:
+        raise ProfileError(f"{where}: counts must be a list of {L} rows (one per layer)")
+    for layer, row in enumerate(counts):
+        if not isinstance(row, list) or len(row) != E:
+            raise ProfileError(f"{where}: counts[{layer}] must have {E} entries (one per expert)")
+        if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in row):
+            raise ProfileError(f"{where}: counts[{layer}] must hold non-negative integers")
+        total = sum(row)
+        if total != tokens * k:
+            raise ProfileError(f"{where}: counts[{layer}] sums to {total}, expected tokens x top_k "
+                               f"= {tokens * k}")
+
+
 def profile_path(model: str, root: str | Path = "profiles") -> Path:
     """Where the profile of `model` lives: <root>/<model>.experts.json."""
     return Path(root) / f"{model}.experts.json"
 
 
-def load_profile(path: str | Path) -> ExpertProfile:
-    path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ProfileError(f"{path}: cannot read expert profile ({exc})") from None
-    return ExpertProfile.from_dict(d, where=str(path))
+def load_profile(path: str | Path, cfg: ModelConfig | None = None) -> ExpertProfile:
+    """Read `path` (see the module doc); with `cfg`, strictly for that model."""
+    return ExpertProfile.from_dict(read_json(Path(path)), str(path), cfg)
 
 
 def save_profile(profile: ExpertProfile, path: str | Path) -> Path:

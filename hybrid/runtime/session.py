@@ -81,8 +81,9 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     cfg = ModelConfig.from_folder(path)
     _check_devices(opts)
     t0 = time.perf_counter()
-    eprof, eprof_path = _expert_profile(path, opts, cfg)
-    plan = _plan(path, cfg, opts, eprof_path, context)
+    hw = _hardware_profile(opts)
+    eprof, eprof_path = _expert_profile(path, opts, cfg, strict=hw is not None)
+    plan = _plan(path, cfg, opts, hw, eprof, eprof_path, context)
     placement = (Placement.from_plan(plan, opts.device, cfg.num_experts) if plan is not None else
                  Placement.manual(cfg.num_hidden_layers, cfg.num_experts, opts.gpus, opts.device,
                                   opts.layer_split, opts.cache_slots))
@@ -132,8 +133,9 @@ def _check_devices(opts: RuntimeOptions) -> None:
                           f"({n} visible: 0..{n - 1})")
 
 
-def _expert_profile(path: Path, opts: RuntimeOptions, cfg: ModelConfig):
-    """--expert-profile FILE, else profiles/<folder>.experts.json if there is one."""
+def _expert_profile(path: Path, opts: RuntimeOptions, cfg: ModelConfig, strict: bool):
+    """--expert-profile FILE, else profiles/<folder>.experts.json if there is one; read once, strictly
+    (the planner's checks) when a plan will be made from it."""
     from hybrid.planner.popularity import find_popularity
 
     p = Path(opts.expert_profile) if opts.expert_profile else find_popularity(path)
@@ -142,21 +144,21 @@ def _expert_profile(path: Path, opts: RuntimeOptions, cfg: ModelConfig):
             raise HybridError("--cache-policy static needs an expert profile (--expert-profile FILE "
                               "or profiles/<model>.experts.json from hybrid-profile)")
         return None, None
-    prof = load_expert_profile(p)
+    prof = load_expert_profile(p, cfg if strict else None)
     if (prof.num_layers, prof.num_experts) != (cfg.num_hidden_layers, cfg.num_experts):
         raise HybridError(f"{p}: expert profile is for {prof.num_layers} layers x {prof.num_experts} "
                           f"experts; the model has {cfg.num_hidden_layers} x {cfg.num_experts}")
     return prof, p
 
 
-def _plan(path: Path, cfg: ModelConfig, opts: RuntimeOptions, eprof_path, context: int):
-    """A planner Plan when a hardware profile is known (--profile, or detection on CUDA); else None."""
-    from hybrid.planner import ModelBytes, PlanRequest, load_popularity, make_plan
+def _plan(path: Path, cfg: ModelConfig, opts: RuntimeOptions, prof, eprof: ExpertProfile | None,
+          eprof_path, context: int):
+    """A planner Plan when a hardware profile `prof` is known (_hardware_profile); else None."""
+    from hybrid.planner import ModelBytes, PlanRequest, Popularity, make_plan
 
-    prof = _hardware_profile(opts)
     if prof is None:
         return None
-    pop = load_popularity(eprof_path, cfg) if eprof_path is not None else None
+    pop = Popularity.from_profile(eprof, str(eprof_path)) if eprof is not None else None
     req = PlanRequest(gpus=tuple(opts.gpus), layer_split=opts.layer_split,
                       kv_tokens=opts.kv_resident or max(context, 1), kv_dtype=opts.kv_dtype,
                       cache_slots=opts.cache_slots, vram_cap_gib=opts.vram_cap_gib,
