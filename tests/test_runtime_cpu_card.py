@@ -179,3 +179,36 @@ def test_slots_past_the_hold_budget_keep_stored_weights_same_numbers(qtype):
     sid, tok = torch.tensor([1, 2, 4, 3], dtype=torch.int32), torch.tensor([0, 0, 1, 1], dtype=torch.int32)
     rw = torch.tensor([0.5, 0.25, 1.0, 0.75])
     assert torch.equal(held.moe(x, sid, tok, rw), full.moe(x, sid, tok, rw))
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.BF16])
+def test_reference_experts_slots_and_torch_runner_sum_alike(qtype):
+    """ReferenceExperts, TorchExpertSlots and TorchCpuRunner share hybrid.model.moe.expert_sum: the
+    same routing gives the same bits through each, and the float64 per-pair sum within fp32 rounding."""
+    from hybrid.model.linear import Linear
+    from hybrid.model.moe import ReferenceExperts, SwiGLU
+    from hybrid.runtime.cpu_side import TorchCpuRunner
+    from hybrid.runtime.slots import HoldBudget
+
+    gen = torch.Generator().manual_seed(6)
+    ex = _experts(QType.NVFP4, seed=6) if qtype is QType.NVFP4 else \
+        [tuple(QWeight(QType.BF16, s, (torch.randn(*s, generator=gen) * 0.05).bfloat16())
+               for s in ((I, H), (I, H), (H, I))) for _ in range(S)]
+    T, k = 5, 3
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(S, generator=gen)[:k] for _ in range(T)])            # [T, k]
+    w = torch.rand(T, k, generator=gen)
+    tok = torch.arange(T).repeat_interleave(k)                                             # [T*k]
+    ref = ReferenceExperts(lambda l, e: SwiGLU(*(Linear(q) for q in ex[e])))(0, x, ids, w)
+    slots = TorchExpertSlots(S, torch.device("cpu"), HoldBudget(0))
+    for s, q in enumerate(ex):
+        slots.load(s, *q)
+    runner = TorchCpuRunner(lambda l, e: ex[e])
+    cpu = runner.sync(runner.submit(0, ids.reshape(-1).numpy(), tok.numpy(), w.reshape(-1).numpy(), x.numpy()))
+    assert torch.equal(slots.moe(x, ids.reshape(-1), tok, w.reshape(-1)), ref)
+    assert np.array_equal(cpu, ref.numpy())
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t, e, r in zip(tok.tolist(), ids.reshape(-1).tolist(), w.reshape(-1).tolist()):
+        g, u, d = (q.dequantize(torch.float32).double() for q in ex[e])
+        want[t] += r * (d @ (torch.nn.functional.silu(g @ x[t].double()) * (u @ x[t].double())))
+    torch.testing.assert_close(ref.double(), want, rtol=1e-4, atol=1e-5)

@@ -6,7 +6,7 @@ through the linear interface. The hybrid runtime swaps in GPU-cache + CPU-runner
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,23 @@ class SwiGLU:
         return SwiGLU(self.gate.to(device), self.up.to(device), self.down.to(device))
 
 
+def expert_sum(x: torch.Tensor, expert_ids: torch.Tensor, token_idx: torch.Tensor, route_w: torch.Tensor,
+               expert: Callable[[int], Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
+    """Σ route_w · expert(x) over routed (token, expert) pairs, one expert call per distinct expert.
+
+    x [T, H]; expert_ids/token_idx/route_w [A] (a token at most once per expert); expert(e) -> a
+    SwiGLU or any [t, H] -> [t, H] callable. Experts in ascending id order, each one's tokens in
+    pair order -> [T, H] fp32.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)          # [T, H]
+    for e in torch.unique(expert_ids).tolist():
+        sel = expert_ids == e                                                 # [A]
+        rows = token_idx[sel].long()                                          # tokens routed to e
+        y = expert(e)(x[rows])                                                # [t_e, H]
+        out.index_add_(0, rows, y.float() * route_w[sel, None].float())
+    return out
+
+
 class ReferenceExperts:
     """Runs every routed expert through the linear interface; experts fetched lazily per call."""
 
@@ -50,9 +67,8 @@ class ReferenceExperts:
         self.get_expert = get_expert
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x, dtype=torch.float32)                        # [T, H]
-        for e in torch.unique(ids).tolist():
-            rows, slot = (ids == e).nonzero(as_tuple=True)                    # tokens routed to e
-            y = self.get_expert(layer, e).to(x.device)(x[rows])              # [t_e, H]
-            out.index_add_(0, rows, y.float() * weights[rows, slot, None].float())
+        T, k = ids.shape
+        tokens = torch.arange(T, device=ids.device).repeat_interleave(k)      # [T*k], row-major as ids
+        out = expert_sum(x, ids.reshape(-1), tokens, weights.reshape(-1),
+                         lambda e: self.get_expert(layer, e).to(x.device))
         return out.to(x.dtype)

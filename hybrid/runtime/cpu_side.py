@@ -12,10 +12,10 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hybrid.errors import HybridError
 from hybrid.model.linear import Linear
+from hybrid.model.moe import SwiGLU, expert_sum
 
 INLINE_BYTES = 1 << 20    # TorchCpuRunner: calls over at most this many stored expert bytes keep
                           # the caller's torch threads
@@ -79,16 +79,10 @@ class TorchCpuRunner:
         return sum(q.nbytes for e in uniq for q in self.get_expert(layer, e)) <= self.inline_bytes
 
     def _run(self, layer, expert_ids, token_rows, route_weights, x) -> np.ndarray:
-        xt = torch.from_numpy(x)                                              # [T, H]
-        out = torch.zeros(xt.shape, dtype=torch.float32)
-        for e in np.unique(expert_ids).tolist():
-            sel = expert_ids == e
-            rows = torch.from_numpy(token_rows[sel]).long()
-            g, u, d = (Linear(w) for w in self.get_expert(layer, e))
-            xs = xt[rows]
-            y = d(F.silu(g(xs)) * u(xs))                                     # [t_e, H]
-            out.index_add_(0, rows, y.float() * torch.from_numpy(route_weights[sel])[:, None])
-        return out.numpy()
+        out = expert_sum(torch.from_numpy(x), torch.from_numpy(expert_ids), torch.from_numpy(token_rows),
+                         torch.from_numpy(route_weights),
+                         lambda e: SwiGLU(*(Linear(w) for w in self.get_expert(layer, e))))
+        return out.numpy()                                                    # [T, H] f32
 
     def close(self) -> None:
         self._kept.clear()

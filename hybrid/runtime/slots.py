@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from hybrid.checkpoint.formats import QType
 from hybrid.checkpoint.qweight import QWeight
 from hybrid.model.linear import Linear
+from hybrid.model.moe import SwiGLU, expert_sum
 
 ExpertWeights = Callable[[int, int], tuple[QWeight, QWeight, QWeight]]
 HOLD_BYTES = 2 << 30      # fp32 bytes of slot weights one CPU card may hold dequantized (2 GiB)
@@ -70,15 +71,7 @@ class TorchExpertSlots:
 
     def moe(self, x: torch.Tensor, slot_ids, token_idx, route_w) -> torch.Tensor:
         """x [T, H]; slot_ids/token_idx/route_w [A] -> Σ route_w · expert(x) [T, H] fp32."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)     # [T, H]
-        for s in torch.unique(slot_ids).tolist():
-            sel = slot_ids == s
-            rows = token_idx[sel].long()
-            g, u, d = self.slots[s]
-            xs = x[rows]                                                     # [t_s, H]
-            y = d(F.silu(g(xs)) * u(xs))                                     # [t_s, H]
-            out.index_add_(0, rows, y.float() * route_w[sel, None].float())
-        return out
+        return expert_sum(x, slot_ids, token_idx, route_w, lambda s: SwiGLU(*self.slots[s]))
 
 
 class QPNSlots:
