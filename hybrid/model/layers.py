@@ -8,12 +8,16 @@ tensors take a path with fewer launches and no host work: fused RMSNorm, one RoP
 q/k/v as one QPN call where the weights allow it, scaled_dot_product_attention on views of the
 cache (no repeat_interleave copies). `Attention.decode` is the T = 1 step whose position is a
 device tensor, so a CUDA graph can replay it (hybrid.runtime.graphs).
+On CUDA the fused kernels of hybrid.kernels.fused (cuda/fused.cu) replace groups of those torch ops:
+RMSNorm (+ residual add), q/k norm + RoPE + KV write, one-token attention. HYBRID_FUSED=0 keeps the
+torch ops (A/B measurements).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from hybrid.kernels import fused
 from hybrid.model.linear import Linear, fused_linear
 
 
@@ -34,11 +38,29 @@ def decode_mask(pos, keys: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., H] -> [..., H], computed in fp32."""
+    if x.is_cuda and fused_norm_ok(x, weight):
+        return fused.add_rms_norm(x.reshape(-1, x.shape[-1]), weight, eps)[1].view(x.shape)
     if x.is_cuda:
         return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)
+
+
+def fused_norm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """CUDA x fp16/fp32 (contiguous) and an fp32 weight: the fused RMSNorm kernel applies."""
+    return (fused.enabled("norm") and x.dtype in (torch.float16, torch.float32) and x.is_contiguous()
+            and weight.dtype == torch.float32 and weight.is_cuda and x.dim() >= 1)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """x [T, H], delta [T, H] -> (x2 = x + delta.to(x.dtype), rms_norm(x2)): one kernel on CUDA."""
+    if x.is_cuda and x.dim() == 2 and fused_norm_ok(x, weight) and delta.is_contiguous() \
+            and delta.dtype in (torch.float16, torch.float32) and delta.shape == x.shape:
+        x, h, _ = fused.add_rms_norm(x, weight, eps, delta=delta)
+        return x, h
+    x = x + delta.to(x.dtype)
+    return x, rms_norm(x, weight, eps)
 
 
 class Rotary:
@@ -127,6 +149,7 @@ class Attention:
         self.q_norm, self.k_norm, self.eps = q_norm, k_norm, eps
         self._qkv = None          # CUDA: fused q/k/v (a callable x [T, H] -> [T, (Hq+2Hkv)*D])
         self._qk_w = None         # CUDA: q/k norm weights per head [Hq+Hkv, D] fp32
+        self._qk_n = None         # CUDA, fused kernels: (q_norm, k_norm) [D] fp32 or (None, None)
 
     def __call__(self, x: torch.Tensor, layer: int, start: int, cache: KVCache,
                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -177,10 +200,18 @@ class Attention:
     def _cuda(self, x, layer: int, start: int, cache: KVCache, table: torch.Tensor) -> torch.Tensor:
         """Eager CUDA step (any T); table: the device's Rotary.table."""
         t = x.shape[0]
-        q, k, v = self._qk_rope(x, table[start:start + t])
-        cache.write(layer, start, k, v)
+        if self.fused_rope_ok(x, cache, layer):
+            if start + t > cache.max_tokens:
+                raise ValueError(f"KV cache full: {start + t} tokens > capacity {cache.max_tokens}")
+            q = self._qk_rope_kv(x, layer, cache, table, None, start)
+        else:
+            q, k, v = self._qk_rope(x, table[start:start + t])
+            cache.write(layer, start, k, v)
         if t == 1:                          # the very kernels of the graphed step (decode)
             keys = attn_keys(start, cache.capacity)
+            if self.fused_attn_ok(q, cache, layer):
+                return self.o(fused.decode_attn(q.contiguous(), cache.k_store[layer], cache.v_store[layer],
+                                                keys, start=start))
             mask = decode_mask(start, keys, x.dtype, x.device)
             return self.o(self._sdpa1(q, cache.k_store[layer][:keys], cache.v_store[layer][:keys], mask))
         keys, vals = cache.k[layer][: start + t], cache.v[layer][: start + t]  # [P+T, Hkv, D]
@@ -203,14 +234,50 @@ class Attention:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)     # [1, Hkv, g, D]
         return out.reshape(1, self.n_heads * self.head_dim)
 
-    def decode(self, x: torch.Tensor, layer: int, cache: KVCache, pos: torch.Tensor, cs: torch.Tensor,
-               keys: int, mask: torch.Tensor) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, layer: int, cache: KVCache, pos: torch.Tensor, cs: torch.Tensor | None,
+               keys: int, mask: torch.Tensor | None, table: torch.Tensor | None = None) -> torch.Tensor:
         """One token at device position pos [1] int64 (graph-safe: no host values).
 
-        cs [1, 2, D]: table rows at pos; keys: rows of the KV store attended (>= pos + 1);
-        mask [1, 1, 1, keys] additive (-inf past pos)."""
-        q, k, v = self._qk_rope(x, cs)
-        cache.k_store[layer].index_copy_(0, pos, k)
-        cache.v_store[layer].index_copy_(0, pos, v)
-        out = self._sdpa1(q, cache.k_store[layer][:keys], cache.v_store[layer][:keys], mask)
+        cs [1, 2, D]: table rows at pos, or None with table [R, 2, D] (the fused kernel reads the row
+        at pos itself); keys: rows of the KV store attended (>= pos + 1); mask [1, 1, 1, keys]
+        additive (-inf past pos), or None (built here when the torch attention needs it)."""
+        if table is not None and self.fused_rope_ok(x, cache, layer):
+            q = self._qk_rope_kv(x, layer, cache, table, pos, 0)
+        else:
+            q, k, v = self._qk_rope(x, cs if cs is not None else table.index_select(0, pos))
+            cache.k_store[layer].index_copy_(0, pos, k)
+            cache.v_store[layer].index_copy_(0, pos, v)
+        if self.fused_attn_ok(q, cache, layer):
+            out = fused.decode_attn(q.contiguous(), cache.k_store[layer], cache.v_store[layer], keys,
+                                    pos=pos)
+        else:
+            mask = decode_mask(pos, keys, x.dtype, x.device) if mask is None else mask
+            out = self._sdpa1(q, cache.k_store[layer][:keys], cache.v_store[layer][:keys], mask)
         return self.o(out)
+
+    # ---- CUDA, fused kernels (hybrid.kernels.fused) -----------------------------------------------
+    def fused_rope_ok(self, x: torch.Tensor, cache: KVCache, layer: int) -> bool:
+        """q/k norm + RoPE + KV write as one kernel: fp16 activations and KV store, D even <= 256."""
+        return (fused.enabled("rope") and x.dtype == torch.float16 and x.is_cuda
+                and cache.k_store[layer].dtype == torch.float16 and self.head_dim % 2 == 0
+                and self.head_dim <= fused.ROPE_MAX_D)
+
+    def fused_attn_ok(self, q: torch.Tensor, cache: KVCache, layer: int) -> bool:
+        """One-token attention as one kernel (no mask): fp16, GQA groups and head_dim it supports."""
+        g, d = self.n_heads // self.n_kv, self.head_dim
+        return (fused.enabled("attn") and q.dim() == 3 and q.shape[0] == 1 and q.dtype == torch.float16
+                and cache.k_store[layer].dtype == torch.float16 and self.n_heads % self.n_kv == 0
+                and g <= fused.ATT_MAX_G and g * d <= fused.ATT_MAX_Q and d % 8 == 0
+                and d <= fused.ROPE_MAX_D)
+
+    def _qk_rope_kv(self, x: torch.Tensor, layer: int, cache: KVCache, table: torch.Tensor,
+                    pos: torch.Tensor | None, start: int) -> torch.Tensor:
+        """x [T, H] -> q [T, Hq, D] fp16; k, v written into the KV store at pos (device) or start."""
+        if self._qkv is None:
+            self._qkv = fused_linear([self.q, self.k, self.v])
+        if self._qk_n is None:
+            self._qk_n = ((None, None) if self.q_norm is None else
+                          (self.q_norm.float().reshape(-1).contiguous(), self.k_norm.float().reshape(-1).contiguous()))
+        qkv = self._qkv(x).contiguous()                                      # [T, (Hq+2Hkv)*D]
+        return fused.qk_rope_kv(qkv, *self._qk_n, table, cache.k_store[layer], cache.v_store[layer],
+                                self.n_heads, self.n_kv, self.head_dim, self.eps, pos=pos, start=start)

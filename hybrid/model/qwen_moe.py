@@ -5,7 +5,8 @@ from `layer_devices`; the hidden state hops where consecutive layers differ (the
 
 `forward` is the eager step. The pieces `embed_tokens`, `decode_dense`, `moe_out`, `head` are
 the same math for one token with its position as a device tensor, for CUDA graphs
-(hybrid.runtime.graphs).
+(hybrid.runtime.graphs). On CUDA the fused kernels (hybrid.kernels.fused; HYBRID_FUSED=0 turns them
+off) do residual add + RMSNorm and the router's softmax / top-k / renormalisation in one launch each.
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid.kernels import fused
 from hybrid.model.config import ModelConfig
-from hybrid.model.layers import Attention, KVCache, Rotary, decode_mask, rms_norm
+from hybrid.model.layers import Attention, KVCache, Rotary, add_rms_norm, decode_mask, fused_norm_ok, rms_norm
 from hybrid.model.linear import Linear
 from hybrid.model.moe import ExpertExecutor, SwiGLU, route
 
@@ -103,8 +105,7 @@ class MoEModel:
                     cos_sin[dev] = self.rotary.cos_sin(positions, dev)
             cos, sin = cos_sin[dev]
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            x = x + layer.attn(h, i, start, cache, cos, sin)
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            x, h = add_rms_norm(x, layer.attn(h, i, start, cache, cos, sin), layer.post_norm, cfg.rms_norm_eps)
             x = x + self._moe(i, layer, h)
         cache.length = start + ids.shape[0]
         if last_only:
@@ -120,8 +121,15 @@ class MoEModel:
         x = rms_norm(x.to(self.lm_head.device), self.final_norm, self.cfg.rms_norm_eps)
         return self.lm_head(x).float()                                       # [T, V]
 
-    def route(self, i: int, h: torch.Tensor):
-        return route(h, self.layers[i].router, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+    def route(self, i: int, h: torch.Tensor, hf: torch.Tensor | None = None):
+        """h [T, H] -> (ids [T, k] int64, weights [T, k] fp32). hf: h as fp32 when already made.
+        CUDA: the router GEMV, then softmax / top-k / renormalisation as one fused kernel."""
+        router, k = self.layers[i].router, self.cfg.num_experts_per_tok
+        if (h.is_cuda and fused.enabled("route") and router.dtype == torch.float32
+                and router.shape[0] <= fused.ROUTE_MAX_E and k <= min(router.shape[0], fused.ROUTE_MAX_K)):
+            logits = (h.float() if hf is None else hf) @ router.T                 # [T, E] fp32
+            return fused.route_topk(logits.contiguous(), k, self.cfg.norm_topk_prob)
+        return route(h, router, k, self.cfg.norm_topk_prob)
 
     def _moe(self, i: int, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(i, h)
@@ -142,15 +150,31 @@ class MoEModel:
         """Additive mask [1, 1, 1, keys] in the model dtype: 0 up to pos, -inf after."""
         return decode_mask(pos, keys, self.dtype, pos.device)
 
-    def decode_dense(self, i: int, x: torch.Tensor, pos: torch.Tensor, keys: int, mask: torch.Tensor):
+    def decode_dense(self, i: int, x: torch.Tensor, pos: torch.Tensor, keys: int, mask: torch.Tensor | None,
+                     residual: torch.Tensor | None = None):
         """Layer i up to its router for one token: x [1, H] -> (x after attention [1, H],
-        normed h [1, H], ids [1, k] int64, weights [1, k] fp32). No host sync, no host values."""
+        normed h [1, H], ids [1, k] int64, weights [1, k] fp32). No host sync, no host values.
+
+        residual [1, H] (fp16 or fp32, e.g. the previous layer's MoE output): x + residual.to(x.dtype)
+        is the layer's input, added inside the fused RMSNorm on CUDA. mask may be None (see
+        Attention.decode)."""
         layer, eps = self.layers[i], self.cfg.rms_norm_eps
-        cs = self.rope_table(x.device).index_select(0, pos)                  # [1, 2, D]
-        h = rms_norm(x, layer.input_norm, eps)
-        x = x + layer.attn.decode(h, i, self.cache, pos, cs, keys, mask)
-        h = rms_norm(x, layer.post_norm, eps)
-        ids, weights = self.route(i, h)
+        table = self.rope_table(x.device)                                    # [R, 2, D]
+        if residual is not None:
+            x, h = add_rms_norm(x, residual, layer.input_norm, eps)
+        else:
+            h = rms_norm(x, layer.input_norm, eps)
+        if layer.attn.fused_rope_ok(h, self.cache, i):
+            a = layer.attn.decode(h, i, self.cache, pos, None, keys, mask, table=table)
+        else:
+            a = layer.attn.decode(h, i, self.cache, pos, table.index_select(0, pos), keys, mask)  # cs [1, 2, D]
+        hf = None
+        if x.is_cuda and fused_norm_ok(x, layer.post_norm) and a.dtype == x.dtype and x.dim() == 2:
+            x, h, hf = fused.add_rms_norm(x, layer.post_norm, eps, delta=a.contiguous(),
+                                          want_f32=fused.enabled("route"))
+        else:
+            x, h = add_rms_norm(x, a, layer.post_norm, eps)
+        ids, weights = self.route(i, h, hf)
         return x, h, ids, weights
 
     def forward_logits(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,347 @@
+// Fused small kernels of the decode step: each one replaces several torch ops (and launches) per
+// layer beside the QPN GEMVs. Same conventions as qpn.cu: compiled at run time by NVRTC for the
+// device's architecture, no header, launched on torch's current stream (CUDA-graph capturable).
+// Volta-legal (sm_70): fp32 math, fp16 only as storage (cvt.f32.f16 / cvt.rn.f16.f32), no cp.async.
+//
+// Legend: T tokens, H hidden, Hq / Hkv query / KV heads, D head_dim, E experts, k experts per token,
+//         R rows of the RoPE table, C rows of the KV store, L keys attended.
+// dtype codes (arguments named *_f32): 0 fp16, 1 fp32. Math is fp32 and every result is rounded once,
+// as the torch ops these replace do (x + delta rounds to x's dtype; rms_norm casts at the end).
+//
+// Kernels:
+//   fused_add_rms_norm  grid T, block 256
+//       x [T, H] (fp16 | fp32), delta [T, H] (fp16 | fp32) or null, w [H] fp32
+//       x_out [T, H] x's dtype = x + delta.to(x.dtype)           (written only when delta is given)
+//       h [T, H] x's dtype     = rms_norm(x_out) * w              (fp32 math, one rounding)
+//       hf [T, H] fp32         = float(h) or null                 (the router's fp32 input)
+//   fused_qk_rope_kv    grid ceil(T * (Hq + 2 Hkv) / 4), block 128: one warp per (token, head)
+//       qkv [T, (Hq + 2 Hkv) * D] fp16 (q heads, k heads, v heads), q_norm / k_norm [D] fp32 or null,
+//       table [R, 2, D] fp32 (cos, signed sin: Rotary.table), position p = (*pos or pos0) + t
+//       q [T, Hq, D] fp16 = rope(rms_norm(q) * q_norm); k_store[p] = rope(rms_norm(k) * k_norm),
+//       v_store[p] = v (k_store / v_store [C, Hkv, D] fp16). A position outside the table or the
+//       store writes no K/V and NaN into q, so a bad device position cannot pass unnoticed.
+//   fused_route_topk    grid ceil(T / 4), block 128: one warp per token, E <= 512, k <= 32
+//       logits [T, E] fp32 -> softmax -> top-k (descending, ties to the lowest id) -> optional
+//       renormalisation: ids [T, k] int64, weights [T, k] fp32
+//   fused_decode_attn   grid (Hkv, S splits), block 128: one query token, GQA (g = Hq / Hkv)
+//       q [Hq, D] fp16, k_store / v_store [C, Hkv, D] fp16, keys 0..p attended (p = *pos or pos0)
+//       -> out [Hq, D] fp16; partials [Hkv, S, g, D + 2] fp32 and counters [Hkv] int (zero, and left
+//       zero: the last split block of a head combines the partials and resets its counter)
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define NEG_INF __int_as_float(0xff800000)
+
+// ---------------------------------------------------------------- conversions, reductions
+__device__ __forceinline__ float h2f(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ u16 f2h(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ float round_to(float v, int f32) { return f32 ? v : h2f(f2h(v)); }
+__device__ __forceinline__ float load(const void* p, size_t i, int f32) {
+  return f32 ? ((const float*)p)[i] : h2f(((const u16*)p)[i]);
+}
+__device__ __forceinline__ void store(void* p, size_t i, float v, int f32) {
+  if (f32) ((float*)p)[i] = v;
+  else ((u16*)p)[i] = f2h(v);
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// ---------------------------------------------------------------- residual add + RMSNorm
+extern "C" __global__ void __launch_bounds__(256)
+    fused_add_rms_norm(const void* x, const void* delta, const float* w, void* x_out, void* h,
+                       float* hf, int H, float eps, int x_f32, int delta_f32) {
+  __shared__ float part[8];
+  const size_t row = (size_t)blockIdx.x * H;
+  const int tid = threadIdx.x;
+  float ss = 0.f;
+  for (int i = tid; i < H; i += 256) {
+    float s = load(x, row + i, x_f32);
+    if (delta) {
+      s = round_to(s + round_to(load(delta, row + i, delta_f32), x_f32), x_f32);
+      store(x_out, row + i, s, x_f32);
+    }
+    ss += s * s;
+  }
+  ss = warp_sum(ss);
+  if ((tid & 31) == 0) part[tid >> 5] = ss;
+  __syncthreads();
+  float tot = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) tot += part[j];
+  const float rstd = rsqrtf(tot / (float)H + eps);
+  for (int i = tid; i < H; i += 256) {                  // x_out again, recomputed (not re-read)
+    float s = load(x, row + i, x_f32);
+    if (delta) s = round_to(s + round_to(load(delta, row + i, delta_f32), x_f32), x_f32);
+    const float v = round_to(s * rstd * w[i], x_f32);
+    store(h, row + i, v, x_f32);
+    if (hf) hf[row + i] = v;
+  }
+}
+
+// ---------------------------------------------------------------- q/k RMSNorm + RoPE + KV write
+#define ROPE_MAXR 4   // pairs (i, i + D/2) per lane: D <= 256
+
+extern "C" __global__ void __launch_bounds__(128)
+    fused_qk_rope_kv(const u16* qkv, const float* q_norm, const float* k_norm, const float* table,
+                     int table_rows, const long long* pos, int pos0, u16* q_out, u16* k_store,
+                     u16* v_store, int T, int Hq, int Hkv, int D, int C, float eps) {
+  const int heads = Hq + 2 * Hkv;
+  const int gw = blockIdx.x * 4 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (gw >= T * heads) return;
+  const int t = gw / heads, hh = gw - t * heads;
+  const long long p = (pos ? pos[0] : (long long)pos0) + t;
+  const bool ok = p >= 0 && p < C && p < table_rows;
+  const u16* src = qkv + ((size_t)t * heads + hh) * D;
+  if (hh >= Hq + Hkv) {                                   // v head: copy into the store
+    if (!ok) return;
+    u16* dst = v_store + ((size_t)p * Hkv + (hh - Hq - Hkv)) * D;
+    for (int i = lane; i < D; i += 32) dst[i] = src[i];
+    return;
+  }
+  const int half = D >> 1;
+  float a[ROPE_MAXR], b[ROPE_MAXR];                       // elements i and i + half, i = lane + 32 r
+  float ss = 0.f;
+#pragma unroll
+  for (int r = 0; r < ROPE_MAXR; ++r) {
+    const int i = lane + 32 * r;
+    a[r] = b[r] = 0.f;
+    if (i < half) {
+      a[r] = h2f(src[i]);
+      b[r] = h2f(src[i + half]);
+      ss += a[r] * a[r] + b[r] * b[r];
+    }
+  }
+  const float* nw = hh < Hq ? q_norm : k_norm;
+  if (nw) {
+    const float rstd = rsqrtf(warp_sum(ss) / (float)D + eps);
+#pragma unroll
+    for (int r = 0; r < ROPE_MAXR; ++r) {
+      const int i = lane + 32 * r;
+      if (i < half) {
+        a[r] = a[r] * rstd * nw[i];
+        b[r] = b[r] * rstd * nw[i + half];
+      }
+    }
+  }
+  u16* dst = hh < Hq ? q_out + ((size_t)t * Hq + hh) * D
+                     : k_store + ((size_t)(ok ? p : 0) * Hkv + (hh - Hq)) * D;
+  if (!ok && hh >= Hq) return;
+  const float* cs = table + (size_t)(ok ? p : 0) * 2 * D;   // cos [D], then signed sin [D]
+#pragma unroll
+  for (int r = 0; r < ROPE_MAXR; ++r) {
+    const int i = lane + 32 * r;
+    if (i < half) {
+      float oa = fmaf(b[r], cs[D + i], a[r] * cs[i]);
+      float ob = fmaf(a[r], cs[D + i + half], b[r] * cs[i + half]);
+      if (!ok) oa = ob = __int_as_float(0x7fc00000);
+      dst[i] = f2h(oa);
+      dst[i + half] = f2h(ob);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- router softmax + top-k
+#define ROUTE_MAXV 16   // experts per lane: E <= 512
+
+extern "C" __global__ void __launch_bounds__(128)
+    fused_route_topk(const float* logits, long long* ids, float* weights, int T, int E, int k,
+                     int renorm) {
+  const int t = blockIdx.x * 4 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (t >= T) return;
+  const float* row = logits + (size_t)t * E;
+  float v[ROUTE_MAXV];
+  float m = NEG_INF;
+#pragma unroll
+  for (int j = 0; j < ROUTE_MAXV; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < E ? row[e] : NEG_INF;
+    m = fmaxf(m, v[j]);
+  }
+  m = warp_max(m);
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < ROUTE_MAXV; ++j) {
+    v[j] = lane + 32 * j < E ? expf(v[j] - m) : 0.f;
+    s += v[j];
+  }
+  s = warp_sum(s);
+#pragma unroll
+  for (int j = 0; j < ROUTE_MAXV; ++j) v[j] = lane + 32 * j < E ? v[j] / s : -1.f;  // probs >= 0
+  float mine_w = 0.f, total = 0.f;
+  int mine_id = 0;
+  for (int r = 0; r < k; ++r) {
+    float best = -2.f;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < ROUTE_MAXV; ++j)
+      if (v[j] > best) { best = v[j]; bi = lane + 32 * j; }   // ascending ids: keeps the lowest
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+    }
+#pragma unroll
+    for (int j = 0; j < ROUTE_MAXV; ++j)
+      if (lane + 32 * j == bi) v[j] = -2.f;                  // taken
+    if (lane == r) { mine_w = best; mine_id = bi; }
+    total += best;
+  }
+  if (lane < k) {
+    weights[(size_t)t * k + lane] = renorm ? mine_w / total : mine_w;
+    ids[(size_t)t * k + lane] = mine_id;
+  }
+}
+
+// ---------------------------------------------------------------- one-token GQA attention
+// Split s of KV head kvh takes keys [128 s, 128 s + 128) (one per thread for q.k, then every
+// thread accumulates its (head, dim) outputs over the split's keys), keeps (max, sum, acc) per query
+// head, and the last split block of the head (threadfence + counter) combines the splits.
+#define ATT_KEYS 128
+#define ATT_MAXG 16     // query heads per KV head
+#define ATT_MAXQ 2048   // g * D
+#define ATT_MAXO (ATT_MAXQ / ATT_KEYS)
+
+__device__ __forceinline__ float ld_cg(const float* p) {   // L2, not a possibly stale L1 line
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    fused_decode_attn(const u16* q, const u16* k_store, const u16* v_store, const long long* pos,
+                      int pos0, u16* out, float* partials, int* counters, int Hkv, int g, int D, int C,
+                      float scale) {
+  __shared__ __align__(16) float qs[ATT_MAXQ];
+  __shared__ float sc[ATT_MAXG][ATT_KEYS];
+  __shared__ float ml[ATT_MAXG][2];
+  __shared__ int last;
+  const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y, tid = threadIdx.x;
+  const long long p = pos ? pos[0] : (long long)pos0;
+  const int n = (int)(p + 1 < (long long)C ? p + 1 : (long long)C);    // keys 0..p (<= 0: none)
+  const int start = split * ATT_KEYS, gd = g * D;
+  for (int i = tid; i < gd; i += ATT_KEYS) qs[i] = h2f(q[(size_t)kvh * gd + i]);
+  __syncthreads();
+  const int key = start + tid;
+  float s[ATT_MAXG];
+#pragma unroll
+  for (int h = 0; h < ATT_MAXG; ++h) s[h] = 0.f;
+  if (key < n) {
+    const u16* kr = k_store + ((size_t)key * Hkv + kvh) * D;
+    for (int c = 0; c < D; c += 8) {
+      const uint4 raw = *(const uint4*)(kr + c);
+      const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+      float kf[8];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        kf[2 * e] = h2f((u16)(w[e] & 0xffffu));
+        kf[2 * e + 1] = h2f((u16)(w[e] >> 16));
+      }
+#pragma unroll
+      for (int h = 0; h < ATT_MAXG; ++h) {
+        if (h < g) {
+          const float4 q0 = *(const float4*)(qs + h * D + c);
+          const float4 q1 = *(const float4*)(qs + h * D + c + 4);
+          s[h] += q0.x * kf[0] + q0.y * kf[1] + q0.z * kf[2] + q0.w * kf[3] + q1.x * kf[4] +
+                  q1.y * kf[5] + q1.z * kf[6] + q1.w * kf[7];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < ATT_MAXG; ++h)
+    if (h < g) sc[h][tid] = key < n ? s[h] * scale : NEG_INF;
+  __syncthreads();
+  const int warp = tid >> 5, lane = tid & 31;
+  for (int h = warp; h < g; h += 4) {                     // softmax pieces of this split, per head
+    float v[4], m = NEG_INF, l = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) m = fmaxf(m, v[i] = sc[h][lane + 32 * i]);
+    m = warp_max(m);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float e = m == NEG_INF ? 0.f : expf(v[i] - m);
+      sc[h][lane + 32 * i] = e;
+      l += e;
+    }
+    l = warp_sum(l);
+    if (lane == 0) { ml[h][0] = m; ml[h][1] = l; }
+  }
+  __syncthreads();
+  const int nk = n - start < ATT_KEYS ? (n - start > 0 ? n - start : 0) : ATT_KEYS;
+  float acc[ATT_MAXO];
+  int oh[ATT_MAXO], od[ATT_MAXO];
+#pragma unroll
+  for (int j = 0; j < ATT_MAXO; ++j) {
+    const int o = tid + ATT_KEYS * j;
+    acc[j] = 0.f;
+    oh[j] = o < gd ? o / D : 0;
+    od[j] = o < gd ? o - oh[j] * D : 0;
+  }
+  const u16* vbase = v_store + (size_t)kvh * D;
+  for (int kk = 0; kk < nk; ++kk) {
+    const u16* vr = vbase + (size_t)(start + kk) * Hkv * D;
+#pragma unroll
+    for (int j = 0; j < ATT_MAXO; ++j)
+      if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sc[oh[j]][kk], h2f(vr[od[j]]), acc[j]);
+  }
+  u16* ob = out + (size_t)kvh * gd;
+  if (S == 1) {
+#pragma unroll
+    for (int j = 0; j < ATT_MAXO; ++j)
+      if (tid + ATT_KEYS * j < gd) ob[tid + ATT_KEYS * j] = f2h(acc[j] / ml[oh[j]][1]);
+    return;
+  }
+  const int stride = D + 2;                               // per query head: acc [D], max, sum
+  float* part = partials + ((size_t)kvh * S + split) * g * stride;
+#pragma unroll
+  for (int j = 0; j < ATT_MAXO; ++j)
+    if (tid + ATT_KEYS * j < gd) part[oh[j] * stride + od[j]] = acc[j];
+  if (tid < g) {
+    part[tid * stride + D] = ml[tid][0];
+    part[tid * stride + D + 1] = ml[tid][1];
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(&counters[kvh], 1) == S - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const float* head = partials + (size_t)kvh * S * g * stride;
+#pragma unroll
+  for (int j = 0; j < ATT_MAXO; ++j) {
+    if (tid + ATT_KEYS * j >= gd) continue;
+    const int h = oh[j], d = od[j];
+    float mx = NEG_INF;
+    for (int sp = 0; sp < S; ++sp) mx = fmaxf(mx, ld_cg(head + ((size_t)sp * g + h) * stride + D));
+    float lsum = 0.f, osum = 0.f;
+    for (int sp = 0; sp < S; ++sp) {
+      const float* ps = head + ((size_t)sp * g + h) * stride;
+      const float ms = ld_cg(ps + D);
+      const float wgt = ms == NEG_INF ? 0.f : expf(ms - mx);
+      lsum = fmaf(wgt, ld_cg(ps + D + 1), lsum);
+      osum = fmaf(wgt, ld_cg(ps + d), osum);
+    }
+    ob[tid + ATT_KEYS * j] = f2h(osum / lsum);
+  }
+  if (tid == 0) counters[kvh] = 0;
+}

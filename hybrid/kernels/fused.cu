@@ -1,0 +1,1 @@
+../../cuda/fused.cu

@@ -1,0 +1,331 @@
+"""Fused decode-step kernels (cuda/fused.cu): checked launchers, with torch references on CPU.
+
+Legend: T tokens, H hidden, Hq / Hkv query / KV heads, D head_dim, g = Hq / Hkv, E experts,
+k experts per token, R rows of the RoPE table, C rows of the KV store, L keys attended.
+
+    x2, h, hf = add_rms_norm(x, w, eps, delta)   # x + delta.to(x.dtype); rms_norm -> h (+ fp32 copy)
+    q = qk_rope_kv(qkv, q_norm, k_norm, table, k_store, v_store, Hq, Hkv, D, eps, pos=pos)
+    ids, weights = route_topk(logits, k, renorm)  # softmax -> top-k -> renormalise
+    out = decode_attn(q, k_store, v_store, keys, pos=pos)   # one token, keys 0..pos
+
+Each replaces several torch ops of the CUDA decode step with one launch on torch's current stream
+(graph-capturable). On CPU tensors the reference functions (ref_*) run, which are the torch ops of
+the unfused path. HYBRID_FUSED=0 turns the fused path off in the model (the torch ops, for A/B
+measurements); HYBRID_FUSED=norm,rope,route,attn turns on only the parts named.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+PARTS = ("norm", "rope", "route", "attn")
+KERNELS = ("fused_add_rms_norm", "fused_qk_rope_kv", "fused_route_topk", "fused_decode_attn")
+ROUTE_MAX_E, ROUTE_MAX_K = 512, 32
+ROPE_MAX_D = 256
+ATT_KEYS, ATT_MAX_G, ATT_MAX_Q = 128, 16, 2048
+_DT = {torch.float16: 0, torch.float32: 1}
+
+
+def enabled(part: str) -> bool:
+    """HYBRID_FUSED: unset/1/on = every part; 0/off = none; a comma list = the parts named."""
+    v = os.environ.get("HYBRID_FUSED", "1").strip().lower()
+    if v in ("", "1", "on", "true", "yes", "all"):
+        return True
+    if v in ("0", "off", "false", "no", "none"):
+        return False
+    return part in {p.strip() for p in v.split(",")}
+
+
+# ---------------------------------------------------------------------------- build and load
+def source() -> str:
+    return Path(__file__).with_name("fused.cu").read_text()
+
+
+_MODULES: dict = {}
+_FORCE_PTX: dict[int, int] = {}
+
+
+def force_ptx(device, sm: int | None) -> None:
+    """Tests: run this device's fused kernels from compute_<sm> PTX through the driver JIT."""
+    d = _dev(torch.device(device))
+    if sm is None:
+        _FORCE_PTX.pop(d.index, None)
+    else:
+        _FORCE_PTX[d.index] = sm
+
+
+def _module(device: torch.device):
+    from hybrid.kernels.build import compile_image, pick_target
+    from hybrid.kernels.driver import Module
+    from hybrid.kernels.nvrtc import load_nvrtc
+
+    forced = _FORCE_PTX.get(device.index)
+    mod = _MODULES.get((device.index, forced))
+    if mod is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        sm = forced or major * 10 + minor
+        nv = load_nvrtc(12 if sm < 75 else None)
+        image = compile_image(nv, pick_target(nv, sm, force_ptx=forced is not None), src=source())
+        mod = _MODULES[(device.index, forced)] = Module(image, device)
+    return mod
+
+
+def compile_check(sm: int):
+    """CPU-only: NVRTC 12 -> PTX (compute_<sm>) -> ptxas -v; -> ([KernelReport], ptx text)."""
+    from hybrid.kernels.build import OPTIONS, include_options, parse_ptxas, ptxas_path
+    from hybrid.kernels.nvrtc import NvrtcError, load_nvrtc
+
+    ptx = load_nvrtc(12).compile(source(), "fused.cu", OPTIONS + include_options()
+                                 + [f"--gpu-architecture=compute_{sm}"], cubin=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "fused.ptx"
+        p.write_bytes(ptx)
+        res = subprocess.run([str(ptxas_path()), f"-arch=sm_{sm}", "-v", str(p), "-o",
+                              str(Path(tmp) / "fused.cubin")], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise NvrtcError(f"ptxas failed for sm_{sm}:\n{res.stderr}")
+    return parse_ptxas(res.stderr), ptx.decode()
+
+
+def source_digest() -> str:
+    return hashlib.sha256(source().encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------- checks
+def _dev(d: torch.device) -> torch.device:
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def _check(t, name: str, dtypes, shape: tuple, device: torch.device | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if device is not None and _dev(t.device) != device:
+        raise ValueError(f"{name}: on {t.device}, expected {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+
+
+def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+
+def _pos(pos: torch.Tensor | None, device: torch.device) -> None:
+    if pos is not None:
+        _check(pos, "pos", torch.int64, (1,), device)
+
+
+# ---------------------------------------------------------------------------- residual + RMSNorm
+def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The CPU path of hybrid.model.layers.rms_norm: fp32 math, one cast back to x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def ref_add_rms_norm(x, weight, eps, delta=None, want_f32=False):
+    if delta is not None:
+        x = x + delta.to(x.dtype)
+    h = ref_rms_norm(x, weight, eps)
+    return x, h, (h.float() if want_f32 else None)
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
+                 want_f32: bool = False):
+    """x [T, H] fp16|fp32, weight [H] fp32, delta [T, H] fp16|fp32 or None ->
+    (x + delta.to(x.dtype) (x itself when no delta), rms_norm(that) * weight in x's dtype,
+    its fp32 copy [T, H] or None)."""
+    if x.dim() != 2:
+        raise ValueError(f"x: expected shape [T, H], got {list(x.shape)}")
+    t, h = x.shape
+    if not x.is_cuda:
+        return ref_add_rms_norm(x, weight, eps, delta, want_f32)
+    dev = _dev(x.device)
+    _check(x, "x", (torch.float16, torch.float32), (t, h), dev)
+    _check(weight, "weight", torch.float32, (h,), dev)
+    if delta is not None:
+        _check(delta, "delta", (torch.float16, torch.float32), (t, h), dev)
+    x_out = torch.empty_like(x) if delta is not None else x
+    out = torch.empty_like(x)
+    hf = torch.empty(t, h, dtype=torch.float32, device=dev) if want_f32 else None
+    if t:
+        _module(dev).launch("fused_add_rms_norm", (t, 1, 1), 256, [
+            _p(x), _p(delta), _p(weight), _p(x_out if delta is not None else None), _p(out), _p(hf),
+            ctypes.c_int(h), ctypes.c_float(eps), ctypes.c_int(_DT[x.dtype]),
+            ctypes.c_int(_DT[delta.dtype] if delta is not None else 0)])
+    return x_out, out, hf
+
+
+# ---------------------------------------------------------------------------- q/k norm + RoPE + KV
+def ref_rope(xf: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+    """xf [T, heads, D] fp32, cs [T, 2, D] (cos, signed sin) -> x * cos + swap_halves(x) * sin."""
+    t, heads, d = xf.shape
+    swapped = xf.view(t, heads, 2, d // 2).flip(2).reshape(t, heads, d)
+    return torch.addcmul(xf * cs[:, None, 0], swapped, cs[:, None, 1])
+
+
+def _positions(pos, start: int, t: int, device) -> torch.Tensor:
+    base = pos.to(device, torch.int64) if pos is not None else torch.tensor([start], device=device)
+    return base + torch.arange(t, device=device)
+
+
+def ref_qk_rope_kv(qkv, q_norm, k_norm, table, k_store, v_store, n_heads, n_kv, head_dim, eps,
+                   pos=None, start=0):
+    """The torch ops of Attention._qk_rope + the KV writes of Attention.decode."""
+    t, hq, hkv, d = qkv.shape[0], n_heads, n_kv, head_dim
+    p = _positions(pos, start, t, qkv.device)
+    qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d).float()
+    if q_norm is not None:
+        w = torch.cat([q_norm.float().expand(hq, d), k_norm.float().expand(hkv, d)])
+        qk = F.rms_norm(qk, (d,), None, eps) * w
+    qk = ref_rope(qk, table.index_select(0, p)).to(qkv.dtype)
+    k_store.index_copy_(0, p, qk[:, hq:].to(k_store.dtype))
+    v_store.index_copy_(0, p, qkv[:, (hq + hkv) * d:].view(t, hkv, d).to(v_store.dtype))
+    return qk[:, :hq].contiguous()
+
+
+def qk_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+               table: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, n_heads: int,
+               n_kv: int, head_dim: int, eps: float, pos: torch.Tensor | None = None,
+               start: int = 0) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) * D] fp16 -> q [T, Hq, D] fp16 (q/k RMSNorm when q_norm/k_norm [D] fp32
+    are given, RoPE from table [R, 2, D] fp32), and k, v written into k_store/v_store [C, Hkv, D]
+    fp16 at rows p + t, p = pos [1] int64 on the device (graph-safe) or the host int start."""
+    t, hq, hkv, d = qkv.shape[0], n_heads, n_kv, head_dim
+    if not qkv.is_cuda:
+        return ref_qk_rope_kv(qkv, q_norm, k_norm, table, k_store, v_store, hq, hkv, d, eps, pos, start)
+    dev = _dev(qkv.device)
+    if d % 2 or not 2 <= d <= ROPE_MAX_D:
+        raise ValueError(f"head_dim: expected an even size <= {ROPE_MAX_D}, got {d}")
+    _check(qkv, "qkv", torch.float16, (t, (hq + 2 * hkv) * d), dev)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm: give both or neither")
+    if q_norm is not None:
+        _check(q_norm, "q_norm", torch.float32, (d,), dev)
+        _check(k_norm, "k_norm", torch.float32, (d,), dev)
+    _check(table, "table", torch.float32, (None, 2, d), dev)
+    _check(k_store, "k_store", torch.float16, (None, hkv, d), dev)
+    _check(v_store, "v_store", torch.float16, tuple(k_store.shape), dev)
+    _pos(pos, dev)
+    cap = k_store.shape[0]
+    if pos is None and not (0 <= start and start + t <= min(cap, table.shape[0])):
+        raise ValueError(f"positions {start}..{start + t - 1} outside the KV store ({cap} rows) "
+                         f"or the RoPE table ({table.shape[0]} rows)")
+    q = torch.empty(t, hq, d, dtype=torch.float16, device=dev)
+    warps = t * (hq + 2 * hkv)
+    if warps:
+        _module(dev).launch("fused_qk_rope_kv", (-(-warps // 4), 1, 1), 128, [
+            _p(qkv), _p(q_norm), _p(k_norm), _p(table), ctypes.c_int(table.shape[0]), _p(pos),
+            ctypes.c_int(start), _p(q), _p(k_store), _p(v_store), ctypes.c_int(t), ctypes.c_int(hq),
+            ctypes.c_int(hkv), ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps)])
+    return q
+
+
+# ---------------------------------------------------------------------------- router
+def ref_route_topk(logits: torch.Tensor, k: int, renorm: bool):
+    """The torch ops of hybrid.model.moe.route after the router GEMV."""
+    probs = torch.softmax(logits, dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renorm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids, weights
+
+
+def route_topk(logits: torch.Tensor, k: int, renorm: bool):
+    """logits [T, E] fp32 -> (ids [T, k] int64, weights [T, k] fp32): softmax, top-k (descending,
+    ties to the lowest id), divided by their sum when renorm."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected shape [T, E], got {list(logits.shape)}")
+    t, e = logits.shape
+    if not logits.is_cuda:
+        return ref_route_topk(logits, k, renorm)
+    dev = _dev(logits.device)
+    _check(logits, "logits", torch.float32, (t, e), dev)
+    if not 1 <= e <= ROUTE_MAX_E:
+        raise ValueError(f"logits: at most {ROUTE_MAX_E} experts, got {e}")
+    if not 1 <= k <= min(e, ROUTE_MAX_K):
+        raise ValueError(f"k: expected 1..{min(e, ROUTE_MAX_K)}, got {k}")
+    ids = torch.empty(t, k, dtype=torch.int64, device=dev)
+    weights = torch.empty(t, k, dtype=torch.float32, device=dev)
+    if t:
+        _module(dev).launch("fused_route_topk", (-(-t // 4), 1, 1), 128, [
+            _p(logits), _p(ids), _p(weights), ctypes.c_int(t), ctypes.c_int(e), ctypes.c_int(k),
+            ctypes.c_int(int(bool(renorm)))])
+    return ids, weights
+
+
+# ---------------------------------------------------------------------------- decode attention
+def ref_decode_attn(q, k_store, v_store, keys, pos=None, start=0):
+    """One query token: softmax(q k^T / sqrt(D)) v over keys 0..p (fp32 math) -> [1, Hq * D]."""
+    hq, d = q.shape[-2:]
+    hkv = k_store.shape[1]
+    p = int(pos.item()) if pos is not None else start
+    kf = k_store[: p + 1].float().transpose(0, 1).repeat_interleave(hq // hkv, 0)    # [Hq, n, D]
+    vf = v_store[: p + 1].float().transpose(0, 1).repeat_interleave(hq // hkv, 0)
+    s = (q.reshape(hq, 1, d).float() @ kf.transpose(1, 2)) / d ** 0.5                 # [Hq, 1, n]
+    return (torch.softmax(s, -1) @ vf).reshape(1, hq * d).to(q.dtype)
+
+
+_WORK: dict = {}
+
+
+def _workspace(dev: torch.device, n: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-device split partials (grow-only; older buffers are kept alive for captured graphs) and
+    per-KV-head counters, zero and left zero by every launch."""
+    part, cnt, old = _WORK.get(dev, (None, None, []))
+    if part is None or part.numel() < n or cnt.numel() < heads:
+        old = old + [part, cnt]
+        part = torch.empty(max(n, 1), dtype=torch.float32, device=dev)
+        cnt = torch.zeros(max(heads, 64), dtype=torch.int32, device=dev)
+        _WORK[dev] = (part, cnt, old)
+    return part, cnt
+
+
+def decode_attn(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, keys: int,
+                pos: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+    """q [1, Hq, D] fp16 at position p (pos [1] int64 on the device, or the host int start); keys
+    0..p of k_store/v_store [C, Hkv, D] fp16, p < keys <= C (keys: the rows the launch covers, a
+    bucket for graphs) -> attention output [1, Hq * D] fp16 (GQA: query head i reads KV head i // g)."""
+    if q.dim() != 3 or q.shape[0] != 1:
+        raise ValueError(f"q: expected shape [1, Hq, D], got {list(q.shape)}")
+    _, hq, d = q.shape
+    if not q.is_cuda:
+        return ref_decode_attn(q, k_store, v_store, keys, pos, start)
+    dev = _dev(q.device)
+    _check(q, "q", torch.float16, (1, hq, d), dev)
+    _check(k_store, "k_store", torch.float16, (None, None, d), dev)
+    _check(v_store, "v_store", torch.float16, tuple(k_store.shape), dev)
+    _pos(pos, dev)
+    cap, hkv = k_store.shape[:2]
+    g = hq // hkv if hkv else 0
+    if not hkv or hq % hkv or g > ATT_MAX_G or g * d > ATT_MAX_Q or d % 8 or d > ROPE_MAX_D:
+        raise ValueError(f"decode_attn: Hq={hq}, Hkv={hkv}, D={d} not supported (Hq % Hkv == 0, "
+                         f"Hq/Hkv <= {ATT_MAX_G}, Hq/Hkv * D <= {ATT_MAX_Q}, D % 8 == 0, D <= {ROPE_MAX_D})")
+    if not 1 <= keys <= cap:
+        raise ValueError(f"keys: expected 1..{cap} (rows of the KV store), got {keys}")
+    if pos is None and not 0 <= start < keys:
+        raise ValueError(f"start: expected 0..{keys - 1}, got {start}")
+    if k_store.data_ptr() % 16 or v_store.data_ptr() % 16:
+        raise ValueError("k_store / v_store: data pointers must be 16-byte aligned")
+    splits = -(-keys // ATT_KEYS)
+    part, cnt = _workspace(dev, hkv * splits * g * (d + 2) if splits > 1 else 0, hkv)
+    out = torch.empty(1, hq * d, dtype=torch.float16, device=dev)
+    _module(dev).launch("fused_decode_attn", (hkv, splits, 1), ATT_KEYS, [
+        _p(q), _p(k_store), _p(v_store), _p(pos), ctypes.c_int(start), _p(out), _p(part), _p(cnt),
+        ctypes.c_int(hkv), ctypes.c_int(g), ctypes.c_int(d), ctypes.c_int(cap),
+        ctypes.c_float(d ** -0.5)])
+    return out

@@ -1,0 +1,125 @@
+"""The fused decode kernels' torch references (hybrid.kernels.fused.ref_*) against the torch ops of the
+unfused path they stand for, on the CPU; the HYBRID_FUSED switch; the launchers' CPU fallback and
+checks; decode_dense's residual argument."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybrid.kernels import fused
+from hybrid.model.layers import Attention, KVCache, Rotary, decode_mask, rms_norm
+from hybrid.model.moe import route
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_ref_add_rms_norm_is_add_then_rms_norm(dtype):
+    x, d, w = _rand(3, 64, seed=1, dtype=dtype), _rand(3, 64, seed=2, dtype=dtype), _rand(64, seed=3)
+    x2, h, hf = fused.ref_add_rms_norm(x, w, 1e-6, delta=d, want_f32=True)
+    assert torch.equal(x2, x + d)
+    assert torch.equal(h, rms_norm(x + d, w, 1e-6))
+    assert hf.dtype == torch.float32 and torch.equal(hf, h.float())
+    x1, h1, none = fused.ref_add_rms_norm(x, w, 1e-6)
+    assert x1 is x and none is None and torch.equal(h1, rms_norm(x, w, 1e-6))
+
+
+def test_ref_rope_is_rotary_apply_table():
+    rot = Rotary(16, 10000.0)
+    table = rot.table(torch.device("cpu"), 32)
+    xf = _rand(3, 5, 16, seed=4)
+    cs = table[7:10]
+    assert torch.equal(fused.ref_rope(xf, cs), Rotary.apply_table(xf, cs))
+    cos, sin = rot.cos_sin(torch.arange(7, 10), "cpu")            # the CPU reference path
+    torch.testing.assert_close(fused.ref_rope(xf, cs), Rotary.apply(xf, cos, sin), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_ref_qk_rope_kv_is_the_attention_ops(norm):
+    hq, hkv, d, t, start = 4, 2, 16, 3, 5
+    qkv = _rand(t, (hq + 2 * hkv) * d, seed=5)
+    qn, kn = (_rand(d, seed=6), _rand(d, seed=7)) if norm else (None, None)
+    table = Rotary(d, 10000.0).table(torch.device("cpu"), 16)
+    ks, vs = torch.full((16, hkv, d), float("nan")), torch.full((16, hkv, d), float("nan"))
+    q = fused.qk_rope_kv(qkv, qn, kn, table, ks, vs, hq, hkv, d, 1e-6, start=start)   # CPU: the ref
+    # the CPU reference path of Attention: rms_norm per head, then Rotary.apply
+    qh = qkv[:, : hq * d].view(t, hq, d)
+    kh = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    if norm:
+        qh, kh = rms_norm(qh, qn, 1e-6), rms_norm(kh, kn, 1e-6)
+    cos, sin = Rotary(d, 10000.0).cos_sin(torch.arange(start, start + t), "cpu")
+    torch.testing.assert_close(q, Rotary.apply(qh, cos, sin), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ks[start:start + t], Rotary.apply(kh, cos, sin), atol=1e-5, rtol=1e-5)
+    assert torch.equal(vs[start:start + t], qkv[:, (hq + hkv) * d:].view(t, hkv, d))
+    assert torch.isnan(ks[:start]).all() and torch.isnan(vs[start + t:]).all()   # other rows untouched
+    pos = torch.tensor([start])
+    ks2, vs2 = torch.zeros_like(ks), torch.zeros_like(vs)
+    q2 = fused.qk_rope_kv(qkv, qn, kn, table, ks2, vs2, hq, hkv, d, 1e-6, pos=pos)
+    assert torch.equal(q2, q) and torch.equal(ks2[start:start + t], ks[start:start + t])
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_ref_route_topk_is_route(renorm):
+    x, w = _rand(5, 32, seed=8), _rand(16, 32, seed=9)
+    ids, weights = fused.route_topk(x @ w.T, 4, renorm)                 # CPU: the ref
+    rid, rw = route(x, w, 4, renorm)
+    assert torch.equal(ids, rid) and torch.equal(weights, rw)
+
+
+@pytest.mark.parametrize("pos", [0, 3, 9])
+def test_ref_decode_attn_is_attention(pos):
+    hq, hkv, d = 4, 2, 16
+    q = _rand(1, hq, d, seed=10)
+    ks, vs = _rand(12, hkv, d, seed=11), _rand(12, hkv, d, seed=12)
+    attn = Attention(None, None, None, None, hq, hkv, d, None, None, 1e-6)
+    want = attn._attend(q, ks[: pos + 1], vs[: pos + 1], pos)             # the CPU reference path
+    got = fused.decode_attn(q, ks, vs, 12, start=pos)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    mask = decode_mask(pos, 12, torch.float32, "cpu")                      # the CUDA path's math
+    torch.testing.assert_close(got, attn._sdpa1(q, ks, vs, mask), atol=1e-5, rtol=1e-5)
+    assert torch.equal(fused.decode_attn(q, ks, vs, 12, pos=torch.tensor([pos])), got)
+
+
+@pytest.mark.parametrize("value,parts", [(None, set(fused.PARTS)), ("1", set(fused.PARTS)), ("0", set()),
+                                         ("off", set()), ("norm,route", {"norm", "route"}), ("attn", {"attn"})])
+def test_switch(monkeypatch, value, parts):
+    if value is None:
+        monkeypatch.delenv("HYBRID_FUSED", raising=False)
+    else:
+        monkeypatch.setenv("HYBRID_FUSED", value)
+    assert {p for p in fused.PARTS if fused.enabled(p)} == parts
+
+
+def test_launchers_reject_bad_ranks():
+    with pytest.raises(ValueError, match="x: expected shape"):
+        fused.add_rms_norm(torch.zeros(2, 3, 4), torch.zeros(4), 1e-6)
+    with pytest.raises(ValueError, match="logits: expected shape"):
+        fused.route_topk(torch.zeros(8), 2, True)
+    with pytest.raises(ValueError, match="q: expected shape"):
+        fused.decode_attn(torch.zeros(2, 4, 16), torch.zeros(8, 2, 16), torch.zeros(8, 2, 16), 8)
+
+
+def test_cuda_rms_norm_falls_back_without_fp32_weight():
+    """rms_norm on a CPU tensor is the reference math whatever the switch says."""
+    x, w = _rand(2, 32, seed=13), _rand(32, seed=14)
+    assert torch.equal(rms_norm(x, w, 1e-6), fused.ref_rms_norm(x, w, 1e-6))
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), F.rms_norm(x, (32,), w, 1e-6), atol=1e-6, rtol=1e-6)
+
+
+def test_decode_dense_residual(qwen3_dir):
+    """decode_dense(x, residual=r) is decode_dense(x + r): the runtime may pass the MoE output."""
+    from hybrid.model.loader import load_model
+
+    m = load_model(qwen3_dir)
+    m.new_cache(8)
+    m.prepare()
+    x, r = _rand(1, m.cfg.hidden_size, seed=15), _rand(1, m.cfg.hidden_size, seed=16)
+    pos = torch.tensor([3])
+    mask = m.decode_mask(pos, 8)
+    a = m.decode_dense(0, x + r, pos, 8, mask)
+    m.new_cache(8)
+    b = m.decode_dense(0, x, pos, 8, mask, residual=r)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+    assert isinstance(m.cache, KVCache)
