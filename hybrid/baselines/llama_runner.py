@@ -3,7 +3,12 @@
 Settings are pinned so every engine sees the same conditions: flash attention OFF (hybrid's CPU
 attention is plain softmax attention), F16 KV cache (llama.cpp's default), no BOS insertion (the
 caller feeds exact token ids), one batch per chunk. llama.cpp computes synchronously on CPU, so
-`time.perf_counter()` around `eval` is a synchronized wall clock.
+`time.perf_counter()` around `eval` is a synchronized wall clock (on CUDA too: `eval` returns after
+the logits are on the host).
+
+GPU offload: `n_gpu_layers=-1` puts every layer on the GPU; `cpu_experts=True` (or a regex) keeps the
+tensors it matches (llama.cpp's `--cpu-moe` pattern by default) on the CPU, as `-ot exps=CPU` does
+(hybrid.baselines.llama_offload). `load_log` keeps what llama.cpp said about the placement.
 """
 from __future__ import annotations
 
@@ -44,24 +49,48 @@ class DecodeTiming:
     prefill_s: float
     step_s: list[float]
 
+    decode_s: float = 0.0          # wall time of all steps, each with its argmax (hybrid.generate's count)
+
     @property
     def median_tok_s(self) -> float:
         return 1.0 / float(np.median(self.step_s)) if self.step_s else 0.0
+
+    @property
+    def mean_tok_s(self) -> float:
+        """Steps over the wall time of all of them (what hybrid.generate calls decode tok/s)."""
+        return len(self.step_s) / self.decode_s if self.decode_s > 0 else 0.0
 
 
 class LlamaRunner:
     """One GGUF loaded in llama.cpp. logits_all=True for teacher-forced logits, False for speed."""
 
     def __init__(self, path: str | Path, n_ctx: int = 512, n_threads: int | None = None,
-                 logits_all: bool = True):
+                 logits_all: bool = True, n_gpu_layers: int = 0, cpu_experts: bool | str = False,
+                 use_mmap: bool = True, flash_attn: bool = FLASH_ATTN):
+        from hybrid.baselines import llama_offload as lo
+
         llama_cpp = require_llama_cpp()
         path = Path(path)
         if not path.exists():
             raise HybridError(f"{path}: GGUF not found")
         kw = {"n_threads": n_threads, "n_threads_batch": n_threads} if n_threads else {}
         self.path = path
-        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                                   logits_all=logits_all, flash_attn=FLASH_ATTN, verbose=False, **kw)
+        pattern = (lo.EXPS_PATTERN if cpu_experts is True else cpu_experts) or None
+        self.cpu_experts = lo.check_pattern(pattern) if pattern else None
+        self._overrides = lo.cpu_overrides([pattern]) if pattern else None   # alive as long as the model
+        with lo.capture_log() as self.load_log, lo.model_params_with(self._overrides):
+            try:
+                self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                                           logits_all=logits_all, flash_attn=flash_attn, verbose=False,
+                                           n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, **kw)
+            except ValueError as exc:
+                why = "; ".join(self.load_log.errors()[-2:]) or str(exc)
+                raise HybridError(f"{path}: llama.cpp could not load it: {why}") from exc
+        if pattern and not self.load_log.overridden:
+            self.close()
+            raise HybridError(f"{path}: cpu_experts pattern {pattern!r} matched no tensor; "
+                              f"expert tensors are named like blk.0.ffn_up_exps.weight")
+        self.n_gpu_layers = n_gpu_layers
         self.n_ctx = n_ctx
         self.n_vocab = self.llm.n_vocab()
         self._llama_cpp = llama_cpp
@@ -104,13 +133,41 @@ class LlamaRunner:
         prefill = time.perf_counter() - t0
         out, steps = [], []
         tok = int(np.argmax(self._last_logits()))
+        start = time.perf_counter()
         for _ in range(n_new):
             out.append(tok)
             t0 = time.perf_counter()
             self.llm.eval([tok])
             steps.append(time.perf_counter() - t0)
             tok = int(np.argmax(self._last_logits()))
-        return DecodeTiming(out, prefill, steps)
+        return DecodeTiming(out, prefill, steps, time.perf_counter() - start)
+
+    def decode_speed(self, prompt, tokens: int, warmup: int = 0) -> dict:
+        """Prefill and decode tok/s counted as hybrid.bench.decode.measure counts them: a warm-up
+        generation of `warmup` tokens first (not timed), then `tokens` greedy tokens after `prompt`:
+        one from the prefill, tokens - 1 decode steps; decode tok/s = steps / their wall time."""
+        prompt = [int(t) for t in prompt]
+        if tokens < 2:
+            raise HybridError(f"tokens={tokens}: need at least 2 to time a decode step")
+        if warmup:
+            self.greedy_decode(prompt, warmup)
+        t = self.greedy_decode(prompt, tokens - 1)
+        ids = t.tokens + [int(np.argmax(self._last_logits()))]      # the token the last step chose
+        return {"prompt_tokens": len(prompt), "warmup_tokens": warmup, "tokens": tokens,
+                "prefill_tok_s": round(len(prompt) / t.prefill_s, 3),
+                "decode_tok_s": round(t.mean_tok_s, 3), "decode_median_tok_s": round(t.median_tok_s, 3),
+                "generated_ids_head": ids[:16]}
+
+    def placement(self) -> dict:
+        """What llama.cpp reported at load: model buffer MiB per buffer type, overridden tensors."""
+        over = self.load_log.overridden
+        return {"n_gpu_layers": self.n_gpu_layers, "cpu_experts_pattern": self.cpu_experts,
+                "model_buffers_mib": self.load_log.model_buffers_mib, "overridden_tensors": len(over),
+                "overridden_to": sorted(set(over.values()))}
 
     def close(self) -> None:
-        self.llm.close() if hasattr(self.llm, "close") else None
+        llm = getattr(self, "llm", None)
+        if llm is not None and hasattr(llm, "close"):
+            llm.close()
+        self.llm = None
+        self._overrides = None

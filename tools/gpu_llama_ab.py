@@ -1,0 +1,416 @@
+"""llama.cpp beside hybrid on the same Qwen3-30B-A3B-shaped NVFP4 checkpoint, in one device call (issue 7).
+
+1. environment: llama-cpp-python (from --site) in a child process: version, build info, ggml devices;
+   on --device cuda a GPU must be among them (else llama.cpp would silently run on the CPU).
+2. the synthetic checkpoint (tools/make_synthetic.py, --skew; 16.85 GiB at the 30B-A3B shape)
+3. its GGUF (hybrid.baselines.gguf_export: the NVFP4 weights re-packed bit for bit, qwen3moe), in a child
+   process in the background while hybrid loads; nothing is timed until it has finished.
+4. hybrid on the checkpoint (hybrid.bench.decode.measure, as tools/gpu_runtime_check.py does):
+   a) every expert on the CPU runner (1 card, --cache-slots 0); its routing -> an expert profile
+   b) --gpus 0,0 --vram-cap 16 --profile h200, warm-started from that profile
+5. llama.cpp on the GGUF, one child process per placement, with hybrid's prompt ids, warm-up, tokens
+   and threads (hybrid's sessions are closed first):
+   a) every layer on the GPU (n_gpu_layers=-1)
+   b) every layer on the GPU but the expert tensors on the CPU (llama.cpp's --cpu-moe pattern)
+6. a markdown table ($OUT/llama_ab.md) of decode and prefill tok/s, with the planner's prediction.
+
+Records go to $OUT/llama_ab.jsonl (machine, command, git sha: HYBRID_GIT_SHA on the device).
+Children get LD_LIBRARY_PATH with the CUDA 13 libraries of torch's nvidia-* wheels (libcudart.so.13,
+libcublas.so.13) and PYTHONPATH with --site, so the parent needs neither; each child ends with the
+model it loaded, so VRAM and threads are free for the next part.
+
+    # device (wheels of llama-cpp-python CUDA, gguf, PyYAML, diskcache in .whl/):
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    HYBRID_GIT_SHA=<sha> PYTHONPATH=. python3 tools/gpu_llama_ab.py --site /tmp/site
+    # dry run on a CPU machine (a small synthetic shape, the same code path):
+    OUT=/tmp/ab PYTHONPATH=. python3 tools/gpu_llama_ab.py --device cpu --small
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+T0 = time.perf_counter()
+ROOT = Path(__file__).resolve().parents[1]
+OUT = Path(os.environ.get("OUT", "scratch/out"))
+SMALL = ["--layers", "4", "--experts", "16", "--hidden", "256", "--inter", "128", "--vocab", "1024", "--top-k", "4"]
+
+
+def log(msg: str) -> None:
+    line = f"[{time.perf_counter() - T0:7.1f}s] {msg}"
+    print(line, flush=True)
+    with (OUT / "llama_ab.log").open("a") as f:
+        f.write(line + "\n")
+
+
+def record(rec: dict) -> dict:
+    from hybrid.baselines.report import append_jsonl, stamp
+
+    rec = {**rec, **stamp("tools/gpu_llama_ab.py")}
+    if os.environ.get("HYBRID_GIT_SHA"):          # the device copy has no .git
+        rec["git_sha"] = os.environ["HYBRID_GIT_SHA"]
+    append_jsonl(OUT / "llama_ab.jsonl", [rec])
+    keys = ("ok", "decode_tok_s", "prefill_tok_s", "measured_over_predicted", "skipped", "error", "seconds")
+    log(f"record {rec.get('check')}: " + json.dumps({k: v for k, v in rec.items() if k in keys}))
+    return rec
+
+
+# ---------------------------------------------------------------- child processes (llama.cpp)
+
+def cuda_lib_dirs(paths: list[str] | None = None) -> list[str]:
+    """Folders of the CUDA libraries that pip's nvidia-* wheels (torch's dependencies) install:
+    <site-packages>/nvidia/**/lib holding lib*.so.*; llama.cpp's CUDA build needs libcudart/libcublas."""
+    out = []
+    for base in paths if paths is not None else sys.path:
+        nv = Path(base or ".") / "nvidia"
+        if not nv.is_dir():
+            continue
+        for lib in sorted(nv.glob("**/lib")):
+            if lib.is_dir() and any(lib.glob("lib*.so*")) and str(lib) not in out:
+                out.append(str(lib))
+    return out
+
+
+def child_env(site: str | None) -> dict:
+    env = dict(os.environ)
+    py = [p for p in (site, str(ROOT), env.get("PYTHONPATH")) if p]
+    env["PYTHONPATH"] = os.pathsep.join(py)
+    libs = cuda_lib_dirs() + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else [])
+    if libs:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
+    env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
+class Child:
+    """This script with --child SPEC in a fresh process; `result()` -> the JSON object it prints last."""
+
+    def __init__(self, spec: dict, env: dict):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+        self.t0 = time.perf_counter()
+        self.p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(self, timeout: float) -> dict:
+        try:
+            out, err = self.p.communicate(timeout=max(timeout, 5))
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.communicate()
+            return {"error": f"child timed out after {time.perf_counter() - self.t0:.0f} s"}
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if self.p.returncode or not lines:
+            return {"error": f"child exited {self.p.returncode}: {(out[-800:] + err[-1500:]).strip()}"}
+        return json.loads(lines[-1])
+
+
+def run_child(spec: dict, env: dict, timeout: float) -> dict:
+    return Child(spec, env).result(timeout)
+
+
+def child(spec: dict) -> int:
+    """Runs in the child: 'info' or one llama.cpp load + decode_speed; prints one JSON line."""
+    try:
+        out = _child(spec)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as a record
+        out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-1500:]}
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+def _gpu_used(devs: list[dict]) -> float:
+    return sum(d["total"] - d["free"] for d in devs if d["type"] == "gpu") / 2**30
+
+
+def _child(spec: dict) -> dict:
+    from hybrid.baselines import llama_offload as lo
+    from hybrid.baselines.llama_runner import LlamaRunner, llama_cpp_info, require_llama_cpp
+
+    if spec["what"] == "export":
+        return export_gguf(spec["synth"], spec["gguf"])
+    if spec["what"] == "info":
+        llama_cpp = require_llama_cpp()
+        return {"llama_cpp": llama_cpp_info(), "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
+                "devices": lo.devices(), "lib": str(lo._lib_dir()),
+                "ld_library_path": os.environ.get("LD_LIBRARY_PATH", "")}
+    before = lo.devices()
+    t = time.perf_counter()
+    r = LlamaRunner(spec["gguf"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], logits_all=False,
+                    n_gpu_layers=spec["n_gpu_layers"], cpu_experts=spec["cpu_experts"], use_mmap=spec["use_mmap"])
+    load_s = time.perf_counter() - t
+    after = lo.devices()
+    try:
+        rec = r.decode_speed(spec["prompt"], spec["tokens"], spec["warmup"])
+    finally:
+        place = r.placement()
+        r.close()
+    return {**rec, "load_s": round(load_s, 2), "placement": place, "threads": spec["threads"],
+            "use_mmap": spec["use_mmap"], "gpu_used_gib_by_load": round(_gpu_used(after) - _gpu_used(before), 2),
+            "flash_attn": False, "llama_cpp": llama_cpp_info()["llama_cpp_python"]}
+
+
+# ---------------------------------------------------------------- parent parts
+
+def llama_env(ctx: dict) -> None:
+    d = run_child({"what": "info"}, ctx["env"], 120)
+    ok = "error" not in d
+    if ok and ctx["device"] == "cuda" and not any(x["type"] == "gpu" for x in d["devices"]):
+        d["error"] = (f"llama.cpp lists no GPU device ({[x['name'] for x in d['devices']]}): a CPU-only "
+                      f"wheel, or libcudart/libcublas .so.13 not found (LD_LIBRARY_PATH={d.get('ld_library_path')})")
+    ctx["llama_ok"] = "error" not in d
+    record({"check": "llama_env", "ok": ctx["llama_ok"], **d})
+
+
+def make_synth(ctx: dict) -> None:
+    path = ctx["synth"]
+    t = time.perf_counter()
+    if (path / "model.safetensors.index.json").is_file() and not ctx["fresh"]:
+        log(f"reusing {path}")
+    else:
+        cmd = [sys.executable, str(ROOT / "tools" / "make_synthetic.py"), str(path), "--skew", str(ctx["skew"])]
+        p = subprocess.run(cmd + (SMALL if ctx["small"] else []), capture_output=True, text=True)
+        log((p.stdout.strip() + p.stderr.strip()[-2000:])[-3000:])
+        if p.returncode:
+            raise RuntimeError(f"make_synthetic exited {p.returncode}")
+    record({"check": "synthetic_written", "path": str(path), "skew": ctx["skew"], "small": ctx["small"],
+            "seconds": round(time.perf_counter() - t, 1),
+            "gib": round(sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30, 2)})
+
+
+def export_gguf(synth: str, out: str) -> dict:
+    """(in a child) the GGUF of the checkpoint, NVFP4 re-packed bit for bit; checks what it wrote."""
+    import gguf
+
+    from hybrid.baselines.gguf_export import export_gguf as export
+
+    t = time.perf_counter()
+    rep = export(synth, out, "bf16")
+    secs = time.perf_counter() - t
+    r = gguf.GGUFReader(out)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    types = {x.name: x.tensor_type.name for x in r.tensors}
+    exps = sorted({v for k, v in types.items() if "_exps.weight" in k})
+    return {"ok": arch == "qwen3moe" and exps == ["NVFP4"], "seconds": round(secs, 1), "path": out,
+            "gib": round(Path(out).stat().st_size / 2**30, 2), "architecture": arch, "tensors": rep.n_tensors,
+            "source_linears": rep.kinds, "expert_tensor_types": exps, "attn_q_type": types.get("blk.0.attn_q.weight"),
+            "gguf_package": getattr(gguf, "__version__", None) or "gguf"}
+
+
+def start_export(ctx: dict) -> None:
+    """The export runs in the background (one core, ~2-3 min at the 30B shape) while hybrid loads;
+    `finish_export` waits for it before anything is timed."""
+    ctx["export"] = Child({"what": "export", "synth": str(ctx["synth"]), "gguf": str(ctx["gguf"])}, ctx["env"])
+    log(f"GGUF export started in the background -> {ctx['gguf']}")
+
+
+def finish_export(ctx: dict, deadline: float) -> None:
+    job = ctx.pop("export", None)
+    if job is None:
+        return
+    t = time.perf_counter()
+    d = job.result(deadline - t)
+    ctx["gguf_ok"] = bool(d.get("ok"))
+    record({"check": "gguf_export", **d, "waited_s": round(time.perf_counter() - t, 1)})
+
+
+def prompt(ctx: dict) -> None:
+    from hybrid.bench.decode import prompt_ids
+    from hybrid.model.config import ModelConfig
+    from hybrid.tokenizer import Tokenizer
+
+    cfg = ModelConfig.from_folder(ctx["synth"])
+    ctx["tok"] = Tokenizer(ctx["synth"], cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    ctx["prompt"] = prompt_ids(ctx["tok"], ctx["prompt_tokens"])
+
+
+LLAMA_RUNS = (("llama_all_gpu", dict(n_gpu_layers=-1, cpu_experts=False, use_mmap=True),
+               "every layer on the GPU (n_gpu_layers=-1)"),
+              ("llama_cpu_experts", dict(n_gpu_layers=-1, cpu_experts=True, use_mmap=False),
+               "experts on the CPU (--cpu-moe pattern), the rest on the GPU"))
+
+
+def llama_runs(ctx: dict, deadline: float) -> None:
+    finish_export(ctx, deadline)
+    if not ctx.get("llama_ok") or not ctx.get("gguf_ok"):
+        record({"check": "llama_runs", "skipped": "llama.cpp environment check or GGUF export failed (see "
+                "llama_env, gguf_export)"})
+        return
+    n_ctx = ctx["prompt_tokens"] + max(ctx["warmup"], ctx["tokens"]) + 8
+    for label, kw, desc in LLAMA_RUNS:
+        left = deadline - time.perf_counter()
+        if left < 30:
+            record({"check": label, "engine": "llama.cpp", "skipped": "device-time deadline"})
+            continue
+        log(f"llama.cpp: {desc}")
+        spec = {"what": "decode", "gguf": str(ctx["gguf"]), "n_ctx": n_ctx, "threads": ctx["threads"],
+                "prompt": ctx["prompt"], "tokens": ctx["tokens"], "warmup": ctx["warmup"], **kw}
+        d = run_child(spec, ctx["env"], left)
+        ctx["results"][label] = record({"check": label, "engine": "llama.cpp", "description": desc, **d})
+
+
+def _load_gpu_runtime_check():
+    """tools/gpu_runtime_check.py as a module: its expert-profile calibration is reused, not copied."""
+    spec = importlib.util.spec_from_file_location("gpu_runtime_check", ROOT / "tools" / "gpu_runtime_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def hybrid_runs(ctx: dict, deadline: float) -> None:
+    import torch
+
+    from hybrid.bench.decode import measure
+    from hybrid.runtime import RuntimeOptions, open_session
+
+    grc = _load_gpu_runtime_check()
+    dev, tok, cuda = ctx["device"], ctx["tok"], ctx["device"] == "cuda"
+    n = ctx["prompt_tokens"], ctx["warmup"], ctx["tokens"]
+    context = n[0] + max(n[1], n[2])
+    common = dict(device=dev, profile=ctx["profile"], cpu_threads=ctx["threads"])
+    log("hybrid: every expert on the CPU runner (builds the expert store)")
+    s0 = open_session(ctx["synth"], RuntimeOptions(gpus=(0,), cache_slots=(0,), **common), context=context)
+    cpu = s0.cpu
+    prof = OUT / "synth30.experts.json"
+    try:
+        grc.calibrate_profile(s0, tok, ctx["synth"], prof)
+        finish_export(ctx, deadline + 120)   # nothing is timed while the export runs
+        rec = measure(s0, tok, *n)
+        ctx["results"]["hybrid_all_cpu"] = record({
+            "check": "hybrid_all_cpu", "engine": "hybrid", "flags": "--gpus 0 --cache-slots 0 --profile "
+            f"{ctx['profile']} --cpu-threads {ctx['threads']}", **rec, "threads": ctx["threads"],
+            **grc.graph_info(s0)})
+    finally:
+        s0.owns_cpu = False                  # the runner serves the next session; closed at the end
+        s0.close()
+        del s0
+    torch.cuda.empty_cache() if cuda else None
+    if time.perf_counter() > deadline:
+        record({"check": "hybrid_cap16", "engine": "hybrid", "skipped": "device-time deadline"})
+        cpu.close()
+        return
+    log("hybrid: --gpus 0,0 --vram-cap 16")
+    torch.cuda.reset_peak_memory_stats() if cuda else None
+    try:
+        s = open_session(ctx["synth"], RuntimeOptions(gpus=(0, 0), vram_cap_gib=(16.0,), expert_profile=str(prof),
+                                                      **common), context=context, cpu=cpu)
+        try:
+            rec = measure(s, tok, *n)
+            vram = round(torch.cuda.max_memory_allocated(0) / 2**30, 2) if cuda else None
+            ctx["results"]["hybrid_cap16"] = record({
+                "check": "hybrid_cap16", "engine": "hybrid", "flags": "--gpus 0,0 --vram-cap 16 --profile "
+                f"{ctx['profile']} --expert-profile synth30.experts.json --cpu-threads {ctx['threads']}", **rec,
+                "threads": ctx["threads"], "peak_gib_both_cards": vram,
+                "full_layers": [len(c.full) for c in s.cards], **grc.graph_info(s)})
+        finally:
+            s.close()
+    finally:
+        cpu.close()
+
+
+# ---------------------------------------------------------------- table
+
+ROWS = (("llama_all_gpu", "llama.cpp", "all layers on the GPU", "GPU"),
+        ("llama_cpu_experts", "llama.cpp", "`n_gpu_layers=-1` + `ffn_*_exps` on the CPU", "CPU"),
+        ("hybrid_all_cpu", "hybrid", "1 card, `--cache-slots 0`", "CPU (runner)"),
+        ("hybrid_cap16", "hybrid", "`--gpus 0,0 --vram-cap 16`", "GPU slots (+ CPU misses)"))
+
+
+def same_prefix(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def table(results: dict) -> str:
+    ref = results.get("hybrid_all_cpu", {}).get("generated_ids_head") or []
+    lines = ["| engine | placement | experts on | decode tok/s | prefill tok/s | planner tok/s | measured / "
+             "predicted | VRAM GiB | greedy ids = hybrid all-CPU (of 16) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for key, engine, place, where in ROWS:
+        r = results.get(key)
+        if r is None or "decode_tok_s" not in r:
+            why = (r or {}).get("skipped") or ((r or {}).get("error") or "not run")[:80]
+            lines.append(f"| {engine} | {place} | {where} | – ({why}) | | | | | |")
+            continue
+        pred = r.get("prediction", {}).get("tok_s")
+        vram = r.get("gpu_used_gib_by_load", r.get("peak_gib_both_cards"))
+        ids = r.get("generated_ids_head") or []
+        lines.append(f"| {engine} | {place} | {where} | **{r['decode_tok_s']:.2f}** | {r['prefill_tok_s']:.1f} | "
+                     f"{'' if pred is None else f'{pred:.2f}'} | "
+                     f"{'' if r.get('measured_over_predicted') is None else r['measured_over_predicted']} | "
+                     f"{'' if vram is None else vram} | {same_prefix(ids, ref) if ref else ''} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--site", default=None, help="folder with llama_cpp, gguf (pip --target); put on sys.path and "
+                   "on the children's PYTHONPATH")
+    p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
+    p.add_argument("--gguf", type=Path, default=None, help="GGUF path (default: <synth>.gguf)")
+    p.add_argument("--skew", type=float, default=0.25)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp n_threads and hybrid --cpu-threads "
+                   "(default: physical cores)")
+    p.add_argument("--profile", default="h200", help="hardware profile for hybrid's planner (default h200)")
+    p.add_argument("--budget-s", type=float, default=420, help="start no new part after this many seconds")
+    p.add_argument("--llama-reserve-s", type=float, default=90,
+                   help="hybrid starts no new session when fewer seconds than this are left before the budget ends")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (the device call) or cpu (dry run)")
+    p.add_argument("--small", action="store_true", help="a small synthetic shape (dry run)")
+    p.add_argument("--fresh", action="store_true", help="rewrite the checkpoint even if --synth holds one")
+    p.add_argument("--skip", default="", help="parts to skip, comma list: llama,hybrid")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        return child(json.loads(a.child))
+    if a.site:
+        sys.path.insert(0, a.site)
+    OUT.mkdir(parents=True, exist_ok=True)
+    from hybrid.hardware import physical_cores
+
+    ctx = {"device": a.device, "synth": a.synth, "gguf": a.gguf or a.synth.with_suffix(".gguf"), "skew": a.skew,
+           "small": a.small, "fresh": a.fresh, "prompt_tokens": a.prompt_tokens, "warmup": a.warmup,
+           "tokens": a.tokens, "threads": a.threads or physical_cores(), "profile": a.profile,
+           "env": child_env(a.site), "results": {}}
+    deadline = T0 + a.budget_s
+    skip = set(filter(None, a.skip.split(",")))
+    log(subprocess.run(["nvidia-smi" if a.device == "cuda" else "true", "--query-gpu=name,memory.total,driver_version",
+                        "--format=csv,noheader"], capture_output=True, text=True).stdout.strip())
+    log(f"threads {ctx['threads']}; children: LD_LIBRARY_PATH={ctx['env'].get('LD_LIBRARY_PATH', '')}")
+    parts = [("llama_env", lambda: llama_env(ctx)), ("synthetic", lambda: make_synth(ctx)),
+             ("gguf_export", lambda: start_export(ctx)), ("prompt", lambda: prompt(ctx))]
+    parts += [] if "hybrid" in skip else [("hybrid", lambda: hybrid_runs(ctx, deadline - a.llama_reserve_s))]
+    parts += [] if "llama" in skip else [("llama", lambda: llama_runs(ctx, deadline))]
+    for name, fn in parts:
+        if time.perf_counter() > deadline:
+            record({"check": name, "skipped": "device-time deadline"})
+            continue
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - record and go on to the next part
+            record({"check": name, "error": f"{type(exc).__name__}: {exc}"})
+            log(traceback.format_exc())
+    finish_export(ctx, 60)
+    text = table(ctx["results"])
+    (OUT / "llama_ab.md").write_text(text + "\n")
+    print(text)
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
