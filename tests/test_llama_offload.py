@@ -137,6 +137,66 @@ def test_load_log_parsing():
     assert log.model_buffers_mib == {"CUDA0": 1234.5, "CPU_Mapped": 15.0}
 
 
+@pytest.fixture(scope="module")
+def nvfp4_gguf(tmp_path_factory):
+    """A small synthetic NVFP4 checkpoint (tools/make_synthetic.py, the device's generator) as GGUF."""
+    from hybrid.baselines.gguf_export import export_gguf
+
+    d = tmp_path_factory.mktemp("nvfp4_small")
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic.py"), str(d / "m"), "--skew", "0.25",
+                        "--device", "cpu", *_tool().SMALL], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr[-1000:]
+    export_gguf(d / "m", d / "m.gguf", "bf16")
+    return d / "m.gguf"
+
+
+def test_nvfp4_cpu_experts_same_logits(nvfp4_gguf):
+    from hybrid.baselines.llama_runner import LlamaRunner
+
+    plain = LlamaRunner(nvfp4_gguf, n_ctx=64, n_threads=2)
+    off = LlamaRunner(nvfp4_gguf, n_ctx=64, n_threads=2, n_gpu_layers=-1, cpu_experts=True)
+    ids = list(range(3, 35))
+    np.testing.assert_array_equal(off.logits(ids), plain.logits(ids))
+    assert off.placement()["overridden_tensors"] == 4 * 6             # weight + .scale of gate/up/down
+    plain.close()
+    off.close()
+
+
+def _gpu_offload() -> bool:
+    import llama_cpp
+
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _gpu_offload(), reason="needs llama-cpp-python built with a GPU backend")
+def test_cuda_placements_on_nvfp4(nvfp4_gguf):
+    """All layers on the GPU vs experts on the CPU: where the weights went (llama.cpp's own log),
+    and the logits of both against the CPU-only run (GPU kernels differ in rounding)."""
+    from hybrid.baselines.llama_runner import LlamaRunner
+    from hybrid.baselines.report import gguf_expert_bytes
+
+    ids = list(range(3, 35))
+    cpu = LlamaRunner(nvfp4_gguf, n_ctx=64)
+    ref = cpu.logits(ids)
+    cpu.close()
+    out = {}
+    for name, kw in (("gpu", {}), ("cpu_experts", {"cpu_experts": True})):
+        r = LlamaRunner(nvfp4_gguf, n_ctx=64, n_gpu_layers=-1, **kw)
+        out[name] = (r.placement(), r.logits(ids))
+        r.close()
+    gpu_buf = {k: v for k, v in out["gpu"][0]["model_buffers_mib"].items() if k.startswith("CUDA") and "Host" not in k}
+    off_buf = {k: v for k, v in out["cpu_experts"][0]["model_buffers_mib"].items()
+               if k.startswith("CUDA") and "Host" not in k}
+    exps_mib = gguf_expert_bytes(nvfp4_gguf) / 2**20                  # what moved off the GPU
+    assert gpu_buf and sum(gpu_buf.values()) - sum(off_buf.values()) == pytest.approx(exps_mib, rel=0.1, abs=0.1)
+    assert out["cpu_experts"][0]["overridden_tensors"] == 4 * 6
+    for _, logits in out.values():
+        np.testing.assert_allclose(logits, ref, atol=0.05 * np.abs(ref).max())
+        assert (logits.argmax(-1) == ref.argmax(-1)).mean() > 0.9
+
+
 # ---------------------------------------------------------------- tools/gpu_llama_ab.py
 
 def _tool():

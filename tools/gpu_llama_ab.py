@@ -167,6 +167,17 @@ def llama_env(ctx: dict) -> None:
     record({"check": "llama_env", "ok": ctx["llama_ok"], **d})
 
 
+def run_pytest(ctx: dict, args: list[str]) -> None:
+    """CUDA tests of llama.cpp's placements (tests/test_llama_offload.py -m cuda) in the children's env."""
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *args],
+                       capture_output=True, text=True, timeout=180, env=ctx["env"], cwd=ROOT)
+    tail = (p.stdout + p.stderr).strip().splitlines()[-15:]
+    log("\n".join(tail))
+    record({"check": "pytest_cuda_llama", "ok": p.returncode == 0, "rc": p.returncode, "args": args,
+            "seconds": round(time.perf_counter() - t, 1), "summary": tail[-1] if tail else ""})
+
+
 def make_synth(ctx: dict) -> None:
     path = ctx["synth"]
     t = time.perf_counter()
@@ -372,6 +383,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (the device call) or cpu (dry run)")
     p.add_argument("--small", action="store_true", help="a small synthetic shape (dry run)")
     p.add_argument("--fresh", action="store_true", help="rewrite the checkpoint even if --synth holds one")
+    p.add_argument("--pytest", default="", help="test files to run with -m cuda in the children's env first, "
+                   "space-separated (e.g. tests/test_llama_offload.py)")
     p.add_argument("--skip", default="", help="parts to skip, comma list: llama,hybrid")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -391,7 +404,9 @@ def main(argv=None) -> int:
     log(subprocess.run(["nvidia-smi" if a.device == "cuda" else "true", "--query-gpu=name,memory.total,driver_version",
                         "--format=csv,noheader"], capture_output=True, text=True).stdout.strip())
     log(f"threads {ctx['threads']}; children: LD_LIBRARY_PATH={ctx['env'].get('LD_LIBRARY_PATH', '')}")
-    parts = [("llama_env", lambda: llama_env(ctx)), ("synthetic", lambda: make_synth(ctx)),
+    parts = [("llama_env", lambda: llama_env(ctx))]
+    parts += [("pytest", lambda: run_pytest(ctx, a.pytest.split()))] if a.pytest else []
+    parts += [("synthetic", lambda: make_synth(ctx)),
              ("gguf_export", lambda: start_export(ctx)), ("prompt", lambda: prompt(ctx))]
     parts += [] if "hybrid" in skip else [("hybrid", lambda: hybrid_runs(ctx, deadline - a.llama_reserve_s))]
     parts += [] if "llama" in skip else [("llama", lambda: llama_runs(ctx, deadline))]
