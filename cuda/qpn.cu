@@ -328,21 +328,22 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[NT][MT][ACCN], const u32x
 // back only the bytes it copied, so no barrier is needed; the WAR hazard on a slot is closed by the
 // math of the chunk that used it). ST - 1 chunks are in flight while one is decoded, without the
 // registers of a register pipeline. Ring per warp: ST * NT * 32 * (16 + 8) bytes.
-template <int FMT, int NT, int ST>
-__device__ __forceinline__ void issue_stage(const u32x4* const (&wt)[NT], const u64* const (&st)[NT],
-                                            int c, int c1, int slot, u32 wbase, u32 sbase, int lane) {
+template <int FMT, int NT>
+__device__ __forceinline__ void issue_chunk(const u32x4* const (&wp)[NT], const u64* const (&sp)[NT],
+                                            bool live, u32 wdst, u32 sdst) {
 #if QPN_MMA >= 2
-  if (c < c1) {
+  if (live) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      cp_async16(wbase + (slot * NT + nt) * 512, wt[nt] + (size_t)c * 32 + lane);
-      if (FMT == 2) cp_async8(sbase + (slot * NT + nt) * 256, st[nt] + (size_t)c * 8 + (lane >> 2));
+      cp_async16(wdst + nt * 512, wp[nt]);
+      if (FMT == 2) cp_async8(sdst + nt * 256, sp[nt]);
     }
   }
   cp_commit();  // an empty group past the end keeps the group count uniform
 #endif
 }
 
+// The loop is unrolled over one turn of the ring, so every slot offset is a constant.
 template <int FMT, int MT, int NT, int ST>
 __device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], const u32x4* const (&wt)[NT],
                                                 const u64* const (&st)[NT], int c0, int c1,
@@ -350,29 +351,159 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], cons
                                                 unsigned char* ring) {
 #if QPN_MMA >= 2
   const int CK = FMT == 2 ? 64 : 32;
-  const u32 base = smem_addr(ring);
-  const u32 wbase = base + lane * 16, sbase = base + ST * NT * 512 + lane * 8;
+  const u32 wbase = smem_addr(ring) + lane * 16, sbase = wbase - lane * 8 + ST * NT * 512;
+  const u32x4* wp[NT];  // this lane's words / scales of chunk c (advanced by one ring turn)
+  const u64* sp[NT];
 #pragma unroll
-  for (int s = 0; s < ST - 1; ++s) issue_stage<FMT, NT, ST>(wt, st, c0 + s, c1, s, wbase, sbase, lane);
-  int slot = 0;
-  for (int c = c0; c < c1; ++c) {
-    cp_wait<ST - 2>();  // chunk c has landed
-    // the slot of chunk c - 1 (its math is done) takes chunk c + ST - 1
-    issue_stage<FMT, NT, ST>(wt, st, c + ST - 1, c1, slot == 0 ? ST - 1 : slot - 1, wbase, sbase, lane);
-    u32x4 wv[NT];
-    u64 sv[NT];
+  for (int nt = 0; nt < NT; ++nt) {
+    wp[nt] = wt[nt] + (size_t)c0 * 32 + lane;
+    sp[nt] = st[nt] + (size_t)c0 * 8 + (lane >> 2);
+  }
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      wv[nt] = lds128(wbase + (slot * NT + nt) * 512);
-      sv[nt] = FMT == 2 ? lds64(sbase + (slot * NT + nt) * 256) : 0ull;
+  for (int s = 0; s < ST - 1; ++s) {
+    const u32x4* w[NT];
+    const u64* q[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) w[nt] = wp[nt] + s * 32, q[nt] = sp[nt] + s * 8;
+    issue_chunk<FMT, NT>(w, q, c0 + s < c1, wbase + s * NT * 512, sbase + s * NT * 256);
+  }
+  for (int c = c0; c < c1; c += ST) {
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      if (c + s < c1) {
+        cp_wait<ST - 2>();  // chunk c + s has landed
+        // the slot of chunk c + s - 1 (its math is done) takes chunk c + s + ST - 1
+        const int ns = (s + ST - 1) % ST;
+        const u32x4* w[NT];
+        const u64* q[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) w[nt] = wp[nt] + (s + ST - 1) * 32, q[nt] = sp[nt] + (s + ST - 1) * 8;
+        issue_chunk<FMT, NT>(w, q, c + s + ST - 1 < c1, wbase + ns * NT * 512, sbase + ns * NT * 256);
+        u32x4 wv[NT];
+        u64 sv[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          wv[nt] = lds128(wbase + (s * NT + nt) * 512);
+          sv[nt] = FMT == 2 ? lds64(sbase + (s * NT + nt) * 256) : 0ull;
+        }
+        chunk<FMT, MT, NT>(acc, wv, sv, xr, (c + s) * CK);
+      }
     }
-    chunk<FMT, MT, NT>(acc, wv, sv, xr, c * CK);
-    slot = slot == ST - 1 ? 0 : slot + 1;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) wp[nt] += ST * 32, sp[nt] += ST * 8;
   }
   cp_wait<0>();
 #else
   __trap();  // never launched below sm_80 (the launchers pick these kernels on sm_80+ only)
 #endif
+}
+
+// ---------------------------------------------------------------- NVFP4, M = 1, sm_80+
+// With one activation row, 7 of the MMA's 8 columns would be padding. Here column j of the MMA
+// of group g carries x only when j == g % 8 (each lane's column is lane / 4, so a lane loads x
+// once per 8 groups and feeds zeros otherwise): after 8 MMAs (two chunks) column j holds the
+// unscaled dot product of group g0 + j for the tile's 16 rows, and the group scales are applied
+// once per 8 groups in fp32 (4 FFMA per lane) instead of 32 HMUL2 on the weight fragments.
+// tot[0..3]: rows (r, r, r+8, r+8) x groups (2q, 2q+1) of each 8-group block, r = lane/4, q = lane%4.
+__device__ __forceinline__ float e4m3_mag_f32(u32 b) {  // 7-bit e4m3 magnitude at bits 20..26
+  return __int_as_float(b & 0x07F00000u) * 0x1p120f;     // exact (denormal inputs included)
+}
+
+template <int ST>
+__device__ __forceinline__ void warp_m1_async(float (&tot)[4], const u32x4* wt, const u64* st, int c0,
+                                              int c1, const u16* x, int lane, unsigned char* ring) {
+#if QPN_MMA >= 2
+  static_assert(ST % 2 == 0, "chunk pairs must not straddle the ring's end");
+  const int n = lane >> 2, q = lane & 3;
+  const u32 wbase = smem_addr(ring) + lane * 16, sbase = wbase - lane * 8 + ST * 512;
+  const u32x4* wp[1] = {wt + (size_t)c0 * 32 + lane};
+  const u64* sp[1] = {st + (size_t)c0 * 8 + n};
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {
+    const u32x4* w[1] = {wp[0] + s * 32};
+    const u64* g[1] = {sp[0] + s * 8};
+    issue_chunk<2, 1>(w, g, c0 + s < c1, wbase + s * 512, sbase + s * 256);
+  }
+  for (int c = c0; c < c1; c += ST) {
+#pragma unroll
+    for (int s = 0; s < ST; s += 2) {
+      if (c + s < c1) {
+        const bool two = c + s + 1 < c1;
+        // group 4 (c + s) + n of the pair: this lane's only non-zero B operand
+        const u64 xv = (n < 4 || two) ? ld_act(x + (size_t)(c + s) * 64 + n * 16 + 4 * q) : 0ull;
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (h == 0 || two) {
+            cp_wait<ST - 2>();
+            const int ns = (s + h + ST - 1) % ST;
+            const u32x4* w[1] = {wp[0] + (s + h + ST - 1) * 32};
+            const u64* g[1] = {sp[0] + (s + h + ST - 1) * 8};
+            issue_chunk<2, 1>(w, g, c + s + h + ST - 1 < c1, wbase + ns * 512, sbase + ns * 256);
+            const u32x4 wv = lds128(wbase + (s + h) * 512);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              u32 p0, p1, p2, p3;
+              dec_fp4(j == 0 ? wv.x : j == 1 ? wv.y : j == 2 ? wv.z : wv.w, p0, p1, p2, p3);
+              const bool mine = n == 4 * h + j;
+              mma_tile(d, p0, p1, p2, p3, mine ? (u32)xv : 0u, mine ? (u32)(xv >> 32) : 0u);
+            }
+          }
+        }
+        // scale bytes [s(r,2q') s(r,2q'+1) s(r+8,2q') s(r+8,2q'+1)] of chunk c + s + q/2, q' = q%2
+        u32 sw;
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw) : "r"(sbase + (s + (q >> 1)) * 256 + 4 * (q & 1)));
+        tot[0] = fmaf(d[0], e4m3_mag_f32(sw << 20), tot[0]);
+        tot[1] = fmaf(d[1], e4m3_mag_f32(sw << 12), tot[1]);
+        tot[2] = fmaf(d[2], e4m3_mag_f32(sw << 4), tot[2]);
+        tot[3] = fmaf(d[3], e4m3_mag_f32(sw >> 4), tot[3]);
+      }
+    }
+    wp[0] += ST * 32, sp[0] += ST * 8;
+  }
+  cp_wait<0>();
+#else
+  __trap();  // never launched below sm_80
+#endif
+}
+
+// y[1, N] = x[1, K] . W^T for NVFP4 (same arguments as the LINEAR kernels; M must be 1, P = 1)
+template <int ST>
+__device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                               float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                               int N, int K, int KS) {
+  constexpr int RING = ST * 32 * 24;
+  __shared__ __align__(16) unsigned char smem[RING * WARPS];
+  float (*red)[16] = reinterpret_cast<float (*)[16]>(smem);  // red[warp][row], aliases the rings
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
+  const int C = K / 64, tiles = (N + 15) >> 4;
+  const int t = blockIdx.x * TG + tg;
+  float tot[4] = {0.f, 0.f, 0.f, 0.f};
+  if (t < tiles)
+    warp_m1_async<ST>(tot, w + (size_t)t * C * 32, s + (size_t)t * C * 8, wk * C / KS, (wk + 1) * C / KS,
+                      x, lane, smem + warp * RING);
+  float vr = tot[0] + tot[1], vr8 = tot[2] + tot[3];  // sum the lane quad's groups
+  vr += __shfl_xor_sync(0xffffffffu, vr, 1);
+  vr += __shfl_xor_sync(0xffffffffu, vr, 2);
+  vr8 += __shfl_xor_sync(0xffffffffu, vr8, 1);
+  vr8 += __shfl_xor_sync(0xffffffffu, vr8, 2);
+  __syncthreads();  // red aliases the rings
+  if ((lane & 3) == 0) red[warp][lane >> 2] = vr, red[warp][(lane >> 2) + 8] = vr8;
+  __syncthreads();
+  const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
+  for (int o = threadIdx.x; o < TG * 16; o += THREADS) {
+    const int row = o & 15, grp = o >> 4, nrow = (blockIdx.x * TG + grp) * 16 + row;
+    float v = 0.f;
+    for (int k = 0; k < KS; ++k) v += red[grp * KS + k][row];
+    if (nrow < N) y[nrow] = f_to_h(v * g);
+  }
+}
+
+extern "C" __global__ void qpn2_linear_m1_as(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                             float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                             int M, int N, int K, int KS, int P) {
+  linear_m1_body<6>(w, s, gs, x, y, N, K, KS);
 }
 
 // shared memory of one block: the partials (red) and, for ST > 0, the rings, which red aliases

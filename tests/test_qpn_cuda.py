@@ -35,7 +35,7 @@ def backend(request):
     force_ptx(dev, None)
 
 
-@pytest.fixture(params=[None, "", "_u4", "_as4"])
+@pytest.fixture(params=[None, "", "_u4", "_as", "_as4"])
 def variant(request):
     from hybrid.kernels import qpn
 

@@ -198,9 +198,9 @@ def bench_variants(fmts, reps, read_bw):
 
     out = []
     sm = torch_sm()
-    for v in ("", "_u4", "_as4"):
-        if qpn.variant(v, sm) != v or qpn.variant(None, sm) == v:
-            continue  # not on this device, or it is the default (measured above)
+    for v in ("", "_u4", "_as", "_as4"):
+        if qpn.variant(v, sm) != v:
+            continue  # not on this device
         try:
             qpn.LINEAR_VARIANT[0] = v
             for qtype in fmts:
@@ -325,8 +325,13 @@ def bench(args) -> int:
             recs += bench_moe(qtype, [m for m in ms if m <= 16], args.reps, read_bw)
     from hybrid.kernels import qpn
 
-    default = qpn.variant(None, env["sm"]) or "reg"
-    recs = [{**r, "kernel": f"default {default}"} if r["m"] <= 8 else r for r in recs]
+    def kernel(r):
+        if r["shape"] == "moe_8_experts":
+            return "moe" + (qpn.variant(None, env["sm"]) or " reg")
+        fmt = 2 if r["format"] == "nvfp4" else 8
+        return qpn.linear_kernel(fmt, qpn._mt(r["m"], env["sm"]), r["m"], env["sm"]).split("linear_")[1]
+
+    recs = [{**r, "kernel": kernel(r)} for r in recs]
     if args.shapes == "all":
         recs += bench_variants(fmts, args.reps, read_bw)
     write_results(args.out, env, recs)

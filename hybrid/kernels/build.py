@@ -25,6 +25,7 @@ OPTIONS = ["-std=c++17", "-default-device", "--restrict"]
 KERNELS = tuple(
     [f"qpn{f}_linear_mt{m}" for f in (2, 8) for m in (1, 2, 4)]
     + [f"qpn{f}_linear_mt1{v}" for f in (2, 8) for v in ("_u4", "_as", "_as4")]
+    + ["qpn2_linear_m1_as"]
     + ["qpn_moe_route"]
     + [f"qpn{f}_moe_{p}_mt{m}" for f in (2, 8) for p in ("gateup", "down") for m in (1, 4)]
     + [f"qpn{f}_moe_{p}_mt1_as" for f in (2, 8) for p in ("gateup", "down")]

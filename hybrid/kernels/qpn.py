@@ -19,17 +19,28 @@ from hybrid.kernels.reference import ref_linear, ref_moe
 THREADS = 256
 WARPS = 8
 MAX_SLOTS = 1024
-# M <= 8 kernel suffix: None = the default for the device (sm_80+: "_as", cp.async ring; older: "",
-# register pipeline); "", "_u4" (deeper register pipeline), "_as4" (4-stage ring): benchmark, tests.
+# M <= 8 linear kernel: None = the default (sm_80+ NVFP4 at M = 1: qpn2_linear_m1_as, scales applied
+# per 8 groups in fp32; otherwise the register pipeline, measured at least as fast as the rings on
+# the H200 for M = 2..8); "", "_u4" (deeper register pipeline), "_as", "_as4" (6- and 4-stage
+# cp.async rings, sm_80+): benchmark, tests.
 LINEAR_VARIANT: list[str | None] = [None]
-MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default), "" or "_as"
+MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
 
 
 def variant(choice: str | None, sm: int) -> str:
-    """The kernel-name suffix for a variant choice on an sm_<sm> device (rings need sm_80+)."""
+    """The MoE kernel-name suffix for a variant choice on an sm_<sm> device (rings need sm_80+)."""
     if choice is None:
         return "_as" if sm >= 80 else ""
     return "" if choice.startswith("_as") and sm < 80 else choice
+
+
+def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None) -> str:
+    """The kernel qpn_linear launches for M rows in passes of mt 8-row tiles on an sm_<sm> device."""
+    if mt != 1:
+        return f"qpn{fmt}_linear_mt{mt}"
+    if choice is None:
+        return "qpn2_linear_m1_as" if sm >= 80 and fmt == 2 and m == 1 else f"qpn{fmt}_linear_mt1"
+    return f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
 
 
 # ---------------------------------------------------------------------------- weights
@@ -184,8 +195,7 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     grid = (-(-tiles // tg) * passes, 1, 1)
     args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
-    suffix = variant(LINEAR_VARIANT[0], mod.sm) if mt == 1 else ""
-    mod.launch(f"qpn{_fmt(w.qtype)}_linear_mt{mt}{suffix}", grid, THREADS, args)
+    mod.launch(linear_kernel(_fmt(w.qtype), mt, m, mod.sm, LINEAR_VARIANT[0]), grid, THREADS, args)
     return y
 
 
