@@ -218,7 +218,7 @@ def test_tool_finds_cuda_libs_and_builds_child_env(tmp_path, monkeypatch):
     monkeypatch.setattr(tool, "cuda_lib_dirs", lambda: [str(lib)])
     monkeypatch.setenv("LD_LIBRARY_PATH", "/x")
     env = tool.child_env("/tmp/site")
-    assert env["LD_LIBRARY_PATH"] == f"{lib}:/x"
+    assert env["LD_LIBRARY_PATH"] == f"{lib}:/tmp/site:/x"
     assert env["PYTHONPATH"].split(":")[:2] == ["/tmp/site", str(ROOT)]
 
 

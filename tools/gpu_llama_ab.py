@@ -82,7 +82,8 @@ def child_env(site: str | None) -> dict:
     env = dict(os.environ)
     py = [p for p in (site, str(ROOT), env.get("PYTHONPATH")) if p]
     env["PYTHONPATH"] = os.pathsep.join(py)
-    libs = cuda_lib_dirs() + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else [])
+    libs = [*cuda_lib_dirs(), site, env.get("LD_LIBRARY_PATH")]        # site: a carried libgomp.so.1, if any
+    libs = [x for x in libs if x]
     if libs:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
     env.pop("OMP_NUM_THREADS", None)
@@ -136,8 +137,13 @@ def _child(spec: dict) -> dict:
         return export_gguf(spec["synth"], spec["gguf"])
     if spec["what"] == "info":
         llama_cpp = require_llama_cpp()
-        return {"llama_cpp": llama_cpp_info(), "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
-                "devices": lo.devices(), "lib": str(lo._lib_dir()),
+        try:
+            import gguf  # noqa: F401 - the export child needs it (and PyYAML, which gguf imports)
+            has_gguf = "ok"
+        except ImportError as exc:
+            has_gguf = f"missing: {exc}"
+        return {"gguf": has_gguf, "llama_cpp": llama_cpp_info(), "devices": lo.devices(),
+                "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()), "lib": str(lo._lib_dir()),
                 "ld_library_path": os.environ.get("LD_LIBRARY_PATH", "")}
     before = lo.devices()
     t = time.perf_counter()
@@ -163,6 +169,8 @@ def llama_env(ctx: dict) -> None:
     if ok and ctx["device"] == "cuda" and not any(x["type"] == "gpu" for x in d["devices"]):
         d["error"] = (f"llama.cpp lists no GPU device ({[x['name'] for x in d['devices']]}): a CPU-only "
                       f"wheel, or libcudart/libcublas .so.13 not found (LD_LIBRARY_PATH={d.get('ld_library_path')})")
+    if ok and d.get("gguf") != "ok":
+        d["error"] = f"gguf {d.get('gguf')}: carry the gguf and PyYAML wheels"
     ctx["llama_ok"] = "error" not in d
     record({"check": "llama_env", "ok": ctx["llama_ok"], **d})
 
