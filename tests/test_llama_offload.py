@@ -238,11 +238,12 @@ def test_tool_table():
     tool = _tool()
     res = {"hybrid_all_cpu": {"decode_tok_s": 3.3, "prefill_tok_s": 20.0, "generated_ids_head": [1, 2, 3],
                               "prediction": {"tok_s": 10.0}, "measured_over_predicted": 0.33},
-           "llama_cpu_experts": {"decode_tok_s": 20.0, "prefill_tok_s": 80.0, "generated_ids_head": [1, 2, 4],
+           "llama_cpu_experts": {"decode_tok_s": 20.0, "decode_median_tok_s": 21.0, "prefill_tok_s": 80.0, "generated_ids_head": [1, 2, 4],
                                  "gpu_used_gib_by_load": 1.5},
            "llama_all_gpu": {"error": "child exited 1: boom"}}
     text = tool.table(res)
-    row = "| llama.cpp | `n_gpu_layers=-1` + `ffn_*_exps` on the CPU | CPU | **20.00** | 80.0 |  |  | 1.5 | 2 |"
+    row = ("| llama.cpp | `n_gpu_layers=-1` + `ffn_*_exps` on the CPU | CPU | **20.00** (median step 21.00) | 80.0 "
+           "|  |  | 1.5 | 2 |")
     assert row in text
     assert "– (child exited 1: boom)" in text and "– (not run)" in text
     assert "| **3.30** | 20.0 | 10.00 | 0.33 |" in text

@@ -363,7 +363,8 @@ def table(results: dict) -> str:
         pred = r.get("prediction", {}).get("tok_s")
         vram = r.get("gpu_used_gib_by_load", r.get("peak_gib_both_cards"))
         ids = r.get("generated_ids_head") or []
-        lines.append(f"| {engine} | {place} | {where} | **{r['decode_tok_s']:.2f}** | {r['prefill_tok_s']:.1f} | "
+        med = f" (median step {r['decode_median_tok_s']:.2f})" if r.get("decode_median_tok_s") else ""
+        lines.append(f"| {engine} | {place} | {where} | **{r['decode_tok_s']:.2f}**{med} | {r['prefill_tok_s']:.1f} | "
                      f"{'' if pred is None else f'{pred:.2f}'} | "
                      f"{'' if r.get('measured_over_predicted') is None else r['measured_over_predicted']} | "
                      f"{'' if vram is None else vram} | {same_prefix(ids, ref) if ref else ''} |")
