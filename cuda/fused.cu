@@ -22,7 +22,9 @@
 //       store writes no K/V and NaN into q, so a bad device position cannot pass unnoticed.
 //   fused_route_topk    grid ceil(T / 4), block 128: one warp per token, E <= 512, k <= 32
 //       logits [T, E] fp32 -> softmax -> top-k (descending, ties to the lowest id) -> optional
-//       renormalisation: ids [T, k] int64, weights [T, k] fp32
+//       renormalisation: ids [T, k] int64, weights [T, k] fp32; optionally (each pointer may be null)
+//       slots [T * k] int32 = slot_table[ids] (slot_table [E] int32: the runtime's expert -> slot map)
+//       and route_row [T, 2k] fp32 = (ids as floats, weights) (the runtime's route buffer row)
 //   fused_decode_attn   grid (Hkv, S splits), block 128: one query token, GQA (g = Hq / Hkv)
 //       q [Hq, D] fp16, k_store / v_store [C, Hkv, D] fp16, keys 0..p attended (p = *pos or pos0)
 //       -> out [Hq, D] fp16; partials [Hkv, S, g, D + 2] fp32 and counters [Hkv] int (zero, and left
@@ -163,7 +165,7 @@ extern "C" __global__ void __launch_bounds__(128)
 
 extern "C" __global__ void __launch_bounds__(128)
     fused_route_topk(const float* logits, long long* ids, float* weights, int T, int E, int k,
-                     int renorm) {
+                     int renorm, const int* slot_table, int* slots, float* route_row) {
   const int t = blockIdx.x * 4 + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (t >= T) return;
@@ -207,8 +209,14 @@ extern "C" __global__ void __launch_bounds__(128)
     total += best;
   }
   if (lane < k) {
-    weights[(size_t)t * k + lane] = renorm ? mine_w / total : mine_w;
+    const float wt = renorm ? mine_w / total : mine_w;
+    weights[(size_t)t * k + lane] = wt;
     ids[(size_t)t * k + lane] = mine_id;
+    if (slots) slots[(size_t)t * k + lane] = slot_table[mine_id];
+    if (route_row) {
+      route_row[(size_t)t * 2 * k + lane] = (float)mine_id;
+      route_row[(size_t)t * 2 * k + k + lane] = wt;
+    }
   }
 }
 
@@ -297,12 +305,31 @@ extern "C" __global__ void __launch_bounds__(128)
     oh[j] = o < gd ? o / D : 0;
     od[j] = o < gd ? o - oh[j] * D : 0;
   }
+  // outputs o = tid + 128 j: (head o / D, dim o % D). When D divides 128 every j has the same dim
+  // (one V load per key); D = 256 alternates two dims; other D load per output.
   const u16* vbase = v_store + (size_t)kvh * D;
-  for (int kk = 0; kk < nk; ++kk) {
-    const u16* vr = vbase + (size_t)(start + kk) * Hkv * D;
+  if (ATT_KEYS % D == 0) {
+    for (int kk = 0; kk < nk; ++kk) {
+      const float v = h2f(vbase[(size_t)(start + kk) * Hkv * D + od[0]]);
 #pragma unroll
-    for (int j = 0; j < ATT_MAXO; ++j)
-      if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sc[oh[j]][kk], h2f(vr[od[j]]), acc[j]);
+      for (int j = 0; j < ATT_MAXO; ++j)
+        if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sc[oh[j]][kk], v, acc[j]);
+    }
+  } else if (D == 2 * ATT_KEYS) {
+    for (int kk = 0; kk < nk; ++kk) {
+      const u16* vr = vbase + (size_t)(start + kk) * Hkv * D;
+      const float v0 = h2f(vr[tid]), v1 = h2f(vr[tid + ATT_KEYS]);
+#pragma unroll
+      for (int j = 0; j < ATT_MAXO; ++j)
+        if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sc[oh[j]][kk], (j & 1) ? v1 : v0, acc[j]);
+    }
+  } else {
+    for (int kk = 0; kk < nk; ++kk) {
+      const u16* vr = vbase + (size_t)(start + kk) * Hkv * D;
+#pragma unroll
+      for (int j = 0; j < ATT_MAXO; ++j)
+        if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sc[oh[j]][kk], h2f(vr[od[j]]), acc[j]);
+    }
   }
   u16* ob = out + (size_t)kvh * gd;
   if (S == 1) {

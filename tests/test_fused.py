@@ -123,3 +123,31 @@ def test_decode_dense_residual(qwen3_dir):
     for u, v in zip(a, b):
         assert torch.equal(u, v)
     assert isinstance(m.cache, KVCache)
+
+
+def test_route_outputs_on_cpu():
+    """route_topk's optional outputs (slot ids, the runtime's route row) are the runtime's torch ops."""
+    logits = _rand(3, 16, seed=17)
+    table = torch.randperm(16, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+    slots, row = torch.full((12,), -1, dtype=torch.int32), torch.full((3, 8), float("nan"))
+    ids, w = fused.route_topk(logits, 4, True, table, slots, row)
+    assert torch.equal(slots, table[ids.reshape(-1)])
+    assert torch.equal(row[:, :4], ids.float()) and torch.equal(row[:, 4:], w)
+    with pytest.raises(ValueError, match="slot_table and slots"):
+        fused.route_topk(logits, 4, True, table, None)
+
+
+def test_decode_dense_route_out(qwen3_dir):
+    from hybrid.model.loader import load_model
+    from hybrid.model.qwen_moe import RouteOut
+
+    m = load_model(qwen3_dir)
+    m.new_cache(8)
+    m.prepare()
+    k, e = m.cfg.num_experts_per_tok, m.cfg.num_experts
+    x, pos = _rand(1, m.cfg.hidden_size, seed=18), torch.tensor([2])
+    out = RouteOut(torch.arange(e, dtype=torch.int32).flip(0).contiguous(),
+                   torch.zeros(k, dtype=torch.int32), torch.zeros(1, 2 * k))
+    _, _, ids, w = m.decode_dense(0, x, pos, 8, m.decode_mask(pos, 8), route_out=out)
+    assert torch.equal(out.slots, (e - 1 - ids.reshape(-1)).to(torch.int32))
+    assert torch.equal(out.row, torch.cat([ids.float(), w], 1))

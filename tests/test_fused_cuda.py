@@ -109,6 +109,18 @@ def test_route_topk(backend, t, e, k, renorm):
     torch.testing.assert_close(w.cpu(), rw, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (5, 60, 4)])
+def test_route_topk_runtime_outputs(backend, t, e, k):
+    """slots = slot_table[ids] and the route row (ids as floats, weights), written by the same launch."""
+    logits = fresh((t, e), scale=3.0)
+    table = torch.randperm(e, generator=torch.Generator().manual_seed(e)).to(torch.int32)
+    slots = torch.full((t * k,), -7, dtype=torch.int32, device=DEV)
+    row = torch.full((t, 2 * k), float("nan"), device=DEV)
+    ids, w = fused.route_topk(logits.to(DEV), k, True, table.to(DEV), slots, row)
+    assert torch.equal(slots.cpu(), table[ids.cpu().reshape(-1)])
+    assert torch.equal(row[:, :k].cpu(), ids.cpu().float()) and torch.equal(row[:, k:].cpu(), w.cpu())
+
+
 def test_route_topk_ties_take_lowest_ids(backend):
     ids, w = fused.route_topk(torch.zeros(2, 16, device=DEV), 4, False)
     if GPU:                                   # torch.topk leaves ties unspecified; the kernel does not

@@ -245,26 +245,49 @@ def ref_route_topk(logits: torch.Tensor, k: int, renorm: bool):
     return ids, weights
 
 
-def route_topk(logits: torch.Tensor, k: int, renorm: bool):
+def ref_route_outputs(ids, weights, slot_table=None, slots=None, row=None) -> None:
+    """The runtime's ops after routing: slots [T*k] int32 = slot_table[ids]; row [T, 2k] fp32 =
+    (ids as floats, weights)."""
+    if slots is not None:
+        slots.copy_(slot_table[ids.reshape(-1)])
+    if row is not None:
+        k = ids.shape[1]
+        row[:, :k].copy_(ids)
+        row[:, k:].copy_(weights)
+
+
+def route_topk(logits: torch.Tensor, k: int, renorm: bool, slot_table: torch.Tensor | None = None,
+               slots: torch.Tensor | None = None, row: torch.Tensor | None = None):
     """logits [T, E] fp32 -> (ids [T, k] int64, weights [T, k] fp32): softmax, top-k (descending,
-    ties to the lowest id), divided by their sum when renorm."""
+    ties to the lowest id), divided by their sum when renorm. Optional outputs written in the same
+    launch: slots [T*k] int32 = slot_table[ids] (slot_table [E] int32), row [T, 2k] fp32 = (ids as
+    floats, weights)."""
     if logits.dim() != 2:
         raise ValueError(f"logits: expected shape [T, E], got {list(logits.shape)}")
     t, e = logits.shape
+    if (slot_table is None) != (slots is None):
+        raise ValueError("slot_table and slots: give both or neither")
     if not logits.is_cuda:
-        return ref_route_topk(logits, k, renorm)
+        ids, weights = ref_route_topk(logits, k, renorm)
+        ref_route_outputs(ids, weights, slot_table, slots, row)
+        return ids, weights
     dev = _dev(logits.device)
     _check(logits, "logits", torch.float32, (t, e), dev)
     if not 1 <= e <= ROUTE_MAX_E:
         raise ValueError(f"logits: at most {ROUTE_MAX_E} experts, got {e}")
     if not 1 <= k <= min(e, ROUTE_MAX_K):
         raise ValueError(f"k: expected 1..{min(e, ROUTE_MAX_K)}, got {k}")
+    if slot_table is not None:
+        _check(slot_table, "slot_table", torch.int32, (e,), dev)
+        _check(slots, "slots", torch.int32, (t * k,), dev)
+    if row is not None:
+        _check(row, "row", torch.float32, (t, 2 * k), dev)
     ids = torch.empty(t, k, dtype=torch.int64, device=dev)
     weights = torch.empty(t, k, dtype=torch.float32, device=dev)
     if t:
         _module(dev).launch("fused_route_topk", (-(-t // 4), 1, 1), 128, [
             _p(logits), _p(ids), _p(weights), ctypes.c_int(t), ctypes.c_int(e), ctypes.c_int(k),
-            ctypes.c_int(int(bool(renorm)))])
+            ctypes.c_int(int(bool(renorm))), _p(slot_table), _p(slots), _p(row)])
     return ids, weights
 
 

@@ -22,6 +22,18 @@ from hybrid.model.moe import ExpertExecutor, SwiGLU, route
 
 
 @dataclass
+class RouteOut:
+    """Buffers a one-token step's routing is also written into, by the router's own launch on CUDA
+    (hybrid.runtime graphs): slots [T*k] int32 = slot_table[ids] (slot_table [E] int32, expert ->
+    slot), row [T, 2k] fp32 = (ids as floats, weights). Any of them may be None (slot_table and
+    slots together)."""
+
+    slot_table: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    row: torch.Tensor | None = None
+
+
+@dataclass
 class DecoderLayer:
     attn: Attention
     input_norm: torch.Tensor
@@ -121,15 +133,20 @@ class MoEModel:
         x = rms_norm(x.to(self.lm_head.device), self.final_norm, self.cfg.rms_norm_eps)
         return self.lm_head(x).float()                                       # [T, V]
 
-    def route(self, i: int, h: torch.Tensor, hf: torch.Tensor | None = None):
-        """h [T, H] -> (ids [T, k] int64, weights [T, k] fp32). hf: h as fp32 when already made.
-        CUDA: the router GEMV, then softmax / top-k / renormalisation as one fused kernel."""
+    def route(self, i: int, h: torch.Tensor, hf: torch.Tensor | None = None, out: RouteOut | None = None):
+        """h [T, H] -> (ids [T, k] int64, weights [T, k] fp32). hf: h as fp32 when already made;
+        out: buffers also written (RouteOut). CUDA: the router GEMV, then softmax / top-k /
+        renormalisation (and out) as one fused kernel."""
         router, k = self.layers[i].router, self.cfg.num_experts_per_tok
+        extra = (out.slot_table, out.slots, out.row) if out is not None else (None, None, None)
         if (h.is_cuda and fused.enabled("route") and router.dtype == torch.float32
                 and router.shape[0] <= fused.ROUTE_MAX_E and k <= min(router.shape[0], fused.ROUTE_MAX_K)):
             logits = (h.float() if hf is None else hf) @ router.T                 # [T, E] fp32
-            return fused.route_topk(logits.contiguous(), k, self.cfg.norm_topk_prob)
-        return route(h, router, k, self.cfg.norm_topk_prob)
+            return fused.route_topk(logits.contiguous(), k, self.cfg.norm_topk_prob, *extra)
+        ids, weights = route(h, router, k, self.cfg.norm_topk_prob)
+        if out is not None:
+            fused.ref_route_outputs(ids, weights, *extra)
+        return ids, weights
 
     def _moe(self, i: int, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(i, h)
@@ -151,13 +168,13 @@ class MoEModel:
         return decode_mask(pos, keys, self.dtype, pos.device)
 
     def decode_dense(self, i: int, x: torch.Tensor, pos: torch.Tensor, keys: int, mask: torch.Tensor | None,
-                     residual: torch.Tensor | None = None):
+                     residual: torch.Tensor | None = None, route_out: RouteOut | None = None):
         """Layer i up to its router for one token: x [1, H] -> (x after attention [1, H],
         normed h [1, H], ids [1, k] int64, weights [1, k] fp32). No host sync, no host values.
 
         residual [1, H] (fp16 or fp32, e.g. the previous layer's MoE output): x + residual.to(x.dtype)
         is the layer's input, added inside the fused RMSNorm on CUDA. mask may be None (see
-        Attention.decode)."""
+        Attention.decode). route_out: buffers the routing is also written into (RouteOut)."""
         layer, eps = self.layers[i], self.cfg.rms_norm_eps
         table = self.rope_table(x.device)                                    # [R, 2, D]
         if residual is not None:
@@ -174,7 +191,7 @@ class MoEModel:
                                           want_f32=fused.enabled("route"))
         else:
             x, h = add_rms_norm(x, a, layer.post_norm, eps)
-        ids, weights = self.route(i, h, hf)
+        ids, weights = self.route(i, h, hf, route_out)
         return x, h, ids, weights
 
     def forward_logits(self, ids: torch.Tensor) -> torch.Tensor:
