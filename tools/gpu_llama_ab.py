@@ -13,6 +13,9 @@
    a) every layer on the GPU (n_gpu_layers=-1)
    b) every layer on the GPU but the expert tensors on the CPU (llama.cpp's --cpu-moe pattern)
 6. a markdown table ($OUT/llama_ab.md) of decode and prefill tok/s, with the planner's prediction.
+   Decode tok/s = (tokens - 1) / wall time of the decode steps, each with its argmax, for both engines
+   (hybrid.generate's count); llama.cpp's median step is beside it. VRAM: llama.cpp, what the GPU's
+   used memory grew by over the load (weights, KV, compute buffers); hybrid, torch's peak allocation.
 
 Records go to $OUT/llama_ab.jsonl (machine, command, git sha: HYBRID_GIT_SHA on the device).
 Children get LD_LIBRARY_PATH with the CUDA 13 libraries of torch's nvidia-* wheels (libcudart.so.13,
@@ -295,27 +298,26 @@ def hybrid_runs(ctx: dict, deadline: float) -> None:
     log("hybrid: every expert on the CPU runner (builds the expert store)")
     s0 = open_session(ctx["synth"], RuntimeOptions(gpus=(0,), cache_slots=(0,), **common), context=context)
     cpu = s0.cpu
-    prof = OUT / "synth30.experts.json"
     try:
-        grc.calibrate_profile(s0, tok, ctx["synth"], prof)
-        finish_export(ctx, deadline + 120)   # nothing is timed while the export runs
-        rec = measure(s0, tok, *n)
-        ctx["results"]["hybrid_all_cpu"] = record({
-            "check": "hybrid_all_cpu", "engine": "hybrid", "flags": "--gpus 0 --cache-slots 0 --profile "
-            f"{ctx['profile']} --cpu-threads {ctx['threads']}", **rec, "threads": ctx["threads"],
-            **grc.graph_info(s0)})
-    finally:
-        s0.owns_cpu = False                  # the runner serves the next session; closed at the end
-        s0.close()
-        del s0
-    torch.cuda.empty_cache() if cuda else None
-    if time.perf_counter() > deadline:
-        record({"check": "hybrid_cap16", "engine": "hybrid", "skipped": "device-time deadline"})
-        cpu.close()
-        return
-    log("hybrid: --gpus 0,0 --vram-cap 16")
-    torch.cuda.reset_peak_memory_stats() if cuda else None
-    try:
+        prof = OUT / "synth30.experts.json"
+        try:
+            grc.calibrate_profile(s0, tok, ctx["synth"], prof)
+            finish_export(ctx, deadline + 120)   # nothing is timed while the export runs
+            rec = measure(s0, tok, *n)
+            ctx["results"]["hybrid_all_cpu"] = record({
+                "check": "hybrid_all_cpu", "engine": "hybrid", "flags": "--gpus 0 --cache-slots 0 --profile "
+                f"{ctx['profile']} --cpu-threads {ctx['threads']}", **rec, "threads": ctx["threads"],
+                **grc.graph_info(s0)})
+        finally:
+            s0.owns_cpu = False                  # the runner serves the next session; closed at the end
+            s0.close()
+            del s0
+            torch.cuda.empty_cache() if cuda else None
+        if time.perf_counter() > deadline:
+            record({"check": "hybrid_cap16", "engine": "hybrid", "skipped": "device-time deadline"})
+            return
+        log("hybrid: --gpus 0,0 --vram-cap 16")
+        torch.cuda.reset_peak_memory_stats() if cuda else None
         s = open_session(ctx["synth"], RuntimeOptions(gpus=(0, 0), vram_cap_gib=(16.0,), expert_profile=str(prof),
                                                       **common), context=context, cpu=cpu)
         try:
@@ -328,8 +330,9 @@ def hybrid_runs(ctx: dict, deadline: float) -> None:
                 "full_layers": [len(c.full) for c in s.cards], **grc.graph_info(s)})
         finally:
             s.close()
+            torch.cuda.empty_cache() if cuda else None
     finally:
-        cpu.close()
+        cpu.close()                              # llama.cpp runs next: no hybrid threads or VRAM left
 
 
 # ---------------------------------------------------------------- table
@@ -352,7 +355,7 @@ def same_prefix(a: list, b: list) -> int:
 def table(results: dict) -> str:
     ref = results.get("hybrid_all_cpu", {}).get("generated_ids_head") or []
     lines = ["| engine | placement | experts on | decode tok/s | prefill tok/s | planner tok/s | measured / "
-             "predicted | VRAM GiB | greedy ids = hybrid all-CPU (of 16) |",
+             "predicted | VRAM GiB | leading greedy ids = hybrid all-CPU's (first 16 compared) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for key, engine, place, where in ROWS:
         r = results.get(key)
