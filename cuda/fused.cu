@@ -25,6 +25,9 @@
 //       renormalisation: ids [T, k] int64, weights [T, k] fp32; optionally (each pointer may be null)
 //       slots [T * k] int32 = slot_table[ids] (slot_table [E] int32: the runtime's expert -> slot map)
 //       and route_row [T, 2k] fp32 = (ids as floats, weights) (the runtime's route buffer row)
+//   fused_router_topk   grid ceil(E / 4), block 128: the router GEMV as well, T <= 8 tokens
+//       h [T, H] (fp16 | fp32), router [E, H] fp32 -> logits [T, E] fp32 (= h . router^T), then as
+//       fused_route_topk; counter [1] int (zero, and left zero by the last block, which routes)
 //   fused_decode_attn   grid (Hkv, S splits), block 128: one query token, GQA (g = Hq / Hkv)
 //       q [Hq, D] fp16, k_store / v_store [C, Hkv, D] fp16, keys 0..p attended (p = *pos or pos0)
 //       -> out [Hq, D] fp16; partials [Hkv, S, g, D + 2] fp32 and counters [Hkv] int (zero, and left
@@ -62,6 +65,12 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float ld_cg(const float* p) {   // L2, not a possibly stale L1 line
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
 }
 
@@ -162,20 +171,20 @@ extern "C" __global__ void __launch_bounds__(128)
 
 // ---------------------------------------------------------------- router softmax + top-k
 #define ROUTE_MAXV 16   // experts per lane: E <= 512
+#define ROUTER_MAXT 8   // tokens of fused_router_topk
 
-extern "C" __global__ void __launch_bounds__(128)
-    fused_route_topk(const float* logits, long long* ids, float* weights, int T, int E, int k,
-                     int renorm, const int* slot_table, int* slots, float* route_row) {
-  const int t = blockIdx.x * 4 + (threadIdx.x >> 5);
+// One warp: softmax over row[0..E), top-k (descending, ties to the lowest id), optional renorm;
+// lane r < k writes the r-th choice of token t (and the runtime's slot id and route row).
+__device__ __forceinline__ void topk_row(const float* row, bool l2, int t, int E, int k, int renorm,
+                                         long long* ids, float* weights, const int* slot_table,
+                                         int* slots, float* route_row) {
   const int lane = threadIdx.x & 31;
-  if (t >= T) return;
-  const float* row = logits + (size_t)t * E;
   float v[ROUTE_MAXV];
   float m = NEG_INF;
 #pragma unroll
   for (int j = 0; j < ROUTE_MAXV; ++j) {
     const int e = lane + 32 * j;
-    v[j] = e < E ? row[e] : NEG_INF;
+    v[j] = e < E ? (l2 ? ld_cg(row + e) : row[e]) : NEG_INF;
     m = fmaxf(m, v[j]);
   }
   m = warp_max(m);
@@ -220,6 +229,65 @@ extern "C" __global__ void __launch_bounds__(128)
   }
 }
 
+extern "C" __global__ void __launch_bounds__(128)
+    fused_route_topk(const float* logits, long long* ids, float* weights, int T, int E, int k,
+                     int renorm, const int* slot_table, int* slots, float* route_row) {
+  const int t = blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (t >= T) return;
+  topk_row(logits + (size_t)t * E, false, t, E, k, renorm, ids, weights, slot_table, slots, route_row);
+}
+
+// The router GEMV too: a warp per expert computes logits[t, e] = h[t] . router[e] for all T tokens
+// (fp32), then the last block (threadfence + counter, left zero) runs topk_row per token.
+extern "C" __global__ void __launch_bounds__(128)
+    fused_router_topk(const void* h, int h_f32, const float* router, float* logits, int* counter,
+                      int T, int E, int H, int k, int renorm, long long* ids, float* weights,
+                      const int* slot_table, int* slots, float* route_row) {
+  __shared__ int last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int e = blockIdx.x * 4 + warp;
+  if (e < E) {
+    float acc[ROUTER_MAXT];
+#pragma unroll
+    for (int t = 0; t < ROUTER_MAXT; ++t) acc[t] = 0.f;
+    const float* wr = router + (size_t)e * H;
+    for (int i = lane * 4; i < H; i += 128) {              // H % 4 == 0
+      const float4 w4 = *(const float4*)(wr + i);
+#pragma unroll
+      for (int t = 0; t < ROUTER_MAXT; ++t) {
+        if (t < T) {
+          float x0, x1, x2, x3;
+          if (h_f32) {
+            const float4 x4 = *(const float4*)((const float*)h + (size_t)t * H + i);
+            x0 = x4.x; x1 = x4.y; x2 = x4.z; x3 = x4.w;
+          } else {
+            const uint2 raw = *(const uint2*)((const u16*)h + (size_t)t * H + i);
+            x0 = h2f((u16)(raw.x & 0xffffu)); x1 = h2f((u16)(raw.x >> 16));
+            x2 = h2f((u16)(raw.y & 0xffffu)); x3 = h2f((u16)(raw.y >> 16));
+          }
+          acc[t] = fmaf(x3, w4.w, fmaf(x2, w4.z, fmaf(x1, w4.y, fmaf(x0, w4.x, acc[t]))));
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < ROUTER_MAXT; ++t) {
+      if (t < T) {
+        const float v = warp_sum(acc[t]);
+        if (lane == 0) logits[(size_t)t * E + e] = v;
+      }
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int t = warp; t < T; t += 4)
+    topk_row(logits + (size_t)t * E, true, t, E, k, renorm, ids, weights, slot_table, slots, route_row);
+  if (threadIdx.x == 0) *counter = 0;
+}
+
 // ---------------------------------------------------------------- one-token GQA attention
 // Split s of KV head kvh takes keys [128 s, 128 s + 128) (one per thread for q.k, then every
 // thread accumulates its (head, dim) outputs over the split's keys), keeps (max, sum, acc) per query
@@ -229,11 +297,6 @@ extern "C" __global__ void __launch_bounds__(128)
 #define ATT_MAXQ 2048   // g * D
 #define ATT_MAXO (ATT_MAXQ / ATT_KEYS)
 
-__device__ __forceinline__ float ld_cg(const float* p) {   // L2, not a possibly stale L1 line
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
 
 extern "C" __global__ void __launch_bounds__(128)
     fused_decode_attn(const u16* q, const u16* k_store, const u16* v_store, const long long* pos,

@@ -151,3 +151,11 @@ def test_decode_dense_route_out(qwen3_dir):
     _, _, ids, w = m.decode_dense(0, x, pos, 8, m.decode_mask(pos, 8), route_out=out)
     assert torch.equal(out.slots, (e - 1 - ids.reshape(-1)).to(torch.int32))
     assert torch.equal(out.row, torch.cat([ids.float(), w], 1))
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_ref_router_topk_is_route(renorm):
+    x, w = _rand(2, 32, seed=19), _rand(16, 32, seed=20)
+    ids, weights = fused.router_topk(x, w, 4, renorm)                  # CPU: the ref
+    rid, rw = route(x, w, 4, renorm)
+    assert torch.equal(ids, rid) and torch.equal(weights, rw)

@@ -121,6 +121,25 @@ def test_route_topk_runtime_outputs(backend, t, e, k):
     assert torch.equal(row[:, :k].cpu(), ids.cpu().float()) and torch.equal(row[:, k:].cpu(), w.cpu())
 
 
+@pytest.mark.parametrize("t,e,h", [(1, 128, 2048), (3, 60, 256), (8, 512, 100), (2, 8, 4)])
+@pytest.mark.parametrize("hdt", [torch.float16, torch.float32])
+def test_router_topk(backend, t, e, h, hdt):
+    """The router GEMV + softmax / top-k in one launch against the fp32 torch route."""
+    k = min(8, e)
+    x, w = fresh((t, h), hdt), fresh((e, h), scale=3.0 / h ** 0.5)
+    table = torch.randperm(e, generator=torch.Generator().manual_seed(e)).to(torch.int32)
+    slots = torch.full((t * k,), -7, dtype=torch.int32, device=DEV)
+    row = torch.full((t, 2 * k), float("nan"), device=DEV)
+    poison(((t, e), torch.float32), ((t, k), torch.int64), ((t, k), torch.float32))
+    outs = [fused.router_topk(x.to(DEV), w.to(DEV), k, True, table.to(DEV), slots, row) for _ in range(2)]
+    rid, rw = fused.ref_router_topk(x, w, k, True)
+    for ids, wt in outs:                                     # twice: the counter was left at zero
+        assert torch.equal(ids.cpu(), rid)
+        torch.testing.assert_close(wt.cpu(), rw, atol=1e-5, rtol=1e-4)
+    assert torch.equal(slots.cpu(), table[rid.reshape(-1)])
+    assert torch.equal(row[:, :k].cpu(), rid.float())
+
+
 def test_route_topk_ties_take_lowest_ids(backend):
     ids, w = fused.route_topk(torch.zeros(2, 16, device=DEV), 4, False)
     if GPU:                                   # torch.topk leaves ties unspecified; the kernel does not
@@ -183,6 +202,10 @@ def test_odd_shapes_rejected():
         fused.route_topk(torch.zeros(1, 513, device=DEV), 2, True)
     with pytest.raises(ValueError, match="k: expected"):
         fused.route_topk(torch.zeros(1, 64, device=DEV), 33, True)
+    with pytest.raises(ValueError, match="tokens and H % 4"):
+        fused.router_topk(torch.zeros(9, 64, **f16), torch.zeros(8, 64, device=DEV), 2, True)
+    with pytest.raises(ValueError, match="tokens and H % 4"):
+        fused.router_topk(torch.zeros(1, 66, **f16), torch.zeros(8, 66, device=DEV), 2, True)
     with pytest.raises(ValueError, match="logits: expected dtype"):
         fused.route_topk(torch.zeros(1, 64, **f16), 2, True)
     with pytest.raises(ValueError, match="not supported"):
@@ -200,7 +223,7 @@ def test_odd_shapes_rejected():
 # ---------------------------------------------------------------------------- CUDA graph
 @gpu_only
 def test_graph_capture_and_replay():
-    """All four kernels captured once (position a device tensor) and replayed at several positions
+    """All five kernels captured once (position a device tensor) and replayed at several positions
     give what the same calls give eagerly (bit-identical: the same kernels)."""
     hdim, hq, hkv, d, e, k, cap, keys = 256, 8, 2, 64, 32, 4, 512, 512
     dev = torch.device("cuda")
@@ -210,6 +233,7 @@ def test_graph_capture_and_replay():
     x, delta = torch.zeros(1, hdim, dtype=torch.float16, device=dev), torch.zeros(1, hdim, dtype=torch.float16, device=dev)
     qkv = torch.zeros(1, (hq + 2 * hkv) * d, dtype=torch.float16, device=dev)
     logits = torch.zeros(1, e, device=dev)
+    router = fresh((e, hdim), scale=3.0 / hdim ** 0.5).cuda()
     ks, vs = fresh((cap, hkv, d), torch.float16).cuda(), fresh((cap, hkv, d), torch.float16).cuda()
     pos = torch.zeros(1, dtype=torch.int64, device=dev)
 
@@ -218,7 +242,8 @@ def test_graph_capture_and_replay():
         q = fused.qk_rope_kv(qkv, qn, kn, table, ks, vs, hq, hkv, d, EPS, pos=pos)
         o = fused.decode_attn(q, ks, vs, keys, pos=pos)
         ids, rw = fused.route_topk(logits, k, True)
-        return x2, h, hf, q, o, ids, rw
+        rids, rrw = fused.router_topk(h, router, k, True)
+        return x2, h, hf, q, o, ids, rw, rids, rrw
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -236,7 +261,8 @@ def test_graph_capture_and_replay():
         graph.replay()
         got = [t.clone() for t in static]
         want = body()
-        for name, a, b in zip(("x", "h", "hf", "q", "attn", "ids", "weights"), got, want):
+        for name, a, b in zip(("x", "h", "hf", "q", "attn", "ids", "weights", "router ids", "router weights"),
+                              got, want):
             assert torch.equal(a, b), f"pos {p}: {name} differs between replay and eager"
 
 

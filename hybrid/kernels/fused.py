@@ -6,6 +6,7 @@ k experts per token, R rows of the RoPE table, C rows of the KV store, L keys at
     x2, h, hf = add_rms_norm(x, w, eps, delta)   # x + delta.to(x.dtype); rms_norm -> h (+ fp32 copy)
     q = qk_rope_kv(qkv, q_norm, k_norm, table, k_store, v_store, Hq, Hkv, D, eps, pos=pos)
     ids, weights = route_topk(logits, k, renorm)  # softmax -> top-k -> renormalise
+    ids, weights = router_topk(h, router, k, renorm)   # the router GEMV too (T <= 8)
     out = decode_attn(q, k_store, v_store, keys, pos=pos)   # one token, keys 0..pos
 
 Each replaces several torch ops of the CUDA decode step with one launch on torch's current stream
@@ -26,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 PARTS = ("norm", "rope", "route", "attn")
-KERNELS = ("fused_add_rms_norm", "fused_qk_rope_kv", "fused_route_topk", "fused_decode_attn")
-ROUTE_MAX_E, ROUTE_MAX_K = 512, 32
+KERNELS = ("fused_add_rms_norm", "fused_qk_rope_kv", "fused_route_topk", "fused_router_topk",
+           "fused_decode_attn")
+ROUTE_MAX_E, ROUTE_MAX_K, ROUTER_MAX_T = 512, 32, 8
 ROPE_MAX_D = 256
 ATT_KEYS, ATT_MAX_G, ATT_MAX_Q = 128, 16, 2048
 _DT = {torch.float16: 0, torch.float32: 1}
@@ -291,6 +293,53 @@ def route_topk(logits: torch.Tensor, k: int, renorm: bool, slot_table: torch.Ten
     return ids, weights
 
 
+def ref_router_topk(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool):
+    """The torch ops of hybrid.model.moe.route: fp32 router GEMV, then ref_route_topk."""
+    return ref_route_topk(h.float() @ router.float().T, k, renorm)
+
+
+def router_topk(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool,
+                slot_table: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                row: torch.Tensor | None = None):
+    """h [T, H] fp16|fp32 (T <= 8), router [E, H] fp32 -> route_topk(h . router^T, ...) in one launch
+    (the GEMV in fp32, summed in another order than cuBLAS: logits agree to fp32 rounding)."""
+    if h.dim() != 2 or router.dim() != 2:
+        raise ValueError(f"h, router: expected [T, H] and [E, H], got {list(h.shape)} and {list(router.shape)}")
+    t, hd = h.shape
+    e = router.shape[0]
+    if (slot_table is None) != (slots is None):
+        raise ValueError("slot_table and slots: give both or neither")
+    if not h.is_cuda:
+        ids, weights = ref_router_topk(h, router, k, renorm)
+        ref_route_outputs(ids, weights, slot_table, slots, row)
+        return ids, weights
+    dev = _dev(h.device)
+    _check(h, "h", (torch.float16, torch.float32), (t, hd), dev)
+    _check(router, "router", torch.float32, (e, hd), dev)
+    if not 1 <= t <= ROUTER_MAX_T or hd % 4:
+        raise ValueError(f"h: expected 1..{ROUTER_MAX_T} tokens and H % 4 == 0, got {list(h.shape)}")
+    if not 1 <= e <= ROUTE_MAX_E:
+        raise ValueError(f"router: at most {ROUTE_MAX_E} experts, got {e}")
+    if not 1 <= k <= min(e, ROUTE_MAX_K):
+        raise ValueError(f"k: expected 1..{min(e, ROUTE_MAX_K)}, got {k}")
+    if slot_table is not None:
+        _check(slot_table, "slot_table", torch.int32, (e,), dev)
+        _check(slots, "slots", torch.int32, (t * k,), dev)
+    if row is not None:
+        _check(row, "row", torch.float32, (t, 2 * k), dev)
+    if h.data_ptr() % 16 or router.data_ptr() % 16:
+        raise ValueError("h, router: data pointers must be 16-byte aligned")
+    _, cnt = _workspace(dev, 0, 0)
+    logits = torch.empty(t, e, dtype=torch.float32, device=dev)
+    ids = torch.empty(t, k, dtype=torch.int64, device=dev)
+    weights = torch.empty(t, k, dtype=torch.float32, device=dev)
+    _module(dev).launch("fused_router_topk", (-(-e // 4), 1, 1), 128, [
+        _p(h), ctypes.c_int(_DT[h.dtype]), _p(router), _p(logits), _p(cnt), ctypes.c_int(t), ctypes.c_int(e),
+        ctypes.c_int(hd), ctypes.c_int(k), ctypes.c_int(int(bool(renorm))), _p(ids), _p(weights),
+        _p(slot_table), _p(slots), _p(row)])
+    return ids, weights
+
+
 # ---------------------------------------------------------------------------- decode attention
 def ref_decode_attn(q, k_store, v_store, keys, pos=None, start=0):
     """One query token: softmax(q k^T / sqrt(D)) v over keys 0..p (fp32 math) -> [1, Hq * D]."""
@@ -307,13 +356,14 @@ _WORK: dict = {}
 
 
 def _workspace(dev: torch.device, n: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-device split partials (grow-only; older buffers are kept alive for captured graphs) and
-    per-KV-head counters, zero and left zero by every launch."""
+    """Per-device attention split partials (grow-only; older buffers are kept alive, captured graphs
+    may point at them) and counters (zero, and left zero by every launch): [0] the router's, [1 + h]
+    KV head h's. Launches on one device are ordered on one stream (as the runtime's are)."""
     part, cnt, old = _WORK.get(dev, (None, None, []))
-    if part is None or part.numel() < n or cnt.numel() < heads:
+    if part is None or part.numel() < n or cnt.numel() < heads + 1:
         old = old + [part, cnt]
-        part = torch.empty(max(n, 1), dtype=torch.float32, device=dev)
-        cnt = torch.zeros(max(heads, 64), dtype=torch.int32, device=dev)
+        part = torch.empty(max(n, 1 if part is None else part.numel()), dtype=torch.float32, device=dev)
+        cnt = torch.zeros(max(heads + 1, 65, 0 if cnt is None else cnt.numel()), dtype=torch.int32, device=dev)
         _WORK[dev] = (part, cnt, old)
     return part, cnt
 
@@ -348,7 +398,7 @@ def decode_attn(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, k
     part, cnt = _workspace(dev, hkv * splits * g * (d + 2) if splits > 1 else 0, hkv)
     out = torch.empty(1, hq * d, dtype=torch.float16, device=dev)
     _module(dev).launch("fused_decode_attn", (hkv, splits, 1), ATT_KEYS, [
-        _p(q), _p(k_store), _p(v_store), _p(pos), ctypes.c_int(start), _p(out), _p(part), _p(cnt),
+        _p(q), _p(k_store), _p(v_store), _p(pos), ctypes.c_int(start), _p(out), _p(part), _p(cnt[1:]),
         ctypes.c_int(hkv), ctypes.c_int(g), ctypes.c_int(d), ctypes.c_int(cap),
         ctypes.c_float(d ** -0.5)])
     return out

@@ -16,7 +16,7 @@ import torch
 
 from hybrid.kernels import fused
 from hybrid.model.config import ModelConfig
-from hybrid.model.layers import Attention, KVCache, Rotary, add_rms_norm, decode_mask, fused_norm_ok, rms_norm
+from hybrid.model.layers import Attention, KVCache, Rotary, add_rms_norm, decode_mask, rms_norm
 from hybrid.model.linear import Linear
 from hybrid.model.moe import ExpertExecutor, SwiGLU, route
 
@@ -133,15 +133,17 @@ class MoEModel:
         x = rms_norm(x.to(self.lm_head.device), self.final_norm, self.cfg.rms_norm_eps)
         return self.lm_head(x).float()                                       # [T, V]
 
-    def route(self, i: int, h: torch.Tensor, hf: torch.Tensor | None = None, out: RouteOut | None = None):
-        """h [T, H] -> (ids [T, k] int64, weights [T, k] fp32). hf: h as fp32 when already made;
-        out: buffers also written (RouteOut). CUDA: the router GEMV, then softmax / top-k /
-        renormalisation (and out) as one fused kernel."""
+    def route(self, i: int, h: torch.Tensor, out: RouteOut | None = None):
+        """h [T, H] -> (ids [T, k] int64, weights [T, k] fp32); out: buffers also written (RouteOut).
+        CUDA: router GEMV + softmax / top-k / renormalisation (+ out) as one fused kernel for T <= 8;
+        for longer T the GEMV through cuBLAS, then the fused softmax / top-k."""
         router, k = self.layers[i].router, self.cfg.num_experts_per_tok
         extra = (out.slot_table, out.slots, out.row) if out is not None else (None, None, None)
         if (h.is_cuda and fused.enabled("route") and router.dtype == torch.float32
                 and router.shape[0] <= fused.ROUTE_MAX_E and k <= min(router.shape[0], fused.ROUTE_MAX_K)):
-            logits = (h.float() if hf is None else hf) @ router.T                 # [T, E] fp32
+            if h.shape[0] <= fused.ROUTER_MAX_T and h.shape[1] % 4 == 0 and h.is_contiguous():
+                return fused.router_topk(h, router, k, self.cfg.norm_topk_prob, *extra)
+            logits = h.float() @ router.T                                          # [T, E] fp32
             return fused.route_topk(logits.contiguous(), k, self.cfg.norm_topk_prob, *extra)
         ids, weights = route(h, router, k, self.cfg.norm_topk_prob)
         if out is not None:
@@ -185,13 +187,8 @@ class MoEModel:
             a = layer.attn.decode(h, i, self.cache, pos, None, keys, mask, table=table)
         else:
             a = layer.attn.decode(h, i, self.cache, pos, table.index_select(0, pos), keys, mask)  # cs [1, 2, D]
-        hf = None
-        if x.is_cuda and fused_norm_ok(x, layer.post_norm) and a.dtype == x.dtype and x.dim() == 2:
-            x, h, hf = fused.add_rms_norm(x, layer.post_norm, eps, delta=a.contiguous(),
-                                          want_f32=fused.enabled("route"))
-        else:
-            x, h = add_rms_norm(x, a, layer.post_norm, eps)
-        ids, weights = self.route(i, h, hf, route_out)
+        x, h = add_rms_norm(x, a, layer.post_norm, eps)
+        ids, weights = self.route(i, h, route_out)
         return x, h, ids, weights
 
     def forward_logits(self, ids: torch.Tensor) -> torch.Tensor:
