@@ -432,10 +432,15 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[4], const u32x4* wt, 
         // group 4 (c + s) + n of the pair: this lane's only non-zero B operand
         const u64 xv = (n < 4 || two) ? ld_act(x + (size_t)(c + s) * 64 + n * 16 + 4 * q) : 0ull;
         float d[4] = {0.f, 0.f, 0.f, 0.f};
+        // scale bytes [s(r,2q') s(r,2q'+1) s(r+8,2q') s(r+8,2q'+1)] of chunk c + s + q/2, q' = q%2,
+        // read before the second chunk's issue refills the first chunk's slot
+        const u32 saddr = sbase + (s + (q >> 1)) * 256 + 4 * (q & 1);
+        u32 sw = 0;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (h == 0 || two) {
             cp_wait<ST - 2>();
+            if (h == 1) asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw) : "r"(saddr));
             const int ns = (s + h + ST - 1) % ST;
             const u32x4* w[1] = {wp[0] + (s + h + ST - 1) * 32};
             const u64* g[1] = {sp[0] + (s + h + ST - 1) * 8};
@@ -450,9 +455,7 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[4], const u32x4* wt, 
             }
           }
         }
-        // scale bytes [s(r,2q') s(r,2q'+1) s(r+8,2q') s(r+8,2q'+1)] of chunk c + s + q/2, q' = q%2
-        u32 sw;
-        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw) : "r"(sbase + (s + (q >> 1)) * 256 + 4 * (q & 1)));
+        if (!two && q < 2) asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw) : "r"(saddr));
         tot[0] = fmaf(d[0], e4m3_mag_f32(sw << 20), tot[0]);
         tot[1] = fmaf(d[1], e4m3_mag_f32(sw << 12), tot[1]);
         tot[2] = fmaf(d[2], e4m3_mag_f32(sw << 4), tot[2]);
