@@ -28,6 +28,8 @@
 //   fused_router_topk   grid ceil(E / 4), block 128: the router GEMV as well, T <= 8 tokens
 //       h [T, H] (fp16 | fp32), router [E, H] fp32 -> logits [T, E] fp32 (= h . router^T), then as
 //       fused_route_topk; counter [1] int (zero, and left zero by the last block, which routes)
+//   fused_add_norm_router  grid ceil(E / 4), block 128, T <= 8: fused_add_rms_norm (x_out, h) and
+//       fused_router_topk on that h in one launch (logits [T, E] fp32 scratch, counter as above)
 //   fused_decode_attn   grid (Hkv, S splits), block 128: one query token, GQA (g = Hq / Hkv)
 //       q [Hq, D] fp16, k_store / v_store [C, Hkv, D] fp16, keys 0..p attended (p = *pos or pos0)
 //       -> out [Hq, D] fp16; partials [Hkv, S, g, D + 2] fp32 and counters [Hkv] int (zero, and left
@@ -286,6 +288,78 @@ extern "C" __global__ void __launch_bounds__(128)
   for (int t = warp; t < T; t += 4)
     topk_row(logits + (size_t)t * E, true, t, E, k, renorm, ids, weights, slot_table, slots, route_row);
   if (threadIdx.x == 0) *counter = 0;
+}
+
+// Residual add + RMSNorm + router + top-k in one launch (T <= 8): every block computes the rows'
+// sums of squares itself (H elements, cached), then its warps' experts' logits from the normed rows
+// (h rounded to x's dtype, exactly the h written), block 0 writes x_out and h, the last block routes.
+extern "C" __global__ void __launch_bounds__(128)
+    fused_add_norm_router(const void* x, const void* delta, const float* w, void* x_out, void* hout,
+                          int H, float eps, int x_f32, int delta_f32, const float* router, float* logits,
+                          int* counter, int T, int E, int k, int renorm, long long* ids, float* weights,
+                          const int* slot_table, int* slots, float* route_row) {
+  __shared__ float part[4][ROUTER_MAXT];
+  __shared__ float rstd[ROUTER_MAXT];
+  __shared__ int last;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  float ss[ROUTER_MAXT];
+#pragma unroll
+  for (int t = 0; t < ROUTER_MAXT; ++t) ss[t] = 0.f;
+  for (int i = tid; i < H; i += 128) {
+#pragma unroll
+    for (int t = 0; t < ROUTER_MAXT; ++t) {
+      if (t < T) {
+        const size_t o = (size_t)t * H + i;
+        float v = load(x, o, x_f32);
+        if (delta) v = round_to(v + round_to(load(delta, o, delta_f32), x_f32), x_f32);
+        ss[t] += v * v;
+        if (blockIdx.x == 0 && delta) store(x_out, o, v, x_f32);
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < ROUTER_MAXT; ++t) {
+    const float r = warp_sum(ss[t]);
+    if (lane == 0) part[warp][t] = r;
+  }
+  __syncthreads();
+  if (tid < T) rstd[tid] = rsqrtf((part[0][tid] + part[1][tid] + part[2][tid] + part[3][tid]) / (float)H + eps);
+  __syncthreads();
+  const int e = blockIdx.x * 4 + warp;
+  float acc[ROUTER_MAXT];
+#pragma unroll
+  for (int t = 0; t < ROUTER_MAXT; ++t) acc[t] = 0.f;
+  const float* wr = router + (size_t)(e < E ? e : 0) * H;
+  for (int i = lane; i < H; i += 32) {
+    const float rw = wr[i], nw = w[i];
+#pragma unroll
+    for (int t = 0; t < ROUTER_MAXT; ++t) {
+      if (t < T) {
+        const size_t o = (size_t)t * H + i;
+        float v = load(x, o, x_f32);
+        if (delta) v = round_to(v + round_to(load(delta, o, delta_f32), x_f32), x_f32);
+        const float hv = round_to(v * rstd[t] * nw, x_f32);
+        if (blockIdx.x == 0 && warp == 0) store(hout, o, hv, x_f32);
+        acc[t] = fmaf(hv, rw, acc[t]);
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < ROUTER_MAXT; ++t) {
+    if (t < T) {
+      const float v = warp_sum(acc[t]);
+      if (lane == 0 && e < E) logits[(size_t)t * E + e] = v;
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int t = warp; t < T; t += 4)
+    topk_row(logits + (size_t)t * E, true, t, E, k, renorm, ids, weights, slot_table, slots, route_row);
+  if (tid == 0) *counter = 0;
 }
 
 // ---------------------------------------------------------------- one-token GQA attention

@@ -159,3 +159,12 @@ def test_ref_router_topk_is_route(renorm):
     ids, weights = fused.router_topk(x, w, 4, renorm)                  # CPU: the ref
     rid, rw = route(x, w, 4, renorm)
     assert torch.equal(ids, rid) and torch.equal(weights, rw)
+
+
+def test_ref_add_norm_router_is_add_norm_then_route():
+    x, d, w = _rand(2, 32, seed=21), _rand(2, 32, seed=22), _rand(32, seed=23)
+    router = _rand(16, 32, seed=24)
+    x2, h, ids, weights = fused.add_norm_router(x, w, 1e-6, router, 4, True, d)   # CPU: the ref
+    assert torch.equal(x2, x + d) and torch.equal(h, rms_norm(x + d, w, 1e-6))
+    rid, rw = route(h, router, 4, True)
+    assert torch.equal(ids, rid) and torch.equal(weights, rw)

@@ -140,6 +140,32 @@ def test_router_topk(backend, t, e, h, hdt):
     assert torch.equal(row[:, :k].cpu(), rid.float())
 
 
+@pytest.mark.parametrize("t,h,e", [(1, 2048, 128), (3, 100, 60), (8, 256, 512)])
+@pytest.mark.parametrize("xdt", [torch.float16, torch.float32])
+@pytest.mark.parametrize("ddt", [None, torch.float16, torch.float32])
+def test_add_norm_router(backend, t, h, e, xdt, ddt):
+    """Residual add + RMSNorm + router + top-k in one launch: x2 exact, h as the RMSNorm reference,
+    ids / weights as the torch route of the h the kernel wrote."""
+    k = 8
+    x, w = fresh((t, h), xdt), fresh((h,), scale=0.2, shift=1.0)
+    d = fresh((t, h), ddt, scale=0.5) if ddt is not None else None
+    router = fresh((e, h), scale=3.0 / h ** 0.5)
+    row = torch.full((t, 2 * k), float("nan"), device=DEV)
+    poison(((t, h), xdt), ((t, h), xdt), ((t, e), torch.float32), ((t, k), torch.int64), ((t, k), torch.float32))
+    x2, hn, ids, wt = fused.add_norm_router(x.to(DEV), w.to(DEV), EPS, router.to(DEV), k, True,
+                                            None if d is None else d.to(DEV), row=row)
+    want_x = x + d.to(xdt) if d is not None else x
+    assert torch.equal(x2.cpu(), want_x)
+    s = want_x.double()
+    want_h = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * w.double()
+    tol = 1e-3 if xdt == torch.float16 else 1e-5
+    torch.testing.assert_close(hn.cpu().double(), want_h, atol=tol, rtol=tol)
+    rid, rw = fused.ref_router_topk(hn.cpu(), router, k, True)
+    assert torch.equal(ids.cpu(), rid)
+    torch.testing.assert_close(wt.cpu(), rw, atol=1e-5, rtol=1e-4)
+    assert torch.equal(row[:, k:].cpu(), wt.cpu())
+
+
 def test_route_topk_ties_take_lowest_ids(backend):
     ids, w = fused.route_topk(torch.zeros(2, 16, device=DEV), 4, False)
     if GPU:                                   # torch.topk leaves ties unspecified; the kernel does not
@@ -223,7 +249,7 @@ def test_odd_shapes_rejected():
 # ---------------------------------------------------------------------------- CUDA graph
 @gpu_only
 def test_graph_capture_and_replay():
-    """All five kernels captured once (position a device tensor) and replayed at several positions
+    """All six kernels captured once (position a device tensor) and replayed at several positions
     give what the same calls give eagerly (bit-identical: the same kernels)."""
     hdim, hq, hkv, d, e, k, cap, keys = 256, 8, 2, 64, 32, 4, 512, 512
     dev = torch.device("cuda")
@@ -243,7 +269,8 @@ def test_graph_capture_and_replay():
         o = fused.decode_attn(q, ks, vs, keys, pos=pos)
         ids, rw = fused.route_topk(logits, k, True)
         rids, rrw = fused.router_topk(h, router, k, True)
-        return x2, h, hf, q, o, ids, rw, rids, rrw
+        ax, ah, aids, aw = fused.add_norm_router(x, w, EPS, router, k, True, delta)
+        return x2, h, hf, q, o, ids, rw, rids, rrw, ax, ah, aids, aw
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -261,8 +288,9 @@ def test_graph_capture_and_replay():
         graph.replay()
         got = [t.clone() for t in static]
         want = body()
-        for name, a, b in zip(("x", "h", "hf", "q", "attn", "ids", "weights", "router ids", "router weights"),
-                              got, want):
+        names = ("x", "h", "hf", "q", "attn", "ids", "weights", "router ids", "router weights",
+                 "anr x", "anr h", "anr ids", "anr weights")
+        for name, a, b in zip(names, got, want):
             assert torch.equal(a, b), f"pos {p}: {name} differs between replay and eager"
 
 

@@ -7,6 +7,7 @@ k experts per token, R rows of the RoPE table, C rows of the KV store, L keys at
     q = qk_rope_kv(qkv, q_norm, k_norm, table, k_store, v_store, Hq, Hkv, D, eps, pos=pos)
     ids, weights = route_topk(logits, k, renorm)  # softmax -> top-k -> renormalise
     ids, weights = router_topk(h, router, k, renorm)   # the router GEMV too (T <= 8)
+    x2, h, ids, weights = add_norm_router(x, w, eps, router, k, renorm, delta)   # all of it (T <= 8)
     out = decode_attn(q, k_store, v_store, keys, pos=pos)   # one token, keys 0..pos
 
 Each replaces several torch ops of the CUDA decode step with one launch on torch's current stream
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 PARTS = ("norm", "rope", "route", "attn")
 KERNELS = ("fused_add_rms_norm", "fused_qk_rope_kv", "fused_route_topk", "fused_router_topk",
-           "fused_decode_attn")
+           "fused_add_norm_router", "fused_decode_attn")
 ROUTE_MAX_E, ROUTE_MAX_K, ROUTER_MAX_T = 512, 32, 8
 ROPE_MAX_D = 256
 ATT_KEYS, ATT_MAX_G, ATT_MAX_Q = 128, 16, 2048
@@ -318,15 +319,7 @@ def router_topk(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool,
     _check(router, "router", torch.float32, (e, hd), dev)
     if not 1 <= t <= ROUTER_MAX_T or hd % 4:
         raise ValueError(f"h: expected 1..{ROUTER_MAX_T} tokens and H % 4 == 0, got {list(h.shape)}")
-    if not 1 <= e <= ROUTE_MAX_E:
-        raise ValueError(f"router: at most {ROUTE_MAX_E} experts, got {e}")
-    if not 1 <= k <= min(e, ROUTE_MAX_K):
-        raise ValueError(f"k: expected 1..{min(e, ROUTE_MAX_K)}, got {k}")
-    if slot_table is not None:
-        _check(slot_table, "slot_table", torch.int32, (e,), dev)
-        _check(slots, "slots", torch.int32, (t * k,), dev)
-    if row is not None:
-        _check(row, "row", torch.float32, (t, 2 * k), dev)
+    _route_checks(t, e, k, dev, slot_table, slots, row)
     if h.data_ptr() % 16 or router.data_ptr() % 16:
         raise ValueError("h, router: data pointers must be 16-byte aligned")
     _, cnt = _workspace(dev, 0, 0)
@@ -338,6 +331,57 @@ def router_topk(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool,
         ctypes.c_int(hd), ctypes.c_int(k), ctypes.c_int(int(bool(renorm))), _p(ids), _p(weights),
         _p(slot_table), _p(slots), _p(row)])
     return ids, weights
+
+
+def _route_checks(t: int, e: int, k: int, dev, slot_table, slots, row) -> None:
+    if not 1 <= e <= ROUTE_MAX_E:
+        raise ValueError(f"router: at most {ROUTE_MAX_E} experts, got {e}")
+    if not 1 <= k <= min(e, ROUTE_MAX_K):
+        raise ValueError(f"k: expected 1..{min(e, ROUTE_MAX_K)}, got {k}")
+    if slot_table is not None:
+        _check(slot_table, "slot_table", torch.int32, (e,), dev)
+        _check(slots, "slots", torch.int32, (t * k,), dev)
+    if row is not None:
+        _check(row, "row", torch.float32, (t, 2 * k), dev)
+
+
+def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: torch.Tensor, k: int,
+                    renorm: bool, delta: torch.Tensor | None = None, slot_table: torch.Tensor | None = None,
+                    slots: torch.Tensor | None = None, row: torch.Tensor | None = None):
+    """add_rms_norm(x, weight, eps, delta) then router_topk(h, router, k, renorm, ...) in one launch
+    (T <= 8) -> (x2, h, ids, weights)."""
+    if x.dim() != 2 or router.dim() != 2:
+        raise ValueError(f"x, router: expected [T, H] and [E, H], got {list(x.shape)} and {list(router.shape)}")
+    t, hd = x.shape
+    e = router.shape[0]
+    if (slot_table is None) != (slots is None):
+        raise ValueError("slot_table and slots: give both or neither")
+    if not x.is_cuda:
+        x2, h, _ = ref_add_rms_norm(x, weight, eps, delta)
+        ids, weights = ref_router_topk(h, router, k, renorm)
+        ref_route_outputs(ids, weights, slot_table, slots, row)
+        return x2, h, ids, weights
+    dev = _dev(x.device)
+    _check(x, "x", (torch.float16, torch.float32), (t, hd), dev)
+    _check(weight, "weight", torch.float32, (hd,), dev)
+    if delta is not None:
+        _check(delta, "delta", (torch.float16, torch.float32), (t, hd), dev)
+    _check(router, "router", torch.float32, (e, hd), dev)
+    if not 1 <= t <= ROUTER_MAX_T:
+        raise ValueError(f"x: expected 1..{ROUTER_MAX_T} tokens, got {t}")
+    _route_checks(t, e, k, dev, slot_table, slots, row)
+    _, cnt = _workspace(dev, 0, 0)
+    x2 = torch.empty_like(x) if delta is not None else x
+    h = torch.empty_like(x)
+    logits = torch.empty(t, e, dtype=torch.float32, device=dev)
+    ids = torch.empty(t, k, dtype=torch.int64, device=dev)
+    weights = torch.empty(t, k, dtype=torch.float32, device=dev)
+    _module(dev).launch("fused_add_norm_router", (-(-e // 4), 1, 1), 128, [
+        _p(x), _p(delta), _p(weight), _p(x2 if delta is not None else None), _p(h), ctypes.c_int(hd),
+        ctypes.c_float(eps), ctypes.c_int(_DT[x.dtype]), ctypes.c_int(_DT[delta.dtype] if delta is not None else 0),
+        _p(router), _p(logits), _p(cnt), ctypes.c_int(t), ctypes.c_int(e), ctypes.c_int(k),
+        ctypes.c_int(int(bool(renorm))), _p(ids), _p(weights), _p(slot_table), _p(slots), _p(row)])
+    return x2, h, ids, weights
 
 
 # ---------------------------------------------------------------------------- decode attention

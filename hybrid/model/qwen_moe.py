@@ -16,7 +16,7 @@ import torch
 
 from hybrid.kernels import fused
 from hybrid.model.config import ModelConfig
-from hybrid.model.layers import Attention, KVCache, Rotary, add_rms_norm, decode_mask, rms_norm
+from hybrid.model.layers import Attention, KVCache, Rotary, add_rms_norm, decode_mask, fused_norm_ok, rms_norm
 from hybrid.model.linear import Linear
 from hybrid.model.moe import ExpertExecutor, SwiGLU, route
 
@@ -31,6 +31,10 @@ class RouteOut:
     slot_table: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     row: torch.Tensor | None = None
+
+
+def _route_extra(out: RouteOut | None) -> tuple:
+    return (out.slot_table, out.slots, out.row) if out is not None else (None, None, None)
 
 
 @dataclass
@@ -138,9 +142,8 @@ class MoEModel:
         CUDA: router GEMV + softmax / top-k / renormalisation (+ out) as one fused kernel for T <= 8;
         for longer T the GEMV through cuBLAS, then the fused softmax / top-k."""
         router, k = self.layers[i].router, self.cfg.num_experts_per_tok
-        extra = (out.slot_table, out.slots, out.row) if out is not None else (None, None, None)
-        if (h.is_cuda and fused.enabled("route") and router.dtype == torch.float32
-                and router.shape[0] <= fused.ROUTE_MAX_E and k <= min(router.shape[0], fused.ROUTE_MAX_K)):
+        extra = _route_extra(out)
+        if self._fused_route_ok(i, h):
             if h.shape[0] <= fused.ROUTER_MAX_T and h.shape[1] % 4 == 0 and h.is_contiguous():
                 return fused.router_topk(h, router, k, self.cfg.norm_topk_prob, *extra)
             logits = h.float() @ router.T                                          # [T, E] fp32
@@ -155,6 +158,11 @@ class MoEModel:
         if self.on_route is not None:
             self.on_route(i, ids, weights)
         return self.moe_out(i, h, self.experts(i, h, ids, weights))
+
+    def _fused_route_ok(self, i: int, h: torch.Tensor) -> bool:
+        router, k = self.layers[i].router, self.cfg.num_experts_per_tok
+        return (h.is_cuda and fused.enabled("route") and router.dtype == torch.float32 and router.is_cuda
+                and router.shape[0] <= fused.ROUTE_MAX_E and k <= min(router.shape[0], fused.ROUTE_MAX_K))
 
     def moe_out(self, i: int, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Routed experts' sum `out` [T, H] (+ the gated shared expert where the model has one)."""
@@ -187,6 +195,12 @@ class MoEModel:
             a = layer.attn.decode(h, i, self.cache, pos, None, keys, mask, table=table)
         else:
             a = layer.attn.decode(h, i, self.cache, pos, table.index_select(0, pos), keys, mask)  # cs [1, 2, D]
+        if (self._fused_route_ok(i, x) and fused_norm_ok(x, layer.post_norm) and x.dim() == 2
+                and x.shape[0] <= fused.ROUTER_MAX_T and a.dtype == x.dtype and a.is_contiguous()):
+            x, h, ids, weights = fused.add_norm_router(x, layer.post_norm, eps, layer.router,   # one launch
+                                                       self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob,
+                                                       a, *_route_extra(route_out))
+            return x, h, ids, weights
         x, h = add_rms_norm(x, a, layer.post_norm, eps)
         ids, weights = self.route(i, h, route_out)
         return x, h, ids, weights
