@@ -378,8 +378,8 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--site", default=None, help="folder with llama_cpp, gguf (pip --target); put on sys.path and "
-                   "on the children's PYTHONPATH")
+    p.add_argument("--site", default=None, help="folder with llama_cpp, gguf, ... (pip --target): first on the "
+                   "PYTHONPATH and LD_LIBRARY_PATH of the child processes (the parent, which runs hybrid, needs none)")
     p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
     p.add_argument("--gguf", type=Path, default=None, help="GGUF path (default: <synth>.gguf)")
     p.add_argument("--skew", type=float, default=0.25)
@@ -402,8 +402,6 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.child:
         return child(json.loads(a.child))
-    if a.site:
-        sys.path.insert(0, a.site)
     OUT.mkdir(parents=True, exist_ok=True)
     from hybrid.hardware import physical_cores
 
