@@ -22,9 +22,10 @@ Children get LD_LIBRARY_PATH with the CUDA 13 libraries of torch's nvidia-* whee
 libcublas.so.13) and PYTHONPATH with --site, so the parent needs neither; each child ends with the
 model it loaded, so VRAM and threads are free for the next part.
 
-    # device (wheels of llama-cpp-python CUDA, gguf, PyYAML, diskcache in .whl/):
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    HYBRID_GIT_SHA=<sha> PYTHONPATH=. python3 tools/gpu_llama_ab.py --site /tmp/site
+    # device (.whl/: llama-cpp-python built with CUDA, gguf, PyYAML, diskcache, jinja2, MarkupSafe wheels
+    # and libgomp.so.1 in case the machine has none):
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && cp .whl/libgomp.so.1 /tmp/site/
+    HYBRID_GIT_SHA=<sha> PYTHONPATH=. python3 tools/gpu_llama_ab.py --site /tmp/site --pytest tests/test_llama_offload.py
     # dry run on a CPU machine (a small synthetic shape, the same code path):
     OUT=/tmp/ab PYTHONPATH=. python3 tools/gpu_llama_ab.py --device cpu --small
 """
