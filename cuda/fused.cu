@@ -34,6 +34,8 @@
 //       q [Hq, D] fp16, k_store / v_store [C, Hkv, D] fp16, keys 0..p attended (p = *pos or pos0)
 //       -> out [Hq, D] fp16; partials [Hkv, S, g, D + 2] fp32 and counters [Hkv] int (zero, and left
 //       zero: the last split block of a head combines the partials and resets its counter)
+//   fused_rope_attn     grid (Hkv, S splits), block 128, one token: fused_qk_rope_kv + fused_decode_attn
+//       in one launch: qkv [1, (Hq + 2 Hkv) * D] fp16 -> out [Hq, D] fp16, K/V row p written
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -111,6 +113,54 @@ extern "C" __global__ void __launch_bounds__(256)
 // ---------------------------------------------------------------- q/k RMSNorm + RoPE + KV write
 #define ROPE_MAXR 4   // pairs (i, i + D/2) per lane: D <= 256
 
+// One warp, one head: src [D] fp16 -> RMSNorm (when nw) * nw -> RoPE with cs = (cos [D], signed
+// sin [D]) -> fp16 into gdst, or (TO_SMEM) the fp16-rounded values as floats into sdst.
+// ok == false: NaN (a position outside the table or the store).
+template <bool TO_SMEM>
+__device__ __forceinline__ void rope_head(const u16* src, const float* nw, const float* cs, int D,
+                                          float eps, bool ok, u16* gdst, float* sdst) {
+  const int lane = threadIdx.x & 31, half = D >> 1;
+  float a[ROPE_MAXR], b[ROPE_MAXR];                       // elements i and i + half, i = lane + 32 r
+  float ss = 0.f;
+#pragma unroll
+  for (int r = 0; r < ROPE_MAXR; ++r) {
+    const int i = lane + 32 * r;
+    a[r] = b[r] = 0.f;
+    if (i < half) {
+      a[r] = h2f(src[i]);
+      b[r] = h2f(src[i + half]);
+      ss += a[r] * a[r] + b[r] * b[r];
+    }
+  }
+  if (nw) {
+    const float rstd = rsqrtf(warp_sum(ss) / (float)D + eps);
+#pragma unroll
+    for (int r = 0; r < ROPE_MAXR; ++r) {
+      const int i = lane + 32 * r;
+      if (i < half) {
+        a[r] = a[r] * rstd * nw[i];
+        b[r] = b[r] * rstd * nw[i + half];
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROPE_MAXR; ++r) {
+    const int i = lane + 32 * r;
+    if (i < half) {
+      float oa = fmaf(b[r], cs[D + i], a[r] * cs[i]);
+      float ob = fmaf(a[r], cs[D + i + half], b[r] * cs[i + half]);
+      if (!ok) oa = ob = __int_as_float(0x7fc00000);
+      if (TO_SMEM) {
+        sdst[i] = h2f(f2h(oa));
+        sdst[i + half] = h2f(f2h(ob));
+      } else {
+        gdst[i] = f2h(oa);
+        gdst[i + half] = f2h(ob);
+      }
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(128)
     fused_qk_rope_kv(const u16* qkv, const float* q_norm, const float* k_norm, const float* table,
                      int table_rows, const long long* pos, int pos0, u16* q_out, u16* k_store,
@@ -129,46 +179,10 @@ extern "C" __global__ void __launch_bounds__(128)
     for (int i = lane; i < D; i += 32) dst[i] = src[i];
     return;
   }
-  const int half = D >> 1;
-  float a[ROPE_MAXR], b[ROPE_MAXR];                       // elements i and i + half, i = lane + 32 r
-  float ss = 0.f;
-#pragma unroll
-  for (int r = 0; r < ROPE_MAXR; ++r) {
-    const int i = lane + 32 * r;
-    a[r] = b[r] = 0.f;
-    if (i < half) {
-      a[r] = h2f(src[i]);
-      b[r] = h2f(src[i + half]);
-      ss += a[r] * a[r] + b[r] * b[r];
-    }
-  }
-  const float* nw = hh < Hq ? q_norm : k_norm;
-  if (nw) {
-    const float rstd = rsqrtf(warp_sum(ss) / (float)D + eps);
-#pragma unroll
-    for (int r = 0; r < ROPE_MAXR; ++r) {
-      const int i = lane + 32 * r;
-      if (i < half) {
-        a[r] = a[r] * rstd * nw[i];
-        b[r] = b[r] * rstd * nw[i + half];
-      }
-    }
-  }
-  u16* dst = hh < Hq ? q_out + ((size_t)t * Hq + hh) * D
-                     : k_store + ((size_t)(ok ? p : 0) * Hkv + (hh - Hq)) * D;
-  if (!ok && hh >= Hq) return;
-  const float* cs = table + (size_t)(ok ? p : 0) * 2 * D;   // cos [D], then signed sin [D]
-#pragma unroll
-  for (int r = 0; r < ROPE_MAXR; ++r) {
-    const int i = lane + 32 * r;
-    if (i < half) {
-      float oa = fmaf(b[r], cs[D + i], a[r] * cs[i]);
-      float ob = fmaf(a[r], cs[D + i + half], b[r] * cs[i + half]);
-      if (!ok) oa = ob = __int_as_float(0x7fc00000);
-      dst[i] = f2h(oa);
-      dst[i + half] = f2h(ob);
-    }
-  }
+  if (!ok && hh >= Hq) return;                            // no K row for a bad position
+  u16* dst = hh < Hq ? q_out + ((size_t)t * Hq + hh) * D : k_store + ((size_t)p * Hkv + (hh - Hq)) * D;
+  rope_head<false>(src, hh < Hq ? q_norm : k_norm, table + (size_t)(ok ? p : 0) * 2 * D, D, eps, ok,
+                   dst, nullptr);
 }
 
 // ---------------------------------------------------------------- router softmax + top-k
@@ -371,21 +385,20 @@ extern "C" __global__ void __launch_bounds__(128)
 #define ATT_MAXQ 2048   // g * D
 #define ATT_MAXO (ATT_MAXQ / ATT_KEYS)
 
+struct AttnSmem {
+  float qs[ATT_MAXQ];            // this KV head's g query heads [g, D] fp32 (16-byte aligned: first)
+  float sc[ATT_MAXG][ATT_KEYS];  // scores, then exp(score - max) per query head
+  float ml[ATT_MAXG][2];         // max, sum per query head
+  int last;
+};
 
-extern "C" __global__ void __launch_bounds__(128)
-    fused_decode_attn(const u16* q, const u16* k_store, const u16* v_store, const long long* pos,
-                      int pos0, u16* out, float* partials, int* counters, int Hkv, int g, int D, int C,
-                      float scale) {
-  __shared__ __align__(16) float qs[ATT_MAXQ];
-  __shared__ float sc[ATT_MAXG][ATT_KEYS];
-  __shared__ float ml[ATT_MAXG][2];
-  __shared__ int last;
+// The attention of one (KV head, split) block once sm.qs holds the queries and the block's
+// threads are synchronised; n = keys attended (0..n-1).
+__device__ __forceinline__ void attn_body(AttnSmem& sm, const u16* k_store, const u16* v_store, int n,
+                                          u16* out, float* partials, int* counters, int Hkv, int g,
+                                          int D, float scale) {
   const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y, tid = threadIdx.x;
-  const long long p = pos ? pos[0] : (long long)pos0;
-  const int n = (int)(p + 1 < (long long)C ? p + 1 : (long long)C);    // keys 0..p (<= 0: none)
   const int start = split * ATT_KEYS, gd = g * D;
-  for (int i = tid; i < gd; i += ATT_KEYS) qs[i] = h2f(q[(size_t)kvh * gd + i]);
-  __syncthreads();
   const int key = start + tid;
   float s[ATT_MAXG];
 #pragma unroll
@@ -404,8 +417,8 @@ extern "C" __global__ void __launch_bounds__(128)
 #pragma unroll
       for (int h = 0; h < ATT_MAXG; ++h) {
         if (h < g) {
-          const float4 q0 = *(const float4*)(qs + h * D + c);
-          const float4 q1 = *(const float4*)(qs + h * D + c + 4);
+          const float4 q0 = *(const float4*)(sm.qs + h * D + c);
+          const float4 q1 = *(const float4*)(sm.qs + h * D + c + 4);
           s[h] += q0.x * kf[0] + q0.y * kf[1] + q0.z * kf[2] + q0.w * kf[3] + q1.x * kf[4] +
                   q1.y * kf[5] + q1.z * kf[6] + q1.w * kf[7];
         }
@@ -414,22 +427,22 @@ extern "C" __global__ void __launch_bounds__(128)
   }
 #pragma unroll
   for (int h = 0; h < ATT_MAXG; ++h)
-    if (h < g) sc[h][tid] = key < n ? s[h] * scale : NEG_INF;
+    if (h < g) sm.sc[h][tid] = key < n ? s[h] * scale : NEG_INF;
   __syncthreads();
   const int warp = tid >> 5, lane = tid & 31;
   for (int h = warp; h < g; h += 4) {                     // softmax pieces of this split, per head
     float v[4], m = NEG_INF, l = 0.f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) m = fmaxf(m, v[i] = sc[h][lane + 32 * i]);
+    for (int i = 0; i < 4; ++i) m = fmaxf(m, v[i] = sm.sc[h][lane + 32 * i]);
     m = warp_max(m);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float e = m == NEG_INF ? 0.f : expf(v[i] - m);
-      sc[h][lane + 32 * i] = e;
+      sm.sc[h][lane + 32 * i] = e;
       l += e;
     }
     l = warp_sum(l);
-    if (lane == 0) { ml[h][0] = m; ml[h][1] = l; }
+    if (lane == 0) { sm.ml[h][0] = m; sm.ml[h][1] = l; }
   }
   __syncthreads();
   const int nk = n - start < ATT_KEYS ? (n - start > 0 ? n - start : 0) : ATT_KEYS;
@@ -450,7 +463,7 @@ extern "C" __global__ void __launch_bounds__(128)
       const float v = h2f(vbase[(size_t)(start + kk) * Hkv * D + od[0]]);
 #pragma unroll
       for (int j = 0; j < ATT_MAXO; ++j)
-        if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sc[oh[j]][kk], v, acc[j]);
+        if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sm.sc[oh[j]][kk], v, acc[j]);
     }
   } else if (D == 2 * ATT_KEYS) {
     for (int kk = 0; kk < nk; ++kk) {
@@ -458,21 +471,21 @@ extern "C" __global__ void __launch_bounds__(128)
       const float v0 = h2f(vr[tid]), v1 = h2f(vr[tid + ATT_KEYS]);
 #pragma unroll
       for (int j = 0; j < ATT_MAXO; ++j)
-        if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sc[oh[j]][kk], (j & 1) ? v1 : v0, acc[j]);
+        if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sm.sc[oh[j]][kk], (j & 1) ? v1 : v0, acc[j]);
     }
   } else {
     for (int kk = 0; kk < nk; ++kk) {
       const u16* vr = vbase + (size_t)(start + kk) * Hkv * D;
 #pragma unroll
       for (int j = 0; j < ATT_MAXO; ++j)
-        if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sc[oh[j]][kk], h2f(vr[od[j]]), acc[j]);
+        if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sm.sc[oh[j]][kk], h2f(vr[od[j]]), acc[j]);
     }
   }
   u16* ob = out + (size_t)kvh * gd;
   if (S == 1) {
 #pragma unroll
     for (int j = 0; j < ATT_MAXO; ++j)
-      if (tid + ATT_KEYS * j < gd) ob[tid + ATT_KEYS * j] = f2h(acc[j] / ml[oh[j]][1]);
+      if (tid + ATT_KEYS * j < gd) ob[tid + ATT_KEYS * j] = f2h(acc[j] / sm.ml[oh[j]][1]);
     return;
   }
   const int stride = D + 2;                               // per query head: acc [D], max, sum
@@ -481,14 +494,14 @@ extern "C" __global__ void __launch_bounds__(128)
   for (int j = 0; j < ATT_MAXO; ++j)
     if (tid + ATT_KEYS * j < gd) part[oh[j] * stride + od[j]] = acc[j];
   if (tid < g) {
-    part[tid * stride + D] = ml[tid][0];
-    part[tid * stride + D + 1] = ml[tid][1];
+    part[tid * stride + D] = sm.ml[tid][0];
+    part[tid * stride + D + 1] = sm.ml[tid][1];
   }
   __threadfence();
   __syncthreads();
-  if (tid == 0) last = atomicAdd(&counters[kvh], 1) == S - 1;
+  if (tid == 0) sm.last = atomicAdd(&counters[kvh], 1) == S - 1;
   __syncthreads();
-  if (!last) return;
+  if (!sm.last) return;
   __threadfence();
   const float* head = partials + (size_t)kvh * S * g * stride;
 #pragma unroll
@@ -508,4 +521,44 @@ extern "C" __global__ void __launch_bounds__(128)
     ob[tid + ATT_KEYS * j] = f2h(osum / lsum);
   }
   if (tid == 0) counters[kvh] = 0;
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    fused_decode_attn(const u16* q, const u16* k_store, const u16* v_store, const long long* pos,
+                      int pos0, u16* out, float* partials, int* counters, int Hkv, int g, int D, int C,
+                      float scale) {
+  __shared__ __align__(16) AttnSmem sm;
+  const long long p = pos ? pos[0] : (long long)pos0;
+  const int n = (int)(p + 1 < (long long)C ? p + 1 : (long long)C);    // keys 0..p (<= 0: none)
+  const int gd = g * D;
+  for (int i = threadIdx.x; i < gd; i += ATT_KEYS) sm.qs[i] = h2f(q[(size_t)blockIdx.x * gd + i]);
+  __syncthreads();
+  attn_body(sm, k_store, v_store, n, out, partials, counters, Hkv, g, D, scale);
+}
+
+// q/k RMSNorm + RoPE + KV write + attention for one token in one launch: every split block makes
+// its KV head's g queries (the same fp16-rounded values fused_qk_rope_kv writes), and the block
+// whose split holds position p also writes K and V row p before its threads read it.
+extern "C" __global__ void __launch_bounds__(128)
+    fused_rope_attn(const u16* qkv, const float* q_norm, const float* k_norm, const float* table,
+                    int table_rows, const long long* pos, int pos0, u16* k_store, u16* v_store,
+                    u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps,
+                    float scale) {
+  __shared__ __align__(16) AttnSmem sm;
+  const int kvh = blockIdx.x, warp = threadIdx.x >> 5, g = Hq / Hkv;
+  const long long p = pos ? pos[0] : (long long)pos0;
+  const bool ok = p >= 0 && p < C && p < table_rows;
+  const float* cs = table + (size_t)(ok ? p : 0) * 2 * D;
+  for (int h = warp; h < g; h += 4)
+    rope_head<true>(qkv + (size_t)(kvh * g + h) * D, q_norm, cs, D, eps, ok, nullptr, sm.qs + h * D);
+  const int start = blockIdx.y * ATT_KEYS;
+  if (ok && p >= start && p < start + ATT_KEYS) {
+    if (warp == 0)
+      rope_head<false>(qkv + (size_t)(Hq + kvh) * D, k_norm, cs, D, eps, true,
+                       k_store + ((size_t)p * Hkv + kvh) * D, nullptr);
+    const u16* vs = qkv + (size_t)(Hq + Hkv + kvh) * D;
+    for (int i = threadIdx.x; i < D; i += ATT_KEYS) v_store[((size_t)p * Hkv + kvh) * D + i] = vs[i];
+  }
+  __syncthreads();                                        // queries in smem, row p in the store
+  attn_body(sm, k_store, v_store, ok ? (int)p + 1 : 0, out, partials, counters, Hkv, g, D, scale);
 }

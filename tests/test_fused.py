@@ -168,3 +168,16 @@ def test_ref_add_norm_router_is_add_norm_then_route():
     assert torch.equal(x2, x + d) and torch.equal(h, rms_norm(x + d, w, 1e-6))
     rid, rw = route(h, router, 4, True)
     assert torch.equal(ids, rid) and torch.equal(weights, rw)
+
+
+def test_ref_rope_attn_is_rope_then_attention():
+    hq, hkv, d, p = 4, 2, 16, 6
+    qkv = _rand(1, (hq + 2 * hkv) * d, seed=25)
+    qn, kn = _rand(d, seed=26), _rand(d, seed=27)
+    table = Rotary(d, 10000.0).table(torch.device("cpu"), 16)
+    ks, vs = _rand(16, hkv, d, seed=28), _rand(16, hkv, d, seed=29)
+    ks2, vs2 = ks.clone(), vs.clone()
+    got = fused.rope_attn(qkv, qn, kn, table, ks, vs, hq, hkv, d, 1e-6, 16, start=p)     # CPU: the ref
+    q = fused.qk_rope_kv(qkv, qn, kn, table, ks2, vs2, hq, hkv, d, 1e-6, start=p)
+    assert torch.equal(got, fused.decode_attn(q, ks2, vs2, 16, start=p))
+    assert torch.equal(ks, ks2) and torch.equal(vs, vs2)

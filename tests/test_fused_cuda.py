@@ -196,6 +196,32 @@ def test_decode_attn(backend, hq, hkv, d, p):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128), (8, 8, 256), (12, 4, 40), (2, 1, 16)])
+@pytest.mark.parametrize("p", [0, 127, 128, 300])
+@pytest.mark.parametrize("device_pos", [True, False])
+def test_rope_attn_is_rope_then_attn(backend, hq, hkv, d, p, device_pos):
+    """The one-kernel q/k norm + RoPE + KV write + attention: bit-identical to fused_qk_rope_kv then
+    fused_decode_attn (the same fp16 q, the same math), and close to the torch reference."""
+    cap = 640
+    qkv = fresh((1, (hq + 2 * hkv) * d), torch.float16)
+    qn, kn = fresh((d,), scale=0.2, shift=1.0), fresh((d,), scale=0.2, shift=1.0)
+    table = Rotary(d, 1e6).table(torch.device("cpu"), cap)
+    ks, vs = fresh((cap, hkv, d), torch.float16), fresh((cap, hkv, d), torch.float16)
+    keys = _keys(p, cap)
+    rks, rvs = ks.float(), vs.float()
+    want = fused.ref_rope_attn(qkv, qn, kn, table, rks, rvs, hq, hkv, d, EPS, keys, start=p)
+    args = [t.to(DEV) for t in (qkv, qn, kn, table)]
+    ks1, vs1, ks2, vs2 = ks.to(DEV), vs.to(DEV), ks.to(DEV), vs.to(DEV)
+    kw = dict(pos=torch.tensor([p], device=DEV)) if device_pos else dict(start=p)
+    poison(((1, hq * d), torch.float16))
+    got = fused.rope_attn(*args, ks1, vs1, hq, hkv, d, EPS, keys, **kw)
+    q = fused.qk_rope_kv(*args, ks2, vs2, hq, hkv, d, EPS, **kw)
+    two = fused.decode_attn(q, ks2, vs2, keys, **kw)
+    assert not torch.isnan(got).any()
+    assert torch.equal(got, two) and torch.equal(ks1, ks2) and torch.equal(vs1, vs2)
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=3e-3, rtol=3e-3)
+
+
 @gpu_only
 def test_decode_attn_matches_torch_sdpa():
     """The kernel against the torch path it replaces (Attention._sdpa1 with the additive mask)."""
@@ -249,7 +275,7 @@ def test_odd_shapes_rejected():
 # ---------------------------------------------------------------------------- CUDA graph
 @gpu_only
 def test_graph_capture_and_replay():
-    """All six kernels captured once (position a device tensor) and replayed at several positions
+    """All seven kernels captured once (position a device tensor) and replayed at several positions
     give what the same calls give eagerly (bit-identical: the same kernels)."""
     hdim, hq, hkv, d, e, k, cap, keys = 256, 8, 2, 64, 32, 4, 512, 512
     dev = torch.device("cuda")
@@ -270,7 +296,8 @@ def test_graph_capture_and_replay():
         ids, rw = fused.route_topk(logits, k, True)
         rids, rrw = fused.router_topk(h, router, k, True)
         ax, ah, aids, aw = fused.add_norm_router(x, w, EPS, router, k, True, delta)
-        return x2, h, hf, q, o, ids, rw, rids, rrw, ax, ah, aids, aw
+        ro = fused.rope_attn(qkv, qn, kn, table, ks, vs, hq, hkv, d, EPS, keys, pos=pos)
+        return x2, h, hf, q, o, ids, rw, rids, rrw, ax, ah, aids, aw, ro
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -289,7 +316,7 @@ def test_graph_capture_and_replay():
         got = [t.clone() for t in static]
         want = body()
         names = ("x", "h", "hf", "q", "attn", "ids", "weights", "router ids", "router weights",
-                 "anr x", "anr h", "anr ids", "anr weights")
+                 "anr x", "anr h", "anr ids", "anr weights", "rope_attn")
         for name, a, b in zip(names, got, want):
             assert torch.equal(a, b), f"pos {p}: {name} differs between replay and eager"
 

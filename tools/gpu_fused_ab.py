@@ -4,6 +4,7 @@ L Qwen3-30B-A3B-shaped dense layers (H 2048, 32/4 heads, D 128, 128 experts top-
 q/k/v/o, fp32 router) run MoEModel.decode_dense for one token at a device position, with a stand-in
 MoE output (x + h) between layers, captured as ONE CUDA graph, for each setting:
     torch  HYBRID_FUSED=0 (the torch ops)
+    fused-2attn  HYBRID_FUSED=norm,rope,attn,route (q/k norm + RoPE + KV write and attention as two kernels)
     fused  HYBRID_FUSED=1
     fused+residual  HYBRID_FUSED=1 and the stand-in MoE output passed as decode_dense(residual=...)
                     (what hybrid/runtime/graphs.py would get by adding the MoE output in the next
@@ -82,7 +83,7 @@ def body(m, x, pos, keys, residual: bool):
 
 
 def measure(m, setting: str, pos_value: int, replays: int) -> dict:
-    os.environ["HYBRID_FUSED"] = "0" if setting == "torch" else "1"
+    os.environ["HYBRID_FUSED"] = {"torch": "0", "fused-2attn": "norm,rope,attn,route"}.get(setting, "1")
     residual = setting == "fused+residual"
     dev = m.layer_devices[0]
     keys = min(-(-(pos_value + 1) // 256) * 256, m.cache.capacity)
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
 
     m = build(args.layers, args.ctx, torch.device(args.device))
     recs = []
-    for setting in ("torch", "fused", "fused+residual"):
+    for setting in ("torch", "fused-2attn", "fused", "fused+residual"):
         recs.append(measure(m, setting, args.pos, args.replays))
     base_x, base_ids = recs[0].pop("_out")
     for r in recs[1:]:

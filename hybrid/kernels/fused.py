@@ -9,11 +9,13 @@ k experts per token, R rows of the RoPE table, C rows of the KV store, L keys at
     ids, weights = router_topk(h, router, k, renorm)   # the router GEMV too (T <= 8)
     x2, h, ids, weights = add_norm_router(x, w, eps, router, k, renorm, delta)   # all of it (T <= 8)
     out = decode_attn(q, k_store, v_store, keys, pos=pos)   # one token, keys 0..pos
+    out = rope_attn(qkv, q_norm, k_norm, table, k_store, v_store, Hq, Hkv, D, eps, keys, pos=pos)  # both
 
 Each replaces several torch ops of the CUDA decode step with one launch on torch's current stream
 (graph-capturable). On CPU tensors the reference functions (ref_*) run, which are the torch ops of
 the unfused path. HYBRID_FUSED=0 turns the fused path off in the model (the torch ops, for A/B
-measurements); HYBRID_FUSED=norm,rope,route,attn turns on only the parts named.
+measurements); HYBRID_FUSED=norm,rope,route,attn turns on only the parts named (rope_attn: q/k norm,
+RoPE, KV write and attention of one token as one kernel instead of two).
 """
 from __future__ import annotations
 
@@ -27,9 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-PARTS = ("norm", "rope", "route", "attn")
+PARTS = ("norm", "rope", "route", "attn", "rope_attn")
 KERNELS = ("fused_add_rms_norm", "fused_qk_rope_kv", "fused_route_topk", "fused_router_topk",
-           "fused_add_norm_router", "fused_decode_attn")
+           "fused_add_norm_router", "fused_decode_attn", "fused_rope_attn")
 ROUTE_MAX_E, ROUTE_MAX_K, ROUTER_MAX_T = 512, 32, 8
 ROPE_MAX_D = 256
 ATT_KEYS, ATT_MAX_G, ATT_MAX_Q = 128, 16, 2048
@@ -445,4 +447,53 @@ def decode_attn(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, k
         _p(q), _p(k_store), _p(v_store), _p(pos), ctypes.c_int(start), _p(out), _p(part), _p(cnt[1:]),
         ctypes.c_int(hkv), ctypes.c_int(g), ctypes.c_int(d), ctypes.c_int(cap),
         ctypes.c_float(d ** -0.5)])
+    return out
+
+
+def ref_rope_attn(qkv, q_norm, k_norm, table, k_store, v_store, n_heads, n_kv, head_dim, eps, keys,
+                  pos=None, start=0):
+    q = ref_qk_rope_kv(qkv, q_norm, k_norm, table, k_store, v_store, n_heads, n_kv, head_dim, eps, pos, start)
+    return ref_decode_attn(q, k_store, v_store, keys, pos, start)
+
+
+def rope_attn(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+              table: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, n_heads: int, n_kv: int,
+              head_dim: int, eps: float, keys: int, pos: torch.Tensor | None = None,
+              start: int = 0) -> torch.Tensor:
+    """One token: qk_rope_kv then decode_attn in one launch. qkv [1, (Hq + 2 Hkv) * D] fp16 ->
+    attention output [1, Hq * D] fp16; K/V row p written (p = pos [1] int64 or start)."""
+    hq, hkv, d = n_heads, n_kv, head_dim
+    if qkv.dim() != 2 or qkv.shape[0] != 1:
+        raise ValueError(f"qkv: expected shape [1, (Hq + 2 Hkv) * D], got {list(qkv.shape)}")
+    if not qkv.is_cuda:
+        return ref_rope_attn(qkv, q_norm, k_norm, table, k_store, v_store, hq, hkv, d, eps, keys, pos, start)
+    dev = _dev(qkv.device)
+    g = hq // hkv if hkv else 0
+    if not hkv or hq % hkv or g > ATT_MAX_G or g * d > ATT_MAX_Q or d % 8 or d > ROPE_MAX_D:
+        raise ValueError(f"rope_attn: Hq={hq}, Hkv={hkv}, D={d} not supported (Hq % Hkv == 0, "
+                         f"Hq/Hkv <= {ATT_MAX_G}, Hq/Hkv * D <= {ATT_MAX_Q}, D % 8 == 0, D <= {ROPE_MAX_D})")
+    _check(qkv, "qkv", torch.float16, (1, (hq + 2 * hkv) * d), dev)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm: give both or neither")
+    if q_norm is not None:
+        _check(q_norm, "q_norm", torch.float32, (d,), dev)
+        _check(k_norm, "k_norm", torch.float32, (d,), dev)
+    _check(table, "table", torch.float32, (None, 2, d), dev)
+    _check(k_store, "k_store", torch.float16, (None, hkv, d), dev)
+    _check(v_store, "v_store", torch.float16, tuple(k_store.shape), dev)
+    _pos(pos, dev)
+    cap = k_store.shape[0]
+    if not 1 <= keys <= cap:
+        raise ValueError(f"keys: expected 1..{cap} (rows of the KV store), got {keys}")
+    if pos is None and not 0 <= start < min(keys, table.shape[0]):
+        raise ValueError(f"start: expected 0..{min(keys, table.shape[0]) - 1}, got {start}")
+    if k_store.data_ptr() % 16 or v_store.data_ptr() % 16:
+        raise ValueError("k_store / v_store: data pointers must be 16-byte aligned")
+    splits = -(-keys // ATT_KEYS)
+    part, cnt = _workspace(dev, hkv * splits * g * (d + 2) if splits > 1 else 0, hkv)
+    out = torch.empty(1, hq * d, dtype=torch.float16, device=dev)
+    _module(dev).launch("fused_rope_attn", (hkv, splits, 1), ATT_KEYS, [
+        _p(qkv), _p(q_norm), _p(k_norm), _p(table), ctypes.c_int(table.shape[0]), _p(pos), ctypes.c_int(start),
+        _p(k_store), _p(v_store), _p(out), _p(part), _p(cnt[1:]), ctypes.c_int(hq), ctypes.c_int(hkv),
+        ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps), ctypes.c_float(d ** -0.5)])
     return out

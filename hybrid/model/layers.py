@@ -200,6 +200,10 @@ class Attention:
     def _cuda(self, x, layer: int, start: int, cache: KVCache, table: torch.Tensor) -> torch.Tensor:
         """Eager CUDA step (any T); table: the device's Rotary.table."""
         t = x.shape[0]
+        if t == 1 and self.fused_rope_attn_ok(x, cache, layer):
+            if start + 1 > cache.max_tokens:
+                raise ValueError(f"KV cache full: {start + 1} tokens > capacity {cache.max_tokens}")
+            return self.o(self._rope_attn(x, layer, cache, table, None, start, attn_keys(start, cache.capacity)))
         if self.fused_rope_ok(x, cache, layer):
             if start + t > cache.max_tokens:
                 raise ValueError(f"KV cache full: {start + t} tokens > capacity {cache.max_tokens}")
@@ -241,6 +245,8 @@ class Attention:
         cs [1, 2, D]: table rows at pos, or None with table [R, 2, D] (the fused kernel reads the row
         at pos itself); keys: rows of the KV store attended (>= pos + 1); mask [1, 1, 1, keys]
         additive (-inf past pos), or None (built here when the torch attention needs it)."""
+        if table is not None and self.fused_rope_attn_ok(x, cache, layer):
+            return self.o(self._rope_attn(x, layer, cache, table, pos, 0, keys))
         if table is not None and self.fused_rope_ok(x, cache, layer):
             q = self._qk_rope_kv(x, layer, cache, table, pos, 0)
         else:
@@ -258,26 +264,47 @@ class Attention:
     # ---- CUDA, fused kernels (hybrid.kernels.fused) -----------------------------------------------
     def fused_rope_ok(self, x: torch.Tensor, cache: KVCache, layer: int) -> bool:
         """q/k norm + RoPE + KV write as one kernel: fp16 activations and KV store, D even <= 256."""
-        return (fused.enabled("rope") and x.dtype == torch.float16 and x.is_cuda
-                and cache.k_store[layer].dtype == torch.float16 and self.head_dim % 2 == 0
-                and self.head_dim <= fused.ROPE_MAX_D)
+        return fused.enabled("rope") and self._rope_shapes_ok(x, cache, layer)
 
     def fused_attn_ok(self, q: torch.Tensor, cache: KVCache, layer: int) -> bool:
         """One-token attention as one kernel (no mask): fp16, GQA groups and head_dim it supports."""
-        g, d = self.n_heads // self.n_kv, self.head_dim
         return (fused.enabled("attn") and q.dim() == 3 and q.shape[0] == 1 and q.dtype == torch.float16
-                and cache.k_store[layer].dtype == torch.float16 and self.n_heads % self.n_kv == 0
+                and self._attn_shapes_ok(cache, layer))
+
+    def fused_rope_attn_ok(self, x: torch.Tensor, cache: KVCache, layer: int) -> bool:
+        """One token's q/k norm + RoPE + KV write + attention as one kernel."""
+        return (fused.enabled("rope_attn") and x.dim() == 2 and x.shape[0] == 1
+                and self._rope_shapes_ok(x, cache, layer) and self._attn_shapes_ok(cache, layer))
+
+    def _rope_shapes_ok(self, x: torch.Tensor, cache: KVCache, layer: int) -> bool:
+        return (x.dtype == torch.float16 and x.is_cuda and cache.k_store[layer].dtype == torch.float16
+                and self.head_dim % 2 == 0 and self.head_dim <= fused.ROPE_MAX_D)
+
+    def _attn_shapes_ok(self, cache: KVCache, layer: int) -> bool:
+        g, d = self.n_heads // self.n_kv, self.head_dim
+        return (cache.k_store[layer].dtype == torch.float16 and self.n_heads % self.n_kv == 0
                 and g <= fused.ATT_MAX_G and g * d <= fused.ATT_MAX_Q and d % 8 == 0
                 and d <= fused.ROPE_MAX_D)
 
-    def _qk_rope_kv(self, x: torch.Tensor, layer: int, cache: KVCache, table: torch.Tensor,
-                    pos: torch.Tensor | None, start: int) -> torch.Tensor:
-        """x [T, H] -> q [T, Hq, D] fp16; k, v written into the KV store at pos (device) or start."""
+    def _qk_inputs(self, x: torch.Tensor):
+        """x [T, H] -> (qkv [T, (Hq+2Hkv)*D] contiguous, (q_norm, k_norm) [D] fp32 or Nones)."""
         if self._qkv is None:
             self._qkv = fused_linear([self.q, self.k, self.v])
         if self._qk_n is None:
             self._qk_n = ((None, None) if self.q_norm is None else
                           (self.q_norm.float().reshape(-1).contiguous(), self.k_norm.float().reshape(-1).contiguous()))
-        qkv = self._qkv(x).contiguous()                                      # [T, (Hq+2Hkv)*D]
-        return fused.qk_rope_kv(qkv, *self._qk_n, table, cache.k_store[layer], cache.v_store[layer],
+        return self._qkv(x).contiguous(), self._qk_n
+
+    def _rope_attn(self, x: torch.Tensor, layer: int, cache: KVCache, table: torch.Tensor,
+                   pos: torch.Tensor | None, start: int, keys: int) -> torch.Tensor:
+        """x [1, H] -> attention output [1, Hq*D] fp16 (K/V row written), one fused kernel."""
+        qkv, (qn, kn) = self._qk_inputs(x)
+        return fused.rope_attn(qkv, qn, kn, table, cache.k_store[layer], cache.v_store[layer], self.n_heads,
+                               self.n_kv, self.head_dim, self.eps, keys, pos=pos, start=start)
+
+    def _qk_rope_kv(self, x: torch.Tensor, layer: int, cache: KVCache, table: torch.Tensor,
+                    pos: torch.Tensor | None, start: int) -> torch.Tensor:
+        """x [T, H] -> q [T, Hq, D] fp16; k, v written into the KV store at pos (device) or start."""
+        qkv, qk_n = self._qk_inputs(x)                                       # [T, (Hq+2Hkv)*D]
+        return fused.qk_rope_kv(qkv, *qk_n, table, cache.k_store[layer], cache.v_store[layer],
                                 self.n_heads, self.n_kv, self.head_dim, self.eps, pos=pos, start=start)

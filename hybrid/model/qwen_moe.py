@@ -191,10 +191,7 @@ class MoEModel:
             x, h = add_rms_norm(x, residual, layer.input_norm, eps)
         else:
             h = rms_norm(x, layer.input_norm, eps)
-        if layer.attn.fused_rope_ok(h, self.cache, i):
-            a = layer.attn.decode(h, i, self.cache, pos, None, keys, mask, table=table)
-        else:
-            a = layer.attn.decode(h, i, self.cache, pos, table.index_select(0, pos), keys, mask)  # cs [1, 2, D]
+        a = layer.attn.decode(h, i, self.cache, pos, None, keys, mask, table=table)
         if (self._fused_route_ok(i, x) and fused_norm_ok(x, layer.post_norm) and x.dim() == 2
                 and x.shape[0] <= fused.ROUTER_MAX_T and a.dtype == x.dtype and a.is_contiguous()):
             x, h, ids, weights = fused.add_norm_router(x, layer.post_norm, eps, layer.router,   # one launch
