@@ -16,6 +16,7 @@ Legend: N out features, K in features, R rows per tile, NT = ceil(N / R) tiles.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 R = 64        # output rows per tile
 GROUP = 16    # NVFP4 elements per block scale
@@ -56,6 +57,7 @@ def pack_nvfp4(data: np.ndarray, scale: np.ndarray, out: np.ndarray | None = Non
     """ModelOpt data u8 [N, K/2] + scale bits u8 [N, K/16] -> tiles u8 [NT, G, 9, R].
 
     Writes into `out` (any contiguous u8 buffer of nvfp4_nbytes) when given: no second copy.
+    One compiled pass (GIL released), so the expert store fills on several threads.
     """
     n, half_k = data.shape
     k = half_k * 2
@@ -63,27 +65,43 @@ def pack_nvfp4(data: np.ndarray, scale: np.ndarray, out: np.ndarray | None = Non
     if scale.shape != (n, g):
         raise ValueError(f"NVFP4 scale shape {scale.shape} != {(n, g)}")
     tiles = _out(out, (nt, g, 9, R), nvfp4_nbytes(n, k))
-    # [N, G, 8] -> [NT, R, G, 8] -> [NT, G, 8, R]
-    for t in range(nt):
-        rows = slice(t * R, min(n, (t + 1) * R))
-        m = rows.stop - rows.start
-        tiles[t, :, :8, :m] = RECODE[data[rows].reshape(m, g, 8)].transpose(1, 2, 0)
-        tiles[t, :, 8, :m] = scale[rows].T
-        tiles[t, :, :, m:] = 0
+    _pack_nvfp4(np.ascontiguousarray(data), np.ascontiguousarray(scale), RECODE, tiles)
     return tiles
 
 
 def pack_fp8(data: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """e4m3 bits u8 [N, K] -> tiles u8 [NT, K, R]."""
     n, k = data.shape
-    nt = num_tiles(n)
-    tiles = _out(out, (nt, k, R), fp8_nbytes(n, k))
-    for t in range(nt):
-        rows = slice(t * R, min(n, (t + 1) * R))
-        m = rows.stop - rows.start
-        tiles[t, :, :m] = data[rows].T
-        tiles[t, :, m:] = 0
+    tiles = _out(out, (num_tiles(n), k, R), fp8_nbytes(n, k))
+    _pack_fp8(np.ascontiguousarray(data), tiles)
     return tiles
+
+
+@njit(nogil=True, cache=True)
+def _pack_nvfp4(data, scale, recode, tiles):  # [N, G*8], [N, G], [256], [NT, G, 9, R]
+    n = data.shape[0]
+    for t in range(tiles.shape[0]):
+        for r in range(R):
+            row = t * R + r
+            if row < n:
+                for gi in range(tiles.shape[1]):
+                    for j in range(8):
+                        tiles[t, gi, j, r] = recode[data[row, 8 * gi + j]]
+                    tiles[t, gi, 8, r] = scale[row, gi]
+            else:
+                for gi in range(tiles.shape[1]):
+                    for j in range(9):
+                        tiles[t, gi, j, r] = 0
+
+
+@njit(nogil=True, cache=True)
+def _pack_fp8(data, tiles):  # [N, K], [NT, K, R]
+    n = data.shape[0]
+    for t in range(tiles.shape[0]):
+        for r in range(R):
+            row = t * R + r
+            for kk in range(tiles.shape[1]):
+                tiles[t, kk, r] = data[row, kk] if row < n else 0
 
 
 def _out(out, shape, nbytes):

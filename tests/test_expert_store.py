@@ -92,6 +92,49 @@ def test_hugepages_on_without_reserve_names_the_sysctl(monkeypatch):
         ExpertStore.build(L, E, H, I, lambda l, e: ws[l, e], "nvfp4", hugepages="on", progress=False)
 
 
+def _pack_nvfp4_numpy(data, scale):
+    """The layout written out with numpy (module docstring of cpu/layout.py), for comparison."""
+    n, g = scale.shape
+    nt = layout.num_tiles(n)
+    tiles = np.zeros((nt, g, 9, layout.R), np.uint8)
+    for t in range(nt):
+        rows = slice(t * layout.R, min(n, (t + 1) * layout.R))
+        m = rows.stop - rows.start
+        tiles[t, :, :8, :m] = layout.RECODE[data[rows].reshape(m, g, 8)].transpose(1, 2, 0)
+        tiles[t, :, 8, :m] = scale[rows].T
+    return tiles
+
+
+@pytest.mark.parametrize("n,k", [(64, 32), (100, 96), (130, 2048)])
+def test_compiled_pack_equals_numpy_layout(n, k):
+    rng = np.random.default_rng(n + k)
+    data = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scale = rng.integers(0, 128, (n, k // 16), dtype=np.uint8)
+    out = np.full(layout.nvfp4_nbytes(n, k), 0xAB, np.uint8)  # poisoned: padding must be zeroed
+    assert np.array_equal(layout.pack_nvfp4(data, scale, out), _pack_nvfp4_numpy(data, scale))
+    f8 = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    want = np.zeros((layout.num_tiles(n), k, layout.R), np.uint8)
+    for t in range(want.shape[0]):
+        rows = f8[t * layout.R:(t + 1) * layout.R]
+        want[t, :, :rows.shape[0]] = rows.T
+    out8 = np.full(layout.fp8_nbytes(n, k), 0xCD, np.uint8)
+    assert np.array_equal(layout.pack_fp8(f8, out8), want)
+
+
+@pytest.mark.parametrize("qtype", ["nvfp4", "fp8"])
+def test_fill_is_the_same_on_any_number_of_threads(qtype):
+    ws = experts(qtype, seed=3)
+    stores = [ExpertStore.build(L, E, H, I, lambda l, e: ws[l, e], qtype, hugepages="off", progress=False,
+                                workers=w) for w in (1, 2, 5)]
+    try:
+        for s in stores[1:]:
+            assert np.array_equal(s.arena.array, stores[0].arena.array)
+            assert np.array_equal(s.scales, stores[0].scales)
+    finally:
+        for s in stores:
+            s.close()
+
+
 def test_bad_hugepages_flag_and_bad_expert_are_user_errors():
     ws = experts("nvfp4")
     with pytest.raises(HybridError, match="--hugepages"):

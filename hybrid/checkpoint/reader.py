@@ -4,6 +4,8 @@ Nothing is dequantized here: `linear(name)` returns the stored tensors as a QWei
 """
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 import torch
@@ -90,10 +92,18 @@ def _check_scales(qw: QWeight, where: Path) -> None:
     for label, s in (("weight_scale", qw.scale), ("weight_scale_2", qw.scale_2)):
         if s is None:
             continue
-        if s.dtype == torch.float8_e4m3fn:
+        if s.dtype == torch.float8_e4m3fn and s.device.type == "cpu":
+            # numpy, not torch: no OpenMP team per call (tiny torch ops on a busy host cost ~10 ms)
+            bits = s.contiguous().view(torch.uint8).numpy()
+            bad_nan = bool(((bits & 0x7F) == 0x7F).any())
+            bad_neg = bool((bits & 0x80).any())
+        elif s.dtype == torch.float8_e4m3fn:
             bits = s.view(torch.uint8)
             bad_nan = bool(((bits & 0x7F) == 0x7F).any())
             bad_neg = bool(((bits & 0x80) != 0).any())
+        elif s.numel() == 1:
+            v = float(s)
+            bad_nan, bad_neg = not math.isfinite(v), v < 0
         else:
             bad_nan = bool(torch.isnan(s).any() or torch.isinf(s).any())
             bad_neg = bool((s < 0).any())

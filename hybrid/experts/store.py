@@ -148,8 +148,10 @@ class ExpertStore:
     # --------------------------------------------------------------------- construction
     @classmethod
     def build(cls, num_layers: int, num_experts: int, hidden: int, inter: int, get_expert, qtype,
-              hugepages: str = "auto", mlock: bool = False, progress: bool = True) -> "ExpertStore":
-        """Allocate the arena and copy every expert from get_expert(layer, e) -> (gate, up, down)."""
+              hugepages: str = "auto", mlock: bool = False, progress: bool = True,
+              workers: int | None = None) -> "ExpertStore":
+        """Allocate the arena and copy every expert from get_expert(layer, e) -> (gate, up, down)
+        on `workers` threads (default: physical cores, at most 16)."""
         qtype, kind = _qkind(qtype)
         for name, dim in (("hidden", hidden), ("inter", inter)):
             if dim <= 0 or dim % layout.GROUP:
@@ -166,7 +168,7 @@ class ExpertStore:
                     np.stack([base, base + gu], axis=-1),
                     np.zeros((num_layers, num_experts, 3), np.float32), slot)
         try:
-            store._fill(get_expert, progress)
+            store._fill(get_expert, progress, workers)
             if mlock:
                 lock_memory(arena.array)
         except BaseException:
@@ -174,16 +176,42 @@ class ExpertStore:
             raise
         return store
 
-    def _fill(self, get_expert, progress: bool) -> None:
+    def _fill(self, get_expert, progress: bool, workers: int | None = None) -> None:
+        """Read and prepack every expert on `workers` threads (default: physical cores, at most 16;
+        numpy and the safetensors reads release the GIL), a bounded window of experts in flight.
+        Each expert writes only its own slot, so the arena does not depend on the thread count."""
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
         from tqdm import tqdm
 
-        bar = tqdm(total=self.num_layers * self.num_experts, desc="expert store", unit="expert",
-                   disable=not progress, leave=False)
-        with bar:
-            for layer in range(self.num_layers):
-                for e in range(self.num_experts):
-                    self.put(layer, e, *get_expert(layer, e))
+        from hybrid.hardware import physical_cores
+
+        workers = workers or max(1, min(16, physical_cores()))
+        jobs = [(layer, e) for layer in range(self.num_layers) for e in range(self.num_experts)]
+        bar = tqdm(total=len(jobs), desc="expert store", unit="expert", disable=not progress, leave=False)
+        one = lambda layer, e: self.put(layer, e, *get_expert(layer, e))  # noqa: E731
+        if workers == 1:
+            with bar:
+                for layer, e in jobs:
+                    one(layer, e)
                     bar.update()
+            return
+        with bar, ThreadPoolExecutor(workers, thread_name_prefix="expert-store") as ex:
+            window: deque = deque()  # consumed in submission order: the first error is the first expert's
+            try:
+                for job in jobs:
+                    window.append(ex.submit(one, *job))
+                    if len(window) >= 2 * workers:
+                        window.popleft().result()
+                        bar.update()
+                while window:
+                    window.popleft().result()
+                    bar.update()
+            except BaseException:
+                for f in window:
+                    f.cancel()
+                raise
 
     def put(self, layer: int, e: int, gate, up, down) -> None:
         """Prepack one expert's (gate [I, H], up [I, H], down [H, I]) QWeights into its slot."""
