@@ -17,3 +17,13 @@ def test_fused_compiles_without_spills(sm):
            if r.spill_stores or r.spill_loads or r.stack]
     assert not bad, f"sm_{sm} kernels spill or use a stack frame: {bad}"
     assert "cp.async" not in ptx and "bf16" not in ptx
+
+
+def test_emit_prebuilt_ptx(tmp_path, monkeypatch):
+    """The compute_70 PTX for a GPU machine whose NVRTC cannot target Volta, found through HYBRID_CACHE_DIR."""
+    from hybrid.kernels import fused
+
+    (path,) = fused.emit_prebuilt(tmp_path)
+    monkeypatch.setenv("HYBRID_CACHE_DIR", str(tmp_path))
+    assert path == fused.prebuilt_path(70) and path.exists()
+    assert b".target sm_70" in path.read_bytes() and b"fused_rope_attn" in path.read_bytes()

@@ -41,6 +41,12 @@ def backend(request):
         pytest.skip("GPU only")
     if GPU:
         dev = torch.device("cuda", torch.cuda.current_device())
+        if request.param == "ptx70":
+            try:
+                fused._image_for(70, True)
+            except Exception as exc:  # noqa: BLE001 - no NVRTC 12 and no prebuilt PTX here
+                pytest.skip(f"compute_70 PTX unavailable ({type(exc).__name__}); on the dev machine run "
+                            "`python3 -m hybrid.kernels.fused --emit DIR` and set HYBRID_CACHE_DIR=DIR here")
         fused.force_ptx(dev, 70 if request.param == "ptx70" else None)
     yield request.param
     if GPU:

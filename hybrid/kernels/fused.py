@@ -67,19 +67,55 @@ def force_ptx(device, sm: int | None) -> None:
 
 
 def _module(device: torch.device):
-    from hybrid.kernels.build import compile_image, pick_target
     from hybrid.kernels.driver import Module
-    from hybrid.kernels.nvrtc import load_nvrtc
 
     forced = _FORCE_PTX.get(device.index)
     mod = _MODULES.get((device.index, forced))
     if mod is None:
         major, minor = torch.cuda.get_device_capability(device)
         sm = forced or major * 10 + minor
-        nv = load_nvrtc(12 if sm < 75 else None)
-        image = compile_image(nv, pick_target(nv, sm, force_ptx=forced is not None), src=source())
-        mod = _MODULES[(device.index, forced)] = Module(image, device)
+        mod = _MODULES[(device.index, forced)] = Module(_image_for(sm, forced is not None), device)
     return mod
+
+
+def _image_for(sm: int, force_ptx: bool) -> bytes:
+    """Native CUBIN (or PTX) from NVRTC, cached like the QPN kernels; if NVRTC is missing or cannot
+    target sm (NVRTC 13 and sm_70), a PTX prebuilt for this exact source by `--emit` (below)."""
+    from hybrid.kernels.build import compile_image, pick_target
+    from hybrid.kernels.nvrtc import NvrtcError, load_nvrtc
+
+    try:
+        nv = load_nvrtc(12 if sm < 75 else None)
+        return compile_image(nv, pick_target(nv, sm, force_ptx=force_ptx), src=source())
+    except NvrtcError:
+        pre = prebuilt_path(sm)
+        if pre.exists():
+            return pre.read_bytes()
+        raise
+
+
+def prebuilt_path(sm: int, folder: Path | None = None) -> Path:
+    """$HYBRID_CACHE_DIR (or ~/.cache/hybrid/qpn)/prebuilt-fused-<source digest>-compute_<sm>.ptx."""
+    from hybrid.kernels.build import cache_dir
+
+    return (folder or cache_dir()) / f"prebuilt-fused-{source_digest()}-compute_{sm}.ptx"
+
+
+def emit_prebuilt(folder: Path, sms=(70,)) -> list[Path]:
+    """Write compute_<sm> PTX of this source with NVRTC 12 (e.g. on a machine without a GPU) for a
+    machine whose NVRTC cannot target sm (CUDA 13 and Volta): HYBRID_CACHE_DIR=folder there."""
+    from hybrid.kernels.build import OPTIONS
+    from hybrid.kernels.nvrtc import load_nvrtc
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for sm in sms:
+        ptx = load_nvrtc(12).compile(source(), "fused.cu", OPTIONS + [f"--gpu-architecture=compute_{sm}"],
+                                     cubin=False)
+        out.append(prebuilt_path(sm, folder))
+        out[-1].write_bytes(ptx)
+    return out
 
 
 def compile_check(sm: int):
@@ -497,3 +533,15 @@ def rope_attn(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
         _p(k_store), _p(v_store), _p(out), _p(part), _p(cnt[1:]), ctypes.c_int(hq), ctypes.c_int(hkv),
         ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps), ctypes.c_float(d ** -0.5)])
     return out
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="fused kernels: prebuild PTX for machines whose NVRTC cannot "
+                                             "target the arch (CUDA 13 and sm_70)")
+    ap.add_argument("--emit", type=Path, required=True, help="folder (use it as HYBRID_CACHE_DIR there)")
+    ap.add_argument("--arch", type=int, nargs="*", default=[70], help="compute capabilities (default 70)")
+    args = ap.parse_args()
+    for path in emit_prebuilt(args.emit, args.arch):
+        print(path)
