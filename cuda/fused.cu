@@ -92,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(256)
       s = round_to(s + round_to(load(delta, row + i, delta_f32), x_f32), x_f32);
       store(x_out, row + i, s, x_f32);
     }
-    ss += s * s;
+    ss = fmaf(s, s, ss);
   }
   ss = warp_sum(ss);
   if ((tid & 31) == 0) part[tid >> 5] = ss;
@@ -129,7 +129,7 @@ __device__ __forceinline__ void rope_head(const u16* src, const float* nw, const
     if (i < half) {
       a[r] = h2f(src[i]);
       b[r] = h2f(src[i + half]);
-      ss += a[r] * a[r] + b[r] * b[r];
+      ss = fmaf(b[r], b[r], fmaf(a[r], a[r], ss));   // explicit: no contraction choices
     }
   }
   if (nw) {
@@ -326,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(128)
         const size_t o = (size_t)t * H + i;
         float v = load(x, o, x_f32);
         if (delta) v = round_to(v + round_to(load(delta, o, delta_f32), x_f32), x_f32);
-        ss[t] += v * v;
+        ss[t] = fmaf(v, v, ss[t]);
         if (blockIdx.x == 0 && delta) store(x_out, o, v, x_f32);
       }
     }
