@@ -54,9 +54,10 @@
 //                              shared memory instead of registers (Hopper needs ~30 KB of loads in
 //                              flight per SM to reach its bandwidth; Volta, at a fifth of the
 //                              bandwidth, is served by the register pipeline)
-//   qpn_moe_route              one block: slot_ids[A] -> offsets[S+1], perm[A] (grouped by slot)
-//   qpn{2,8}_moe_gateup_mt{1,4} grid (I/16 / TG, S): h[A, I] fp16 = silu(gate x) * up x  (sorted rows)
-//   qpn{2,8}_moe_down_mt{1,4}   grid (H/16 / TG, S): y[T, H] fp32 += route_w * down h (atomicAdd)
+//   qpn_moe_route              one block: slot_ids[A] -> offsets[S+1], perm[A] (grouped by slot),
+//                              active[min(A, S)] (the slots with work, in slot order; -1 after)
+//   qpn{2,8}_moe_gateup_mt{1,4} grid (I/16 / TG, min(A, S)): h[A, I] fp16 = silu(gate x) * up x  (sorted rows)
+//   qpn{2,8}_moe_down_mt{1,4}   grid (H/16 / TG, min(A, S)): y[T, H] fp32 += route_w * down h (atomicAdd)
 //   qpn{2,8}_moe_{gateup,down}_mt1_as  sm_80+: the same with cp.async rings
 
 typedef unsigned int u32;
@@ -640,11 +641,13 @@ LINEAR(qpn8_linear_mt1_as4, 8, 1, 2, 4)
 
 // ---------------------------------------------------------------- MoE routing
 // slot_ids [A] -> offsets [S+1] (exclusive prefix of per-slot counts), perm [A] (assignments
-// grouped by slot). One block of 1024 threads; S <= 1024. Ids outside [0, S) are dropped.
+// grouped by slot), active [min(A, S)] (slots with at least one assignment, ascending; -1 after),
+// so the expert kernels launch min(A, S) block rows instead of S (most slots idle in decode).
+// One block of 1024 threads; S <= 1024. Ids outside [0, S) are dropped.
 extern "C" __global__ void __launch_bounds__(1024)
     qpn_moe_route(const int* __restrict__ slot_ids, int A, int S, int* __restrict__ offsets,
-                  int* __restrict__ perm) {
-  __shared__ int cnt[1024], scan[1024];
+                  int* __restrict__ perm, int* __restrict__ active) {
+  __shared__ int cnt[1024], scan[1024], ascan[1024];
   const int t = threadIdx.x;
   cnt[t] = 0;
   __syncthreads();
@@ -654,13 +657,18 @@ extern "C" __global__ void __launch_bounds__(1024)
   }
   __syncthreads();
   scan[t] = cnt[t];
+  ascan[t] = cnt[t] > 0;
   __syncthreads();
-  for (int d = 1; d < 1024; d <<= 1) {  // inclusive Hillis-Steele scan
-    int v = t >= d ? scan[t - d] : 0;
+  for (int d = 1; d < 1024; d <<= 1) {  // inclusive Hillis-Steele scans
+    int v = t >= d ? scan[t - d] : 0, w = t >= d ? ascan[t - d] : 0;
     __syncthreads();
     scan[t] += v;
+    ascan[t] += w;
     __syncthreads();
   }
+  const int na = A < S ? A : S;
+  if (t < S && cnt[t] > 0) active[ascan[t] - 1] = t;
+  for (int i = ascan[1023] + t; i < na; i += 1024) active[i] = -1;
   int start = scan[t] - cnt[t];
   if (t < S) offsets[t] = start;
   if (t == S - 1) offsets[S] = scan[t];
@@ -681,11 +689,13 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
                                             long long sstride, const u16* __restrict__ x,
                                             const int* __restrict__ token_idx,
                                             const int* __restrict__ offsets,
-                                            const int* __restrict__ perm, u16* __restrict__ h,
+                                            const int* __restrict__ perm,
+                                            const int* __restrict__ active, u16* __restrict__ h,
                                             int H, int I, int KS) {
   __shared__ __align__(16) unsigned char smem[Smem<MT, 2, ST>::BYTES];
   float (*red)[2][8 * MT][16] = reinterpret_cast<float (*)[2][8 * MT][16]>(smem);
-  const int slot = blockIdx.y;
+  const int slot = active[blockIdx.y];
+  if (slot < 0) return;
   const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
   if (cnt <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -738,11 +748,13 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
                                           const int* __restrict__ token_idx,
                                           const float* __restrict__ route_w,
                                           const int* __restrict__ offsets,
-                                          const int* __restrict__ perm, float* __restrict__ y,
+                                          const int* __restrict__ perm,
+                                          const int* __restrict__ active, float* __restrict__ y,
                                           int H, int I, int KS) {
   __shared__ __align__(16) unsigned char smem[Smem<MT, 1, ST>::BYTES];
   float (*red)[1][8 * MT][16] = reinterpret_cast<float (*)[1][8 * MT][16]>(smem);
-  const int slot = blockIdx.y;
+  const int slot = active[blockIdx.y];
+  if (slot < 0) return;
   const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
   if (cnt <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -784,23 +796,24 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
   }
 }
 
-#define MOE(FMT, MT, SFX, ST1, ST2)                                                                 \
-  extern "C" __global__ void qpn##FMT##_moe_gateup_mt##MT##SFX(            \
+#define MOE(FMT, MT, SFX, ST1, ST2)                                                                \
+  extern "C" __global__ void qpn##FMT##_moe_gateup_mt##MT##SFX(                                     \
       const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
       long long wstride, long long sstride, const u16* __restrict__ x,                             \
       const int* __restrict__ token_idx, const int* __restrict__ offsets,                          \
-      const int* __restrict__ perm, u16* __restrict__ h, int H, int I, int KS) {                   \
-    gateup_body<FMT, (MT < MTMAX ? MT : MTMAX), ST1>(w13, s13, gs, wstride, sstride, x, token_idx,    \
-                                                 offsets, perm, h, H, I, KS);                      \
+      const int* __restrict__ perm, const int* __restrict__ active, u16* __restrict__ h, int H,    \
+      int I, int KS) {                                                                             \
+    gateup_body<FMT, (MT < MTMAX ? MT : MTMAX), ST1>(w13, s13, gs, wstride, sstride, x, token_idx, \
+                                                     offsets, perm, active, h, H, I, KS);          \
   }                                                                                                \
-  extern "C" __global__ void qpn##FMT##_moe_down_mt##MT##SFX(              \
+  extern "C" __global__ void qpn##FMT##_moe_down_mt##MT##SFX(                                       \
       const u32x4* __restrict__ w2, const u64* __restrict__ s2, const float* __restrict__ gs,      \
       long long wstride, long long sstride, const u16* __restrict__ h,                             \
       const int* __restrict__ token_idx, const float* __restrict__ route_w,                        \
-      const int* __restrict__ offsets, const int* __restrict__ perm, float* __restrict__ y, int H, \
-      int I, int KS) {                                                                             \
-    down_body<FMT, (MT < MTMAX ? MT : MTMAX), ST2>(w2, s2, gs, wstride, sstride, h, token_idx,        \
-                                               route_w, offsets, perm, y, H, I, KS);               \
+      const int* __restrict__ offsets, const int* __restrict__ perm,                               \
+      const int* __restrict__ active, float* __restrict__ y, int H, int I, int KS) {               \
+    down_body<FMT, (MT < MTMAX ? MT : MTMAX), ST2>(w2, s2, gs, wstride, sstride, h, token_idx,     \
+                                                   route_w, offsets, perm, active, y, H, I, KS);   \
   }
 MOE(2, 1, , 0, 0)
 MOE(2, 4, , 0, 0)

@@ -102,6 +102,26 @@ def test_moe_matches_reference(backend, moe_variant, qtype, t):
     assert err < 3e-3, f"{backend} {qtype.value} T={t}: relative error {err:.2e}"
 
 
+def test_moe_many_idle_slots(moe_variant):
+    """Decode shape: a few routed experts among many cached slots (the kernels launch one block
+    row per active slot, listed by the route kernel)."""
+    s, h, i, t, topk = 40, 256, 128, 2, 3
+    slots = QPNExpertSlots(s, h, i, QType.NVFP4, "cuda")
+    experts = []
+    for j in range(s):
+        e = (MAKE[QType.NVFP4](i, h, seed=3 * j), MAKE[QType.NVFP4](i, h, seed=3 * j + 1),
+             MAKE[QType.NVFP4](h, i, seed=3 * j + 2))
+        slots.load(j, *e)
+        experts.append(e)
+    ids = torch.tensor([39, 7, 22, 7, 0, 31], dtype=torch.int32)
+    tok = torch.arange(t, dtype=torch.int32).repeat_interleave(topk)
+    rw = torch.rand(t * topk, generator=torch.Generator().manual_seed(1))
+    x = fresh((t, h)) * 4
+    y = qpn_moe(x.cuda(), slots, ids.cuda(), tok.cuda(), rw.cuda()).cpu()
+    err = rel_err(y, ref_moe(x, experts, ids, tok, rw).double())
+    assert err < 3e-3, f"relative error {err:.2e}"
+
+
 def test_launcher_rejects_device_and_alignment_errors():
     w = QPNWeight.from_qweight(nvfp4(32, 128), "cuda")
     with pytest.raises(ValueError, match="weights are on"):
