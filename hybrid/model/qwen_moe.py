@@ -121,8 +121,8 @@ class MoEModel:
                     cos_sin[dev] = self.rotary.cos_sin(positions, dev)
             cos, sin = cos_sin[dev]
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            x, h = add_rms_norm(x, layer.attn(h, i, start, cache, cos, sin), layer.post_norm, cfg.rms_norm_eps)
-            x = x + self._moe(i, layer, h)
+            x, h, routed = self._post_attn(i, x, layer.attn(h, i, start, cache, cos, sin))
+            x = x + self._moe(i, layer, h, routed)
         cache.length = start + ids.shape[0]
         if last_only:
             x = x[-1:]
@@ -153,8 +153,21 @@ class MoEModel:
             fused.ref_route_outputs(ids, weights, *extra)
         return ids, weights
 
-    def _moe(self, i: int, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(i, h)
+    def _post_attn(self, i: int, x: torch.Tensor, a: torch.Tensor, route_out: RouteOut | None = None):
+        """x + attention output a -> (x, post-attention normed h, (ids, weights) or None). On CUDA
+        (T <= 8) one fused launch also routes, the same kernel in the eager and the graphed step."""
+        layer, eps = self.layers[i], self.cfg.rms_norm_eps
+        if (self._fused_route_ok(i, x) and fused_norm_ok(x, layer.post_norm) and x.dim() == 2
+                and x.shape[0] <= fused.ROUTER_MAX_T and a.dtype == x.dtype and a.is_contiguous()):
+            x, h, ids, weights = fused.add_norm_router(x, layer.post_norm, eps, layer.router,
+                                                       self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob,
+                                                       a, *_route_extra(route_out))
+            return x, h, (ids, weights)
+        x, h = add_rms_norm(x, a, layer.post_norm, eps)
+        return x, h, None
+
+    def _moe(self, i: int, layer: DecoderLayer, h: torch.Tensor, routed=None) -> torch.Tensor:
+        ids, weights = self.route(i, h) if routed is None else routed
         if self.on_route is not None:
             self.on_route(i, ids, weights)
         return self.moe_out(i, h, self.experts(i, h, ids, weights))
@@ -192,14 +205,8 @@ class MoEModel:
         else:
             h = rms_norm(x, layer.input_norm, eps)
         a = layer.attn.decode(h, i, self.cache, pos, None, keys, mask, table=table)
-        if (self._fused_route_ok(i, x) and fused_norm_ok(x, layer.post_norm) and x.dim() == 2
-                and x.shape[0] <= fused.ROUTER_MAX_T and a.dtype == x.dtype and a.is_contiguous()):
-            x, h, ids, weights = fused.add_norm_router(x, layer.post_norm, eps, layer.router,   # one launch
-                                                       self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob,
-                                                       a, *_route_extra(route_out))
-            return x, h, ids, weights
-        x, h = add_rms_norm(x, a, layer.post_norm, eps)
-        ids, weights = self.route(i, h, route_out)
+        x, h, routed = self._post_attn(i, x, a, route_out)
+        ids, weights = self.route(i, h, route_out) if routed is None else routed
         return x, h, ids, weights
 
     def forward_logits(self, ids: torch.Tensor) -> torch.Tensor:
