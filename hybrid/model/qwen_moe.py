@@ -186,9 +186,20 @@ class MoEModel:
         return out
 
     # ---- one decode token, position on the device (graph-safe) --------------------------------
-    def decode_mask(self, pos: torch.Tensor, keys: int) -> torch.Tensor:
-        """Additive mask [1, 1, 1, keys] in the model dtype: 0 up to pos, -inf after."""
+    def decode_mask(self, pos: torch.Tensor, keys: int) -> torch.Tensor | None:
+        """Additive mask [1, 1, 1, keys] in the model dtype: 0 up to pos, -inf after. None on CUDA
+        when the fused one-token attention (which reads pos itself) runs every layer's attention;
+        Attention.decode builds the mask for a layer that needs it all the same."""
+        if pos.is_cuda and self._fused_attention_everywhere():
+            return None
         return decode_mask(pos, keys, self.dtype, pos.device)
+
+    def _fused_attention_everywhere(self) -> bool:
+        if not isinstance(self.cache, KVCache) or self.dtype != torch.float16:
+            return False
+        if not (fused.enabled("rope_attn") or fused.enabled("attn")):
+            return False
+        return all(layer.attn._attn_shapes_ok(self.cache, i) for i, layer in enumerate(self.layers))
 
     def decode_dense(self, i: int, x: torch.Tensor, pos: torch.Tensor, keys: int, mask: torch.Tensor | None,
                      residual: torch.Tensor | None = None, route_out: RouteOut | None = None):
