@@ -312,58 +312,35 @@ extern "C" __global__ void __launch_bounds__(128)
                           int H, float eps, int x_f32, int delta_f32, const float* router, float* logits,
                           int* counter, int T, int E, int k, int renorm, long long* ids, float* weights,
                           const int* slot_table, int* slots, float* route_row) {
-  __shared__ float part[4][ROUTER_MAXT];
-  __shared__ float rstd[ROUTER_MAXT];
+  __shared__ float part[4];
   __shared__ int last;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  float ss[ROUTER_MAXT];
-#pragma unroll
-  for (int t = 0; t < ROUTER_MAXT; ++t) ss[t] = 0.f;
-  for (int i = tid; i < H; i += 128) {
-#pragma unroll
-    for (int t = 0; t < ROUTER_MAXT; ++t) {
-      if (t < T) {
-        const size_t o = (size_t)t * H + i;
-        float v = load(x, o, x_f32);
-        if (delta) v = round_to(v + round_to(load(delta, o, delta_f32), x_f32), x_f32);
-        ss[t] = fmaf(v, v, ss[t]);
-        if (blockIdx.x == 0 && delta) store(x_out, o, v, x_f32);
-      }
-    }
-  }
-#pragma unroll
-  for (int t = 0; t < ROUTER_MAXT; ++t) {
-    const float r = warp_sum(ss[t]);
-    if (lane == 0) part[warp][t] = r;
-  }
-  __syncthreads();
-  if (tid < T) rstd[tid] = rsqrtf((part[0][tid] + part[1][tid] + part[2][tid] + part[3][tid]) / (float)H + eps);
-  __syncthreads();
   const int e = blockIdx.x * 4 + warp;
-  float acc[ROUTER_MAXT];
-#pragma unroll
-  for (int t = 0; t < ROUTER_MAXT; ++t) acc[t] = 0.f;
   const float* wr = router + (size_t)(e < E ? e : 0) * H;
-  for (int i = lane; i < H; i += 32) {
-    const float rw = wr[i], nw = w[i];
-#pragma unroll
-    for (int t = 0; t < ROUTER_MAXT; ++t) {
-      if (t < T) {
-        const size_t o = (size_t)t * H + i;
-        float v = load(x, o, x_f32);
-        if (delta) v = round_to(v + round_to(load(delta, o, delta_f32), x_f32), x_f32);
-        const float hv = round_to(v * rstd[t] * nw, x_f32);
-        if (blockIdx.x == 0 && warp == 0) store(hout, o, hv, x_f32);
-        acc[t] = fmaf(hv, rw, acc[t]);
-      }
+  for (int t = 0; t < T; ++t) {                           // tokens one by one: no per-token arrays
+    const size_t row = (size_t)t * H;
+    float ss = 0.f;
+    for (int i = tid; i < H; i += 128) {
+      float v = load(x, row + i, x_f32);
+      if (delta) v = round_to(v + round_to(load(delta, row + i, delta_f32), x_f32), x_f32);
+      ss = fmaf(v, v, ss);
+      if (blockIdx.x == 0 && delta) store(x_out, row + i, v, x_f32);
     }
-  }
-#pragma unroll
-  for (int t = 0; t < ROUTER_MAXT; ++t) {
-    if (t < T) {
-      const float v = warp_sum(acc[t]);
-      if (lane == 0 && e < E) logits[(size_t)t * E + e] = v;
+    ss = warp_sum(ss);
+    if (lane == 0) part[warp] = ss;
+    __syncthreads();
+    const float rstd = rsqrtf((part[0] + part[1] + part[2] + part[3]) / (float)H + eps);
+    __syncthreads();                                      // part is reused by the next token
+    float acc = 0.f;
+    for (int i = lane; i < H; i += 32) {
+      float v = load(x, row + i, x_f32);
+      if (delta) v = round_to(v + round_to(load(delta, row + i, delta_f32), x_f32), x_f32);
+      const float hv = round_to(v * rstd * w[i], x_f32);
+      if (blockIdx.x == 0 && warp == 0) store(hout, row + i, hv, x_f32);
+      acc = fmaf(hv, wr[i], acc);
     }
+    acc = warp_sum(acc);
+    if (lane == 0 && e < E) logits[(size_t)t * E + e] = acc;
   }
   __threadfence();
   __syncthreads();

@@ -135,6 +135,24 @@ def compile_check(sm: int):
     return parse_ptxas(res.stderr), ptx.decode()
 
 
+def native_check(sm: int, nv=None):
+    """NVRTC (this machine's, or nv) -> CUBIN for sm_<sm> with ptxas' report taken from NVRTC's own log
+    (no ptxas binary needed): [KernelReport] (registers, spills, stack)."""
+    from hybrid.kernels.build import OPTIONS, parse_ptxas
+    from hybrid.kernels.nvrtc import load_nvrtc
+
+    nv = nv or load_nvrtc(12 if sm < 75 else None)
+    lib, prog = nv.lib, ctypes.c_void_p()
+    nv._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source().encode(), b"fused.cu", 0, None, None), "create")
+    try:
+        opts = OPTIONS + [f"--gpu-architecture=sm_{sm}", "--ptxas-options=-v"]
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        nv._check(lib.nvrtcCompileProgram(prog, len(opts), arr), "compile of fused.cu", nv._log(prog))
+        return parse_ptxas(nv._log(prog))
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
 def source_digest() -> str:
     return hashlib.sha256(source().encode()).hexdigest()[:16]
 
