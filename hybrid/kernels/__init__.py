@@ -31,7 +31,12 @@ CUDA 13 dropped sm_70: Volta users need NVRTC 12.x (nvidia-cuda-nvrtc-cu12). A C
 (`hybrid-bench cuda-kernels --compile-only --arch sm_70`) compiles every kernel with NVRTC 12 and
 ptxas from the pip wheels and fails on any register spill.
 Measured speed and efficiency (H200) with the machine, command and git sha: results/cuda_kernels.md.
+
+The decode step's small ops (RMSNorm + residual, q/k norm + RoPE + KV write + one-token attention,
+router GEMV + softmax / top-k) are fused kernels in cuda/fused.cu, built and cached the same way:
+hybrid.kernels.fused (HYBRID_FUSED=0 turns them off in the model).
 """
+from hybrid.kernels import fused
 from hybrid.kernels.qpn import QPNExpertSlots, QPNWeight, qpn_linear, qpn_moe
 
-__all__ = ["QPNWeight", "QPNExpertSlots", "qpn_linear", "qpn_moe"]
+__all__ = ["QPNWeight", "QPNExpertSlots", "qpn_linear", "qpn_moe", "fused"]
