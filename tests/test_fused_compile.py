@@ -4,7 +4,7 @@ instruction that needs sm_80 (cp.async, bf16); the native sm_90 CUBIN of whateve
 has (NVRTC 13 on the H200 machine) has no spills either; the prebuilt-PTX fallback."""
 import pytest
 
-from hybrid.kernels import fused
+from hybrid.kernels import fused_build as fused
 from hybrid.kernels.nvrtc import NvrtcError, load_nvrtc
 
 

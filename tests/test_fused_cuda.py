@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from hybrid.kernels import fused
+from hybrid.kernels import fused, fused_build
 from hybrid.model.layers import Rotary
 
 DEV = os.environ.get("HYBRID_FUSED_TEST_DEVICE", "cuda")
@@ -43,10 +43,10 @@ def backend(request):
         dev = torch.device("cuda", torch.cuda.current_device())
         if request.param == "ptx70":
             try:
-                fused._image_for(70, True)
+                fused_build.image_for(70, True)
             except Exception as exc:  # noqa: BLE001 - no NVRTC 12 and no prebuilt PTX here
                 pytest.skip(f"compute_70 PTX unavailable ({type(exc).__name__}); on the dev machine run "
-                            "`python3 -m hybrid.kernels.fused --emit DIR` and set HYBRID_CACHE_DIR=DIR here")
+                            "`python3 -m hybrid.kernels.fused_build --emit DIR` and set HYBRID_CACHE_DIR=DIR here")
         fused.force_ptx(dev, 70 if request.param == "ptx70" else None)
     yield request.param
     if GPU:

@@ -34,9 +34,8 @@ Measured speed and efficiency (H200) with the machine, command and git sha: resu
 
 The decode step's small ops (RMSNorm + residual, q/k norm + RoPE + KV write + one-token attention,
 router GEMV + softmax / top-k) are fused kernels in cuda/fused.cu, built and cached the same way:
-hybrid.kernels.fused (HYBRID_FUSED=0 turns them off in the model).
+hybrid.kernels.fused, built by hybrid.kernels.fused_build (HYBRID_FUSED=0 turns them off in the model).
 """
-from hybrid.kernels import fused
 from hybrid.kernels.qpn import QPNExpertSlots, QPNWeight, qpn_linear, qpn_moe
 
-__all__ = ["QPNWeight", "QPNExpertSlots", "qpn_linear", "qpn_moe", "fused"]
+__all__ = ["QPNWeight", "QPNExpertSlots", "qpn_linear", "qpn_moe"]

@@ -20,18 +20,14 @@ RoPE, KV write and attention of one token as one kernel instead of two).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from hybrid.kernels.fused_build import KERNELS, force_ptx, module as _module  # noqa: F401
+
 PARTS = ("norm", "rope", "route", "attn", "rope_attn")
-KERNELS = ("fused_add_rms_norm", "fused_qk_rope_kv", "fused_route_topk", "fused_router_topk",
-           "fused_add_norm_router", "fused_decode_attn", "fused_rope_attn")
 ROUTE_MAX_E, ROUTE_MAX_K, ROUTER_MAX_T = 512, 32, 8
 ROPE_MAX_D = 256
 ATT_KEYS, ATT_MAX_G, ATT_MAX_Q = 128, 16, 2048
@@ -46,115 +42,6 @@ def enabled(part: str) -> bool:
     if v in ("0", "off", "false", "no", "none"):
         return False
     return part in {p.strip() for p in v.split(",")}
-
-
-# ---------------------------------------------------------------------------- build and load
-def source() -> str:
-    return Path(__file__).with_name("fused.cu").read_text()
-
-
-_MODULES: dict = {}
-_FORCE_PTX: dict[int, int] = {}
-
-
-def force_ptx(device, sm: int | None) -> None:
-    """Tests: run this device's fused kernels from compute_<sm> PTX through the driver JIT."""
-    d = _dev(torch.device(device))
-    if sm is None:
-        _FORCE_PTX.pop(d.index, None)
-    else:
-        _FORCE_PTX[d.index] = sm
-
-
-def _module(device: torch.device):
-    from hybrid.kernels.driver import Module
-
-    forced = _FORCE_PTX.get(device.index)
-    mod = _MODULES.get((device.index, forced))
-    if mod is None:
-        major, minor = torch.cuda.get_device_capability(device)
-        sm = forced or major * 10 + minor
-        mod = _MODULES[(device.index, forced)] = Module(_image_for(sm, forced is not None), device)
-    return mod
-
-
-def _image_for(sm: int, force_ptx: bool) -> bytes:
-    """Native CUBIN (or PTX) from NVRTC, cached like the QPN kernels; if NVRTC is missing or cannot
-    target sm (NVRTC 13 and sm_70), a PTX prebuilt for this exact source by `--emit` (below)."""
-    from hybrid.kernels.build import compile_image, pick_target
-    from hybrid.kernels.nvrtc import NvrtcError, load_nvrtc
-
-    try:
-        nv = load_nvrtc(12 if sm < 75 else None)
-        return compile_image(nv, pick_target(nv, sm, force_ptx=force_ptx), src=source())
-    except NvrtcError:
-        pre = prebuilt_path(sm)
-        if pre.exists():
-            return pre.read_bytes()
-        raise
-
-
-def prebuilt_path(sm: int, folder: Path | None = None) -> Path:
-    """$HYBRID_CACHE_DIR (or ~/.cache/hybrid/qpn)/prebuilt-fused-<source digest>-compute_<sm>.ptx."""
-    from hybrid.kernels.build import cache_dir
-
-    return (folder or cache_dir()) / f"prebuilt-fused-{source_digest()}-compute_{sm}.ptx"
-
-
-def emit_prebuilt(folder: Path, sms=(70,)) -> list[Path]:
-    """Write compute_<sm> PTX of this source with NVRTC 12 (e.g. on a machine without a GPU) for a
-    machine whose NVRTC cannot target sm (CUDA 13 and Volta): HYBRID_CACHE_DIR=folder there."""
-    from hybrid.kernels.build import OPTIONS
-    from hybrid.kernels.nvrtc import load_nvrtc
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    out = []
-    for sm in sms:
-        ptx = load_nvrtc(12).compile(source(), "fused.cu", OPTIONS + [f"--gpu-architecture=compute_{sm}"],
-                                     cubin=False)
-        out.append(prebuilt_path(sm, folder))
-        out[-1].write_bytes(ptx)
-    return out
-
-
-def compile_check(sm: int):
-    """CPU-only: NVRTC 12 -> PTX (compute_<sm>) -> ptxas -v; -> ([KernelReport], ptx text)."""
-    from hybrid.kernels.build import OPTIONS, include_options, parse_ptxas, ptxas_path
-    from hybrid.kernels.nvrtc import NvrtcError, load_nvrtc
-
-    ptx = load_nvrtc(12).compile(source(), "fused.cu", OPTIONS + include_options()
-                                 + [f"--gpu-architecture=compute_{sm}"], cubin=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        p = Path(tmp) / "fused.ptx"
-        p.write_bytes(ptx)
-        res = subprocess.run([str(ptxas_path()), f"-arch=sm_{sm}", "-v", str(p), "-o",
-                              str(Path(tmp) / "fused.cubin")], capture_output=True, text=True)
-    if res.returncode != 0:
-        raise NvrtcError(f"ptxas failed for sm_{sm}:\n{res.stderr}")
-    return parse_ptxas(res.stderr), ptx.decode()
-
-
-def native_check(sm: int, nv=None):
-    """NVRTC (this machine's, or nv) -> CUBIN for sm_<sm> with ptxas' report taken from NVRTC's own log
-    (no ptxas binary needed): [KernelReport] (registers, spills, stack)."""
-    from hybrid.kernels.build import OPTIONS, parse_ptxas
-    from hybrid.kernels.nvrtc import load_nvrtc
-
-    nv = nv or load_nvrtc(12 if sm < 75 else None)
-    lib, prog = nv.lib, ctypes.c_void_p()
-    nv._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source().encode(), b"fused.cu", 0, None, None), "create")
-    try:
-        opts = OPTIONS + [f"--gpu-architecture=sm_{sm}", "--ptxas-options=-v"]
-        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-        nv._check(lib.nvrtcCompileProgram(prog, len(opts), arr), "compile of fused.cu", nv._log(prog))
-        return parse_ptxas(nv._log(prog))
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
-def source_digest() -> str:
-    return hashlib.sha256(source().encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------- checks
@@ -270,15 +157,7 @@ def qk_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Ten
     dev = _dev(qkv.device)
     if d % 2 or not 2 <= d <= ROPE_MAX_D:
         raise ValueError(f"head_dim: expected an even size <= {ROPE_MAX_D}, got {d}")
-    _check(qkv, "qkv", torch.float16, (t, (hq + 2 * hkv) * d), dev)
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm: give both or neither")
-    if q_norm is not None:
-        _check(q_norm, "q_norm", torch.float32, (d,), dev)
-        _check(k_norm, "k_norm", torch.float32, (d,), dev)
-    _check(table, "table", torch.float32, (None, 2, d), dev)
-    _check(k_store, "k_store", torch.float16, (None, hkv, d), dev)
-    _check(v_store, "v_store", torch.float16, tuple(k_store.shape), dev)
+    _check_qkv(qkv, q_norm, k_norm, table, k_store, v_store, t, hq, hkv, d, dev)
     _pos(pos, dev)
     cap = k_store.shape[0]
     if pos is None and not (0 <= start and start + t <= min(cap, table.shape[0])):
@@ -292,6 +171,18 @@ def qk_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Ten
             ctypes.c_int(start), _p(q), _p(k_store), _p(v_store), ctypes.c_int(t), ctypes.c_int(hq),
             ctypes.c_int(hkv), ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps)])
     return q
+
+
+def _check_qkv(qkv, q_norm, k_norm, table, k_store, v_store, t, hq, hkv, d, dev) -> None:
+    _check(qkv, "qkv", torch.float16, (t, (hq + 2 * hkv) * d), dev)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm: give both or neither")
+    if q_norm is not None:
+        _check(q_norm, "q_norm", torch.float32, (d,), dev)
+        _check(k_norm, "k_norm", torch.float32, (d,), dev)
+    _check(table, "table", torch.float32, (None, 2, d), dev)
+    _check(k_store, "k_store", torch.float16, (None, hkv, d), dev)
+    _check(v_store, "v_store", torch.float16, tuple(k_store.shape), dev)
 
 
 # ---------------------------------------------------------------------------- router
@@ -484,24 +375,31 @@ def decode_attn(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, k
     _check(v_store, "v_store", torch.float16, tuple(k_store.shape), dev)
     _pos(pos, dev)
     cap, hkv = k_store.shape[:2]
-    g = hq // hkv if hkv else 0
-    if not hkv or hq % hkv or g > ATT_MAX_G or g * d > ATT_MAX_Q or d % 8 or d > ROPE_MAX_D:
-        raise ValueError(f"decode_attn: Hq={hq}, Hkv={hkv}, D={d} not supported (Hq % Hkv == 0, "
-                         f"Hq/Hkv <= {ATT_MAX_G}, Hq/Hkv * D <= {ATT_MAX_Q}, D % 8 == 0, D <= {ROPE_MAX_D})")
-    if not 1 <= keys <= cap:
-        raise ValueError(f"keys: expected 1..{cap} (rows of the KV store), got {keys}")
-    if pos is None and not 0 <= start < keys:
-        raise ValueError(f"start: expected 0..{keys - 1}, got {start}")
-    if k_store.data_ptr() % 16 or v_store.data_ptr() % 16:
-        raise ValueError("k_store / v_store: data pointers must be 16-byte aligned")
-    splits = -(-keys // ATT_KEYS)
-    part, cnt = _workspace(dev, hkv * splits * g * (d + 2) if splits > 1 else 0, hkv)
-    out = torch.empty(1, hq * d, dtype=torch.float16, device=dev)
+    g, splits, part, cnt, out = _attn_setup("decode_attn", hq, hkv, d, keys, k_store, v_store, pos, start,
+                                            keys, dev)
     _module(dev).launch("fused_decode_attn", (hkv, splits, 1), ATT_KEYS, [
         _p(q), _p(k_store), _p(v_store), _p(pos), ctypes.c_int(start), _p(out), _p(part), _p(cnt[1:]),
         ctypes.c_int(hkv), ctypes.c_int(g), ctypes.c_int(d), ctypes.c_int(cap),
         ctypes.c_float(d ** -0.5)])
     return out
+
+
+def _attn_setup(what, hq, hkv, d, keys, k_store, v_store, pos, start, rows, dev):
+    """Shape checks of the one-token attention; -> (g, splits, partials, counters, out [1, Hq*D])."""
+    g = hq // hkv if hkv else 0
+    if not hkv or hq % hkv or g > ATT_MAX_G or g * d > ATT_MAX_Q or d % 8 or d > ROPE_MAX_D:
+        raise ValueError(f"{what}: Hq={hq}, Hkv={hkv}, D={d} not supported (Hq % Hkv == 0, "
+                         f"Hq/Hkv <= {ATT_MAX_G}, Hq/Hkv * D <= {ATT_MAX_Q}, D % 8 == 0, D <= {ROPE_MAX_D})")
+    cap = k_store.shape[0]
+    if not 1 <= keys <= cap:
+        raise ValueError(f"keys: expected 1..{cap} (rows of the KV store), got {keys}")
+    if pos is None and not 0 <= start < rows:
+        raise ValueError(f"start: expected 0..{rows - 1}, got {start}")
+    if k_store.data_ptr() % 16 or v_store.data_ptr() % 16:
+        raise ValueError("k_store / v_store: data pointers must be 16-byte aligned")
+    splits = -(-keys // ATT_KEYS)
+    part, cnt = _workspace(dev, hkv * splits * g * (d + 2) if splits > 1 else 0, hkv)
+    return g, splits, part, cnt, torch.empty(1, hq * d, dtype=torch.float16, device=dev)
 
 
 def ref_rope_attn(qkv, q_norm, k_norm, table, k_store, v_store, n_heads, n_kv, head_dim, eps, keys,
@@ -522,30 +420,11 @@ def rope_attn(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
     if not qkv.is_cuda:
         return ref_rope_attn(qkv, q_norm, k_norm, table, k_store, v_store, hq, hkv, d, eps, keys, pos, start)
     dev = _dev(qkv.device)
-    g = hq // hkv if hkv else 0
-    if not hkv or hq % hkv or g > ATT_MAX_G or g * d > ATT_MAX_Q or d % 8 or d > ROPE_MAX_D:
-        raise ValueError(f"rope_attn: Hq={hq}, Hkv={hkv}, D={d} not supported (Hq % Hkv == 0, "
-                         f"Hq/Hkv <= {ATT_MAX_G}, Hq/Hkv * D <= {ATT_MAX_Q}, D % 8 == 0, D <= {ROPE_MAX_D})")
-    _check(qkv, "qkv", torch.float16, (1, (hq + 2 * hkv) * d), dev)
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm: give both or neither")
-    if q_norm is not None:
-        _check(q_norm, "q_norm", torch.float32, (d,), dev)
-        _check(k_norm, "k_norm", torch.float32, (d,), dev)
-    _check(table, "table", torch.float32, (None, 2, d), dev)
-    _check(k_store, "k_store", torch.float16, (None, hkv, d), dev)
-    _check(v_store, "v_store", torch.float16, tuple(k_store.shape), dev)
+    _check_qkv(qkv, q_norm, k_norm, table, k_store, v_store, 1, hq, hkv, d, dev)
     _pos(pos, dev)
     cap = k_store.shape[0]
-    if not 1 <= keys <= cap:
-        raise ValueError(f"keys: expected 1..{cap} (rows of the KV store), got {keys}")
-    if pos is None and not 0 <= start < min(keys, table.shape[0]):
-        raise ValueError(f"start: expected 0..{min(keys, table.shape[0]) - 1}, got {start}")
-    if k_store.data_ptr() % 16 or v_store.data_ptr() % 16:
-        raise ValueError("k_store / v_store: data pointers must be 16-byte aligned")
-    splits = -(-keys // ATT_KEYS)
-    part, cnt = _workspace(dev, hkv * splits * g * (d + 2) if splits > 1 else 0, hkv)
-    out = torch.empty(1, hq * d, dtype=torch.float16, device=dev)
+    g, splits, part, cnt, out = _attn_setup("rope_attn", hq, hkv, d, keys, k_store, v_store, pos, start,
+                                            min(keys, table.shape[0]), dev)
     _module(dev).launch("fused_rope_attn", (hkv, splits, 1), ATT_KEYS, [
         _p(qkv), _p(q_norm), _p(k_norm), _p(table), ctypes.c_int(table.shape[0]), _p(pos), ctypes.c_int(start),
         _p(k_store), _p(v_store), _p(out), _p(part), _p(cnt[1:]), ctypes.c_int(hq), ctypes.c_int(hkv),
@@ -553,13 +432,7 @@ def rope_attn(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
     return out
 
 
-if __name__ == "__main__":
-    import argparse
+if __name__ == "__main__":                  # the build tool's entry: --emit DIR (see fused_build)
+    from hybrid.kernels.fused_build import main
 
-    ap = argparse.ArgumentParser(description="fused kernels: prebuild PTX for machines whose NVRTC cannot "
-                                             "target the arch (CUDA 13 and sm_70)")
-    ap.add_argument("--emit", type=Path, required=True, help="folder (use it as HYBRID_CACHE_DIR there)")
-    ap.add_argument("--arch", type=int, nargs="*", default=[70], help="compute capabilities (default 70)")
-    args = ap.parse_args()
-    for path in emit_prebuilt(args.emit, args.arch):
-        print(path)
+    main()
