@@ -344,10 +344,10 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
     offsets = torch.empty(s + 1, dtype=torch.int32, device=dev)
     perm = torch.empty(a, dtype=torch.int32, device=dev)
     rows = min(a, s)  # block rows of the expert kernels: at most one per active slot
-    active = torch.empty(rows, dtype=torch.int32, device=dev)
+    slot_list = torch.empty(rows, dtype=torch.int32, device=dev)
     hbuf = torch.empty(a, i, dtype=torch.float16, device=dev)
     mod.launch("qpn_moe_route", (1, 1, 1), 1024,
-               [_p(slot_ids), ctypes.c_int(a), ctypes.c_int(s), _p(offsets), _p(perm), _p(active)])
+               [_p(slot_ids), ctypes.c_int(a), ctypes.c_int(s), _p(offsets), _p(perm), _p(slot_list)])
     mt = 1 if t <= 8 else 4
     sfx = variant(MOE_VARIANT[0], mod.sm) if mt == 1 else ""
     fmt, ck, sms = _fmt(slots.qtype), layout.CHUNK[slots.qtype], _sms(dev)
@@ -358,11 +358,11 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
     ss2 = slots.s2[0].numel() // 8 if slots.s2.dim() > 1 else 0
     mod.launch(f"qpn{fmt}_moe_gateup_mt{mt}{sfx}", (-(-(i // 16) // (WARPS // ks)), rows, 1), THREADS,
                [_p(slots.w13), _p(slots.s13), _p(slots.gs), ctypes.c_longlong(ws13),
-                ctypes.c_longlong(ss13), _p(x), _p(token_idx), _p(offsets), _p(perm), _p(active), _p(hbuf),
+                ctypes.c_longlong(ss13), _p(x), _p(token_idx), _p(offsets), _p(perm), _p(slot_list), _p(hbuf),
                 ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)])
     ks = _pick_ks(h // 16 * active, i // ck, sms)
     mod.launch(f"qpn{fmt}_moe_down_mt{mt}{sfx}", (-(-(h // 16) // (WARPS // ks)), rows, 1), THREADS,
                [_p(slots.w2), _p(slots.s2), _p(slots.gs), ctypes.c_longlong(ws2),
                 ctypes.c_longlong(ss2), _p(hbuf), _p(token_idx), _p(route_w), _p(offsets),
-                _p(perm), _p(active), _p(y), ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)])
+                _p(perm), _p(slot_list), _p(y), ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)])
     return y
