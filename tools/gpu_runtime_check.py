@@ -241,7 +241,8 @@ def predictions_before(path: Path, profile: str, expert_profile: Path, ctx: int,
     (hybrid.runtime.session._plan), recorded before any decode is measured."""
     from hybrid.model.config import ModelConfig
     from hybrid.runtime import RuntimeOptions
-    from hybrid.runtime.session import _plan
+    from hybrid.experts.popularity import load_profile as load_expert_profile
+    from hybrid.runtime.session import _hardware_profile, _plan
 
     cfg = ModelConfig.from_folder(path)
     out = {}
@@ -249,7 +250,8 @@ def predictions_before(path: Path, profile: str, expert_profile: Path, ctx: int,
     configs += [(label, kw, expert_profile) for label, kw in synth_configs(miss_slots)]
     for label, kw, eprof in configs:
         opts = RuntimeOptions(device="cuda", profile=profile, **kw)
-        plan = _plan(path, cfg, opts, eprof, ctx)
+        ep = load_expert_profile(Path(eprof), cfg) if eprof is not None else None
+        plan = _plan(path, cfg, opts, _hardware_profile(opts), ep, eprof, ctx)
         p = plan.prediction
         out[label] = {"tok_s": round(p.tok_s, 2), "token_ms": round(p.token_us / 1e3, 3),
                       "host_ms": round(p.host_us / 1e3, 3), "kernel_ms": round(p.kernel_us / 1e3, 3),
