@@ -86,6 +86,7 @@ extern "C" __global__ void __launch_bounds__(256)
   const size_t row = (size_t)blockIdx.x * H;
   const int tid = threadIdx.x;
   float ss = 0.f;
+#pragma unroll 4
   for (int i = tid; i < H; i += 256) {
     float s = load(x, row + i, x_f32);
     if (delta) {
@@ -101,6 +102,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int j = 0; j < 8; ++j) tot += part[j];
   const float rstd = rsqrtf(tot / (float)H + eps);
+#pragma unroll 4
   for (int i = tid; i < H; i += 256) {                  // x_out again, recomputed (not re-read)
     float s = load(x, row + i, x_f32);
     if (delta) s = round_to(s + round_to(load(delta, row + i, delta_f32), x_f32), x_f32);
@@ -263,34 +265,25 @@ extern "C" __global__ void __launch_bounds__(128)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int e = blockIdx.x * 4 + warp;
   if (e < E) {
-    float acc[ROUTER_MAXT];
-#pragma unroll
-    for (int t = 0; t < ROUTER_MAXT; ++t) acc[t] = 0.f;
     const float* wr = router + (size_t)e * H;
-    for (int i = lane * 4; i < H; i += 128) {              // H % 4 == 0
-      const float4 w4 = *(const float4*)(wr + i);
-#pragma unroll
-      for (int t = 0; t < ROUTER_MAXT; ++t) {
-        if (t < T) {
-          float x0, x1, x2, x3;
-          if (h_f32) {
-            const float4 x4 = *(const float4*)((const float*)h + (size_t)t * H + i);
-            x0 = x4.x; x1 = x4.y; x2 = x4.z; x3 = x4.w;
-          } else {
-            const uint2 raw = *(const uint2*)((const u16*)h + (size_t)t * H + i);
-            x0 = h2f((u16)(raw.x & 0xffffu)); x1 = h2f((u16)(raw.x >> 16));
-            x2 = h2f((u16)(raw.y & 0xffffu)); x3 = h2f((u16)(raw.y >> 16));
-          }
-          acc[t] = fmaf(x3, w4.w, fmaf(x2, w4.z, fmaf(x1, w4.y, fmaf(x0, w4.x, acc[t]))));
+    for (int t = 0; t < T; ++t) {                         // tokens one by one: no per-token arrays
+      float acc = 0.f;
+#pragma unroll 4
+      for (int i = lane * 4; i < H; i += 128) {            // H % 4 == 0
+        const float4 w4 = *(const float4*)(wr + i);
+        float x0, x1, x2, x3;
+        if (h_f32) {
+          const float4 x4 = *(const float4*)((const float*)h + (size_t)t * H + i);
+          x0 = x4.x; x1 = x4.y; x2 = x4.z; x3 = x4.w;
+        } else {
+          const uint2 raw = *(const uint2*)((const u16*)h + (size_t)t * H + i);
+          x0 = h2f((u16)(raw.x & 0xffffu)); x1 = h2f((u16)(raw.x >> 16));
+          x2 = h2f((u16)(raw.y & 0xffffu)); x3 = h2f((u16)(raw.y >> 16));
         }
+        acc = fmaf(x3, w4.w, fmaf(x2, w4.z, fmaf(x1, w4.y, fmaf(x0, w4.x, acc))));
       }
-    }
-#pragma unroll
-    for (int t = 0; t < ROUTER_MAXT; ++t) {
-      if (t < T) {
-        const float v = warp_sum(acc[t]);
-        if (lane == 0) logits[(size_t)t * E + e] = v;
-      }
+      acc = warp_sum(acc);
+      if (lane == 0) logits[(size_t)t * E + e] = acc;
     }
   }
   __threadfence();
@@ -320,6 +313,7 @@ extern "C" __global__ void __launch_bounds__(128)
   for (int t = 0; t < T; ++t) {                           // tokens one by one: no per-token arrays
     const size_t row = (size_t)t * H;
     float ss = 0.f;
+#pragma unroll 4
     for (int i = tid; i < H; i += 128) {
       float v = load(x, row + i, x_f32);
       if (delta) v = round_to(v + round_to(load(delta, row + i, delta_f32), x_f32), x_f32);
@@ -332,6 +326,7 @@ extern "C" __global__ void __launch_bounds__(128)
     const float rstd = rsqrtf((part[0] + part[1] + part[2] + part[3]) / (float)H + eps);
     __syncthreads();                                      // part is reused by the next token
     float acc = 0.f;
+#pragma unroll 8
     for (int i = lane; i < H; i += 32) {
       float v = load(x, row + i, x_f32);
       if (delta) v = round_to(v + round_to(load(delta, row + i, delta_f32), x_f32), x_f32);
@@ -382,6 +377,7 @@ __device__ __forceinline__ void attn_body(AttnSmem& sm, const u16* k_store, cons
   for (int h = 0; h < ATT_MAXG; ++h) s[h] = 0.f;
   if (key < n) {
     const u16* kr = k_store + ((size_t)key * Hkv + kvh) * D;
+#pragma unroll 4
     for (int c = 0; c < D; c += 8) {
       const uint4 raw = *(const uint4*)(kr + c);
       const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -436,13 +432,27 @@ __device__ __forceinline__ void attn_body(AttnSmem& sm, const u16* k_store, cons
   // (one V load per key); D = 256 alternates two dims; other D load per output.
   const u16* vbase = v_store + (size_t)kvh * D;
   if (ATT_KEYS % D == 0) {
-    for (int kk = 0; kk < nk; ++kk) {
-      const float v = h2f(vbase[(size_t)(start + kk) * Hkv * D + od[0]]);
+    const u16* vcol = vbase + (size_t)start * Hkv * D + od[0];
+    const size_t vstep = (size_t)Hkv * D;
+    int kk = 0;
+    for (; kk + 8 <= nk; kk += 8) {                       // 8 keys' loads in flight
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = h2f(vcol[(size_t)(kk + u) * vstep]);
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+#pragma unroll
+        for (int j = 0; j < ATT_MAXO; ++j)
+          if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sm.sc[oh[j]][kk + u], v[u], acc[j]);
+    }
+    for (; kk < nk; ++kk) {
+      const float v = h2f(vcol[(size_t)kk * vstep]);
 #pragma unroll
       for (int j = 0; j < ATT_MAXO; ++j)
         if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sm.sc[oh[j]][kk], v, acc[j]);
     }
   } else if (D == 2 * ATT_KEYS) {
+#pragma unroll 4
     for (int kk = 0; kk < nk; ++kk) {
       const u16* vr = vbase + (size_t)(start + kk) * Hkv * D;
       const float v0 = h2f(vr[tid]), v1 = h2f(vr[tid + ATT_KEYS]);
@@ -451,6 +461,7 @@ __device__ __forceinline__ void attn_body(AttnSmem& sm, const u16* k_store, cons
         if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sm.sc[oh[j]][kk], (j & 1) ? v1 : v0, acc[j]);
     }
   } else {
+#pragma unroll 2
     for (int kk = 0; kk < nk; ++kk) {
       const u16* vr = vbase + (size_t)(start + kk) * Hkv * D;
 #pragma unroll
@@ -485,11 +496,35 @@ __device__ __forceinline__ void attn_body(AttnSmem& sm, const u16* k_store, cons
   for (int j = 0; j < ATT_MAXO; ++j) {
     if (tid + ATT_KEYS * j >= gd) continue;
     const int h = oh[j], d = od[j];
+    const float* hp = head + (size_t)h * stride;            // split sp's head h: hp + sp * g * stride
+    const size_t sstep = (size_t)g * stride;
     float mx = NEG_INF;
-    for (int sp = 0; sp < S; ++sp) mx = fmaxf(mx, ld_cg(head + ((size_t)sp * g + h) * stride + D));
+    int sp = 0;
+    for (; sp + 4 <= S; sp += 4) {                         // 4 splits' loads in flight
+      const float a0 = ld_cg(hp + sp * sstep + D), a1 = ld_cg(hp + (sp + 1) * sstep + D);
+      const float a2 = ld_cg(hp + (sp + 2) * sstep + D), a3 = ld_cg(hp + (sp + 3) * sstep + D);
+      mx = fmaxf(mx, fmaxf(fmaxf(a0, a1), fmaxf(a2, a3)));
+    }
+    for (; sp < S; ++sp) mx = fmaxf(mx, ld_cg(hp + sp * sstep + D));
     float lsum = 0.f, osum = 0.f;
-    for (int sp = 0; sp < S; ++sp) {
-      const float* ps = head + ((size_t)sp * g + h) * stride;
+    for (sp = 0; sp + 4 <= S; sp += 4) {
+      float ms[4], ls[4], os[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float* ps = hp + (sp + u) * sstep;
+        ms[u] = ld_cg(ps + D);
+        ls[u] = ld_cg(ps + D + 1);
+        os[u] = ld_cg(ps + d);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float wgt = ms[u] == NEG_INF ? 0.f : expf(ms[u] - mx);
+        lsum = fmaf(wgt, ls[u], lsum);
+        osum = fmaf(wgt, os[u], osum);
+      }
+    }
+    for (; sp < S; ++sp) {
+      const float* ps = hp + sp * sstep;
       const float ms = ld_cg(ps + D);
       const float wgt = ms == NEG_INF ? 0.f : expf(ms - mx);
       lsum = fmaf(wgt, ld_cg(ps + D + 1), lsum);

@@ -4,6 +4,7 @@ L Qwen3-30B-A3B-shaped dense layers (H 2048, 32/4 heads, D 128, 128 experts top-
 q/k/v/o, fp32 router) run MoEModel.decode_dense for one token at a device position, with a stand-in
 MoE output (x + h) between layers, captured as ONE CUDA graph, for each setting:
     torch  HYBRID_FUSED=0 (the torch ops)
+    fused-sdpa   HYBRID_FUSED=norm,rope,route (torch SDPA with its mask for the attention itself)
     fused-2attn  HYBRID_FUSED=norm,rope,attn,route (q/k norm + RoPE + KV write and attention as two kernels)
     fused  HYBRID_FUSED=1
     fused+residual  HYBRID_FUSED=1 and the stand-in MoE output passed as decode_dense(residual=...)
@@ -13,7 +14,7 @@ Per setting: GPU us per layer (CUDA events over graph replays), CUDA kernels per
 over one eager run), eager host us per layer, and the outputs against the torch setting. One JSON line
 per setting on stdout (and appended to $OUT/fused_ab.jsonl when $OUT is set).
 
-    PYTHONPATH=. python3 tools/gpu_fused_ab.py [--layers 48] [--pos 300] [--replays 50]
+    PYTHONPATH=. python3 tools/gpu_fused_ab.py [--layers 48] [--pos 300 3000] [--replays 50]
     python3 tools/gpu_fused_ab.py --device cpu --layers 2 --ctx 512   # a dry run of the script (CPU)
 """
 from __future__ import annotations
@@ -83,7 +84,8 @@ def body(m, x, pos, keys, residual: bool):
 
 
 def measure(m, setting: str, pos_value: int, replays: int) -> dict:
-    os.environ["HYBRID_FUSED"] = {"torch": "0", "fused-2attn": "norm,rope,attn,route"}.get(setting, "1")
+    os.environ["HYBRID_FUSED"] = {"torch": "0", "fused-sdpa": "norm,rope,route",
+                                  "fused-2attn": "norm,rope,attn,route"}.get(setting, "1")
     residual = setting == "fused+residual"
     dev = m.layer_devices[0]
     keys = min(-(-(pos_value + 1) // 256) * 256, m.cache.capacity)
@@ -131,7 +133,7 @@ def measure(m, setting: str, pos_value: int, replays: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=48, help="decoder layers (default 48)")
-    p.add_argument("--pos", type=int, default=300, help="decode position (default 300)")
+    p.add_argument("--pos", type=int, nargs="+", default=[300], help="decode positions (default 300)")
     p.add_argument("--ctx", type=int, default=4096, help="KV rows (default 4096)")
     p.add_argument("--replays", type=int, default=50, help="graph replays timed (default 50)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run of this script)")
@@ -140,13 +142,15 @@ def main(argv=None) -> int:
 
     m = build(args.layers, args.ctx, torch.device(args.device))
     recs = []
-    for setting in ("torch", "fused-2attn", "fused", "fused+residual"):
-        recs.append(measure(m, setting, args.pos, args.replays))
-    base_x, base_ids = recs[0].pop("_out")
-    for r in recs[1:]:
-        x, ids = r.pop("_out")
-        r["max_abs_diff_x_vs_torch"] = float((x - base_x).abs().max())
-        r["ids_equal_vs_torch"] = float((ids == base_ids).float().mean())
+    for pos in args.pos:
+        group = [measure(m, setting, pos, args.replays)
+                 for setting in ("torch", "fused-sdpa", "fused-2attn", "fused", "fused+residual")]
+        base_x, base_ids = group[0].pop("_out")
+        for r in group[1:]:
+            x, ids = r.pop("_out")
+            r["max_abs_diff_x_vs_torch"] = float((x - base_x).abs().max())
+            r["ids_equal_vs_torch"] = float((ids == base_ids).float().mean())
+        recs += group
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "none"
     recs = [{**r, **stamp("tools/gpu_fused_ab.py"), "gpu": gpu} for r in recs]
     for r in recs:
