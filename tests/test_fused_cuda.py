@@ -352,3 +352,26 @@ def test_model_fused_vs_torch_ops(qwen3_dir, monkeypatch):
     # a near-tie in a router may pick another expert for one token: judge the rows, not the worst one
     close = ((on - off).abs().amax(-1) <= 5e-2 * off.abs().amax(-1).clamp_min(1)).float().mean()
     assert close >= 0.9, f"only {close:.0%} of the rows agree within 5e-2"
+
+
+@gpu_only
+def test_decode_dense_residual_and_route_out(qwen3_dir):
+    """On CUDA, decode_dense(x, residual=r, route_out=...) is decode_dense(x + r) (the same kernels),
+    and the router launch fills the runtime's slot ids and route row."""
+    from hybrid.model.loader import load_model
+    from hybrid.model.qwen_moe import RouteOut
+
+    m = load_model(qwen3_dir, device="cuda")
+    m.new_cache(64)
+    m.prepare()
+    k, e, hd = m.cfg.num_experts_per_tok, m.cfg.num_experts, m.cfg.hidden_size
+    x, r = fresh((1, hd), torch.float16).cuda(), fresh((1, hd), torch.float16).cuda()
+    pos = torch.tensor([5], device="cuda")
+    a = m.decode_dense(0, x + r, pos, 64, m.decode_mask(pos, 64))
+    out = RouteOut(torch.arange(e, dtype=torch.int32, device="cuda").flip(0).contiguous(),
+                   torch.zeros(k, dtype=torch.int32, device="cuda"), torch.zeros(1, 2 * k, device="cuda"))
+    b = m.decode_dense(0, x, pos, 64, m.decode_mask(pos, 64), residual=r.float(), route_out=out)
+    for name, u, v in zip(("x", "h", "ids", "weights"), a, b):
+        assert torch.equal(u, v), name
+    assert torch.equal(out.slots.long(), e - 1 - b[2].reshape(-1))
+    assert torch.equal(out.row, torch.cat([b[2].float(), b[3]], 1))
