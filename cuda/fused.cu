@@ -30,12 +30,15 @@
 //       fused_route_topk; counter [1] int (zero, and left zero by the last block, which routes)
 //   fused_add_norm_router  grid ceil(E / 4), block 128, T <= 8: fused_add_rms_norm (x_out, h) and
 //       fused_router_topk on that h in one launch (logits [T, E] fp32 scratch, counter as above)
-//   fused_decode_attn   grid (Hkv, S splits), block 128: one query token, GQA (g = Hq / Hkv)
+//   fused_decode_attn   grid (Hkv, S splits), block 128: one query token, GQA (g = Hq / Hkv);
+//       S = ceil(L / 128) for the L rows the launch covers (a graph's bucket, L > p), split s takes
+//       keys [128 s, 128 s + 128); g <= 16, g * D <= 2048, D % 8 == 0, D <= 256
 //       q [Hq, D] fp16, k_store / v_store [C, Hkv, D] fp16, keys 0..p attended (p = *pos or pos0)
 //       -> out [Hq, D] fp16; partials [Hkv, S, g, D + 2] fp32 and counters [Hkv] int (zero, and left
 //       zero: the last split block of a head combines the partials and resets its counter)
 //   fused_rope_attn     grid (Hkv, S splits), block 128, one token: fused_qk_rope_kv + fused_decode_attn
-//       in one launch: qkv [1, (Hq + 2 Hkv) * D] fp16 -> out [Hq, D] fp16, K/V row p written
+//       in one launch: qkv [1, (Hq + 2 Hkv) * D] fp16 -> out [Hq, D] fp16, K/V row p written by the
+//       block whose split holds p (so L > p is required), the queries made by every block
 
 typedef unsigned int u32;
 typedef unsigned short u16;
