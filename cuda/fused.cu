@@ -31,8 +31,8 @@
 //   fused_add_norm_router  grid ceil(E / 4), block 128, T <= 8: fused_add_rms_norm (x_out, h) and
 //       fused_router_topk on that h in one launch (logits [T, E] fp32 scratch, counter as above)
 //   fused_decode_attn   grid (Hkv, S splits), block 128: one query token, GQA (g = Hq / Hkv);
-//       S = ceil(L / 128) for the L rows the launch covers (a graph's bucket, L > p), split s takes
-//       keys [128 s, 128 s + 128); g <= 16, g * D <= 2048, D % 8 == 0, D <= 256
+//       S = ceil(L / SK) for the L rows the launch covers (a graph's bucket, L > p), split s takes
+//       keys [SK s, SK s + SK), SK = 64 or 128; g <= 16, g * D <= 2048, D % 8 == 0, D <= 256
 //       q [Hq, D] fp16, k_store / v_store [C, Hkv, D] fp16, keys 0..p attended (p = *pos or pos0)
 //       -> out [Hq, D] fp16; partials [Hkv, S, g, D + 2] fp32 and counters [Hkv] int (zero, and left
 //       zero: the last split block of a head combines the partials and resets its counter)
@@ -352,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 // ---------------------------------------------------------------- one-token GQA attention
-// Split s of KV head kvh takes keys [128 s, 128 s + 128) (one per thread for q.k, then every
+// Split s of KV head kvh takes keys [SK s, SK s + SK) (one per thread for q.k, then every
 // thread accumulates its (head, dim) outputs over the split's keys), keeps (max, sum, acc) per query
 // head, and the last split block of the head (threadfence + counter) combines the splits.
 #define ATT_KEYS 128
@@ -368,17 +368,19 @@ struct AttnSmem {
 };
 
 // The attention of one (KV head, split) block once sm.qs holds the queries and the block's
-// threads are synchronised; n = keys attended (0..n-1).
+// threads are synchronised; n = keys attended (0..n-1); SK <= 128 keys per split (64 gives short
+// contexts twice the blocks and half the serial key loop per thread).
 __device__ __forceinline__ void attn_body(AttnSmem& sm, const u16* k_store, const u16* v_store, int n,
                                           u16* out, float* partials, int* counters, int Hkv, int g,
-                                          int D, float scale) {
+                                          int D, float scale, int SK) {
   const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y, tid = threadIdx.x;
-  const int start = split * ATT_KEYS, gd = g * D;
+  const int start = split * SK, gd = g * D;
   const int key = start + tid;
+  const bool valid = tid < SK && key < n;
   float s[ATT_MAXG];
 #pragma unroll
   for (int h = 0; h < ATT_MAXG; ++h) s[h] = 0.f;
-  if (key < n) {
+  if (valid) {
     const u16* kr = k_store + ((size_t)key * Hkv + kvh) * D;
 #pragma unroll 4
     for (int c = 0; c < D; c += 8) {
@@ -403,7 +405,7 @@ __device__ __forceinline__ void attn_body(AttnSmem& sm, const u16* k_store, cons
   }
 #pragma unroll
   for (int h = 0; h < ATT_MAXG; ++h)
-    if (h < g) sm.sc[h][tid] = key < n ? s[h] * scale : NEG_INF;
+    if (h < g) sm.sc[h][tid] = valid ? s[h] * scale : NEG_INF;
   __syncthreads();
   const int warp = tid >> 5, lane = tid & 31;
   for (int h = warp; h < g; h += 4) {                     // softmax pieces of this split, per head
@@ -421,7 +423,7 @@ __device__ __forceinline__ void attn_body(AttnSmem& sm, const u16* k_store, cons
     if (lane == 0) { sm.ml[h][0] = m; sm.ml[h][1] = l; }
   }
   __syncthreads();
-  const int nk = n - start < ATT_KEYS ? (n - start > 0 ? n - start : 0) : ATT_KEYS;
+  const int nk = n - start < SK ? (n - start > 0 ? n - start : 0) : SK;
   float acc[ATT_MAXO];
   int oh[ATT_MAXO], od[ATT_MAXO];
 #pragma unroll
@@ -541,14 +543,14 @@ __device__ __forceinline__ void attn_body(AttnSmem& sm, const u16* k_store, cons
 extern "C" __global__ void __launch_bounds__(128)
     fused_decode_attn(const u16* q, const u16* k_store, const u16* v_store, const long long* pos,
                       int pos0, u16* out, float* partials, int* counters, int Hkv, int g, int D, int C,
-                      float scale) {
+                      float scale, int SK) {
   __shared__ __align__(16) AttnSmem sm;
   const long long p = pos ? pos[0] : (long long)pos0;
   const int n = (int)(p + 1 < (long long)C ? p + 1 : (long long)C);    // keys 0..p (<= 0: none)
   const int gd = g * D;
   for (int i = threadIdx.x; i < gd; i += ATT_KEYS) sm.qs[i] = h2f(q[(size_t)blockIdx.x * gd + i]);
   __syncthreads();
-  attn_body(sm, k_store, v_store, n, out, partials, counters, Hkv, g, D, scale);
+  attn_body(sm, k_store, v_store, n, out, partials, counters, Hkv, g, D, scale, SK);
 }
 
 // q/k RMSNorm + RoPE + KV write + attention for one token in one launch: every split block makes
@@ -558,7 +560,7 @@ extern "C" __global__ void __launch_bounds__(128)
     fused_rope_attn(const u16* qkv, const float* q_norm, const float* k_norm, const float* table,
                     int table_rows, const long long* pos, int pos0, u16* k_store, u16* v_store,
                     u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps,
-                    float scale) {
+                    float scale, int SK) {
   __shared__ __align__(16) AttnSmem sm;
   const int kvh = blockIdx.x, warp = threadIdx.x >> 5, g = Hq / Hkv;
   const long long p = pos ? pos[0] : (long long)pos0;
@@ -566,8 +568,8 @@ extern "C" __global__ void __launch_bounds__(128)
   const float* cs = table + (size_t)(ok ? p : 0) * 2 * D;
   for (int h = warp; h < g; h += 4)
     rope_head<true>(qkv + (size_t)(kvh * g + h) * D, q_norm, cs, D, eps, ok, nullptr, sm.qs + h * D);
-  const int start = blockIdx.y * ATT_KEYS;
-  if (ok && p >= start && p < start + ATT_KEYS) {
+  const int start = blockIdx.y * SK;
+  if (ok && p >= start && p < start + SK) {
     if (warp == 0)
       rope_head<false>(qkv + (size_t)(Hq + kvh) * D, k_norm, cs, D, eps, true,
                        k_store + ((size_t)p * Hkv + kvh) * D, nullptr);
@@ -575,5 +577,5 @@ extern "C" __global__ void __launch_bounds__(128)
     for (int i = threadIdx.x; i < D; i += ATT_KEYS) v_store[((size_t)p * Hkv + kvh) * D + i] = vs[i];
   }
   __syncthreads();                                        // queries in smem, row p in the store
-  attn_body(sm, k_store, v_store, ok ? (int)p + 1 : 0, out, partials, counters, Hkv, g, D, scale);
+  attn_body(sm, k_store, v_store, ok ? (int)p + 1 : 0, out, partials, counters, Hkv, g, D, scale, SK);
 }

@@ -185,9 +185,10 @@ def _keys(p: int, cap: int, bucket: int = 256) -> int:
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128), (16, 1, 128), (8, 8, 256), (12, 4, 40), (2, 1, 16)])
-@pytest.mark.parametrize("p", [0, 5, 127, 128, 300, 1000])
+@pytest.mark.parametrize("p", [0, 5, 63, 64, 127, 128, 300, 1000, 1500])
 def test_decode_attn(backend, hq, hkv, d, p):
-    cap = 1088
+    """Splits of 64 keys up to 1024 keys attended, 128 beyond (p = 1500)."""
+    cap = 1600
     q = fresh((1, hq, d), torch.float16)
     ks, vs = fresh((cap, hkv, d), torch.float16), fresh((cap, hkv, d), torch.float16)
     keys = _keys(p, cap)
@@ -203,12 +204,12 @@ def test_decode_attn(backend, hq, hkv, d, p):
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128), (8, 8, 256), (12, 4, 40), (2, 1, 16)])
-@pytest.mark.parametrize("p", [0, 127, 128, 300])
+@pytest.mark.parametrize("p", [0, 64, 127, 128, 300, 1100])
 @pytest.mark.parametrize("device_pos", [True, False])
 def test_rope_attn_is_rope_then_attn(backend, hq, hkv, d, p, device_pos):
     """The one-kernel q/k norm + RoPE + KV write + attention against fused_qk_rope_kv then
     fused_decode_attn (the same fp16 q, the same math) and the torch reference."""
-    cap = 640
+    cap = 1600
     qkv = fresh((1, (hq + 2 * hkv) * d), torch.float16)
     qn, kn = fresh((d,), scale=0.2, shift=1.0), fresh((d,), scale=0.2, shift=1.0)
     table = Rotary(d, 1e6).table(torch.device("cpu"), cap)

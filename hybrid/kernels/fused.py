@@ -30,7 +30,8 @@ from hybrid.kernels.fused_build import KERNELS, force_ptx, module as _module  # 
 PARTS = ("norm", "rope", "route", "attn", "rope_attn")
 ROUTE_MAX_E, ROUTE_MAX_K, ROUTER_MAX_T = 512, 32, 8
 ROPE_MAX_D = 256
-ATT_KEYS, ATT_MAX_G, ATT_MAX_Q = 128, 16, 2048
+ATT_KEYS, ATT_MAX_G, ATT_MAX_Q = 128, 16, 2048   # threads (max keys per split), query heads per KV head
+ATT_SHORT = 1024          # up to this many keys a split takes 64 (twice the blocks), beyond it 128
 _DT = {torch.float16: 0, torch.float32: 1}
 
 
@@ -375,17 +376,18 @@ def decode_attn(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, k
     _check(v_store, "v_store", torch.float16, tuple(k_store.shape), dev)
     _pos(pos, dev)
     cap, hkv = k_store.shape[:2]
-    g, splits, part, cnt, out = _attn_setup("decode_attn", hq, hkv, d, keys, k_store, v_store, pos, start,
-                                            keys, dev)
+    g, sk, splits, part, cnt, out = _attn_setup("decode_attn", hq, hkv, d, keys, k_store, v_store, pos,
+                                                start, keys, dev)
     _module(dev).launch("fused_decode_attn", (hkv, splits, 1), ATT_KEYS, [
         _p(q), _p(k_store), _p(v_store), _p(pos), ctypes.c_int(start), _p(out), _p(part), _p(cnt[1:]),
         ctypes.c_int(hkv), ctypes.c_int(g), ctypes.c_int(d), ctypes.c_int(cap),
-        ctypes.c_float(d ** -0.5)])
+        ctypes.c_float(d ** -0.5), ctypes.c_int(sk)])
     return out
 
 
 def _attn_setup(what, hq, hkv, d, keys, k_store, v_store, pos, start, rows, dev):
-    """Shape checks of the one-token attention; -> (g, splits, partials, counters, out [1, Hq*D])."""
+    """Shape checks of the one-token attention; -> (g, keys per split, splits, partials, counters,
+    out [1, Hq*D])."""
     g = hq // hkv if hkv else 0
     if not hkv or hq % hkv or g > ATT_MAX_G or g * d > ATT_MAX_Q or d % 8 or d > ROPE_MAX_D:
         raise ValueError(f"{what}: Hq={hq}, Hkv={hkv}, D={d} not supported (Hq % Hkv == 0, "
@@ -397,9 +399,15 @@ def _attn_setup(what, hq, hkv, d, keys, k_store, v_store, pos, start, rows, dev)
         raise ValueError(f"start: expected 0..{rows - 1}, got {start}")
     if k_store.data_ptr() % 16 or v_store.data_ptr() % 16:
         raise ValueError("k_store / v_store: data pointers must be 16-byte aligned")
-    splits = -(-keys // ATT_KEYS)
+    sk = split_keys(keys)
+    splits = -(-keys // sk)
     part, cnt = _workspace(dev, hkv * splits * g * (d + 2) if splits > 1 else 0, hkv)
-    return g, splits, part, cnt, torch.empty(1, hq * d, dtype=torch.float16, device=dev)
+    return g, sk, splits, part, cnt, torch.empty(1, hq * d, dtype=torch.float16, device=dev)
+
+
+def split_keys(keys: int) -> int:
+    """Keys per attention split block: 64 for short contexts (more blocks), 128 beyond ATT_SHORT."""
+    return 64 if keys <= ATT_SHORT else ATT_KEYS
 
 
 def ref_rope_attn(qkv, q_norm, k_norm, table, k_store, v_store, n_heads, n_kv, head_dim, eps, keys,
@@ -423,12 +431,12 @@ def rope_attn(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
     _check_qkv(qkv, q_norm, k_norm, table, k_store, v_store, 1, hq, hkv, d, dev)
     _pos(pos, dev)
     cap = k_store.shape[0]
-    g, splits, part, cnt, out = _attn_setup("rope_attn", hq, hkv, d, keys, k_store, v_store, pos, start,
-                                            min(keys, table.shape[0]), dev)
+    g, sk, splits, part, cnt, out = _attn_setup("rope_attn", hq, hkv, d, keys, k_store, v_store, pos,
+                                                start, min(keys, table.shape[0]), dev)
     _module(dev).launch("fused_rope_attn", (hkv, splits, 1), ATT_KEYS, [
         _p(qkv), _p(q_norm), _p(k_norm), _p(table), ctypes.c_int(table.shape[0]), _p(pos), ctypes.c_int(start),
         _p(k_store), _p(v_store), _p(out), _p(part), _p(cnt[1:]), ctypes.c_int(hq), ctypes.c_int(hkv),
-        ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps), ctypes.c_float(d ** -0.5)])
+        ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps), ctypes.c_float(d ** -0.5), ctypes.c_int(sk)])
     return out
 
 
