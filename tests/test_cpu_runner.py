@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from cpu import expert
-from hybrid.experts.cpu_runner import CpuExpertRunner, _split
+from hybrid.experts.cpu_runner import CpuExpertRunner
 from hybrid.experts.store import ExpertStore
 from tests.test_cpu_kernels import RTOL, rand_fp8, rand_nvfp4, ref_experts, rel_err
 
@@ -83,8 +83,7 @@ def test_bad_inputs_raise(store_and_weights):
             runner.submit(0, [1], [np.array([0])], [np.array([1.0])], np.zeros((2, 7), np.float32))
 
 
-def test_kernels_release_the_gil_and_split_is_even():
-    for f in (expert.experts_gate_up, expert.experts_down):
+def test_kernels_release_the_gil_and_the_pool_call_is_parallel():
+    for f in (expert.experts_gate_up, expert.experts_down, expert.experts_parallel):
         assert f.targetoptions.get("nogil") is True
-    assert _split(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
-    assert _split(2, 4) == [(0, 0), (0, 1), (1, 1), (1, 2)]
+    assert expert.experts_parallel.targetoptions.get("parallel")

@@ -1,17 +1,19 @@
-"""CpuExpertRunner: a pool of worker threads that run the cpu/ expert kernels on the ExpertStore.
+"""CpuExpertRunner: runs the cpu/ expert kernels on the ExpertStore off the calling thread.
 
     handle = runner.submit(layer, expert_ids, token_rows, route_weights, x)   # returns at once
     y = runner.sync(handle)                                                   # [T, H] f32
 
 y = Σ over listed experts of weight * down(silu(gate(x_rows)) * up(x_rows)), scattered into the
-token rows (untouched rows are 0).  Every worker takes a slice of every expert's rows: phase 1
-splits (expert, I-tile) units, a barrier, phase 2 splits H-tiles.  The kernels release the GIL
-(numba nogil), so the thread that submitted keeps running Python/GPU work meanwhile.
-Each output element is computed by one worker in a fixed order, so the result does not depend
-on the thread count.
+token rows (untouched rows are 0).  One background thread hands each call to
+`cpu.expert.experts_parallel`, which splits it over Numba's thread pool (`threads` parts): phase 1
+splits (expert, I-tile) units, phase 2 splits H-tiles.  The kernels release the GIL, so the thread
+that submitted keeps running Python/GPU work meanwhile, and there is one dispatch per call (a pool
+of Python workers dispatching each phase under the GIL measured half the speed at 16 threads on
+the H200 host).  Each output element is computed by one part in a fixed order, so the result does
+not depend on the thread count.
 
 Small calls (a decode step's few experts: at most `inline_bytes` of packed weights) skip the pool:
-submit only prepares them and sync runs both phases on the calling thread, as one worker would
+submit only prepares them and sync runs both phases on the calling thread, as one part would
 (the same numbers). Handing work to the pool and back costs more than such a call computes, and
 running it in sync keeps the overlap with what the caller does between submit and sync (the GPU's
 hits are launched by then).
@@ -28,7 +30,7 @@ import numpy as np
 
 from cpu import layout
 from hybrid.hardware import physical_cores
-from cpu.expert import experts_down, experts_gate_up
+from cpu.expert import experts_down, experts_gate_up, experts_parallel
 
 
 @dataclass
@@ -43,11 +45,8 @@ class Work:
     out: np.ndarray           # f32 [T, H]
     h: np.ndarray             # f32 [P, Ipad]
     slots: tuple              # gate_up offsets [E], down offsets [E], scales [E, 3]
-    units: list               # per worker (u0, u1) of phase 1 and (t0, t1) of phase 2
-    barrier: threading.Barrier | None = None
+    parts: int = 1            # parts each phase is split into (the runner's threads)
     inline: bool = False      # run by sync() on the calling thread
-    left: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -65,13 +64,11 @@ class CpuExpertRunner:
         self.threads = int(threads or physical_cores())
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        self._queues = [queue.SimpleQueue() for _ in range(self.threads)]
-        self._workers = [threading.Thread(target=self._loop, args=(i,), daemon=True,
-                                          name=f"cpu-experts-{i}") for i in range(self.threads)]
-        for t in self._workers:
-            t.start()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._loop, daemon=True, name="cpu-experts")
         self._closed = False
         self._warm_up()
+        self._worker.start()
 
     # --------------------------------------------------------------------- public
     def submit(self, layer: int, expert_ids, token_rows, route_weights, x: np.ndarray) -> Work:
@@ -86,10 +83,10 @@ class CpuExpertRunner:
         work = self._plan(layer, ids, rows, ptr, w, x)
         if work.inline:
             return work
-        if work.left == 0:
+        if work.rows.shape[0] == 0:
             work.done.set()
-        for i, q in enumerate(self._queues[: work.left]):
-            q.put((work, i))
+        else:
+            self._queue.put(work)
         return work
 
     def sync(self, handle: Work) -> np.ndarray:
@@ -107,10 +104,8 @@ class CpuExpertRunner:
         if self._closed:
             return
         self._closed = True
-        for q in self._queues:
-            q.put(None)
-        for t in self._workers:
-            t.join()
+        self._queue.put(None)
+        self._worker.join()
 
     def __enter__(self):
         return self
@@ -121,25 +116,16 @@ class CpuExpertRunner:
     # --------------------------------------------------------------------- internals
     def _plan(self, layer, ids, rows, ptr, w, x) -> Work:
         s, R = self.store, self.store.R
-        nti, nth = layout.num_tiles(s.inter), layout.num_tiles(s.hidden)
+        nti = layout.num_tiles(s.inter)
         out = np.zeros_like(x)
         h = np.empty((rows.shape[0], nti * R), np.float32)
-        work = Work(ids, rows, ptr, w, x, out, h, s.slots(layer, ids), [])
-        if rows.shape[0] == 0:
-            return work
-        if len(ids) * s.slot_nbytes <= self.inline_bytes:
+        work = Work(ids, rows, ptr, w, x, out, h, s.slots(layer, ids), parts=self.threads)
+        if rows.shape[0] and len(ids) * s.slot_nbytes <= self.inline_bytes:
             work.inline = True
-            work.units = [((0, len(ids) * nti), (0, nth))]
-            return work
-        n = self.threads
-        p1, p2 = _split(len(ids) * nti, n), _split(nth, n)
-        work.units = list(zip(p1, p2))
-        work.left = n
-        work.barrier = threading.Barrier(n)
         return work
 
     def _warm_up(self) -> None:
-        """Compile (or load from numba's cache) both phases for these argument types, on no work."""
+        """Compile (or load from numba's cache) both paths for these argument types, on no work."""
         s = self.store
         x = np.zeros((1, s.hidden), np.float32)
         rows, ptr, w = np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.float32)
@@ -147,58 +133,42 @@ class CpuExpertRunner:
         h = np.zeros((0, layout.num_tiles(s.inter) * s.R), np.float32)
         experts_gate_up(s.qkind, s.arena.array, gu, scl, x, rows, ptr, 0, 0, h, s.hidden, s.inter, s.R)
         experts_down(s.qkind, s.arena.array, dn, scl, h, rows, ptr, w, 0, 0, x, s.hidden, s.inter, s.R)
+        experts_parallel(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, h, x, s.hidden, s.inter,
+                         s.R, 1)
 
-    def _loop(self, i: int) -> None:
-        q = self._queues[i]
+    def _loop(self) -> None:
+        import numba
+
+        numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))  # this thread's team
         while True:
-            item = q.get()
-            if item is None:
+            work = self._queue.get()
+            if work is None:
                 return
-            work, k = item
             try:
-                self._run(work, k)
+                self._run_parallel(work)
+            except BaseException as exc:        # noqa: BLE001 - handed to sync()
+                work.error = exc
             finally:
-                with work.lock:
-                    work.left -= 1
-                    if work.left == 0:
-                        work.done.set()
+                work.done.set()
+
+    def _run_parallel(self, work: Work) -> None:
+        s = self.store
+        gu, dn, scl = work.slots
+        experts_parallel(s.qkind, s.arena.array, gu, dn, scl, work.x, work.rows, work.ptr, work.w, work.h,
+                         work.out, s.hidden, s.inter, s.R, work.parts)
 
     def _run_all(self, work: Work) -> None:
-        """Both phases of the whole call on this thread (what one worker of a 1-thread pool does)."""
+        """Both phases of the whole call on this thread (one part: the numbers of any part count)."""
         s = self.store
         arena, kind, H, I, R = s.arena.array, s.qkind, s.hidden, s.inter, s.R
         gu, dn, scl = work.slots
-        (u0, u1), (t0, t1) = work.units[0]
         try:
-            experts_gate_up(kind, arena, gu, scl, work.x, work.rows, work.ptr, u0, u1, work.h, H, I, R)
-            experts_down(kind, arena, dn, scl, work.h, work.rows, work.ptr, work.w, t0, t1, work.out, H, I, R)
+            experts_gate_up(kind, arena, gu, scl, work.x, work.rows, work.ptr, 0, len(work.ids) * layout.num_tiles(I),
+                            work.h, H, I, R)
+            experts_down(kind, arena, dn, scl, work.h, work.rows, work.ptr, work.w, 0, layout.num_tiles(H),
+                         work.out, H, I, R)
         except BaseException as exc:            # noqa: BLE001 - handed to sync()
             work.error = exc
-
-    def _run(self, work: Work, k: int) -> None:
-        s = self.store
-        arena, kind, H, I, R = s.arena.array, s.qkind, s.hidden, s.inter, s.R
-        gu, dn, scl = work.slots
-        (u0, u1), (t0, t1) = work.units[k]
-        try:
-            experts_gate_up(kind, arena, gu, scl, work.x, work.rows, work.ptr, u0, u1, work.h, H, I, R)
-        except BaseException as exc:            # noqa: BLE001 - handed to sync()
-            work.error = exc
-            work.barrier.abort()
-        try:
-            work.barrier.wait()
-        except threading.BrokenBarrierError:
-            return
-        try:
-            experts_down(kind, arena, dn, scl, work.h, work.rows, work.ptr, work.w, t0, t1, work.out, H, I, R)
-        except BaseException as exc:            # noqa: BLE001
-            work.error = exc
-
-
-def _split(n: int, parts: int) -> list[tuple[int, int]]:
-    """[0, n) into `parts` contiguous ranges whose sizes differ by at most one."""
-    edges = [n * i // parts for i in range(parts + 1)]
-    return list(zip(edges[:-1], edges[1:]))
 
 
 def _group(expert_ids, token_rows, route_weights, T: int):
