@@ -10,8 +10,9 @@ MoE output (x + h) between layers, captured as ONE CUDA graph, for each setting:
     fused+residual  HYBRID_FUSED=1 and the stand-in MoE output passed as decode_dense(residual=...)
                     (what hybrid/runtime/graphs.py would get by adding the MoE output in the next
                     layer's input RMSNorm)
-Per setting: GPU us per layer (CUDA events over graph replays), CUDA kernels per layer (torch.profiler
-over one eager run), eager host us per layer, and the outputs against the torch setting. One JSON line
+Per setting: GPU us per layer (CUDA events over graph replays), CUDA kernels per layer and the ten
+kernels with the most device time per layer (torch.profiler over one eager run), eager host us per
+layer, and the outputs against the torch setting. One JSON line
 per setting on stdout (and appended to $OUT/fused_ab.jsonl when $OUT is set).
 
     PYTHONPATH=. python3 tools/gpu_fused_ab.py [--layers 48] [--pos 300 3000] [--replays 50]
@@ -112,7 +113,14 @@ def measure(m, setting: str, pos_value: int, replays: int) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    kern = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    kernels = len(kern)
+    by_name: dict = {}
+    for e in kern:                                         # device time per kernel name (CUPTI)
+        t = by_name.setdefault(e.name[:60], [0.0, 0])
+        t[0] += e.time_range.end - e.time_range.start
+        t[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:10]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
@@ -127,6 +135,8 @@ def measure(m, setting: str, pos_value: int, replays: int) -> dict:
     step_ms = start.elapsed_time(end) / replays
     return {**rec, "graph_us_per_layer": round(step_ms * 1000 / len(m.layers), 2), "graph_ms_per_step": round(step_ms, 3),
             "kernels_per_layer": round(kernels / len(m.layers), 2), "eager_host_us_per_layer": round(eager_us, 1),
+            "top_kernels_us_per_layer": [[name, round(us / len(m.layers), 2), round(n / len(m.layers), 2)]
+                                         for name, (us, n) in top],
             "_out": (out[0].float().cpu(), out[1].cpu())}
 
 
