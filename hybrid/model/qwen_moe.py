@@ -144,7 +144,8 @@ class MoEModel:
         router, k = self.layers[i].router, self.cfg.num_experts_per_tok
         extra = _route_extra(out)
         if self._fused_route_ok(i, h):
-            if h.shape[0] <= fused.ROUTER_MAX_T and h.shape[1] % 4 == 0 and h.is_contiguous():
+            if (h.shape[0] <= fused.ROUTER_MAX_T and h.shape[1] % 4 == 0 and h.is_contiguous()
+                    and h.dtype in (torch.float16, torch.float32)):
                 return fused.router_topk(h, router, k, self.cfg.norm_topk_prob, *extra)
             logits = h.float() @ router.T                                          # [T, E] fp32
             return fused.route_topk(logits.contiguous(), k, self.cfg.norm_topk_prob, *extra)
