@@ -268,8 +268,8 @@ class Attention:
 
     def fused_attn_ok(self, q: torch.Tensor, cache: KVCache, layer: int) -> bool:
         """One-token attention as one kernel (no mask): fp16, GQA groups and head_dim it supports."""
-        return (fused.enabled("attn") and q.dim() == 3 and q.shape[0] == 1 and q.dtype == torch.float16
-                and self._attn_shapes_ok(cache, layer))
+        return (fused.enabled("attn") and q.is_cuda and q.dim() == 3 and q.shape[0] == 1
+                and q.dtype == torch.float16 and self._attn_shapes_ok(cache, layer))
 
     def fused_rope_attn_ok(self, x: torch.Tensor, cache: KVCache, layer: int) -> bool:
         """One token's q/k norm + RoPE + KV write + attention as one kernel."""
