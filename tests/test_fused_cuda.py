@@ -201,6 +201,8 @@ def test_decode_attn(backend, hq, hkv, d, p):
     assert outs[0].shape == (1, hq * d) and not torch.isnan(outs[0]).any()
     torch.testing.assert_close(outs[0].float(), want, atol=2e-3, rtol=2e-3)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    tight = fused.decode_attn(gq, gks, gvs, p + 1, start=p).cpu()     # fewest splits (one for p < 64)
+    torch.testing.assert_close(tight.float(), want, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128), (8, 8, 256), (12, 4, 40), (2, 1, 16)])
