@@ -53,6 +53,14 @@ def _dev(d: torch.device) -> torch.device:
 
 
 def _check(t, name: str, dtypes, shape: tuple, device: torch.device | None = None) -> None:
+    if (type(t) is torch.Tensor and (t.dtype is dtypes or (type(dtypes) is tuple and t.dtype in dtypes))
+            and t.shape == shape and (device is None or t.device == device) and t.is_contiguous()):
+        return                                             # the common case, without building messages
+    _explain(t, name, dtypes, shape, device)
+
+
+def _explain(t, name: str, dtypes, shape: tuple, device) -> None:
+    """The one-line error of _check (shape entries None match any size)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
