@@ -35,10 +35,21 @@ ATT_SHORT = 1024          # up to this many keys a split takes 64 (twice the blo
 _DT = {torch.float16: 0, torch.float32: 1}
 
 
+# The parts on when HYBRID_FUSED is unset: the fastest set measured on the H200 (48 30B-A3B-shaped
+# dense layers in one CUDA graph, git da35ee4, scratch sweep of every combination in one call: torch
+# ops 87.9 us per layer, rope 70.0, norm+rope 61.6, rope+route 56.7, norm+rope+route 72.4, every
+# part 97.4; the attention kernels are still slower than torch's SDPA and the joint add+norm+router
+# launch slower than its parts). results/runtime.md section 9.
+DEFAULT_PARTS = frozenset({"rope", "route"})
+
+
 def enabled(part: str) -> bool:
-    """HYBRID_FUSED: unset/1/on = every part; 0/off = none; a comma list = the parts named."""
-    v = os.environ.get("HYBRID_FUSED", "1").strip().lower()
-    if v in ("", "1", "on", "true", "yes", "all"):
+    """HYBRID_FUSED: unset = DEFAULT_PARTS; 1/on/all = every part; 0/off = none; a comma list = the
+    parts named."""
+    v = os.environ.get("HYBRID_FUSED", "").strip().lower()
+    if v == "":
+        return part in DEFAULT_PARTS
+    if v in ("1", "on", "true", "yes", "all"):
         return True
     if v in ("0", "off", "false", "no", "none"):
         return False
