@@ -29,9 +29,11 @@ def fresh(shape, dtype=torch.float32, scale=1.0, shift=0.0):
 
 
 def poison(*like):
-    """Fill and free blocks of these sizes so that the launcher's torch.empty outputs start as NaN."""
+    """Fill and free blocks of these sizes so that the launcher's torch.empty outputs start as NaN
+    (integer outputs as -1)."""
     if GPU:
-        blocks = [torch.full(shape, float("nan"), dtype=dt, device=DEV) for shape, dt in like]
+        blocks = [torch.full(shape, float("nan") if dt.is_floating_point else -1, dtype=dt, device=DEV)
+                  for shape, dt in like]
         del blocks
 
 
