@@ -590,3 +590,15 @@ def test_calibrate_small_kernel_mix_runs_on_cpu():
     assert x.shape == (1, 2048) and x.dtype == torch.float16
     assert b["k"][3].abs().sum() > 0 and b["k"][2].abs().sum() == 0     # the KV row at pos written
     assert 0 < _lookup_us(tokens=2) < 10_000
+
+
+def test_decode_shape_follows_the_fused_parts(monkeypatch):
+    from hybrid.planner.step_shape import DECODE, FUSED_SAVES, decode_shape
+
+    monkeypatch.setenv("HYBRID_FUSED", "0")
+    assert decode_shape() == DECODE
+    monkeypatch.setenv("HYBRID_FUSED", "rope,route")
+    assert decode_shape().dense_kernels == DECODE.dense_kernels - FUSED_SAVES["rope"] - FUSED_SAVES["route"]
+    monkeypatch.delenv("HYBRID_FUSED")
+    assert decode_shape().dense_kernels < DECODE.dense_kernels          # the default parts save launches
+    assert decode_shape().expert_kernels == DECODE.expert_kernels

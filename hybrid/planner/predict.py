@@ -28,13 +28,14 @@ from hybrid.planner.memory import kv_bytes_per_token_layer
 from hybrid.planner.model_bytes import ModelBytes
 from hybrid.planner.plan import CardPlan, LayerPrediction, Prediction
 from hybrid.planner.profile import HardwareProfile
-from hybrid.planner.step_shape import DECODE, StepShape
+from hybrid.planner.step_shape import StepShape, decode_shape
 
 US = 1e6
 
 
 def predict(mb: ModelBytes, prof: HardwareProfile, cards: tuple[CardPlan, ...], hits: list[float],
-            req, shape: StepShape = DECODE) -> Prediction:
+            req, shape: StepShape | None = None) -> Prediction:
+    shape = decode_shape() if shape is None else shape
     cfg = mb.config
     ctx = min(req.context, req.kv_tokens) if cards else req.context
     kvread = ctx * kv_bytes_per_token_layer(cfg, req.kv_dtype)
