@@ -15,8 +15,12 @@ MIB = 2**20
 
 
 def git_sha(short: bool = True, dirty: bool = True) -> str:
-    """HEAD's sha (`short`: 7 hex digits; `dirty`: "+dirty" when tracked files differ). Where there is
-    no .git (a device copy of the tree) the sha in HYBRID_GIT_SHA, else "unknown"."""
+    """HYBRID_GIT_SHA when set (a device copy of the tree: its .git, if any, is not this tree's);
+    else HEAD's sha (`short`: 7 hex digits; `dirty`: "+dirty" when tracked files differ), else
+    "unknown"."""
+    env = os.environ.get("HYBRID_GIT_SHA", "")
+    if env:
+        return env[:7] if short else env
     here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", *(["--short"] if short else []), "HEAD"], capture_output=True,
@@ -28,8 +32,7 @@ def git_sha(short: bool = True, dirty: bool = True) -> str:
                                               timeout=10).stdout.strip() else ""
     except (OSError, subprocess.SubprocessError):
         sha = ""
-    env = os.environ.get("HYBRID_GIT_SHA", "")
-    return sha or (env[:7] if short else env) or "unknown"
+    return sha or "unknown"
 
 
 def machine() -> str:
