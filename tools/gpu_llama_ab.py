@@ -344,15 +344,6 @@ ROWS = (("llama_all_gpu", "llama.cpp", "all layers on the GPU", "GPU"),
         ("hybrid_cap16", "hybrid", "`--gpus 0,0 --vram-cap 16`", "GPU slots (+ CPU misses)"))
 
 
-def same_prefix(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def table(results: dict) -> str:
     ref = results.get("hybrid_all_cpu", {}).get("generated_ids_head") or []
     lines = ["| engine | placement | experts on | decode tok/s | prefill tok/s | planner tok/s | measured / "
@@ -371,7 +362,7 @@ def table(results: dict) -> str:
         lines.append(f"| {engine} | {place} | {where} | **{r['decode_tok_s']:.2f}**{med} | {r['prefill_tok_s']:.1f} | "
                      f"{'' if pred is None else f'{pred:.2f}'} | "
                      f"{'' if r.get('measured_over_predicted') is None else r['measured_over_predicted']} | "
-                     f"{'' if vram is None else vram} | {same_prefix(ids, ref) if ref else ''} |")
+                     f"{'' if vram is None else vram} | {_load_gpu_runtime_check().prefix_match(ids, ref) if ref else ''} |")
     return "\n".join(lines)
 
 
