@@ -7,8 +7,9 @@ E2M1_FACTOR * E4M3_FACTOR (NVFP4) or E4M3_FACTOR (FP8).
 
 Which loop runs for a block of M rows (`nvfp4_tile` / `fp8_tile`):
     M >= 12   decode a [16, R] slice once into `dec`, then one FMA pass per row (`*_mn`)
-    else      fused decode+FMA over 4, 2, then 1 rows at a time (`*_m4`, `*_m2`, `*_m1`, in
-              cpu/tiles_unrolled.py): each byte decoded once per 4 rows, group sums in registers.
+    else      fused decode+FMA over 8 (NVFP4), 4, 2, then 1 rows at a time (`*_m8`, `*_m4`, `*_m2`,
+              `*_m1`, in cpu/tiles_unrolled.py): each byte decoded once per 8 (4) rows, group sums
+              in registers.
 Every inner loop runs over the R rows of the tile (contiguous), which LLVM vectorizes.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from numba import njit
 
 from cpu.decode import e4m3, nib_hi, nib_lo
 from cpu.tiles_unrolled import (fp8_tile_m1, fp8_tile_m2, fp8_tile_m4, nvfp4_tile_m1, nvfp4_tile_m2,
-                                nvfp4_tile_m4)
+                                nvfp4_tile_m4, nvfp4_tile_m8)
 
 JIT = dict(nogil=True, fastmath=True, cache=True)
 MN_MIN = 12  # from this many rows on, the decode-once buffer path is faster
@@ -33,7 +34,10 @@ def nvfp4_tile(tile, x, rows, p0, p1, acc, dec):
         nvfp4_tile_mn(tile, x, rows, p0, p1, acc, dec)
         return
     i = 0
-    while m - i >= 4:
+    while m - i >= 8:
+        nvfp4_tile_m8(tile, x, rows, p0 + i, acc[i:])
+        i += 8
+    if m - i >= 4:
         nvfp4_tile_m4(tile, x, rows, p0 + i, acc[i:])
         i += 4
     if m - i >= 2:

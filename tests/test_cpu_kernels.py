@@ -106,7 +106,7 @@ def test_pack_nvfp4_places_rows_groups_and_scales():
 
 # ----------------------------------------------------------------------------- GEMM
 @pytest.mark.parametrize("qtype", ["nvfp4", "fp8"])
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 8, 13, 40])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 8, 11, 13, 40])
 def test_gemm_matches_float64_reference(qtype, M):
     rng = np.random.default_rng(M)
     N, K = 200, 256
