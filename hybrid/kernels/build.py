@@ -163,16 +163,18 @@ def include_options() -> list[str]:
     return out
 
 
-def compile_check(sm: int) -> tuple[list[KernelReport], str]:
-    """NVRTC -> PTX (compute_<sm>) -> ptxas -arch=sm_<sm> -v; per-kernel registers and spills."""
+def compile_check(sm: int, src: str | None = None, name: str = SOURCE_NAME) -> tuple[list[KernelReport], str]:
+    """NVRTC -> PTX (compute_<sm>) -> ptxas -arch=sm_<sm> -v; per-kernel registers and spills.
+    src/name: another kernel source (default: cuda/qpn.cu)."""
     nv = load_nvrtc(12)
-    ptx = nv.compile(source(), SOURCE_NAME, OPTIONS + include_options()
+    ptx = nv.compile(source() if src is None else src, name, OPTIONS + include_options()
                      + [f"--gpu-architecture=compute_{sm}"], cubin=False)
+    stem = Path(name).stem
     with tempfile.TemporaryDirectory() as tmp:
-        p = Path(tmp) / "qpn.ptx"
+        p = Path(tmp) / f"{stem}.ptx"
         p.write_bytes(ptx)
         res = subprocess.run([str(ptxas_path()), f"-arch=sm_{sm}", "-v", str(p), "-o",
-                              str(Path(tmp) / "qpn.cubin")], capture_output=True, text=True)
+                              str(Path(tmp) / f"{stem}.cubin")], capture_output=True, text=True)
     if res.returncode != 0:
         raise NvrtcError(f"ptxas failed for sm_{sm}:\n{res.stderr}")
     return parse_ptxas(res.stderr), ptx.decode()
