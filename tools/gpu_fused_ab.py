@@ -4,9 +4,10 @@ L Qwen3-30B-A3B-shaped dense layers (H 2048, 32/4 heads, D 128, 128 experts top-
 q/k/v/o, fp32 router) run MoEModel.decode_dense for one token at a device position, with a stand-in
 MoE output (x + h) between layers, captured as ONE CUDA graph, for each setting:
     torch  HYBRID_FUSED=0 (the torch ops)
+    default  HYBRID_FUSED unset (hybrid.kernels.fused.DEFAULT_PARTS)
     fused-sdpa   HYBRID_FUSED=norm,rope,route (torch SDPA with its mask for the attention itself)
     fused-2attn  HYBRID_FUSED=norm,rope,attn,route (q/k norm + RoPE + KV write and attention as two kernels)
-    fused  HYBRID_FUSED=1
+    fused  HYBRID_FUSED=1 (every part)
     fused+residual  HYBRID_FUSED=1 and the stand-in MoE output passed as decode_dense(residual=...)
                     (what hybrid/runtime/graphs.py would get by adding the MoE output in the next
                     layer's input RMSNorm)
@@ -85,7 +86,7 @@ def body(m, x, pos, keys, residual: bool):
 
 
 def measure(m, setting: str, pos_value: int, replays: int) -> dict:
-    os.environ["HYBRID_FUSED"] = {"torch": "0", "fused-sdpa": "norm,rope,route",
+    os.environ["HYBRID_FUSED"] = {"torch": "0", "default": "", "fused-sdpa": "norm,rope,route",
                                   "fused-2attn": "norm,rope,attn,route"}.get(setting, "1")
     residual = setting == "fused+residual"
     dev = m.layer_devices[0]
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
     recs = []
     for pos in args.pos:
         group = [measure(m, setting, pos, args.replays)
-                 for setting in ("torch", "fused-sdpa", "fused-2attn", "fused", "fused+residual")]
+                 for setting in ("torch", "default", "fused-sdpa", "fused-2attn", "fused", "fused+residual")]
         base_x, base_ids = group[0].pop("_out")
         for r in group[1:]:
             x, ids = r.pop("_out")
