@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -97,19 +95,9 @@ def emit_prebuilt(folder: Path, sms=(70,)) -> list[Path]:
 
 def compile_check(sm: int):
     """CPU-only: NVRTC 12 -> PTX (compute_<sm>) -> ptxas -v; -> ([KernelReport], ptx text)."""
-    from hybrid.kernels.build import OPTIONS, include_options, parse_ptxas, ptxas_path
-    from hybrid.kernels.nvrtc import NvrtcError, load_nvrtc
+    from hybrid.kernels.build import compile_check as check
 
-    ptx = load_nvrtc(12).compile(source(), "fused.cu", OPTIONS + include_options()
-                                 + [f"--gpu-architecture=compute_{sm}"], cubin=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        p = Path(tmp) / "fused.ptx"
-        p.write_bytes(ptx)
-        res = subprocess.run([str(ptxas_path()), f"-arch=sm_{sm}", "-v", str(p), "-o",
-                              str(Path(tmp) / "fused.cubin")], capture_output=True, text=True)
-    if res.returncode != 0:
-        raise NvrtcError(f"ptxas failed for sm_{sm}:\n{res.stderr}")
-    return parse_ptxas(res.stderr), ptx.decode()
+    return check(sm, source(), "fused.cu")
 
 
 def native_check(sm: int, nv=None):
