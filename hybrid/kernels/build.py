@@ -115,14 +115,15 @@ def module(device: torch.device, force_ptx_sm: int | None = None):
     return mod
 
 
-def _image_for(sm: int, force_ptx: bool) -> bytes:
+def _image_for(sm: int, force_ptx: bool, src: str | None = None, prebuilt=None) -> bytes:
     """Native CUBIN (or PTX) from NVRTC; if NVRTC is missing or cannot target sm, a PTX file
-    prebuilt for this exact source (`hybrid-bench cuda-kernels --compile-only --emit DIR`)."""
+    prebuilt for this exact source (`hybrid-bench cuda-kernels --compile-only --emit DIR`).
+    src/prebuilt: another kernel source and its prebuilt_path(sm) function (default: qpn.cu's)."""
     try:
         nv = load_nvrtc(12 if sm < 75 else None)
-        return compile_image(nv, pick_target(nv, sm, force_ptx=force_ptx))
+        return compile_image(nv, pick_target(nv, sm, force_ptx=force_ptx), src=src)
     except NvrtcError:
-        pre = prebuilt_path(sm)
+        pre = (prebuilt or prebuilt_path)(sm)
         if pre.exists():
             return pre.read_bytes()
         raise

@@ -56,17 +56,9 @@ def module(device: torch.device):
 def image_for(sm: int, ptx: bool) -> bytes:
     """Native CUBIN (or PTX) from NVRTC, cached like the QPN kernels; if NVRTC is missing or cannot
     target sm (NVRTC 13 and sm_70), a PTX prebuilt for this exact source by `--emit` (below)."""
-    from hybrid.kernels.build import compile_image, pick_target
-    from hybrid.kernels.nvrtc import NvrtcError, load_nvrtc
+    from hybrid.kernels.build import _image_for
 
-    try:
-        nv = load_nvrtc(12 if sm < 75 else None)
-        return compile_image(nv, pick_target(nv, sm, force_ptx=ptx), src=source())
-    except NvrtcError:
-        pre = prebuilt_path(sm)
-        if pre.exists():
-            return pre.read_bytes()
-        raise
+    return _image_for(sm, ptx, src=source(), prebuilt=prebuilt_path)
 
 
 def prebuilt_path(sm: int, folder: Path | None = None) -> Path:
