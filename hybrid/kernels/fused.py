@@ -243,15 +243,7 @@ def route_topk(logits: torch.Tensor, k: int, renorm: bool, slot_table: torch.Ten
         return ids, weights
     dev = _dev(logits.device)
     _check(logits, "logits", torch.float32, (t, e), dev)
-    if not 1 <= e <= ROUTE_MAX_E:
-        raise ValueError(f"logits: at most {ROUTE_MAX_E} experts, got {e}")
-    if not 1 <= k <= min(e, ROUTE_MAX_K):
-        raise ValueError(f"k: expected 1..{min(e, ROUTE_MAX_K)}, got {k}")
-    if slot_table is not None:
-        _check(slot_table, "slot_table", torch.int32, (e,), dev)
-        _check(slots, "slots", torch.int32, (t * k,), dev)
-    if row is not None:
-        _check(row, "row", torch.float32, (t, 2 * k), dev)
+    _route_checks(t, e, k, dev, slot_table, slots, row, what="logits")
     ids = torch.empty(t, k, dtype=torch.int64, device=dev)
     weights = torch.empty(t, k, dtype=torch.float32, device=dev)
     if t:
@@ -300,9 +292,10 @@ def router_topk(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool,
     return ids, weights
 
 
-def _route_checks(t: int, e: int, k: int, dev, slot_table, slots, row) -> None:
+def _route_checks(t: int, e: int, k: int, dev, slot_table, slots, row, what: str = "router") -> None:
+    """Expert count, k and the optional runtime outputs; `what` names the input that has the experts."""
     if not 1 <= e <= ROUTE_MAX_E:
-        raise ValueError(f"router: at most {ROUTE_MAX_E} experts, got {e}")
+        raise ValueError(f"{what}: at most {ROUTE_MAX_E} experts, got {e}")
     if not 1 <= k <= min(e, ROUTE_MAX_K):
         raise ValueError(f"k: expected 1..{min(e, ROUTE_MAX_K)}, got {k}")
     if slot_table is not None:
