@@ -412,15 +412,7 @@ def main(argv=None) -> int:
              ("gguf_export", lambda: start_export(ctx)), ("prompt", lambda: prompt(ctx))]
     parts += [] if "hybrid" in skip else [("hybrid", lambda: hybrid_runs(ctx, deadline - a.llama_reserve_s))]
     parts += [] if "llama" in skip else [("llama", lambda: llama_runs(ctx, deadline))]
-    for name, fn in parts:
-        if time.perf_counter() > deadline:
-            record({"check": name, "skipped": "device-time deadline"})
-            continue
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - record and go on to the next part
-            record({"check": name, "error": f"{type(exc).__name__}: {exc}"})
-            log(traceback.format_exc())
+    _load_gpu_runtime_check().run_parts(parts, deadline, record, log)
     finish_export(ctx, 60)
     text = table(ctx["results"])
     (OUT / "llama_ab.md").write_text(text + "\n")

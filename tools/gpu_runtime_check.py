@@ -83,6 +83,20 @@ def run_cli(args: list[str]) -> dict:
     return json.loads(buf.getvalue())
 
 
+def run_parts(parts: list, deadline: float, record, log) -> None:
+    """Run (name, fn) parts in order; a part that would start after `deadline` is recorded as skipped,
+    one that raises is recorded with its error (traceback to `log`) and the next part runs."""
+    for name, fn in parts:
+        if time.perf_counter() > deadline:
+            record({"check": name, "skipped": "device-time deadline"})
+            continue
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - record and go on to the next part
+            record({"check": name, "error": f"{type(exc).__name__}: {exc}"})
+            log(traceback.format_exc())
+
+
 def prefix_match(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -408,15 +422,7 @@ def main() -> int:
     parts += [("synth_write", lambda: make_synth(a.synth, a.skew, a.small)),
               ("synth_runs", lambda: synth_runs(a.synth, deadline, a.tokens, a.device, state["profile"],
                                                 tuple(a.modes.split(",")), a.miss_slots))]
-    for name, fn in parts:
-        if time.perf_counter() > deadline:
-            record({"check": name, "skipped": "device-time deadline"})
-            continue
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - record and go on to the next part
-            record({"check": name, "error": f"{type(exc).__name__}: {exc}"})
-            log(traceback.format_exc())
+    run_parts(parts, deadline, record, log)
     log("done")
     return 0
 
