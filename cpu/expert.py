@@ -97,14 +97,15 @@ def experts_forward(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, 
 
 
 @njit(parallel=True, nogil=True, fastmath=True, cache=True)
-def experts_parallel(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, h, out, H, I, R, n):
-    """Both phases on Numba's thread pool, n parts each: part k of phase 1 takes units
+def experts_parallel(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, n):
+    """experts_forward on Numba's thread pool, n parts per phase: part k of phase 1 takes units
     [U k / n, U (k + 1) / n) (U = experts x I-tiles), part k of phase 2 takes H-tiles likewise.
     One call from Python (no per-worker dispatch under the GIL); every output element is still
     computed by one part in a fixed order, so the result does not depend on n."""
     nti = (I + R - 1) // R
     nth = (H + R - 1) // R
     n1 = (len(ptr) - 1) * nti
+    h = np.empty((rows.shape[0], nti * R), np.float32)
     for k in prange(n):
         experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, n1 * k // n, n1 * (k + 1) // n, h, H, I, R)
     for k in prange(n):

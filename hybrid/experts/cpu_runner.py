@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cpu import layout
 from hybrid.hardware import physical_cores
-from cpu.expert import experts_down, experts_gate_up, experts_parallel
+from cpu.expert import experts_forward, experts_parallel
 
 
 @dataclass
@@ -43,7 +42,6 @@ class Work:
     w: np.ndarray             # f32 [P]
     x: np.ndarray             # f32 [T, H]
     out: np.ndarray           # f32 [T, H]
-    h: np.ndarray             # f32 [P, Ipad]
     slots: tuple              # gate_up offsets [E], down offsets [E], scales [E, 3]
     parts: int = 1            # parts each phase is split into (the runner's threads)
     inline: bool = False      # run by sync() on the calling thread
@@ -115,14 +113,10 @@ class CpuExpertRunner:
 
     # --------------------------------------------------------------------- internals
     def _plan(self, layer, ids, rows, ptr, w, x) -> Work:
-        s, R = self.store, self.store.R
-        nti = layout.num_tiles(s.inter)
-        out = np.zeros_like(x)
-        h = np.empty((rows.shape[0], nti * R), np.float32)
-        work = Work(ids, rows, ptr, w, x, out, h, s.slots(layer, ids), parts=self.threads)
-        if rows.shape[0] and len(ids) * s.slot_nbytes <= self.inline_bytes:
-            work.inline = True
-        return work
+        s = self.store
+        inline = bool(rows.shape[0]) and len(ids) * s.slot_nbytes <= self.inline_bytes
+        return Work(ids, rows, ptr, w, x, np.zeros_like(x), s.slots(layer, ids), parts=self.threads,
+                    inline=inline)
 
     def _warm_up(self) -> None:
         """Compile (or load from numba's cache) both paths for these argument types, on no work."""
@@ -130,11 +124,8 @@ class CpuExpertRunner:
         x = np.zeros((1, s.hidden), np.float32)
         rows, ptr, w = np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.float32)
         gu, dn, scl = s.slots(0, [])
-        h = np.zeros((0, layout.num_tiles(s.inter) * s.R), np.float32)
-        experts_gate_up(s.qkind, s.arena.array, gu, scl, x, rows, ptr, 0, 0, h, s.hidden, s.inter, s.R)
-        experts_down(s.qkind, s.arena.array, dn, scl, h, rows, ptr, w, 0, 0, x, s.hidden, s.inter, s.R)
-        experts_parallel(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, h, x, s.hidden, s.inter,
-                         s.R, 1)
+        experts_forward(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R)
+        experts_parallel(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R, 1)
 
     def _loop(self) -> None:
         import numba
@@ -154,19 +145,16 @@ class CpuExpertRunner:
     def _run_parallel(self, work: Work) -> None:
         s = self.store
         gu, dn, scl = work.slots
-        experts_parallel(s.qkind, s.arena.array, gu, dn, scl, work.x, work.rows, work.ptr, work.w, work.h,
-                         work.out, s.hidden, s.inter, s.R, work.parts)
+        experts_parallel(s.qkind, s.arena.array, gu, dn, scl, work.x, work.rows, work.ptr, work.w, work.out,
+                         s.hidden, s.inter, s.R, work.parts)
 
     def _run_all(self, work: Work) -> None:
         """Both phases of the whole call on this thread (one part: the numbers of any part count)."""
         s = self.store
-        arena, kind, H, I, R = s.arena.array, s.qkind, s.hidden, s.inter, s.R
         gu, dn, scl = work.slots
         try:
-            experts_gate_up(kind, arena, gu, scl, work.x, work.rows, work.ptr, 0, len(work.ids) * layout.num_tiles(I),
-                            work.h, H, I, R)
-            experts_down(kind, arena, dn, scl, work.h, work.rows, work.ptr, work.w, 0, layout.num_tiles(H),
-                         work.out, H, I, R)
+            experts_forward(s.qkind, s.arena.array, gu, dn, scl, work.x, work.rows, work.ptr, work.w, work.out,
+                            s.hidden, s.inter, s.R)
         except BaseException as exc:            # noqa: BLE001 - handed to sync()
             work.error = exc
 
