@@ -191,12 +191,6 @@ class ExpertStore:
         jobs = [(layer, e) for layer in range(self.num_layers) for e in range(self.num_experts)]
         bar = tqdm(total=len(jobs), desc="expert store", unit="expert", disable=not progress, leave=False)
         one = lambda layer, e: self.put(layer, e, *get_expert(layer, e))  # noqa: E731
-        if workers == 1:
-            with bar:
-                for layer, e in jobs:
-                    one(layer, e)
-                    bar.update()
-            return
         with bar, ThreadPoolExecutor(workers, thread_name_prefix="expert-store") as ex:
             window: deque = deque()  # consumed in submission order: the first error is the first expert's
             try:
