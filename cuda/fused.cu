@@ -260,42 +260,48 @@ extern "C" __global__ void __launch_bounds__(128)
 
 // The router GEMV too: a warp per expert computes logits[t, e] = h[t] . router[e] for all T tokens
 // (fp32), then the last block (threadfence + counter, left zero) runs topk_row per token.
+template <bool HF>
+__device__ __forceinline__ void router_body(const void* h, const float* router, float* logits, int T,
+                                            int E, int H) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int e = blockIdx.x * 4 + warp;
+  if (e >= E) return;
+  const float* wr = router + (size_t)e * H;
+  for (int t = 0; t < T; ++t) {                           // tokens one by one: no per-token arrays
+    float acc = 0.f;
+#pragma unroll 4
+    for (int i = lane * 4; i < H; i += 128) {              // H % 4 == 0
+      const float4 w4 = *(const float4*)(wr + i);
+      float x0, x1, x2, x3;
+      if (HF) {
+        const float4 x4 = *(const float4*)((const float*)h + (size_t)t * H + i);
+        x0 = x4.x; x1 = x4.y; x2 = x4.z; x3 = x4.w;
+      } else {
+        const uint2 raw = *(const uint2*)((const u16*)h + (size_t)t * H + i);
+        x0 = h2f((u16)(raw.x & 0xffffu)); x1 = h2f((u16)(raw.x >> 16));
+        x2 = h2f((u16)(raw.y & 0xffffu)); x3 = h2f((u16)(raw.y >> 16));
+      }
+      acc = fmaf(x3, w4.w, fmaf(x2, w4.z, fmaf(x1, w4.y, fmaf(x0, w4.x, acc))));
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) logits[(size_t)t * E + e] = acc;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(128)
     fused_router_topk(const void* h, int h_f32, const float* router, float* logits, int* counter,
                       int T, int E, int H, int k, int renorm, long long* ids, float* weights,
                       const int* slot_table, int* slots, float* route_row) {
   __shared__ int last;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int e = blockIdx.x * 4 + warp;
-  if (e < E) {
-    const float* wr = router + (size_t)e * H;
-    for (int t = 0; t < T; ++t) {                         // tokens one by one: no per-token arrays
-      float acc = 0.f;
-#pragma unroll 4
-      for (int i = lane * 4; i < H; i += 128) {            // H % 4 == 0
-        const float4 w4 = *(const float4*)(wr + i);
-        float x0, x1, x2, x3;
-        if (h_f32) {
-          const float4 x4 = *(const float4*)((const float*)h + (size_t)t * H + i);
-          x0 = x4.x; x1 = x4.y; x2 = x4.z; x3 = x4.w;
-        } else {
-          const uint2 raw = *(const uint2*)((const u16*)h + (size_t)t * H + i);
-          x0 = h2f((u16)(raw.x & 0xffffu)); x1 = h2f((u16)(raw.x >> 16));
-          x2 = h2f((u16)(raw.y & 0xffffu)); x3 = h2f((u16)(raw.y >> 16));
-        }
-        acc = fmaf(x3, w4.w, fmaf(x2, w4.z, fmaf(x1, w4.y, fmaf(x0, w4.x, acc))));
-      }
-      acc = warp_sum(acc);
-      if (lane == 0) logits[(size_t)t * E + e] = acc;
-    }
-  }
+  if (h_f32) router_body<true>(h, router, logits, T, E, H);
+  else router_body<false>(h, router, logits, T, E, H);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
   __syncthreads();
   if (!last) return;
   __threadfence();
-  for (int t = warp; t < T; t += 4)
+  for (int t = threadIdx.x >> 5; t < T; t += 4)
     topk_row(logits + (size_t)t * E, true, t, E, k, renorm, ids, weights, slot_table, slots, route_row);
   if (threadIdx.x == 0) *counter = 0;
 }
