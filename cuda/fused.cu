@@ -56,14 +56,6 @@ __device__ __forceinline__ u16 f2h(float f) {
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
 }
-__device__ __forceinline__ float round_to(float v, int f32) { return f32 ? v : h2f(f2h(v)); }
-__device__ __forceinline__ float load(const void* p, size_t i, int f32) {
-  return f32 ? ((const float*)p)[i] : h2f(((const u16*)p)[i]);
-}
-__device__ __forceinline__ void store(void* p, size_t i, float v, int f32) {
-  if (f32) ((float*)p)[i] = v;
-  else ((u16*)p)[i] = f2h(v);
-}
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -82,20 +74,51 @@ __device__ __forceinline__ float ld_cg(const float* p) {   // L2, not a possibly
 }
 
 // ---------------------------------------------------------------- residual add + RMSNorm
-extern "C" __global__ void __launch_bounds__(256)
-    fused_add_rms_norm(const void* x, const void* delta, const float* w, void* x_out, void* h,
-                       float* hf, int H, float eps, int x_f32, int delta_f32) {
-  __shared__ float part[8];
+// The dtypes are template parameters of the loop bodies (XF: x fp32; DM: 0 no delta, 1 fp16, 2 fp32
+// delta), picked once per launch: loops without branches keep several loads in flight.
+template <bool XF, int DM>
+__device__ __forceinline__ float resid(const void* x, const void* delta, size_t i) {
+  float v = XF ? ((const float*)x)[i] : h2f(((const u16*)x)[i]);
+  if (DM) {
+    float d = DM == 2 ? ((const float*)delta)[i] : h2f(((const u16*)delta)[i]);
+    if (!XF) d = h2f(f2h(d));                              // delta.to(x.dtype)
+    v = XF ? v + d : h2f(f2h(v + d));                      // x + that, rounded to x's dtype
+  }
+  return v;
+}
+template <bool XF>
+__device__ __forceinline__ void store_x(void* p, size_t i, float v) {
+  if (XF) ((float*)p)[i] = v;
+  else ((u16*)p)[i] = f2h(v);
+}
+template <bool XF>
+__device__ __forceinline__ float round_x(float v) { return XF ? v : h2f(f2h(v)); }
+
+// Dispatch a body template on (x_f32, delta given, delta_f32).
+#define DISPATCH_XD(BODY, ...)                                                          \
+  do {                                                                                  \
+    if (x_f32) {                                                                        \
+      if (!delta) BODY<true, 0>(__VA_ARGS__);                                           \
+      else if (delta_f32) BODY<true, 2>(__VA_ARGS__);                                   \
+      else BODY<true, 1>(__VA_ARGS__);                                                  \
+    } else {                                                                            \
+      if (!delta) BODY<false, 0>(__VA_ARGS__);                                          \
+      else if (delta_f32) BODY<false, 2>(__VA_ARGS__);                                  \
+      else BODY<false, 1>(__VA_ARGS__);                                                 \
+    }                                                                                   \
+  } while (0)
+
+template <bool XF, int DM>
+__device__ __forceinline__ void add_rms_norm_body(const void* x, const void* delta, const float* w,
+                                                  void* x_out, void* h, float* hf, int H, float eps,
+                                                  float* part) {
   const size_t row = (size_t)blockIdx.x * H;
   const int tid = threadIdx.x;
   float ss = 0.f;
 #pragma unroll 4
   for (int i = tid; i < H; i += 256) {
-    float s = load(x, row + i, x_f32);
-    if (delta) {
-      s = round_to(s + round_to(load(delta, row + i, delta_f32), x_f32), x_f32);
-      store(x_out, row + i, s, x_f32);
-    }
+    const float s = resid<XF, DM>(x, delta, row + i);
+    if (DM) store_x<XF>(x_out, row + i, s);
     ss = fmaf(s, s, ss);
   }
   ss = warp_sum(ss);
@@ -106,13 +129,18 @@ extern "C" __global__ void __launch_bounds__(256)
   for (int j = 0; j < 8; ++j) tot += part[j];
   const float rstd = rsqrtf(tot / (float)H + eps);
 #pragma unroll 4
-  for (int i = tid; i < H; i += 256) {                  // x_out again, recomputed (not re-read)
-    float s = load(x, row + i, x_f32);
-    if (delta) s = round_to(s + round_to(load(delta, row + i, delta_f32), x_f32), x_f32);
-    const float v = round_to(s * rstd * w[i], x_f32);
-    store(h, row + i, v, x_f32);
+  for (int i = tid; i < H; i += 256) {                   // x_out again, recomputed (not re-read)
+    const float v = round_x<XF>(resid<XF, DM>(x, delta, row + i) * rstd * w[i]);
+    store_x<XF>(h, row + i, v);
     if (hf) hf[row + i] = v;
   }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    fused_add_rms_norm(const void* x, const void* delta, const float* w, void* x_out, void* h,
+                       float* hf, int H, float eps, int x_f32, int delta_f32) {
+  __shared__ float part[8];
+  DISPATCH_XD(add_rms_norm_body, x, delta, w, x_out, h, hf, H, eps, part);
 }
 
 // ---------------------------------------------------------------- q/k RMSNorm + RoPE + KV write
@@ -306,55 +334,76 @@ extern "C" __global__ void __launch_bounds__(128)
   if (threadIdx.x == 0) *counter = 0;
 }
 
-// Residual add + RMSNorm + router + top-k in one launch (T <= 8): every block computes the rows'
-// sums of squares itself (H elements, cached), then its warps' experts' logits from the normed rows
-// (h rounded to x's dtype, exactly the h written), block 0 writes x_out and h, the last block routes.
-extern "C" __global__ void __launch_bounds__(128)
-    fused_add_norm_router(const void* x, const void* delta, const float* w, void* x_out, void* hout,
-                          int H, float eps, int x_f32, int delta_f32, const float* router, float* logits,
-                          int* counter, int T, int E, int k, int renorm, long long* ids, float* weights,
-                          const int* slot_table, int* slots, float* route_row) {
-  __shared__ float part[4];
-  __shared__ int last;
+// Residual add + RMSNorm + router + top-k in one launch (T <= 8, H <= 8192): every block makes the
+// normed rows itself in shared memory (h rounded to x's dtype, exactly the h written; block 0 writes
+// x_out and h), its warps' experts' logits from there, and the last block routes.
+#define ANR_MAXH 8192
+
+template <bool XF, int DM>
+__device__ __forceinline__ void add_norm_router_body(const void* x, const void* delta, const float* w,
+                                                     void* x_out, void* hout, int H, float eps,
+                                                     const float* router, float* logits, int T, int E,
+                                                     float* hs, float* part) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int e = blockIdx.x * 4 + warp;
   const float* wr = router + (size_t)(e < E ? e : 0) * H;
-  for (int t = 0; t < T; ++t) {                           // tokens one by one: no per-token arrays
+  for (int t = 0; t < T; ++t) {                           // tokens one by one
     const size_t row = (size_t)t * H;
     float ss = 0.f;
 #pragma unroll 4
     for (int i = tid; i < H; i += 128) {
-      float v = load(x, row + i, x_f32);
-      if (delta) v = round_to(v + round_to(load(delta, row + i, delta_f32), x_f32), x_f32);
+      const float v = resid<XF, DM>(x, delta, row + i);
+      hs[i] = v;
       ss = fmaf(v, v, ss);
-      if (blockIdx.x == 0 && delta) store(x_out, row + i, v, x_f32);
+      if (DM && blockIdx.x == 0) store_x<XF>(x_out, row + i, v);
     }
     ss = warp_sum(ss);
     if (lane == 0) part[warp] = ss;
     __syncthreads();
     const float rstd = rsqrtf((part[0] + part[1] + part[2] + part[3]) / (float)H + eps);
-    __syncthreads();                                      // part is reused by the next token
+#pragma unroll 4
+    for (int i = tid; i < H; i += 128) {                  // this thread's own elements of hs
+      const float hv = round_x<XF>(hs[i] * rstd * w[i]);
+      hs[i] = hv;
+      if (blockIdx.x == 0) store_x<XF>(hout, row + i, hv);
+    }
+    __syncthreads();                                      // hs complete; part free again
     float acc = 0.f;
-#pragma unroll 8
-    for (int i = lane; i < H; i += 32) {
-      float v = load(x, row + i, x_f32);
-      if (delta) v = round_to(v + round_to(load(delta, row + i, delta_f32), x_f32), x_f32);
-      const float hv = round_to(v * rstd * w[i], x_f32);
-      if (blockIdx.x == 0 && warp == 0) store(hout, row + i, hv, x_f32);
-      acc = fmaf(hv, wr[i], acc);
+    if ((H & 3) == 0) {
+#pragma unroll 4
+      for (int i = lane * 4; i < H; i += 128) {
+        const float4 w4 = *(const float4*)(wr + i);
+        const float4 h4 = *(const float4*)(hs + i);
+        acc = fmaf(h4.w, w4.w, fmaf(h4.z, w4.z, fmaf(h4.y, w4.y, fmaf(h4.x, w4.x, acc))));
+      }
+    } else {
+#pragma unroll 4
+      for (int i = lane; i < H; i += 32) acc = fmaf(hs[i], wr[i], acc);
     }
     acc = warp_sum(acc);
     if (lane == 0 && e < E) logits[(size_t)t * E + e] = acc;
+    __syncthreads();                                      // hs is rewritten by the next token
   }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    fused_add_norm_router(const void* x, const void* delta, const float* w, void* x_out, void* hout,
+                          int H, float eps, int x_f32, int delta_f32, const float* router, float* logits,
+                          int* counter, int T, int E, int k, int renorm, long long* ids, float* weights,
+                          const int* slot_table, int* slots, float* route_row) {
+  __shared__ __align__(16) float hs[ANR_MAXH];
+  __shared__ float part[4];
+  __shared__ int last;
+  DISPATCH_XD(add_norm_router_body, x, delta, w, x_out, hout, H, eps, router, logits, T, E, hs, part);
   __threadfence();
   __syncthreads();
-  if (tid == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
   __syncthreads();
   if (!last) return;
   __threadfence();
-  for (int t = warp; t < T; t += 4)
+  for (int t = threadIdx.x >> 5; t < T; t += 4)
     topk_row(logits + (size_t)t * E, true, t, E, k, renorm, ids, weights, slot_table, slots, route_row);
-  if (tid == 0) *counter = 0;
+  if (threadIdx.x == 0) *counter = 0;
 }
 
 // ---------------------------------------------------------------- one-token GQA attention

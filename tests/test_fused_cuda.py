@@ -148,7 +148,7 @@ def test_router_topk(backend, t, e, h, hdt):
     assert torch.equal(row[:, :k].cpu(), rid.float())
 
 
-@pytest.mark.parametrize("t,h,e", [(1, 2048, 128), (3, 100, 60), (8, 256, 512)])
+@pytest.mark.parametrize("t,h,e", [(1, 2048, 128), (3, 100, 60), (8, 256, 512), (2, 66, 32), (1, 8192, 64)])
 @pytest.mark.parametrize("xdt", [torch.float16, torch.float32])
 @pytest.mark.parametrize("ddt", [None, torch.float16, torch.float32])
 def test_add_norm_router(backend, t, h, e, xdt, ddt):
@@ -272,6 +272,9 @@ def test_odd_shapes_rejected():
         fused.router_topk(torch.zeros(9, 64, **f16), torch.zeros(8, 64, device=DEV), 2, True)
     with pytest.raises(ValueError, match="tokens and H % 4"):
         fused.router_topk(torch.zeros(1, 66, **f16), torch.zeros(8, 66, device=DEV), 2, True)
+    with pytest.raises(ValueError, match="tokens of H <= 8192"):
+        fused.add_norm_router(torch.zeros(1, 8200, **f16), torch.zeros(8200, device=DEV), EPS,
+                              torch.zeros(8, 8200, device=DEV), 2, True)
     with pytest.raises(ValueError, match="logits: expected dtype"):
         fused.route_topk(torch.zeros(1, 64, **f16), 2, True)
     with pytest.raises(ValueError, match="not supported"):

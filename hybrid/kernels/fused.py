@@ -29,6 +29,7 @@ from hybrid.kernels.fused_build import KERNELS, force_ptx, module as _module  # 
 
 PARTS = ("norm", "rope", "route", "attn", "rope_attn")
 ROUTE_MAX_E, ROUTE_MAX_K, ROUTER_MAX_T = 512, 32, 8
+ANR_MAX_H = 8192          # add_norm_router keeps a normed row of H floats in shared memory
 ROPE_MAX_D = 256
 ATT_KEYS, ATT_MAX_G, ATT_MAX_Q = 128, 16, 2048   # threads (max keys per split), query heads per KV head
 ATT_SHORT = 1024          # up to this many keys a split takes 64 (twice the blocks), beyond it 128
@@ -327,8 +328,10 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
     if delta is not None:
         _check(delta, "delta", (torch.float16, torch.float32), (t, hd), dev)
     _check(router, "router", torch.float32, (e, hd), dev)
-    if not 1 <= t <= ROUTER_MAX_T:
-        raise ValueError(f"x: expected 1..{ROUTER_MAX_T} tokens, got {t}")
+    if not 1 <= t <= ROUTER_MAX_T or hd > ANR_MAX_H:
+        raise ValueError(f"x: expected 1..{ROUTER_MAX_T} tokens of H <= {ANR_MAX_H}, got {list(x.shape)}")
+    if hd % 4 == 0 and router.data_ptr() % 16:
+        raise ValueError("router: data pointer must be 16-byte aligned")
     _route_checks(t, e, k, dev, slot_table, slots, row)
     _, cnt = _workspace(dev, 0, 0)
     x2 = torch.empty_like(x) if delta is not None else x

@@ -159,7 +159,8 @@ class MoEModel:
         (T <= 8) one fused launch also routes, the same kernel in the eager and the graphed step."""
         layer, eps = self.layers[i], self.cfg.rms_norm_eps
         if (self._fused_route_ok(i, x) and fused_norm_ok(x, layer.post_norm) and x.dim() == 2
-                and x.shape[0] <= fused.ROUTER_MAX_T and a.dtype == x.dtype and a.is_contiguous()):
+                and x.shape[0] <= fused.ROUTER_MAX_T and x.shape[1] <= fused.ANR_MAX_H
+                and a.dtype == x.dtype and a.is_contiguous()):
             x, h, ids, weights = fused.add_norm_router(x, layer.post_norm, eps, layer.router,
                                                        self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob,
                                                        a, *_route_extra(route_out))
