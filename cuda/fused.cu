@@ -154,34 +154,41 @@ __device__ __forceinline__ void rope_head(const u16* src, const float* nw, const
                                           float eps, bool ok, u16* gdst, float* sdst) {
   const int lane = threadIdx.x & 31, half = D >> 1;
   float a[ROPE_MAXR], b[ROPE_MAXR];                       // elements i and i + half, i = lane + 32 r
-  float ss = 0.f;
+  float na[ROPE_MAXR], nb[ROPE_MAXR], c[4][ROPE_MAXR];    // their norm weights, cos and signed sin
 #pragma unroll
-  for (int r = 0; r < ROPE_MAXR; ++r) {
+  for (int r = 0; r < ROPE_MAXR; ++r) {                   // every load first: one latency, not three
     const int i = lane + 32 * r;
-    a[r] = b[r] = 0.f;
+    a[r] = b[r] = na[r] = nb[r] = c[0][r] = c[1][r] = c[2][r] = c[3][r] = 0.f;
     if (i < half) {
       a[r] = h2f(src[i]);
       b[r] = h2f(src[i + half]);
-      ss = fmaf(b[r], b[r], fmaf(a[r], a[r], ss));   // explicit: no contraction choices
+      if (nw) {
+        na[r] = nw[i];
+        nb[r] = nw[i + half];
+      }
+      c[0][r] = cs[i];
+      c[1][r] = cs[i + half];
+      c[2][r] = cs[D + i];
+      c[3][r] = cs[D + i + half];
     }
   }
+  float ss = 0.f;
+#pragma unroll
+  for (int r = 0; r < ROPE_MAXR; ++r) ss = fmaf(b[r], b[r], fmaf(a[r], a[r], ss));   // explicit FMAs
   if (nw) {
     const float rstd = rsqrtf(warp_sum(ss) / (float)D + eps);
 #pragma unroll
     for (int r = 0; r < ROPE_MAXR; ++r) {
-      const int i = lane + 32 * r;
-      if (i < half) {
-        a[r] = a[r] * rstd * nw[i];
-        b[r] = b[r] * rstd * nw[i + half];
-      }
+      a[r] = a[r] * rstd * na[r];
+      b[r] = b[r] * rstd * nb[r];
     }
   }
 #pragma unroll
   for (int r = 0; r < ROPE_MAXR; ++r) {
     const int i = lane + 32 * r;
     if (i < half) {
-      float oa = fmaf(b[r], cs[D + i], a[r] * cs[i]);
-      float ob = fmaf(a[r], cs[D + i + half], b[r] * cs[i + half]);
+      float oa = fmaf(b[r], c[2][r], a[r] * c[0][r]);
+      float ob = fmaf(a[r], c[3][r], b[r] * c[1][r]);
       if (!ok) oa = ob = __int_as_float(0x7fc00000);
       if (TO_SMEM) {
         sdst[i] = h2f(f2h(oa));
@@ -603,6 +610,7 @@ extern "C" __global__ void __launch_bounds__(128)
   const long long p = pos ? pos[0] : (long long)pos0;
   const int n = (int)(p + 1 < (long long)C ? p + 1 : (long long)C);    // keys 0..p (<= 0: none)
   const int gd = g * D;
+#pragma unroll 4
   for (int i = threadIdx.x; i < gd; i += ATT_KEYS) sm.qs[i] = h2f(q[(size_t)blockIdx.x * gd + i]);
   __syncthreads();
   attn_body(sm, k_store, v_store, n, out, partials, counters, Hkv, g, D, scale, SK);
