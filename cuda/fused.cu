@@ -421,11 +421,14 @@ extern "C" __global__ void __launch_bounds__(128)
 #define ATT_MAXG 16     // query heads per KV head
 #define ATT_MAXQ 2048   // g * D
 #define ATT_MAXO (ATT_MAXQ / ATT_KEYS)
+#define ATT_MAXW 1024   // splits x query heads the combine keeps in shared memory
 
 struct AttnSmem {
   float qs[ATT_MAXQ];            // this KV head's g query heads [g, D] fp32 (16-byte aligned: first)
   float sc[ATT_MAXG][ATT_KEYS];  // scores, then exp(score - max) per query head
   float ml[ATT_MAXG][2];         // max, sum per query head
+  float w[ATT_MAXW];             // combine: exp(max_s - max) per (split, query head)
+  float wl[ATT_MAXW];            // combine: that times the split's sum
   int last;
 };
 
@@ -558,9 +561,51 @@ __device__ __forceinline__ void attn_body(AttnSmem& sm, const u16* k_store, cons
   __syncthreads();
   if (!sm.last) return;
   __threadfence();
-  const float* head = partials + (size_t)kvh * S * g * stride;
+  const float* head = partials + (size_t)kvh * S * g * stride;   // [S, g, stride]
+  const int SG = S * g;
+  if (SG <= ATT_MAXW) {
+    // split weights per (split, head) in shared memory (all loads in flight at once), then every
+    // output is one pass over the splits with its ATT_MAXO loads per split issued together
+    for (int i = tid; i < SG; i += ATT_KEYS) sm.w[i] = ld_cg(head + (size_t)i * stride + D);
+    __syncthreads();
+    if (tid < g) {
+      float mx = NEG_INF;
+      for (int sp = 0; sp < S; ++sp) mx = fmaxf(mx, sm.w[sp * g + tid]);
+      sm.ml[tid][0] = mx;
+    }
+    __syncthreads();
+    for (int i = tid; i < SG; i += ATT_KEYS) {
+      const float m = sm.w[i], wgt = m == NEG_INF ? 0.f : expf(m - sm.ml[i % g][0]);
+      sm.w[i] = wgt;
+      sm.wl[i] = wgt * ld_cg(head + (size_t)i * stride + D + 1);
+    }
+    __syncthreads();
+    if (tid < g) {
+      float l = 0.f;
+      for (int sp = 0; sp < S; ++sp) l += sm.wl[sp * g + tid];
+      sm.ml[tid][1] = l;
+    }
+    __syncthreads();
+    float osum[ATT_MAXO];
 #pragma unroll
-  for (int j = 0; j < ATT_MAXO; ++j) {
+    for (int j = 0; j < ATT_MAXO; ++j) osum[j] = 0.f;
+    for (int sp = 0; sp < S; ++sp) {
+      const float* ps = head + (size_t)sp * g * stride;
+      float a[ATT_MAXO];
+#pragma unroll
+      for (int j = 0; j < ATT_MAXO; ++j)
+        a[j] = tid + ATT_KEYS * j < gd ? ld_cg(ps + oh[j] * stride + od[j]) : 0.f;
+#pragma unroll
+      for (int j = 0; j < ATT_MAXO; ++j) osum[j] = fmaf(sm.w[sp * g + oh[j]], a[j], osum[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < ATT_MAXO; ++j)
+      if (tid + ATT_KEYS * j < gd) ob[tid + ATT_KEYS * j] = f2h(osum[j] / sm.ml[oh[j]][1]);
+    if (tid == 0) counters[kvh] = 0;
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < ATT_MAXO; ++j) {                    // many splits: per output, 4 splits at a time
     if (tid + ATT_KEYS * j >= gd) continue;
     const int h = oh[j], d = od[j];
     const float* hp = head + (size_t)h * stride;            // split sp's head h: hp + sp * g * stride

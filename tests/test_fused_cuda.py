@@ -207,6 +207,19 @@ def test_decode_attn(backend, hq, hkv, d, p):
     torch.testing.assert_close(tight.float(), want, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("p,hq", [(8300, 16), (8300, 4), (4000, 8)])
+def test_decode_attn_many_splits(backend, p, hq):
+    """Long contexts: 65 splits x 16 heads (more than the combine keeps in shared memory: the
+    per-output path), 65 x 4 and 32 x 8 (the shared-memory path)."""
+    hkv, d, cap = 1, 128, 8320
+    q = fresh((1, hq, d), torch.float16)
+    ks, vs = fresh((cap, hkv, d), torch.float16), fresh((cap, hkv, d), torch.float16)
+    keys = min(-(-(p + 1) // 128) * 128, cap)
+    want = fused.ref_decode_attn(q.float(), ks.float(), vs.float(), keys, start=p)
+    got = fused.decode_attn(q.to(DEV), ks.to(DEV), vs.to(DEV), keys, pos=torch.tensor([p], device=DEV))
+    torch.testing.assert_close(got.cpu().float(), want, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128), (8, 8, 256), (12, 4, 40), (2, 1, 16)])
 @pytest.mark.parametrize("p", [0, 64, 127, 128, 300, 1100])
 @pytest.mark.parametrize("device_pos", [True, False])
