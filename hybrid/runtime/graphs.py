@@ -161,15 +161,18 @@ class DecodeGraphs:
         return r
 
     def _body(self, seg: Segment, x: torch.Tensor, pos: torch.Tensor, keys: int, route_buf: torch.Tensor):
-        m, last, k = self.model, len(seg.layers) - 1, self.model.cfg.num_experts_per_tok
-        mask = m.decode_mask(pos, keys)                                      # [1, 1, 1, L]
+        m, last = self.model, len(seg.layers) - 1
+        mask = m.decode_mask(pos, keys)                                      # [1, 1, 1, L] or None
+        moe = None                                                           # the last layer's MoE output
         for j, i in enumerate(seg.layers):
-            x, h, rid, rw = m.decode_dense(i, x, pos, keys, mask)
-            if seg.host_last and j == last:
+            host = seg.host_last and j == last
+            out = None if host else self.experts.route_out(i, 1, route_buf[j])   # ids/weights into route_buf
+            x, h, rid, rw = m.decode_dense(i, x, pos, keys, mask, residual=moe, route_out=out)
+            if host:
                 return x, h, rid, rw
-            route_buf[j, :, :k].copy_(rid)                                   # [1, k] ids as floats
-            route_buf[j, :, k:].copy_(rw)                                    # [1, k] weights
-            x = x + m.moe_out(i, h, self.experts.moe_device(i, h, rid, rw))
+            y = self.experts.moe_slots(i, h, out.slots, rw)                 # [1, H] fp32
+            moe = m.moe_out(i, h, y if m.layers[i].shared is None else y.to(x.dtype))
+        x = x + moe.to(x.dtype)                                              # x + round(moe), as before
         return m.head(x) if seg.head else x
 
     def _make(self, seg: Segment, keys: int, x: torch.Tensor) -> _Runner:

@@ -210,6 +210,30 @@ class HybridExperts:
         out = card.slots.moe_local(layer, x, slot_ids, tok, weights.reshape(-1).float())
         return out.to(x.dtype)
 
+    def route_out(self, layer: int, t: int, row: torch.Tensor):
+        """Buffers decode_dense's router launch also fills for a fully resident layer: the layer's
+        expert -> slot table, a slot-id buffer [T*k] int32 (kept per layer: graph-static) and the
+        route-buffer row [T, 2k] (ids as floats, weights)."""
+        from hybrid.model.qwen_moe import RouteOut
+
+        card, k = self.card_of[layer], row.shape[-1] // 2
+        key = ("slots", layer, t, k, row.device)
+        slots = self._tok.get(key)
+        if slots is None:
+            slots = self._tok[key] = torch.zeros(t * k, dtype=torch.int32, device=row.device)
+        return RouteOut(card.full[layer], slots, row)
+
+    def moe_slots(self, layer: int, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """moe_device with the slot ids already made (route_out): -> [T, H] fp32, no gather, no cast."""
+        card = self.card_of[layer]
+        t, k = weights.shape
+        key = (t, k, x.device)
+        tok = self._tok.get(key)
+        if tok is None:
+            tok = torch.arange(t, dtype=torch.int32, device=x.device).repeat_interleave(k)  # [T*k]
+            self._tok[key] = tok
+        return card.slots.moe_local(layer, x, slot_ids, tok, weights.reshape(-1).float())
+
     def prepare_device(self, layers) -> None:
         """Before replaying graphed layers: the stream waits for their pending promotions."""
         for layer in layers:
