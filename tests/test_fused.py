@@ -81,7 +81,7 @@ def test_ref_decode_attn_is_attention(pos):
     assert torch.equal(fused.decode_attn(q, ks, vs, 12, pos=torch.tensor([pos])), got)
 
 
-@pytest.mark.parametrize("value,parts", [(None, {"rope", "route"}), ("1", set(fused.PARTS)), ("0", set()),
+@pytest.mark.parametrize("value,parts", [(None, {"norm", "rope", "route"}), ("1", set(fused.PARTS)), ("0", set()),
                                          ("off", set()), ("norm,route", {"norm", "route"}), ("attn", {"attn"})])
 def test_switch(monkeypatch, value, parts):
     if value is None:

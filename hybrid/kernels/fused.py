@@ -37,11 +37,11 @@ _DT = {torch.float16: 0, torch.float32: 1}
 
 
 # The parts on when HYBRID_FUSED is unset: the fastest set measured on the H200 (48 30B-A3B-shaped
-# dense layers in one CUDA graph, git da35ee4, scratch sweep of every combination in one call: torch
-# ops 87.9 us per layer, rope 70.0, norm+rope 61.6, rope+route 56.7, norm+rope+route 72.4, every
-# part 97.4; the attention kernels are still slower than torch's SDPA and the joint add+norm+router
-# launch slower than its parts). results/runtime.md section 9.
-DEFAULT_PARTS = frozenset({"rope", "route"})
+# dense layers in one CUDA graph, tools/gpu_fused_ab.py --layers 48, git 909cbcd: torch ops 88.4 us
+# per layer, rope+route 57.6, norm+rope+route 48.9, norm+rope+attn+route 66.9, every part 63.6; the
+# attention kernels are still slower than torch's SDPA (34 vs 14 us at 512 keys). At da35ee4, before
+# the dtype-specialised add+norm(+router) loops, norm+rope+route was 72.4.) results/runtime.md.
+DEFAULT_PARTS = frozenset({"norm", "rope", "route"})
 
 
 def enabled(part: str) -> bool:
