@@ -54,6 +54,9 @@
 //                              shared memory instead of registers (Hopper needs ~30 KB of loads in
 //                              flight per SM to reach its bandwidth; Volta, at a fifth of the
 //                              bandwidth, is served by the register pipeline)
+//   qpn{2,8}_gemm_<BM>x<BN>    prefill (M > 16): shared-memory tiled GEMM, weights decoded once per
+//                              block tile into fp16 shared memory, WMMA over BM rows; grid
+//                              (ceil(M/BM), ceil(N/BN)); tiles 128x128, 64x128, 64x64, 32x64
 //   qpn_moe_route              one block: slot_ids[A] -> offsets[S+1], perm[A] (grouped by slot),
 //                              active[min(A, S)] (the slots with work, in slot order; -1 after)
 //   qpn{2,8}_moe_gateup_mt{1,4} grid (I/16 / TG, min(A, S)): h[A, I] fp16 = silu(gate x) * up x  (sorted rows)
@@ -638,6 +641,226 @@ LINEAR(qpn2_linear_mt1_as, 2, 1, 2, 6)
 LINEAR(qpn8_linear_mt1_as, 8, 1, 2, 6)
 LINEAR(qpn2_linear_mt1_as4, 2, 1, 2, 4)
 LINEAR(qpn8_linear_mt1_as4, 8, 1, 2, 4)
+
+// ---------------------------------------------------------------- prefill: shared-memory tiled GEMM
+// y[M, N] = x[M, K] . W^T for M > 16. Block tile BM activation rows x BN weight rows, k in steps
+// of 64 (one QPN2 chunk, two QPN8 chunks). Per k-step the block reads its BN/16 packed weight
+// tiles once (one u32x4 per lane-slot, plus the scale word of that lane's rows), decodes them ONCE
+// into fp16 shared memory ws[n][k] -- NVFP4 with the group scale applied exactly in fp16 (the
+// header's argument: |E2M1 * scale * 2^-7| <= 21, at most 6 significant bits, lowest bit >= 2^-17,
+// so the fp16 product equals the fp32 one: no rounding, no overflow on any e4m3 scale), FP8 as
+// e4m3 * 2^-8 (exact) -- and copies x[BM rows, 64 k] into xs[m][k]; then the 8 warps (2 along M x
+// 4 along N, each (BM/2) x (BN/4)) multiply with WMMA 16x16x16 (f16 x f16 -> f32, one PTX for
+// Volta's HMMA.884 and sm_80+'s m16n8k16; chosen over hand-written fragments because smem tiles
+// in plain row/col-major need no fragment layout of ours on either architecture). The folded
+// global scale gs is applied to the fp32 sums at the end. The next k-step's global loads are held
+// in registers while this step's MMAs run. Rows past M / N and k past K read garbage that only
+// reaches outputs that are never written. grid (ceil(M / BM), ceil(N / BN)): neighbouring blocks
+// share a weight tile (L2). Shared memory (BM + BN) * 144 bytes; rows padded to 72 halves.
+#define PBK 64
+#define PLD (PBK + 8)
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 a;
+  asm("{.reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;}" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ u32x4 ld_x16(const u16* p) {  // 8 fp16 activations, 16-byte aligned
+  u32x4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+// WMMA through PTX (the source includes no header). Shared-memory addresses, ldm in elements.
+__device__ __forceinline__ void wmma_ld_a(u32 (&a)[8], u32 addr) {
+  asm volatile("wmma.load.a.sync.aligned.row.m16n16k16.shared.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]), "=r"(a[4]), "=r"(a[5]), "=r"(a[6]),
+                 "=r"(a[7])
+               : "r"(addr), "r"(PLD) : "memory");
+}
+__device__ __forceinline__ void wmma_ld_b(u32 (&b)[8], u32 addr) {
+  asm volatile("wmma.load.b.sync.aligned.col.m16n16k16.shared.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]), "=r"(b[4]), "=r"(b[5]), "=r"(b[6]),
+                 "=r"(b[7])
+               : "r"(addr), "r"(PLD) : "memory");
+}
+__device__ __forceinline__ void wmma_mma(float (&d)[8], const u32 (&a)[8], const u32 (&b)[8]) {
+  asm("wmma.mma.sync.aligned.row.col.m16n16k16.f32.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, "
+      "{%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19,%20,%21,%22,%23}, "
+      "{%0,%1,%2,%3,%4,%5,%6,%7};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(a[4]), "r"(a[5]), "r"(a[6]), "r"(a[7]),
+        "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(b[4]), "r"(b[5]), "r"(b[6]), "r"(b[7]));
+}
+__device__ __forceinline__ void wmma_st(u32 addr, const float (&d)[8]) {  // row-major, ldm 16
+  asm volatile("wmma.store.d.sync.aligned.row.m16n16k16.shared.f32 [%0], {%1,%2,%3,%4,%5,%6,%7,%8}, 16;"
+               :: "r"(addr), "f"(d[0]), "f"(d[1]), "f"(d[2]), "f"(d[3]), "f"(d[4]), "f"(d[5]),
+                  "f"(d[6]), "f"(d[7]) : "memory");
+}
+__device__ __forceinline__ void sts64(u16* p, u32 lo, u32 hi) {
+  *reinterpret_cast<u64*>(p) = (u64)lo | ((u64)hi << 32);
+}
+
+// The packed loads of k-step kt into registers: slot i = tid + THREADS * v is (tile t, chunk cc,
+// lane l) of the block's weight tiles; x slot i = (row, 8-half segment).
+template <int FMT, int BM, int BN>
+struct TileLoads {
+  static constexpr int CPT = FMT == 2 ? 1 : 2;                        // chunks per 64 k
+  static constexpr int WV = (BN / 16 * CPT * 32 + THREADS - 1) / THREADS;
+  static constexpr int XV = BM * (PBK / 8) / THREADS;
+  u32x4 w[WV];
+  u64 s[WV];
+  u32x4 x[XV];
+};
+
+template <int FMT, int BM, int BN>
+__device__ __forceinline__ void tile_load(TileLoads<FMT, BM, BN>& r, const u32x4* __restrict__ w,
+                                          const u64* __restrict__ s, const u16* __restrict__ x,
+                                          int kt, int m0, int t0, int tiles, int C, int M, int K) {
+  typedef TileLoads<FMT, BM, BN> L;
+#pragma unroll
+  for (int v = 0; v < L::WV; ++v) {
+    const int i = threadIdx.x + THREADS * v, l = i & 31, cc = (i >> 5) % L::CPT, t = i / (32 * L::CPT);
+    const int c = kt * L::CPT + cc;
+    if (t < BN / 16 && t0 + t < tiles && c < C) {
+      const size_t tc = (size_t)(t0 + t) * C + c;
+      r.w[v] = ld_stream(w + tc * 32 + l);
+      r.s[v] = FMT == 2 ? ld_stream64(s + tc * 8 + (l >> 2)) : 0ull;
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < L::XV; ++v) {
+    const int i = threadIdx.x + THREADS * v, row = i >> 3, k = kt * PBK + 8 * (i & 7);
+    if (m0 + row < M && k < K) r.x[v] = ld_x16(x + (size_t)(m0 + row) * K + k);
+  }
+}
+
+template <int FMT, int BM, int BN>
+__device__ __forceinline__ void tile_store(const TileLoads<FMT, BM, BN>& r, u16* xs, u16* ws, int kt,
+                                           int m0, int t0, int tiles, int C, int M, int K) {
+  typedef TileLoads<FMT, BM, BN> L;
+#pragma unroll
+  for (int v = 0; v < L::WV; ++v) {
+    const int i = threadIdx.x + THREADS * v, l = i & 31, cc = (i >> 5) % L::CPT, t = i / (32 * L::CPT);
+    if (t < BN / 16 && t0 + t < tiles && kt * L::CPT + cc < C) {
+      u16* row = ws + (16 * t + (l >> 2)) * PLD + 32 * cc + 4 * (l & 3);  // row r; r + 8 at + 8 PLD
+      if (FMT == 2) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // group j: k = 16 j + 4 q + 0..3
+          const u32 s2 = dec_scale((u32)(r.s[v] >> (32 * (j >> 1))), j & 1);
+          u32 p0, p1, p2, p3;
+          dec_fp4(j == 0 ? r.w[v].x : j == 1 ? r.w[v].y : j == 2 ? r.w[v].z : r.w[v].w, p0, p1, p2, p3);
+          sts64(row + 16 * j, hmul2_splat(p0, s2, 0), hmul2_splat(p2, s2, 0));
+          sts64(row + 8 * PLD + 16 * j, hmul2_splat(p1, s2, 1), hmul2_splat(p3, s2, 1));
+        }
+      } else {
+        u32 a, b;  // words: (g0, r) (g0, r+8) (g1, r) (g1, r+8)
+        dec_fp8(r.w[v].x, a, b), sts64(row, a, b);
+        dec_fp8(r.w[v].y, a, b), sts64(row + 8 * PLD, a, b);
+        dec_fp8(r.w[v].z, a, b), sts64(row + 16, a, b);
+        dec_fp8(r.w[v].w, a, b), sts64(row + 8 * PLD + 16, a, b);
+      }
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < L::XV; ++v) {
+    const int i = threadIdx.x + THREADS * v, row = i >> 3, k = 8 * (i & 7);
+    if (m0 + row < M && kt * PBK + k < K)
+      *reinterpret_cast<u32x4*>(xs + row * PLD + k) = r.x[v];
+  }
+}
+
+template <int FMT, int BM, int BN>
+__device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                          float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                          int M, int N, int K) {
+  constexpr int FM = BM / 32, FN = BN / 64;  // 16x16 fragments per warp along M, N
+  static_assert(FM >= 1 && FN >= 1 && (BM * (PBK / 8)) % THREADS == 0, "tile shape");
+  __shared__ __align__(128) u16 sm[(BM + BN) * PLD];
+  u16* xs = sm;             // [BM][PLD]  x[m0 + m][64 kt + k]
+  u16* ws = sm + BM * PLD;  // [BN][PLD]  decoded W[n0 + n][64 kt + k]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
+  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, t0 = n0 >> 4;
+  const int C = K / (FMT == 2 ? 64 : 32), tiles = (N + 15) >> 4, nk = (K + PBK - 1) / PBK;
+  const u32 xa = smem_u32(xs) + (wm * (BM / 2) * PLD) * 2, wa = smem_u32(ws) + (wn * (BN / 4) * PLD) * 2;
+  float acc[FM][FN][8];
+#pragma unroll
+  for (int i = 0; i < FM; ++i)
+#pragma unroll
+    for (int j = 0; j < FN; ++j)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[i][j][e] = 0.f;
+  TileLoads<FMT, BM, BN> r;
+  tile_load<FMT, BM, BN>(r, w, s, x, 0, m0, t0, tiles, C, M, K);
+  for (int kt = 0; kt < nk; ++kt) {
+    tile_store<FMT, BM, BN>(r, xs, ws, kt, m0, t0, tiles, C, M, K);
+    __syncthreads();
+    if (kt + 1 < nk) tile_load<FMT, BM, BN>(r, w, s, x, kt + 1, m0, t0, tiles, C, M, K);
+    const int ks = K - kt * PBK >= PBK ? 4 : (K - kt * PBK) / 16;  // FP8: K may end mid-step
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      if (kk < ks) {
+        u32 b[FN][8];
+#pragma unroll
+        for (int j = 0; j < FN; ++j) wmma_ld_b(b[j], wa + (16 * j * PLD + 16 * kk) * 2);
+#pragma unroll
+        for (int i = 0; i < FM; ++i) {
+          u32 a[8];
+          wmma_ld_a(a, xa + (16 * i * PLD + 16 * kk) * 2);
+#pragma unroll
+          for (int j = 0; j < FN; ++j) wmma_mma(acc[i][j], a, b[j]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  // epilogue: each warp stages one 16x16 fp32 fragment at a time in its 1 KB of shared memory
+  float* st = reinterpret_cast<float*>(sm) + warp * 256;
+  const int fr = lane >> 1, fc = 8 * (lane & 1);
+#pragma unroll
+  for (int i = 0; i < FM; ++i) {
+#pragma unroll
+    for (int j = 0; j < FN; ++j) {
+      wmma_st(smem_u32(st), acc[i][j]);
+      __syncwarp();
+      const int m = m0 + wm * (BM / 2) + 16 * i + fr, n = n0 + wn * (BN / 4) + 16 * j + fc;
+      const float* v = st + fr * 16 + fc;
+      if (m < M) {
+        u16* out = y + (size_t)m * N + n;
+        if ((N & 7) == 0 && n + 8 <= N) {
+          u32x4 o;
+          o.x = (u32)f_to_h(v[0] * gs) | ((u32)f_to_h(v[1] * gs) << 16);
+          o.y = (u32)f_to_h(v[2] * gs) | ((u32)f_to_h(v[3] * gs) << 16);
+          o.z = (u32)f_to_h(v[4] * gs) | ((u32)f_to_h(v[5] * gs) << 16);
+          o.w = (u32)f_to_h(v[6] * gs) | ((u32)f_to_h(v[7] * gs) << 16);
+          *reinterpret_cast<u32x4*>(out) = o;
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            if (n + e < N) out[e] = f_to_h(v[e] * gs);
+        }
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// qpn{2,8}_gemm_<BM>x<BN>: same arguments as the LINEAR kernels (KS, P unused), blockDim 256,
+// grid (ceil(M / BM), ceil(N / BN)).
+#define GEMM(FMT, BM, BN)                                                                          \
+  extern "C" __global__ void qpn##FMT##_gemm_##BM##x##BN(                                           \
+      const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x,  \
+      u16* __restrict__ y, int M, int N, int K, int KS, int P) {                                    \
+    gemm_body<FMT, BM, BN>(w, s, gs, x, y, M, N, K);                                                \
+  }
+GEMM(2, 128, 128)
+GEMM(2, 64, 128)
+GEMM(2, 64, 64)
+GEMM(2, 32, 64)
+GEMM(8, 128, 128)
+GEMM(8, 64, 128)
+GEMM(8, 64, 64)
+GEMM(8, 32, 64)
 
 // ---------------------------------------------------------------- MoE routing
 // slot_ids [A] -> offsets [S+1] (exclusive prefix of per-slot counts), perm [A] (assignments

@@ -22,6 +22,14 @@ def test_targets_met_and_not_met():
     assert "dequantize-then-FP16-matmul at M=1 on large shapes: met" in text
 
 
+def test_prefill_target():
+    recs = [rec("q_proj", "nvfp4", 128, 12.0, 0.1, 0.3), rec("lm_head", "fp8", 512, 10.0, 0.1, 0.3)]
+    recs[0]["cublas_t_us"] = 10.0  # x1.2: met
+    assert "prefill (M >= 64) within 1.5x of cuBLAS FP16 time: met (2 of 2" in "\n".join(targets(recs))
+    recs[1]["cublas_t_us"] = 5.0   # x2.0: not met
+    assert "NOT met (1 of 2 rows; lm_head fp8 M=512 x2.00)" in "\n".join(targets(recs))
+
+
 def test_promote_marks_kernels():
     recs = [rec("lm_head", "fp8", 1, 10.0, 0.5, 0.9), rec("lm_head[u2]", "fp8", 1, 8.0, 0.6, 0.9),
             rec("lm_head", "fp8", 16, 20.0, 0.3, 0.9)]

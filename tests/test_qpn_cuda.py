@@ -69,6 +69,65 @@ def test_linear_matches_reference_all_m(backend, variant, qtype, n, k):
         assert err < 2e-3, f"{backend} {qtype.value} M={m}: relative error {err:.2e}"
 
 
+@pytest.fixture(params=[None, "mt", "128x128", "64x128", "64x64", "32x64"])
+def prefill(request):
+    from hybrid.kernels import qpn
+
+    qpn.PREFILL_VARIANT[0] = request.param
+    yield request.param
+    qpn.PREFILL_VARIANT[0] = None
+
+
+def _check_linear(w, wref, m, k, n, what, scale=1.0, tol=2e-3):
+    x = fresh((m, k)) * scale
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    y = qpn_linear(x.cuda(), w, out=out).cpu()
+    ref = x.double() @ wref.t()
+    assert not torch.isnan(y).any(), f"{what} M={m}: unwritten or NaN outputs"
+    assert torch.isfinite(y).all(), f"{what} M={m}: overflow"
+    err = rel_err(y, ref)
+    assert err < tol, f"{what} M={m}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype,n,k", [(QType.NVFP4, 200, 320), (QType.FP8, 200, 352),
+                                       (QType.NVFP4, 1000, 2048), (QType.FP8, 136, 1056)])
+def test_prefill_gemm_matches_reference(backend, prefill, qtype, n, k):
+    """M > 16 (the tiled GEMM, each tile, and the old 8-row-tile path): odd M, N not a multiple
+    of the tile, FP8 K = 32 mod 64."""
+    qw = MAKE[qtype](n, k, seed=n + k)
+    w = QPNWeight.from_qweight(qw, "cuda")
+    wref = qw.dequantize(torch.float64)
+    for m in (17, 31, 100, 129, 300):
+        _check_linear(w, wref, m, k, n, f"{backend} {prefill} {qtype.value}")
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+def test_prefill_gemm_largest_scales(backend, qtype):
+    """Largest codes and block scales (NVFP4 6 x 448, FP8 448) with large activations: the group
+    scale applied in the fp16 decode must neither overflow nor round."""
+    from hybrid.checkpoint.qweight import QWeight
+
+    n, k = 96, 1024
+    g = torch.Generator().manual_seed(7)
+    if qtype is QType.NVFP4:
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        codes[:, 0::3], codes[:, 1::3] = 7, 15                            # +6, -6
+        data = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        sc = torch.full((n, k // 16), 0x7E, dtype=torch.uint8)          # 448
+        sc[::5, ::2] = 0xFE                                               # -448 (folded into signs)
+        sc[1::7] = 0x01                                                   # smallest subnormal 2^-9
+        qw = QWeight(qtype, (n, k), data, sc.view(torch.float8_e4m3fn), torch.tensor(1e-4))
+    else:
+        b = torch.full((n, k), 0x7E, dtype=torch.uint8)                   # 448
+        b[:, 1::2] |= 0x80
+        b[::3, ::5] = 0x01
+        qw = QWeight(qtype, (n, k), b.view(torch.float8_e4m3fn), torch.tensor(1e-3))
+    w = QPNWeight.from_qweight(qw, "cuda")
+    wref = qw.dequantize(torch.float64)
+    for m in (8, 16, 40, 129):
+        _check_linear(w, wref, m, k, n, f"{backend} {qtype.value} max scales", scale=30.0)
+
+
 @pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
 def test_prepack_on_gpu_equals_cpu(qtype):
     qw = MAKE[qtype](72, 256, seed=5)

@@ -25,7 +25,7 @@ SHAPES = [  # name, N, K
     ("expert_gate_up", 768, 2048), ("expert_down", 2048, 768), ("lm_head", 151936, 2048),
     ("dense_up", 25600, 5120), ("dense_down", 5120, 25600),
 ]
-MS = [1, 2, 4, 8, 16, 128, 512]
+MS = [1, 2, 4, 8, 16, 64, 128, 512]
 ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
 
@@ -192,8 +192,9 @@ def bench_linear(name, n, k, qtype, ms, reps, read_bw):
 
 def bench_variants(fmts, reps, read_bw):
     """The other M <= 8 kernels beside the default, same run: '' (register pipeline, 2 chunks per
-    stage), '_u4' (4 chunks per stage), '_as4' (4-stage cp.async ring; sm_80+), and the MoE kernels
-    without the ring ('')."""
+    stage), '_u4' (4 chunks per stage), '_as4' (4-stage cp.async ring; sm_80+), the MoE kernels
+    without the ring (''), and at M = 64, 128, 512 the 8-row-tile kernels ([mt]) that the tiled
+    GEMM replaced."""
     from hybrid.kernels import qpn
 
     out = []
@@ -210,6 +211,15 @@ def bench_variants(fmts, reps, read_bw):
                             out.append({**r, "shape": f"{name}[{v or 'reg'}]"})
         finally:
             qpn.LINEAR_VARIANT[0] = None
+    try:  # prefill: the 8-row-tile kernels the tiled GEMM replaced (A/B in one run)
+        qpn.PREFILL_VARIANT[0] = "mt"
+        for qtype in fmts:
+            for name, n, k in SHAPES:
+                if name in ("q_proj", "o_proj", "lm_head", "dense_up"):
+                    for r in bench_linear(name, n, k, qtype, [64, 128, 512], reps, read_bw):
+                        out.append({**r, "shape": f"{name}[mt]", "kernel": f"mt{qpn._mt(r['m'], sm)}"})
+    finally:
+        qpn.PREFILL_VARIANT[0] = None
     if qpn.variant(None, sm) != "":
         try:
             qpn.MOE_VARIANT[0] = ""
@@ -329,7 +339,12 @@ def bench(args) -> int:
         if r["shape"] == "moe_8_experts":
             return "moe" + (qpn.variant(None, env["sm"]) or " reg")
         fmt = 2 if r["format"] == "nvfp4" else 8
+        gemm = qpn.prefill_kernel(fmt, r["m"], r["n"], sms)
+        if gemm is not None:
+            return gemm.split("qpn%d_" % fmt)[1]
         return qpn.linear_kernel(fmt, qpn._mt(r["m"], env["sm"]), r["m"], env["sm"]).split("linear_")[1]
+
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     recs = [{**r, "kernel": kernel(r)} for r in recs]
     if args.shapes == "all":
@@ -463,6 +478,13 @@ def targets(recs: list[dict]) -> list[str]:
     if ratios:
         out.append(f"- M=8 within 10% of M=1: {'met' if not bad else 'NOT met'} (worst x"
                    f"{max(x for x, _ in ratios):.2f}{'; ' + '; '.join(bad) if bad else ''})")
+    pre = [(r["t_us"] / r["cublas_t_us"], f"{r['shape']} {r['format']} M={r['m']}")
+           for r in recs if r["m"] >= 64 and r["shape"] != "moe_8_experts"]
+    if pre:
+        slow = [f"{n} x{x:.2f}" for x, n in sorted(pre, reverse=True) if x > 1.5]
+        out.append(f"- prefill (M >= 64) within 1.5x of cuBLAS FP16 time: "
+                   f"{'met' if not slow else 'NOT met'} ({len(pre) - len(slow)} of {len(pre)} rows"
+                   f"{'; ' + '; '.join(slow) if slow else ''})")
     dq = [r for r in recs if r["m"] == 1 and r["shape"] in LARGE and "speedup_vs_dequant" in r]
     if dq:
         lo = min(r["speedup_vs_dequant"] for r in dq)

@@ -25,6 +25,12 @@ MAX_SLOTS = 1024
 # cp.async rings, sm_80+): benchmark, tests.
 LINEAR_VARIANT: list[str | None] = [None]
 MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
+# M > PREFILL_MIN linear kernel: None = the shared-memory tiled GEMM with the tile picked by
+# gemm_tile; "mt" = the 8-row-tile kernels (qpn{2,8}_linear_mt{2,4}, the path before it; A/B);
+# "<BM>x<BN>" (one of GEMM_TILES) forces a tile: benchmark, tests.
+PREFILL_VARIANT: list[str | None] = [None]
+PREFILL_MIN = 16
+GEMM_TILES = ((128, 128), (64, 128), (64, 64), (32, 64))  # (BM rows of x, BN rows of W), largest first
 
 
 def variant(choice: str | None, sm: int) -> str:
@@ -41,6 +47,32 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None)
     if choice is None:
         return "qpn2_linear_m1_as" if sm >= 80 and fmt == 2 and m == 1 else f"qpn{fmt}_linear_mt1"
     return f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
+
+
+def gemm_tile(m: int, n: int, sms: int, choice: str | None = None) -> tuple[int, int]:
+    """(BM, BN) of the tiled GEMM for M rows, N out features on a device with `sms` SMs: the
+    largest tile (BM no larger than M rounded up to a power of two) that still gives two blocks
+    per SM; else the one with the most blocks. choice "<BM>x<BN>" forces one of GEMM_TILES."""
+    if choice is not None:
+        tile = tuple(int(v) if v.isdigit() else -1 for v in choice.split("x"))
+        if tile not in GEMM_TILES:
+            raise ValueError(f"PREFILL_VARIANT: expected one of "
+                             f"{', '.join(f'{a}x{b}' for a, b in GEMM_TILES)} or 'mt', got {choice!r}")
+        return tile
+    cap = max(32, 1 << (m - 1).bit_length())
+    fits = [(bm, bn) for bm, bn in GEMM_TILES if bm <= cap]
+    for bm, bn in fits:
+        if -(-m // bm) * -(-n // bn) >= 2 * sms:
+            return bm, bn
+    return fits[-1]
+
+
+def prefill_kernel(fmt: int, m: int, n: int, sms: int, choice: str | None = None) -> str | None:
+    """The tiled GEMM kernel for M rows (None: M <= PREFILL_MIN or the 'mt' variant)."""
+    if m <= PREFILL_MIN or choice == "mt":
+        return None
+    bm, bn = gemm_tile(m, n, sms, choice)
+    return f"qpn{fmt}_gemm_{bm}x{bn}"
 
 
 # ---------------------------------------------------------------------------- weights
@@ -186,6 +218,16 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     if m == 0:
         return y
     mod = _module(w.device)
+    fmt = _fmt(w.qtype)
+    gemm = prefill_kernel(fmt, m, n, _sms(w.device), PREFILL_VARIANT[0])
+    if gemm is not None:
+        bm, bn = (int(v) for v in gemm.rsplit("_", 1)[1].split("x"))
+        if -(-n // bn) > 65535:
+            raise ValueError(f"w: N={n} out features exceed the tiled GEMM's grid ({65535 * bn} at most)")
+        mod.launch(gemm, (-(-m // bm), -(-n // bn), 1), THREADS,
+                   [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
+                    ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(1), ctypes.c_int(1)])
+        return y
     mt = _mt(m, mod.sm)
     passes = -(-m // (8 * mt))
     tiles = -(-n // 16)
@@ -195,7 +237,7 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     grid = (-(-tiles // tg) * passes, 1, 1)
     args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
-    mod.launch(linear_kernel(_fmt(w.qtype), mt, m, mod.sm, LINEAR_VARIANT[0]), grid, THREADS, args)
+    mod.launch(linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0]), grid, THREADS, args)
     return y
 
 

@@ -1,0 +1,146 @@
+"""The prefill tiled GEMM (cuda/qpn.cu gemm_body) emulated on the CPU, index for index: which thread
+loads which packed word, where its decoded fp16 values land in shared memory (tile_store), the
+K tail (FP8 K = 32 mod 64), rows past M / N; and the launcher's tile choice. The bit decode itself
+is layout.py's (tested in test_qpn_layout.py); the WMMA products are checked on a GPU
+(test_qpn_cuda.py)."""
+import numpy as np
+import pytest
+import torch
+
+from hybrid.checkpoint.formats import QType
+from hybrid.kernels import layout
+from hybrid.kernels.qpn import GEMM_TILES, PREFILL_MIN, gemm_tile, prefill_kernel
+from tests.test_qpn_layout import fp8, nvfp4
+
+THREADS, PBK = 256, 64
+
+
+def _h2(v: int) -> tuple[float, float]:
+    """u32 holding two fp16 -> (lo, hi) as floats."""
+    a = np.array([v & 0xFFFF, v >> 16], dtype=np.uint16).view(np.float16)
+    return float(a[0]), float(a[1])
+
+
+def _dec_fp4(w):
+    return (w & 0x8E008E00, (w << 3) & 0x8E008E00, ((w << 9) & 0x0E000E00) | ((w << 2) & 0x80008000),
+            ((w << 6) & 0x0E000E00) | ((w << 1) & 0x80008000))
+
+
+def _dec_fp8(w):
+    return (((w << 8) & 0x80008000) | ((w << 7) & 0x3F803F80),
+            (w & 0x80008000) | ((w >> 1) & 0x3F803F80))
+
+
+def _mask(v):
+    return v & 0xFFFFFFFF
+
+
+def _store_slot(ws, fmt, words, scales, t_glob, c, l, row0, col0):
+    """tile_store for one (tile, chunk, lane) slot: writes ws[row0 + r (+8), col0 + ...]."""
+    q, r = l & 3, l >> 2
+    wv = [_mask(int(v)) for v in words[t_glob, c, l]]
+    row = row0 + r
+    if fmt == 2:
+        sv = int.from_bytes(bytes(scales[t_glob, c, r].tolist()), "little")
+        for j in range(4):
+            sw = (sv >> (32 * (j >> 1))) & 0xFFFFFFFF
+            h = _mask((sw >> 1) if j & 1 else (sw << 7)) & 0x3F803F80
+            s_lo, s_hi = (v * 2.0 ** 15 for v in _h2(h))                 # dec_scale: scale * 2^7
+            p0, p1, p2, p3 = (_mask(p) for p in _dec_fp4(wv[j]))
+            k = col0 + 16 * j + 4 * q
+            vals_r = [v * s_lo for v in _h2(p0) + _h2(p2)]               # hmul2_splat(., lo)
+            vals_r8 = [v * s_hi for v in _h2(p1) + _h2(p3)]
+            ws[row, k:k + 4] = torch.tensor(vals_r, dtype=torch.float64)
+            ws[row + 8, k:k + 4] = torch.tensor(vals_r8, dtype=torch.float64)
+    else:
+        for word, dr, dk in ((wv[0], 0, 0), (wv[1], 8, 0), (wv[2], 0, 16), (wv[3], 8, 16)):
+            a, b = (_mask(p) for p in _dec_fp8(word))
+            k = col0 + dk + 4 * q
+            ws[row + dr, k:k + 4] = torch.tensor(_h2(a) + _h2(b), dtype=torch.float64)
+
+
+def emulate_gemm(x: torch.Tensor, qw, bm: int, bn: int) -> torch.Tensor:
+    """y[M, N] float64 as gemm_body<FMT, bm, bn> computes it (fp32 sums emulated in float64)."""
+    fmt = 2 if qw.qtype is QType.NVFP4 else 8
+    n, k = qw.shape
+    m = x.shape[0]
+    if fmt == 2:
+        words, scales = layout.pack_nvfp4(qw)
+    else:
+        words, scales = layout.pack_fp8(qw), None
+    words = words.to(torch.int64) & 0xFFFFFFFF
+    gs = layout.global_scale(qw)
+    cpt = 1 if fmt == 2 else 2
+    c_all, tiles, nk = k // (64 if fmt == 2 else 32), -(-n // 16), -(-k // PBK)
+    wv_n = -(-(bn // 16 * cpt * 32) // THREADS)
+    y = torch.full((m, n), float("nan"), dtype=torch.float64)                # poisoned output
+    nan = float("nan")
+    for mb in range(-(-m // bm)):
+        for nb in range(-(-n // bn)):
+            m0, t0 = mb * bm, nb * bn // 16
+            acc = torch.zeros(bm, bn, dtype=torch.float64)
+            for kt in range(nk):  # unwritten shared memory is NaN in every k-step
+                xs = torch.full((bm, PBK), nan, dtype=torch.float64)
+                ws = torch.full((bn, PBK), nan, dtype=torch.float64)
+                seen = set()
+                for tid in range(THREADS):                                 # tile_store, weights
+                    for v in range(wv_n):
+                        i = tid + THREADS * v
+                        l, cc, t = i & 31, (i >> 5) % cpt, i // (32 * cpt)
+                        if t < bn // 16 and t0 + t < tiles and kt * cpt + cc < c_all:
+                            assert (t, cc, l) not in seen
+                            seen.add((t, cc, l))
+                            _store_slot(ws, fmt, words, scales, t0 + t, kt * cpt + cc, l, 16 * t,
+                                        32 * cc)
+                for tid in range(THREADS):                                 # tile_store, x
+                    for v in range(bm * (PBK // 8) // THREADS):
+                        i = tid + THREADS * v
+                        row, kk = i >> 3, 8 * (i & 7)
+                        if m0 + row < m and kt * PBK + kk < k:
+                            xs[row, kk:kk + 8] = x[m0 + row, kt * PBK + kk:kt * PBK + kk + 8].double()
+                ks = 4 if k - kt * PBK >= PBK else (k - kt * PBK) // 16
+                acc += xs[:, :16 * ks] @ ws[:, :16 * ks].t()
+            for r in range(bm):                                            # epilogue bounds
+                for col in range(bn):
+                    if m0 + r < m and nb * bn + col < n:
+                        y[m0 + r, nb * bn + col] = acc[r, col] * gs
+    return y
+
+
+@pytest.mark.parametrize("qtype,n,k,m,tile", [
+    (QType.NVFP4, 200, 128, 17, (32, 64)),    # N not a multiple of the tile, M not of BM
+    (QType.NVFP4, 72, 192, 40, (64, 128)),
+    (QType.FP8, 200, 96, 33, (32, 64)),       # K = 32 mod 64: the last k-step has one chunk
+    (QType.FP8, 40, 160, 70, (64, 64)),
+])
+def test_emulated_gemm_matches_reference(qtype, n, k, m, tile):
+    qw = {QType.NVFP4: nvfp4, QType.FP8: fp8}[qtype](n, k, seed=n + k + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half()
+    y = emulate_gemm(x, qw, *tile)
+    assert not torch.isnan(y).any(), "an output was not written or read a stale/unwritten value"
+    ref = x.double() @ qw.dequantize(torch.float64).t()
+    # the reference dequantizes in fp32: agreement to ~1e-7 of the largest output; a misplaced
+    # element would be off by O(1)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+
+
+def test_tile_choice():
+    sms = 132
+    assert gemm_tile(128, 151936, sms) == (128, 128)      # lm_head: plenty of blocks
+    assert gemm_tile(512, 4096, sms) == (64, 64)          # q_proj M = 512: 512 blocks
+    assert gemm_tile(128, 4096, sms) == (32, 64)          # small: the most blocks
+    assert gemm_tile(17, 151936, sms)[0] == 32            # BM no larger than M needs
+    assert gemm_tile(100, 10 ** 6, sms) == (128, 128)
+    for bm, bn in GEMM_TILES:
+        assert gemm_tile(1000, 64, sms, f"{bm}x{bn}") == (bm, bn)
+    with pytest.raises(ValueError, match="PREFILL_VARIANT"):
+        gemm_tile(100, 100, sms, "16x16")
+    with pytest.raises(ValueError, match="PREFILL_VARIANT"):
+        gemm_tile(100, 100, sms, "big")
+
+
+def test_prefill_kernel_routing():
+    assert prefill_kernel(2, PREFILL_MIN, 4096, 132) is None
+    assert prefill_kernel(2, PREFILL_MIN + 1, 4096, 132).startswith("qpn2_gemm_")
+    assert prefill_kernel(8, 512, 4096, 132, "mt") is None
+    assert prefill_kernel(8, 512, 4096, 132, "64x128") == "qpn8_gemm_64x128"
