@@ -30,15 +30,17 @@
 //       fused_route_topk; counter [1] int (zero, and left zero by the last block, which routes)
 //   fused_add_norm_router  grid ceil(E / 4), block 128, T <= 8: fused_add_rms_norm (x_out, h) and
 //       fused_router_topk on that h in one launch (logits [T, E] fp32 scratch, counter as above)
-//   fused_decode_attn   grid (Hkv, S splits), block 128: one query token, GQA (g = Hq / Hkv);
-//       S = ceil(L / SK) for the L rows the launch covers (a graph's bucket, L > p), split s takes
-//       keys [SK s, SK s + SK), SK = 64 or 128; g <= 16, g * D <= 2048, D % 8 == 0, D <= 256
-//       q [Hq, D] fp16, k_store / v_store [C, Hkv, D] fp16, keys 0..p attended (p = *pos or pos0)
-//       -> out [Hq, D] fp16; partials [Hkv, S, g, D + 2] fp32 and counters [Hkv] int (zero, and left
-//       zero: the last split block of a head combines the partials and resets its counter)
+//   fused_decode_attn   grid (Hkv, S splits), block 128: one query token, GQA (g = Hq / Hkv),
+//       flash-decoding; g <= 16, g * D <= 2048, D % 8 == 0, D <= 256. The launcher's plan (keys L, the
+//       rows a launch covers: a graph's bucket): RK keys per round (RK = min(4 KP, 128), KP = 128 / Cp,
+//       Cp = 2^cpl >= D / 8), R rounds per split, S splits (S * g <= 1024); split s takes keys
+//       [R RK s, R RK (s + 1)). q [Hq, D] fp16, k_store / v_store [C, Hkv, D] fp16 (L <= C), keys
+//       0..min(p, L - 1) attended (p = *pos or pos0; none when p < 0: NaN out) -> out [Hq, D] fp16;
+//       partials [Hkv, S, g, D] then [Hkv, S, g, 2] fp32 and counters [Hkv] int (zero, and left zero:
+//       the last split block of a KV head combines the partials and resets its counter)
 //   fused_rope_attn     grid (Hkv, S splits), block 128, one token: fused_qk_rope_kv + fused_decode_attn
 //       in one launch: qkv [1, (Hq + 2 Hkv) * D] fp16 -> out [Hq, D] fp16, K/V row p written by the
-//       block whose split holds p (so L > p is required), the queries made by every block
+//       block whose split holds p (the last split when p is past them), the queries made by every block
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -414,276 +416,366 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 // ---------------------------------------------------------------- one-token GQA attention
-// Split s of KV head kvh takes keys [SK s, SK s + SK) (one per thread for q.k, then every
-// thread accumulates its (head, dim) outputs over the split's keys), keeps (max, sum, acc) per query
-// head, and the last split block of the head (threadfence + counter) combines the splits.
-#define ATT_KEYS 128
+// Flash-decoding. Block (KV head kvh, split s) of 128 threads attends keys [SK s, SK s + SK) for the
+// g query heads of kvh (one K/V read shared by the g heads), SK = R rounds of RK keys. Thread t is
+// (chunk c = t % Cp, slot r = t / Cp), Cp = 2^cpl >= D / 8 lanes per K/V row (16-byte chunks, the
+// chunks c >= D / 8 idle), KP = 128 / Cp slots: in a round it loads chunk c of K and V rows
+// rs + r + KP i (i < NP = RK / KP <= 4; the next round's loads are issued before this round's math,
+// the first round's before the position is known). Scores: 8-element partial dot products, summed
+// over the Cp lanes of a row by a transposing butterfly (4 heads x 4 keys per lane at a time).
+// Online softmax per head (exp2 of scores pre-scaled by log2 e / sqrt(D)), then P.V from the round's V
+// tile in shared memory (fp32): thread (c, r) owns dims [4c, 4c + 4) and [4(c + C), 4(c + C) + 4) of
+// heads r, r + KP, ... Splits with keys write (acc [g, D], max, sum); the last block of the KV head
+// (threadfence + counter) combines them. Splits past the last key write nothing and are not read.
+#define ATT_THREADS 128
 #define ATT_MAXG 16     // query heads per KV head
 #define ATT_MAXQ 2048   // g * D
-#define ATT_MAXO (ATT_MAXQ / ATT_KEYS)
+#define ATT_MAXRK 128   // keys per round (RK = min(4 KP, 128))
+#define ATT_VTILE 4096  // floats of a round's V tile: RK * D <= 4096
+#define ATT_NP 4        // key passes per round
+#define ATT_HPT 4       // query heads per thread in P.V: ceil(g / KP)
 #define ATT_MAXW 1024   // splits x query heads the combine keeps in shared memory
+#define LOG2E 1.4426950408889634f
 
 struct AttnSmem {
-  float qs[ATT_MAXQ];            // this KV head's g query heads [g, D] fp32 (16-byte aligned: first)
-  float sc[ATT_MAXG][ATT_KEYS];  // scores, then exp(score - max) per query head
-  float ml[ATT_MAXG][2];         // max, sum per query head
-  float w[ATT_MAXW];             // combine: exp(max_s - max) per (split, query head)
-  float wl[ATT_MAXW];            // combine: that times the split's sum
+  float qs[ATT_MAXQ];                 // this KV head's g queries [g, D] fp32 (16-byte aligned: first)
+  union {
+    float vt[ATT_VTILE];              // the round's V rows [RK, D] fp32
+    struct { float w[ATT_MAXW], wl[ATT_MAXW]; } c;   // combine: per (split, head) weight, weight x sum
+  } u;
+  float sc[ATT_MAXG][ATT_MAXRK];      // the round's scores, then exp2(score - max)
+  float m[ATT_MAXG], l[ATT_MAXG], al[ATT_MAXG];     // running max, sum; this round's rescale
+  float kn[256], vn[256];             // fused_rope_attn: K and V row p (fp16-rounded values)
   int last;
 };
 
-// The attention of one (KV head, split) block once sm.qs holds the queries and the block's
-// threads are synchronised; n = keys attended (0..n-1); SK <= 128 keys per split (64 gives short
-// contexts twice the blocks and half the serial key loop per thread).
-__device__ __forceinline__ void attn_body(AttnSmem& sm, const u16* k_store, const u16* v_store, int n,
-                                          u16* out, float* partials, int* counters, int Hkv, int g,
-                                          int D, float scale, int SK) {
-  const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y, tid = threadIdx.x;
-  const int start = split * SK, gd = g * D;
-  const int key = start + tid;
-  const bool valid = tid < SK && key < n;
-  float s[ATT_MAXG];
+struct AttnArgs {
+  const u16 *k_store, *v_store;
+  u16* out;
+  float* partials;   // [Hkv, S, g, D] acc, then [Hkv, S, g, 2] (max, sum)
+  int* counters;
+  int Hkv, g, D, L, RK, R, cpl;
+  float scale2;      // log2(e) / sqrt(D)
+};
+
+__device__ __forceinline__ uint4 ldg_v4(const u16* p) {   // issued where written (volatile)
+  uint4 r;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ float4 ld_cg4(const float* p) {   // L2, not a possibly stale L1 line
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void unpack8(uint4 raw, float* f) {
+  const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-  for (int h = 0; h < ATT_MAXG; ++h) s[h] = 0.f;
-  if (valid) {
-    const u16* kr = k_store + ((size_t)key * Hkv + kvh) * D;
-#pragma unroll 4
-    for (int c = 0; c < D; c += 8) {
-      const uint4 raw = *(const uint4*)(kr + c);
-      const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
-      float kf[8];
+  for (int e = 0; e < 4; ++e) {
+    f[2 * e] = h2f((u16)(w[e] & 0xffffu));
+    f[2 * e + 1] = h2f((u16)(w[e] >> 16));
+  }
+}
+
+// Chunk c of the K and V rows rs + r + KP i (i < NP, rows < L) of KV head kvh; zeros elsewhere.
+__device__ __forceinline__ void attn_load(const AttnArgs& a, int rs, uint4 (&kq)[ATT_NP],
+                                          uint4 (&vq)[ATT_NP]) {
+  const int cpl = a.cpl, c = threadIdx.x & ((1 << cpl) - 1), r = threadIdx.x >> cpl;
+  const int KP = ATT_THREADS >> cpl, NP = a.RK / KP;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        kf[2 * e] = h2f((u16)(w[e] & 0xffffu));
-        kf[2 * e + 1] = h2f((u16)(w[e] >> 16));
+  for (int i = 0; i < ATT_NP; ++i) {
+    const int key = rs + r + KP * i;
+    kq[i] = vq[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (i < NP && 8 * c < a.D && key < a.L) {
+      const size_t off = ((size_t)key * a.Hkv + blockIdx.x) * a.D + 8 * c;
+      kq[i] = ldg_v4(a.k_store + off);
+      vq[i] = ldg_v4(a.v_store + off);
+    }
+  }
+}
+
+// The split's attention once sm.qs holds the queries (and sm.kn / sm.vn row pp when pp >= 0) and the
+// threads are synchronised; kq / vq: the first round's loads; n = keys attended (0..n-1, n <= L).
+__device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint4 (&kq)[ATT_NP],
+                                           uint4 (&vq)[ATT_NP], int n, int pp) {
+  const int tid = threadIdx.x, kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
+  const int D = a.D, g = a.g, RK = a.RK, cpl = a.cpl, C = D >> 3, Cp = 1 << cpl;
+  const int KP = ATT_THREADS >> cpl, NP = RK / KP;
+  const int c = tid & (Cp - 1), r = tid >> cpl, warp = tid >> 5, lane = tid & 31;
+  const int SK = a.R * RK, start = split * SK;
+  const int rounds = n > start ? min(a.R, (n - start + RK - 1) / RK) : 0;
+  const int T = cpl < 4 ? cpl : 4, nv = 16 >> T;         // butterfly stages; values left per lane
+  if (tid < g) { sm.m[tid] = NEG_INF; sm.l[tid] = 0.f; }
+  float acc[ATT_HPT][8];
+#pragma unroll
+  for (int j = 0; j < ATT_HPT; ++j)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
+  for (int rd = 0; rd < rounds; ++rd) {
+    const int rs = start + rd * RK, nk = min(RK, n - rs);
+    __syncthreads();                                      // the last round's P.V is done with vt, sc
+    float kf[ATT_NP][8];
+#pragma unroll
+    for (int i = 0; i < ATT_NP; ++i) {                   // K to floats, V rows into the tile
+      const int kl = r + KP * i, key = rs + kl;
+      float vf[8];
+      unpack8(kq[i], kf[i]);
+      unpack8(vq[i], vf);
+      if (key == pp) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          kf[i][e] = sm.kn[(8 * c + e) & 255];
+          vf[e] = sm.vn[(8 * c + e) & 255];
+        }
       }
+      if (!(key < n)) {
 #pragma unroll
-      for (int h = 0; h < ATT_MAXG; ++h) {
-        if (h < g) {
-          const float4 q0 = *(const float4*)(sm.qs + h * D + c);
-          const float4 q1 = *(const float4*)(sm.qs + h * D + c + 4);
-          s[h] += q0.x * kf[0] + q0.y * kf[1] + q0.z * kf[2] + q0.w * kf[3] + q1.x * kf[4] +
-                  q1.y * kf[5] + q1.z * kf[6] + q1.w * kf[7];
+        for (int e = 0; e < 8; ++e) kf[i][e] = vf[e] = 0.f;
+      }
+      if (i < NP && c < C) {
+        float* vt = sm.u.vt + kl * D + 8 * c;
+        *(float4*)vt = make_float4(vf[0], vf[1], vf[2], vf[3]);
+        *(float4*)(vt + 4) = make_float4(vf[4], vf[5], vf[6], vf[7]);
+      }
+    }
+    if (rd + 1 < rounds) attn_load(a, rs + RK, kq, vq);  // the next round's rows, in flight meanwhile
+    for (int h0 = 0; h0 < g; h0 += 4) {                   // scores, 4 heads x 4 key passes at a time
+      float s[16];
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) {
+        float4 q0 = make_float4(0.f, 0.f, 0.f, 0.f), q1 = q0;
+        if (h0 + hh < g && c < C) {
+          q0 = *(const float4*)(sm.qs + (h0 + hh) * D + 8 * c);
+          q1 = *(const float4*)(sm.qs + (h0 + hh) * D + 8 * c + 4);
+        }
+#pragma unroll
+        for (int i = 0; i < ATT_NP; ++i)
+          s[4 * hh + i] = q0.x * kf[i][0] + q0.y * kf[i][1] + q0.z * kf[i][2] + q0.w * kf[i][3] +
+                          q1.x * kf[i][4] + q1.y * kf[i][5] + q1.z * kf[i][6] + q1.w * kf[i][7];
+      }
+      // transposing butterfly over the Cp lanes of a row: each stage halves the values a lane keeps
+      int o = Cp >> 1;
+#pragma unroll
+      for (int st = 0, m2 = 8; st < 4; ++st, m2 >>= 1) {
+        if (st < T) {
+          const bool up = (c & o) != 0;
+#pragma unroll
+          for (int j = 0; j < m2; ++j) {
+            const float send = up ? s[j] : s[j + m2], keep = up ? s[j + m2] : s[j];
+            s[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+          }
+          o >>= 1;
+        }
+      }
+      for (; o; o >>= 1) s[0] += __shfl_xor_sync(0xffffffffu, s[0], o);   // Cp = 32: one value left
+      if ((c & ((1 << (cpl - T)) - 1)) == 0) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const int v = j + nv * (c >> (cpl - T)), hh = v >> 2, i = v & 3, kl = r + KP * i;
+          if (j < nv && h0 + hh < g && i < NP)
+            sm.sc[h0 + hh][kl] = rs + kl < n ? s[j] * a.scale2 : NEG_INF;
+        }
+      }
+    }
+    __syncthreads();
+    for (int h = warp; h < g; h += ATT_THREADS / 32) {    // online softmax, a warp per head
+      float v[ATT_MAXRK / 32], mx = NEG_INF;
+#pragma unroll
+      for (int i = 0; i < ATT_MAXRK / 32; ++i) {
+        const int kk = lane + 32 * i;
+        v[i] = kk < nk ? sm.sc[h][kk] : NEG_INF;
+        mx = fmaxf(mx, v[i]);
+      }
+      const float mo = sm.m[h], lo = sm.l[h];
+      const float mn = fmaxf(mo, warp_max(mx));           // finite: nk >= 1
+      const float al = exp2f(mo - mn);                    // 0 on the first round
+      float ls = 0.f;
+#pragma unroll
+      for (int i = 0; i < ATT_MAXRK / 32; ++i) {
+        const int kk = lane + 32 * i;
+        const float e = kk < nk ? exp2f(v[i] - mn) : 0.f;
+        if (kk < nk) sm.sc[h][kk] = e;
+        ls += e;
+      }
+      ls = warp_sum(ls);
+      if (lane == 0) { sm.m[h] = mn; sm.l[h] = fmaf(lo, al, ls); sm.al[h] = al; }
+    }
+    __syncthreads();
+    if (c < C) {                                          // P.V of the round
+#pragma unroll
+      for (int j = 0; j < ATT_HPT; ++j) {
+        const int h = r + KP * j;
+        const float al = h < g ? sm.al[h] : 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[j][e] *= al;
+      }
+      const float* vt = sm.u.vt;
+#pragma unroll 4
+      for (int kk = 0; kk < nk; ++kk) {
+        const float4 v0 = *(const float4*)(vt + kk * D + 4 * c);
+        const float4 v1 = *(const float4*)(vt + kk * D + 4 * (c + C));
+#pragma unroll
+        for (int j = 0; j < ATT_HPT; ++j) {
+          const int h = r + KP * j;
+          if (h < g) {
+            const float pk = sm.sc[h][kk];
+            acc[j][0] = fmaf(pk, v0.x, acc[j][0]); acc[j][1] = fmaf(pk, v0.y, acc[j][1]);
+            acc[j][2] = fmaf(pk, v0.z, acc[j][2]); acc[j][3] = fmaf(pk, v0.w, acc[j][3]);
+            acc[j][4] = fmaf(pk, v1.x, acc[j][4]); acc[j][5] = fmaf(pk, v1.y, acc[j][5]);
+            acc[j][6] = fmaf(pk, v1.z, acc[j][6]); acc[j][7] = fmaf(pk, v1.w, acc[j][7]);
+          }
         }
       }
     }
   }
+  __syncthreads();                                        // sm.m / sm.l final (also with no rounds)
+  const int gd = g * D;
+  if (S == 1) {                                           // one split: normalise and write
 #pragma unroll
-  for (int h = 0; h < ATT_MAXG; ++h)
-    if (h < g) sm.sc[h][tid] = valid ? s[h] * scale : NEG_INF;
-  __syncthreads();
-  const int warp = tid >> 5, lane = tid & 31;
-  for (int h = warp; h < g; h += 4) {                     // softmax pieces of this split, per head
-    float v[4], m = NEG_INF, l = 0.f;
+    for (int j = 0; j < ATT_HPT; ++j) {
+      const int h = r + KP * j;
+      if (h < g && c < C) {
+        const float l = sm.l[h];                          // 0 with no keys: NaN out
+        u16* o = a.out + (size_t)kvh * gd + h * D;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) m = fmaxf(m, v[i] = sm.sc[h][lane + 32 * i]);
-    m = warp_max(m);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float e = m == NEG_INF ? 0.f : expf(v[i] - m);
-      sm.sc[h][lane + 32 * i] = e;
-      l += e;
+        for (int e = 0; e < 4; ++e) {
+          o[4 * c + e] = f2h(acc[j][e] / l);
+          o[4 * (c + C) + e] = f2h(acc[j][4 + e] / l);
+        }
+      }
     }
-    l = warp_sum(l);
-    if (lane == 0) { sm.ml[h][0] = m; sm.ml[h][1] = l; }
-  }
-  __syncthreads();
-  const int nk = n - start < SK ? (n - start > 0 ? n - start : 0) : SK;
-  float acc[ATT_MAXO];
-  int oh[ATT_MAXO], od[ATT_MAXO];
-#pragma unroll
-  for (int j = 0; j < ATT_MAXO; ++j) {
-    const int o = tid + ATT_KEYS * j;
-    acc[j] = 0.f;
-    oh[j] = o < gd ? o / D : 0;
-    od[j] = o < gd ? o - oh[j] * D : 0;
-  }
-  // outputs o = tid + 128 j: (head o / D, dim o % D). When D divides 128 every j has the same dim
-  // (one V load per key); D = 256 alternates two dims; other D load per output.
-  const u16* vbase = v_store + (size_t)kvh * D;
-  if (ATT_KEYS % D == 0) {
-    const u16* vcol = vbase + (size_t)start * Hkv * D + od[0];
-    const size_t vstep = (size_t)Hkv * D;
-    int kk = 0;
-    for (; kk + 8 <= nk; kk += 8) {                       // 8 keys' loads in flight
-      float v[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) v[u] = h2f(vcol[(size_t)(kk + u) * vstep]);
-#pragma unroll
-      for (int u = 0; u < 8; ++u)
-#pragma unroll
-        for (int j = 0; j < ATT_MAXO; ++j)
-          if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sm.sc[oh[j]][kk + u], v[u], acc[j]);
-    }
-    for (; kk < nk; ++kk) {
-      const float v = h2f(vcol[(size_t)kk * vstep]);
-#pragma unroll
-      for (int j = 0; j < ATT_MAXO; ++j)
-        if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sm.sc[oh[j]][kk], v, acc[j]);
-    }
-  } else if (D == 2 * ATT_KEYS) {
-#pragma unroll 4
-    for (int kk = 0; kk < nk; ++kk) {
-      const u16* vr = vbase + (size_t)(start + kk) * Hkv * D;
-      const float v0 = h2f(vr[tid]), v1 = h2f(vr[tid + ATT_KEYS]);
-#pragma unroll
-      for (int j = 0; j < ATT_MAXO; ++j)
-        if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sm.sc[oh[j]][kk], (j & 1) ? v1 : v0, acc[j]);
-    }
-  } else {
-#pragma unroll 2
-    for (int kk = 0; kk < nk; ++kk) {
-      const u16* vr = vbase + (size_t)(start + kk) * Hkv * D;
-#pragma unroll
-      for (int j = 0; j < ATT_MAXO; ++j)
-        if (tid + ATT_KEYS * j < gd) acc[j] = fmaf(sm.sc[oh[j]][kk], h2f(vr[od[j]]), acc[j]);
-    }
-  }
-  u16* ob = out + (size_t)kvh * gd;
-  if (S == 1) {
-#pragma unroll
-    for (int j = 0; j < ATT_MAXO; ++j)
-      if (tid + ATT_KEYS * j < gd) ob[tid + ATT_KEYS * j] = f2h(acc[j] / sm.ml[oh[j]][1]);
     return;
   }
-  const int stride = D + 2;                               // per query head: acc [D], max, sum
-  float* part = partials + ((size_t)kvh * S + split) * g * stride;
+  float* pacc = a.partials + (size_t)kvh * S * gd;                        // [S, g, D]
+  float* pml = a.partials + (size_t)a.Hkv * S * gd + (size_t)kvh * S * g * 2;   // [S, g, 2]
+  if (rounds > 0) {
 #pragma unroll
-  for (int j = 0; j < ATT_MAXO; ++j)
-    if (tid + ATT_KEYS * j < gd) part[oh[j] * stride + od[j]] = acc[j];
-  if (tid < g) {
-    part[tid * stride + D] = sm.ml[tid][0];
-    part[tid * stride + D + 1] = sm.ml[tid][1];
+    for (int j = 0; j < ATT_HPT; ++j) {
+      const int h = r + KP * j;
+      if (h < g && c < C) {
+        float* pp4 = pacc + (size_t)split * gd + h * D;
+        *(float4*)(pp4 + 4 * c) = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+        *(float4*)(pp4 + 4 * (c + C)) = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
+      }
+    }
+    if (tid < g) {
+      pml[((size_t)split * g + tid) * 2] = sm.m[tid];
+      pml[((size_t)split * g + tid) * 2 + 1] = sm.l[tid];
+    }
   }
   __threadfence();
   __syncthreads();
-  if (tid == 0) sm.last = atomicAdd(&counters[kvh], 1) == S - 1;
+  if (tid == 0) sm.last = atomicAdd(&a.counters[kvh], 1) == S - 1;
   __syncthreads();
   if (!sm.last) return;
   __threadfence();
-  const float* head = partials + (size_t)kvh * S * g * stride;   // [S, g, stride]
-  const int SG = S * g;
-  if (SG <= ATT_MAXW) {
-    // split weights per (split, head) in shared memory (all loads in flight at once), then every
-    // output is one pass over the splits with its ATT_MAXO loads per split issued together
-    for (int i = tid; i < SG; i += ATT_KEYS) sm.w[i] = ld_cg(head + (size_t)i * stride + D);
-    __syncthreads();
-    if (tid < g) {
-      float mx = NEG_INF;
-      for (int sp = 0; sp < S; ++sp) mx = fmaxf(mx, sm.w[sp * g + tid]);
-      sm.ml[tid][0] = mx;
-    }
-    __syncthreads();
-    for (int i = tid; i < SG; i += ATT_KEYS) {
-      const float m = sm.w[i], wgt = m == NEG_INF ? 0.f : expf(m - sm.ml[i % g][0]);
-      sm.w[i] = wgt;
-      sm.wl[i] = wgt * ld_cg(head + (size_t)i * stride + D + 1);
-    }
-    __syncthreads();
-    if (tid < g) {
-      float l = 0.f;
-      for (int sp = 0; sp < S; ++sp) l += sm.wl[sp * g + tid];
-      sm.ml[tid][1] = l;
-    }
-    __syncthreads();
-    float osum[ATT_MAXO];
-#pragma unroll
-    for (int j = 0; j < ATT_MAXO; ++j) osum[j] = 0.f;
-    for (int sp = 0; sp < S; ++sp) {
-      const float* ps = head + (size_t)sp * g * stride;
-      float a[ATT_MAXO];
-#pragma unroll
-      for (int j = 0; j < ATT_MAXO; ++j)
-        a[j] = tid + ATT_KEYS * j < gd ? ld_cg(ps + oh[j] * stride + od[j]) : 0.f;
-#pragma unroll
-      for (int j = 0; j < ATT_MAXO; ++j) osum[j] = fmaf(sm.w[sp * g + oh[j]], a[j], osum[j]);
-    }
-#pragma unroll
-    for (int j = 0; j < ATT_MAXO; ++j)
-      if (tid + ATT_KEYS * j < gd) ob[tid + ATT_KEYS * j] = f2h(osum[j] / sm.ml[oh[j]][1]);
-    if (tid == 0) counters[kvh] = 0;
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < ATT_MAXO; ++j) {                    // many splits: per output, 4 splits at a time
-    if (tid + ATT_KEYS * j >= gd) continue;
-    const int h = oh[j], d = od[j];
-    const float* hp = head + (size_t)h * stride;            // split sp's head h: hp + sp * g * stride
-    const size_t sstep = (size_t)g * stride;
+  const int SU = n > 0 ? min(S, (n + SK - 1) / SK) : 0;   // the splits with keys
+  const int SG = SU * g;                                   // <= ATT_MAXW (the launcher's plan)
+  float *w = sm.u.c.w, *wl = sm.u.c.wl;
+  for (int i = tid; i < SG; i += ATT_THREADS) w[i] = ld_cg(pml + 2 * i);
+  __syncthreads();
+  if (tid < g) {
     float mx = NEG_INF;
-    int sp = 0;
-    for (; sp + 4 <= S; sp += 4) {                         // 4 splits' loads in flight
-      const float a0 = ld_cg(hp + sp * sstep + D), a1 = ld_cg(hp + (sp + 1) * sstep + D);
-      const float a2 = ld_cg(hp + (sp + 2) * sstep + D), a3 = ld_cg(hp + (sp + 3) * sstep + D);
-      mx = fmaxf(mx, fmaxf(fmaxf(a0, a1), fmaxf(a2, a3)));
-    }
-    for (; sp < S; ++sp) mx = fmaxf(mx, ld_cg(hp + sp * sstep + D));
-    float lsum = 0.f, osum = 0.f;
-    for (sp = 0; sp + 4 <= S; sp += 4) {
-      float ms[4], ls[4], os[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const float* ps = hp + (sp + u) * sstep;
-        ms[u] = ld_cg(ps + D);
-        ls[u] = ld_cg(ps + D + 1);
-        os[u] = ld_cg(ps + d);
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const float wgt = ms[u] == NEG_INF ? 0.f : expf(ms[u] - mx);
-        lsum = fmaf(wgt, ls[u], lsum);
-        osum = fmaf(wgt, os[u], osum);
-      }
-    }
-    for (; sp < S; ++sp) {
-      const float* ps = hp + sp * sstep;
-      const float ms = ld_cg(ps + D);
-      const float wgt = ms == NEG_INF ? 0.f : expf(ms - mx);
-      lsum = fmaf(wgt, ld_cg(ps + D + 1), lsum);
-      osum = fmaf(wgt, ld_cg(ps + d), osum);
-    }
-    ob[tid + ATT_KEYS * j] = f2h(osum / lsum);
+    for (int sp = 0; sp < SU; ++sp) mx = fmaxf(mx, w[sp * g + tid]);
+    sm.m[tid] = mx;
   }
-  if (tid == 0) counters[kvh] = 0;
+  __syncthreads();
+  for (int i = tid; i < SG; i += ATT_THREADS) {
+    const float mi = w[i], wgt = mi == NEG_INF ? 0.f : exp2f(mi - sm.m[i % g]);
+    w[i] = wgt;
+    wl[i] = wgt * ld_cg(pml + 2 * i + 1);
+  }
+  __syncthreads();
+  if (tid < g) {
+    float l = 0.f;
+    for (int sp = 0; sp < SU; ++sp) l += wl[sp * g + tid];
+    sm.l[tid] = l;                                         // 0 with no keys: NaN out
+  }
+  __syncthreads();
+  const int G4 = D >> 2;                                   // float4 groups per head
+  for (int idx = tid; idx < g * G4; idx += ATT_THREADS) {
+    const int h = idx / G4, d4 = idx - h * G4;
+    const float* pb = pacc + h * D + 4 * d4;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    int sp = 0;
+    for (; sp + 4 <= SU; sp += 4) {                        // 4 splits' loads in flight
+      float4 x[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) x[u] = ld_cg4(pb + (size_t)(sp + u) * gd);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float wt = w[(sp + u) * g + h];
+        o.x = fmaf(wt, x[u].x, o.x); o.y = fmaf(wt, x[u].y, o.y);
+        o.z = fmaf(wt, x[u].z, o.z); o.w = fmaf(wt, x[u].w, o.w);
+      }
+    }
+    for (; sp < SU; ++sp) {
+      const float4 x = ld_cg4(pb + (size_t)sp * gd);
+      const float wt = w[sp * g + h];
+      o.x = fmaf(wt, x.x, o.x); o.y = fmaf(wt, x.y, o.y);
+      o.z = fmaf(wt, x.z, o.z); o.w = fmaf(wt, x.w, o.w);
+    }
+    const float l = sm.l[h];
+    u16* ob = a.out + (size_t)kvh * gd + h * D + 4 * d4;
+    ob[0] = f2h(o.x / l); ob[1] = f2h(o.y / l); ob[2] = f2h(o.z / l); ob[3] = f2h(o.w / l);
+  }
+  if (tid == 0) a.counters[kvh] = 0;
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     fused_decode_attn(const u16* q, const u16* k_store, const u16* v_store, const long long* pos,
-                      int pos0, u16* out, float* partials, int* counters, int Hkv, int g, int D, int C,
-                      float scale, int SK) {
+                      int pos0, u16* out, float* partials, int* counters, int Hkv, int g, int D,
+                      float scale2, int L, int RK, int R, int cpl) {
   __shared__ __align__(16) AttnSmem sm;
+  const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
+  uint4 kq[ATT_NP], vq[ATT_NP];
+  attn_load(a, blockIdx.y * R * RK, kq, vq);              // the first round, before the position
   const long long p = pos ? pos[0] : (long long)pos0;
-  const int n = (int)(p + 1 < (long long)C ? p + 1 : (long long)C);    // keys 0..p (<= 0: none)
   const int gd = g * D;
 #pragma unroll 4
-  for (int i = threadIdx.x; i < gd; i += ATT_KEYS) sm.qs[i] = h2f(q[(size_t)blockIdx.x * gd + i]);
+  for (int i = threadIdx.x; i < gd; i += ATT_THREADS) sm.qs[i] = h2f(q[(size_t)blockIdx.x * gd + i]);
+  const int n = (int)(p + 1 < (long long)L ? p + 1 : (long long)L);   // keys 0..p (<= 0: none)
   __syncthreads();
-  attn_body(sm, k_store, v_store, n, out, partials, counters, Hkv, g, D, scale, SK);
+  attn_split(sm, a, kq, vq, n, -1);
 }
 
 // q/k RMSNorm + RoPE + KV write + attention for one token in one launch: every split block makes
-// its KV head's g queries (the same fp16-rounded values fused_qk_rope_kv writes), and the block
-// whose split holds position p also writes K and V row p before its threads read it.
-extern "C" __global__ void __launch_bounds__(128)
+// its KV head's g queries (the same fp16-rounded values fused_qk_rope_kv writes); the block of the
+// split holding p (the last split when p is past them all) makes K and V row p, writes them into the
+// stores and uses them from shared memory (its first-round loads of row p are stale).
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     fused_rope_attn(const u16* qkv, const float* q_norm, const float* k_norm, const float* table,
                     int table_rows, const long long* pos, int pos0, u16* k_store, u16* v_store,
                     u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps,
-                    float scale, int SK) {
+                    float scale2, int L, int RK, int R, int cpl) {
   __shared__ __align__(16) AttnSmem sm;
-  const int kvh = blockIdx.x, warp = threadIdx.x >> 5, g = Hq / Hkv;
+  const int kvh = blockIdx.x, warp = threadIdx.x >> 5, g = Hq / Hkv, SK = R * RK;
+  const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
+  uint4 kq[ATT_NP], vq[ATT_NP];
+  attn_load(a, blockIdx.y * SK, kq, vq);                  // the first round, before the position
   const long long p = pos ? pos[0] : (long long)pos0;
   const bool ok = p >= 0 && p < C && p < table_rows;
+  const long long ps = ok ? p / SK : 0;
+  const bool writer = ok && (int)(ps < (long long)gridDim.y - 1 ? ps : gridDim.y - 1) == (int)blockIdx.y;
   const float* cs = table + (size_t)(ok ? p : 0) * 2 * D;
-  for (int h = warp; h < g; h += 4)
-    rope_head<true>(qkv + (size_t)(kvh * g + h) * D, q_norm, cs, D, eps, ok, nullptr, sm.qs + h * D);
-  const int start = blockIdx.y * SK;
-  if (ok && p >= start && p < start + SK) {
-    if (warp == 0)
-      rope_head<false>(qkv + (size_t)(Hq + kvh) * D, k_norm, cs, D, eps, true,
-                       k_store + ((size_t)p * Hkv + kvh) * D, nullptr);
-    const u16* vs = qkv + (size_t)(Hq + Hkv + kvh) * D;
-    for (int i = threadIdx.x; i < D; i += ATT_KEYS) v_store[((size_t)p * Hkv + kvh) * D + i] = vs[i];
+  for (int h = warp; h < g + (writer ? 1 : 0); h += ATT_THREADS / 32) {
+    const bool kh = h == g;                               // the K head (writer only)
+    rope_head<true>(qkv + (size_t)(kh ? Hq + kvh : kvh * g + h) * D, kh ? k_norm : q_norm, cs, D, eps,
+                    ok, nullptr, kh ? sm.kn : sm.qs + h * D);
   }
-  __syncthreads();                                        // queries in smem, row p in the store
-  attn_body(sm, k_store, v_store, ok ? (int)p + 1 : 0, out, partials, counters, Hkv, g, D, scale, SK);
+  const u16* vsrc = qkv + (size_t)(Hq + Hkv + kvh) * D;
+  if (writer)
+    for (int i = threadIdx.x; i < D; i += ATT_THREADS) sm.vn[i] = h2f(vsrc[i]);
+  __syncthreads();                                        // queries, sm.kn / sm.vn
+  if (writer) {
+    const size_t row = ((size_t)p * Hkv + kvh) * D;
+    for (int i = threadIdx.x; i < D; i += ATT_THREADS) {
+      k_store[row + i] = f2h(sm.kn[i]);
+      v_store[row + i] = vsrc[i];
+    }
+  }
+  const int n = ok ? (int)(p + 1 < (long long)L ? p + 1 : (long long)L) : 0;
+  attn_split(sm, a, kq, vq, n, writer ? (int)p : -1);
 }

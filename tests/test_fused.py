@@ -81,6 +81,24 @@ def test_ref_decode_attn_is_attention(pos):
     assert torch.equal(fused.decode_attn(q, ks, vs, 12, pos=torch.tensor([pos])), got)
 
 
+@pytest.mark.parametrize("hkv,g,d", [(4, 8, 128), (1, 16, 128), (8, 1, 256), (4, 3, 40), (1, 2, 16), (1, 15, 136),
+                                     (2, 8, 64), (1, 1, 8), (1, 16, 8)])
+@pytest.mark.parametrize("sms", [1, 80, 132])
+def test_attn_plan(hkv, g, d, sms):
+    """The attention split plan covers the keys with no split past them, one split while the keys fit
+    one round, and stays inside the kernel's fixed sizes (cuda/fused.cu ATT_*)."""
+    for keys in [1, 2, 15, 16, 17, 31, 32, 33, 64, 65, 127, 128, 129, 256, 301, 512, 1024, 3001, 4096, 32768]:
+        splits, rounds, rk, cpl = fused.attn_plan(keys, hkv, g, d, sms)
+        kp = fused.ATT_THREADS >> cpl
+        assert 2 ** cpl >= d // 8 and 2 ** (cpl - 1) < d // 8 or cpl == 0
+        assert rk <= fused.ATT_MAX_ROUND and rk * d <= 4096 and rk % kp == 0 and rk // kp <= 4
+        assert -(-g // kp) <= 4                                    # query heads per thread in P.V
+        assert (splits - 1) * rounds * rk < keys <= splits * rounds * rk
+        assert splits * g <= fused.ATT_MAX_W and (splits == 1 or splits * g * d <= fused.ATT_COMBINE_Q)
+        assert splits == 1 or keys > rk
+        assert splits * hkv < sms + hkv                            # about one block per SM
+
+
 @pytest.mark.parametrize("value,parts", [(None, {"norm", "rope", "route"}), ("1", set(fused.PARTS)), ("0", set()),
                                          ("off", set()), ("norm,route", {"norm", "route"}), ("attn", {"attn"})])
 def test_switch(monkeypatch, value, parts):

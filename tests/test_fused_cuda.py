@@ -186,10 +186,12 @@ def _keys(p: int, cap: int, bucket: int = 256) -> int:
     return min(-(-(p + 1) // bucket) * bucket, cap)
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128), (16, 1, 128), (8, 8, 256), (12, 4, 40), (2, 1, 16)])
-@pytest.mark.parametrize("p", [0, 5, 63, 64, 127, 128, 300, 1000, 1500])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128), (16, 1, 128), (8, 8, 256), (12, 4, 40), (2, 1, 16),
+                                     (15, 1, 136), (16, 2, 64), (1, 1, 8)])
+@pytest.mark.parametrize("p", [0, 5, 31, 32, 63, 64, 127, 128, 300, 1000, 1500])
 def test_decode_attn(backend, hq, hkv, d, p):
-    """Splits of 64 keys up to 1024 keys attended, 128 beyond (p = 1500)."""
+    """The bucket (keys a multiple of 256: splits with no keys) and the tight launch (keys = p + 1:
+    one split for keys <= one round, 32 keys at D 128; p = 31 / 32 just below / above it)."""
     cap = 1600
     q = fresh((1, hq, d), torch.float16)
     ks, vs = fresh((cap, hkv, d), torch.float16), fresh((cap, hkv, d), torch.float16)
@@ -203,14 +205,14 @@ def test_decode_attn(backend, hq, hkv, d, p):
     assert outs[0].shape == (1, hq * d) and not torch.isnan(outs[0]).any()
     torch.testing.assert_close(outs[0].float(), want, atol=2e-3, rtol=2e-3)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
-    tight = fused.decode_attn(gq, gks, gvs, p + 1, start=p).cpu()     # fewest splits (one for p < 64)
+    tight = fused.decode_attn(gq, gks, gvs, p + 1, start=p).cpu()     # fewest splits
     torch.testing.assert_close(tight.float(), want, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("p,hq", [(8300, 16), (8300, 4), (4000, 8)])
 def test_decode_attn_many_splits(backend, p, hq):
-    """Long contexts: 65 splits x 16 heads (more than the combine keeps in shared memory: the
-    per-output path), 65 x 4 and 32 x 8 (the shared-memory path)."""
+    """Long contexts: splits of many rounds each (online softmax across rounds), up to 64 splits x 16
+    heads in the combine."""
     hkv, d, cap = 1, 128, 8320
     q = fresh((1, hq, d), torch.float16)
     ks, vs = fresh((cap, hkv, d), torch.float16), fresh((cap, hkv, d), torch.float16)
@@ -220,8 +222,44 @@ def test_decode_attn_many_splits(backend, p, hq):
     torch.testing.assert_close(got.cpu().float(), want, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128), (8, 8, 256), (12, 4, 40), (2, 1, 16)])
-@pytest.mark.parametrize("p", [0, 64, 127, 128, 300, 1100])
+@gpu_only
+@pytest.mark.parametrize("sms", [1, 3, 8])
+@pytest.mark.parametrize("hq,hkv,d,p", [(32, 4, 128, 0), (32, 4, 128, 33), (32, 4, 128, 300), (32, 4, 128, 3000),
+                                        (12, 4, 40, 700), (15, 1, 136, 200)])
+def test_attn_rounds(monkeypatch, sms, hq, hkv, d, p):
+    """Fewer SMs in the plan: more rounds per split (online softmax across rounds, the next round's
+    loads in flight) and splits past the last key, for decode_attn and rope_attn."""
+    monkeypatch.setitem(fused._SMS, torch.device("cuda", torch.cuda.current_device()), sms)
+    cap = 3100
+    q = fresh((1, hq, d), torch.float16)
+    ks, vs = fresh((cap, hkv, d), torch.float16), fresh((cap, hkv, d), torch.float16)
+    keys = min(_keys(p, cap) + 512, cap)
+    want = fused.ref_decode_attn(q.float(), ks.float(), vs.float(), keys, start=p)
+    got = fused.decode_attn(q.to(DEV), ks.to(DEV), vs.to(DEV), keys, pos=torch.tensor([p], device=DEV))
+    torch.testing.assert_close(got.cpu().float(), want, atol=2e-3, rtol=2e-3)
+    qkv = fresh((1, (hq + 2 * hkv) * d), torch.float16)
+    qn, kn = fresh((d,), scale=0.2, shift=1.0), fresh((d,), scale=0.2, shift=1.0)
+    table = Rotary(d, 1e6).table(torch.device("cpu"), cap)
+    rks, rvs = ks.float(), vs.float()
+    want = fused.ref_rope_attn(qkv, qn, kn, table, rks, rvs, hq, hkv, d, EPS, keys, start=p)
+    gks, gvs = ks.to(DEV), vs.to(DEV)
+    got = fused.rope_attn(*[t.to(DEV) for t in (qkv, qn, kn, table)], gks, gvs, hq, hkv, d, EPS, keys, start=p)
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=3e-3, rtol=3e-3)
+    torch.testing.assert_close(gvs.cpu().float(), rvs)
+    torch.testing.assert_close(gks.cpu().float(), rks, atol=2e-3, rtol=1e-3)
+
+
+@gpu_only
+def test_decode_attn_bad_position_is_nan():
+    """A device position < 0 attends no keys: NaN out (as the q of a bad rope position)."""
+    q = fresh((1, 8, 64), torch.float16).cuda()
+    ks, vs = fresh((512, 2, 64), torch.float16).cuda(), fresh((512, 2, 64), torch.float16).cuda()
+    for keys in (16, 512):
+        assert torch.isnan(fused.decode_attn(q, ks, vs, keys, pos=torch.tensor([-1], device=DEV))).all()
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128), (8, 8, 256), (12, 4, 40), (2, 1, 16), (15, 1, 136)])
+@pytest.mark.parametrize("p", [0, 31, 32, 64, 127, 128, 300, 1100])
 @pytest.mark.parametrize("device_pos", [True, False])
 def test_rope_attn_is_rope_then_attn(backend, hq, hkv, d, p, device_pos):
     """The one-kernel q/k norm + RoPE + KV write + attention against fused_qk_rope_kv then

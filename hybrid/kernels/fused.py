@@ -31,8 +31,10 @@ PARTS = ("norm", "rope", "route", "attn", "rope_attn")
 ROUTE_MAX_E, ROUTE_MAX_K, ROUTER_MAX_T = 512, 32, 8
 ANR_MAX_H = 8192          # add_norm_router keeps a normed row of H floats in shared memory
 ROPE_MAX_D = 256
-ATT_KEYS, ATT_MAX_G, ATT_MAX_Q = 128, 16, 2048   # threads (max keys per split), query heads per KV head
-ATT_SHORT = 1024          # up to this many keys a split takes 64 (twice the blocks), beyond it 128
+ATT_THREADS, ATT_MAX_G, ATT_MAX_Q = 128, 16, 2048   # threads per block, query heads per KV head, g * D
+ATT_MAX_ROUND = 128       # keys per round of a split block (RK)
+ATT_MAX_W = 1024          # splits x query heads of one KV head (the combine's shared memory)
+ATT_COMBINE_Q = 32768     # at most this many floats of partials (splits x g x D) per combining block
 _DT = {torch.float16: 0, torch.float32: 1}
 
 
@@ -379,7 +381,7 @@ def decode_attn(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, k
                 pos: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
     """q [1, Hq, D] fp16 at position p (pos [1] int64 on the device, or the host int start); keys
     0..p of k_store/v_store [C, Hkv, D] fp16, p < keys <= C (keys: the rows the launch covers, a
-    bucket for graphs) -> attention output [1, Hq * D] fp16 (GQA: query head i reads KV head i // g)."""
+    bucket for graphs; a device p >= keys attends the first keys rows) -> attention output [1, Hq * D] fp16 (GQA: query head i reads KV head i // g)."""
     if q.dim() != 3 or q.shape[0] != 1:
         raise ValueError(f"q: expected shape [1, Hq, D], got {list(q.shape)}")
     _, hq, d = q.shape
@@ -390,18 +392,22 @@ def decode_attn(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, k
     _check(k_store, "k_store", torch.float16, (None, None, d), dev)
     _check(v_store, "v_store", torch.float16, tuple(k_store.shape), dev)
     _pos(pos, dev)
-    cap, hkv = k_store.shape[:2]
-    g, sk, splits, part, cnt, out = _attn_setup("decode_attn", hq, hkv, d, keys, k_store, v_store, pos,
-                                                start, keys, dev)
-    _module(dev).launch("fused_decode_attn", (hkv, splits, 1), ATT_KEYS, [
+    hkv = k_store.shape[1]
+    g, plan, part, cnt, out = _attn_setup("decode_attn", hq, hkv, d, keys, k_store, v_store, pos, start,
+                                          keys, dev)
+    splits, rounds, rk, cpl = plan
+    _module(dev).launch("fused_decode_attn", (hkv, splits, 1), ATT_THREADS, [
         _p(q), _p(k_store), _p(v_store), _p(pos), ctypes.c_int(start), _p(out), _p(part), _p(cnt[1:]),
-        ctypes.c_int(hkv), ctypes.c_int(g), ctypes.c_int(d), ctypes.c_int(cap),
-        ctypes.c_float(d ** -0.5), ctypes.c_int(sk)])
+        ctypes.c_int(hkv), ctypes.c_int(g), ctypes.c_int(d), ctypes.c_float(d ** -0.5 * _LOG2E),
+        ctypes.c_int(keys), ctypes.c_int(rk), ctypes.c_int(rounds), ctypes.c_int(cpl)])
     return out
 
 
+_LOG2E = 1.4426950408889634
+
+
 def _attn_setup(what, hq, hkv, d, keys, k_store, v_store, pos, start, rows, dev):
-    """Shape checks of the one-token attention; -> (g, keys per split, splits, partials, counters,
+    """Shape checks of the one-token attention; -> (g, attn_plan(...), partials, counters,
     out [1, Hq*D])."""
     g = hq // hkv if hkv else 0
     if not hkv or hq % hkv or g > ATT_MAX_G or g * d > ATT_MAX_Q or d % 8 or d > ROPE_MAX_D:
@@ -414,15 +420,33 @@ def _attn_setup(what, hq, hkv, d, keys, k_store, v_store, pos, start, rows, dev)
         raise ValueError(f"start: expected 0..{rows - 1}, got {start}")
     if k_store.data_ptr() % 16 or v_store.data_ptr() % 16:
         raise ValueError("k_store / v_store: data pointers must be 16-byte aligned")
-    sk = split_keys(keys)
-    splits = -(-keys // sk)
+    plan = attn_plan(keys, hkv, g, d, _sm_count(dev))
+    splits = plan[0]
     part, cnt = _workspace(dev, hkv * splits * g * (d + 2) if splits > 1 else 0, hkv)
-    return g, sk, splits, part, cnt, torch.empty(1, hq * d, dtype=torch.float16, device=dev)
+    return g, plan, part, cnt, torch.empty(1, hq * d, dtype=torch.float16, device=dev)
 
 
-def split_keys(keys: int) -> int:
-    """Keys per attention split block: 64 for short contexts (more blocks), 128 beyond ATT_SHORT."""
-    return 64 if keys <= ATT_SHORT else ATT_KEYS
+def attn_plan(keys: int, hkv: int, g: int, d: int, sms: int) -> tuple[int, int, int, int]:
+    """Split plan of the one-token attention (flash-decoding) for `keys` rows ->
+    (splits S, rounds R per split, keys RK per round, cpl). A round is 4 passes of KP = 128 / 2^cpl
+    keys (2^cpl >= D / 8 lanes per row), at most 128 keys; the splits fill about one block per SM over
+    the Hkv heads, no more than the combine reads cheaply (S * g * D <= ATT_COMBINE_Q, S * g <= 1024);
+    few keys take few splits (keys <= RK: one split, no combine)."""
+    cpl = max(0, (d // 8 - 1).bit_length())
+    rk = min(4 * (ATT_THREADS >> cpl), ATT_MAX_ROUND)
+    chunks = -(-keys // rk)
+    most = max(1, min(-(-sms // hkv), ATT_COMBINE_Q // (g * d), ATT_MAX_W // g))
+    rounds = -(-chunks // most)
+    return -(-chunks // rounds), rounds, rk, cpl
+
+
+_SMS: dict = {}
+
+
+def _sm_count(dev: torch.device) -> int:
+    if dev not in _SMS:
+        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _SMS[dev]
 
 
 def ref_rope_attn(qkv, q_norm, k_norm, table, k_store, v_store, n_heads, n_kv, head_dim, eps, keys,
@@ -446,12 +470,14 @@ def rope_attn(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
     _check_qkv(qkv, q_norm, k_norm, table, k_store, v_store, 1, hq, hkv, d, dev)
     _pos(pos, dev)
     cap = k_store.shape[0]
-    g, sk, splits, part, cnt, out = _attn_setup("rope_attn", hq, hkv, d, keys, k_store, v_store, pos,
-                                                start, min(keys, table.shape[0]), dev)
-    _module(dev).launch("fused_rope_attn", (hkv, splits, 1), ATT_KEYS, [
+    g, plan, part, cnt, out = _attn_setup("rope_attn", hq, hkv, d, keys, k_store, v_store, pos, start,
+                                          min(keys, table.shape[0]), dev)
+    splits, rounds, rk, cpl = plan
+    _module(dev).launch("fused_rope_attn", (hkv, splits, 1), ATT_THREADS, [
         _p(qkv), _p(q_norm), _p(k_norm), _p(table), ctypes.c_int(table.shape[0]), _p(pos), ctypes.c_int(start),
         _p(k_store), _p(v_store), _p(out), _p(part), _p(cnt[1:]), ctypes.c_int(hq), ctypes.c_int(hkv),
-        ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps), ctypes.c_float(d ** -0.5), ctypes.c_int(sk)])
+        ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps), ctypes.c_float(d ** -0.5 * _LOG2E),
+        ctypes.c_int(keys), ctypes.c_int(rk), ctypes.c_int(rounds), ctypes.c_int(cpl)])
     return out
 
 
