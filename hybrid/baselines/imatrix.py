@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hybrid.model.moe import expert_sum
+
 ATTN = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output"}
 
 
@@ -63,17 +65,21 @@ class _RecordingExperts:
         self.get_expert, self.n_expert, self.stats = get_expert, n_expert, stats
 
     def __call__(self, layer, x, ids, weights):
-        out = torch.zeros_like(x, dtype=torch.float32)                     # [T, H]
-        for e in torch.unique(ids).tolist():
-            rows, slot = (ids == e).nonzero(as_tuple=True)
+        T, k = ids.shape
+        tokens = torch.arange(T, device=ids.device).repeat_interleave(k)  # [T*k], row-major as ids
+
+        def expert(e: int):
             sw = self.get_expert(layer, e)
-            xe = x[rows]                                                   # [t_e, H]
-            h = F.silu(sw.gate(xe)) * sw.up(xe)                            # [t_e, I]
-            for proj in ("gate", "up"):
-                self.stats.add(f"blk.{layer}.ffn_{proj}_exps.weight", xe, self.n_expert, e)
-            self.stats.add(f"blk.{layer}.ffn_down_exps.weight", h, self.n_expert, e)
-            out.index_add_(0, rows, sw.down(h).float() * weights[rows, slot, None].float())
-        return out.to(x.dtype)
+
+            def run(xe):                                                   # [t_e, H]
+                h = F.silu(sw.gate(xe)) * sw.up(xe)                        # [t_e, I]
+                for proj in ("gate", "up"):
+                    self.stats.add(f"blk.{layer}.ffn_{proj}_exps.weight", xe, self.n_expert, e)
+                self.stats.add(f"blk.{layer}.ffn_down_exps.weight", h, self.n_expert, e)
+                return sw.down(h)
+            return run
+
+        return expert_sum(x, ids.reshape(-1), tokens, weights.reshape(-1), expert).to(x.dtype)
 
 
 def compute_imatrix(model_dir: str | Path, token_chunks: list[list[int]]) -> dict[str, np.ndarray]:
