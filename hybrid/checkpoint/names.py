@@ -7,44 +7,31 @@ from __future__ import annotations
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERT_PROJ = ("gate", "up", "down")
 
+_DENSE = {                                   # every architecture here: embeddings, norms, attention
+    "embed": "model.embed_tokens",
+    "final_norm": "model.norm",
+    "lm_head": "lm_head",
+    "attn": "model.layers.{L}.self_attn.{p}",
+    "input_norm": "model.layers.{L}.input_layernorm",
+    "post_norm": "model.layers.{L}.post_attention_layernorm",
+}
+_QWEN_MOE = {                                # Qwen2/3-MoE's router and experts
+    "router": "model.layers.{L}.mlp.gate",
+    "expert": "model.layers.{L}.mlp.experts.{E}.{p}",
+    "expert_proj": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+}
+
 ARCH_NAMES = {
-    "qwen3_moe": {
-        "embed": "model.embed_tokens",
-        "final_norm": "model.norm",
-        "lm_head": "lm_head",
-        "attn": "model.layers.{L}.self_attn.{p}",
-        "q_norm": "model.layers.{L}.self_attn.q_norm",
-        "k_norm": "model.layers.{L}.self_attn.k_norm",
-        "input_norm": "model.layers.{L}.input_layernorm",
-        "post_norm": "model.layers.{L}.post_attention_layernorm",
-        "router": "model.layers.{L}.mlp.gate",
-        "expert": "model.layers.{L}.mlp.experts.{E}.{p}",
-        "expert_proj": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
-    },
-    "qwen2_moe": {
-        "embed": "model.embed_tokens",
-        "final_norm": "model.norm",
-        "lm_head": "lm_head",
-        "attn": "model.layers.{L}.self_attn.{p}",
-        "input_norm": "model.layers.{L}.input_layernorm",
-        "post_norm": "model.layers.{L}.post_attention_layernorm",
-        "router": "model.layers.{L}.mlp.gate",
-        "expert": "model.layers.{L}.mlp.experts.{E}.{p}",
-        "expert_proj": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
-        "shared_expert": "model.layers.{L}.mlp.shared_expert.{p}",
-        "shared_expert_gate": "model.layers.{L}.mlp.shared_expert_gate",
-    },
-    "mixtral": {
-        "embed": "model.embed_tokens",
-        "final_norm": "model.norm",
-        "lm_head": "lm_head",
-        "attn": "model.layers.{L}.self_attn.{p}",
-        "input_norm": "model.layers.{L}.input_layernorm",
-        "post_norm": "model.layers.{L}.post_attention_layernorm",
-        "router": "model.layers.{L}.block_sparse_moe.gate",
-        "expert": "model.layers.{L}.block_sparse_moe.experts.{E}.{p}",
-        "expert_proj": {"gate": "w1", "up": "w3", "down": "w2"},
-    },
+    "qwen3_moe": {**_DENSE, **_QWEN_MOE,
+                  "q_norm": "model.layers.{L}.self_attn.q_norm",
+                  "k_norm": "model.layers.{L}.self_attn.k_norm"},
+    "qwen2_moe": {**_DENSE, **_QWEN_MOE,
+                  "shared_expert": "model.layers.{L}.mlp.shared_expert.{p}",
+                  "shared_expert_gate": "model.layers.{L}.mlp.shared_expert_gate"},
+    "mixtral": {**_DENSE,
+                "router": "model.layers.{L}.block_sparse_moe.gate",
+                "expert": "model.layers.{L}.block_sparse_moe.experts.{E}.{p}",
+                "expert_proj": {"gate": "w1", "up": "w3", "down": "w2"}},
 }
 
 # Modules that stay unquantized by default (ModelOpt's defaults): router, shared-expert gate,
