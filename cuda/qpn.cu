@@ -770,7 +770,7 @@ __device__ __forceinline__ void tile_store(const TileLoads<FMT, BM, BN>& r, u16*
   }
 }
 
-template <int FMT, int BM, int BN>
+template <int FMT, int BM, int BN, int PF>
 __device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                           float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                           int M, int N, int K) {
@@ -790,29 +790,38 @@ __device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64
     for (int j = 0; j < FN; ++j)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[i][j][e] = 0.f;
-  TileLoads<FMT, BM, BN> r;
-  tile_load<FMT, BM, BN>(r, w, s, x, 0, m0, t0, tiles, C, M, K);
-  for (int kt = 0; kt < nk; ++kt) {
-    tile_store<FMT, BM, BN>(r, xs, ws, kt, m0, t0, tiles, C, M, K);
-    __syncthreads();
-    if (kt + 1 < nk) tile_load<FMT, BM, BN>(r, w, s, x, kt + 1, m0, t0, tiles, C, M, K);
-    const int ks = K - kt * PBK >= PBK ? 4 : (K - kt * PBK) / 16;  // FP8: K may end mid-step
+  // PF register sets: k-step kt's loads are issued PF steps ahead (loads past K are skipped by
+  // tile_load's guards); the loop is unrolled over one turn so every set index is a constant.
+  TileLoads<FMT, BM, BN> r[PF];
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      if (kk < ks) {
-        u32 b[FN][8];
+  for (int p = 0; p < PF; ++p) tile_load<FMT, BM, BN>(r[p], w, s, x, p, m0, t0, tiles, C, M, K);
+  for (int kt0 = 0; kt0 < nk; kt0 += PF) {
 #pragma unroll
-        for (int j = 0; j < FN; ++j) wmma_ld_b(b[j], wa + (16 * j * PLD + 16 * kk) * 2);
+    for (int p = 0; p < PF; ++p) {
+      const int kt = kt0 + p;
+      if (kt < nk) {
+        tile_store<FMT, BM, BN>(r[p], xs, ws, kt, m0, t0, tiles, C, M, K);
+        __syncthreads();
+        tile_load<FMT, BM, BN>(r[p], w, s, x, kt + PF, m0, t0, tiles, C, M, K);
+        const int ks = K - kt * PBK >= PBK ? 4 : (K - kt * PBK) / 16;  // FP8: K may end mid-step
 #pragma unroll
-        for (int i = 0; i < FM; ++i) {
-          u32 a[8];
-          wmma_ld_a(a, xa + (16 * i * PLD + 16 * kk) * 2);
+        for (int kk = 0; kk < 4; ++kk) {
+          if (kk < ks) {
+            u32 b[FN][8];
 #pragma unroll
-          for (int j = 0; j < FN; ++j) wmma_mma(acc[i][j], a, b[j]);
+            for (int j = 0; j < FN; ++j) wmma_ld_b(b[j], wa + (16 * j * PLD + 16 * kk) * 2);
+#pragma unroll
+            for (int i = 0; i < FM; ++i) {
+              u32 a[8];
+              wmma_ld_a(a, xa + (16 * i * PLD + 16 * kk) * 2);
+#pragma unroll
+              for (int j = 0; j < FN; ++j) wmma_mma(acc[i][j], a, b[j]);
+            }
+          }
         }
+        __syncthreads();
       }
     }
-    __syncthreads();
   }
   // epilogue: each warp stages one 16x16 fp32 fragment at a time in its 1 KB of shared memory
   float* st = reinterpret_cast<float*>(sm) + warp * 256;
@@ -847,20 +856,26 @@ __device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64
 
 // qpn{2,8}_gemm_<BM>x<BN>: same arguments as the LINEAR kernels (KS, P unused), blockDim 256,
 // grid (ceil(M / BM), ceil(N / BN)).
-#define GEMM(FMT, BM, BN)                                                                          \
-  extern "C" __global__ void qpn##FMT##_gemm_##BM##x##BN(                                           \
+#define GEMM(FMT, BM, BN, PF)                                                                      \
+  extern "C" __global__ void __launch_bounds__(THREADS, GEMM_MINB(FMT, BM))                         \
+      qpn##FMT##_gemm_##BM##x##BN(                                                                 \
       const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x,  \
       u16* __restrict__ y, int M, int N, int K, int KS, int P) {                                    \
-    gemm_body<FMT, BM, BN>(w, s, gs, x, y, M, N, K);                                                \
+    gemm_body<FMT, BM, BN, PF>(w, s, gs, x, y, M, N, K);                                            \
   }
-GEMM(2, 128, 128)
-GEMM(2, 64, 128)
-GEMM(2, 64, 64)
-GEMM(2, 32, 64)
-GEMM(8, 128, 128)
-GEMM(8, 64, 128)
-GEMM(8, 64, 64)
-GEMM(8, 32, 64)
+// PF: k-steps of loads in flight (small tiles have little math per step to hide latency behind);
+// all at most 128 registers, two blocks per SM (one block's decode and barriers overlap the
+// other's MMAs; 128x128 with PF = 2 spills under that bound), except FP8 128x128 on Volta, which
+// spills at 128 (one block per SM there)
+#define GEMM_MINB(FMT, BM) ((QPN_MMA == 0 && FMT == 8 && BM == 128) ? 1 : 2)
+GEMM(2, 128, 128, 1)
+GEMM(2, 64, 128, 3)
+GEMM(2, 64, 64, 4)
+GEMM(2, 32, 64, 4)
+GEMM(8, 128, 128, 1)
+GEMM(8, 64, 128, 3)
+GEMM(8, 64, 64, 4)
+GEMM(8, 32, 64, 4)
 
 // ---------------------------------------------------------------- MoE routing
 // slot_ids [A] -> offsets [S+1] (exclusive prefix of per-slot counts), perm [A] (assignments
