@@ -734,8 +734,19 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
   attn_load(a, blockIdx.y * R * RK, kq, vq);              // the first round, before the position
   const long long p = pos ? pos[0] : (long long)pos0;
   const int gd = g * D;
+  const u16* qh = q + (size_t)blockIdx.x * gd;
+  if (((size_t)qh & 15) == 0) {                           // 16-byte loads of the g queries
+#pragma unroll 2
+    for (int i = threadIdx.x; i < gd / 8; i += ATT_THREADS) {
+      float f[8];
+      unpack8(*(const uint4*)(qh + 8 * i), f);
+      *(float4*)(sm.qs + 8 * i) = make_float4(f[0], f[1], f[2], f[3]);
+      *(float4*)(sm.qs + 8 * i + 4) = make_float4(f[4], f[5], f[6], f[7]);
+    }
+  } else {
 #pragma unroll 4
-  for (int i = threadIdx.x; i < gd; i += ATT_THREADS) sm.qs[i] = h2f(q[(size_t)blockIdx.x * gd + i]);
+    for (int i = threadIdx.x; i < gd; i += ATT_THREADS) sm.qs[i] = h2f(qh[i]);
+  }
   const int n = (int)(p + 1 < (long long)L ? p + 1 : (long long)L);   // keys 0..p (<= 0: none)
   __syncthreads();
   attn_split(sm, a, kq, vq, n, -1);

@@ -188,10 +188,11 @@ def _keys(p: int, cap: int, bucket: int = 256) -> int:
 
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128), (16, 1, 128), (8, 8, 256), (12, 4, 40), (2, 1, 16),
                                      (15, 1, 136), (16, 2, 64), (1, 1, 8)])
-@pytest.mark.parametrize("p", [0, 5, 31, 32, 63, 64, 127, 128, 300, 1000, 1500])
+@pytest.mark.parametrize("p", [0, 5, 15, 16, 31, 32, 63, 64, 127, 128, 300, 1000, 1024, 1500])
 def test_decode_attn(backend, hq, hkv, d, p):
-    """The bucket (keys a multiple of 256: splits with no keys) and the tight launch (keys = p + 1:
-    one split for keys <= one round, 32 keys at D 128; p = 31 / 32 just below / above it)."""
+    """The bucket (keys a multiple of 256: splits with no keys) and the tight launch (keys = p + 1: one
+    split while the keys fit one round (16 / 32 / 64 keys at D 256 / 128 / 64), p = 15 / 16, 31 / 32,
+    63 / 64 just inside / past it; p = 1024: two rounds per split at 32 / 4 heads, D 128, 132 SMs)."""
     cap = 1600
     q = fresh((1, hq, d), torch.float16)
     ks, vs = fresh((cap, hkv, d), torch.float16), fresh((cap, hkv, d), torch.float16)
@@ -207,6 +208,8 @@ def test_decode_attn(backend, hq, hkv, d, p):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
     tight = fused.decode_attn(gq, gks, gvs, p + 1, start=p).cpu()     # fewest splits
     torch.testing.assert_close(tight.float(), want, atol=2e-3, rtol=2e-3)
+    gqu = torch.empty(hq * d + 1, dtype=torch.float16, device=DEV)[1:].view(1, hq, d).copy_(gq)
+    assert torch.equal(fused.decode_attn(gqu, gks, gvs, p + 1, start=p).cpu(), tight)   # q not 16-byte aligned
 
 
 @pytest.mark.parametrize("p,hq", [(8300, 16), (8300, 4), (4000, 8)])

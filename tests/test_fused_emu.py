@@ -186,9 +186,10 @@ def test_emulated_attention(emu, hq, hkv, d, p, sms):
     q = _fresh((1, hq, d), seed).half()
     ks, vs = _fresh((cap, hkv, d), seed + 1).half(), _fresh((cap, hkv, d), seed + 2).half()
     bucket = min(-(-(p + 1) // 256) * 256, cap)
-    for keys, device_pos in ((bucket, True), (p + 1, False)):
+    qu = torch.empty(hq * d + 1, dtype=torch.float16)[1:].view(1, hq, d).copy_(q)   # not 16-byte aligned
+    for keys, device_pos, qq in ((bucket, True, q), (p + 1, False, qu)):
         want = fused.ref_decode_attn(q.float(), ks.float(), vs.float(), keys, start=p)
-        got = emu_decode_attn(emu, q, ks, vs, keys, p, device_pos, sms)
+        got = emu_decode_attn(emu, qq, ks, vs, keys, p, device_pos, sms)
         assert not torch.isnan(got).any()
         torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
     qkv = _fresh((1, (hq + 2 * hkv) * d), seed + 3).half()
