@@ -193,8 +193,9 @@ def bench_linear(name, n, k, qtype, ms, reps, read_bw):
 def bench_variants(fmts, reps, read_bw):
     """The other M <= 8 kernels beside the default, same run: '' (register pipeline, 2 chunks per
     stage), '_u4' (4 chunks per stage), '_as4' (4-stage cp.async ring; sm_80+), the MoE kernels
-    without the ring (''), and at M = 64, 128, 512 the 8-row-tile kernels ([mt]) that the tiled
-    GEMM replaced."""
+    without the ring (''), at M = 64, 128, 512 the 8-row-tile kernels ([mt]) that the tiled
+    GEMM replaced, and each tile of the tiled GEMM forced ([BMxBN], NVFP4, M = 128, 512)."""
+    from hybrid.checkpoint.formats import QType
     from hybrid.kernels import qpn
 
     out = []
@@ -218,6 +219,12 @@ def bench_variants(fmts, reps, read_bw):
                 if name in ("q_proj", "o_proj", "lm_head", "dense_up"):
                     for r in bench_linear(name, n, k, qtype, [64, 128, 512], reps, read_bw):
                         out.append({**r, "shape": f"{name}[mt]", "kernel": f"mt{qpn._mt(r['m'], sm)}"})
+        for bm, bn in qpn.GEMM_TILES:  # every tile of the tiled GEMM forced (tunes gemm_tile)
+            qpn.PREFILL_VARIANT[0] = f"{bm}x{bn}"
+            for name, n, k in SHAPES:
+                if name in ("q_proj", "lm_head") and QType.NVFP4 in fmts:
+                    for r in bench_linear(name, n, k, QType.NVFP4, [128, 512], reps, read_bw):
+                        out.append({**r, "shape": f"{name}[{bm}x{bn}]", "kernel": f"gemm_{bm}x{bn}"})
     finally:
         qpn.PREFILL_VARIANT[0] = None
     if qpn.variant(None, sm) != "":
