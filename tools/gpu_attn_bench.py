@@ -5,10 +5,11 @@ L layers' KV stores [C, Hkv, D] fp16 (separate memory, as in a model: no layer f
 the previous one), one launch per layer captured as ONE CUDA graph per (variant, position); device
 position pos, keys = pos + 1 rounded up to 256 (the graph bucket of hybrid.model.layers.attn_keys).
 Per record: GPU us per launch (CUDA events over graph replays), the split plan, the max abs difference
-to the fp32 reference. One JSON line per record on stdout (and appended to $OUT/attn_bench.jsonl when
-$OUT is set).
+to the fp32 reference. One JSON line per record on stdout as measured (all of them, stamped, appended
+to $OUT/attn_bench.jsonl when $OUT is set). --sweep also times the fused kernels under other split plans (the tuning knobs
+hybrid.kernels.fused.ATT_PASSES, ATT_BLOCKS_PER_SM, ATT_COMBINE_Q), each record naming its knobs.
 
-    PYTHONPATH=. python3 tools/gpu_attn_bench.py [--pos 300 3000] [--layers 48] [--heads 32 4 128]
+    PYTHONPATH=. python3 tools/gpu_attn_bench.py [--pos 300 3000] [--layers 48] [--heads 32 4 128] [--sweep]
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ import os
 from pathlib import Path
 
 import torch
+
+
+SWEEP = [(2, 1.0, 32768), (1, 1.0, 32768), (4, 2.0, 65536), (2, 2.0, 65536), (4, 0.5, 32768)]
 
 
 def measure(fn, replays: int) -> float:
@@ -50,6 +54,7 @@ def main(argv=None) -> int:
                    help="query heads, KV heads, head dim (default 32 4 128: Qwen3-30B-A3B)")
     p.add_argument("--ctx", type=int, default=8192, help="KV rows per layer (default 8192)")
     p.add_argument("--replays", type=int, default=50, help="graph replays timed (default 50)")
+    p.add_argument("--sweep", action="store_true", help="the fused kernels under other split plans too")
     args = p.parse_args(argv)
     from hybrid.baselines.report import append_jsonl, stamp
     from hybrid.kernels import fused
@@ -83,19 +88,25 @@ def main(argv=None) -> int:
                 keys, pos=pos),
         }
         want = fused.ref_decode_attn(qs[0].float().cpu(), ks[0].float().cpu(), vs[0].float().cpu(), keys, start=pv)
+        default = (fused.ATT_PASSES, fused.ATT_BLOCKS_PER_SM, fused.ATT_COMBINE_Q)
+        knobs = [default] + (SWEEP if args.sweep else [])
         for name, call in variants.items():
-            us = measure(lambda: [call(i) for i in range(n)], args.replays) / n
-            rec = {"variant": name, "pos": pv, "keys": keys, "us_per_launch": round(us, 2),
-                   "heads": [hq, hkv, d], "plan": list(fused.attn_plan(keys, hkv, hq // hkv, d, sms)), "sms": sms}
-            if name in ("sdpa", "decode_attn"):
-                rec["max_abs_diff_vs_ref"] = float((call(0).float().cpu() - want).abs().max())
-            recs.append(rec)
+            for kn_ in knobs if name != "sdpa" else [default]:
+                fused.ATT_PASSES, fused.ATT_BLOCKS_PER_SM, fused.ATT_COMBINE_Q = kn_
+                us = measure(lambda: [call(i) for i in range(n)], args.replays) / n
+                rec = {"variant": name, "pos": pv, "keys": keys, "us_per_launch": round(us, 2),
+                       "heads": [hq, hkv, d], "plan": list(fused.attn_plan(keys, hkv, hq // hkv, d, sms)),
+                       "knobs": {"passes": kn_[0], "blocks_per_sm": kn_[1], "combine_q": kn_[2]}, "sms": sms}
+                if name in ("sdpa", "decode_attn"):
+                    rec["max_abs_diff_vs_ref"] = float((call(0).float().cpu() - want).abs().max())
+                recs.append(rec)
+                print(json.dumps(rec), flush=True)
+            fused.ATT_PASSES, fused.ATT_BLOCKS_PER_SM, fused.ATT_COMBINE_Q = default
     gpu = torch.cuda.get_device_name(0)
     recs = [{**r, **stamp("tools/gpu_attn_bench.py"), "gpu": gpu} for r in recs]
     for r in recs:
         if os.environ.get("HYBRID_GIT_SHA"):                 # the device copy has no .git
             r["git_sha"] = os.environ["HYBRID_GIT_SHA"]
-        print(json.dumps(r), flush=True)
     if os.environ.get("OUT"):
         append_jsonl(Path(os.environ["OUT"]) / "attn_bench.jsonl", recs)
     return 0

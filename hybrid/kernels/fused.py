@@ -35,6 +35,8 @@ ATT_THREADS, ATT_MAX_G, ATT_MAX_Q = 128, 16, 2048   # threads per block, query h
 ATT_MAX_ROUND = 128       # keys per round of a split block (RK)
 ATT_MAX_W = 1024          # splits x query heads of one KV head (the combine's shared memory)
 ATT_COMBINE_Q = 32768     # at most this many floats of partials (splits x g x D) per combining block
+ATT_PASSES = 4            # tuning (tools/gpu_attn_bench.py --sweep): key passes per round, 1..4
+ATT_BLOCKS_PER_SM = 1.0   # tuning: split blocks per SM the plan aims at
 _DT = {torch.float16: 0, torch.float32: 1}
 
 
@@ -428,14 +430,15 @@ def _attn_setup(what, hq, hkv, d, keys, k_store, v_store, pos, start, rows, dev)
 
 def attn_plan(keys: int, hkv: int, g: int, d: int, sms: int) -> tuple[int, int, int, int]:
     """Split plan of the one-token attention (flash-decoding) for `keys` rows ->
-    (splits S, rounds R per split, keys RK per round, cpl). A round is 4 passes of KP = 128 / 2^cpl
-    keys (2^cpl >= D / 8 lanes per row), at most 128 keys; the splits fill about one block per SM over
-    the Hkv heads, no more than the combine reads cheaply (S * g * D <= ATT_COMBINE_Q, S * g <= 1024);
-    few keys take few splits (keys <= RK: one split, no combine)."""
+    (splits S, rounds R per split, keys RK per round, cpl). A round is ATT_PASSES (<= 4) passes of
+    KP = 128 / 2^cpl keys (2^cpl >= D / 8 lanes per row), at most 128 keys; the splits fill about
+    ATT_BLOCKS_PER_SM blocks per SM over the Hkv heads, no more than the combine reads cheaply
+    (S * g * D <= ATT_COMBINE_Q, S * g <= 1024); few keys take few splits (keys <= RK: one split)."""
     cpl = max(0, (d // 8 - 1).bit_length())
-    rk = min(4 * (ATT_THREADS >> cpl), ATT_MAX_ROUND)
+    rk = min(max(1, min(ATT_PASSES, 4)) * (ATT_THREADS >> cpl), ATT_MAX_ROUND)
     chunks = -(-keys // rk)
-    most = max(1, min(-(-sms // hkv), ATT_COMBINE_Q // (g * d), ATT_MAX_W // g))
+    blocks = max(1, int(sms * ATT_BLOCKS_PER_SM))
+    most = max(1, min(-(-blocks // hkv), ATT_COMBINE_Q // (g * d), ATT_MAX_W // g))
     rounds = -(-chunks // most)
     return -(-chunks // rounds), rounds, rk, cpl
 
