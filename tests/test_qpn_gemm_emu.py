@@ -1,0 +1,181 @@
+"""The prefill tiled GEMM of cuda/qpn.cu (qpn{2,8}_gemm_<BM>x<BN>) run on the CPU: its CUDA source
+compiled as C++ (g++ -std=c++20) under a small shim -- a block's 256 threads as OS threads,
+__syncthreads / __syncwarp as barriers, the inline-PTX helpers (loads, fp16 multiplies, WMMA with a
+fragment layout of the shim's own) in C++ -- against the torch reference. Catches indexing,
+pipeline (register sets, k tail), decode and epilogue errors without a GPU; the real WMMA fragments
+and timing are checked on a GPU (tests/test_qpn_cuda.py)."""
+import ctypes
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from hybrid.checkpoint.formats import QType
+from hybrid.kernels import build, layout
+from hybrid.kernels.qpn import GEMM_TILES
+from tests.test_qpn_layout import fp8, nvfp4
+
+SHIM = r"""
+#include <barrier>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+thread_local dim3 threadIdx, blockIdx;
+static std::barrier<>* block_bar;
+static std::barrier<>* warp_bar[32];
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __restrict__ __restrict
+#define __align__(n) __attribute__((aligned(n)))
+#define __syncthreads() block_bar->arrive_and_wait()
+#define __syncwarp() warp_bar[threadIdx.x >> 5]->arrive_and_wait()
+"""
+
+HELPERS = r"""
+#define PBK 64
+#define PLD (PBK + 8)
+inline u32x4 ld_stream(const u32x4* p) { return *p; }
+inline u64 ld_stream64(const u64* p) { return *p; }
+inline u32x4 ld_x16(const u16* p) { u32x4 v; memcpy(&v, p, 16); return v; }
+inline _Float16 hf(u32 bits) { u16 b = (u16)bits; _Float16 x; memcpy(&x, &b, 2); return x; }
+inline u32 hb(_Float16 x) { u16 b; memcpy(&b, &x, 2); return b; }
+inline u16 f_to_h(float f) { return (u16)hb((_Float16)f); }
+inline u32 dec_scale(u32 w, int odd) {  // (scale * 2^-8) * 2^15 in fp16, round to nearest
+  u32 h = (odd ? (w >> 1) : (w << 7)) & 0x3F803F80u;
+  return hb((_Float16)((float)hf(h) * 32768.f)) | (hb((_Float16)((float)hf(h >> 16) * 32768.f)) << 16);
+}
+inline u32 hmul2_splat(u32 a, u32 s, int hi) {
+  const float sv = (float)hf(hi ? s >> 16 : s);
+  return hb((_Float16)((float)hf(a) * sv)) | (hb((_Float16)((float)hf(a >> 16) * sv)) << 16);
+}
+// shared addresses: the low 32 bits; every shared array of a kernel lies in one static object
+thread_local uintptr_t smem_hi;
+inline u32 smem_u32(const void* p) { smem_hi = (uintptr_t)p & ~(uintptr_t)0xFFFFFFFFu; return (u32)(uintptr_t)p; }
+inline char* smem_ptr(u32 a) { return (char*)(smem_hi | a); }
+// WMMA 16x16x16 with the shim's fragment layout: lane l holds row (A: m, B: n) l/2, k 8 (l%2) .. +8
+// in a[0..3]; accumulator d[0..7] = D[l/2][8 (l%2) + 0..7]. mma exchanges fragments per warp.
+static u32 xa[8][32][4], xb[8][32][4];
+inline void wmma_ld_a(u32 (&a)[8], u32 addr) {
+  const int l = threadIdx.x & 31;
+  memcpy(a, smem_ptr(addr) + ((l >> 1) * PLD + 8 * (l & 1)) * 2, 16);
+  a[4] = a[5] = a[6] = a[7] = 0;
+}
+inline void wmma_ld_b(u32 (&b)[8], u32 addr) { wmma_ld_a(b, addr); }  // col-major B: same addressing
+inline void wmma_mma(float (&d)[8], const u32 (&a)[8], const u32 (&b)[8]) {
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  memcpy(xa[w][l], a, 16), memcpy(xb[w][l], b, 16);
+  warp_bar[w]->arrive_and_wait();
+  const _Float16* A = (const _Float16*)xa[w];  // A[m][k] = A[(2 m + k / 8) * 8 + k % 8]
+  const _Float16* B = (const _Float16*)xb[w];
+  const int m = l >> 1;
+  for (int e = 0; e < 8; ++e) {
+    const int n = 8 * (l & 1) + e;
+    float s = d[e];
+    for (int k = 0; k < 16; ++k) s += (float)A[(2 * m + k / 8) * 8 + k % 8] * (float)B[(2 * n + k / 8) * 8 + k % 8];
+    d[e] = s;
+  }
+  warp_bar[w]->arrive_and_wait();
+}
+inline void wmma_st(u32 addr, const float (&d)[8]) {
+  const int l = threadIdx.x & 31;
+  memcpy(smem_ptr(addr) + ((l >> 1) * 16 + 8 * (l & 1)) * 4, d, 32);
+}
+"""
+
+RUN = r"""
+template <class F> void run_grid(int gx, int gy, F f) {
+  std::barrier<> bb(THREADS), between(THREADS);
+  block_bar = &bb;
+  for (int w = 0; w < WARPS; ++w) warp_bar[w] = new std::barrier<>(32);
+  std::vector<std::thread> ts;
+  for (int t = 0; t < THREADS; ++t)
+    ts.emplace_back([&, t] {
+      threadIdx.x = t;
+      for (int b = 0; b < gx * gy; ++b) {
+        blockIdx.x = b % gx; blockIdx.y = b / gx;
+        f();
+        between.arrive_and_wait();
+      }
+    });
+  for (auto& t : ts) t.join();
+  for (int w = 0; w < WARPS; ++w) delete warp_bar[w];
+}
+"""
+
+TILE_NAMES = [f"{bm}x{bn}" for bm, bn in GEMM_TILES]
+
+
+def emu_source() -> str:
+    src = build.source()
+    rule = "// " + "-" * 64 + " "
+    head = src[src.index("typedef unsigned int u32;"): src.index(rule + "loads, conversions")]
+    decode = "".join(re.findall(r"__device__ __forceinline__ void dec_fp[48]\(.*?\n\}\n", src, re.S))
+    gemm = src[src.index(rule + "prefill"): src.index(rule + "MoE routing")]
+    # the inline-PTX helpers are the shim's
+    gemm = re.sub(r"__device__ __forceinline__ (u32|u32x4|void) (smem_u32|ld_x16|wmma_ld_a|wmma_ld_b|wmma_mma|"
+                  r"wmma_st)\(.*?\n\}\n", "", gemm, flags=re.S)
+    assert "asm" not in gemm and "asm" not in decode, "an inline-PTX helper the shim does not replace"
+    entry = "".join(
+        f'extern "C" void emu_{f}_{t}(int gx, int gy, const u32x4* w, const u64* s, float gs, const u16* x, '
+        f'u16* y, int M, int N, int K) {{ run_grid(gx, gy, [&] {{ qpn{f}_gemm_{t}(w, s, gs, x, y, M, N, K, 1, 1); }}); }}\n'
+        for f in (2, 8) for t in TILE_NAMES)
+    return SHIM + head + decode + HELPERS + RUN + gemm + entry
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    if not shutil.which("g++"):
+        pytest.skip("needs g++ (C++20)")
+    d = tmp_path_factory.mktemp("qpn_gemm_emu")
+    (d / "emu.cpp").write_text(emu_source())
+    cmd = ["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-o", str(d / "emu.so"), str(d / "emu.cpp"),
+           "-lpthread"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode and ("barrier" in res.stderr or "_Float16" in res.stderr):
+        pytest.skip("g++ without C++20 <barrier> or _Float16")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return ctypes.CDLL(str(d / "emu.so"))
+
+
+P = lambda t: ctypes.c_void_p(t.data_ptr())   # noqa: E731
+I = ctypes.c_int  # noqa: E741
+
+
+def emu_gemm(lib, x, qw, tile):
+    n, k = qw.shape
+    m = x.shape[0]
+    bm, bn = (int(v) for v in tile.split("x"))
+    if qw.qtype is QType.NVFP4:
+        words, scales = layout.pack_nvfp4(qw)
+    else:
+        words, scales = layout.pack_fp8(qw), torch.zeros(16, dtype=torch.uint8)
+    y = torch.full((m, n), float("nan")).half()                               # poisoned output
+    fmt = 2 if qw.qtype is QType.NVFP4 else 8
+    getattr(lib, f"emu_{fmt}_{tile}")(I(-(-m // bm)), I(-(-n // bn)), P(words), P(scales),
+                                      ctypes.c_float(layout.global_scale(qw)), P(x), P(y), I(m), I(n), I(k))
+    return y
+
+
+@pytest.mark.parametrize("qtype,n,k,m,tile", [
+    (QType.NVFP4, 200, 320, 17, "32x64"),      # N, M not multiples of the tile; 5 k-steps, PF = 4
+    (QType.NVFP4, 136, 256, 70, "64x128"),
+    (QType.NVFP4, 40, 192, 129, "128x128"),
+    (QType.FP8, 72, 352, 33, "64x64"),          # K = 32 mod 64: the last k-step has one chunk
+    (QType.FP8, 130, 160, 100, "128x128"),
+    (QType.FP8, 24, 96, 40, "64x128"),
+])
+def test_emulated_gemm(emu, qtype, n, k, m, tile):
+    qw = {QType.NVFP4: nvfp4, QType.FP8: fp8}[qtype](n, k, seed=n + k + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half()
+    y = emu_gemm(emu, x, qw, tile)
+    assert not torch.isnan(y).any(), "unwritten outputs"
+    ref = x.double() @ qw.dequantize(torch.float64).t()
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-3, f"relative error {err:.2e}"
