@@ -105,23 +105,10 @@ def test_prefill_gemm_matches_reference(backend, prefill, qtype, n, k):
 def test_prefill_gemm_largest_scales(backend, qtype):
     """Largest codes and block scales (NVFP4 6 x 448, FP8 448) with large activations: the group
     scale applied in the fp16 decode must neither overflow nor round."""
-    from hybrid.checkpoint.qweight import QWeight
+    from tests.test_qpn_gemm import max_scale_weight
 
-    n, k = 96, 1024
-    g = torch.Generator().manual_seed(7)
-    if qtype is QType.NVFP4:
-        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-        codes[:, 0::3], codes[:, 1::3] = 7, 15                            # +6, -6
-        data = codes[:, 0::2] | (codes[:, 1::2] << 4)
-        sc = torch.full((n, k // 16), 0x7E, dtype=torch.uint8)          # 448
-        sc[::5, ::2] = 0xFE                                               # -448 (folded into signs)
-        sc[1::7] = 0x01                                                   # smallest subnormal 2^-9
-        qw = QWeight(qtype, (n, k), data, sc.view(torch.float8_e4m3fn), torch.tensor(1e-4))
-    else:
-        b = torch.full((n, k), 0x7E, dtype=torch.uint8)                   # 448
-        b[:, 1::2] |= 0x80
-        b[::3, ::5] = 0x01
-        qw = QWeight(qtype, (n, k), b.view(torch.float8_e4m3fn), torch.tensor(1e-3))
+    qw = max_scale_weight(qtype)
+    n, k = qw.shape
     w = QPNWeight.from_qweight(qw, "cuda")
     wref = qw.dequantize(torch.float64)
     for m in (8, 16, 40, 129):

@@ -15,6 +15,26 @@ from tests.test_qpn_layout import fp8, nvfp4
 THREADS, PBK = 256, 64
 
 
+def max_scale_weight(qtype: QType, n: int = 96, k: int = 1024):
+    """Largest codes and block scales: NVFP4 +-6 x +-448 (negative scales folded into the signs at
+    prepack) with some rows at the smallest subnormal scale 2^-9; FP8 +-448 with some 2^-9 codes."""
+    from hybrid.checkpoint.qweight import QWeight
+
+    g = torch.Generator().manual_seed(7)
+    if qtype is QType.NVFP4:
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        codes[:, 0::3], codes[:, 1::3] = 7, 15                            # +6, -6
+        data = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        sc = torch.full((n, k // 16), 0x7E, dtype=torch.uint8)          # 448
+        sc[::5, ::2] = 0xFE                                               # -448
+        sc[1::7] = 0x01                                                   # 2^-9
+        return QWeight(qtype, (n, k), data, sc.view(torch.float8_e4m3fn), torch.tensor(1e-4))
+    b = torch.full((n, k), 0x7E, dtype=torch.uint8)                       # 448
+    b[:, 1::2] |= 0x80
+    b[::3, ::5] = 0x01
+    return QWeight(qtype, (n, k), b.view(torch.float8_e4m3fn), torch.tensor(1e-3))
+
+
 def _h2(v: int) -> tuple[float, float]:
     """u32 holding two fp16 -> (lo, hi) as floats."""
     a = np.array([v & 0xFFFF, v >> 16], dtype=np.uint16).view(np.float16)

@@ -179,3 +179,16 @@ def test_emulated_gemm(emu, qtype, n, k, m, tile):
     ref = x.double() @ qw.dequantize(torch.float64).t()
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-3, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+def test_emulated_gemm_largest_scales(emu, qtype):
+    from tests.test_qpn_gemm import max_scale_weight
+
+    qw = max_scale_weight(qtype, 40, 256)
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(3)).half() * 30
+    y = emu_gemm(emu, x, qw, "32x64")
+    assert torch.isfinite(y).all()
+    ref = x.double() @ qw.dequantize(torch.float64).t()
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-3, f"relative error {err:.2e}"
