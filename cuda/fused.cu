@@ -496,6 +496,49 @@ __device__ __forceinline__ void attn_load(const AttnArgs& a, int rs, uint4 (&kq)
   }
 }
 
+// One stage of the transposing butterfly: lanes c and c ^ o each keep one half of their first 2 M2
+// values (the upper half where c & o) and add the partner's copy of it.
+template <int M2>
+__device__ __forceinline__ void butterfly_stage(float (&s)[16], int c, int o) {
+  const bool up = (c & o) != 0;
+#pragma unroll
+  for (int j = 0; j < M2; ++j) {
+    const float send = up ? s[j] : s[j + M2], keep = up ? s[j + M2] : s[j];
+    s[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+  }
+}
+
+// Score v of a lane after the butterfly: head h0 + v / 4, key pass v % 4 (keys past n: -inf).
+__device__ __forceinline__ void put_score(AttnSmem& sm, int h0, int v, float x, int g, int NP, int r,
+                                          int KP, int rs, int n, float scale2) {
+  const int hh = v >> 2, i = v & 3, kl = r + KP * i;
+  if (h0 + hh < g && i < NP) sm.sc[h0 + hh][kl] = rs + kl < n ? x * scale2 : NEG_INF;
+}
+
+// P.V of a round for the thread's first HN head slots (heads r + KP j; a slot past g computes with
+// head 0 and is never written): acc[j] += sum over the round's keys of p[h][key] * V[key][its dims].
+template <int HN>
+__device__ __forceinline__ void attn_pv(const AttnSmem& sm, float (&acc)[ATT_HPT][8], int nk, int D,
+                                        int c, int C, int r, int KP, int g) {
+  int hj[HN];
+#pragma unroll
+  for (int j = 0; j < HN; ++j) hj[j] = r + KP * j < g ? r + KP * j : 0;
+  const float* vt = sm.u.vt;
+#pragma unroll 4
+  for (int kk = 0; kk < nk; ++kk) {
+    const float4 v0 = *(const float4*)(vt + kk * D + 4 * c);
+    const float4 v1 = *(const float4*)(vt + kk * D + 4 * (c + C));
+#pragma unroll
+    for (int j = 0; j < HN; ++j) {
+      const float pk = sm.sc[hj[j]][kk];
+      acc[j][0] = fmaf(pk, v0.x, acc[j][0]); acc[j][1] = fmaf(pk, v0.y, acc[j][1]);
+      acc[j][2] = fmaf(pk, v0.z, acc[j][2]); acc[j][3] = fmaf(pk, v0.w, acc[j][3]);
+      acc[j][4] = fmaf(pk, v1.x, acc[j][4]); acc[j][5] = fmaf(pk, v1.y, acc[j][5]);
+      acc[j][6] = fmaf(pk, v1.z, acc[j][6]); acc[j][7] = fmaf(pk, v1.w, acc[j][7]);
+    }
+  }
+}
+
 // The split's attention once sm.qs holds the queries (and sm.kn / sm.vn row pp when pp >= 0) and the
 // threads are synchronised; kq / vq: the first round's loads; n = keys attended (0..n-1, n <= L).
 __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint4 (&kq)[ATT_NP],
@@ -557,25 +600,19 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
       }
       // transposing butterfly over the Cp lanes of a row: each stage halves the values a lane keeps
       int o = Cp >> 1;
-#pragma unroll
-      for (int st = 0, m2 = 8; st < 4; ++st, m2 >>= 1) {
-        if (st < T) {
-          const bool up = (c & o) != 0;
-#pragma unroll
-          for (int j = 0; j < m2; ++j) {
-            const float send = up ? s[j] : s[j + m2], keep = up ? s[j + m2] : s[j];
-            s[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
-          }
-          o >>= 1;
-        }
-      }
+      if (T > 0) { butterfly_stage<8>(s, c, o); o >>= 1; }
+      if (T > 1) { butterfly_stage<4>(s, c, o); o >>= 1; }
+      if (T > 2) { butterfly_stage<2>(s, c, o); o >>= 1; }
+      if (T > 3) { butterfly_stage<1>(s, c, o); o >>= 1; }
       for (; o; o >>= 1) s[0] += __shfl_xor_sync(0xffffffffu, s[0], o);   // Cp = 32: one value left
-      if ((c & ((1 << (cpl - T)) - 1)) == 0) {
+      if ((c & ((1 << (cpl - T)) - 1)) == 0) {            // value j is (head h0 + v / 4, pass v % 4)
+        const int base = nv * (c >> (cpl - T));
+        if (nv == 1) {                                    // D >= 128: one value per lane
+          put_score(sm, h0, base, s[0], g, NP, r, KP, rs, n, a.scale2);
+        } else {
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const int v = j + nv * (c >> (cpl - T)), hh = v >> 2, i = v & 3, kl = r + KP * i;
-          if (j < nv && h0 + hh < g && i < NP)
-            sm.sc[h0 + hh][kl] = rs + kl < n ? s[j] * a.scale2 : NEG_INF;
+          for (int j = 0; j < 16; ++j)
+            if (j < nv) put_score(sm, h0, j + base, s[j], g, NP, r, KP, rs, n, a.scale2);
         }
       }
     }
@@ -611,23 +648,10 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[j][e] *= al;
       }
-      const float* vt = sm.u.vt;
-#pragma unroll 4
-      for (int kk = 0; kk < nk; ++kk) {
-        const float4 v0 = *(const float4*)(vt + kk * D + 4 * c);
-        const float4 v1 = *(const float4*)(vt + kk * D + 4 * (c + C));
-#pragma unroll
-        for (int j = 0; j < ATT_HPT; ++j) {
-          const int h = r + KP * j;
-          if (h < g) {
-            const float pk = sm.sc[h][kk];
-            acc[j][0] = fmaf(pk, v0.x, acc[j][0]); acc[j][1] = fmaf(pk, v0.y, acc[j][1]);
-            acc[j][2] = fmaf(pk, v0.z, acc[j][2]); acc[j][3] = fmaf(pk, v0.w, acc[j][3]);
-            acc[j][4] = fmaf(pk, v1.x, acc[j][4]); acc[j][5] = fmaf(pk, v1.y, acc[j][5]);
-            acc[j][6] = fmaf(pk, v1.z, acc[j][6]); acc[j][7] = fmaf(pk, v1.w, acc[j][7]);
-          }
-        }
-      }
+      const int hn = (g + KP - 1) / KP;                   // head slots in use: no per-key predicates
+      if (hn == 1) attn_pv<1>(sm, acc, nk, D, c, C, r, KP, g);
+      else if (hn == 2) attn_pv<2>(sm, acc, nk, D, c, C, r, KP, g);
+      else attn_pv<ATT_HPT>(sm, acc, nk, D, c, C, r, KP, g);
     }
   }
   __syncthreads();                                        // sm.m / sm.l final (also with no rounds)
