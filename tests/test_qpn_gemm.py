@@ -164,3 +164,14 @@ def test_prefill_kernel_routing():
     assert prefill_kernel(2, PREFILL_MIN + 1, 4096, 132).startswith("qpn2_gemm_")
     assert prefill_kernel(8, 512, 4096, 132, "mt") is None
     assert prefill_kernel(8, 512, 4096, 132, "64x128") == "qpn8_gemm_64x128"
+
+
+def test_prefill_variant_from_environment():
+    import os
+    import subprocess
+    import sys
+
+    code = "from hybrid.kernels import qpn; print(qpn.PREFILL_VARIANT[0])"
+    env = {**os.environ, "HYBRID_QPN_PREFILL": "mt"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "mt"

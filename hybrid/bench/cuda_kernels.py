@@ -346,7 +346,7 @@ def bench(args) -> int:
         if r["shape"] == "moe_8_experts":
             return "moe" + (qpn.variant(None, env["sm"]) or " reg")
         fmt = 2 if r["format"] == "nvfp4" else 8
-        gemm = qpn.prefill_kernel(fmt, r["m"], r["n"], sms)
+        gemm = qpn.prefill_kernel(fmt, r["m"], r["n"], sms, qpn.PREFILL_VARIANT[0])
         if gemm is not None:
             return gemm.split("qpn%d_" % fmt)[1]
         return qpn.linear_kernel(fmt, qpn._mt(r["m"], env["sm"]), r["m"], env["sm"]).split("linear_")[1]

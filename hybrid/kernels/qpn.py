@@ -6,6 +6,7 @@ A routed assignments.
 from __future__ import annotations
 
 import ctypes
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -27,8 +28,9 @@ LINEAR_VARIANT: list[str | None] = [None]
 MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
 # M > PREFILL_MIN linear kernel: None = the shared-memory tiled GEMM with the tile picked by
 # gemm_tile; "mt" = the 8-row-tile kernels (qpn{2,8}_linear_mt{2,4}, the path before it; A/B);
-# "<BM>x<BN>" (one of GEMM_TILES) forces a tile: benchmark, tests.
-PREFILL_VARIANT: list[str | None] = [None]
+# "<BM>x<BN>" (one of GEMM_TILES) forces a tile: benchmark, tests; initial value from
+# $HYBRID_QPN_PREFILL (A/B runs of whole programs).
+PREFILL_VARIANT: list[str | None] = [os.environ.get("HYBRID_QPN_PREFILL") or None]
 PREFILL_MIN = 16
 GEMM_TILES = ((128, 128), (64, 128), (64, 64), (32, 64))  # (BM rows of x, BN rows of W), largest first
 
