@@ -435,6 +435,7 @@ extern "C" __global__ void __launch_bounds__(128)
 #define ATT_NP 4        // key passes per round
 #define ATT_HPT 4       // query heads per thread in P.V: ceil(g / KP)
 #define ATT_MAXW 1024   // splits x query heads the combine keeps in shared memory
+#define ATT_PF 12       // splits of partials per output group the combine loads before the weights
 #define LOG2E 1.4426950408889634f
 
 struct AttnSmem {
@@ -537,6 +538,46 @@ __device__ __forceinline__ void attn_pv(const AttnSmem& sm, float (&acc)[ATT_HPT
       acc[j][6] = fmaf(pk, v1.z, acc[j][6]); acc[j][7] = fmaf(pk, v1.w, acc[j][7]);
     }
   }
+}
+
+// Combined output of float4 group idx (head idx / G4) of a KV head: the splits' partial sums weighted by
+// sm.u.c.w over sm.l; xp: the group's first pf splits, already loaded.
+__device__ __forceinline__ void combine_out(const AttnSmem& sm, const float4 (&xp)[ATT_PF], int pf,
+                                            const float* pacc, int idx, int SU, int g, int G4, int gd,
+                                            u16* out) {
+  const int h = idx / G4;
+  const float* w = sm.u.c.w;
+  const float* pb = pacc + 4 * idx;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int u = 0; u < ATT_PF; ++u) {
+    if (u < pf) {
+      const float wt = w[u * g + h];
+      o.x = fmaf(wt, xp[u].x, o.x); o.y = fmaf(wt, xp[u].y, o.y);
+      o.z = fmaf(wt, xp[u].z, o.z); o.w = fmaf(wt, xp[u].w, o.w);
+    }
+  }
+  int sp = pf;
+  for (; sp + 4 <= SU; sp += 4) {                          // 4 splits' loads in flight
+    float4 x[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) x[u] = ld_cg4(pb + (size_t)(sp + u) * gd);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float wt = w[(sp + u) * g + h];
+      o.x = fmaf(wt, x[u].x, o.x); o.y = fmaf(wt, x[u].y, o.y);
+      o.z = fmaf(wt, x[u].z, o.z); o.w = fmaf(wt, x[u].w, o.w);
+    }
+  }
+  for (; sp < SU; ++sp) {
+    const float4 x = ld_cg4(pb + (size_t)sp * gd);
+    const float wt = w[sp * g + h];
+    o.x = fmaf(wt, x.x, o.x); o.y = fmaf(wt, x.y, o.y);
+    o.z = fmaf(wt, x.z, o.z); o.w = fmaf(wt, x.w, o.w);
+  }
+  const float l = sm.l[h];                                 // 0 with no keys: NaN out
+  u16* ob = out + 4 * idx;
+  ob[0] = f2h(o.x / l); ob[1] = f2h(o.y / l); ob[2] = f2h(o.z / l); ob[3] = f2h(o.w / l);
 }
 
 // The split's attention once sm.qs holds the queries (and sm.kn / sm.vn row pp when pp >= 0) and the
@@ -697,8 +738,20 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
   __threadfence();
   const int SU = n > 0 ? min(S, (n + SK - 1) / SK) : 0;   // the splits with keys
   const int SG = SU * g;                                   // <= ATT_MAXW (the launcher's plan)
+  const int G4 = D >> 2, NG = g * G4;                      // float4 groups of the KV head's output
+  u16* out_kvh = a.out + (size_t)kvh * gd;
+  float4 xp0[ATT_PF], xp1[ATT_PF];   // groups tid, tid + 128 of the first splits: loads in flight now
+#pragma unroll
+  for (int u = 0; u < ATT_PF; ++u) {
+    xp0[u] = xp1[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (u < SU && tid < NG) xp0[u] = ld_cg4(pacc + (size_t)u * gd + 4 * tid);
+    if (u < SU && tid + ATT_THREADS < NG) xp1[u] = ld_cg4(pacc + (size_t)u * gd + 4 * (tid + ATT_THREADS));
+  }
   float *w = sm.u.c.w, *wl = sm.u.c.wl;
-  for (int i = tid; i < SG; i += ATT_THREADS) w[i] = ld_cg(pml + 2 * i);
+  for (int i = tid; i < SG; i += ATT_THREADS) {          // (max, sum) of every split: one latency
+    w[i] = ld_cg(pml + 2 * i);
+    wl[i] = ld_cg(pml + 2 * i + 1);
+  }
   __syncthreads();
   if (tid < g) {
     float mx = NEG_INF;
@@ -709,7 +762,7 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
   for (int i = tid; i < SG; i += ATT_THREADS) {
     const float mi = w[i], wgt = mi == NEG_INF ? 0.f : exp2f(mi - sm.m[i % g]);
     w[i] = wgt;
-    wl[i] = wgt * ld_cg(pml + 2 * i + 1);
+    wl[i] *= wgt;
   }
   __syncthreads();
   if (tid < g) {
@@ -718,33 +771,10 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
     sm.l[tid] = l;                                         // 0 with no keys: NaN out
   }
   __syncthreads();
-  const int G4 = D >> 2;                                   // float4 groups per head
-  for (int idx = tid; idx < g * G4; idx += ATT_THREADS) {
-    const int h = idx / G4, d4 = idx - h * G4;
-    const float* pb = pacc + h * D + 4 * d4;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    int sp = 0;
-    for (; sp + 4 <= SU; sp += 4) {                        // 4 splits' loads in flight
-      float4 x[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) x[u] = ld_cg4(pb + (size_t)(sp + u) * gd);
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const float wt = w[(sp + u) * g + h];
-        o.x = fmaf(wt, x[u].x, o.x); o.y = fmaf(wt, x[u].y, o.y);
-        o.z = fmaf(wt, x[u].z, o.z); o.w = fmaf(wt, x[u].w, o.w);
-      }
-    }
-    for (; sp < SU; ++sp) {
-      const float4 x = ld_cg4(pb + (size_t)sp * gd);
-      const float wt = w[sp * g + h];
-      o.x = fmaf(wt, x.x, o.x); o.y = fmaf(wt, x.y, o.y);
-      o.z = fmaf(wt, x.z, o.z); o.w = fmaf(wt, x.w, o.w);
-    }
-    const float l = sm.l[h];
-    u16* ob = a.out + (size_t)kvh * gd + h * D + 4 * d4;
-    ob[0] = f2h(o.x / l); ob[1] = f2h(o.y / l); ob[2] = f2h(o.z / l); ob[3] = f2h(o.w / l);
-  }
+  if (tid < NG) combine_out(sm, xp0, min(SU, ATT_PF), pacc, tid, SU, g, G4, gd, out_kvh);
+  if (tid + ATT_THREADS < NG) combine_out(sm, xp1, min(SU, ATT_PF), pacc, tid + ATT_THREADS, SU, g, G4, gd, out_kvh);
+  for (int idx = tid + 2 * ATT_THREADS; idx < NG; idx += ATT_THREADS)
+    combine_out(sm, xp0, 0, pacc, idx, SU, g, G4, gd, out_kvh);
   if (tid == 0) a.counters[kvh] = 0;
 }
 

@@ -172,6 +172,7 @@ def emu_rope_attn(lib, qkv, qn, kn, table, ks, vs, hq, hkv, d, keys, p, sms):
 SLOW = pytest.mark.slow
 CASES = [(32, 4, 128, 31, 132), (32, 4, 128, 32, 132), (32, 4, 128, 300, 16), (4, 2, 64, 5, 132),
          (12, 4, 40, 130, 132), (2, 1, 16, 200, 2), (1, 1, 8, 3, 132), (16, 1, 128, 90, 3), (16, 2, 64, 0, 132),
+         (16, 1, 128, 1000, 132),
          pytest.param(32, 4, 128, 300, 132, marks=SLOW), pytest.param(32, 4, 128, 700, 8, marks=SLOW),
          pytest.param(8, 8, 256, 40, 132, marks=SLOW), pytest.param(15, 1, 136, 100, 132, marks=SLOW)]
 
@@ -179,7 +180,8 @@ CASES = [(32, 4, 128, 31, 132), (32, 4, 128, 32, 132), (32, 4, 128, 300, 16), (4
 @pytest.mark.parametrize("hq,hkv,d,p,sms", CASES)
 def test_emulated_attention(emu, hq, hkv, d, p, sms):
     """decode_attn at the bucket (splits past the last key) and tight (keys = p + 1), rope_attn at the
-    bucket; sms < 132 gives several rounds per split. (OS threads on a small machine: slow; the H200
+    bucket; sms < 132 gives several rounds per split; p = 1000 at 16 / 1 heads: 16 splits with keys (more
+    than the combine loads ahead, ATT_PF) and 4 output groups per thread. (OS threads on a small machine: slow; the H200
     shapes with every split are marked slow.)"""
     cap = p + 80
     seed = hq * 1000 + d + p
