@@ -383,7 +383,8 @@ def decode_attn(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, k
                 pos: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
     """q [1, Hq, D] fp16 at position p (pos [1] int64 on the device, or the host int start); keys
     0..p of k_store/v_store [C, Hkv, D] fp16, p < keys <= C (keys: the rows the launch covers, a
-    bucket for graphs; a device p >= keys attends the first keys rows) -> attention output [1, Hq * D] fp16 (GQA: query head i reads KV head i // g)."""
+    bucket for graphs; a device p >= keys attends the first keys rows) -> attention output
+    [1, Hq * D] fp16 (GQA: query head i reads KV head i // g). Flash-decoding: attn_plan splits."""
     if q.dim() != 3 or q.shape[0] != 1:
         raise ValueError(f"q: expected shape [1, Hq, D], got {list(q.shape)}")
     _, hq, d = q.shape
@@ -447,6 +448,7 @@ _SMS: dict = {}
 
 
 def _sm_count(dev: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached; tests may set _SMS[dev] to plan for fewer)."""
     if dev not in _SMS:
         _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
     return _SMS[dev]
