@@ -6,8 +6,9 @@ the previous one), one launch per layer captured as ONE CUDA graph per (variant,
 position pos, keys = pos + 1 rounded up to 256 (the graph bucket of hybrid.model.layers.attn_keys).
 Per record: GPU us per launch (CUDA events over graph replays), the split plan, the max abs difference
 to the fp32 reference. One JSON line per record on stdout as measured (all of them, stamped, appended
-to $OUT/attn_bench.jsonl when $OUT is set). --sweep also times the fused kernels under other split plans (the tuning knobs
-hybrid.kernels.fused.ATT_PASSES, ATT_BLOCKS_PER_SM, ATT_COMBINE_Q), each record naming its knobs.
+to $OUT/attn_bench.jsonl when $OUT is set). --sweep also times the fused kernels under other split
+plans (the tuning knobs hybrid.kernels.fused.ATT_PASSES, ATT_BLOCKS_PER_SM, ATT_COMBINE_Q), each
+record naming its knobs.
 
     PYTHONPATH=. python3 tools/gpu_attn_bench.py [--pos 300 3000] [--layers 48] [--heads 32 4 128] [--sweep]
 """
