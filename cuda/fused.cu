@@ -820,6 +820,11 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
   const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
   uint4 kq[ATT_NP], vq[ATT_NP];
   attn_load(a, blockIdx.y * SK, kq, vq);                  // the first round, before the position
+  const int lane = threadIdx.x & 31;
+  for (int h = warp; h <= g; h += ATT_THREADS / 32) {     // this warp's q rows (and the K row) into
+    const u16* src = qkv + (size_t)(h == g ? Hq + kvh : kvh * g + h) * D;   // L1: one latency for all
+    if (lane * 64 < D) asm volatile("prefetch.global.L1 [%0];" ::"l"(src + lane * 64));
+  }
   const long long p = pos ? pos[0] : (long long)pos0;
   const bool ok = p >= 0 && p < C && p < table_rows;
   const long long ps = ok ? p / SK : 0;

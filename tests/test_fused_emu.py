@@ -115,6 +115,7 @@ def emu_source() -> str:
     rope = _section(src, rule + "q/k RMSNorm", rule + "router")
     attn = _section(src, rule + "one-token GQA attention", None)
     attn = re.sub(r"__device__ __forceinline__ (uint4 ldg_v4|float4 ld_cg4)\(.*?\n\}\n", "", attn, flags=re.S)
+    attn = re.sub(r'asm volatile\("prefetch[^"]*"[^;]*;', ";", attn)          # cache hints: none here
     return SHIM + head + reductions + rope + attn + ENTRY
 
 
