@@ -147,9 +147,11 @@ def test_emulated_gemm_matches_reference(qtype, n, k, m, tile):
 def test_tile_choice():
     sms = 132
     assert gemm_tile(128, 151936, sms) == (128, 128)      # lm_head: plenty of blocks
-    assert gemm_tile(512, 4096, sms) == (64, 64)          # q_proj M = 512: 512 blocks
-    assert gemm_tile(128, 4096, sms) == (32, 64)          # small: the most blocks
-    assert gemm_tile(17, 151936, sms)[0] == 32            # BM no larger than M needs
+    assert gemm_tile(512, 4096, sms) == (128, 128)        # q_proj M = 512: 128 blocks fill 132 SMs
+    assert gemm_tile(128, 4096, sms) == (64, 64)          # q_proj M = 128: 128 blocks
+    assert gemm_tile(64, 4096, sms) is None               # 64 blocks: the 8-row tiles are faster
+    assert gemm_tile(128, 2048, sms) is None              # o_proj M = 128 likewise
+    assert gemm_tile(17, 151936, sms) == (64, 128)        # BM no larger than M rounded up (min 64x64)
     assert gemm_tile(100, 10 ** 6, sms) == (128, 128)
     for bm, bn in GEMM_TILES:
         assert gemm_tile(1000, 64, sms, f"{bm}x{bn}") == (bm, bn)
@@ -161,7 +163,8 @@ def test_tile_choice():
 
 def test_prefill_kernel_routing():
     assert prefill_kernel(2, PREFILL_MIN, 4096, 132) is None
-    assert prefill_kernel(2, PREFILL_MIN + 1, 4096, 132).startswith("qpn2_gemm_")
+    assert prefill_kernel(2, PREFILL_MIN + 1, 151936, 132).startswith("qpn2_gemm_")
+    assert prefill_kernel(2, 64, 4096, 132) is None       # no tile fills the device: 8-row tiles
     assert prefill_kernel(8, 512, 4096, 132, "mt") is None
     assert prefill_kernel(8, 512, 4096, 132, "64x128") == "qpn8_gemm_64x128"
 

@@ -51,30 +51,36 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None)
     return f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
 
 
-def gemm_tile(m: int, n: int, sms: int, choice: str | None = None) -> tuple[int, int]:
+GEMM_WAVE = 0.9       # a tile is picked only if it makes at least this many blocks per SM
+
+
+def gemm_tile(m: int, n: int, sms: int, choice: str | None = None) -> tuple[int, int] | None:
     """(BM, BN) of the tiled GEMM for M rows, N out features on a device with `sms` SMs: the
-    largest tile (BM no larger than M rounded up to a power of two) that still gives two blocks
-    per SM; else the one with the most blocks. choice "<BM>x<BN>" forces one of GEMM_TILES."""
+    largest tile of at least 64 x 64 (BM no larger than M rounded up to a power of two, >= 64) that still
+    fills the device (GEMM_WAVE blocks per SM); None if none does (the 8-row-tile kernels are
+    faster there). H200, git 3ab1235 (results/cuda_kernels.md): q_proj M = 128 64x64 28.2 us vs mt
+    33.2 and 128x128 44.2; M = 512 128x128 44.7 vs 64x64 72.2 and mt 100.6; o_proj M = 64..128
+    and every 32x64 pick slower than mt. choice "<BM>x<BN>" forces one of GEMM_TILES."""
     if choice is not None:
         tile = tuple(int(v) if v.isdigit() else -1 for v in choice.split("x"))
         if tile not in GEMM_TILES:
             raise ValueError(f"PREFILL_VARIANT: expected one of "
                              f"{', '.join(f'{a}x{b}' for a, b in GEMM_TILES)} or 'mt', got {choice!r}")
         return tile
-    cap = max(32, 1 << (m - 1).bit_length())
-    fits = [(bm, bn) for bm, bn in GEMM_TILES if bm <= cap]
-    for bm, bn in fits:
-        if -(-m // bm) * -(-n // bn) >= 2 * sms:
+    cap = max(64, 1 << (m - 1).bit_length())
+    for bm, bn in GEMM_TILES:
+        if bm <= cap and bm * bn >= 64 * 64 and -(-m // bm) * -(-n // bn) >= GEMM_WAVE * sms:
             return bm, bn
-    return fits[-1]
+    return None
 
 
 def prefill_kernel(fmt: int, m: int, n: int, sms: int, choice: str | None = None) -> str | None:
-    """The tiled GEMM kernel for M rows (None: M <= PREFILL_MIN or the 'mt' variant)."""
+    """The tiled GEMM kernel for M rows (None: M <= PREFILL_MIN, the 'mt' variant, or no tile
+    fills the device)."""
     if m <= PREFILL_MIN or choice == "mt":
         return None
-    bm, bn = gemm_tile(m, n, sms, choice)
-    return f"qpn{fmt}_gemm_{bm}x{bn}"
+    tile = gemm_tile(m, n, sms, choice)
+    return None if tile is None else f"qpn{fmt}_gemm_{tile[0]}x{tile[1]}"
 
 
 # ---------------------------------------------------------------------------- weights
