@@ -40,12 +40,12 @@ ATT_BLOCKS_PER_SM = 1.0   # tuning: split blocks per SM the plan aims at
 _DT = {torch.float16: 0, torch.float32: 1}
 
 
-# The parts on when HYBRID_FUSED is unset: the fastest set measured on the H200 (48 30B-A3B-shaped
-# dense layers in one CUDA graph, tools/gpu_fused_ab.py --layers 48, git 909cbcd: torch ops 88.4 us
-# per layer, rope+route 57.6, norm+rope+route 48.9, norm+rope+attn+route 66.9, every part 63.6; the
-# attention kernels are still slower than torch's SDPA (34 vs 14 us at 512 keys). At da35ee4, before
-# the dtype-specialised add+norm(+router) loops, norm+rope+route was 72.4.) results/runtime.md.
-DEFAULT_PARTS = frozenset({"norm", "rope", "route"})
+# The parts on when HYBRID_FUSED is unset: every part, the fastest set measured on the H200 (48
+# 30B-A3B-shaped dense layers in one CUDA graph, tools/gpu_fused_ab.py --layers 48 --pos 300 3000,
+# git 3ab1235, flash-decoding attention): at 512 keys every part 42.5 us per layer, norm+rope+route
+# with torch's SDPA 49.4, torch ops 88.6; at 3072 keys 51.0 / 98.0 / 137.2 (SDPA 62.7 us per layer,
+# fused_rope_attn 21.3). results/runtime.md.
+DEFAULT_PARTS = frozenset(PARTS)
 
 
 def enabled(part: str) -> bool:
