@@ -8,7 +8,9 @@ from hybrid.runtime import RuntimeOptions, open_session
 from hybrid.tokenizer import Tokenizer
 from hybrid.bench.decode import measure
 
+import os
 path = sys.argv[1]
+print(json.dumps({"env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "NUMBA_THREADING_LAYER")}}), flush=True)
 cfg = ModelConfig.from_folder(path)
 tok = Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
 s = open_session(path, RuntimeOptions(device="cuda", gpus=(0,), cache_slots=(0,), profile="h200"), context=96)
