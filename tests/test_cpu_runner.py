@@ -55,6 +55,21 @@ def test_thread_counts_give_the_same_result(store_and_weights):
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 
+def test_timing_counts_pooled_calls_only(store_and_weights):
+    s, _ = store_and_weights
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, H)).astype(np.float32)
+    ids, rows, wts = routing(2, rng)
+    with CpuExpertRunner(s, threads=2) as runner:                     # small call: runs inline in sync
+        runner.sync(runner.submit(0, ids, rows, wts, x))
+        assert runner.timing["calls"] == 0
+    with CpuExpertRunner(s, threads=2, inline_bytes=0) as runner:     # every call through the pool
+        for _ in range(3):
+            runner.sync(runner.submit(0, ids, rows, wts, x))
+        tm = runner.timing
+        assert tm["calls"] == 3 and tm["kernel_s"] > 0 and tm["queue_s"] >= 0
+
+
 def test_untouched_rows_are_zero_and_flat_pairs_match(store_and_weights):
     s, _ = store_and_weights
     rng = np.random.default_rng(5)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +46,7 @@ class Work:
     slots: tuple              # gate_up offsets [E], down offsets [E], scales [E, 3]
     parts: int = 1            # parts each phase is split into (the runner's threads)
     inline: bool = False      # run by sync() on the calling thread
+    t_submit: float = 0.0     # perf_counter at submit (hand-off timing: CpuExpertRunner.timing)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -65,6 +67,7 @@ class CpuExpertRunner:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._loop, daemon=True, name="cpu-experts")
         self._closed = False
+        self.timing = {"calls": 0, "queue_s": 0.0, "kernel_s": 0.0}   # pooled calls: submit -> start, kernel
         self._warm_up()
         self._worker.start()
 
@@ -79,6 +82,7 @@ class CpuExpertRunner:
             raise ValueError(f"x must be [T, {self.store.hidden}] f32, got {x.shape}")
         ids, rows, ptr, w = _group(expert_ids, token_rows, route_weights, x.shape[0])
         work = self._plan(layer, ids, rows, ptr, w, x)
+        work.t_submit = time.perf_counter()
         if work.inline:
             return work
         if work.rows.shape[0] == 0:
@@ -135,11 +139,17 @@ class CpuExpertRunner:
             work = self._queue.get()
             if work is None:
                 return
+            t0 = time.perf_counter()
             try:
                 self._run_parallel(work)
             except BaseException as exc:        # noqa: BLE001 - handed to sync()
                 work.error = exc
             finally:
+                t1 = time.perf_counter()
+                tm = self.timing
+                tm["calls"] += 1
+                tm["queue_s"] += t0 - work.t_submit
+                tm["kernel_s"] += t1 - t0
                 work.done.set()
 
     def _run_parallel(self, work: Work) -> None:
