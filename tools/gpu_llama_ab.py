@@ -14,7 +14,8 @@
    b) every layer on the GPU (n_gpu_layers=-1)
 6. a markdown table ($OUT/llama_ab.md) of decode and prefill tok/s, with the planner's prediction.
    Decode tok/s = (tokens - 1) / wall time of the decode steps, each with its argmax, for both engines
-   (hybrid.generate's count); llama.cpp's median step is beside it. VRAM: llama.cpp, what the GPU's
+   (hybrid.generate's count). llama.cpp's median step stays in the JSONL only: on CUDA llama_decode
+   returns before the GPU finishes, so a single step's time is not a speed. VRAM: llama.cpp, what the GPU's
    used memory grew by over the load (weights, KV, compute buffers); hybrid, torch's peak allocation.
 
 Records go to $OUT/llama_ab.jsonl (machine, command, git sha: HYBRID_GIT_SHA on the device).
@@ -358,8 +359,7 @@ def table(results: dict) -> str:
         pred = r.get("prediction", {}).get("tok_s")
         vram = r.get("gpu_used_gib_by_load", r.get("peak_gib_both_cards"))
         ids = r.get("generated_ids_head") or []
-        med = f" (median step {r['decode_median_tok_s']:.2f})" if r.get("decode_median_tok_s") else ""
-        lines.append(f"| {engine} | {place} | {where} | **{r['decode_tok_s']:.2f}**{med} | {r['prefill_tok_s']:.1f} | "
+        lines.append(f"| {engine} | {place} | {where} | **{r['decode_tok_s']:.2f}** | {r['prefill_tok_s']:.1f} | "
                      f"{'' if pred is None else f'{pred:.2f}'} | "
                      f"{'' if r.get('measured_over_predicted') is None else r['measured_over_predicted']} | "
                      f"{'' if vram is None else vram} | {_load_gpu_runtime_check().prefix_match(ids, ref) if ref else ''} |")
