@@ -9,9 +9,12 @@ from numba import njit
 from cpu.decode import e4m3, nib_hi, nib_lo
 
 JIT = dict(nogil=True, fastmath=True, cache=True)
+# no `reassoc`: LLVM keeps the written sum order (independent FMA chains) instead of folding
+# every tree into one serial FMA chain; `contract` still fuses a*b + c into an FMA
+JIT_CHAINS = dict(nogil=True, fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"}, cache=True)
 
 
-@njit(**JIT)
+@njit(**JIT_CHAINS)
 def nvfp4_tile_m1(tile, x, rows, p0, acc):
     G, _, R = tile.shape
     a0 = rows[p0]
@@ -37,7 +40,7 @@ def nvfp4_tile_m1(tile, x, rows, p0, acc):
             l6, h6 = nib_lo(b6), nib_hi(b6)
             l7, h7 = nib_lo(b7), nib_hi(b7)
             s = e4m3(tile[g, 8, r])
-            acc[0, r] += ((((l0 * x0_0 + h0 * x0_1) + (l1 * x0_2 + h1 * x0_3)) + ((l2 * x0_4 + h2 * x0_5) + (l3 * x0_6 + h3 * x0_7))) + (((l4 * x0_8 + h4 * x0_9) + (l5 * x0_10 + h5 * x0_11)) + ((l6 * x0_12 + h6 * x0_13) + (l7 * x0_14 + h7 * x0_15)))) * s
+            acc[0, r] += ((((l0 * x0_0 + l2 * x0_4 + l4 * x0_8 + l6 * x0_12) + (h0 * x0_1 + h2 * x0_5 + h4 * x0_9 + h6 * x0_13)) + ((l1 * x0_2 + l3 * x0_6 + l5 * x0_10 + l7 * x0_14) + (h1 * x0_3 + h3 * x0_7 + h5 * x0_11 + h7 * x0_15)))) * s
 
 
 @njit(**JIT)
@@ -67,7 +70,7 @@ def fp8_tile_m1(tile, x, rows, p0, acc):
             acc[0, r] += ((((w0 * x0_0 + w1 * x0_1) + (w2 * x0_2 + w3 * x0_3)) + ((w4 * x0_4 + w5 * x0_5) + (w6 * x0_6 + w7 * x0_7))) + (((w8 * x0_8 + w9 * x0_9) + (w10 * x0_10 + w11 * x0_11)) + ((w12 * x0_12 + w13 * x0_13) + (w14 * x0_14 + w15 * x0_15))))
 
 
-@njit(**JIT)
+@njit(**JIT_CHAINS)
 def nvfp4_tile_m2(tile, x, rows, p0, acc):
     G, _, R = tile.shape
     a0, a1 = rows[p0], rows[p0 + 1]
@@ -94,8 +97,8 @@ def nvfp4_tile_m2(tile, x, rows, p0, acc):
             l6, h6 = nib_lo(b6), nib_hi(b6)
             l7, h7 = nib_lo(b7), nib_hi(b7)
             s = e4m3(tile[g, 8, r])
-            acc[0, r] += ((((l0 * x0_0 + h0 * x0_1) + (l1 * x0_2 + h1 * x0_3)) + ((l2 * x0_4 + h2 * x0_5) + (l3 * x0_6 + h3 * x0_7))) + (((l4 * x0_8 + h4 * x0_9) + (l5 * x0_10 + h5 * x0_11)) + ((l6 * x0_12 + h6 * x0_13) + (l7 * x0_14 + h7 * x0_15)))) * s
-            acc[1, r] += ((((l0 * x1_0 + h0 * x1_1) + (l1 * x1_2 + h1 * x1_3)) + ((l2 * x1_4 + h2 * x1_5) + (l3 * x1_6 + h3 * x1_7))) + (((l4 * x1_8 + h4 * x1_9) + (l5 * x1_10 + h5 * x1_11)) + ((l6 * x1_12 + h6 * x1_13) + (l7 * x1_14 + h7 * x1_15)))) * s
+            acc[0, r] += (((l0 * x0_0 + l1 * x0_2 + l2 * x0_4 + l3 * x0_6 + l4 * x0_8 + l5 * x0_10 + l6 * x0_12 + l7 * x0_14) + (h0 * x0_1 + h1 * x0_3 + h2 * x0_5 + h3 * x0_7 + h4 * x0_9 + h5 * x0_11 + h6 * x0_13 + h7 * x0_15))) * s
+            acc[1, r] += (((l0 * x1_0 + l1 * x1_2 + l2 * x1_4 + l3 * x1_6 + l4 * x1_8 + l5 * x1_10 + l6 * x1_12 + l7 * x1_14) + (h0 * x1_1 + h1 * x1_3 + h2 * x1_5 + h3 * x1_7 + h4 * x1_9 + h5 * x1_11 + h6 * x1_13 + h7 * x1_15))) * s
 
 
 @njit(**JIT)
@@ -127,7 +130,7 @@ def fp8_tile_m2(tile, x, rows, p0, acc):
             acc[1, r] += ((((w0 * x1_0 + w1 * x1_1) + (w2 * x1_2 + w3 * x1_3)) + ((w4 * x1_4 + w5 * x1_5) + (w6 * x1_6 + w7 * x1_7))) + (((w8 * x1_8 + w9 * x1_9) + (w10 * x1_10 + w11 * x1_11)) + ((w12 * x1_12 + w13 * x1_13) + (w14 * x1_14 + w15 * x1_15))))
 
 
-@njit(**JIT)
+@njit(**JIT_CHAINS)
 def nvfp4_tile_m4(tile, x, rows, p0, acc):
     G, _, R = tile.shape
     a0, a1, a2, a3 = rows[p0], rows[p0 + 1], rows[p0 + 2], rows[p0 + 3]
@@ -156,10 +159,10 @@ def nvfp4_tile_m4(tile, x, rows, p0, acc):
             l6, h6 = nib_lo(b6), nib_hi(b6)
             l7, h7 = nib_lo(b7), nib_hi(b7)
             s = e4m3(tile[g, 8, r])
-            acc[0, r] += ((((l0 * x0_0 + h0 * x0_1) + (l1 * x0_2 + h1 * x0_3)) + ((l2 * x0_4 + h2 * x0_5) + (l3 * x0_6 + h3 * x0_7))) + (((l4 * x0_8 + h4 * x0_9) + (l5 * x0_10 + h5 * x0_11)) + ((l6 * x0_12 + h6 * x0_13) + (l7 * x0_14 + h7 * x0_15)))) * s
-            acc[1, r] += ((((l0 * x1_0 + h0 * x1_1) + (l1 * x1_2 + h1 * x1_3)) + ((l2 * x1_4 + h2 * x1_5) + (l3 * x1_6 + h3 * x1_7))) + (((l4 * x1_8 + h4 * x1_9) + (l5 * x1_10 + h5 * x1_11)) + ((l6 * x1_12 + h6 * x1_13) + (l7 * x1_14 + h7 * x1_15)))) * s
-            acc[2, r] += ((((l0 * x2_0 + h0 * x2_1) + (l1 * x2_2 + h1 * x2_3)) + ((l2 * x2_4 + h2 * x2_5) + (l3 * x2_6 + h3 * x2_7))) + (((l4 * x2_8 + h4 * x2_9) + (l5 * x2_10 + h5 * x2_11)) + ((l6 * x2_12 + h6 * x2_13) + (l7 * x2_14 + h7 * x2_15)))) * s
-            acc[3, r] += ((((l0 * x3_0 + h0 * x3_1) + (l1 * x3_2 + h1 * x3_3)) + ((l2 * x3_4 + h2 * x3_5) + (l3 * x3_6 + h3 * x3_7))) + (((l4 * x3_8 + h4 * x3_9) + (l5 * x3_10 + h5 * x3_11)) + ((l6 * x3_12 + h6 * x3_13) + (l7 * x3_14 + h7 * x3_15)))) * s
+            acc[0, r] += (((l0 * x0_0 + l1 * x0_2 + l2 * x0_4 + l3 * x0_6 + l4 * x0_8 + l5 * x0_10 + l6 * x0_12 + l7 * x0_14) + (h0 * x0_1 + h1 * x0_3 + h2 * x0_5 + h3 * x0_7 + h4 * x0_9 + h5 * x0_11 + h6 * x0_13 + h7 * x0_15))) * s
+            acc[1, r] += (((l0 * x1_0 + l1 * x1_2 + l2 * x1_4 + l3 * x1_6 + l4 * x1_8 + l5 * x1_10 + l6 * x1_12 + l7 * x1_14) + (h0 * x1_1 + h1 * x1_3 + h2 * x1_5 + h3 * x1_7 + h4 * x1_9 + h5 * x1_11 + h6 * x1_13 + h7 * x1_15))) * s
+            acc[2, r] += (((l0 * x2_0 + l1 * x2_2 + l2 * x2_4 + l3 * x2_6 + l4 * x2_8 + l5 * x2_10 + l6 * x2_12 + l7 * x2_14) + (h0 * x2_1 + h1 * x2_3 + h2 * x2_5 + h3 * x2_7 + h4 * x2_9 + h5 * x2_11 + h6 * x2_13 + h7 * x2_15))) * s
+            acc[3, r] += (((l0 * x3_0 + l1 * x3_2 + l2 * x3_4 + l3 * x3_6 + l4 * x3_8 + l5 * x3_10 + l6 * x3_12 + l7 * x3_14) + (h0 * x3_1 + h1 * x3_3 + h2 * x3_5 + h3 * x3_7 + h4 * x3_9 + h5 * x3_11 + h6 * x3_13 + h7 * x3_15))) * s
 
 
 @njit(**JIT)
