@@ -242,10 +242,11 @@ def test_tool_table():
                                  "gpu_used_gib_by_load": 1.5},
            "llama_all_gpu": {"error": "child exited 1: boom"}}
     text = tool.table(res)
-    row = ("| llama.cpp | `n_gpu_layers=-1` + `ffn_*_exps` on the CPU | CPU | **20.00** (median step 21.00) | 80.0 "
+    row = ("| llama.cpp | `n_gpu_layers=-1` + `ffn_*_exps` on the CPU | CPU | **20.00** | 80.0 "
            "|  |  | 1.5 | 2 |")
     assert row in text
     assert "– (child exited 1: boom)" in text and "– (not run)" in text
+    assert "median" not in text                      # a CUDA step time is not a speed (JSONL only)
     assert "| **3.30** | 20.0 | 10.00 | 0.33 |" in text
 
 
