@@ -6,38 +6,16 @@ a GPU; timing, memory ordering between blocks and the real fp16 instructions are
 (tests/test_fused_cuda.py)."""
 import ctypes
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from hybrid.kernels import fused, fused_build
 from hybrid.model.layers import Rotary
+from tests.cuda_emu import SHIM, compile_emu
 
-SHIM = r"""
-#include <atomic>
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <thread>
-#include <vector>
-struct dim3 { unsigned x = 1, y = 1, z = 1; };
-thread_local dim3 threadIdx, blockIdx;
-dim3 gridDim, blockDim;
-static std::barrier<>* block_bar;
-static std::barrier<>* warp_bar[32];
+HELPERS = r"""
 static uint32_t xch[1024];
-#define __device__
-#define __global__
-#define __forceinline__ inline
-#define __launch_bounds__(x)
-#define __shared__ static
-#define __align__(n) __attribute__((aligned(n)))
-#define __syncthreads() block_bar->arrive_and_wait()
-#define __threadfence() std::atomic_thread_fence(std::memory_order_seq_cst)
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
@@ -62,24 +40,6 @@ inline unsigned short f2h(float f) { _Float16 x = (_Float16)f; unsigned short h;
 inline float ld_cg(const float* p) { return *p; }
 inline float4 ld_cg4(const float* p) { return *(const float4*)p; }
 inline uint4 ldg_v4(const unsigned short* p) { return *(const uint4*)p; }
-template <class F> void run_grid(int gx, int gy, int threads, F f) {   // threads reused across blocks
-  gridDim.x = gx; gridDim.y = gy; blockDim.x = threads;
-  std::barrier<> bb(threads), between(threads);
-  block_bar = &bb;
-  for (int w = 0; w < threads / 32; ++w) warp_bar[w] = new std::barrier<>(32);
-  std::vector<std::thread> ts;
-  for (int t = 0; t < threads; ++t)
-    ts.emplace_back([&, t] {
-      threadIdx.x = t;
-      for (int b = 0; b < gx * gy; ++b) {
-        blockIdx.x = b % gx; blockIdx.y = b / gx;
-        f();
-        between.arrive_and_wait();                        // the block is done in all its threads
-      }
-    });
-  for (auto& t : ts) t.join();
-  for (int w = 0; w < threads / 32; ++w) delete warp_bar[w];
-}
 """
 
 ENTRY = r"""
@@ -116,22 +76,12 @@ def emu_source() -> str:
     attn = _section(src, rule + "one-token GQA attention", None)
     attn = re.sub(r"__device__ __forceinline__ (uint4 ldg_v4|float4 ld_cg4)\(.*?\n\}\n", "", attn, flags=re.S)
     attn = re.sub(r'asm volatile\("prefetch[^"]*"[^;]*;', ";", attn)          # cache hints: none here
-    return SHIM + head + reductions + rope + attn + ENTRY
+    return SHIM + HELPERS + head + reductions + rope + attn + ENTRY
 
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    if not shutil.which("g++"):
-        pytest.skip("needs g++ (C++20)")
-    d = tmp_path_factory.mktemp("fused_emu")
-    (d / "emu.cpp").write_text(emu_source())
-    cmd = ["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-o", str(d / "emu.so"), str(d / "emu.cpp"),
-           "-lpthread"]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode and ("barrier" in res.stderr or "_Float16" in res.stderr):
-        pytest.skip("g++ without C++20 <barrier> or _Float16")
-    assert res.returncode == 0, res.stderr[-3000:]
-    return ctypes.CDLL(str(d / "emu.so"))
+    return compile_emu(tmp_path_factory, "fused_emu", emu_source())
 
 
 P = lambda t: ctypes.c_void_p(0 if t is None else t.data_ptr())   # noqa: E731

@@ -6,8 +6,6 @@ pipeline (register sets, k tail), decode and epilogue errors without a GPU; the 
 and timing are checked on a GPU (tests/test_qpn_cuda.py)."""
 import ctypes
 import re
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -15,28 +13,8 @@ import torch
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build, layout
 from hybrid.kernels.qpn import GEMM_TILES
+from tests.cuda_emu import SHIM, compile_emu
 from tests.test_qpn_layout import fp8, nvfp4
-
-SHIM = r"""
-#include <barrier>
-#include <cstdint>
-#include <cstring>
-#include <thread>
-#include <vector>
-struct dim3 { unsigned x = 1, y = 1, z = 1; };
-thread_local dim3 threadIdx, blockIdx;
-static std::barrier<>* block_bar;
-static std::barrier<>* warp_bar[32];
-#define __device__
-#define __global__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __shared__ static
-#define __restrict__ __restrict
-#define __align__(n) __attribute__((aligned(n)))
-#define __syncthreads() block_bar->arrive_and_wait()
-#define __syncwarp() warp_bar[threadIdx.x >> 5]->arrive_and_wait()
-"""
 
 HELPERS = r"""
 #define PBK 64
@@ -89,26 +67,6 @@ inline void wmma_st(u32 addr, const float (&d)[8]) {
 }
 """
 
-RUN = r"""
-template <class F> void run_grid(int gx, int gy, F f) {
-  std::barrier<> bb(THREADS), between(THREADS);
-  block_bar = &bb;
-  for (int w = 0; w < WARPS; ++w) warp_bar[w] = new std::barrier<>(32);
-  std::vector<std::thread> ts;
-  for (int t = 0; t < THREADS; ++t)
-    ts.emplace_back([&, t] {
-      threadIdx.x = t;
-      for (int b = 0; b < gx * gy; ++b) {
-        blockIdx.x = b % gx; blockIdx.y = b / gx;
-        f();
-        between.arrive_and_wait();
-      }
-    });
-  for (auto& t : ts) t.join();
-  for (int w = 0; w < WARPS; ++w) delete warp_bar[w];
-}
-"""
-
 TILE_NAMES = [f"{bm}x{bn}" for bm, bn in GEMM_TILES]
 
 
@@ -124,24 +82,14 @@ def emu_source() -> str:
     assert "asm" not in gemm and "asm" not in decode, "an inline-PTX helper the shim does not replace"
     entry = "".join(
         f'extern "C" void emu_{f}_{t}(int gx, int gy, const u32x4* w, const u64* s, float gs, const u16* x, '
-        f'u16* y, int M, int N, int K) {{ run_grid(gx, gy, [&] {{ qpn{f}_gemm_{t}(w, s, gs, x, y, M, N, K, 1, 1); }}); }}\n'
+        f'u16* y, int M, int N, int K) {{ run_grid(gx, gy, THREADS, [&] {{ qpn{f}_gemm_{t}(w, s, gs, x, y, M, N, K, 1, 1); }}); }}\n'
         for f in (2, 8) for t in TILE_NAMES)
-    return SHIM + head + decode + HELPERS + RUN + gemm + entry
+    return SHIM + head + decode + HELPERS + gemm + entry
 
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    if not shutil.which("g++"):
-        pytest.skip("needs g++ (C++20)")
-    d = tmp_path_factory.mktemp("qpn_gemm_emu")
-    (d / "emu.cpp").write_text(emu_source())
-    cmd = ["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-o", str(d / "emu.so"), str(d / "emu.cpp"),
-           "-lpthread"]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode and ("barrier" in res.stderr or "_Float16" in res.stderr):
-        pytest.skip("g++ without C++20 <barrier> or _Float16")
-    assert res.returncode == 0, res.stderr[-3000:]
-    return ctypes.CDLL(str(d / "emu.so"))
+    return compile_emu(tmp_path_factory, "qpn_gemm_emu", emu_source())
 
 
 P = lambda t: ctypes.c_void_p(t.data_ptr())   # noqa: E731

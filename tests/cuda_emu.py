@@ -1,0 +1,67 @@
+"""CUDA kernel source run on the CPU for the emulation tests (tests/test_*_emu.py): a shim that compiles a
+kernel's source as C++ (g++ -std=c++20), a block's threads as OS threads, __syncthreads/__syncwarp as
+barriers, blocks one after another; each test adds the helpers its kernels need (shuffles, inline-PTX
+stand-ins) and its extern "C" entry points."""
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+
+SHIM = r"""
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+thread_local dim3 threadIdx, blockIdx;
+dim3 gridDim, blockDim;
+static std::barrier<>* block_bar;
+static std::barrier<>* warp_bar[32];
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __restrict__ __restrict
+#define __align__(n) __attribute__((aligned(n)))
+#define __syncthreads() block_bar->arrive_and_wait()
+#define __syncwarp() warp_bar[threadIdx.x >> 5]->arrive_and_wait()
+#define __threadfence() std::atomic_thread_fence(std::memory_order_seq_cst)
+template <class F> void run_grid(int gx, int gy, int threads, F f) {   // threads reused across blocks
+  gridDim.x = gx; gridDim.y = gy; blockDim.x = threads;
+  std::barrier<> bb(threads), between(threads);
+  block_bar = &bb;
+  for (int w = 0; w < threads / 32; ++w) warp_bar[w] = new std::barrier<>(32);
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t)
+    ts.emplace_back([&, t] {
+      threadIdx.x = t;
+      for (int b = 0; b < gx * gy; ++b) {
+        blockIdx.x = b % gx; blockIdx.y = b / gx;
+        f();
+        between.arrive_and_wait();                        // the block is done in all its threads
+      }
+    });
+  for (auto& t : ts) t.join();
+  for (int w = 0; w < threads / 32; ++w) delete warp_bar[w];
+}
+"""
+
+
+def compile_emu(tmp_path_factory, name: str, source: str) -> ctypes.CDLL:
+    """source (SHIM + kernels + entry points) -> the loaded shared library; skips without a C++20 g++."""
+    if not shutil.which("g++"):
+        pytest.skip("needs g++ (C++20)")
+    d = tmp_path_factory.mktemp(name)
+    (d / "emu.cpp").write_text(source)
+    cmd = ["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-o", str(d / "emu.so"), str(d / "emu.cpp"),
+           "-lpthread"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode and ("barrier" in res.stderr or "_Float16" in res.stderr):
+        pytest.skip("g++ without C++20 <barrier> or _Float16")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return ctypes.CDLL(str(d / "emu.so"))
