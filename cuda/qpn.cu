@@ -111,13 +111,14 @@ __device__ __forceinline__ u16 f_to_h(float f) {
   return h;
 }
 
-// sm_80+: cp.async into a warp-private shared-memory ring (see warp_gemm_async)
-#if QPN_MMA >= 2
-__device__ __forceinline__ u32 smem_addr(const void* p) {
+__device__ __forceinline__ u32 smem_addr(const void* p) {  // a shared-memory address as 32 bits
   u32 a;
   asm("{.reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;}" : "=r"(a) : "l"(p));
   return a;
 }
+
+// sm_80+: cp.async into a warp-private shared-memory ring (see warp_gemm_async)
+#if QPN_MMA >= 2
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
@@ -660,11 +661,6 @@ LINEAR(qpn8_linear_mt1_as4, 8, 1, 2, 4)
 #define PBK 64
 #define PLD (PBK + 8)
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 a;
-  asm("{.reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;}" : "=r"(a) : "l"(p));
-  return a;
-}
 __device__ __forceinline__ u32x4 ld_x16(const u16* p) {  // 8 fp16 activations, 16-byte aligned
   u32x4 v;
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -782,7 +778,7 @@ __device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
   const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, t0 = n0 >> 4;
   const int C = K / (FMT == 2 ? 64 : 32), tiles = (N + 15) >> 4, nk = (K + PBK - 1) / PBK;
-  const u32 xa = smem_u32(xs) + (wm * (BM / 2) * PLD) * 2, wa = smem_u32(ws) + (wn * (BN / 4) * PLD) * 2;
+  const u32 xa = smem_addr(xs) + (wm * (BM / 2) * PLD) * 2, wa = smem_addr(ws) + (wn * (BN / 4) * PLD) * 2;
   float acc[FM][FN][8];
 #pragma unroll
   for (int i = 0; i < FM; ++i)
@@ -830,7 +826,7 @@ __device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64
   for (int i = 0; i < FM; ++i) {
 #pragma unroll
     for (int j = 0; j < FN; ++j) {
-      wmma_st(smem_u32(st), acc[i][j]);
+      wmma_st(smem_addr(st), acc[i][j]);
       __syncwarp();
       const int m = m0 + wm * (BM / 2) + 16 * i + fr, n = n0 + wn * (BN / 4) + 16 * j + fc;
       const float* v = st + fr * 16 + fc;

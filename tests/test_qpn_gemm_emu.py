@@ -35,7 +35,7 @@ inline u32 hmul2_splat(u32 a, u32 s, int hi) {
 }
 // shared addresses: the low 32 bits; every shared array of a kernel lies in one static object
 thread_local uintptr_t smem_hi;
-inline u32 smem_u32(const void* p) { smem_hi = (uintptr_t)p & ~(uintptr_t)0xFFFFFFFFu; return (u32)(uintptr_t)p; }
+inline u32 smem_addr(const void* p) { smem_hi = (uintptr_t)p & ~(uintptr_t)0xFFFFFFFFu; return (u32)(uintptr_t)p; }
 inline char* smem_ptr(u32 a) { return (char*)(smem_hi | a); }
 // WMMA 16x16x16 with the shim's fragment layout: lane l holds row (A: m, B: n) l/2, k 8 (l%2) .. +8
 // in a[0..3]; accumulator d[0..7] = D[l/2][8 (l%2) + 0..7]. mma exchanges fragments per warp.
@@ -77,7 +77,7 @@ def emu_source() -> str:
     decode = "".join(re.findall(r"__device__ __forceinline__ void dec_fp[48]\(.*?\n\}\n", src, re.S))
     gemm = src[src.index(rule + "prefill"): src.index(rule + "MoE routing")]
     # the inline-PTX helpers are the shim's
-    gemm = re.sub(r"__device__ __forceinline__ (u32|u32x4|void) (smem_u32|ld_x16|wmma_ld_a|wmma_ld_b|wmma_mma|"
+    gemm = re.sub(r"__device__ __forceinline__ (u32|u32x4|void) (ld_x16|wmma_ld_a|wmma_ld_b|wmma_mma|"
                   r"wmma_st)\(.*?\n\}\n", "", gemm, flags=re.S)
     assert "asm" not in gemm and "asm" not in decode, "an inline-PTX helper the shim does not replace"
     entry = "".join(
