@@ -199,16 +199,8 @@ class HybridExperts:
     def moe_device(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """A fully resident layer's experts, device work only (capturable): -> [T, H] x.dtype.
         No stats, no bookkeeping: the caller reports the routing (note_device / deferred)."""
-        card = self.card_of[layer]
-        t, k = ids.shape
-        slot_ids = card.full[layer][ids.reshape(-1)]                          # [T*k] int32 local
-        key = (t, k, x.device)
-        tok = self._tok.get(key)
-        if tok is None:
-            tok = torch.arange(t, dtype=torch.int32, device=x.device).repeat_interleave(k)  # [T*k]
-            self._tok[key] = tok
-        out = card.slots.moe_local(layer, x, slot_ids, tok, weights.reshape(-1).float())
-        return out.to(x.dtype)
+        slot_ids = self.card_of[layer].full[layer][ids.reshape(-1)]           # [T*k] int32 local
+        return self.moe_slots(layer, x, slot_ids, weights).to(x.dtype)
 
     def route_out(self, layer: int, t: int, row: torch.Tensor):
         """Buffers decode_dense's router launch also fills for a fully resident layer: the layer's
