@@ -29,23 +29,36 @@ def per_token(runner, a, tokens):
             "kernel_ms_per_token": round(1e3 * (b["kernel_s"] - a["kernel_s"]) / tokens, 2)}
 
 
-def main() -> None:
-    path = sys.argv[1]
-    print(json.dumps({"env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}), flush=True)
+def open_all_cpu(path: str):
+    """-> (session with every expert on the CPU runner and dense layers on $DEV (default cuda), config, tokenizer)."""
     cfg = ModelConfig.from_folder(path)
     tok = Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     s = open_session(path, RuntimeOptions(device=os.environ.get("DEV", "cuda"), gpus=(0,), cache_slots=(0,),
                                           profile="h200"), context=96)
-    runner = s.cpu.runner
+    return s, cfg, tok
+
+
+def runner_alone(runner, cfg, rng, x) -> float:
+    """Seconds for one token's calls back to back: every layer, k uniform random experts, M = 1."""
     L, E, k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
+    t0 = time.perf_counter()
+    for layer in range(L):
+        ids = sorted(rng.choice(E, k, replace=False).tolist())
+        runner.sync(runner.submit(layer, ids, [np.array([0])] * k, [np.array([1 / k], np.float32)] * k, x))
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    path = sys.argv[1]
+    print(json.dumps({"env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}), flush=True)
+    s, cfg, tok = open_all_cpu(path)
+    runner, L = s.cpu.runner, cfg.num_hidden_layers
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
     for rep in range(2):
-        a, t0 = dict(runner.timing), time.perf_counter()
-        for layer in range(L):
-            ids = sorted(rng.choice(E, k, replace=False).tolist())
-            runner.sync(runner.submit(layer, ids, [np.array([0])] * k, [np.array([1 / k], np.float32)] * k, x))
-        print(json.dumps({"check": "runner_alone", "rep": rep, "ms_per_token": round((time.perf_counter() - t0) * 1e3, 2),
+        a = dict(runner.timing)
+        dt = runner_alone(runner, cfg, rng, x)
+        print(json.dumps({"check": "runner_alone", "rep": rep, "ms_per_token": round(dt * 1e3, 2),
                           **per_token(runner, a, 1)}), flush=True)
 
     calls, submit = [], runner.submit
@@ -59,7 +72,6 @@ def main() -> None:
     runner.submit = capture
     rec = measure(s, tok, 32, 4, tokens)
     runner.submit = submit
-    steps = rec.get("tokens") or tokens
     print(json.dumps({"check": "all_cpu_decode", "decode_tok_s": rec["decode_tok_s"],
                       "cpu_expert_ms_per_token": rec.get("cpu_expert_ms_per_token"),
                       "note": "runner timing over warm-up + prefill + measured tokens", **per_token(runner, a, 1),
