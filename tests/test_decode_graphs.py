@@ -188,19 +188,25 @@ def test_can_fuse_rules():
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("gpus", [pytest.param((0, 0), id="one-gpu"),
+                                  pytest.param((0, 1), id="two-gpus", marks=two_gpus)])
 @pytest.mark.parametrize("place", ["all_resident", "mixed"])
-def test_graphs_match_eager_on_cuda(model_dir, warm, place, monkeypatch):
+def test_graphs_match_eager_on_cuda(model_dir, warm, place, gpus, monkeypatch):
     """Graph replays give the eager CUDA path's ids and logits (the same kernels) for resident
-    segments and for segments that end at a layer with a host sync."""
+    segments and for segments that end at a layer with a host sync; on two GPUs the graphs of each
+    card's segments are captured on that card's device."""
     slots, _, want_full = PLACES[place]
     slots = slots if len(slots) == 2 else (slots[0] // 2,)
     ids = _tok(model_dir).encode(PROMPT)
     runs = []
     for graphs in ("0", "1"):
         monkeypatch.setenv("HYBRID_CUDA_GRAPHS", graphs)
-        s = open_session(model_dir, RuntimeOptions(device="cuda", gpus=(0, 0), layer_split=(2,), cache_slots=slots,
+        s = open_session(model_dir, RuntimeOptions(device="cuda", gpus=gpus, layer_split=(2,), cache_slots=slots,
                                                    expert_profile=warm, pcie_frac=0.0), context=len(ids) + 8)
         try:
             assert [s.model.experts.device_only(layer) for layer in range(LAYERS)] == want_full

@@ -29,15 +29,24 @@ def greedy(model, path, n=8):
     return generate(model, tok, tok.encode("def fibonacci(n):"), n, Sampler(SamplerConfig())).generated_ids
 
 
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+GPUS = [pytest.param((0, 0), id="one-gpu"), pytest.param((0, 1), id="two-gpus", marks=two_gpus)]
+
+
+@pytest.mark.parametrize("gpus", GPUS)
 @pytest.mark.parametrize("split,slots", [(1, (0,)), (2, (32,)), (3, (48, 16))])
-def test_two_logical_cards_match_cuda_reference(nvfp4, split, slots):
+def test_two_cards_match_cuda_reference(nvfp4, split, slots, gpus):
+    """Two logical cards on GPU 0, or two physical GPUs (the hidden state crossing at the split)."""
     want = greedy(load_model(nvfp4, device="cuda"), nvfp4)
-    s = open_session(nvfp4, RuntimeOptions(device="cuda", gpus=(0, 0), layer_split=(split,), cache_slots=slots))
+    s = open_session(nvfp4, RuntimeOptions(device="cuda", gpus=gpus, layer_split=(split,), cache_slots=slots))
     try:
+        devices = [str(d) for d in s.model.layer_devices]
         got = greedy(s.model, nvfp4)
     finally:
         s.close()
+    assert devices == [f"cuda:{gpus[0]}"] * split + [f"cuda:{gpus[1]}"] * (4 - split)
     assert got == want
     rep = s.report()
     assert rep["slot_storage"] in ([], ["QPNSlots"]) and rep["cpu_runner"] == "NumbaCpuRunner"
     assert rep["pcie_bytes"]["ids_d2h"] > 0
+    assert (rep["pcie_bytes"]["hops"] > 0) == (gpus[0] != gpus[1])

@@ -131,7 +131,9 @@ def run_pytest(args: list[str]) -> None:
             "seconds": round(time.perf_counter() - t, 1), "summary": tail[-1] if tail else ""})
 
 
-def tiny_checks(tiny: Path, ref: dict, device: str, profile: str = "h200") -> None:
+def tiny_checks(tiny: Path, ref: dict, device: str, profile: str = "h200", gpus: str = "0,0") -> None:
+    """Greedy ids of hybrid-run on the tiny NVFP4 model at every split point of two cards (`gpus`:
+    0,0 two logical cards on GPU 0, 0,1 two physical GPUs) and on one card, against the references."""
     if not (tiny / "config.json").is_file():       # the same bytes as on the dev machine: deterministic
         t = time.perf_counter()
         p = subprocess.run([sys.executable, "-m", "hybrid.cli.quantize", "tiny", str(tiny), "--no-progress"],
@@ -144,13 +146,14 @@ def tiny_checks(tiny: Path, ref: dict, device: str, profile: str = "h200") -> No
             "prefix_match": prefix_match(cuda_ref, want), "n": len(want), "ids": cuda_ref})
     per_layer = 32
     for split, frac in ((1, 0.0), (2, 0.5), (3, 1.0), (None, 0.5)):
-        flags = ["--gpus", "0,0", "--layer-split", str(split)] if split else ["--gpus", "0"]
+        flags = ["--gpus", gpus, "--layer-split", str(split)] if split else ["--gpus", "0"]
         cards = 2 if split else 1
         layers = [split, 4 - split] if split else [4]
         slots = ",".join(str(int(frac * per_layer * n)) for n in layers)
         d = run_cli(base + flags + ["--cache-slots", slots, "--profile", profile])
         got, st = d["generated_ids"], d["stats"]
-        record({"check": "tiny_hybrid_cuda", "split": split, "cards": cards, "cache_frac": frac,
+        record({"check": "tiny_hybrid_cuda", "gpus": gpus if split else "0", "split": split, "cards": cards,
+                "cache_frac": frac, "command": "hybrid-run " + " ".join(map(str, flags)),
                 "match_cpu_reference": got == want, "match_cuda_reference": got == cuda_ref,
                 "prefix_match_cpu": prefix_match(got, want), "n": len(want),
                 "hit_rate": st["hit_rate"], "decode_tok_s": d["decode_tok_s"],

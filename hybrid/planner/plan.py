@@ -89,6 +89,7 @@ class Prediction:
     layers: tuple[LayerPrediction, ...]
     host_us: float = 0.0      # per token, of token_us: host work (layers' lookups/syncs/eager ops + token_us)
     kernel_us: float = 0.0    # per token, of token_us: fixed per-kernel GPU cost (graph_kernel_us x kernels)
+    hop_us: float = 0.0       # per token, of token_us: the hidden state crossing between physical GPUs
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,8 @@ def predict(mb: ModelBytes, prof: HardwareProfile, cards: tuple[CardPlan, ...], 
         hit_rate=sum(hits) / len(hits), gpu_bytes=int(gpu_bytes), cpu_bytes=int(cpu_bytes),
         pcie_bytes=int(pcie_bytes),
         promotion_budget_bytes=int(req.pcie_frac * link_min * token_us / US),
-        layers=tuple(layers), host_us=host_us, kernel_us=sum(x.kernel_us for x in layers) + head_kern)
+        layers=tuple(layers), host_us=host_us, kernel_us=sum(x.kernel_us for x in layers) + head_kern,
+        hop_us=t_hops)
 
 
 def _card_layer(mb: ModelBytes, prof: HardwareProfile, c: CardPlan, layer: int, h: float, dense: float,

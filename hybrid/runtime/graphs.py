@@ -184,7 +184,8 @@ class DecodeGraphs:
         if not self.capture:
             return _Runner(x_in, route_buf, fn=body)
         try:
-            return self._capture(dev, body, x_in, route_buf, seg)
+            with torch.cuda.device(dev):     # torch.cuda.graph captures on the current device's stream
+                return self._capture(dev, body, x_in, route_buf, seg)
         except Exception as exc:  # noqa: BLE001 - fall back to the eager path for good
             self.error = f"{type(exc).__name__}: {exc}"
             raise
