@@ -41,7 +41,7 @@ def record(rec: dict) -> None:
     with (OUT / JSONL).open("a") as f:
         f.write(json.dumps(rec) + "\n")
     keys = ("ok", "decode_tok_s", "measured_over_predicted", "match_cpu_reference", "match_cuda_reference",
-            "skipped", "error", "hop", "summary")
+            "skipped", "error", "hop", "summary", "ids_equal_two_gpus")
     rc.log(f"record {rec.get('check')}: " + json.dumps({k: v for k, v in rec.items() if k in keys}))
 
 
@@ -104,11 +104,13 @@ def hop_in_decode(session, steps: int = 8) -> dict:
         torch.cuda.synchronize(0), torch.cuda.synchronize(1)
     hm.prompt_tokens = None
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    peer = [e for e in events if "PtoP" in e.name or ("Memcpy" in e.name and "Device -> Device" in e.name)]
+    peer = [e for e in events if "PtoP" in e.name]             # the hop: cuda:0 -> cuda:1
+    dtod = [e for e in events if "DtoD" in e.name]             # copies within one device, for scale
     dur = lambda e: getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)  # noqa: E731  (us)
-    names = sorted({e.name for e in peer})
-    return {"steps": steps, "copies_per_step": round(len(peer) / steps, 2),
-            "copy_gpu_us_per_step": round(sum(dur(e) for e in peer) / steps, 2), "copy_names": names}
+    return {"steps": steps, "peer_copies_per_step": round(len(peer) / steps, 2),
+            "peer_copy_gpu_us_per_step": round(sum(dur(e) for e in peer) / steps, 2),
+            "same_device_copies_per_step": round(len(dtod) / steps, 2),
+            "same_device_copy_gpu_us_per_step": round(sum(dur(e) for e in dtod) / steps, 2)}
 
 
 def configs(miss_slots: int) -> list[tuple[str, dict]]:
@@ -161,6 +163,7 @@ def synth(path: Path, deadline: float, tokens: int, profile: str, miss_slots: in
     del s0
     predictions(path, profile, eprof, ctx, miss_slots)
     record({"check": "hop_probe", "hidden": cfg.hidden_size, "hop": hop_probe(cfg.hidden_size)})
+    two_gpu_ids = {}
     for label, kw in configs(miss_slots):
         if time.perf_counter() > deadline:
             record({"check": label, "skipped": "device-time deadline"})
@@ -179,6 +182,10 @@ def synth(path: Path, deadline: float, tokens: int, profile: str, miss_slots: in
                         **rc.graph_info(s)})
             if kw["gpus"][0] != kw["gpus"][1]:
                 rec["hop"] = hop_in_decode(s)
+                two_gpu_ids[label] = rec["generated_ids_head"]
+            else:                                  # the same flags on one GPU: the same greedy ids?
+                other = two_gpu_ids.get(label.replace("one_gpu", "two_gpus"))
+                rec["ids_equal_two_gpus"] = None if other is None else other == rec["generated_ids_head"]
             record({"check": label, **rec})
         finally:
             s.close()

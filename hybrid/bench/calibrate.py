@@ -306,7 +306,7 @@ def _graph_kernel_us(i: int, reps: int) -> tuple[float, int]:
         torch.cuda.synchronize(dev)
         per = _count_kernels(b)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):   # not its once-made default stream
             _small_kernels(b, CYCLES)
         t = _events(dev, graph.replay, reps)
     return t / (CYCLES * per) * 1e6, per

@@ -199,7 +199,7 @@ class DecodeGraphs:
             body()                          # warm-up: lazy packing, library handles (same values)
         cur.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = body()
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):   # its default stream is made once, on
+            out = body()                                             # the first device it met
         self.captures += 1
         return _Runner(x_in, route_buf, graph=graph, out=out)
