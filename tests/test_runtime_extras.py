@@ -85,7 +85,8 @@ def test_profile_cli_feeds_planner(model_dir, tmp_path):
 
 @pytest.mark.parametrize("gpu,gpus,want", [("NVIDIA H200", (0, 0), "h200"),
                                            ("Tesla V100-SXM2-16GB", (0, 1), "v100x2-e5v4"),
-                                           ("NVIDIA H200", (0, 1), None), ("Quadro X", (0,), None)])
+                                           ("NVIDIA H200", (0, 1), "h200x2"), ("NVIDIA H200", (0, 2), None),
+                                           ("Quadro X", (0,), None)])
 def test_cuda_without_profile_picks_matching_shipped_profile(monkeypatch, gpu, gpus, want):
     from hybrid.runtime.session import _hardware_profile
 

@@ -113,15 +113,19 @@ def hop_in_decode(session, steps: int = 8) -> dict:
             "same_device_copy_gpu_us_per_step": round(sum(dur(e) for e in dtod) / steps, 2)}
 
 
-def configs(miss_slots: int) -> list[tuple[str, dict]]:
-    out = []
-    for tag, kw in (("cap16", dict(vram_cap_gib=(16.0,))), (f"slots{miss_slots}", dict(cache_slots=(miss_slots,)))):
-        out.append((f"synth_two_gpus_{tag}", dict(gpus=(0, 1), **kw)))
-        out.append((f"synth_one_gpu_{tag}", dict(gpus=(0, 0), **kw)))
-    return out
+def configs(miss_slots: int, order: str = "") -> list[tuple[str, dict]]:
+    """(label, RuntimeOptions fields) of the measured sessions; `order` (comma-separated labels, repeats
+    allowed) picks and orders them, default: each flag set on two GPUs, then on one."""
+    out = {}
+    for tag, kw in (("cap16", dict(vram_cap_gib=(16.0,))), (f"slots{miss_slots}", dict(cache_slots=(miss_slots,))),
+                    (f"slots{miss_slots}_split24", dict(cache_slots=(miss_slots,), layer_split=(24,)))):
+        out[f"synth_two_gpus_{tag}"] = dict(gpus=(0, 1), **kw)
+        out[f"synth_one_gpu_{tag}"] = dict(gpus=(0, 0), **kw)
+    labels = order.split(",") if order else [k for k in out if "split24" not in k]
+    return [(k, out[k]) for k in labels]
 
 
-def predictions(path: Path, profile: str, eprof: Path, ctx: int, miss_slots: int) -> dict:
+def predictions(path: Path, profile: str, eprof: Path, ctx: int, miss_slots: int, order: str) -> dict:
     from hybrid.experts.popularity import load_profile as load_expert_profile
     from hybrid.model.config import ModelConfig
     from hybrid.runtime import RuntimeOptions
@@ -130,7 +134,7 @@ def predictions(path: Path, profile: str, eprof: Path, ctx: int, miss_slots: int
     cfg = ModelConfig.from_folder(path)
     ep = load_expert_profile(eprof, cfg)
     out = {}
-    for label, kw in configs(miss_slots):
+    for label, kw in dict(configs(miss_slots, order)).items():
         opts = RuntimeOptions(device="cuda", profile=profile, **kw)
         plan = _plan(path, cfg, opts, _hardware_profile(opts), ep, eprof, ctx)
         p = plan.prediction
@@ -142,7 +146,7 @@ def predictions(path: Path, profile: str, eprof: Path, ctx: int, miss_slots: int
     return out
 
 
-def synth(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int) -> None:
+def synth(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int, order: str = "") -> None:
     import torch
 
     from hybrid.bench.decode import measure
@@ -161,10 +165,10 @@ def synth(path: Path, deadline: float, tokens: int, profile: str, miss_slots: in
     s0.owns_cpu = False
     s0.close()
     del s0
-    predictions(path, profile, eprof, ctx, miss_slots)
+    predictions(path, profile, eprof, ctx, miss_slots, order)
     record({"check": "hop_probe", "hidden": cfg.hidden_size, "hop": hop_probe(cfg.hidden_size)})
     two_gpu_ids = {}
-    for label, kw in configs(miss_slots):
+    for label, kw in configs(miss_slots, order):
         if time.perf_counter() > deadline:
             record({"check": label, "skipped": "device-time deadline"})
             continue
@@ -204,10 +208,13 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=420, help="stop starting new parts after this")
     p.add_argument("--miss-slots", type=int, default=1024, help="expert slots per card of the sessions with misses")
     p.add_argument("--pytest", default="tests/test_runtime_cuda.py tests/test_decode_graphs.py")
+    p.add_argument("--profile", default=None, help="plan with this hardware profile instead of calibrating here")
+    p.add_argument("--order", default="", help="synthetic sessions to measure, comma-separated labels, in order")
+    p.add_argument("--skip", default="", help="parts to leave out, comma-separated (gpu_link,pytest,tiny_two_gpus,...)")
     a = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     deadline = rc.T0 + a.budget_s
-    state = {"profile": "h200"}
+    state = {"profile": a.profile or "h200"}
 
     def calibrate() -> None:
         t = time.perf_counter()
@@ -231,11 +238,12 @@ def main() -> int:
                 "seconds": round(time.perf_counter() - t, 1), "summary": tail[-1] if tail else ""})
 
     ref = json.loads(a.tiny_ref.read_text())
-    parts = [("gpu_link", link_info), ("pytest", pytest), ("calibrate", calibrate),
+    parts = [("gpu_link", link_info), ("pytest", pytest)] + ([] if a.profile else [("calibrate", calibrate)]) + [
              ("tiny_two_gpus", lambda: rc.tiny_checks(a.tiny, ref, "cuda", state["profile"], gpus="0,1")),
              ("synth_write", lambda: rc.make_synth(a.synth, a.skew, False)),
-             ("synth_runs", lambda: synth(a.synth, deadline, a.tokens, state["profile"], a.miss_slots)),
+             ("synth_runs", lambda: synth(a.synth, deadline, a.tokens, state["profile"], a.miss_slots, a.order)),
              ("tiny_one_gpu", lambda: rc.tiny_checks(a.tiny, ref, "cuda", state["profile"], gpus="0,0"))]
+    parts = [(n, f) for n, f in parts if n not in a.skip.split(",")]
     rc.run_parts(parts, deadline, record, rc.log)
     rc.log("done")
     return 0
