@@ -11,6 +11,7 @@ from hybrid.planner.popularity import Popularity
 from hybrid.planner.profile import HardwareProfile
 
 MAX_AUTO_CARDS = 3
+TIE = 0.01          # predicted tok/s this close to the best count as equal
 
 
 def candidate_splits(num_layers: int, cards: int) -> list[tuple[int, ...]]:
@@ -29,21 +30,24 @@ def even_split(num_layers: int, cards: int) -> tuple[int, ...]:
 
 def best_plan(mb: ModelBytes, prof: HardwareProfile, req, pop: Popularity | None = None,
               model: str = "", experts_path: str | None = None) -> Plan:
-    """Highest predicted tok/s among the splits that fit; ties go to the most even split."""
+    """The most even split among those that fit and whose predicted tok/s is within TIE of the best
+    (the model is not finer than that: two identical cards calibrate a few % apart, which alone would
+    pile the layers on one of them), the faster of equally even ones."""
     from hybrid.planner.build import card_caps, make_plan
 
     card_caps(prof, req)              # errors about --gpus / --vram-cap come before any split
     L, n = mb.config.num_hidden_layers, len(req.gpus)
-    best, best_key = None, None
+    fits = []
     for split in candidate_splits(L, n):
         try:
-            plan = make_plan(mb, prof, replace(req, layer_split=split), pop, model, experts_path)
+            fits.append(make_plan(mb, prof, replace(req, layer_split=split), pop, model, experts_path))
         except PlanError:
             continue
-        sizes = [b - a for a, b in (c.layers for c in plan.cards)]
-        key = (round(plan.prediction.tok_s, 6), -(max(sizes, default=0) - min(sizes, default=0)))
-        if best_key is None or key > best_key:
-            best, best_key = plan, key
+    best = None
+    if fits:
+        top = max(p.prediction.tok_s for p in fits)
+        near = [p for p in fits if p.prediction.tok_s >= top * (1 - TIE)]
+        best = min(near, key=lambda p: (_imbalance(p), -p.prediction.tok_s))
     if best is None:
         even = even_split(L, n)
         try:
@@ -51,3 +55,8 @@ def best_plan(mb: ModelBytes, prof: HardwareProfile, req, pop: Popularity | None
         except PlanError as exc:
             raise PlanError(f"no layer split fits; at the even split {','.join(map(str, even)) or '-'}: {exc}") from None
     return best
+
+
+def _imbalance(plan: Plan) -> int:
+    sizes = [b - a for a, b in (c.layers for c in plan.cards)]
+    return max(sizes, default=0) - min(sizes, default=0)
