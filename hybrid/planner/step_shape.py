@@ -10,10 +10,12 @@ hardware; the profile gives what one kernel or one op costs (gpus[].graph_kernel
     expert_kernels  slot-id gather, weight cast, grouped QPN route + gate/up + down, cast, residual: ~8
     head_kernels    final RMSNorm (3) + lm_head + fp32 cast: 5
     eager_ops       a layer that can miss runs its MoE eagerly after the host sync (the sync and the
-                    lookup are their own terms): ids/weights/x cast + concatenated (4), the hit list
-                    copied up (1), weight gather + cast (2), 2 timing events, the grouped kernel's
-                    zero/route/gate-up/down launches (4) + cast (1), CPU result up + add (2), cast
-                    (1), residual (1), next segment's input copy + replay (2): ~20
+                    lookup are their own terms): the graph's packed ids/weights/x row copied down
+                    (1), the hits' (slot, token, weight) copied up (1), 2 timing events, the grouped
+                    kernel's zero/route/gate-up/down launches (4), CPU result up + add (2), cast (1),
+                    residual (1), next segment's input copy + replay (2): ~14 (~20 before the
+                    graph packed the row and the host made the hit list: 4 casts/concat, a weight
+                    gather + cast, a slot offset and two int casts fewer)
 The counts were estimated from the code; tools/gpu_runtime_check.py counts the kernels of one
 eager step on the device (results/runtime.md) to check them.
 
@@ -34,7 +36,7 @@ class StepShape:
     dense_kernels: int = 34
     expert_kernels: int = 8
     head_kernels: int = 5
-    eager_ops: int = 20
+    eager_ops: int = 14
 
     def __post_init__(self) -> None:
         if min(self.dense_kernels, self.expert_kernels, self.head_kernels, self.eager_ops) < 0:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybrid.model.layers import BUCKET, KVCache, attn_keys
+from hybrid.runtime.hybrid_experts import pack_route
 
 
 def graphs_enabled() -> bool:
@@ -126,9 +127,9 @@ class DecodeGraphs:
             if seg.resident:
                 self.experts.note_device(seg.resident, r.route_buf)
             if seg.host_last:
-                xm, h, rid, rw = r.out
+                xm, h, rid, rw, packed = r.out
                 i = seg.layers[-1]
-                x = xm + m.moe_out(i, h, self.experts(i, h, rid, rw))
+                x = xm + m.moe_out(i, h, self.experts(i, h, rid, rw, packed=packed))
             elif seg.head:
                 logits = r.out.clone()               # the graph's buffer is rewritten next step
             else:
@@ -168,8 +169,8 @@ class DecodeGraphs:
             host = seg.host_last and j == last
             out = None if host else self.experts.route_out(i, 1, route_buf[j])   # ids/weights into route_buf
             x, h, rid, rw = m.decode_dense(i, x, pos, keys, mask, residual=moe, route_out=out)
-            if host:
-                return x, h, rid, rw
+            if host:                         # ids, weights, h in one row: one copy to the host
+                return x, h, rid, rw, pack_route(rid, rw, h)
             y = self.experts.moe_slots(i, h, out.slots, rw)                 # [1, H] fp32
             moe = m.moe_out(i, h, y if m.layers[i].shared is None else y.to(x.dtype))
         x = x + moe.to(x.dtype)                                              # x + round(moe), as before

@@ -141,8 +141,11 @@ class HybridExperts:
         return total
 
     # ---- one layer ---------------------------------------------------------------------------
-    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids/weights [T, k] on the layer's device -> Σ_k weight · expert(x) [T, H]."""
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 packed: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H], ids/weights [T, k] on the layer's device -> Σ_k weight · expert(x) [T, H].
+        packed: [T, 2k + H] fp32 = ids, weights, x already side by side on the device (the graphed
+        decode step makes it inside its graph), so one copy brings all three to the host."""
         card, st = self.card_of[layer], self._step
         if st is None:                       # called outside HybridModel.forward: a one-layer step
             raise RuntimeError("HybridExperts called outside a step (use HybridModel.forward)")
@@ -150,7 +153,10 @@ class HybridExperts:
             return self._resident(card, layer, x, ids, weights)
         t0 = time.perf_counter()
         small = x.is_cuda and x.shape[0] <= ACT_WITH_IDS                      # decode: x rides along
-        ids_h, w_h, x_h = _to_host(ids, weights, x if small else None)        # [T, k] int64, f32; [T, H]
+        if packed is not None:
+            ids_h, w_h, x_h = _split(packed.cpu().numpy(), ids.shape[1], True)
+        else:
+            ids_h, w_h, x_h = _to_host(ids, weights, x if small else None)    # [T, k] int64, f32; [T, H]
         lk = card.cache.lookup(layer, ids_h)
         hit = lk.slots >= 0                                                   # [T, k]
         mt, mj = np.nonzero(~hit)                                             # miss pairs [A_m]
@@ -161,7 +167,7 @@ class HybridExperts:
             self.add_pcie("act_d2h", x.numel() * 4)
         handle = self.cpu.submit(layer, ids_h[mt, mj], mt, w_h[mt, mj], x_h) if len(mt) else None
         t_sub = time.perf_counter()
-        out = self._hits(card, layer, x, weights, lk.slots, hit)             # [T, H] fp32 or None
+        out = self._hits(card, layer, x, w_h, lk.slots, hit)                 # [T, H] fp32 or None
         if handle is not None:
             t_wait = time.perf_counter()
             y = torch.from_numpy(self.cpu.sync(handle))                       # [T, H] f32
@@ -240,29 +246,33 @@ class HybridExperts:
         if layer in card.ready:
             torch.cuda.current_stream(card.device).wait_event(card.ready.pop(layer))
 
-    def _hits(self, card: CardRuntime, layer: int, x, weights, slots_h: np.ndarray, hit: np.ndarray):
+    def _hits(self, card: CardRuntime, layer: int, x, w_h: np.ndarray, slots_h: np.ndarray, hit: np.ndarray):
+        """The hits' (slot, token, weight) made on the host, where the lookup left them: one int32
+        [3, A_h] copy up (weights bit for bit in row 2), no gather or casts on the device."""
         ht, hj = np.nonzero(hit)                                              # hit pairs [A_h]
         if not len(ht):
             return None
-        dev = x.device
-        sel = torch.from_numpy(np.stack([slots_h[ht, hj], ht, hj])).to(dev)  # [3, A_h], one copy
-        slot_ids, tok = sel[0], sel[1]
-        route_w = weights[tok, sel[2]].float()                               # [A_h]
-        return self._launch(card, layer, x, slot_ids, tok, route_w)
+        sel = np.empty((3, len(ht)), dtype=np.int32)
+        sel[0] = slots_h[ht, hj] - card.slots.layer_slots[layer][0]           # local to the layer
+        sel[1] = ht
+        sel[2] = w_h[ht, hj].astype(np.float32).view(np.int32)
+        sel = torch.from_numpy(sel).to(x.device)                              # [3, A_h], one copy
+        return self._launch(card, layer, x, sel[0], sel[1], sel[2].view(torch.float32))
 
     def _launch(self, card: CardRuntime, layer: int, x, slot_ids, tok, route_w) -> torch.Tensor:
-        """The grouped slot kernel for one layer's hits, timed (CUDA events on the GPU) -> [T, H] fp32."""
+        """The grouped slot kernel for one layer's hits (slot ids local to the layer), timed (CUDA
+        events on the GPU) -> [T, H] fp32."""
         dev = x.device
         if dev.type == "cuda":
             self._wait_ready(card, layer)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            out = card.slots.moe(layer, x, slot_ids, tok, route_w).float()
+            out = card.slots.moe_local(layer, x, slot_ids, tok, route_w).float()
             b.record()
             self._step["gpu"].append((layer, a, b))
             return out
         t0 = time.perf_counter()
-        out = card.slots.moe(layer, x, slot_ids, tok, route_w).float()
+        out = card.slots.moe_local(layer, x, slot_ids, tok, route_w).float()
         self.stats.gpu_expert_s[layer] += time.perf_counter() - t0
         return out
 
@@ -305,7 +315,14 @@ def _to_host(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor | None = 
     if not ids.is_cuda:
         x_h = None if x is None else x.float().numpy()
         return ids.numpy().astype(np.int64, copy=False), weights.float().numpy(), x_h
-    parts = [ids.float(), weights.float()] + ([] if x is None else [x.float()])
-    both = torch.cat(parts, dim=1).cpu().numpy()                            # [T, 2k (+H)]; ids < 2^24
-    k = ids.shape[1]
-    return both[:, :k].astype(np.int64), both[:, k:2 * k], None if x is None else both[:, 2 * k:]
+    return _split(pack_route(ids, weights, x).cpu().numpy(), ids.shape[1], x is not None)
+
+
+def pack_route(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+    """ids [T, k], weights [T, k] (and x [T, H]) side by side as fp32 [T, 2k (+H)] (ids < 2^24: exact)."""
+    return torch.cat([ids.float(), weights.float()] + ([] if x is None else [x.float()]), dim=1)
+
+
+def _split(both: np.ndarray, k: int, with_x: bool):
+    """pack_route's row on the host -> ids int64 [T, k], weights f32 [T, k], x f32 [T, H] or None."""
+    return both[:, :k].astype(np.int64), both[:, k:2 * k], both[:, 2 * k:] if with_x else None
