@@ -166,7 +166,8 @@ def synth(path: Path, deadline: float, tokens: int, profile: str, miss_slots: in
     s0.close()
     del s0
     predictions(path, profile, eprof, ctx, miss_slots, order)
-    record({"check": "hop_probe", "hidden": cfg.hidden_size, "hop": hop_probe(cfg.hidden_size)})
+    if torch.cuda.device_count() >= 2:
+        record({"check": "hop_probe", "hidden": cfg.hidden_size, "hop": hop_probe(cfg.hidden_size)})
     two_gpu_ids = {}
     for label, kw in configs(miss_slots, order):
         if time.perf_counter() > deadline:
