@@ -644,27 +644,49 @@ LINEAR(qpn2_linear_mt1_as4, 2, 1, 2, 4)
 LINEAR(qpn8_linear_mt1_as4, 8, 1, 2, 4)
 
 // ---------------------------------------------------------------- prefill: shared-memory tiled GEMM
-// y[M, N] = x[M, K] . W^T for M > 16. Block tile BM activation rows x BN weight rows, k in steps
-// of 64 (one QPN2 chunk, two QPN8 chunks). Per k-step the block reads its BN/16 packed weight
-// tiles once (one u32x4 per lane-slot, plus the scale word of that lane's rows), decodes them ONCE
-// into fp16 shared memory ws[n][k] -- NVFP4 with the group scale applied exactly in fp16 (the
-// header's argument: |E2M1 * scale * 2^-7| <= 21, at most 6 significant bits, lowest bit >= 2^-17,
-// so the fp16 product equals the fp32 one: no rounding, no overflow on any e4m3 scale), FP8 as
-// e4m3 * 2^-8 (exact) -- and copies x[BM rows, 64 k] into xs[m][k]; then the 8 warps (2 along M x
-// 4 along N, each (BM/2) x (BN/4)) multiply with WMMA 16x16x16 (f16 x f16 -> f32, one PTX for
-// Volta's HMMA.884 and sm_80+'s m16n8k16; chosen over hand-written fragments because smem tiles
-// in plain row/col-major need no fragment layout of ours on either architecture). The folded
-// global scale gs is applied to the fp32 sums at the end. The next k-step's global loads are held
-// in registers while this step's MMAs run. Rows past M / N and k past K read garbage that only
-// reaches outputs that are never written. grid (ceil(M / BM), ceil(N / BN)): neighbouring blocks
-// share a weight tile (L2). Shared memory (BM + BN) * 144 bytes; rows padded to 72 halves.
-#define PBK 64
-#define PLD (PBK + 8)
+// y[M, N] = x[M, K] . W^T for M > 16. Block tile BM activation rows x BN weight rows. Global loads
+// come in sets of 64 k (one QPN2 chunk, two QPN8 chunks: the block's BN/16 packed weight tiles, one
+// u32x4 per lane-slot plus the scale word of that lane's rows, and x[BM rows, 64 k]), held in
+// registers PF sets ahead. Each set is decoded in two stages of 32 k into one of two shared-memory
+// buffers: ws[n][k] the weights decoded ONCE per block -- NVFP4 with the group scale applied
+// exactly in fp16 (the header's argument: |E2M1 * scale * 2^-7| <= 21, at most 6 significant bits,
+// lowest bit >= 2^-17, so the fp16 product equals the fp32 one: no rounding, no overflow on any
+// e4m3 scale), FP8 as e4m3 * 2^-8 (exact) -- and xs[m][k] the activations. Double buffering: while
+// the 8 warps (2 along M x 4 along N, each (BM/2) x (BN/4)) multiply stage s out of one buffer with
+// WMMA 16x16x16 (f16 x f16 -> f32, one PTX for Volta's HMMA.884 and sm_80+'s m16n8k16; chosen over
+// hand-written fragments because smem tiles in plain row/col-major need no fragment layout of ours
+// on either architecture), they decode stage s + 1 into the other: one barrier per stage. The
+// folded global scale gs is applied to the fp32 sums at the end. Rows past M / N read garbage that
+// only reaches outputs that are never written (K is a multiple of 32, so no stage is partial).
+// grid (ceil(M / BM), ceil(N / BN), splits): neighbouring blocks share a weight tile (L2).
+// Split-K (splits > 1, for grids that would not fill the GPU): block z sums the k-steps
+// [z KS, (z + 1) KS) of 64, writes its fp32 tile to part[z][M][N] (transient scratch), and the last
+// block of each output tile to arrive (a counter in cnt, zeroed by the launcher) sums the splits'
+// partials in split order (deterministic) and writes y.
+// Shared memory 2 * (BM + BN) * 80 bytes (rows of 32 k padded to 40 halves: WMMA's row reads and
+// the decode's stores hit distinct banks); at most 40 KB (128 x 128), under the 48 KB static limit.
+#define PBK 64          // k per register load set
+#define SBK 32          // k per shared-memory stage
+#define PLD (SBK + 8)   // halves per padded stage row
+
+struct __align__(16) f32x4 { float x, y, z, w; };
 
 __device__ __forceinline__ u32x4 ld_x16(const u16* p) {  // 8 fp16 activations, 16-byte aligned
   u32x4 v;
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+// split-K partials written by other blocks: read at L2 (never a stale L1 line)
+__device__ __forceinline__ f32x4 ld_part4(const float* p) {
+  f32x4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ float ld_part(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
   return v;
 }
 // WMMA through PTX (the source includes no header). Shared-memory addresses, ldm in elements.
@@ -697,8 +719,10 @@ __device__ __forceinline__ void sts64(u16* p, u32 lo, u32 hi) {
   *reinterpret_cast<u64*>(p) = (u64)lo | ((u64)hi << 32);
 }
 
-// The packed loads of k-step kt into registers: slot i = tid + THREADS * v is (tile t, chunk cc,
-// lane l) of the block's weight tiles; x slot i = (row, 8-half segment).
+// The packed loads of one set (64 k) into registers. Weight slot i = tid + THREADS * v: lane
+// l = i % 32, tile t = (i / 32) % (BN / 16), chunk cc = (i / 32) / (BN / 16) of the set (QPN8: two;
+// so a thread's slots spread over both stages). x slot i: 8 halves of row (i / 4) % BM at
+// k = 32 h + 8 (i % 4), stage h = (i / 4) / BM.
 template <int FMT, int BM, int BN>
 struct TileLoads {
   static constexpr int CPT = FMT == 2 ? 1 : 2;                        // chunks per 64 k
@@ -709,16 +733,18 @@ struct TileLoads {
   u32x4 x[XV];
 };
 
+// set kt (k = 64 kt ..) of this block's split [.., ke); nothing past the split or past K
 template <int FMT, int BM, int BN>
 __device__ __forceinline__ void tile_load(TileLoads<FMT, BM, BN>& r, const u32x4* __restrict__ w,
                                           const u64* __restrict__ s, const u16* __restrict__ x,
-                                          int kt, int m0, int t0, int tiles, int C, int M, int K) {
+                                          int kt, int ke, int m0, int t0, int tiles, int C, int M, int K) {
   typedef TileLoads<FMT, BM, BN> L;
+  if (kt >= ke) return;
 #pragma unroll
   for (int v = 0; v < L::WV; ++v) {
-    const int i = threadIdx.x + THREADS * v, l = i & 31, cc = (i >> 5) % L::CPT, t = i / (32 * L::CPT);
+    const int i = threadIdx.x + THREADS * v, l = i & 31, t = (i >> 5) % (BN / 16), cc = (i >> 5) / (BN / 16);
     const int c = kt * L::CPT + cc;
-    if (t < BN / 16 && t0 + t < tiles && c < C) {
+    if (cc < L::CPT && t0 + t < tiles && c < C) {
       const size_t tc = (size_t)(t0 + t) * C + c;
       r.w[v] = ld_stream(w + tc * 32 + l);
       r.s[v] = FMT == 2 ? ld_stream64(s + tc * 8 + (l >> 2)) : 0ull;
@@ -726,28 +752,31 @@ __device__ __forceinline__ void tile_load(TileLoads<FMT, BM, BN>& r, const u32x4
   }
 #pragma unroll
   for (int v = 0; v < L::XV; ++v) {
-    const int i = threadIdx.x + THREADS * v, row = i >> 3, k = kt * PBK + 8 * (i & 7);
+    const int i = threadIdx.x + THREADS * v, row = (i >> 2) % BM;
+    const int k = kt * PBK + SBK * ((i >> 2) / BM) + 8 * (i & 3);
     if (m0 + row < M && k < K) r.x[v] = ld_x16(x + (size_t)(m0 + row) * K + k);
   }
 }
 
-template <int FMT, int BM, int BN>
-__device__ __forceinline__ void tile_store(const TileLoads<FMT, BM, BN>& r, u16* xs, u16* ws, int kt,
-                                           int m0, int t0, int tiles, int C, int M, int K) {
+// stage H (k = 64 kt + 32 H ..) of a loaded set, decoded into xs [BM][PLD] and ws [BN][PLD]. Never
+// called for a stage past K; slots tile_load skipped (rows past M or N) store stale registers, which
+// only reach outputs that are never written.
+template <int FMT, int BM, int BN, int H>
+__device__ __forceinline__ void tile_store(const TileLoads<FMT, BM, BN>& r, u16* xs, u16* ws) {
   typedef TileLoads<FMT, BM, BN> L;
 #pragma unroll
   for (int v = 0; v < L::WV; ++v) {
-    const int i = threadIdx.x + THREADS * v, l = i & 31, cc = (i >> 5) % L::CPT, t = i / (32 * L::CPT);
-    if (t < BN / 16 && t0 + t < tiles && kt * L::CPT + cc < C) {
-      u16* row = ws + (16 * t + (l >> 2)) * PLD + 32 * cc + 4 * (l & 3);  // row r; r + 8 at + 8 PLD
+    const int i = threadIdx.x + THREADS * v, l = i & 31, t = (i >> 5) % (BN / 16), cc = (i >> 5) / (BN / 16);
+    if (FMT == 2 ? cc == 0 : cc == H) {
+      u16* row = ws + (16 * t + (l >> 2)) * PLD + 4 * (l & 3);  // row r; r + 8 at + 8 PLD
       if (FMT == 2) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {  // group j: k = 16 j + 4 q + 0..3
-          const u32 s2 = dec_scale((u32)(r.s[v] >> (32 * (j >> 1))), j & 1);
+        for (int jj = 0; jj < 2; ++jj) {  // group j = 2 H + jj of the chunk: k = 16 jj + 4 q + 0..3
+          const u32 s2 = dec_scale((u32)(r.s[v] >> (32 * H)), jj);
           u32 p0, p1, p2, p3;
-          dec_fp4(j == 0 ? r.w[v].x : j == 1 ? r.w[v].y : j == 2 ? r.w[v].z : r.w[v].w, p0, p1, p2, p3);
-          sts64(row + 16 * j, hmul2_splat(p0, s2, 0), hmul2_splat(p2, s2, 0));
-          sts64(row + 8 * PLD + 16 * j, hmul2_splat(p1, s2, 1), hmul2_splat(p3, s2, 1));
+          dec_fp4(H == 0 ? (jj == 0 ? r.w[v].x : r.w[v].y) : (jj == 0 ? r.w[v].z : r.w[v].w), p0, p1, p2, p3);
+          sts64(row + 16 * jj, hmul2_splat(p0, s2, 0), hmul2_splat(p2, s2, 0));
+          sts64(row + 8 * PLD + 16 * jj, hmul2_splat(p1, s2, 1), hmul2_splat(p3, s2, 1));
         }
       } else {
         u32 a, b;  // words: (g0, r) (g0, r+8) (g1, r) (g1, r+8)
@@ -760,25 +789,87 @@ __device__ __forceinline__ void tile_store(const TileLoads<FMT, BM, BN>& r, u16*
   }
 #pragma unroll
   for (int v = 0; v < L::XV; ++v) {
-    const int i = threadIdx.x + THREADS * v, row = i >> 3, k = 8 * (i & 7);
-    if (m0 + row < M && kt * PBK + k < K)
+    const int i = threadIdx.x + THREADS * v, row = (i >> 2) % BM, k = 8 * (i & 3);
+    if ((i >> 2) / BM == H)
       *reinterpret_cast<u32x4*>(xs + row * PLD + k) = r.x[v];
+  }
+}
+
+// one stage (32 k) of this warp's FM x FN fragments; xa, wa: its rows of the stage's xs, ws
+template <int FM, int FN>
+__device__ __forceinline__ void mma_stage(float (&acc)[FM][FN][8], u32 xa, u32 wa) {
+#pragma unroll
+  for (int kk = 0; kk < SBK / 16; ++kk) {
+    u32 b[FN][8];
+#pragma unroll
+    for (int j = 0; j < FN; ++j) wmma_ld_b(b[j], wa + (16 * j * PLD + 16 * kk) * 2);
+#pragma unroll
+    for (int i = 0; i < FM; ++i) {
+      u32 a[8];
+      wmma_ld_a(a, xa + (16 * i * PLD + 16 * kk) * 2);
+#pragma unroll
+      for (int j = 0; j < FN; ++j) wmma_mma(acc[i][j], a, b[j]);
+    }
+  }
+}
+
+// 8 consecutive outputs of row m at n..n+7 (fewer at the right edge)
+__device__ __forceinline__ void store_y(u16* out, const float* v, float gs, int n, int N) {
+  if ((N & 7) == 0 && n + 8 <= N) {
+    u32x4 o;
+    o.x = (u32)f_to_h(v[0] * gs) | ((u32)f_to_h(v[1] * gs) << 16);
+    o.y = (u32)f_to_h(v[2] * gs) | ((u32)f_to_h(v[3] * gs) << 16);
+    o.z = (u32)f_to_h(v[4] * gs) | ((u32)f_to_h(v[5] * gs) << 16);
+    o.w = (u32)f_to_h(v[6] * gs) | ((u32)f_to_h(v[7] * gs) << 16);
+    *reinterpret_cast<u32x4*>(out) = o;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (n + e < N) out[e] = f_to_h(v[e] * gs);
+  }
+}
+__device__ __forceinline__ void store_part(float* out, const float* v, int n, int N) {
+  if ((N & 7) == 0 && n + 8 <= N) {
+    reinterpret_cast<f32x4*>(out)[0] = f32x4{v[0], v[1], v[2], v[3]};
+    reinterpret_cast<f32x4*>(out)[1] = f32x4{v[4], v[5], v[6], v[7]};
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (n + e < N) out[e] = v[e];
+  }
+}
+// the splits' partials of row m, n..n+7 summed in split order
+__device__ __forceinline__ void sum_parts(float (&v)[8], const float* p, size_t zstride, int splits,
+                                          int n, int N) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = 0.f;
+  for (int z = 0; z < splits; ++z, p += zstride) {
+    if ((N & 7) == 0 && n + 8 <= N) {
+      const f32x4 a = ld_part4(p), b = ld_part4(p + 4);
+      v[0] += a.x, v[1] += a.y, v[2] += a.z, v[3] += a.w;
+      v[4] += b.x, v[5] += b.y, v[6] += b.z, v[7] += b.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        if (n + e < N) v[e] += ld_part(p + e);
+    }
   }
 }
 
 template <int FMT, int BM, int BN, int PF>
 __device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                           float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                          int M, int N, int K) {
+                                          int M, int N, int K, int KS, float* part, int* cnt) {
   constexpr int FM = BM / 32, FN = BN / 64;  // 16x16 fragments per warp along M, N
+  constexpr int ST = (BM + BN) * PLD;        // halves per stage buffer: xs [BM][PLD], ws [BN][PLD]
   static_assert(FM >= 1 && FN >= 1 && (BM * (PBK / 8)) % THREADS == 0, "tile shape");
-  __shared__ __align__(128) u16 sm[(BM + BN) * PLD];
-  u16* xs = sm;             // [BM][PLD]  x[m0 + m][64 kt + k]
-  u16* ws = sm + BM * PLD;  // [BN][PLD]  decoded W[n0 + n][64 kt + k]
+  __shared__ __align__(128) u16 sm[2 * ST];
+  __shared__ int last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
   const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, t0 = n0 >> 4;
   const int C = K / (FMT == 2 ? 64 : 32), tiles = (N + 15) >> 4, nk = (K + PBK - 1) / PBK;
-  const u32 xa = smem_addr(xs) + (wm * (BM / 2) * PLD) * 2, wa = smem_addr(ws) + (wn * (BN / 4) * PLD) * 2;
+  const int kb = blockIdx.z * KS, ke = kb + KS < nk ? kb + KS : nk, ns = K / SBK;
+  const u32 xa = smem_addr(sm) + (wm * (BM / 2) * PLD) * 2, wa = xa + (BM * PLD + (wn * (BN / 4) - wm * (BM / 2)) * PLD) * 2;
   float acc[FM][FN][8];
 #pragma unroll
   for (int i = 0; i < FM; ++i)
@@ -786,42 +877,38 @@ __device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64
     for (int j = 0; j < FN; ++j)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[i][j][e] = 0.f;
-  // PF register sets: k-step kt's loads are issued PF steps ahead (loads past K are skipped by
-  // tile_load's guards); the loop is unrolled over one turn so every set index is a constant.
+  // PF register sets: set kt's loads are issued PF sets ahead (none past the split: tile_load's
+  // guards); the loop is unrolled over one turn so every set index is a constant.
   TileLoads<FMT, BM, BN> r[PF];
 #pragma unroll
-  for (int p = 0; p < PF; ++p) tile_load<FMT, BM, BN>(r[p], w, s, x, p, m0, t0, tiles, C, M, K);
-  for (int kt0 = 0; kt0 < nk; kt0 += PF) {
+  for (int p = 0; p < PF; ++p) tile_load<FMT, BM, BN>(r[p], w, s, x, kb + p, ke, m0, t0, tiles, C, M, K);
+  tile_store<FMT, BM, BN, 0>(r[0], sm, sm + BM * PLD);
+  __syncthreads();
+  for (int kt0 = kb; kt0 < ke; kt0 += PF) {
 #pragma unroll
     for (int p = 0; p < PF; ++p) {
       const int kt = kt0 + p;
-      if (kt < nk) {
-        tile_store<FMT, BM, BN>(r[p], xs, ws, kt, m0, t0, tiles, C, M, K);
+      if (kt < ke) {
+        const bool two = FMT == 2 || 2 * kt + 1 < ns;  // FP8: K may end half-way through the last set
+        // stage 2 kt (buffer 0) multiplied while set kt's second half is decoded into buffer 1
+        if (two) tile_store<FMT, BM, BN, 1>(r[p], sm + ST, sm + ST + BM * PLD);
+        tile_load<FMT, BM, BN>(r[p], w, s, x, kt + PF, ke, m0, t0, tiles, C, M, K);
+        mma_stage<FM, FN>(acc, xa, wa);
         __syncthreads();
-        tile_load<FMT, BM, BN>(r[p], w, s, x, kt + PF, m0, t0, tiles, C, M, K);
-        const int ks = K - kt * PBK >= PBK ? 4 : (K - kt * PBK) / 16;  // FP8: K may end mid-step
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          if (kk < ks) {
-            u32 b[FN][8];
-#pragma unroll
-            for (int j = 0; j < FN; ++j) wmma_ld_b(b[j], wa + (16 * j * PLD + 16 * kk) * 2);
-#pragma unroll
-            for (int i = 0; i < FM; ++i) {
-              u32 a[8];
-              wmma_ld_a(a, xa + (16 * i * PLD + 16 * kk) * 2);
-#pragma unroll
-              for (int j = 0; j < FN; ++j) wmma_mma(acc[i][j], a, b[j]);
-            }
-          }
+        if (two) {
+          // stage 2 kt + 1 (buffer 1), then set kt + 1's first half into buffer 0 (the MMAs
+          // first: the set was loaded one stage ago)
+          mma_stage<FM, FN>(acc, xa + ST * 2, wa + ST * 2);
+          if (kt + 1 < ke) tile_store<FMT, BM, BN, 0>(r[(p + 1) % PF], sm, sm + BM * PLD);
+          __syncthreads();
         }
-        __syncthreads();
       }
     }
   }
   // epilogue: each warp stages one 16x16 fp32 fragment at a time in its 1 KB of shared memory
   float* st = reinterpret_cast<float*>(sm) + warp * 256;
-  const int fr = lane >> 1, fc = 8 * (lane & 1);
+  const int fr = lane >> 1, fc = 8 * (lane & 1), splits = gridDim.z;
+  const size_t zstride = (size_t)M * N;
 #pragma unroll
   for (int i = 0; i < FM; ++i) {
 #pragma unroll
@@ -829,41 +916,52 @@ __device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64
       wmma_st(smem_addr(st), acc[i][j]);
       __syncwarp();
       const int m = m0 + wm * (BM / 2) + 16 * i + fr, n = n0 + wn * (BN / 4) + 16 * j + fc;
-      const float* v = st + fr * 16 + fc;
       if (m < M) {
-        u16* out = y + (size_t)m * N + n;
-        if ((N & 7) == 0 && n + 8 <= N) {
-          u32x4 o;
-          o.x = (u32)f_to_h(v[0] * gs) | ((u32)f_to_h(v[1] * gs) << 16);
-          o.y = (u32)f_to_h(v[2] * gs) | ((u32)f_to_h(v[3] * gs) << 16);
-          o.z = (u32)f_to_h(v[4] * gs) | ((u32)f_to_h(v[5] * gs) << 16);
-          o.w = (u32)f_to_h(v[6] * gs) | ((u32)f_to_h(v[7] * gs) << 16);
-          *reinterpret_cast<u32x4*>(out) = o;
-        } else {
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            if (n + e < N) out[e] = f_to_h(v[e] * gs);
-        }
+        if (splits == 1)
+          store_y(y + (size_t)m * N + n, st + fr * 16 + fc, gs, n, N);
+        else
+          store_part(part + blockIdx.z * zstride + (size_t)m * N + n, st + fr * 16 + fc, n, N);
       }
       __syncwarp();
     }
   }
+  if (splits == 1) return;
+  __threadfence();  // this block's partials are visible before its arrival is counted
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(cnt + blockIdx.y * gridDim.x + blockIdx.x, 1) == splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+#pragma unroll
+  for (int i = 0; i < FM; ++i) {
+#pragma unroll
+    for (int j = 0; j < FN; ++j) {
+      const int m = m0 + wm * (BM / 2) + 16 * i + fr, n = n0 + wn * (BN / 4) + 16 * j + fc;
+      if (m < M) {
+        float v[8];
+        sum_parts(v, part + (size_t)m * N + n, zstride, splits, n, N);
+        store_y(y + (size_t)m * N + n, v, gs, n, N);
+      }
+    }
+  }
 }
 
-// qpn{2,8}_gemm_<BM>x<BN>: same arguments as the LINEAR kernels (KS, P unused), blockDim 256,
-// grid (ceil(M / BM), ceil(N / BN)).
+// qpn{2,8}_gemm_<BM>x<BN>: the LINEAR kernels' arguments (KS: k-steps of 64 per K split, P
+// unused) + the split-K scratch part [splits, M, N] fp32 and cnt [ceil(M / BM) * ceil(N / BN)]
+// int32 zeroed (both unused with one split); blockDim 256, grid (ceil(M / BM), ceil(N / BN),
+// splits = ceil(ceil(K / 64) / KS)).
 #define GEMM(FMT, BM, BN, PF)                                                                      \
   extern "C" __global__ void __launch_bounds__(THREADS, GEMM_MINB(FMT, BM))                         \
       qpn##FMT##_gemm_##BM##x##BN(                                                                 \
       const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x,  \
-      u16* __restrict__ y, int M, int N, int K, int KS, int P) {                                    \
-    gemm_body<FMT, BM, BN, PF>(w, s, gs, x, y, M, N, K);                                            \
+      u16* __restrict__ y, int M, int N, int K, int KS, int P, float* part, int* cnt) {             \
+    gemm_body<FMT, BM, BN, PF>(w, s, gs, x, y, M, N, K, KS, part, cnt);                             \
   }
-// PF: k-steps of loads in flight (small tiles have little math per step to hide latency behind);
-// all at most 128 registers, two blocks per SM (one block's decode and barriers overlap the
-// other's MMAs; 128x128 with PF = 2 spills under that bound), except FP8 128x128 on Volta, which
-// spills at 128 (one block per SM there)
-#define GEMM_MINB(FMT, BM) ((QPN_MMA == 0 && FMT == 8 && BM == 128) ? 1 : 2)
+// PF: sets of loads in flight (small tiles have little math per set to hide latency behind);
+// all at most 128 registers, two blocks per SM (one block's barriers overlap the other's MMAs;
+// 128x128 with PF = 2 spills under that bound), except 128x128 on Volta, which spills at 128
+// (one block per SM there)
+#define GEMM_MINB(FMT, BM) ((QPN_MMA == 0 && BM == 128) ? 1 : 2)
 GEMM(2, 128, 128, 1)
 GEMM(2, 64, 128, 3)
 GEMM(2, 64, 64, 4)

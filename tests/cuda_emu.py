@@ -31,8 +31,10 @@ static std::barrier<>* warp_bar[32];
 #define __syncthreads() block_bar->arrive_and_wait()
 #define __syncwarp() warp_bar[threadIdx.x >> 5]->arrive_and_wait()
 #define __threadfence() std::atomic_thread_fence(std::memory_order_seq_cst)
-template <class F> void run_grid(int gx, int gy, int threads, F f) {   // threads reused across blocks
-  gridDim.x = gx; gridDim.y = gy; blockDim.x = threads;
+// threads reused across blocks; blocks in order x fastest, then y, then z (reverse: the opposite order,
+// so a kernel's "last block to arrive" logic sees another block last)
+template <class F> void run_grid(int gx, int gy, int threads, F f, int gz = 1, bool reverse = false) {
+  gridDim.x = gx; gridDim.y = gy; gridDim.z = gz; blockDim.x = threads;
   std::barrier<> bb(threads), between(threads);
   block_bar = &bb;
   for (int w = 0; w < threads / 32; ++w) warp_bar[w] = new std::barrier<>(32);
@@ -40,8 +42,9 @@ template <class F> void run_grid(int gx, int gy, int threads, F f) {   // thread
   for (int t = 0; t < threads; ++t)
     ts.emplace_back([&, t] {
       threadIdx.x = t;
-      for (int b = 0; b < gx * gy; ++b) {
-        blockIdx.x = b % gx; blockIdx.y = b / gx;
+      for (int o = 0; o < gx * gy * gz; ++o) {
+        const int b = reverse ? gx * gy * gz - 1 - o : o;
+        blockIdx.x = b % gx; blockIdx.y = b / gx % gy; blockIdx.z = b / (gx * gy);
         f();
         between.arrive_and_wait();                        // the block is done in all its threads
       }

@@ -9,10 +9,10 @@ import torch
 
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import layout
-from hybrid.kernels.qpn import GEMM_TILES, PREFILL_MIN, gemm_tile, prefill_kernel
+from hybrid.kernels.qpn import GEMM_TILES, PREFILL_MIN, gemm_splits, gemm_tile, prefill_kernel, prefill_plan
 from tests.test_qpn_layout import fp8, nvfp4
 
-THREADS, PBK = 256, 64
+THREADS, PBK, SBK = 256, 64, 32
 
 
 def max_scale_weight(qtype: QType, n: int = 96, k: int = 1024):
@@ -55,19 +55,19 @@ def _mask(v):
     return v & 0xFFFFFFFF
 
 
-def _store_slot(ws, fmt, words, scales, t_glob, c, l, row0, col0):
-    """tile_store for one (tile, chunk, lane) slot: writes ws[row0 + r (+8), col0 + ...]."""
+def _store_slot(ws, fmt, words, scales, t_glob, c, l, row0, h):
+    """tile_store<H = h> for one (tile, chunk, lane) slot: writes ws[row0 + r (+8), 0..31]."""
     q, r = l & 3, l >> 2
     wv = [_mask(int(v)) for v in words[t_glob, c, l]]
     row = row0 + r
     if fmt == 2:
         sv = int.from_bytes(bytes(scales[t_glob, c, r].tolist()), "little")
-        for j in range(4):
-            sw = (sv >> (32 * (j >> 1))) & 0xFFFFFFFF
-            h = _mask((sw >> 1) if j & 1 else (sw << 7)) & 0x3F803F80
-            s_lo, s_hi = (v * 2.0 ** 15 for v in _h2(h))                 # dec_scale: scale * 2^7
-            p0, p1, p2, p3 = (_mask(p) for p in _dec_fp4(wv[j]))
-            k = col0 + 16 * j + 4 * q
+        for jj in range(2):                                              # group j = 2 h + jj
+            sw = (sv >> (32 * h)) & 0xFFFFFFFF
+            hs = _mask((sw >> 1) if jj else (sw << 7)) & 0x3F803F80
+            s_lo, s_hi = (v * 2.0 ** 15 for v in _h2(hs))                # dec_scale: scale * 2^7
+            p0, p1, p2, p3 = (_mask(p) for p in _dec_fp4(wv[2 * h + jj]))
+            k = 16 * jj + 4 * q
             vals_r = [v * s_lo for v in _h2(p0) + _h2(p2)]               # hmul2_splat(., lo)
             vals_r8 = [v * s_hi for v in _h2(p1) + _h2(p3)]
             ws[row, k:k + 4] = torch.tensor(vals_r, dtype=torch.float64)
@@ -75,12 +75,13 @@ def _store_slot(ws, fmt, words, scales, t_glob, c, l, row0, col0):
     else:
         for word, dr, dk in ((wv[0], 0, 0), (wv[1], 8, 0), (wv[2], 0, 16), (wv[3], 8, 16)):
             a, b = (_mask(p) for p in _dec_fp8(word))
-            k = col0 + dk + 4 * q
+            k = dk + 4 * q
             ws[row + dr, k:k + 4] = torch.tensor(_h2(a) + _h2(b), dtype=torch.float64)
 
 
-def emulate_gemm(x: torch.Tensor, qw, bm: int, bn: int) -> torch.Tensor:
-    """y[M, N] float64 as gemm_body<FMT, bm, bn> computes it (fp32 sums emulated in float64)."""
+def emulate_gemm(x: torch.Tensor, qw, bm: int, bn: int, splits: int = 1) -> torch.Tensor:
+    """y[M, N] float64 as gemm_body<FMT, bm, bn> computes it (fp32 sums emulated in float64): load
+    sets of 64 k, each decoded in two stages of 32 k; split-K partials summed in split order."""
     fmt = 2 if qw.qtype is QType.NVFP4 else 8
     n, k = qw.shape
     m = x.shape[0]
@@ -91,52 +92,59 @@ def emulate_gemm(x: torch.Tensor, qw, bm: int, bn: int) -> torch.Tensor:
     words = words.to(torch.int64) & 0xFFFFFFFF
     gs = layout.global_scale(qw)
     cpt = 1 if fmt == 2 else 2
-    c_all, tiles, nk = k // (64 if fmt == 2 else 32), -(-n // 16), -(-k // PBK)
+    c_all, tiles, nk, ns = k // (64 if fmt == 2 else 32), -(-n // 16), -(-k // PBK), k // SBK
+    ks_per = -(-nk // splits)
     wv_n = -(-(bn // 16 * cpt * 32) // THREADS)
     y = torch.full((m, n), float("nan"), dtype=torch.float64)                # poisoned output
     nan = float("nan")
     for mb in range(-(-m // bm)):
         for nb in range(-(-n // bn)):
             m0, t0 = mb * bm, nb * bn // 16
-            acc = torch.zeros(bm, bn, dtype=torch.float64)
-            for kt in range(nk):  # unwritten shared memory is NaN in every k-step
-                xs = torch.full((bm, PBK), nan, dtype=torch.float64)
-                ws = torch.full((bn, PBK), nan, dtype=torch.float64)
-                seen = set()
-                for tid in range(THREADS):                                 # tile_store, weights
-                    for v in range(wv_n):
-                        i = tid + THREADS * v
-                        l, cc, t = i & 31, (i >> 5) % cpt, i // (32 * cpt)
-                        if t < bn // 16 and t0 + t < tiles and kt * cpt + cc < c_all:
-                            assert (t, cc, l) not in seen
-                            seen.add((t, cc, l))
-                            _store_slot(ws, fmt, words, scales, t0 + t, kt * cpt + cc, l, 16 * t,
-                                        32 * cc)
-                for tid in range(THREADS):                                 # tile_store, x
-                    for v in range(bm * (PBK // 8) // THREADS):
-                        i = tid + THREADS * v
-                        row, kk = i >> 3, 8 * (i & 7)
-                        if m0 + row < m and kt * PBK + kk < k:
-                            xs[row, kk:kk + 8] = x[m0 + row, kt * PBK + kk:kt * PBK + kk + 8].double()
-                ks = 4 if k - kt * PBK >= PBK else (k - kt * PBK) // 16
-                acc += xs[:, :16 * ks] @ ws[:, :16 * ks].t()
+            parts = []
+            for kb in range(0, nk, ks_per):                                # K splits
+                acc = torch.zeros(bm, bn, dtype=torch.float64)
+                for st in range(2 * kb, min(2 * (kb + ks_per), ns)):       # stages of 32 k
+                    kt, h = st // 2, st % 2
+                    xs = torch.full((bm, SBK), nan, dtype=torch.float64)   # unloaded rows: NaN
+                    ws = torch.full((bn, SBK), nan, dtype=torch.float64)
+                    seen = set()
+                    for tid in range(THREADS):                             # weights
+                        for v in range(wv_n):
+                            i = tid + THREADS * v
+                            l, t, cc = i & 31, (i >> 5) % (bn // 16), (i >> 5) // (bn // 16)
+                            if cc == (0 if fmt == 2 else h) and t0 + t < tiles:
+                                assert (t, cc, l) not in seen and kt * cpt + cc < c_all
+                                seen.add((t, cc, l))
+                                _store_slot(ws, fmt, words, scales, t0 + t, kt * cpt + cc, l, 16 * t, h)
+                    for tid in range(THREADS):                             # x
+                        for v in range(bm * (PBK // 8) // THREADS):
+                            i = tid + THREADS * v
+                            row, hv, kk = (i >> 2) % bm, (i >> 2) // bm, 8 * (i & 3)
+                            if hv == h and m0 + row < m:
+                                k0 = kt * PBK + SBK * h + kk
+                                xs[row, kk:kk + 8] = x[m0 + row, k0:k0 + 8].double()
+                    acc += xs @ ws.t()
+                parts.append(acc)
+            tot = parts[0]
+            for p in parts[1:]:
+                tot = tot + p
             for r in range(bm):                                            # epilogue bounds
                 for col in range(bn):
                     if m0 + r < m and nb * bn + col < n:
-                        y[m0 + r, nb * bn + col] = acc[r, col] * gs
+                        y[m0 + r, nb * bn + col] = tot[r, col] * gs
     return y
 
 
-@pytest.mark.parametrize("qtype,n,k,m,tile", [
-    (QType.NVFP4, 200, 128, 17, (32, 64)),    # N not a multiple of the tile, M not of BM
-    (QType.NVFP4, 72, 192, 40, (64, 128)),
-    (QType.FP8, 200, 96, 33, (32, 64)),       # K = 32 mod 64: the last k-step has one chunk
-    (QType.FP8, 40, 160, 70, (64, 64)),
+@pytest.mark.parametrize("qtype,n,k,m,tile,splits", [
+    (QType.NVFP4, 200, 128, 17, (32, 64), 1),    # N not a multiple of the tile, M not of BM
+    (QType.NVFP4, 72, 192, 40, (64, 128), 2),    # split-K: 2 + 1 k-steps
+    (QType.FP8, 200, 96, 33, (32, 64), 1),       # K = 32 mod 64: the last set has one stage
+    (QType.FP8, 40, 160, 70, (64, 64), 2),
 ])
-def test_emulated_gemm_matches_reference(qtype, n, k, m, tile):
+def test_emulated_gemm_matches_reference(qtype, n, k, m, tile, splits):
     qw = {QType.NVFP4: nvfp4, QType.FP8: fp8}[qtype](n, k, seed=n + k + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half()
-    y = emulate_gemm(x, qw, *tile)
+    y = emulate_gemm(x, qw, *tile, splits=splits)
     assert not torch.isnan(y).any(), "an output was not written or read a stale/unwritten value"
     ref = x.double() @ qw.dequantize(torch.float64).t()
     # the reference dequantizes in fp32: agreement to ~1e-7 of the largest output; a misplaced
@@ -149,8 +157,8 @@ def test_tile_choice():
     assert gemm_tile(128, 151936, sms) == (128, 128)      # lm_head: plenty of blocks
     assert gemm_tile(512, 4096, sms) == (128, 128)        # q_proj M = 512: 128 blocks fill 132 SMs
     assert gemm_tile(128, 4096, sms) == (64, 64)          # q_proj M = 128: 128 blocks
-    assert gemm_tile(64, 4096, sms) is None               # 64 blocks: the 8-row tiles are faster
-    assert gemm_tile(128, 2048, sms) is None              # o_proj M = 128 likewise
+    assert gemm_tile(64, 4096, sms) == (64, 128)          # 64 blocks: the largest tile, split over K
+    assert gemm_tile(128, 2048, sms) == (128, 128)        # o_proj M = 128 likewise
     assert gemm_tile(17, 151936, sms) == (64, 128)        # BM no larger than M rounded up (min 64x64)
     assert gemm_tile(100, 10 ** 6, sms) == (128, 128)
     for bm, bn in GEMM_TILES:
@@ -161,10 +169,40 @@ def test_tile_choice():
         gemm_tile(100, 100, sms, "big")
 
 
+def test_split_choice():
+    sms = 132
+    assert gemm_splits(512, 151936, 2048, (128, 128), sms) == (1, 32)     # lm_head fills the device
+    assert gemm_splits(64, 5120, 25600, (64, 128), sms) == (6, 67)        # dense_down: 40 blocks x 6
+    assert gemm_splits(64, 2048, 4096, (64, 128), sms) == (16, 4)         # o_proj: 16 x 16, 4 k-steps each
+    assert gemm_splits(64, 2048, 768, (64, 128), sms) == (3, 4)           # expert_down: >= 4 k-steps a split
+    assert gemm_splits(64, 2048, 256, (64, 128), sms) == (1, 4)           # too short to split
+    assert gemm_splits(128, 2048, 4096, (128, 128), sms, resident=1) == (8, 8)  # Volta 128x128: 1 per SM
+    assert gemm_splits(64, 2048, 4096, (64, 128), sms, force=3) == (3, 22)  # 22 + 22 + 20
+    assert gemm_splits(64, 2048, 96, (64, 128), sms, force=16) == (2, 1)    # at most one per k-step
+    assert gemm_splits(64, 2048, 4096, (64, 128), sms, force=1) == (1, 64)
+    for m, n, k in ((17, 100, 64), (300, 5000, 1056), (64, 512, 25600)):
+        for force in (None, 1, 5, 40):
+            splits, ks = gemm_splits(m, n, k, (64, 64), sms, force=force)
+            nk = -(-k // 64)
+            assert (splits - 1) * ks < nk <= splits * ks, "every split non-empty, all k-steps covered"
+
+
+def test_prefill_plan():
+    assert prefill_plan(2, 16, 4096, 2048, 132, 90) is None
+    assert prefill_plan(2, 512, 4096, 2048, 132, 90, "mt") is None
+    p = prefill_plan(2, 64, 5120, 25600, 132, 90)
+    assert (p.kernel, p.grid, p.ks, p.label) == ("qpn2_gemm_64x128", (1, 40, 6), 67, "gemm_64x128/s6")
+    p = prefill_plan(8, 512, 151936, 2048, 132, 70)
+    assert (p.kernel, p.grid, p.label) == ("qpn8_gemm_128x128", (4, 1187, 1), "gemm_128x128")
+    assert prefill_plan(8, 128, 2048, 4096, 132, 70).grid == (1, 16, 8)   # Volta 128x128: one block per SM
+    assert prefill_plan(8, 128, 2048, 4096, 132, 90).grid == (1, 16, 16)
+    assert prefill_plan(2, 64, 2048, 4096, 132, 90, "32x64", 2).grid == (2, 32, 2)
+
+
 def test_prefill_kernel_routing():
     assert prefill_kernel(2, PREFILL_MIN, 4096, 132) is None
     assert prefill_kernel(2, PREFILL_MIN + 1, 151936, 132).startswith("qpn2_gemm_")
-    assert prefill_kernel(2, 64, 4096, 132) is None       # no tile fills the device: 8-row tiles
+    assert prefill_kernel(2, 64, 4096, 132) == "qpn2_gemm_64x128"   # split over K (prefill_plan)
     assert prefill_kernel(8, 512, 4096, 132, "mt") is None
     assert prefill_kernel(8, 512, 4096, 132, "64x128") == "qpn8_gemm_64x128"
 

@@ -17,11 +17,13 @@ from tests.cuda_emu import SHIM, compile_emu
 from tests.test_qpn_layout import fp8, nvfp4
 
 HELPERS = r"""
-#define PBK 64
-#define PLD (PBK + 8)
 inline u32x4 ld_stream(const u32x4* p) { return *p; }
 inline u64 ld_stream64(const u64* p) { return *p; }
 inline u32x4 ld_x16(const u16* p) { u32x4 v; memcpy(&v, p, 16); return v; }
+struct f32x4;
+inline f32x4 ld_part4(const float* p);
+inline float ld_part(const float* p) { return *p; }
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline _Float16 hf(u32 bits) { u16 b = (u16)bits; _Float16 x; memcpy(&x, &b, 2); return x; }
 inline u32 hb(_Float16 x) { u16 b; memcpy(&b, &x, 2); return b; }
 inline u16 f_to_h(float f) { return (u16)hb((_Float16)f); }
@@ -77,14 +79,17 @@ def emu_source() -> str:
     decode = "".join(re.findall(r"__device__ __forceinline__ void dec_fp[48]\(.*?\n\}\n", src, re.S))
     gemm = src[src.index(rule + "prefill"): src.index(rule + "MoE routing")]
     # the inline-PTX helpers are the shim's
-    gemm = re.sub(r"__device__ __forceinline__ (u32|u32x4|void) (ld_x16|wmma_ld_a|wmma_ld_b|wmma_mma|"
-                  r"wmma_st)\(.*?\n\}\n", "", gemm, flags=re.S)
+    gemm = re.sub(r"__device__ __forceinline__ (u32|u32x4|f32x4|float|void) (ld_x16|ld_part4|ld_part|wmma_ld_a|"
+                  r"wmma_ld_b|wmma_mma|wmma_st)\(.*?\n\}\n", "", gemm, flags=re.S)
     assert "asm" not in gemm and "asm" not in decode, "an inline-PTX helper the shim does not replace"
+    defines = "".join(re.findall(r"#define (?:PBK|SBK|PLD) .*\n", gemm))   # the shim's WMMA uses PLD
+    part4 = "inline f32x4 ld_part4(const float* p) { f32x4 v; memcpy(&v, p, 16); return v; }\n"
     entry = "".join(
-        f'extern "C" void emu_{f}_{t}(int gx, int gy, const u32x4* w, const u64* s, float gs, const u16* x, '
-        f'u16* y, int M, int N, int K) {{ run_grid(gx, gy, THREADS, [&] {{ qpn{f}_gemm_{t}(w, s, gs, x, y, M, N, K, 1, 1); }}); }}\n'
+        f'extern "C" void emu_{f}_{t}(int gx, int gy, int gz, int rev, const u32x4* w, const u64* s, float gs, '
+        f'const u16* x, u16* y, int M, int N, int K, int KS, float* part, int* cnt) {{ run_grid(gx, gy, THREADS, '
+        f'[&] {{ qpn{f}_gemm_{t}(w, s, gs, x, y, M, N, K, KS, 1, part, cnt); }}, gz, rev); }}\n'
         for f in (2, 8) for t in TILE_NAMES)
-    return SHIM + head + decode + HELPERS + gemm + entry
+    return SHIM + head + decode + defines + HELPERS + gemm + part4 + entry
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +101,9 @@ P = lambda t: ctypes.c_void_p(t.data_ptr())   # noqa: E731
 I = ctypes.c_int  # noqa: E741
 
 
-def emu_gemm(lib, x, qw, tile):
+def emu_gemm(lib, x, qw, tile, splits=1, reverse=False):
+    """y[M, N] from the emulated kernel; splits > 1: split-K over that many k ranges (as the launcher
+    sizes them: KS = ceil(ceil(K / 64) / splits) k-steps each), blocks run in reverse order if asked."""
     n, k = qw.shape
     m = x.shape[0]
     bm, bn = (int(v) for v in tile.split("x"))
@@ -106,8 +113,16 @@ def emu_gemm(lib, x, qw, tile):
         words, scales = layout.pack_fp8(qw), torch.zeros(16, dtype=torch.uint8)
     y = torch.full((m, n), float("nan")).half()                               # poisoned output
     fmt = 2 if qw.qtype is QType.NVFP4 else 8
-    getattr(lib, f"emu_{fmt}_{tile}")(I(-(-m // bm)), I(-(-n // bn)), P(words), P(scales),
-                                      ctypes.c_float(layout.global_scale(qw)), P(x), P(y), I(m), I(n), I(k))
+    gx, gy, nk = -(-m // bm), -(-n // bn), -(-k // 64)
+    ks = -(-nk // splits)
+    gz = -(-nk // ks)
+    part = torch.full((gz, m, n), float("nan"))                               # poisoned scratch
+    cnt = torch.zeros(gx * gy, dtype=torch.int32)
+    getattr(lib, f"emu_{fmt}_{tile}")(I(gx), I(gy), I(gz), I(int(reverse)), P(words), P(scales),
+                                      ctypes.c_float(layout.global_scale(qw)), P(x), P(y), I(m), I(n), I(k),
+                                      I(ks), P(part), P(cnt))
+    if gz > 1:
+        assert (cnt == gz).all(), "every split of every tile must arrive once"
     return y
 
 
@@ -140,3 +155,23 @@ def test_emulated_gemm_largest_scales(emu, qtype):
     ref = x.double() @ qw.dequantize(torch.float64).t()
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-3, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype,n,k,m,tile,splits,reverse", [
+    (QType.NVFP4, 200, 640, 70, "64x128", 3, False),   # 10 k-steps as 4 + 4 + 2; N % 8 = 0
+    (QType.NVFP4, 90, 512, 33, "64x64", 8, True),      # one k-step per split, N % 8 != 0, last block = split 0
+    (QType.FP8, 72, 480, 40, "32x64", 4, True),        # K = 32 mod 64: the last split ends half-way through a set
+    (QType.FP8, 136, 1056, 129, "128x128", 5, False),
+    (QType.NVFP4, 40, 256, 20, "32x64", 16, False),    # more splits asked than k-steps: one per k-step
+])
+def test_emulated_gemm_split_k(emu, qtype, n, k, m, tile, splits, reverse):
+    """Split-K: fp32 partials per split, the last block of each output tile to arrive sums them."""
+    qw = {QType.NVFP4: nvfp4, QType.FP8: fp8}[qtype](n, k, seed=n + k + m + splits)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + splits)).half()
+    y = emu_gemm(emu, x, qw, tile, splits=splits, reverse=reverse)
+    assert not torch.isnan(y).any(), "unwritten outputs"
+    ref = x.double() @ qw.dequantize(torch.float64).t()
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-3, f"relative error {err:.2e}"
+    # the sum runs in split order whichever block arrives last: the result does not depend on it
+    assert torch.equal(y, emu_gemm(emu, x, qw, tile, splits=splits, reverse=not reverse))

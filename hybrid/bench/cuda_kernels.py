@@ -194,7 +194,8 @@ def bench_variants(fmts, reps, read_bw):
     """The other M <= 8 kernels beside the default, same run: '' (register pipeline, 2 chunks per
     stage), '_u4' (4 chunks per stage), '_as4' (4-stage cp.async ring; sm_80+), the MoE kernels
     without the ring (''), at M = 64, 128, 512 the 8-row-tile kernels ([mt]) that the tiled
-    GEMM replaced, and each tile of the tiled GEMM forced ([BMxBN], NVFP4, M = 128, 512)."""
+    GEMM replaced, each tile of the tiled GEMM forced ([BMxBN], NVFP4, M = 128, 512), and the
+    picked tile with 1 and 4 K splits forced ([s1], [s4]; NVFP4 o_proj, dense_down, M = 64, 128)."""
     from hybrid.checkpoint.formats import QType
     from hybrid.kernels import qpn
 
@@ -216,7 +217,7 @@ def bench_variants(fmts, reps, read_bw):
         qpn.PREFILL_VARIANT[0] = "mt"
         for qtype in fmts:
             for name, n, k in SHAPES:
-                if name in ("q_proj", "o_proj", "lm_head", "dense_up"):
+                if name in ("q_proj", "o_proj", "lm_head", "dense_up", "dense_down"):
                     for r in bench_linear(name, n, k, qtype, [64, 128, 512], reps, read_bw):
                         out.append({**r, "shape": f"{name}[mt]", "kernel": f"mt{qpn._mt(r['m'], sm)}"})
         for bm, bn in qpn.GEMM_TILES:  # every tile of the tiled GEMM forced (tunes gemm_tile)
@@ -225,8 +226,17 @@ def bench_variants(fmts, reps, read_bw):
                 if name in ("q_proj", "lm_head") and QType.NVFP4 in fmts:
                     for r in bench_linear(name, n, k, QType.NVFP4, [128, 512], reps, read_bw):
                         out.append({**r, "shape": f"{name}[{bm}x{bn}]", "kernel": f"gemm_{bm}x{bn}"})
+        qpn.PREFILL_VARIANT[0] = None
+        for sp in (1, 4):  # the picked tile with K splits forced (tunes gemm_splits; s1 = unsplit)
+            qpn.PREFILL_SPLIT[0] = sp
+            for name, n, k in SHAPES:
+                if name in ("o_proj", "dense_down") and QType.NVFP4 in fmts:
+                    for r in bench_linear(name, n, k, QType.NVFP4, [64, 128], reps, read_bw):
+                        plan = qpn.prefill_plan(2, r["m"], n, k, torch_sms(), sm, None, sp)
+                        out.append({**r, "shape": f"{name}[s{sp}]", "kernel": plan.label})
     finally:
         qpn.PREFILL_VARIANT[0] = None
+        qpn.PREFILL_SPLIT[0] = None
     if qpn.variant(None, sm) != "":
         try:
             qpn.MOE_VARIANT[0] = ""
@@ -235,6 +245,12 @@ def bench_variants(fmts, reps, read_bw):
         finally:
             qpn.MOE_VARIANT[0] = None
     return out
+
+
+def torch_sms() -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def torch_sm() -> int:
@@ -346,9 +362,10 @@ def bench(args) -> int:
         if r["shape"] == "moe_8_experts":
             return "moe" + (qpn.variant(None, env["sm"]) or " reg")
         fmt = 2 if r["format"] == "nvfp4" else 8
-        gemm = qpn.prefill_kernel(fmt, r["m"], r["n"], sms, qpn.PREFILL_VARIANT[0])
-        if gemm is not None:
-            return gemm.split("qpn%d_" % fmt)[1]
+        plan = qpn.prefill_plan(fmt, r["m"], r["n"], r["k"], sms, env["sm"], qpn.PREFILL_VARIANT[0],
+                                qpn.PREFILL_SPLIT[0])
+        if plan is not None:
+            return plan.label
         return qpn.linear_kernel(fmt, qpn._mt(r["m"], env["sm"]), r["m"], env["sm"]).split("linear_")[1]
 
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count

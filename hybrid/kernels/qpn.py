@@ -27,7 +27,8 @@ MAX_SLOTS = 1024
 LINEAR_VARIANT: list[str | None] = [None]
 MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
 # M > PREFILL_MIN linear kernel: None = the shared-memory tiled GEMM with the tile picked by
-# gemm_tile; "mt" = the 8-row-tile kernels (qpn{2,8}_linear_mt{2,4}, the path before it; A/B);
+# gemm_tile (split over K by gemm_splits); "mt" = the 8-row-tile kernels (qpn{2,8}_linear_mt{2,4},
+# the path before it; A/B);
 # "<BM>x<BN>" (one of GEMM_TILES) forces a tile: benchmark, tests; initial value from
 # $HYBRID_QPN_PREFILL (A/B runs of whole programs).
 PREFILL_VARIANT: list[str | None] = [os.environ.get("HYBRID_QPN_PREFILL") or None]
@@ -51,16 +52,21 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None)
     return f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
 
 
-GEMM_WAVE = 0.9       # a tile is picked only if it makes at least this many blocks per SM
+GEMM_WAVE = 0.9       # a tile fills the device unsplit if it makes at least this many blocks per SM
+GEMM_MIN_KSTEPS = 4   # split-K: at least this many k-steps of 64 per split
+GEMM_MAX_SPLITS = 16
+# K splits of the tiled GEMM: None = gemm_splits' pick; an int forces that many (at most one per
+# k-step): benchmark, tests.
+PREFILL_SPLIT: list[int | None] = [None]
 
 
-def gemm_tile(m: int, n: int, sms: int, choice: str | None = None) -> tuple[int, int] | None:
+def gemm_tile(m: int, n: int, sms: int, choice: str | None = None) -> tuple[int, int]:
     """(BM, BN) of the tiled GEMM for M rows, N out features on a device with `sms` SMs: the
-    largest tile of at least 64 x 64 (BM no larger than M rounded up to a power of two, >= 64) that still
-    fills the device (GEMM_WAVE blocks per SM); None if none does (the 8-row-tile kernels are
-    faster there). H200, git 3ab1235 (results/cuda_kernels.md): q_proj M = 128 64x64 28.2 us vs mt
-    33.2 and 128x128 44.2; M = 512 128x128 44.7 vs 64x64 72.2 and mt 100.6; o_proj M = 64..128
-    and every 32x64 pick slower than mt. choice "<BM>x<BN>" forces one of GEMM_TILES."""
+    largest tile of at least 64 x 64 (BM no larger than M rounded up to a power of two, >= 64) that
+    fills the device unsplit (GEMM_WAVE blocks per SM), else the largest such tile (split-K fills
+    the device: gemm_splits). H200, git 3ab1235 (results/cuda_kernels.md, before double buffering
+    and split-K): q_proj M = 128 64x64 28.2 us vs 128x128 44.2; M = 512 128x128 44.7 vs 64x64
+    72.2. choice "<BM>x<BN>" forces one of GEMM_TILES."""
     if choice is not None:
         tile = tuple(int(v) if v.isdigit() else -1 for v in choice.split("x"))
         if tile not in GEMM_TILES:
@@ -68,19 +74,65 @@ def gemm_tile(m: int, n: int, sms: int, choice: str | None = None) -> tuple[int,
                              f"{', '.join(f'{a}x{b}' for a, b in GEMM_TILES)} or 'mt', got {choice!r}")
         return tile
     cap = max(64, 1 << (m - 1).bit_length())
-    for bm, bn in GEMM_TILES:
-        if bm <= cap and bm * bn >= 64 * 64 and -(-m // bm) * -(-n // bn) >= GEMM_WAVE * sms:
+    fits = [(bm, bn) for bm, bn in GEMM_TILES if bm <= cap and bm * bn >= 64 * 64]
+    for bm, bn in fits:
+        if -(-m // bm) * -(-n // bn) >= GEMM_WAVE * sms:
             return bm, bn
-    return None
+    return fits[0]
+
+
+def gemm_splits(m: int, n: int, k: int, tile: tuple[int, int], sms: int, resident: int = 2,
+                force: int | None = None) -> tuple[int, int]:
+    """(splits, KS): K splits of the tiled GEMM and k-steps of 64 per split (the last may be shorter).
+    A grid that fills the device (GEMM_WAVE blocks per SM) is not split; a smaller one is split so
+    that all its blocks stay resident at once (`resident` blocks per SM), each split at least
+    GEMM_MIN_KSTEPS k-steps, at most GEMM_MAX_SPLITS splits. force: that many splits (clamped to
+    1..k-steps)."""
+    nk = -(-k // 64)
+    blocks = -(-m // tile[0]) * -(-n // tile[1])
+    if force is not None:
+        want = max(1, min(int(force), nk))
+    elif blocks >= GEMM_WAVE * sms:
+        want = 1
+    else:
+        want = max(1, min(GEMM_MAX_SPLITS, resident * sms // blocks, nk // GEMM_MIN_KSTEPS))
+    ks = -(-nk // want)
+    return -(-nk // ks), ks
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """A launch of the tiled GEMM: kernel name, grid (ceil(M/BM), ceil(N/BN), splits), KS."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    ks: int
+
+    @property
+    def label(self) -> str:
+        """Benchmark label: gemm_<BM>x<BN>, /s<splits> when split."""
+        name = self.kernel.split("_", 1)[1]
+        return name + (f"/s{self.grid[2]}" if self.grid[2] > 1 else "")
+
+
+def prefill_plan(fmt: int, m: int, n: int, k: int, sms: int, sm: int, choice: str | None = None,
+                 split: int | None = None) -> GemmPlan | None:
+    """The tiled GEMM launch for M rows on an sm_<sm> device with `sms` SMs (None: M <= PREFILL_MIN
+    or the 'mt' variant: the 8-row-tile kernels)."""
+    if m <= PREFILL_MIN or choice == "mt":
+        return None
+    bm, bn = gemm_tile(m, n, sms, choice)
+    resident = 1 if sm < 75 and bm == 128 else 2  # Volta 128x128: over 128 registers
+    splits, ks = gemm_splits(m, n, k, (bm, bn), sms, resident, split)
+    return GemmPlan(f"qpn{fmt}_gemm_{bm}x{bn}", (-(-m // bm), -(-n // bn), splits), ks)
 
 
 def prefill_kernel(fmt: int, m: int, n: int, sms: int, choice: str | None = None) -> str | None:
-    """The tiled GEMM kernel for M rows (None: M <= PREFILL_MIN, the 'mt' variant, or no tile
-    fills the device)."""
+    """The tiled GEMM kernel for M rows (None: M <= PREFILL_MIN or the 'mt' variant)."""
     if m <= PREFILL_MIN or choice == "mt":
         return None
     tile = gemm_tile(m, n, sms, choice)
-    return None if tile is None else f"qpn{fmt}_gemm_{tile[0]}x{tile[1]}"
+    return f"qpn{fmt}_gemm_{tile[0]}x{tile[1]}"
 
 
 # ---------------------------------------------------------------------------- weights
@@ -227,14 +279,9 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
         return y
     mod = _module(w.device)
     fmt = _fmt(w.qtype)
-    gemm = prefill_kernel(fmt, m, n, _sms(w.device), PREFILL_VARIANT[0])
-    if gemm is not None:
-        bm, bn = (int(v) for v in gemm.rsplit("_", 1)[1].split("x"))
-        if -(-n // bn) > 65535:
-            raise ValueError(f"w: N={n} out features exceed the tiled GEMM's grid ({65535 * bn} at most)")
-        mod.launch(gemm, (-(-m // bm), -(-n // bn), 1), THREADS,
-                   [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
-                    ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(1), ctypes.c_int(1)])
+    plan = prefill_plan(fmt, m, n, k, _sms(w.device), mod.sm, PREFILL_VARIANT[0], PREFILL_SPLIT[0])
+    if plan is not None:
+        _launch_gemm(mod, plan, w, x, y)
         return y
     mt = _mt(m, mod.sm)
     passes = -(-m // (8 * mt))
@@ -247,6 +294,23 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
     mod.launch(linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0]), grid, THREADS, args)
     return y
+
+
+def _launch_gemm(mod, plan: GemmPlan, w: QPNWeight, x: torch.Tensor, y: torch.Tensor) -> None:
+    """The tiled GEMM; split-K: a transient fp32 scratch of partials [splits, M, N] + per-tile
+    arrival counters (zeroed), freed after the launch (the caching allocator keeps it stream-ordered)."""
+    (m, n), k = y.shape, x.shape[1]
+    gx, gy, splits = plan.grid
+    if gy > 65535:
+        bn = int(plan.kernel.rsplit("x", 1)[1])
+        raise ValueError(f"w: N={n} out features exceed the tiled GEMM's grid ({65535 * bn} at most)")
+    part = cnt = y  # unused by the kernel with one split
+    if splits > 1:
+        buf = torch.empty(splits * m * n + gx * gy, dtype=torch.float32, device=y.device)
+        part, cnt = buf, buf[splits * m * n:].view(torch.int32).zero_()
+    mod.launch(plan.kernel, plan.grid, THREADS,
+               [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
+                ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(plan.ks), ctypes.c_int(1), _p(part), _p(cnt)])
 
 
 def _linear_torch(x: torch.Tensor, w: QPNWeight) -> torch.Tensor:
