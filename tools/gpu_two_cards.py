@@ -182,7 +182,8 @@ def synth(path: Path, deadline: float, tokens: int, profile: str, miss_slots: in
             rec["prediction"]["hop_us"] = round(s.plan.prediction.hop_us, 2)
             rec.update({"flags": kw, "plan_split": list(s.plan.inputs.layer_split),
                         "layer_devices": sorted({str(d) for d in s.model.layer_devices}),
-                        "vram_allocated_gib": [round(torch.cuda.memory_allocated(i) / 2**30, 2) for i in (0, 1)],
+                        "vram_allocated_gib": [round(torch.cuda.memory_allocated(i) / 2**30, 2)
+                                               for i in range(torch.cuda.device_count())],
                         "slot_storage_gib": [round(c.slots.nbytes / 2**30, 2) for c in s.cards],
                         **rc.graph_info(s)})
             if kw["gpus"][0] != kw["gpus"][1]:
