@@ -101,7 +101,7 @@ def test_prefill_gemm_matches_reference(backend, prefill, qtype, n, k):
         _check_linear(w, wref, m, k, n, f"{backend} {prefill} {qtype.value}")
 
 
-@pytest.fixture(params=[None, 1, 3, 16])
+@pytest.fixture(params=[None, 3, 16])
 def split(request):
     from hybrid.kernels import qpn
 
@@ -111,10 +111,9 @@ def split(request):
 
 
 @pytest.mark.parametrize("qtype,n,k,tile", [(QType.NVFP4, 1000, 2048, None), (QType.FP8, 136, 1056, "32x64"),
-                                            (QType.NVFP4, 200, 320, "128x128"), (QType.FP8, 72, 480, "64x64"),
-                                            (QType.NVFP4, 90, 4096, "64x128")])
+                                            (QType.NVFP4, 200, 320, "128x128"), (QType.NVFP4, 90, 4096, "64x128")])
 def test_prefill_split_k_matches_reference(backend, split, qtype, n, k, tile):
-    """Split-K (forced 1, 3, 16 splits or picked): fp32 partials in a scratch, the last block of a
+    """Split-K (forced 3, 16 splits or picked): fp32 partials in a scratch, the last block of a
     tile sums them in split order; N % 8 != 0, FP8 K = 32 mod 64 (the last split ends half-way
     through a load set), more splits asked than k-steps. Deterministic: a second call is identical."""
     from hybrid.kernels import qpn

@@ -161,6 +161,8 @@ def test_tile_choice():
     assert gemm_tile(128, 2048, sms) == (128, 128)        # o_proj M = 128 likewise
     assert gemm_tile(17, 151936, sms) == (64, 128)        # BM no larger than M rounded up (min 64x64)
     assert gemm_tile(100, 10 ** 6, sms) == (128, 128)
+    assert gemm_tile(512, 151936, 80, sm=70) == (64, 128)  # Volta: 128x128 only when forced
+    assert gemm_tile(512, 151936, 80, "128x128", sm=70) == (128, 128)
     for bm, bn in GEMM_TILES:
         assert gemm_tile(1000, 64, sms, f"{bm}x{bn}") == (bm, bn)
     with pytest.raises(ValueError, match="PREFILL_VARIANT"):
@@ -192,9 +194,10 @@ def test_prefill_plan():
     assert prefill_plan(2, 512, 4096, 2048, 132, 90, "mt") is None
     p = prefill_plan(2, 64, 5120, 25600, 132, 90)
     assert (p.kernel, p.grid, p.ks, p.label) == ("qpn2_gemm_64x128", (1, 40, 6), 67, "gemm_64x128/s6")
-    p = prefill_plan(8, 512, 151936, 2048, 132, 70)
+    p = prefill_plan(8, 512, 151936, 2048, 132, 90)
     assert (p.kernel, p.grid, p.label) == ("qpn8_gemm_128x128", (4, 1187, 1), "gemm_128x128")
-    assert prefill_plan(8, 128, 2048, 4096, 132, 70).grid == (1, 16, 8)   # Volta 128x128: one block per SM
+    assert prefill_plan(8, 512, 151936, 2048, 80, 70).kernel == "qpn8_gemm_64x128"
+    assert prefill_plan(8, 128, 2048, 4096, 132, 70, "128x128").grid == (1, 16, 8)  # Volta: one per SM
     assert prefill_plan(8, 128, 2048, 4096, 132, 90).grid == (1, 16, 16)
     assert prefill_plan(2, 64, 2048, 4096, 132, 90, "32x64", 2).grid == (2, 32, 2)
 

@@ -60,13 +60,15 @@ GEMM_MAX_SPLITS = 16
 PREFILL_SPLIT: list[int | None] = [None]
 
 
-def gemm_tile(m: int, n: int, sms: int, choice: str | None = None) -> tuple[int, int]:
-    """(BM, BN) of the tiled GEMM for M rows, N out features on a device with `sms` SMs: the
-    largest tile of at least 64 x 64 (BM no larger than M rounded up to a power of two, >= 64) that
-    fills the device unsplit (GEMM_WAVE blocks per SM), else the largest such tile (split-K fills
-    the device: gemm_splits). H200, git 3ab1235 (results/cuda_kernels.md, before double buffering
-    and split-K): q_proj M = 128 64x64 28.2 us vs 128x128 44.2; M = 512 128x128 44.7 vs 64x64
-    72.2. choice "<BM>x<BN>" forces one of GEMM_TILES."""
+def gemm_tile(m: int, n: int, sms: int, choice: str | None = None, sm: int = 90) -> tuple[int, int]:
+    """(BM, BN) of the tiled GEMM for M rows, N out features on an sm_<sm> device with `sms` SMs:
+    the largest tile of at least 64 x 64 (BM no larger than M rounded up to a power of two, >= 64)
+    that fills the device unsplit (GEMM_WAVE blocks per SM), else the largest such tile (split-K
+    fills the device: gemm_splits). H200, git 3ab1235 (results/cuda_kernels.md, before double
+    buffering and split-K): q_proj M = 128 64x64 28.2 us vs 128x128 44.2; M = 512 128x128 44.7 vs
+    64x64 72.2. Volta: no 128x128 (over 128 registers there: one block per SM; 64x128 keeps two,
+    and its warp tiles already need more tensor-core time than shared-memory time on that chip).
+    choice "<BM>x<BN>" forces one of GEMM_TILES."""
     if choice is not None:
         tile = tuple(int(v) if v.isdigit() else -1 for v in choice.split("x"))
         if tile not in GEMM_TILES:
@@ -74,7 +76,8 @@ def gemm_tile(m: int, n: int, sms: int, choice: str | None = None) -> tuple[int,
                              f"{', '.join(f'{a}x{b}' for a, b in GEMM_TILES)} or 'mt', got {choice!r}")
         return tile
     cap = max(64, 1 << (m - 1).bit_length())
-    fits = [(bm, bn) for bm, bn in GEMM_TILES if bm <= cap and bm * bn >= 64 * 64]
+    fits = [(bm, bn) for bm, bn in GEMM_TILES
+            if bm <= cap and bm * bn >= 64 * 64 and (sm >= 75 or bm * bn < 128 * 128)]
     for bm, bn in fits:
         if -(-m // bm) * -(-n // bn) >= GEMM_WAVE * sms:
             return bm, bn
@@ -121,8 +124,8 @@ def prefill_plan(fmt: int, m: int, n: int, k: int, sms: int, sm: int, choice: st
     or the 'mt' variant: the 8-row-tile kernels)."""
     if m <= PREFILL_MIN or choice == "mt":
         return None
-    bm, bn = gemm_tile(m, n, sms, choice)
-    resident = 1 if sm < 75 and bm == 128 else 2  # Volta 128x128: over 128 registers
+    bm, bn = gemm_tile(m, n, sms, choice, sm)
+    resident = 1 if sm < 75 and bm == 128 else 2  # Volta 128x128 (forced): over 128 registers
     splits, ks = gemm_splits(m, n, k, (bm, bn), sms, resident, split)
     return GemmPlan(f"qpn{fmt}_gemm_{bm}x{bn}", (-(-m // bm), -(-n // bn), splits), ks)
 
