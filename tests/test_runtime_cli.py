@@ -62,13 +62,39 @@ def test_stats_trace_metrics(tmp_path, capsys):
     assert rc == 0 and d["kind"] == "hybrid-dashboard" and len(d["series"]["hit_rate"]) == 4
 
 
+def test_stats_every_reports_windows_and_keeps_metrics_current(tmp_path, capsys, monkeypatch):
+    """--stats-every 4 over 10 decoded tokens: two window lines (after tokens 4 and 8), each with
+    both cards' hit rates; the metrics file is rewritten at each (renamed into place: no temp file
+    left) and, at the end, holds the whole run."""
+    import re
+
+    from hybrid.metrics import exposition
+
+    prom = tmp_path / "m.prom"
+    writes = []
+    real = exposition.write_metrics
+    monkeypatch.setattr(exposition, "write_metrics", lambda path, report: (writes.append(
+        report["steps"]["decode"]), real(path, report))[1])
+    monkeypatch.setattr("hybrid.metrics.write_metrics", exposition.write_metrics)
+    rc, _, err = run(["--prompt", "hello", "-n", "11", "--layer-split", "2", "--cache-slots", "24",
+                      "--stats-every", "4", "--metrics", prom], capsys)
+    lines = [x for x in err.splitlines() if x.startswith("[decode")]
+    assert rc == 0 and [x.split("]")[0] for x in lines] == ["[decode 4", "[decode 8"]
+    pat = r"^\[decode \d+\] [\d.]+ tok/s \| card 0 hit [\d.]+% \| card 1 hit [\d.]+% \| CPU experts "
+    assert all(re.match(pat, x) for x in lines)
+    assert writes == [4, 8, 10]                           # two live rewrites, then the end of the run
+    assert 'hybrid_expert_hits_total{card="1",layer="3"}' in prom.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.prom"]
+
+
 @pytest.mark.parametrize("args,needle", [(["--layer-split", "9"], "--layer-split"),
                                          (["--gpus", "0", "--layer-split", "2"], "--layer-split"),
                                          (["--cache-slots", "x"], "--cache-slots"),
                                          (["--pcie-frac", "2"], "--pcie-frac"),
                                          (["--profile", "nope"], "nope"),
                                          (["--kv-resident", "4"], "--kv-resident"),
-                                         (["--cache-policy", "static"], "expert profile")])
+                                         (["--cache-policy", "static"], "expert profile"),
+                                         (["--stats-every", "0"], "--stats-every")])
 def test_bad_runtime_flags_one_line(args, needle, capsys):
     rc, _, err = run(["-n", "2"] + args, capsys)
     assert rc == 2 and needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

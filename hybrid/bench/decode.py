@@ -10,8 +10,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 HELP = "decode tok/s of the hybrid runtime vs the planner's prediction (optionally llama.cpp beside it)"
 CALIBRATION = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
 
@@ -37,38 +35,10 @@ def prompt_ids(tok, n: int) -> list[int]:
     return (ids * (n // max(len(ids), 1) + 1))[:n]
 
 
-def snapshot(session) -> dict:
-    s = session.stats
-    return {"hits": [c.hits.copy() for c in session.caches], "misses": [c.misses.copy() for c in session.caches],
-            "promotions": [c.promotions.copy() for c in session.caches],
-            "gpu": s.gpu_expert_s.copy(), "cpu": s.cpu_expert_s.copy(), "wait": s.cpu_wait_s.copy(),
-            "sync": s.route_sync_s.copy(), "pcie": dict(s.pcie)}
-
-
-def window(session, a: dict, b: dict, steps: int) -> dict:
-    """What changed between two snapshots, per decode step where it is a time or a byte count."""
-    cards = []
-    for i, c in enumerate(session.caches):
-        h = b["hits"][i] - a["hits"][i]
-        m = b["misses"][i] - a["misses"][i]
-        per_layer = [round(float(x), 4) for x in h.sum(1) / np.maximum(h.sum(1) + m.sum(1), 1)]
-        cards.append({"card": i, "device": session.placement.cards[i].device,
-                      "layers": list(session.placement.cards[i].layers), "slots": c.num_slots,
-                      "hit_rate": round(float(h.sum() / max(h.sum() + m.sum(), 1)), 4),
-                      "layer_hit_rate": per_layer,
-                      "promotions": int((b["promotions"][i] - a["promotions"][i]).sum())})
-    per = max(steps, 1)
-    return {"cards": cards,
-            "gpu_expert_ms_per_token": round(1e3 * float((b["gpu"] - a["gpu"]).sum()) / per, 3),
-            "cpu_expert_ms_per_token": round(1e3 * float((b["cpu"] - a["cpu"]).sum()) / per, 3),
-            "cpu_wait_ms_per_token": round(1e3 * float((b["wait"] - a["wait"]).sum()) / per, 3),
-            "route_sync_ms_per_token": round(1e3 * float((b["sync"] - a["sync"]).sum()) / per, 3),
-            "pcie_bytes_per_token": {k: round((b["pcie"][k] - a["pcie"][k]) / per) for k in b["pcie"]}}
-
-
 def measure(session, tok, n_prompt: int, warmup: int, tokens: int) -> dict:
     """Warm-up generation, then the measured one; -> record fields."""
     from hybrid.generate import generate
+    from hybrid.runtime.monitor import snapshot, window
     from hybrid.sampler import Sampler, SamplerConfig
 
     ids = prompt_ids(tok, n_prompt)

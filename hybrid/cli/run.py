@@ -15,8 +15,8 @@ import sys
 from hybrid.cli.common import add_debug_flag, run_cli
 
 RUNTIME_FLAGS = ("gpus", "layer_split", "kv_resident", "cache_slots", "cpu_threads", "hugepages",
-                 "pcie_frac", "profile", "vram_cap", "stats", "trace", "expert_profile", "cache_policy",
-                 "cpu_engine", "metrics", "hybrid")
+                 "pcie_frac", "profile", "vram_cap", "stats", "stats_every", "trace", "expert_profile",
+                 "cache_policy", "cpu_engine", "metrics", "hybrid")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +82,9 @@ def _runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="VRAM each logical card may use, GiB (one value or one per card)")
     r.add_argument("--stats", action="store_true",
                    help="end with per-layer hit rates, CPU vs GPU expert time, PCIe bytes, tok/s vs the plan")
+    r.add_argument("--stats-every", type=int, default=None, metavar="N",
+                   help="every N decoded tokens print a line (tok/s, each card's hit rate, CPU expert time, PCIe) "
+                        "to stderr, and rewrite --metrics FILE, so a dashboard follows the run")
     r.add_argument("--trace", default=None, metavar="FILE", help="write per-step routing and timings (JSONL)")
     r.add_argument("--metrics", default=None, metavar="FILE",
                    help="write the run's counters: Prometheus text, or dashboard JSON if FILE ends in .json")
@@ -93,6 +96,8 @@ def _check_args(args) -> None:
 
     if args.max_tokens < 1:
         raise HybridError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if getattr(args, "stats_every", None) is not None and args.stats_every < 1:
+        raise HybridError(f"--stats-every must be >= 1 (tokens between reports), got {args.stats_every}")
     if args.device == "cuda":
         import torch
 
@@ -127,6 +132,10 @@ def body(args) -> int:
     chunk = session.prefill_chunk if session else _chunk(args.prefill_chunk)
     if session:
         session.model.prompt_tokens = len(ids)
+        if args.stats_every:
+            from hybrid.runtime.monitor import LiveStats
+
+            session.model.monitor = LiveStats(session, args.stats_every, args.metrics)
     if not args.json:
         sys.stdout.write(prompt)
         sys.stdout.flush()

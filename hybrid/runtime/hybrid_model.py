@@ -18,6 +18,7 @@ class HybridModel:
         devs = model.layer_devices
         self._hops = sum(1 for a, b in zip(devs, devs[1:]) if a != b)
         self.graphs = graphs                    # hybrid.runtime.graphs.DecodeGraphs (CUDA) or None
+        self.monitor = None                     # hybrid.runtime.monitor.LiveStats (--stats-every) or None
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -51,6 +52,8 @@ class HybridModel:
             n = self._hops * int(ids.shape[0]) * self.model.cfg.hidden_size * 2
             self.experts.add_pcie("hops", n)
         self.experts.end_step()
+        if self.monitor is not None:
+            self.monitor.after_step(phase)
         return logits
 
     def _forward(self, ids: torch.Tensor, start: int, last_only: bool, phase: str) -> torch.Tensor:
