@@ -227,3 +227,28 @@ def test_ggml_nvfp4_repack_decodes_like_modelopt():
     out = np.zeros(3 * 128, np.float32)
     to_float(blocks.ctypes.data, out.ctypes.data, out.size)
     assert np.array_equal(out.reshape(3, 128), (ref_dequant(w) / float(w.scale_2)).astype(np.float32))
+
+
+# ----------------------------------------------------------------------------- bench helpers
+def test_bench_block_quantization_and_kept_notes(tmp_path):
+    """hybrid-bench cpu-kernels: `quantized` rounds to a per-block grid; --record keeps the notes
+    below the KEPT marker of results/cpu_kernels.md and appends (never rewrites) the JSONL."""
+    import argparse
+    from hybrid.bench import cpu_kernels as ck
+    x = np.random.default_rng(3).standard_normal((2, 64)).astype(np.float32)
+    q8 = ck.quantized(x, 8, 16).reshape(2, 4, 16)
+    step = np.abs(x.reshape(2, 4, 16)).max(-1, keepdims=True) / 127
+    assert np.allclose(q8 / step, np.round(q8 / step)) and np.abs(q8 - x.reshape(2, 4, 16)).max() <= step.max() / 2 + 1e-7
+    assert rel_err(ck.quantized(x, 16, 16), x) < 1e-4
+    md = tmp_path / "cpu_kernels.md"
+    md.write_text("old table\n" + ck.KEPT + "\nnote 1\n")
+    info = dict(machine=dict(cpu="c", physical_cores=1, logical_cpus=1, llvm_cpu="x", avx2=True, avx512=False,
+                             l3_bytes=1 << 20, thp="never", numba="0"), command="c", git="g", time="t", ggml="-",
+                activation_error=dict(fp32=0.0, int8_block32=0.0, int8_block16=0.0, int16_block16=0.0),
+                copy_gbs={1: 1.0})
+    row = ck.Row("qwen3-30b-a3b", "nvfp4", 1, 1, 1.0, copy_gbs=1.0, m1_gbs=1.0)
+    for _ in range(2):
+        ck._emit(argparse.Namespace(json=True, record=str(tmp_path)), info, [row])
+    text = md.read_text()
+    assert "old table" not in text and text.count(ck.KEPT) == 1 and text.endswith(ck.KEPT + "\nnote 1\n")
+    assert len((tmp_path / "cpu_kernels.jsonl").read_text().splitlines()) == 2
