@@ -154,14 +154,15 @@ def test_emulated_gemm_matches_reference(qtype, n, k, m, tile, splits):
 
 def test_tile_choice():
     sms = 132
-    assert gemm_tile(128, 151936, sms) == (128, 128)      # lm_head: plenty of blocks
-    assert gemm_tile(512, 4096, sms) == (128, 128)        # q_proj M = 512: 128 blocks fill 132 SMs
-    assert gemm_tile(128, 4096, sms) == (64, 64)          # q_proj M = 128: 128 blocks
-    assert gemm_tile(64, 4096, sms) == (64, 128)          # 64 blocks: the largest tile, split over K
-    assert gemm_tile(128, 2048, sms) == (128, 128)        # o_proj M = 128 likewise
-    assert gemm_tile(17, 151936, sms) == (64, 128)        # BM no larger than M rounded up (min 64x64)
+    assert gemm_tile(128, 151936, sms, k=2048) == (128, 128)    # lm_head: plenty of blocks
+    assert gemm_tile(512, 4096, sms, k=2048) == (128, 128)      # q_proj M = 512: 128 blocks x 2 splits
+    assert gemm_tile(128, 4096, sms, k=2048) == (128, 128)      # q_proj M = 128: 32 blocks x 8 splits
+    assert gemm_tile(64, 4096, sms, k=2048) == (64, 128)        # BM no larger than M rounded up (>= 64)
+    assert gemm_tile(64, 512, sms, k=2048) == (64, 64)          # k_proj: 16 x 8 splits beat 8 x 8
+    assert gemm_tile(64, 25600, sms, k=5120) == (64, 128)       # 200 blocks: 64x64's 400 take two waves
+    assert gemm_tile(17, 151936, sms) == (64, 128)
     assert gemm_tile(100, 10 ** 6, sms) == (128, 128)
-    assert gemm_tile(512, 151936, 80, sm=70) == (64, 128)  # Volta: 128x128 only when forced
+    assert gemm_tile(512, 151936, 80, sm=70) == (64, 128)       # Volta: 128x128 only when forced
     assert gemm_tile(512, 151936, 80, "128x128", sm=70) == (128, 128)
     for bm, bn in GEMM_TILES:
         assert gemm_tile(1000, 64, sms, f"{bm}x{bn}") == (bm, bn)
@@ -174,6 +175,7 @@ def test_tile_choice():
 def test_split_choice():
     sms = 132
     assert gemm_splits(512, 151936, 2048, (128, 128), sms) == (1, 32)     # lm_head fills the device
+    assert gemm_splits(512, 4096, 2048, (128, 128), sms) == (2, 16)       # q_proj: 128 blocks, 2 per SM
     assert gemm_splits(64, 5120, 25600, (64, 128), sms) == (6, 67)        # dense_down: 40 blocks x 6
     assert gemm_splits(64, 2048, 4096, (64, 128), sms) == (16, 4)         # o_proj: 16 x 16, 4 k-steps each
     assert gemm_splits(64, 2048, 768, (64, 128), sms) == (3, 4)           # expert_down: >= 4 k-steps a split
@@ -205,7 +207,7 @@ def test_prefill_plan():
 def test_prefill_kernel_routing():
     assert prefill_kernel(2, PREFILL_MIN, 4096, 132) is None
     assert prefill_kernel(2, PREFILL_MIN + 1, 151936, 132).startswith("qpn2_gemm_")
-    assert prefill_kernel(2, 64, 4096, 132) == "qpn2_gemm_64x128"   # split over K (prefill_plan)
+    assert prefill_kernel(2, 64, 4096, 132, k=2048) == "qpn2_gemm_64x128"   # split over K (prefill_plan)
     assert prefill_kernel(8, 512, 4096, 132, "mt") is None
     assert prefill_kernel(8, 512, 4096, 132, "64x128") == "qpn8_gemm_64x128"
 

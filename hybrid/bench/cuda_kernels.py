@@ -195,7 +195,8 @@ def bench_variants(fmts, reps, read_bw):
     stage), '_u4' (4 chunks per stage), '_as4' (4-stage cp.async ring; sm_80+), the MoE kernels
     without the ring (''), at M = 64, 128, 512 the 8-row-tile kernels ([mt]) that the tiled
     GEMM replaced, each tile of the tiled GEMM forced ([BMxBN], NVFP4, M = 128, 512), and the
-    picked tile with 1 and 4 K splits forced ([s1], [s4]; NVFP4 o_proj, dense_down, M = 64, 128)."""
+    picked tile with 1 and 4 K splits forced ([s1], [s4]; NVFP4 q_proj, o_proj, dense_down, M = 64,
+    128, 512)."""
     from hybrid.checkpoint.formats import QType
     from hybrid.kernels import qpn
 
@@ -225,13 +226,14 @@ def bench_variants(fmts, reps, read_bw):
             for name, n, k in SHAPES:
                 if name in ("q_proj", "lm_head") and QType.NVFP4 in fmts:
                     for r in bench_linear(name, n, k, QType.NVFP4, [128, 512], reps, read_bw):
-                        out.append({**r, "shape": f"{name}[{bm}x{bn}]", "kernel": f"gemm_{bm}x{bn}"})
+                        plan = qpn.prefill_plan(2, r["m"], n, k, torch_sms(), sm, f"{bm}x{bn}")
+                        out.append({**r, "shape": f"{name}[{bm}x{bn}]", "kernel": plan.label})
         qpn.PREFILL_VARIANT[0] = None
         for sp in (1, 4):  # the picked tile with K splits forced (tunes gemm_splits; s1 = unsplit)
             qpn.PREFILL_SPLIT[0] = sp
             for name, n, k in SHAPES:
-                if name in ("o_proj", "dense_down") and QType.NVFP4 in fmts:
-                    for r in bench_linear(name, n, k, QType.NVFP4, [64, 128], reps, read_bw):
+                if name in ("q_proj", "o_proj", "dense_down") and QType.NVFP4 in fmts:
+                    for r in bench_linear(name, n, k, QType.NVFP4, [64, 128, 512], reps, read_bw):
                         plan = qpn.prefill_plan(2, r["m"], n, k, torch_sms(), sm, None, sp)
                         out.append({**r, "shape": f"{name}[s{sp}]", "kernel": plan.label})
     finally:

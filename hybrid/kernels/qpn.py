@@ -52,22 +52,32 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None)
     return f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
 
 
-GEMM_WAVE = 0.9       # a tile fills the device unsplit if it makes at least this many blocks per SM
+GEMM_WAVE = 0.9       # a grid of at least this fraction of the resident blocks is not split
 GEMM_MIN_KSTEPS = 4   # split-K: at least this many k-steps of 64 per split
 GEMM_MAX_SPLITS = 16
+# shared-memory bytes one block moves per k-step of 64 (WMMA fragment loads of its 8 warps + the
+# decoded stores): the tiled GEMM's bound on the H200 (128 B/clock/SM), so its per-k-step cost
+GEMM_SMEM = {(128, 128): 130 << 10, (64, 128): 88 << 10, (64, 64): 64 << 10, (32, 64): 44 << 10}
 # K splits of the tiled GEMM: None = gemm_splits' pick; an int forces that many (at most one per
 # k-step): benchmark, tests.
 PREFILL_SPLIT: list[int | None] = [None]
 
 
-def gemm_tile(m: int, n: int, sms: int, choice: str | None = None, sm: int = 90) -> tuple[int, int]:
-    """(BM, BN) of the tiled GEMM for M rows, N out features on an sm_<sm> device with `sms` SMs:
-    the largest tile of at least 64 x 64 (BM no larger than M rounded up to a power of two, >= 64)
-    that fills the device unsplit (GEMM_WAVE blocks per SM), else the largest such tile (split-K
-    fills the device: gemm_splits). H200, git 3ab1235 (results/cuda_kernels.md, before double
-    buffering and split-K): q_proj M = 128 64x64 28.2 us vs 128x128 44.2; M = 512 128x128 44.7 vs
-    64x64 72.2. Volta: no 128x128 (over 128 registers there: one block per SM; 64x128 keeps two,
-    and its warp tiles already need more tensor-core time than shared-memory time on that chip).
+def gemm_resident(tile: tuple[int, int], sm: int) -> int:
+    """Blocks of the tiled GEMM resident per SM: 2 (<= 128 registers), 1 for 128x128 on Volta."""
+    return 1 if sm < 75 and tile == (128, 128) else 2
+
+
+def gemm_tile(m: int, n: int, sms: int, choice: str | None = None, sm: int = 90,
+              k: int = 4096) -> tuple[int, int]:
+    """(BM, BN) of the tiled GEMM for M rows, N out features, K in features on an sm_<sm> device
+    with `sms` SMs: of the tiles of at least 64 x 64 with BM no larger than M rounded up to a power
+    of two (>= 64), the one of least modelled time, each with the K splits gemm_splits gives it:
+    waves of resident blocks x k-steps per split x GEMM_SMEM (so: the largest tile unless a smaller
+    one saves a wave). On the H200 before double buffering and split-K (git 3ab1235), a grid of one
+    block per SM ran at 0.37 of the per-SM throughput of two (q_proj M = 512 vs lm_head M = 512, both
+    128x128), hence the splits. Volta: no 128x128 (over 128 registers there: one block per SM; 64x128
+    keeps two, and its warp tiles need more tensor-core time than shared-memory time on that chip).
     choice "<BM>x<BN>" forces one of GEMM_TILES."""
     if choice is not None:
         tile = tuple(int(v) if v.isdigit() else -1 for v in choice.split("x"))
@@ -78,24 +88,28 @@ def gemm_tile(m: int, n: int, sms: int, choice: str | None = None, sm: int = 90)
     cap = max(64, 1 << (m - 1).bit_length())
     fits = [(bm, bn) for bm, bn in GEMM_TILES
             if bm <= cap and bm * bn >= 64 * 64 and (sm >= 75 or bm * bn < 128 * 128)]
-    for bm, bn in fits:
-        if -(-m // bm) * -(-n // bn) >= GEMM_WAVE * sms:
-            return bm, bn
-    return fits[0]
+
+    def cost(tile):
+        res = gemm_resident(tile, sm)
+        splits, ks = gemm_splits(m, n, k, tile, sms, res)
+        blocks = -(-m // tile[0]) * -(-n // tile[1]) * splits
+        return -(-blocks // (res * sms)) * ks * GEMM_SMEM[tile]
+
+    return min(fits, key=cost)  # ties: the larger tile (fits is largest first)
 
 
 def gemm_splits(m: int, n: int, k: int, tile: tuple[int, int], sms: int, resident: int = 2,
                 force: int | None = None) -> tuple[int, int]:
     """(splits, KS): K splits of the tiled GEMM and k-steps of 64 per split (the last may be shorter).
-    A grid that fills the device (GEMM_WAVE blocks per SM) is not split; a smaller one is split so
-    that all its blocks stay resident at once (`resident` blocks per SM), each split at least
+    A grid of at least GEMM_WAVE of the device's resident blocks (`resident` per SM) is not split; a
+    smaller one is split so that all its blocks stay resident at once, each split at least
     GEMM_MIN_KSTEPS k-steps, at most GEMM_MAX_SPLITS splits. force: that many splits (clamped to
     1..k-steps)."""
     nk = -(-k // 64)
     blocks = -(-m // tile[0]) * -(-n // tile[1])
     if force is not None:
         want = max(1, min(int(force), nk))
-    elif blocks >= GEMM_WAVE * sms:
+    elif blocks >= GEMM_WAVE * resident * sms:
         want = 1
     else:
         want = max(1, min(GEMM_MAX_SPLITS, resident * sms // blocks, nk // GEMM_MIN_KSTEPS))
@@ -124,18 +138,16 @@ def prefill_plan(fmt: int, m: int, n: int, k: int, sms: int, sm: int, choice: st
     or the 'mt' variant: the 8-row-tile kernels)."""
     if m <= PREFILL_MIN or choice == "mt":
         return None
-    bm, bn = gemm_tile(m, n, sms, choice, sm)
-    resident = 1 if sm < 75 and bm == 128 else 2  # Volta 128x128 (forced): over 128 registers
-    splits, ks = gemm_splits(m, n, k, (bm, bn), sms, resident, split)
+    bm, bn = gemm_tile(m, n, sms, choice, sm, k)
+    splits, ks = gemm_splits(m, n, k, (bm, bn), sms, gemm_resident((bm, bn), sm), split)
     return GemmPlan(f"qpn{fmt}_gemm_{bm}x{bn}", (-(-m // bm), -(-n // bn), splits), ks)
 
 
-def prefill_kernel(fmt: int, m: int, n: int, sms: int, choice: str | None = None) -> str | None:
+def prefill_kernel(fmt: int, m: int, n: int, sms: int, choice: str | None = None, k: int = 4096,
+                   sm: int = 90) -> str | None:
     """The tiled GEMM kernel for M rows (None: M <= PREFILL_MIN or the 'mt' variant)."""
-    if m <= PREFILL_MIN or choice == "mt":
-        return None
-    tile = gemm_tile(m, n, sms, choice)
-    return f"qpn{fmt}_gemm_{tile[0]}x{tile[1]}"
+    plan = prefill_plan(fmt, m, n, k, sms, sm, choice)
+    return None if plan is None else plan.kernel
 
 
 # ---------------------------------------------------------------------------- weights
