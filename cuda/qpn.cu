@@ -838,17 +838,27 @@ __device__ __forceinline__ void store_part(float* out, const float* v, int n, in
       if (n + e < N) out[e] = v[e];
   }
 }
-// the splits' partials of row m, n..n+7 summed in split order
+// the splits' partials of row m, n..n+7 summed in split order (four splits' loads in flight)
+__device__ __forceinline__ void add_part(float (&v)[8], const f32x4& a, const f32x4& b) {
+  v[0] += a.x, v[1] += a.y, v[2] += a.z, v[3] += a.w;
+  v[4] += b.x, v[5] += b.y, v[6] += b.z, v[7] += b.w;
+}
 __device__ __forceinline__ void sum_parts(float (&v)[8], const float* p, size_t zstride, int splits,
                                           int n, int N) {
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = 0.f;
-  for (int z = 0; z < splits; ++z, p += zstride) {
-    if ((N & 7) == 0 && n + 8 <= N) {
-      const f32x4 a = ld_part4(p), b = ld_part4(p + 4);
-      v[0] += a.x, v[1] += a.y, v[2] += a.z, v[3] += a.w;
-      v[4] += b.x, v[5] += b.y, v[6] += b.z, v[7] += b.w;
-    } else {
+  int z = 0;
+  if ((N & 7) == 0 && n + 8 <= N) {
+    for (; z + 4 <= splits; z += 4, p += 4 * zstride) {
+      f32x4 a[4], b[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) a[u] = ld_part4(p + u * zstride), b[u] = ld_part4(p + u * zstride + 4);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) add_part(v, a[u], b[u]);
+    }
+    for (; z < splits; ++z, p += zstride) add_part(v, ld_part4(p), ld_part4(p + 4));
+  } else {
+    for (; z < splits; ++z, p += zstride) {
 #pragma unroll
       for (int e = 0; e < 8; ++e)
         if (n + e < N) v[e] += ld_part(p + e);

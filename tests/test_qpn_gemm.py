@@ -156,7 +156,8 @@ def test_tile_choice():
     sms = 132
     assert gemm_tile(128, 151936, sms, k=2048) == (128, 128)    # lm_head: plenty of blocks
     assert gemm_tile(512, 4096, sms, k=2048) == (128, 128)      # q_proj M = 512: 128 blocks x 2 splits
-    assert gemm_tile(128, 4096, sms, k=2048) == (128, 128)      # q_proj M = 128: 32 blocks x 8 splits
+    assert gemm_tile(128, 4096, sms, k=2048) == (64, 128)       # q_proj M = 128: 64 blocks x 4 splits
+    assert gemm_tile(64, 2048, sms, k=4096) == (64, 64)         # o_proj M = 64: 32 x 8 (64x128: 16 x 8)
     assert gemm_tile(64, 4096, sms, k=2048) == (64, 128)        # BM no larger than M rounded up (>= 64)
     assert gemm_tile(64, 512, sms, k=2048) == (64, 64)          # k_proj: 16 x 8 splits beat 8 x 8
     assert gemm_tile(64, 25600, sms, k=5120) == (64, 128)       # 200 blocks: 64x64's 400 take two waves
@@ -177,10 +178,12 @@ def test_split_choice():
     assert gemm_splits(512, 151936, 2048, (128, 128), sms) == (1, 32)     # lm_head fills the device
     assert gemm_splits(512, 4096, 2048, (128, 128), sms) == (2, 16)       # q_proj: 128 blocks, 2 per SM
     assert gemm_splits(64, 5120, 25600, (64, 128), sms) == (6, 67)        # dense_down: 40 blocks x 6
-    assert gemm_splits(64, 2048, 4096, (64, 128), sms) == (16, 4)         # o_proj: 16 x 16, 4 k-steps each
+    assert gemm_splits(64, 2048, 4096, (64, 128), sms) == (8, 8)          # 16 tiles: 256 KB of partials a tile
+    assert gemm_splits(64, 2048, 4096, (64, 64), sms) == (8, 8)           # o_proj: 32 tiles x 8
+    assert gemm_splits(64, 512, 4096, (64, 64), sms) == (16, 4)           # 8 tiles x 16
     assert gemm_splits(64, 2048, 768, (64, 128), sms) == (3, 4)           # expert_down: >= 4 k-steps a split
     assert gemm_splits(64, 2048, 256, (64, 128), sms) == (1, 4)           # too short to split
-    assert gemm_splits(128, 2048, 4096, (128, 128), sms, resident=1) == (8, 8)  # Volta 128x128: 1 per SM
+    assert gemm_splits(128, 4096, 4096, (128, 128), sms, resident=1) == (4, 16)  # 32 blocks, partials cap
     assert gemm_splits(64, 2048, 4096, (64, 128), sms, force=3) == (3, 22)  # 22 + 22 + 20
     assert gemm_splits(64, 2048, 96, (64, 128), sms, force=16) == (2, 1)    # at most one per k-step
     assert gemm_splits(64, 2048, 4096, (64, 128), sms, force=1) == (1, 64)
@@ -199,8 +202,8 @@ def test_prefill_plan():
     p = prefill_plan(8, 512, 151936, 2048, 132, 90)
     assert (p.kernel, p.grid, p.label) == ("qpn8_gemm_128x128", (4, 1187, 1), "gemm_128x128")
     assert prefill_plan(8, 512, 151936, 2048, 80, 70).kernel == "qpn8_gemm_64x128"
-    assert prefill_plan(8, 128, 2048, 4096, 132, 70, "128x128").grid == (1, 16, 8)  # Volta: one per SM
-    assert prefill_plan(8, 128, 2048, 4096, 132, 90).grid == (1, 16, 16)
+    assert prefill_plan(8, 128, 8192, 4096, 132, 70, "128x128").grid == (1, 64, 2)  # Volta: one per SM
+    assert prefill_plan(8, 128, 8192, 4096, 132, 90, "128x128").grid == (1, 64, 4)
     assert prefill_plan(2, 64, 2048, 4096, 132, 90, "32x64", 2).grid == (2, 32, 2)
 
 

@@ -55,6 +55,9 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None)
 GEMM_WAVE = 0.9       # a grid of at least this fraction of the resident blocks is not split
 GEMM_MIN_KSTEPS = 4   # split-K: at least this many k-steps of 64 per split
 GEMM_MAX_SPLITS = 16
+# split-K: the last block of an output tile reads every split's fp32 partial of it alone, so at most
+# this many bytes of partials per tile (a 128x128 tile: 4 splits; 64x64: 16)
+GEMM_MAX_PART_BYTES = 256 << 10
 # shared-memory bytes one block moves per k-step of 64 (WMMA fragment loads of its 8 warps + the
 # decoded stores): the tiled GEMM's bound on the H200 (128 B/clock/SM), so its per-k-step cost
 GEMM_SMEM = {(128, 128): 130 << 10, (64, 128): 88 << 10, (64, 64): 64 << 10, (32, 64): 44 << 10}
@@ -103,8 +106,8 @@ def gemm_splits(m: int, n: int, k: int, tile: tuple[int, int], sms: int, residen
     """(splits, KS): K splits of the tiled GEMM and k-steps of 64 per split (the last may be shorter).
     A grid of at least GEMM_WAVE of the device's resident blocks (`resident` per SM) is not split; a
     smaller one is split so that all its blocks stay resident at once, each split at least
-    GEMM_MIN_KSTEPS k-steps, at most GEMM_MAX_SPLITS splits. force: that many splits (clamped to
-    1..k-steps)."""
+    GEMM_MIN_KSTEPS k-steps, at most GEMM_MAX_SPLITS splits and GEMM_MAX_PART_BYTES of partials per
+    output tile. force: that many splits (clamped to 1..k-steps)."""
     nk = -(-k // 64)
     blocks = -(-m // tile[0]) * -(-n // tile[1])
     if force is not None:
@@ -112,7 +115,8 @@ def gemm_splits(m: int, n: int, k: int, tile: tuple[int, int], sms: int, residen
     elif blocks >= GEMM_WAVE * resident * sms:
         want = 1
     else:
-        want = max(1, min(GEMM_MAX_SPLITS, resident * sms // blocks, nk // GEMM_MIN_KSTEPS))
+        want = max(1, min(GEMM_MAX_SPLITS, GEMM_MAX_PART_BYTES // (tile[0] * tile[1] * 4),
+                          resident * sms // blocks, nk // GEMM_MIN_KSTEPS))
     ks = -(-nk // want)
     return -(-nk // ks), ks
 
