@@ -93,6 +93,24 @@ def test_recode_table_bit_exact():
     assert np.array_equal(np.signbit(lo), np.signbit(E2M1_64[b & 15]))   # -0 kept
 
 
+def test_e4m3_decoder_bit_exact():
+    """cpu/decode.e4m3 (sign-extend, shift, mask, fp16 -> f32) on all 256 bytes: the e4m3 value * 2^-8,
+    -0 kept; 0x7F/0xFF (NaN in e4m3fn, never written by quantizers) decode to +-480."""
+    from numba import njit
+    from cpu.decode import E4M3_FACTOR, e4m3
+
+    @njit
+    def decode_all(b):
+        out = np.empty(b.size, np.float32)
+        for i in range(b.size):
+            out[i] = e4m3(b[i])
+        return out
+    got = decode_all(np.arange(256, dtype=np.uint8)).astype(np.float64) * E4M3_FACTOR
+    finite = ~np.isnan(E4M3_64)
+    assert np.array_equal(got[finite], E4M3_64[finite])
+    assert np.array_equal(np.signbit(got[finite]), np.signbit(E4M3_64[finite]))
+
+
 def test_pack_nvfp4_places_rows_groups_and_scales():
     rng = np.random.default_rng(1)
     w = rand_nvfp4(70, 32, rng)                      # 2 tiles, the second padded
