@@ -55,8 +55,9 @@
 //                              flight per SM to reach its bandwidth; Volta, at a fifth of the
 //                              bandwidth, is served by the register pipeline)
 //   qpn{2,8}_gemm_<BM>x<BN>    prefill (M > 16): shared-memory tiled GEMM, weights decoded once per
-//                              block tile into fp16 shared memory, WMMA over BM rows; grid
-//                              (ceil(M/BM), ceil(N/BN)); tiles 128x128, 64x128, 64x64, 32x64
+//                              block tile into double-buffered fp16 shared memory, WMMA over BM rows;
+//                              grid (ceil(M/BM), ceil(N/BN), K splits); tiles 128x128, 64x128, 64x64,
+//                              32x64
 //   qpn_moe_route              one block: slot_ids[A] -> offsets[S+1], perm[A] (grouped by slot),
 //                              active[min(A, S)] (the slots with work, in slot order; -1 after)
 //   qpn{2,8}_moe_gateup_mt{1,4} grid (I/16 / TG, min(A, S)): h[A, I] fp16 = silu(gate x) * up x  (sorted rows)
