@@ -729,6 +729,15 @@ struct TileLoads {
   static constexpr int CPT = FMT == 2 ? 1 : 2;                        // chunks per 64 k
   static constexpr int WV = (BN / 16 * CPT * 32 + THREADS - 1) / THREADS;
   static constexpr int XV = BM * (PBK / 8) / THREADS;
+  // x slot i = tid + THREADS v: row (i / 4) % BM, stage (i / 4) / BM (known at compile time when
+  // THREADS / 4 divides BM)
+  static __device__ __forceinline__ int xstage(int v) {
+    return BM % (THREADS / 4) == 0 ? THREADS / 4 * v / BM : ((int)threadIdx.x / 4 + THREADS / 4 * v) / BM;
+  }
+  static __device__ __forceinline__ int xrow(int v) {
+    return BM % (THREADS / 4) == 0 ? (int)threadIdx.x / 4 + THREADS / 4 * v % BM
+                                   : ((int)threadIdx.x / 4 + THREADS / 4 * v) % BM;
+  }
   u32x4 w[WV];
   u64 s[WV];
   u32x4 x[XV];
@@ -753,8 +762,7 @@ __device__ __forceinline__ void tile_load(TileLoads<FMT, BM, BN>& r, const u32x4
   }
 #pragma unroll
   for (int v = 0; v < L::XV; ++v) {
-    const int i = threadIdx.x + THREADS * v, row = (i >> 2) % BM;
-    const int k = kt * PBK + SBK * ((i >> 2) / BM) + 8 * (i & 3);
+    const int k = kt * PBK + SBK * L::xstage(v) + 8 * (threadIdx.x & 3), row = L::xrow(v);
     if (m0 + row < M && k < K) r.x[v] = ld_x16(x + (size_t)(m0 + row) * K + k);
   }
 }
@@ -789,11 +797,9 @@ __device__ __forceinline__ void tile_store(const TileLoads<FMT, BM, BN>& r, u16*
     }
   }
 #pragma unroll
-  for (int v = 0; v < L::XV; ++v) {
-    const int i = threadIdx.x + THREADS * v, row = (i >> 2) % BM, k = 8 * (i & 3);
-    if ((i >> 2) / BM == H)
-      *reinterpret_cast<u32x4*>(xs + row * PLD + k) = r.x[v];
-  }
+  for (int v = 0; v < L::XV; ++v)
+    if (L::xstage(v) == H)
+      *reinterpret_cast<u32x4*>(xs + L::xrow(v) * PLD + 8 * (threadIdx.x & 3)) = r.x[v];
 }
 
 // one stage (32 k) of this warp's FM x FN fragments; xa, wa: its rows of the stage's xs, ws
@@ -969,10 +975,9 @@ __device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64
     gemm_body<FMT, BM, BN, PF>(w, s, gs, x, y, M, N, K, KS, part, cnt);                             \
   }
 // PF: sets of loads in flight (small tiles have little math per set to hide latency behind);
-// all at most 128 registers, two blocks per SM (one block's barriers overlap the other's MMAs;
-// 128x128 with PF = 2 spills under that bound), except 128x128 on Volta, which spills at 128
-// (one block per SM there)
-#define GEMM_MINB(FMT, BM) ((QPN_MMA == 0 && BM == 128) ? 1 : 2)
+// all at most 128 registers with no spills, two blocks per SM (one block's barriers overlap the
+// other's MMAs; 128x128 with PF = 2 spills under that bound)
+#define GEMM_MINB(FMT, BM) 2
 GEMM(2, 128, 128, 1)
 GEMM(2, 64, 128, 3)
 GEMM(2, 64, 64, 4)

@@ -163,8 +163,7 @@ def test_tile_choice():
     assert gemm_tile(64, 25600, sms, k=5120) == (64, 128)       # 200 blocks: 64x64's 400 take two waves
     assert gemm_tile(17, 151936, sms) == (64, 128)
     assert gemm_tile(100, 10 ** 6, sms) == (128, 128)
-    assert gemm_tile(512, 151936, 80, sm=70) == (64, 128)       # Volta: 128x128 only when forced
-    assert gemm_tile(512, 151936, 80, "128x128", sm=70) == (128, 128)
+    assert gemm_tile(512, 151936, 80, sm=70) == (128, 128)      # Volta: the same tiles
     for bm, bn in GEMM_TILES:
         assert gemm_tile(1000, 64, sms, f"{bm}x{bn}") == (bm, bn)
     with pytest.raises(ValueError, match="PREFILL_VARIANT"):
@@ -184,6 +183,7 @@ def test_split_choice():
     assert gemm_splits(64, 2048, 768, (64, 128), sms) == (3, 4)           # expert_down: >= 4 k-steps a split
     assert gemm_splits(64, 2048, 256, (64, 128), sms) == (1, 4)           # too short to split
     assert gemm_splits(128, 4096, 4096, (128, 128), sms, resident=1) == (4, 16)  # 32 blocks, partials cap
+    assert gemm_splits(128, 4096, 4096, (64, 128), 80, resident=1) == (1, 64)     # 64 blocks: no room for 2 splits
     assert gemm_splits(64, 2048, 4096, (64, 128), sms, force=3) == (3, 22)  # 22 + 22 + 20
     assert gemm_splits(64, 2048, 96, (64, 128), sms, force=16) == (2, 1)    # at most one per k-step
     assert gemm_splits(64, 2048, 4096, (64, 128), sms, force=1) == (1, 64)
@@ -201,8 +201,7 @@ def test_prefill_plan():
     assert (p.kernel, p.grid, p.ks, p.label) == ("qpn2_gemm_64x128", (1, 40, 6), 67, "gemm_64x128/s6")
     p = prefill_plan(8, 512, 151936, 2048, 132, 90)
     assert (p.kernel, p.grid, p.label) == ("qpn8_gemm_128x128", (4, 1187, 1), "gemm_128x128")
-    assert prefill_plan(8, 512, 151936, 2048, 80, 70).kernel == "qpn8_gemm_64x128"
-    assert prefill_plan(8, 128, 8192, 4096, 132, 70, "128x128").grid == (1, 64, 2)  # Volta: one per SM
+    assert prefill_plan(8, 512, 151936, 2048, 80, 70).kernel == "qpn8_gemm_128x128"
     assert prefill_plan(8, 128, 8192, 4096, 132, 90, "128x128").grid == (1, 64, 4)
     assert prefill_plan(2, 64, 2048, 4096, 132, 90, "32x64", 2).grid == (2, 32, 2)
 

@@ -55,6 +55,7 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None)
 GEMM_WAVE = 0.9       # a grid of at least this fraction of the resident blocks is not split
 GEMM_MIN_KSTEPS = 4   # split-K: at least this many k-steps of 64 per split
 GEMM_MAX_SPLITS = 16
+GEMM_RESIDENT = 2     # blocks of the tiled GEMM resident per SM (<= 128 registers, <= 40 KB shared)
 # split-K: the last block of an output tile reads every split's fp32 partial of it alone, so at most
 # this many bytes of partials per tile (a 128x128 tile: 4 splits; 64x64: 16)
 GEMM_MAX_PART_BYTES = 256 << 10
@@ -66,11 +67,6 @@ GEMM_SMEM = {(128, 128): 130 << 10, (64, 128): 88 << 10, (64, 64): 64 << 10, (32
 PREFILL_SPLIT: list[int | None] = [None]
 
 
-def gemm_resident(tile: tuple[int, int], sm: int) -> int:
-    """Blocks of the tiled GEMM resident per SM: 2 (<= 128 registers), 1 for 128x128 on Volta."""
-    return 1 if sm < 75 and tile == (128, 128) else 2
-
-
 def gemm_tile(m: int, n: int, sms: int, choice: str | None = None, sm: int = 90,
               k: int = 4096) -> tuple[int, int]:
     """(BM, BN) of the tiled GEMM for M rows, N out features, K in features on an sm_<sm> device
@@ -79,9 +75,8 @@ def gemm_tile(m: int, n: int, sms: int, choice: str | None = None, sm: int = 90,
     waves of resident blocks x k-steps per split x GEMM_SMEM (so: the largest tile unless a smaller
     one saves a wave). On the H200 before double buffering and split-K (git 3ab1235), a grid of one
     block per SM ran at 0.37 of the per-SM throughput of two (q_proj M = 512 vs lm_head M = 512, both
-    128x128), hence the splits. Volta: no 128x128 (over 128 registers there: one block per SM; 64x128
-    keeps two, and its warp tiles need more tensor-core time than shared-memory time on that chip).
-    choice "<BM>x<BN>" forces one of GEMM_TILES."""
+    128x128), hence the splits. choice "<BM>x<BN>" forces one of GEMM_TILES. (sm: kept for
+    per-architecture rules; the same tiles serve Volta and sm_80+.)"""
     if choice is not None:
         tile = tuple(int(v) if v.isdigit() else -1 for v in choice.split("x"))
         if tile not in GEMM_TILES:
@@ -89,19 +84,17 @@ def gemm_tile(m: int, n: int, sms: int, choice: str | None = None, sm: int = 90,
                              f"{', '.join(f'{a}x{b}' for a, b in GEMM_TILES)} or 'mt', got {choice!r}")
         return tile
     cap = max(64, 1 << (m - 1).bit_length())
-    fits = [(bm, bn) for bm, bn in GEMM_TILES
-            if bm <= cap and bm * bn >= 64 * 64 and (sm >= 75 or bm * bn < 128 * 128)]
+    fits = [(bm, bn) for bm, bn in GEMM_TILES if bm <= cap and bm * bn >= 64 * 64]
 
     def cost(tile):
-        res = gemm_resident(tile, sm)
-        splits, ks = gemm_splits(m, n, k, tile, sms, res)
+        splits, ks = gemm_splits(m, n, k, tile, sms)
         blocks = -(-m // tile[0]) * -(-n // tile[1]) * splits
-        return -(-blocks // (res * sms)) * ks * GEMM_SMEM[tile]
+        return -(-blocks // (GEMM_RESIDENT * sms)) * ks * GEMM_SMEM[tile]
 
     return min(fits, key=cost)  # ties: the larger tile (fits is largest first)
 
 
-def gemm_splits(m: int, n: int, k: int, tile: tuple[int, int], sms: int, resident: int = 2,
+def gemm_splits(m: int, n: int, k: int, tile: tuple[int, int], sms: int, resident: int = GEMM_RESIDENT,
                 force: int | None = None) -> tuple[int, int]:
     """(splits, KS): K splits of the tiled GEMM and k-steps of 64 per split (the last may be shorter).
     A grid of at least GEMM_WAVE of the device's resident blocks (`resident` per SM) is not split; a
@@ -143,7 +136,7 @@ def prefill_plan(fmt: int, m: int, n: int, k: int, sms: int, sm: int, choice: st
     if m <= PREFILL_MIN or choice == "mt":
         return None
     bm, bn = gemm_tile(m, n, sms, choice, sm, k)
-    splits, ks = gemm_splits(m, n, k, (bm, bn), sms, gemm_resident((bm, bn), sm), split)
+    splits, ks = gemm_splits(m, n, k, (bm, bn), sms, force=split)
     return GemmPlan(f"qpn{fmt}_gemm_{bm}x{bn}", (-(-m // bm), -(-n // bn), splits), ks)
 
 
