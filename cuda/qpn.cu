@@ -949,9 +949,9 @@ __device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64
   __syncthreads();
   if (!last) return;
   __threadfence();
-#pragma unroll
+#pragma unroll 1  // (rolled: no registers to index; unrolled, this loop was most of the kernel's PTX)
   for (int i = 0; i < FM; ++i) {
-#pragma unroll
+#pragma unroll 1
     for (int j = 0; j < FN; ++j) {
       const int m = m0 + wm * (BM / 2) + 16 * i + fr, n = n0 + wn * (BN / 4) + 16 * j + fc;
       if (m < M) {
