@@ -216,3 +216,24 @@ def test_fully_resident_layers_skip_sync_and_replay(models, reference, tmp_path,
     assert verify(trace) == []
     assert replay_run(trace).hit_rate == pytest.approx(s.report()["hit_rate"], abs=1e-6)
     assert s.report()["cards"][0]["hit_rate"] == 1.0
+
+
+def test_hit_lists_meet_the_kernels_alignment(models, monkeypatch):
+    """The hits' slot / token / weight rows go to the grouped kernel as views of one block copied up:
+    each must start 16-byte aligned (the QPN launcher refuses others) and hold the same values as the
+    lookup, whatever the hit count (odd counts included)."""
+    from hybrid.runtime.slots import CardSlots
+
+    seen = []
+    real = CardSlots.moe_local
+
+    def spy(self, layer, x, slot_ids, token_idx, route_w):
+        seen.append(len(slot_ids))
+        for t in (slot_ids, token_idx, route_w):
+            assert t.is_contiguous() and t.data_ptr() % 16 == 0
+        assert slot_ids.dtype == token_idx.dtype == torch.int32 and route_w.dtype == torch.float32
+        return real(self, layer, x, slot_ids, token_idx, route_w)
+
+    monkeypatch.setattr(CardSlots, "moe_local", spy)
+    got, _ = _run(models["nvfp4"], cache_slots=(HALF,), prefill_chunk=3)
+    assert any(n % 4 for n in seen) and got == _greedy(load_model(models["nvfp4"]), models["nvfp4"])

@@ -248,15 +248,17 @@ class HybridExperts:
 
     def _hits(self, card: CardRuntime, layer: int, x, w_h: np.ndarray, slots_h: np.ndarray, hit: np.ndarray):
         """The hits' (slot, token, weight) made on the host, where the lookup left them: one int32
-        [3, A_h] copy up (weights bit for bit in row 2), no gather or casts on the device."""
+        [3, A] copy up (weights bit for bit in row 2), no gather or casts on the device. Rows are
+        padded to a multiple of 4 entries: each row starts 16-byte aligned, as the kernels require."""
         ht, hj = np.nonzero(hit)                                              # hit pairs [A_h]
-        if not len(ht):
+        n = len(ht)
+        if not n:
             return None
-        sel = np.empty((3, len(ht)), dtype=np.int32)
-        sel[0] = slots_h[ht, hj] - card.slots.layer_slots[layer][0]           # local to the layer
-        sel[1] = ht
-        sel[2] = w_h[ht, hj].astype(np.float32).view(np.int32)
-        sel = torch.from_numpy(sel).to(x.device)                              # [3, A_h], one copy
+        sel = np.zeros((3, -(-n // 4) * 4), dtype=np.int32)
+        sel[0, :n] = slots_h[ht, hj] - card.slots.layer_slots[layer][0]       # local to the layer
+        sel[1, :n] = ht
+        sel[2, :n] = w_h[ht, hj].astype(np.float32).view(np.int32)
+        sel = torch.from_numpy(sel).to(x.device)[:, :n]                       # [3, A_h], one copy
         return self._launch(card, layer, x, sel[0], sel[1], sel[2].view(torch.float32))
 
     def _launch(self, card: CardRuntime, layer: int, x, slot_ids, tok, route_w) -> torch.Tensor:
