@@ -119,3 +119,22 @@ def test_console_script_no_traceback(tmp_path):
     cmd = [exe] if exe else [sys.executable, "-m", "hybrid.cli.run"]
     p = subprocess.run(cmd + ["--model", str(tmp_path / "nope")], capture_output=True, text=True)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "model folder not found" in p.stderr
+
+
+@pytest.mark.parametrize("module,argv,needle", [
+    ("hybrid.cli.run", ["--stats-every", "x"], "--stats-every"),
+    ("hybrid.cli.run", ["--max-tokens", "many"], "--max-tokens"),
+    ("hybrid.cli.bench", ["decode", "--tokens", "x"], "--tokens"),
+    ("hybrid.cli.bench", ["nope"], "invalid choice"),
+    ("hybrid.cli.quantize", ["a", "b", "--nope"], "--nope"),
+    ("hybrid.cli.profile", ["--nope"], "--nope"),
+    ("hybrid.cli.gguf", ["nope"], "invalid choice")])
+def test_every_console_script_reports_a_bad_flag_in_one_line(module, argv, needle, capsys):
+    """argparse's own errors (bad type, unknown flag, unknown subcommand) are one line naming the flag,
+    exit code 2, no usage dump — like the errors the scripts raise themselves."""
+    import importlib
+
+    with pytest.raises(SystemExit) as ei:
+        importlib.import_module(module).main(argv)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and needle in err and err.count("\n") == 1 and err.endswith("(see --help)\n")

@@ -8,7 +8,7 @@ import argparse
 import importlib
 import sys
 
-from hybrid.cli.common import add_debug_flag, run_cli
+from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
 
 BENCHES = {
     "cpu-kernels": "hybrid.bench.cpu_kernels",
@@ -22,7 +22,7 @@ BENCHES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybrid-bench", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="hybrid-bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name, modname in BENCHES.items():
         try:

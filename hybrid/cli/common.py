@@ -10,6 +10,15 @@ from hybrid.errors import HybridError
 EXIT_USER_ERROR = 2
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (`PROG: error: ... (see --help)`) and exits 2
+    instead of printing the whole usage first; its subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
 

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hybrid.cli.common import add_debug_flag, run_cli
+from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
 from hybrid.errors import HybridError
 
 MIB = 2**20
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     from hybrid.baselines.gguf_export import OUTTYPES
     from hybrid.baselines.quantize import TYPES
 
-    p = argparse.ArgumentParser(prog="hybrid-gguf", description=__doc__.splitlines()[0],
+    p = OneLineParser(prog="hybrid-gguf", description=__doc__.splitlines()[0],
                                 epilog="\n".join(__doc__.splitlines()[2:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")

@@ -9,21 +9,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from hybrid.cli.common import EXIT_USER_ERROR, add_debug_flag, run_cli
+from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
 from hybrid.errors import HybridError, PlanError
 from hybrid.planner import (ModelBytes, Plan, PlanRequest, find_popularity, load_popularity, load_profile,
                             make_plan)
 from hybrid.planner.memory import KV_DTYPES
 from hybrid.planner.model_bytes import ASSUMED_QUANTS
 from hybrid.planner.render import render
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (`hybrid-plan: error: ...`) and exits 2."""
-
-    def error(self, message: str):
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
 
 
 def add_plan_arguments(p: argparse.ArgumentParser, profile_required: bool = True) -> None:

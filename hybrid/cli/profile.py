@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from hybrid.cli.common import add_debug_flag, run_cli
+from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybrid-profile", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="hybrid-profile", description=__doc__.splitlines()[0])
     p.add_argument("--model", "-m", default=None, help="model folder, or 'tiny' (default: tiny)")
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="calibration texts, separated by blank lines (default: the benchmark prompt set)")

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from hybrid.checkpoint.recipes import FORMATS, RECIPES
-from hybrid.cli.common import add_debug_flag, run_cli
+from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
 from hybrid.errors import HybridError
 
 RECIPE_HELP = ("nvfp4: all Linears NVFP4 except router / shared-expert gate / lm_head; "
@@ -21,7 +21,7 @@ RECIPE_HELP = ("nvfp4: all Linears NVFP4 except router / shared-expert gate / lm
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybrid-quantize", description=__doc__.splitlines()[0].split(": ", 1)[1],
+    p = OneLineParser(prog="hybrid-quantize", description=__doc__.splitlines()[0].split(": ", 1)[1],
                                 epilog="\n".join(__doc__.splitlines()[2:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC", help="source model folder (BF16/FP16/FP32 safetensors), or 'tiny' "

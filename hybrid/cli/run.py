@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from hybrid.cli.common import add_debug_flag, run_cli
+from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
 
 RUNTIME_FLAGS = ("gpus", "layer_split", "kv_resident", "cache_slots", "cpu_threads", "hugepages",
                  "pcie_frac", "profile", "vram_cap", "stats", "stats_every", "trace", "expert_profile",
@@ -20,7 +20,7 @@ RUNTIME_FLAGS = ("gpus", "layer_split", "kv_resident", "cache_slots", "cpu_threa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybrid-run", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="hybrid-run", description=__doc__.splitlines()[0])
     p.add_argument("--model", "-m", default=None,
                    help="model folder, or 'tiny' for the embedded model (default: tiny)")
     p.add_argument("--prompt", "-p", default="def fibonacci(n):", help="prompt text")
