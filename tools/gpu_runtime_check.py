@@ -106,12 +106,12 @@ def prefix_match(a: list[int], b: list[int]) -> int:
     return n
 
 
-def calibrate_h200(state: dict) -> None:
-    """hybrid-bench calibrate --base h200 -> $OUT/h200.json; later parts plan with it."""
+def calibrate_h200(state: dict, name: str = "h200") -> None:
+    """hybrid-bench calibrate --base h200 -> $OUT/<name>.json; later parts plan with it."""
     t = time.perf_counter()
-    out = OUT / "h200.json"
+    out = OUT / f"{name}.json"
     cmd = [sys.executable, "-m", "hybrid.cli.bench", "calibrate", "--base", "h200", "--ram-usable-gib", "120",
-           "--out", str(out), "--name", "h200"]
+           "--out", str(out), "--name", name]
     p = subprocess.run(cmd, capture_output=True, text=True)
     log(p.stdout.strip()[-3000:] + p.stderr.strip()[-2000:])
     ok = p.returncode == 0 and out.is_file()
@@ -121,11 +121,11 @@ def calibrate_h200(state: dict) -> None:
             "command": "hybrid-bench " + " ".join(cmd[3:])})
 
 
-def run_pytest(args: list[str]) -> None:
+def run_pytest(args: list[str], timeout: int = 150, lines: int = 25) -> None:
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                        *args], capture_output=True, text=True, timeout=150)
-    tail = (p.stdout + p.stderr).strip().splitlines()[-25:]
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rs",
+                        *args], capture_output=True, text=True, timeout=timeout)
+    tail = (p.stdout + p.stderr).strip().splitlines()[-lines:]
     log("\n".join(tail))
     record({"check": "pytest_cuda", "ok": p.returncode == 0, "rc": p.returncode, "args": args,
             "seconds": round(time.perf_counter() - t, 1), "summary": tail[-1] if tail else ""})

@@ -218,33 +218,13 @@ def main() -> int:
     deadline = rc.T0 + a.budget_s
     state = {"profile": a.profile or "h200"}
 
-    def calibrate() -> None:
-        t = time.perf_counter()
-        out = OUT / "h200x2.json"
-        cmd = [sys.executable, "-m", "hybrid.cli.bench", "calibrate", "--base", "h200", "--ram-usable-gib", "120",
-               "--out", str(out), "--name", "h200x2"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        rc.log(r.stdout.strip()[-3000:] + r.stderr.strip()[-2000:])
-        if r.returncode == 0 and out.is_file():
-            state["profile"] = str(out)
-        record({"check": "calibrate", "ok": r.returncode == 0, "seconds": round(time.perf_counter() - t, 1),
-                "command": "hybrid-bench " + " ".join(cmd[3:])})
-
-    def pytest() -> None:
-        t = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rs",
-                            *a.pytest.split()], capture_output=True, text=True, timeout=200)
-        tail = (r.stdout + r.stderr).strip().splitlines()[-30:]
-        rc.log("\n".join(tail))
-        record({"check": "pytest_cuda", "ok": r.returncode == 0, "args": a.pytest.split(),
-                "seconds": round(time.perf_counter() - t, 1), "summary": tail[-1] if tail else ""})
-
     ref = json.loads(a.tiny_ref.read_text())
-    parts = [("gpu_link", link_info), ("pytest", pytest)] + ([] if a.profile else [("calibrate", calibrate)]) + [
-             ("tiny_two_gpus", lambda: rc.tiny_checks(a.tiny, ref, "cuda", state["profile"], gpus="0,1")),
-             ("synth_write", lambda: rc.make_synth(a.synth, a.skew, False)),
-             ("synth_runs", lambda: synth(a.synth, deadline, a.tokens, state["profile"], a.miss_slots, a.order)),
-             ("tiny_one_gpu", lambda: rc.tiny_checks(a.tiny, ref, "cuda", state["profile"], gpus="0,0"))]
+    parts = [("gpu_link", link_info), ("pytest", lambda: rc.run_pytest(a.pytest.split(), timeout=200, lines=30))]
+    parts += [] if a.profile else [("calibrate", lambda: rc.calibrate_h200(state, "h200x2"))]
+    parts += [("tiny_two_gpus", lambda: rc.tiny_checks(a.tiny, ref, "cuda", state["profile"], gpus="0,1")),
+              ("synth_write", lambda: rc.make_synth(a.synth, a.skew, False)),
+              ("synth_runs", lambda: synth(a.synth, deadline, a.tokens, state["profile"], a.miss_slots, a.order)),
+              ("tiny_one_gpu", lambda: rc.tiny_checks(a.tiny, ref, "cuda", state["profile"], gpus="0,0"))]
     parts = [(n, f) for n, f in parts if n not in a.skip.split(",")]
     rc.run_parts(parts, deadline, record, rc.log)
     rc.log("done")
