@@ -35,7 +35,12 @@ def measure(fn, replays: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    for _ in range(3):
+    return replay_us(graph, replays)
+
+
+def replay_us(graph, replays: int, warm: int = 3) -> float:
+    """us per replay of a captured CUDA graph: `warm` replays, then `replays` timed by CUDA events."""
+    for _ in range(warm):
         graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

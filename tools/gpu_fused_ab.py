@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from gpu_attn_bench import replay_us          # tools/ is on sys.path: this script's folder
+
 
 def build(layers: int, ctx: int, dev: torch.device):
     from hybrid.checkpoint.formats import QType, nvfp4_global_scale, quantize_nvfp4
@@ -128,15 +130,7 @@ def measure(m, setting: str, pos_value: int, replays: int) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    step_ms = start.elapsed_time(end) / replays
+    step_ms = replay_us(graph, replays, warm=1) / 1000
     return {**rec, "graph_us_per_layer": round(step_ms * 1000 / len(m.layers), 2), "graph_ms_per_step": round(step_ms, 3),
             "kernels_per_layer": round(kernels / len(m.layers), 2), "eager_host_us_per_layer": round(eager_us, 1),
             "top_kernels_us_per_layer": [[name, round(us / len(m.layers), 2), round(n / len(m.layers), 2)]
