@@ -9,7 +9,7 @@ import torch
 
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import layout
-from hybrid.kernels.qpn import GEMM_TILES, PREFILL_MIN, gemm_splits, gemm_tile, prefill_kernel, prefill_plan
+from hybrid.kernels.qpn import GEMM_TILES, PREFILL_MIN, gemm_splits, gemm_tile, prefill_plan
 from tests.test_qpn_layout import fp8, nvfp4
 
 THREADS, PBK, SBK = 256, 64, 32
@@ -207,11 +207,15 @@ def test_prefill_plan():
 
 
 def test_prefill_kernel_routing():
-    assert prefill_kernel(2, PREFILL_MIN, 4096, 132) is None
-    assert prefill_kernel(2, PREFILL_MIN + 1, 151936, 132).startswith("qpn2_gemm_")
-    assert prefill_kernel(2, 64, 4096, 132, k=2048) == "qpn2_gemm_64x128"   # split over K (prefill_plan)
-    assert prefill_kernel(8, 512, 4096, 132, "mt") is None
-    assert prefill_kernel(8, 512, 4096, 132, "64x128") == "qpn8_gemm_64x128"
+    def kernel(fmt, m, n, sms, choice=None, k=4096, sm=90):
+        plan = prefill_plan(fmt, m, n, k, sms, sm, choice)
+        return None if plan is None else plan.kernel
+
+    assert kernel(2, PREFILL_MIN, 4096, 132) is None
+    assert kernel(2, PREFILL_MIN + 1, 151936, 132).startswith("qpn2_gemm_")
+    assert kernel(2, 64, 4096, 132, k=2048) == "qpn2_gemm_64x128"   # split over K (prefill_plan)
+    assert kernel(8, 512, 4096, 132, "mt") is None
+    assert kernel(8, 512, 4096, 132, "64x128") == "qpn8_gemm_64x128"
 
 
 def test_prefill_variant_from_environment():

@@ -370,7 +370,7 @@ def bench(args) -> int:
             return plan.label
         return qpn.linear_kernel(fmt, qpn._mt(r["m"], env["sm"]), r["m"], env["sm"]).split("linear_")[1]
 
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sms = torch_sms()
 
     recs = [{**r, "kernel": kernel(r)} for r in recs]
     if args.shapes == "all":

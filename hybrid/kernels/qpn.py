@@ -140,13 +140,6 @@ def prefill_plan(fmt: int, m: int, n: int, k: int, sms: int, sm: int, choice: st
     return GemmPlan(f"qpn{fmt}_gemm_{bm}x{bn}", (-(-m // bm), -(-n // bn), splits), ks)
 
 
-def prefill_kernel(fmt: int, m: int, n: int, sms: int, choice: str | None = None, k: int = 4096,
-                   sm: int = 90) -> str | None:
-    """The tiled GEMM kernel for M rows (None: M <= PREFILL_MIN or the 'mt' variant)."""
-    plan = prefill_plan(fmt, m, n, k, sms, sm, choice)
-    return None if plan is None else plan.kernel
-
-
 # ---------------------------------------------------------------------------- weights
 @dataclass
 class QPNWeight:
