@@ -9,6 +9,7 @@ import numpy as np
 from numba import njit
 
 from cpu.decode import E2M1_FACTOR, E4M3_FACTOR
+from cpu.i16 import I16_FACTOR, nvfp4_i16_tile, quantize_rows
 from cpu.tiles import JIT, fp8_tile, nvfp4_tile
 
 MB = 32  # activation rows per block
@@ -28,6 +29,26 @@ def nvfp4_gemm(tiles, x, scale_2, y, t0, t1):
         for b0 in range(0, M, MB):
             b1 = min(M, b0 + MB)
             nvfp4_tile(tiles[t], x, rows, b0, b1, acc, dec)
+            _store(acc, b0, b1, t * R, c, y)
+
+
+@njit(**JIT)
+def nvfp4_i16_gemm(tiles, x, scale_2, y, t0, t1):
+    """tiles u8 [NT, R/8, G*72] (int16 layout), x f32 [M, K], scale_2 f32 -> y f32 [M, N] rows
+    t0*R..t1*R; x is quantized per 16-block to int16 first (cpu/i16.py)."""
+    R = 8 * tiles.shape[1]
+    M, K = x.shape
+    G = K // 16
+    xq = np.empty((M, K), np.int16)
+    xs = np.empty((M, G), np.float32)
+    quantize_rows(x, 0, M, xq, xs)
+    rows = np.arange(M)
+    acc = np.empty((MB, R), np.float32)
+    c = np.float32(scale_2) * I16_FACTOR
+    for t in range(t0, t1):
+        for b0 in range(0, M, MB):
+            b1 = min(M, b0 + MB)
+            nvfp4_i16_tile(tiles[t].reshape(-1), G, xq, xs, rows, b0, b1, acc)
             _store(acc, b0, b1, t * R, c, y)
 
 

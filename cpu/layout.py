@@ -9,6 +9,11 @@ NVFP4 tile  u8 [G, 9, R]   (G = K / 16 groups)
                (ModelOpt: low nibble = element 2j, bit 3 of a nibble = sign)
     [g, 8, r]  the row's e4m3 block scale of group g
     value = E2M1 * e4m3(scale) * weight_scale_2        (weight_scale_2 kept outside, fp32)
+NVFP4 int16 tile  u8 [R/8, G*72]  (the int16-activation kernels, cpu/i16.py; same bytes per tile)
+    8-row block b holds its whole K, so one block streams linearly:
+    [b, 64g + 32h + 4i + c]  h < 2, i < 8, c < 4: ModelOpt byte 8g + 4h + c of row 8b + i, unchanged
+                             (low nibble element 16g + 8h + 2c, high nibble the next one)
+    [b, 64G + 8g + i]        row 8b + i's e4m3 block scale of group g
 FP8 tile    u8 [K, R]      [k, r] = e4m3 bits of W[r, k]; value = e4m3 * weight_scale
 
 Legend: N out features, K in features, R rows per tile, NT = ceil(N / R) tiles.
@@ -53,8 +58,10 @@ def _recode_table() -> np.ndarray:
 RECODE = _recode_table()
 
 
-def pack_nvfp4(data: np.ndarray, scale: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """ModelOpt data u8 [N, K/2] + scale bits u8 [N, K/16] -> tiles u8 [NT, G, 9, R].
+def pack_nvfp4(data: np.ndarray, scale: np.ndarray, out: np.ndarray | None = None,
+               int16: bool = False) -> np.ndarray:
+    """ModelOpt data u8 [N, K/2] + scale bits u8 [N, K/16] -> tiles u8 [NT, G, 9, R], or with
+    `int16` the int16-kernel tiles u8 [NT, R/8, G*72].
 
     Writes into `out` (any contiguous u8 buffer of nvfp4_nbytes) when given: no second copy.
     One compiled pass (GIL released), so the expert store fills on several threads.
@@ -64,8 +71,13 @@ def pack_nvfp4(data: np.ndarray, scale: np.ndarray, out: np.ndarray | None = Non
     nt, g = num_tiles(n), k // GROUP
     if scale.shape != (n, g):
         raise ValueError(f"NVFP4 scale shape {scale.shape} != {(n, g)}")
-    tiles = _out(out, (nt, g, 9, R), nvfp4_nbytes(n, k))
-    _pack_nvfp4(np.ascontiguousarray(data), np.ascontiguousarray(scale), RECODE, tiles)
+    data, scale = np.ascontiguousarray(data), np.ascontiguousarray(scale)
+    if int16:
+        tiles = _out(out, (nt, R // 8, g * 72), nvfp4_nbytes(n, k))
+        _pack_nvfp4_i16(data, scale, tiles)
+    else:
+        tiles = _out(out, (nt, g, 9, R), nvfp4_nbytes(n, k))
+        _pack_nvfp4(data, scale, RECODE, tiles)
     return tiles
 
 
@@ -92,6 +104,21 @@ def _pack_nvfp4(data, scale, recode, tiles):  # [N, G*8], [N, G], [256], [NT, G,
                 for gi in range(tiles.shape[1]):
                     for j in range(9):
                         tiles[t, gi, j, r] = 0
+
+
+@njit(nogil=True, cache=True)
+def _pack_nvfp4_i16(data, scale, tiles):  # [N, G*8], [N, G], [NT, R/8, G*72]
+    n, g = scale.shape
+    for t in range(tiles.shape[0]):
+        for b in range(R // 8):
+            blk = tiles[t, b]
+            for i in range(8):
+                row = t * R + 8 * b + i
+                for gi in range(g):
+                    for h in range(2):
+                        for c in range(4):
+                            blk[64 * gi + 32 * h + 4 * i + c] = data[row, 8 * gi + 4 * h + c] if row < n else 0
+                    blk[64 * g + 8 * gi + i] = scale[row, gi] if row < n else 0
 
 
 @njit(nogil=True, cache=True)
