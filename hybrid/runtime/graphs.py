@@ -6,8 +6,15 @@ The layers are cut into segments, each one graph on one device:
     layers whose every expert is resident (HybridExperts.device_only): dense part + grouped expert
         kernel, no host work at all; their routed ids go to a route buffer [n, 1, 2k] that is settled
         (cache counters, trace) at the step's end, as the eager path's deferred lookups are;
-    a layer that can miss ends its segment after its router: its MoE runs eagerly (ids to the host,
-        CPU runner, grouped kernel for hits), then the next segment starts;
+    a layer that can miss ends its segment (HYBRID_MISS_GRAPH=1, the default): the graph runs its
+        dense part, its router (its card's expert -> slot table, -1 where not in a slot), copies the
+        routed row to pinned host memory, records an event, then runs the grouped kernel over the
+        hits (-1 pairs dropped). The host waits for the event only, looks the row up (cache
+        counters, policy, trace), runs the misses on the CPU runner while the card runs the hits,
+        uploads their sum, and replays the next segment, which opens with xm + round(hits + CPU)
+        (hybrid.runtime.miss_link): 3 host operations per such layer (MISS_LAYER_HOST_OPS).
+        HYBRID_MISS_GRAPH=0: the segment ends after the router and the layer's MoE runs eagerly
+        (ids to the host, CPU runner, grouped kernel for the hits, ~14 host operations);
     a device change (layer split over two GPUs) ends a segment; the last one holds norm + lm_head.
 The position is a device tensor, KV rows are written with index_copy_, and attention reads a
 bucket of L = ceil((pos + 1) / 256) * 256 rows of the KV store with a -inf mask past pos, so one
@@ -25,40 +32,67 @@ import torch
 
 from hybrid.model.layers import BUCKET, KVCache, attn_keys
 from hybrid.runtime.hybrid_experts import pack_route
+from hybrid.runtime.miss_link import MissLink
 
 
 def graphs_enabled() -> bool:
     return os.environ.get("HYBRID_CUDA_GRAPHS", "1") not in ("0", "off", "false", "no")
 
 
+def miss_graph_enabled() -> bool:
+    """HYBRID_MISS_GRAPH=0: a can-miss layer's hits run eagerly after the host sync (the old path)."""
+    return os.environ.get("HYBRID_MISS_GRAPH", "1") not in ("0", "off", "false", "no")
+
+
+# Host operations per can-miss layer with misses in a graphed decode step (tests/test_miss_graph.py
+# counts the graph path's): the eager path's ~14 (planner.step_shape.eager_ops) become the segment's
+# replay, the wait for its event and the CPU result's upload.
+MISS_LAYER_HOST_OPS = 3
+
+
 @dataclass(frozen=True)
 class Segment:
     layers: tuple[int, ...]
     device: torch.device
-    host_last: bool          # the last layer's MoE runs eagerly (it can miss)
+    host_last: bool          # the last layer can miss: its lookup (and CPU experts) run on the host
     head: bool               # final norm + lm_head inside
+    linked: bool = False     # host_last, and that layer's hits run inside the graph (MissLink)
+    carry_in: int | None = None   # opens with this linked layer's combine (MissLink.combine)
 
     @property
     def resident(self) -> tuple[int, ...]:
         return self.layers[:-1] if self.host_last else self.layers
 
 
-def plan_segments(layer_devices: list[torch.device], device_only, head_device: torch.device) -> list[Segment]:
-    """Cut layers into segments (see the module doc). device_only(layer) -> bool."""
-    segs, cur = [], []
+def plan_segments(layer_devices: list[torch.device], device_only, head_device: torch.device,
+                  linked=None) -> list[Segment]:
+    """Cut layers into segments (see the module doc). device_only(layer) -> bool. linked(layer) ->
+    bool (None: never) for a can-miss layer whose hits run in its graph: the segment after it on the
+    same device opens with its combine (a head-only segment when it is the last layer and the head
+    is on its device); before a device change the host combines it."""
+    segs, cur, pending = [], [], None
 
     def close(host_last: bool, head: bool = False) -> None:
-        if cur:
-            segs.append(Segment(tuple(cur), layer_devices[cur[0]], host_last, head))
+        nonlocal pending
+        if cur or (head and pending is not None):
+            dev = layer_devices[cur[0]] if cur else head_device
+            link = host_last and linked is not None and bool(linked(cur[-1]))
+            segs.append(Segment(tuple(cur), dev, host_last, head, link, pending))
             cur.clear()
+            pending = None
 
     for i, dev in enumerate(layer_devices):
         if cur and layer_devices[cur[0]] != dev:
             close(False)
+        if pending is not None and layer_devices[pending] != dev:
+            pending = None                   # the combine runs eagerly, before the hop
         cur.append(i)
         if not device_only(i):
             close(True)
-    close(False, head=bool(cur) and layer_devices[cur[0]] == head_device)
+            pending = i if segs[-1].linked else None
+    if pending is not None and layer_devices[pending] != head_device:
+        pending = None
+    close(False, head=(bool(cur) and layer_devices[cur[0]] == head_device) or (not cur and pending is not None))
     return segs
 
 
@@ -83,10 +117,12 @@ class DecodeGraphs:
     """Runs HybridModel's T = 1 steps through graphs (see the module doc)."""
 
     def __init__(self, model, experts, capture: bool = True, enabled: bool | None = None,
-                 bucket: int = BUCKET):
+                 bucket: int = BUCKET, miss_graph: bool | None = None):
         self.model, self.experts = model, experts
         self.capture, self.bucket = capture, bucket
         self.enabled = graphs_enabled() if enabled is None else enabled
+        self.miss_graph = miss_graph_enabled() if miss_graph is None else miss_graph
+        self.links: dict[int, MissLink] = {}         # can-miss layer -> its MissLink (miss_graph)
         self.error: str | None = None
         self.captures = 0
         self._runners: dict = {}
@@ -117,16 +153,27 @@ class DecodeGraphs:
         for dev in {s.device for s in segs}:
             self._pos_buf(dev).fill_(start)
         x, logits = m.embed_tokens(ids), None                                # [1, H]
+        carry = None                          # a linked can-miss layer whose combine is still due
         for seg in segs:
-            if x.device != seg.device:
-                x = x.to(seg.device)                                         # layer-split hop
+            if seg.carry_in is None:
+                if carry is not None:         # the next segment is on another device: combine here
+                    x = self.links[carry].combine(m, carry)
+                if x.device != seg.device:
+                    x = x.to(seg.device)                                     # layer-split hop
+            carry = None
             r = self._runner(seg, keys, x)
-            r.x_in.copy_(x)
-            self.experts.prepare_device(seg.resident)
+            if seg.carry_in is None:
+                r.x_in.copy_(x)
+            self.experts.prepare_device(self._device_layers(seg))
             r.run()
             if seg.resident:
                 self.experts.note_device(seg.resident, r.route_buf)
-            if seg.host_last:
+            if seg.linked:
+                carry = seg.layers[-1]
+                link = self.links[carry]
+                link.after_replay()
+                self.experts.linked(carry, link)
+            elif seg.host_last:
                 xm, h, rid, rw, packed = r.out
                 i = seg.layers[-1]
                 x = xm + m.moe_out(i, h, self.experts(i, h, rid, rw, packed=packed))
@@ -134,6 +181,8 @@ class DecodeGraphs:
                 logits = r.out.clone()               # the graph's buffer is rewritten next step
             else:
                 x = r.out
+        if carry is not None:
+            x = self.links[carry].combine(m, carry)
         cache.length = start + 1
         return logits if logits is not None else m.head(x)
 
@@ -142,7 +191,8 @@ class DecodeGraphs:
         v = self.experts.version
         if self._plan is None or self._plan[0] != v:
             m = self.model
-            segs = plan_segments(list(m.layer_devices), self.experts.device_only, m.lm_head.device)
+            segs = plan_segments(list(m.layer_devices), self.experts.device_only, m.lm_head.device,
+                                 self._linkable if self.miss_graph else None)
             keep = set(segs)                         # residency changed: drop graphs of old segments
             self._runners = {key: r for key, r in self._runners.items() if key[0] in keep}
             self._plan = (v, segs)
@@ -154,6 +204,22 @@ class DecodeGraphs:
             p = self._pos[dev] = torch.zeros(1, dtype=torch.int64, device=dev)
         return p
 
+    def _device_layers(self, seg: Segment) -> tuple[int, ...]:
+        """Layers whose slots the segment's graph reads (their pending promotions must land first)."""
+        return seg.layers if seg.linked else seg.resident
+
+    def _linkable(self, layer: int) -> bool:
+        """A captured graph can hold the layer's hits: no slots, or the QPN grouped kernel (which
+        drops absent slots itself; the torch reference storage needs a host sync)."""
+        return not self.capture or self.experts.graph_hits(layer)
+
+    def _link(self, layer: int, dev: torch.device) -> MissLink:
+        link = self.links.get(layer)
+        if link is None:
+            m = self.model
+            link = self.links[layer] = MissLink(m.cfg.num_experts_per_tok, m.cfg.hidden_size, m.dtype, dev)
+        return link
+
     def _runner(self, seg: Segment, keys: int, x: torch.Tensor) -> _Runner:
         r = self._runners.get((seg, keys))
         if r is None:
@@ -163,10 +229,16 @@ class DecodeGraphs:
 
     def _body(self, seg: Segment, x: torch.Tensor, pos: torch.Tensor, keys: int, route_buf: torch.Tensor):
         m, last = self.model, len(seg.layers) - 1
+        if seg.carry_in is not None:         # the last segment's can-miss layer: hits + CPU + residual
+            x = self.links[seg.carry_in].combine(m, seg.carry_in)
+        if not seg.layers:
+            return m.head(x)
         mask = m.decode_mask(pos, keys)                                      # [1, 1, 1, L] or None
         moe = None                                                           # the last layer's MoE output
         for j, i in enumerate(seg.layers):
             host = seg.host_last and j == last
+            if host and seg.linked:
+                return self._linked(i, x, pos, keys, mask, moe)
             out = None if host else self.experts.route_out(i, 1, route_buf[j])   # ids/weights into route_buf
             x, h, rid, rw = m.decode_dense(i, x, pos, keys, mask, residual=moe, route_out=out)
             if host:                         # ids, weights, h in one row: one copy to the host
@@ -176,9 +248,23 @@ class DecodeGraphs:
         x = x + moe.to(x.dtype)                                              # x + round(moe), as before
         return m.head(x) if seg.head else x
 
+    def _linked(self, i: int, x, pos, keys: int, mask, moe) -> None:
+        """A can-miss layer inside the graph: dense part + router (its slot table: -1 = not in a
+        slot), the row to the host + event, then the grouped kernel over the hits (the -1 pairs
+        dropped); the next graph adds the CPU's part (MissLink)."""
+        link = self.links[i]
+        out = self.experts.route_out(i, 1, link.row)                         # slots [k], row [1, 2k]
+        x, h, _, rw = self.model.decode_dense(i, x, pos, keys, mask, residual=moe, route_out=out)
+        link.send(h, out.slots)
+        y = self.experts.moe_slots(i, h, out.slots, rw) if self.experts.has_slots(i) else None  # [1, H]
+        link.keep(x, y)
+
     def _make(self, seg: Segment, keys: int, x: torch.Tensor) -> _Runner:
-        dev, k = seg.device, self.model.cfg.num_experts_per_tok
-        x_in = x.clone()
+        m, dev, k = self.model, seg.device, self.model.cfg.num_experts_per_tok
+        for i in [seg.carry_in] + ([seg.layers[-1]] if seg.linked else []):
+            if i is not None:
+                self._link(i, m.layer_devices[i])                            # buffers before any capture
+        x_in = x.clone() if seg.carry_in is None else torch.zeros(1, m.cfg.hidden_size, dtype=m.dtype, device=dev)
         route_buf = torch.zeros(max(len(seg.resident), 1), 1, 2 * k, dtype=torch.float32, device=dev)
         pos = self._pos_buf(dev)
         body = lambda: self._body(seg, x_in, pos, keys, route_buf)  # noqa: E731
@@ -192,7 +278,7 @@ class DecodeGraphs:
             raise
 
     def _capture(self, dev, body, x_in, route_buf, seg) -> _Runner:
-        self.experts.prepare_device(seg.resident)
+        self.experts.prepare_device(self._device_layers(seg))
         cur = torch.cuda.current_stream(dev)
         side = torch.cuda.Stream(dev)
         side.wait_stream(cur)

@@ -20,6 +20,7 @@ trace) is the same as if the lookup had run in place.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,20 +43,33 @@ class CardRuntime:
     slots: CardSlots
     stream: object = None                         # torch.cuda.Stream for promotions (CUDA only)
     ready: dict = field(default_factory=dict)     # layer -> cuda Event after its last promotions
-    full: dict = field(default_factory=dict)      # layer -> expert->slot table [E] on the device,
-                                                  #   for layers whose every expert is resident
+    tables: dict = field(default_factory=dict)    # layer -> expert->local slot table [E] int32 on the
+                                                  #   device, -1 = not in a slot (updated in place)
+    full: dict = field(default_factory=dict)      # layer -> its table, for layers whose every
+                                                  #   expert is resident
 
     @property
     def device(self) -> torch.device:
         return torch.device(self.spec.device)
 
     def refresh(self, layer: int) -> None:
-        """Note whether every expert of the layer is resident (then it can skip the host sync).
-        The table holds the layer's local slot ids (int32), what the slot storage indexes."""
+        """The layer's device table from the cache (local slot ids, what the slot storage indexes),
+        and whether every expert of the layer is resident (then it can skip the host sync).
+        After the first, the table is rewritten in place on the promotion stream, behind the weight
+        copies queued there: work that waits for the layer's `ready` event sees both or neither."""
         table = self.cache.slot_table(layer)                                  # [E] int64, -1 = absent
+        local = np.where(table >= 0, table - self.slots.layer_slots[layer][0], -1).astype(np.int32)
+        dev = self.tables.get(layer)
+        if dev is None:
+            dev = self.tables[layer] = torch.from_numpy(local).to(self.device)
+        elif self.device.type == "cuda":
+            src = torch.from_numpy(local).pin_memory()      # kept by the host allocator until copied
+            with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+                dev.copy_(src, non_blocking=True)
+        else:
+            dev.copy_(torch.from_numpy(local))
         if (table >= 0).all():
-            local = table - self.slots.layer_slots[layer][0]
-            self.full[layer] = torch.from_numpy(local.astype(np.int32)).to(self.device)
+            self.full[layer] = dev
         else:
             self.full.pop(layer, None)
 
@@ -181,6 +195,48 @@ class HybridExperts:
         self._account(layer, x.is_cuda, ids_h, w_h, lk, len(mt), x.numel(), act_counted=small)
         return out.to(x.dtype)
 
+    def linked(self, layer: int, link) -> None:
+        """The host's part of a can-miss layer whose hits ran inside its decode graph
+        (hybrid.runtime.graphs, MissLink): wait for the routed row, look it up (the counters, policy
+        and trace see what __call__ would), run the misses on the CPU while the card runs the hits,
+        upload their sum for the next graph, promote. The lookup must find the hits the graph's
+        slot table found: a difference is a bug (an expert summed twice or never), so it raises."""
+        card, st = self.card_of[layer], self._step
+        if st is None:
+            raise RuntimeError("HybridExperts called outside a step (use HybridModel.forward)")
+        t0 = time.perf_counter()
+        ids_h, w_h, local, x_h = link.fetch()                                 # [1, k] x3, [1, H]
+        lk = card.cache.lookup(layer, ids_h)
+        hit = lk.slots >= 0                                                   # [1, k]
+        want = np.where(hit, lk.slots - card.slots.layer_slots[layer][0], -1)
+        if not np.array_equal(want, local):
+            raise RuntimeError(f"layer {layer}: the device slot table {local.tolist()} disagrees with "
+                               f"the expert cache {want.tolist()} for experts {ids_h.tolist()}")
+        mt, mj = np.nonzero(~hit)                                             # miss pairs [A_m]
+        self.stats.route_sync_s[layer] += time.perf_counter() - t0
+        if link.cuda:
+            self.add_pcie("act_d2h", x_h.size * 4)
+        y = None
+        if len(mt):
+            handle = self.cpu.submit(layer, ids_h[mt, mj], mt, w_h[mt, mj], x_h)
+            t_sub = time.perf_counter()
+            y = self.cpu.sync(handle)                                         # [1, H] f32
+            t_done = time.perf_counter()
+            self.stats.cpu_wait_s[layer] += t_done - t_sub
+            self.stats.cpu_expert_s[layer] += t_done - t_sub
+            st["cpu_s"] += t_done - t_sub
+        link.put(y)
+        self._promote(card, layer, lk)
+        self._account(layer, link.cuda, ids_h, w_h, lk, len(mt), x_h.size, act_counted=True)
+
+    def has_slots(self, layer: int) -> bool:
+        """Whether the layer has slot storage on its card (a layer given 0 slots has none)."""
+        return self.card_of[layer].slots.layer_slots[layer][1] > 0
+
+    def graph_hits(self, layer: int) -> bool:
+        """Whether a CUDA graph can run the layer's hits over all routed pairs (slot -1 = absent)."""
+        return self.card_of[layer].slots.graph_safe(layer)
+
     def _resident(self, card: CardRuntime, layer: int, x, ids, weights) -> torch.Tensor:
         """Every expert of the layer is in a slot: no host sync, lookup deferred to the step's end."""
         if x.is_cuda:
@@ -209,9 +265,9 @@ class HybridExperts:
         return self.moe_slots(layer, x, slot_ids, weights).to(x.dtype)
 
     def route_out(self, layer: int, t: int, row: torch.Tensor):
-        """Buffers decode_dense's router launch also fills for a fully resident layer: the layer's
-        expert -> slot table, a slot-id buffer [T*k] int32 (kept per layer: graph-static) and the
-        route-buffer row [T, 2k] (ids as floats, weights)."""
+        """Buffers decode_dense's router launch also fills: the layer's expert -> slot table (-1 where
+        not resident: a can-miss layer's graph), a slot-id buffer [T*k] int32 (kept per layer:
+        graph-static) and the route-buffer row [T, 2k] (ids as floats, weights)."""
         from hybrid.model.qwen_moe import RouteOut
 
         card, k = self.card_of[layer], row.shape[-1] // 2
@@ -219,7 +275,7 @@ class HybridExperts:
         slots = self._tok.get(key)
         if slots is None:
             slots = self._tok[key] = torch.zeros(t * k, dtype=torch.int32, device=row.device)
-        return RouteOut(card.full[layer], slots, row)
+        return RouteOut(card.tables[layer], slots, row)
 
     def moe_slots(self, layer: int, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """moe_device with the slot ids already made (route_out): -> [T, H] fp32, no gather, no cast."""

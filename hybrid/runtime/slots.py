@@ -70,7 +70,9 @@ class TorchExpertSlots:
             self.slots[slot] = tuple(Linear(w).to(self.device) for w in (gate, up, down))
 
     def moe(self, x: torch.Tensor, slot_ids, token_idx, route_w) -> torch.Tensor:
-        """x [T, H]; slot_ids/token_idx/route_w [A] -> Σ route_w · expert(x) [T, H] fp32."""
+        """x [T, H]; slot_ids/token_idx/route_w [A] -> Σ route_w · expert(x) [T, H] fp32 (slot -1:
+        not resident, skipped)."""
+        slot_ids, token_idx, route_w = drop_absent(slot_ids, token_idx, route_w)
         return expert_sum(x, slot_ids, token_idx, route_w, lambda s: SwiGLU(*self.slots[s]))
 
 
@@ -108,7 +110,9 @@ def host_moe(x: torch.Tensor, host: list, slot_ids: torch.Tensor, token_idx: tor
              route_w: torch.Tensor) -> torch.Tensor:
     """ref_moe over held slots: x [T, H] fp16; host[s] = (gate [I, H], up [I, H], down [H, I])
     fp32 (or their QWeights, decoded here); slot_ids/token_idx/route_w [A] -> y [T, H] fp32. Slots in ascending order,
-    h rounded to fp16 as the kernel does: the values ref_moe gives, without its per-call dequantize."""
+    h rounded to fp16 as the kernel does: the values ref_moe gives, without its per-call dequantize.
+    Slot -1 (not resident) is skipped, as the CUDA kernel's route step skips it."""
+    slot_ids, token_idx, route_w = drop_absent(slot_ids, token_idx, route_w)
     y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)             # [T, H]
     sid = slot_ids.numpy() if slot_ids.dtype == torch.int64 else slot_ids.long().numpy()   # [A]
     xf = x.float()                                                           # [T, H]
@@ -124,6 +128,15 @@ def host_moe(x: torch.Tensor, host: list, slot_ids: torch.Tensor, token_idx: tor
         out = _swiglu(xf[rows], _slot(host, s))                              # [a_s, H]
         y.index_add_(0, rows, out * route_w[sel].unsqueeze(1))
     return y
+
+
+def drop_absent(slot_ids: torch.Tensor, token_idx: torch.Tensor, route_w: torch.Tensor):
+    """The pairs whose slot is >= 0 (a can-miss layer's graph passes every routed pair, -1 where the
+    expert is not resident); eager only (the kept count is data-dependent)."""
+    keep = slot_ids >= 0
+    if bool(keep.all()):
+        return slot_ids, token_idx, route_w
+    return slot_ids[keep], token_idx[keep], route_w[keep]
 
 
 def _slot(host: list, s: int) -> tuple:
@@ -192,6 +205,12 @@ class CardSlots:
                 t = getattr(inner, name, None)
                 total += t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
         return total
+
+    def graph_safe(self, layer: int) -> bool:
+        """The layer's hits can be captured in a CUDA graph over every routed pair, absent ones as
+        slot -1: no storage (0 slots), or QPN storage on the card (its route kernel drops -1)."""
+        st = self._store.get(layer)
+        return st is None or (isinstance(st, QPNSlots) and st.host is None)
 
     def load(self, layer: int, slot: int, weights: Sequence[QWeight], stream=None) -> None:
         self._store[layer].load(int(slot) - self.layer_slots[layer][0], *weights, stream=stream)

@@ -1,0 +1,383 @@
+"""A can-miss layer's hits inside its decode graph (HYBRID_MISS_GRAPH, hybrid.runtime.miss_link)
+against the old path (hits launched eagerly after the host sync): on the CPU (capture=False) the same
+logits bit for bit, the same greedy ids, hit/miss counters, promotions, trace and final cache state,
+with a small expert cache (layers miss and promote mid-decode), on one and two logical cards; the
+host operations per can-miss layer counted; the device slot tables follow the cache in place. On a
+GPU: greedy identity old vs new, graphs vs eager, one and two logical cards (and two GPUs)."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hybrid.experts.trace import read_trace
+from hybrid.generate import generate
+from hybrid.model.config import ModelConfig
+from hybrid.runtime import RuntimeOptions, open_session
+from hybrid.runtime.graphs import MISS_LAYER_HOST_OPS, DecodeGraphs, _Runner, miss_graph_enabled, plan_segments
+from hybrid.runtime.hybrid_experts import HybridExperts
+from hybrid.runtime.miss_link import MissLink
+from hybrid.runtime.slots import host_moe
+from hybrid.sampler import Sampler, SamplerConfig
+from hybrid.testing import write_random_model
+from hybrid.tokenizer import Tokenizer
+from tests.quant_layouts import to_nvfp4
+
+LAYERS, EXPERTS, TOPK = 4, 16, 4
+PROMPT = "def fibonacci(n):\n    if n < 2:"
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("missgraph")
+    bf16 = write_random_model(root / "bf16", "qwen3_moe", seed=5, skew=1.0, num_hidden_layers=LAYERS,
+                              num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=64)
+    return {"bf16": bf16, "nvfp4": to_nvfp4(bf16, root / "nvfp4", "modelopt")}
+
+
+def _tok(path):
+    cfg = ModelConfig.from_folder(path)
+    return Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+
+
+def _decode(model, ids, n):
+    """Prefill, then n greedy steps -> (ids, [n, V] logits)."""
+    model.new_cache(len(ids) + n + 1)
+    logits = model.forward(torch.tensor(ids), 0, last_only=True)
+    out, rows = [], []
+    for step in range(n):
+        out.append(int(logits[-1].argmax()))
+        logits = model.forward(torch.tensor([out[-1]]), len(ids) + step, last_only=True)
+        rows.append(logits[-1])
+    return out, torch.stack(rows)
+
+
+# cache slots per card (no expert profile: every cache starts empty and fills by promotion)
+PLACES = {"one_card": dict(cache_slots=(6,)),
+          "two_cards": dict(cache_slots=(6, 5), gpus=(0, 0), layer_split=(2,)),
+          "fills_up": dict(cache_slots=(2 * EXPERTS, 6), gpus=(0, 0), layer_split=(2,)),   # card 0 ends full
+          "no_slots": dict(cache_slots=(0,))}
+
+
+def _cache_state(s):
+    return [{k: getattr(c, k).copy() for k in ("table", "owner", "hits", "misses", "promotions", "evictions")}
+            for c in s.caches]
+
+
+def _session(path, tmp_path, name, miss_graph, place, **kw):
+    s = open_session(path, RuntimeOptions(trace=str(tmp_path / f"{name}.jsonl"), **PLACES[place], **kw))
+    s.model.graphs = DecodeGraphs(s.model.model, s.model.experts, capture=False, enabled=True, bucket=8,
+                                  miss_graph=miss_graph)
+    return s
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("place", sorted(PLACES))
+def test_graph_hits_match_the_old_path(models, tmp_path, kind, place):
+    path = models[kind]
+    ids = _tok(path).encode(PROMPT)
+    runs = []
+    for mg in (False, True):
+        s = _session(path, tmp_path, f"t{int(mg)}", mg, place)
+        try:
+            got = _decode(s.model, ids, STEPS)
+            runs.append((got, _cache_state(s), s.stats.to_dict(s.caches)["pcie_bytes"], s.stats.graph_steps,
+                         sorted(s.model.graphs.links)))
+        finally:
+            s.close()
+    (ids0, l0), cache0, pcie0, steps0, links0 = runs[0]
+    (ids1, l1), cache1, pcie1, steps1, links1 = runs[1]
+    assert steps0 == steps1 == STEPS
+    assert links0 == [] and links1                     # the new path ran linked layers, the old none
+    assert ids1 == ids0
+    assert torch.equal(l1, l0)                         # the same ops in the same order: bit for bit
+    for a, b in zip(cache0, cache1):
+        for k in a:
+            assert np.array_equal(a[k], b[k]), k
+    if place != "no_slots":
+        assert sum(c["promotions"].sum() for c in cache1) > 0       # promotions happened mid-decode
+        assert sum(c["misses"].sum() for c in cache1) > 0
+    assert pcie0 == pcie1
+    t0, t1 = read_trace(tmp_path / "t0.jsonl"), read_trace(tmp_path / "t1.jsonl")
+    assert len(t0.steps) == len(t1.steps)
+    for a, b in zip(t0.steps, t1.steps):
+        assert np.array_equal(a.ids, b.ids) and np.array_equal(a.weights, b.weights)
+        assert a.hits == b.hits and a.promotions == b.promotions
+
+
+def test_full_layer_leaves_the_link(models, tmp_path):
+    """Card 0's layers fill up by promotion and become graph-resident (no host work) mid-decode."""
+    s = _session(models["nvfp4"], tmp_path, "f", True, "fills_up")
+    try:
+        _decode(s.model, _tok(models["nvfp4"]).encode(PROMPT), STEPS)
+        full = [s.model.experts.device_only(i) for i in range(LAYERS)]
+        for c in s.cards:
+            for layer, table in c.tables.items():          # device tables follow the cache, in place
+                want = c.cache.slot_table(layer)
+                want = np.where(want >= 0, want - c.slots.layer_slots[layer][0], -1)
+                assert np.array_equal(table.numpy(), want)
+                assert (layer in c.full) == bool((want >= 0).all())
+                if layer in c.full:
+                    assert c.full[layer] is table
+    finally:
+        s.close()
+    assert full[:2] == [True, True] and full[2:] == [False, False]
+
+
+def test_eager_combine_before_a_hop(models, tmp_path):
+    """A linked layer whose next segment is on another device is combined on the host's side (eager
+    ops, same values): forced here by segments planned without carry."""
+    path = models["nvfp4"]
+    ids = _tok(path).encode(PROMPT)
+    outs = []
+    for mg in (False, True):
+        s = _session(path, tmp_path, f"c{int(mg)}", mg, "two_cards")
+        g = s.model.graphs
+        if mg:
+            plan = g._segments
+            g._segments = lambda plan=plan: [dataclasses.replace(seg, carry_in=None) for seg in plan()]
+        try:
+            outs.append(_decode(s.model, ids, 6))
+        finally:
+            s.close()
+    assert outs[0][0] == outs[1][0]
+    assert torch.equal(outs[0][1], outs[1][1])
+
+
+# ---- host operations per can-miss layer -------------------------------------------------------
+class _HostOps(TorchDispatchMode):
+    """A timeline of what the host issues in graphed steps: 'replay' (one runner run: a graph
+    launch on CUDA), 'wait' (the event wait: MissLink.fetch) and every torch op called outside a
+    runner body, the CPU runner and the promotions (counted on their own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.paused, self.timeline, self.promote_calls = 0, [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.timeline.append(("op", func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def _count_host_ops(s, monkeypatch, ids, n):
+    ops = _HostOps()
+
+    def paused(fn, mark=None):
+        def wrap(*a, **kw):
+            if mark and not ops.paused:
+                ops.timeline.append(mark)
+            ops.paused += 1
+            try:
+                return fn(*a, **kw)
+            finally:
+                ops.paused -= 1
+        return wrap
+
+    run = _Runner.run
+    monkeypatch.setattr(_Runner, "run", lambda self: paused(run, ("replay", self))(self))
+    monkeypatch.setattr(MissLink, "fetch", paused(MissLink.fetch, ("wait",)))
+    monkeypatch.setattr(HybridExperts, "_promote", paused(HybridExperts._promote, ("promote",)))
+    monkeypatch.setattr(HybridExperts, "end_step", paused(HybridExperts.end_step))
+    monkeypatch.setattr(DecodeGraphs, "_make", paused(DecodeGraphs._make))   # once per graph (capture)
+    cpu = s.model.experts.cpu
+    monkeypatch.setattr(cpu, "submit", paused(cpu.submit))
+    monkeypatch.setattr(cpu, "sync", paused(cpu.sync))
+    s.model.new_cache(len(ids) + n + 1)
+    logits = s.model.forward(torch.tensor(ids), 0, last_only=True)        # prefill: not graphed
+    with ops:
+        for step in range(n):
+            logits = s.model.forward(torch.tensor([int(logits[-1].argmax())]), len(ids) + step, last_only=True)
+    return ops.timeline
+
+
+def _per_miss_layer(timeline):
+    """Host operations of each can-miss layer: its replay and everything until the next replay,
+    promotions not counted (they are rare and the same in both paths)."""
+    out, cur = [], None
+    for item in timeline:
+        if item[0] == "replay":
+            if cur is not None:
+                out.append(cur)
+            cur = [] if getattr(item[1], "host_last", False) else None
+            if cur is not None:
+                cur.append("replay")
+        elif cur is not None and item[0] != "promote":
+            cur.append(item[1] if item[0] == "op" else item[0])
+    return out
+
+
+@pytest.mark.parametrize("mg", [True, False])
+def test_host_ops_per_miss_layer(models, tmp_path, monkeypatch, mg):
+    path = models["nvfp4"]
+    s = _session(path, tmp_path, "ops", mg, "two_cards")
+    make = DecodeGraphs._make
+
+    def tagged(self, seg, keys, x):                    # runners remember whether their segment can miss
+        r = make(self, seg, keys, x)
+        r.host_last = seg.host_last
+        return r
+
+    monkeypatch.setattr(DecodeGraphs, "_make", tagged)
+    try:
+        timeline = _count_host_ops(s, monkeypatch, _tok(path).encode(PROMPT), 6)
+        misses = int(sum(c.misses.sum() for c in s.caches))
+    finally:
+        s.close()
+    layers = _per_miss_layer(timeline)
+    assert misses and len(layers) >= 6 * (LAYERS - 1)            # every can-miss layer but the last
+    counts = sorted({len(ops) for ops in layers})
+    if mg:
+        # replay, wait, the CPU sum's upload (copy_); a layer without misses: no upload, or a zero fill
+        assert all(ops[:2] == ["replay", "wait"] and set(ops[2:]) <= {"copy_", "zero_"} for ops in layers)
+        assert max(counts) == MISS_LAYER_HOST_OPS
+        assert [ops for ops in layers if len(ops) == MISS_LAYER_HOST_OPS]
+    else:
+        # the old path: its eager grouped kernel, adds, casts and the next input's copy (on a GPU
+        # also the copies and events the CPU stand-in does not show)
+        assert min(counts) > MISS_LAYER_HOST_OPS
+
+
+def test_miss_graph_env(monkeypatch):
+    monkeypatch.delenv("HYBRID_MISS_GRAPH", raising=False)
+    assert miss_graph_enabled()
+    monkeypatch.setenv("HYBRID_MISS_GRAPH", "0")
+    assert not miss_graph_enabled()
+
+
+def test_plan_segments_with_carry():
+    cpu, other = torch.device("cpu"), torch.device("meta")
+    every = lambda i: True  # noqa: E731
+    resident = {0, 2, 3}
+
+    def cut(devs, head, linked=every, resident=lambda i: False):
+        return [(s.layers, s.host_last, s.head, s.linked, s.carry_in)
+                for s in plan_segments(devs, resident, head, linked)]
+
+    assert cut([cpu] * 4, cpu, resident=lambda i: i in resident) == [
+        ((0, 1), True, False, True, None), ((2, 3), False, True, False, 1)]
+    assert cut([cpu] * 3, cpu) == [                                  # the last layer can miss: head alone
+        ((0,), True, False, True, None), ((1,), True, False, True, 0), ((2,), True, False, True, 1),
+        ((), False, True, False, 2)]
+    assert plan_segments([cpu] * 3, lambda i: False, cpu, every)[-1].device == cpu
+    assert cut([cpu, cpu, other, other], other, resident=lambda i: i != 1) == [     # no carry over a hop
+        ((0, 1), True, False, True, None), ((2, 3), False, True, False, None)]
+    assert cut([cpu, cpu], other, resident=lambda i: i != 1) == [     # head elsewhere: the host combines
+        ((0, 1), True, False, True, None)]
+    assert cut([cpu] * 3, cpu, linked=lambda i: i != 1) == [          # layer 1 stays on the old path
+        ((0,), True, False, True, None), ((1,), True, False, False, 0), ((2,), True, False, True, None),
+        ((), False, True, False, 2)]
+    assert cut([cpu] * 3, cpu, linked=None) == [                      # HYBRID_MISS_GRAPH=0: as before
+        ((0,), True, False, False, None), ((1,), True, False, False, None), ((2,), True, False, False, None)]
+
+
+def test_host_moe_skips_absent_slots():
+    torch.manual_seed(0)
+    host = [tuple(torch.randn(*shape) for shape in ((8, 16), (8, 16), (16, 8))) for _ in range(3)]
+    x = torch.randn(1, 16).half()
+    w = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    tok = torch.zeros(4, dtype=torch.int32)
+    got = host_moe(x, host, torch.tensor([2, -1, 0, -1], dtype=torch.int32), tok, w)
+    want = host_moe(x, host, torch.tensor([2, 0], dtype=torch.int32), tok[:2], w[[0, 2]])
+    assert torch.equal(got, want)
+    assert torch.equal(host_moe(x, host, torch.full((4,), -1, dtype=torch.int32), tok, w), torch.zeros(1, 16))
+
+
+# ---- on a GPU -------------------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+GPU_PLACES = {"one_card": dict(cache_slots=(6,)),
+              "two_cards": dict(cache_slots=(6, 5), layer_split=(2,)),
+              "fills_up": dict(cache_slots=(2 * EXPERTS, 6), layer_split=(2,))}
+
+
+def _gpu_run(path, ids, gpus, place, graphs: str, miss_graph: str, monkeypatch, n=STEPS):
+    monkeypatch.setenv("HYBRID_CUDA_GRAPHS", graphs)
+    monkeypatch.setenv("HYBRID_MISS_GRAPH", miss_graph)
+    kw = dict(GPU_PLACES[place])
+    if "layer_split" not in kw:
+        gpus = gpus[:1]
+    s = open_session(path, RuntimeOptions(device="cuda", gpus=gpus, pcie_frac=1.0, **kw), context=len(ids) + n + 2)
+    try:
+        out = _decode(s.model, ids, n)
+        g = s.model.graphs
+        info = dict(steps=s.stats.graph_steps, error=g.error, links=sorted(g.links), cache=_cache_state(s),
+                    promotions=int(sum(c.promotions.sum() for c in s.caches)))
+    finally:
+        s.close()
+    return out, info
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("gpus", [pytest.param((0, 0), id="one-gpu"),
+                                  pytest.param((0, 1), id="two-gpus", marks=two_gpus)])
+@pytest.mark.parametrize("place", sorted(GPU_PLACES))
+def test_miss_graph_matches_old_path_on_cuda(models, place, gpus, monkeypatch):
+    """Greedy ids of the graphed hits equal the old path's and the eager step's, with misses and
+    promotions mid-decode; logits within 1e-3 (fp32 atomics in the grouped kernel's sum)."""
+    path = models["nvfp4"]
+    ids = _tok(path).encode(PROMPT)
+    eager, eager_info = _gpu_run(path, ids, gpus, place, "0", "0", monkeypatch)
+    old, old_info = _gpu_run(path, ids, gpus, place, "1", "0", monkeypatch)
+    new, new_info = _gpu_run(path, ids, gpus, place, "1", "1", monkeypatch)
+    for info in (old_info, new_info):
+        assert info["error"] is None and info["steps"] == STEPS
+    assert eager_info["steps"] == 0
+    assert old_info["links"] == [] and new_info["links"]
+    assert new_info["promotions"] > 0
+    assert new[0] == old[0] == eager[0]
+    torch.testing.assert_close(new[1], old[1], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(new[1], eager[1], atol=1e-3, rtol=1e-3)
+    for a, b in zip(old_info["cache"], new_info["cache"]):
+        for k in a:
+            assert np.array_equal(a[k], b[k]), k
+
+
+CUDA_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaMemcpyAsync",
+              "cudaMemsetAsync", "cudaGraphLaunch", "cudaEventRecord", "cudaEventRecordWithFlags",
+              "cudaStreamWaitEvent", "cudaEventSynchronize", "cudaStreamSynchronize", "cudaMemcpy")
+
+
+def _cuda_calls(model, ids, n):
+    """CUDA runtime / driver calls the host makes in n graphed decode steps, by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.new_cache(len(ids) + 2 * n + 1)
+    logits = model.forward(torch.tensor(ids), 0, last_only=True)
+    pos = len(ids)
+    for _ in range(n):                                 # warm: graphs captured, caches settled
+        logits = model.forward(torch.tensor([int(logits[-1].argmax())]), pos, last_only=True)
+        pos += 1
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            logits = model.forward(torch.tensor([int(logits[-1].argmax())]), pos, last_only=True)
+            pos += 1
+        torch.cuda.synchronize()
+    return {e.key: e.count for e in prof.key_averages() if e.key in CUDA_CALLS}
+
+
+@cuda
+@pytest.mark.cuda
+def test_fewer_cuda_calls_per_step(models, monkeypatch):
+    """The host's CUDA calls per graphed decode step with every layer able to miss: fewer with the
+    hits in the graph (printed for the record: pytest -s)."""
+    path = models["nvfp4"]
+    ids = _tok(path).encode(PROMPT)
+    counts = {}
+    for mg in ("0", "1"):
+        monkeypatch.setenv("HYBRID_MISS_GRAPH", mg)
+        s = open_session(path, RuntimeOptions(device="cuda", cache_slots=(6,), pcie_frac=0.0),
+                         context=len(ids) + 20)
+        try:
+            counts[mg] = _cuda_calls(s.model, ids, 8)
+            assert s.model.graphs.error is None
+        finally:
+            s.close()
+    per_step = {mg: sum(c.values()) / 8 for mg, c in counts.items()}
+    print(f"CUDA calls per decode step ({LAYERS} can-miss layers): old {per_step['0']:.1f} {counts['0']}, "
+          f"graph hits {per_step['1']:.1f} {counts['1']}")
+    assert per_step["1"] < per_step["0"]
