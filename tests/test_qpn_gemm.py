@@ -155,9 +155,9 @@ def test_emulated_gemm_matches_reference(qtype, n, k, m, tile, splits):
 def test_tile_choice():
     sms = 132
     assert gemm_tile(128, 151936, sms, k=2048) == (128, 128)    # lm_head: plenty of blocks
-    assert gemm_tile(512, 4096, sms, k=2048) == (128, 128)      # q_proj M = 512: 128 blocks x 2 splits
-    assert gemm_tile(128, 4096, sms, k=2048) == (64, 128)       # q_proj M = 128: 64 blocks x 4 splits
-    assert gemm_tile(64, 2048, sms, k=4096) == (64, 64)         # o_proj M = 64: 32 x 8 (64x128: 16 x 8)
+    assert gemm_tile(512, 4096, sms, k=2048) == (128, 128)      # q_proj M = 512: 128 blocks, unsplit
+    assert gemm_tile(128, 4096, sms, k=2048) == (128, 128)      # q_proj M = 128: 32 blocks x 4 splits
+    assert gemm_tile(64, 2048, sms, k=4096) == (64, 128)        # o_proj M = 64: 16 x 8 (64x64: 32 x 4, more smem)
     assert gemm_tile(64, 4096, sms, k=2048) == (64, 128)        # BM no larger than M rounded up (>= 64)
     assert gemm_tile(64, 512, sms, k=2048) == (64, 64)          # k_proj: 16 x 8 splits beat 8 x 8
     assert gemm_tile(64, 25600, sms, k=5120) == (64, 128)       # 200 blocks: 64x64's 400 take two waves
@@ -175,15 +175,16 @@ def test_tile_choice():
 def test_split_choice():
     sms = 132
     assert gemm_splits(512, 151936, 2048, (128, 128), sms) == (1, 32)     # lm_head fills the device
-    assert gemm_splits(512, 4096, 2048, (128, 128), sms) == (2, 16)       # q_proj: 128 blocks, 2 per SM
-    assert gemm_splits(64, 5120, 25600, (64, 128), sms) == (6, 67)        # dense_down: 40 blocks x 6
+    assert gemm_splits(512, 4096, 2048, (128, 128), sms) == (1, 32)       # q_proj: 128 blocks, one per SM
+    assert gemm_splits(512, 5120, 25600, (128, 128), sms) == (4, 100)     # dense_down: 160 blocks, 2 on some SMs
+    assert gemm_splits(64, 5120, 25600, (64, 128), sms) == (3, 134)       # dense_down: 40 blocks x 3 (x 6: same load)
     assert gemm_splits(64, 2048, 4096, (64, 128), sms) == (8, 8)          # 16 tiles: 256 KB of partials a tile
-    assert gemm_splits(64, 2048, 4096, (64, 64), sms) == (8, 8)           # o_proj: 32 tiles x 8
+    assert gemm_splits(64, 2048, 4096, (64, 64), sms) == (4, 16)          # o_proj: 32 tiles x 4 (x 8: same load)
     assert gemm_splits(64, 512, 4096, (64, 64), sms) == (16, 4)           # 8 tiles x 16
     assert gemm_splits(64, 2048, 768, (64, 128), sms) == (3, 4)           # expert_down: >= 4 k-steps a split
     assert gemm_splits(64, 2048, 256, (64, 128), sms) == (1, 4)           # too short to split
-    assert gemm_splits(128, 4096, 4096, (128, 128), sms, resident=1) == (4, 16)  # 32 blocks, partials cap
-    assert gemm_splits(128, 4096, 4096, (64, 128), 80, resident=1) == (1, 64)     # 64 blocks: no room for 2 splits
+    assert gemm_splits(128, 4096, 4096, (128, 128), sms) == (4, 16)       # 32 blocks, partials cap
+    assert gemm_splits(128, 4096, 4096, (64, 128), 80) == (5, 13)         # 64 blocks on 80 SMs: 320 x 13 k-steps
     assert gemm_splits(64, 2048, 4096, (64, 128), sms, force=3) == (3, 22)  # 22 + 22 + 20
     assert gemm_splits(64, 2048, 96, (64, 128), sms, force=16) == (2, 1)    # at most one per k-step
     assert gemm_splits(64, 2048, 4096, (64, 128), sms, force=1) == (1, 64)
@@ -198,11 +199,11 @@ def test_prefill_plan():
     assert prefill_plan(2, 16, 4096, 2048, 132, 90) is None
     assert prefill_plan(2, 512, 4096, 2048, 132, 90, "mt") is None
     p = prefill_plan(2, 64, 5120, 25600, 132, 90)
-    assert (p.kernel, p.grid, p.ks, p.label) == ("qpn2_gemm_64x128", (1, 40, 6), 67, "gemm_64x128/s6")
+    assert (p.kernel, p.grid, p.ks, p.label) == ("qpn2_gemm_64x128", (1, 40, 3), 134, "gemm_64x128/s3")
     p = prefill_plan(8, 512, 151936, 2048, 132, 90)
     assert (p.kernel, p.grid, p.label) == ("qpn8_gemm_128x128", (4, 1187, 1), "gemm_128x128")
     assert prefill_plan(8, 512, 151936, 2048, 80, 70).kernel == "qpn8_gemm_128x128"
-    assert prefill_plan(8, 128, 8192, 4096, 132, 90, "128x128").grid == (1, 64, 4)
+    assert prefill_plan(8, 128, 8192, 4096, 132, 90, "128x128").grid == (1, 64, 2)  # 128 blocks, one per SM
     assert prefill_plan(2, 64, 2048, 4096, 132, 90, "32x64", 2).grid == (2, 32, 2)
 
 

@@ -52,10 +52,12 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None)
     return f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
 
 
-GEMM_WAVE = 0.9       # a grid of at least this fraction of the resident blocks is not split
 GEMM_MIN_KSTEPS = 4   # split-K: at least this many k-steps of 64 per split
 GEMM_MAX_SPLITS = 16
-GEMM_RESIDENT = 2     # blocks of the tiled GEMM resident per SM (<= 128 registers, <= 40 KB shared)
+# gemm_cost: shared-memory bytes of one SM that one byte of split-K partials (fp32, written and read
+# back) costs; fit on the H200: q_proj M = 512, 2 splits took 8 us more than 1 (33.5 MB of partials)
+# where 32 k-steps x 130 KB per SM took 46.4 us
+GEMM_PART_COST = 0.02
 # split-K: the last block of an output tile reads every split's fp32 partial of it alone, so at most
 # this many bytes of partials per tile (a 128x128 tile: 4 splits; 64x64: 16)
 GEMM_MAX_PART_BYTES = 256 << 10
@@ -71,12 +73,9 @@ def gemm_tile(m: int, n: int, sms: int, choice: str | None = None, sm: int = 90,
               k: int = 4096) -> tuple[int, int]:
     """(BM, BN) of the tiled GEMM for M rows, N out features, K in features on an sm_<sm> device
     with `sms` SMs: of the tiles of at least 64 x 64 with BM no larger than M rounded up to a power
-    of two (>= 64), the one of least modelled time, each with the K splits gemm_splits gives it:
-    waves of resident blocks x k-steps per split x GEMM_SMEM (so: the largest tile unless a smaller
-    one saves a wave). On the H200 before double buffering and split-K (git 3ab1235), a grid of one
-    block per SM ran at 0.37 of the per-SM throughput of two (q_proj M = 512 vs lm_head M = 512, both
-    128x128), hence the splits. choice "<BM>x<BN>" forces one of GEMM_TILES. (sm: kept for
-    per-architecture rules; the same tiles serve Volta and sm_80+.)"""
+    of two (>= 64), the one of least gemm_cost, each with the K splits gemm_splits gives it.
+    choice "<BM>x<BN>" forces one of GEMM_TILES. (sm: kept for per-architecture rules; the same
+    tiles serve Volta and sm_80+.)"""
     if choice is not None:
         tile = tuple(int(v) if v.isdigit() else -1 for v in choice.split("x"))
         if tile not in GEMM_TILES:
@@ -85,33 +84,38 @@ def gemm_tile(m: int, n: int, sms: int, choice: str | None = None, sm: int = 90,
         return tile
     cap = max(64, 1 << (m - 1).bit_length())
     fits = [(bm, bn) for bm, bn in GEMM_TILES if bm <= cap and bm * bn >= 64 * 64]
-
-    def cost(tile):
-        splits, ks = gemm_splits(m, n, k, tile, sms)
-        blocks = -(-m // tile[0]) * -(-n // tile[1]) * splits
-        return -(-blocks // (GEMM_RESIDENT * sms)) * ks * GEMM_SMEM[tile]
-
-    return min(fits, key=cost)  # ties: the larger tile (fits is largest first)
+    return min(fits, key=lambda t: gemm_cost(m, n, t, sms, *gemm_splits(m, n, k, t, sms)))  # ties: larger
 
 
-def gemm_splits(m: int, n: int, k: int, tile: tuple[int, int], sms: int, resident: int = GEMM_RESIDENT,
+def gemm_cost(m: int, n: int, tile: tuple[int, int], sms: int, splits: int, ks: int) -> float:
+    """Modelled time of a tiled-GEMM launch, in shared-memory bytes of the busiest SM: its blocks
+    (ceil(blocks / SMs)) x ks k-steps x GEMM_SMEM (the double-buffered GEMM is bound by its SM's
+    shared-memory bandwidth: on the H200 one or two resident blocks per SM ran at the same per-SM
+    rate), plus, when split, the fp32 partials written and read back x GEMM_PART_COST."""
+    blocks = -(-m // tile[0]) * -(-n // tile[1]) * splits
+    part = splits * m * n * 8 * GEMM_PART_COST if splits > 1 else 0.0
+    return -(-blocks // sms) * ks * GEMM_SMEM[tile] + part
+
+
+def gemm_splits(m: int, n: int, k: int, tile: tuple[int, int], sms: int,
                 force: int | None = None) -> tuple[int, int]:
-    """(splits, KS): K splits of the tiled GEMM and k-steps of 64 per split (the last may be shorter).
-    A grid of at least GEMM_WAVE of the device's resident blocks (`resident` per SM) is not split; a
-    smaller one is split so that all its blocks stay resident at once, each split at least
-    GEMM_MIN_KSTEPS k-steps, at most GEMM_MAX_SPLITS splits and GEMM_MAX_PART_BYTES of partials per
-    output tile. force: that many splits (clamped to 1..k-steps)."""
+    """(splits, KS): K splits of the tiled GEMM and k-steps of 64 per split (the last may be shorter):
+    the split count of least gemm_cost (ties: fewer), each split at least GEMM_MIN_KSTEPS k-steps,
+    at most GEMM_MAX_SPLITS splits and GEMM_MAX_PART_BYTES of partials per output tile.
+    force: that many splits (clamped to 1..k-steps)."""
     nk = -(-k // 64)
-    blocks = -(-m // tile[0]) * -(-n // tile[1])
     if force is not None:
-        want = max(1, min(int(force), nk))
-    elif blocks >= GEMM_WAVE * resident * sms:
-        want = 1
-    else:
-        want = max(1, min(GEMM_MAX_SPLITS, GEMM_MAX_PART_BYTES // (tile[0] * tile[1] * 4),
-                          resident * sms // blocks, nk // GEMM_MIN_KSTEPS))
-    ks = -(-nk // want)
-    return -(-nk // ks), ks
+        ks = -(-nk // max(1, min(int(force), nk)))
+        return -(-nk // ks), ks
+    cap = max(1, min(GEMM_MAX_SPLITS, GEMM_MAX_PART_BYTES // (tile[0] * tile[1] * 4), nk // GEMM_MIN_KSTEPS))
+    best = None
+    for want in range(1, cap + 1):
+        ks = -(-nk // want)
+        splits = -(-nk // ks)
+        c = gemm_cost(m, n, tile, sms, splits, ks)
+        if best is None or c < best[0]:
+            best = (c, splits, ks)
+    return best[1], best[2]
 
 
 @dataclass(frozen=True)
