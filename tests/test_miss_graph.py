@@ -12,14 +12,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid.experts.trace import read_trace
-from hybrid.generate import generate
 from hybrid.model.config import ModelConfig
 from hybrid.runtime import RuntimeOptions, open_session
 from hybrid.runtime.graphs import MISS_LAYER_HOST_OPS, DecodeGraphs, _Runner, miss_graph_enabled, plan_segments
 from hybrid.runtime.hybrid_experts import HybridExperts
 from hybrid.runtime.miss_link import MissLink
 from hybrid.runtime.slots import host_moe
-from hybrid.sampler import Sampler, SamplerConfig
 from hybrid.testing import write_random_model
 from hybrid.tokenizer import Tokenizer
 from tests.quant_layouts import to_nvfp4
@@ -303,7 +301,7 @@ def _gpu_run(path, ids, gpus, place, graphs: str, miss_graph: str, monkeypatch, 
     try:
         out = _decode(s.model, ids, n)
         g = s.model.graphs
-        info = dict(steps=s.stats.graph_steps, error=g.error, links=sorted(g.links), cache=_cache_state(s),
+        info = dict(steps=s.stats.graph_steps, error=g.error, links=sorted(g.links),
                     promotions=int(sum(c.promotions.sum() for c in s.caches)))
     finally:
         s.close()
@@ -317,7 +315,9 @@ def _gpu_run(path, ids, gpus, place, graphs: str, miss_graph: str, monkeypatch, 
 @pytest.mark.parametrize("place", sorted(GPU_PLACES))
 def test_miss_graph_matches_old_path_on_cuda(models, place, gpus, monkeypatch):
     """Greedy ids of the graphed hits equal the old path's and the eager step's, with misses and
-    promotions mid-decode; logits within 1e-3 (fp32 atomics in the grouped kernel's sum)."""
+    promotions mid-decode; logits within 1e-3: on the GPU the grouped kernel is launched over all k
+    pairs (-1 dropped) instead of the hits alone, so it may split K differently, and its fp32 atomics
+    add in no fixed order (bit identity is the CPU test's)."""
     path = models["nvfp4"]
     ids = _tok(path).encode(PROMPT)
     eager, eager_info = _gpu_run(path, ids, gpus, place, "0", "0", monkeypatch)
@@ -331,9 +331,6 @@ def test_miss_graph_matches_old_path_on_cuda(models, place, gpus, monkeypatch):
     assert new[0] == old[0] == eager[0]
     torch.testing.assert_close(new[1], old[1], atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(new[1], eager[1], atol=1e-3, rtol=1e-3)
-    for a, b in zip(old_info["cache"], new_info["cache"]):
-        for k in a:
-            assert np.array_equal(a[k], b[k]), k
 
 
 CUDA_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaMemcpyAsync",

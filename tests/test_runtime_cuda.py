@@ -1,5 +1,6 @@
 """The hybrid runtime on a GPU: two logical cards on GPU 0 at every split point give the reference
-model's greedy ids (NVFP4 experts: QPN grouped kernel for hits, Numba runner for misses)."""
+model's greedy ids (NVFP4 experts: QPN grouped kernel for hits, Numba runner for misses), with a
+can-miss layer's hits inside its decode graph (HYBRID_MISS_GRAPH=1) and launched eagerly (0)."""
 import pytest
 import torch
 
@@ -33,17 +34,22 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
 GPUS = [pytest.param((0, 0), id="one-gpu"), pytest.param((0, 1), id="two-gpus", marks=two_gpus)]
 
 
+@pytest.mark.parametrize("miss_graph", ["0", "1"])
 @pytest.mark.parametrize("gpus", GPUS)
 @pytest.mark.parametrize("split,slots", [(1, (0,)), (2, (32,)), (3, (48, 16))])
-def test_two_cards_match_cuda_reference(nvfp4, split, slots, gpus):
+def test_two_cards_match_cuda_reference(nvfp4, split, slots, gpus, miss_graph, monkeypatch):
     """Two logical cards on GPU 0, or two physical GPUs (the hidden state crossing at the split)."""
+    monkeypatch.setenv("HYBRID_MISS_GRAPH", miss_graph)
     want = greedy(load_model(nvfp4, device="cuda"), nvfp4)
     s = open_session(nvfp4, RuntimeOptions(device="cuda", gpus=gpus, layer_split=(split,), cache_slots=slots))
     try:
         devices = [str(d) for d in s.model.layer_devices]
         got = greedy(s.model, nvfp4)
+        linked, err = sorted(s.model.graphs.links), s.model.graphs.error
     finally:
         s.close()
+    assert err is None
+    assert bool(linked) == (miss_graph == "1")              # the caches start empty: every layer can miss
     assert devices == [f"cuda:{gpus[0]}"] * split + [f"cuda:{gpus[1]}"] * (4 - split)
     assert got == want
     rep = s.report()

@@ -11,11 +11,18 @@ Per layer (DESIGN §1):
     side stream; the layer's next grouped launch waits for them.
 Step boundaries come from HybridModel.forward (begin_step / end_step), which also writes the trace.
 
+Each card keeps a device expert->slot table per layer (CardRuntime.tables, -1 = not in a slot),
+rewritten in place on the promotion stream behind the weight copies, so work that waits for the
+layer's `ready` event never reads a slot whose weights are not there yet.
 A layer whose every expert is resident cannot miss, so it skips the per-layer host sync: slot ids
-come from a device-side expert->slot table, and its cache lookup (counters, policy) runs at the end
-of the step from one copy of the step's deferred ids. Lookups of different layers touch disjoint
-state and a layer without misses promotes nothing, so the bookkeeping (and an offline replay of the
-trace) is the same as if the lookup had run in place.
+come from its table, and its cache lookup (counters, policy) runs at the end of the step from one
+copy of the step's deferred ids. Lookups of different layers touch disjoint state and a layer
+without misses promotes nothing, so the bookkeeping (and an offline replay of the trace) is the
+same as if the lookup had run in place. In a graphed decode step a layer that can miss runs its
+hits in the graph too (through its table; hybrid.runtime.miss_link) and `linked` does the host's
+part in place: the lookup, the CPU's misses, their upload, the promotions. A promotion never
+evicts an expert the step uses (ExpertCache.evictable), so the hits still running on the card
+never read a slot that is being overwritten.
 """
 from __future__ import annotations
 

@@ -1,0 +1,144 @@
+"""A/B of a can-miss layer's hits inside its decode graph (HYBRID_MISS_GRAPH=1) against the old path
+(HYBRID_MISS_GRAPH=0: hits launched eagerly after the host sync), in one process, on the
+Qwen3-30B-A3B-shaped synthetic NVFP4 checkpoint. Writes $OUT/miss_graph_ab.jsonl + gpu_check.log.
+
+One expert store and one expert profile (an all-CPU session routes a calibration text, as
+tools/gpu_two_cards.py does) serve every session; for each configuration label the sessions run in
+the order of --modes (default 0,1,0,1: a VM that drifts during the call hits both paths alike). Per
+session: decode tok/s (CUDA graphs), per-card hit rates, the planner's prediction, the first greedy
+ids (equal across modes?), the linked layers, and the host's CUDA calls per decode step
+(torch.profiler over a few steps after the measurement: graph launches, copies, kernel launches,
+event records / waits / syncs).
+
+    HYBRID_CACHE_DIR=.qpncache HYBRID_GIT_SHA=<sha> PYTHONPATH=. python3 tools/gpu_miss_graph_ab.py \\
+        --profile h200 --order synth_one_gpu_slots1024 --modes 0,1,0,1 --budget-s 420
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_runtime_check as rc  # noqa: E402  - log / make_synth / calibrate_profile / graph_info / run_parts
+import gpu_two_cards as tc  # noqa: E402  - configs(miss_slots, order): the labels and their flags
+
+rc.OUT = tc.OUT = OUT = Path(os.environ.get("OUT", "scratch/out"))
+JSONL = "miss_graph_ab.jsonl"
+CUDA_CALLS = ("cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemcpy", "cudaMemsetAsync", "cudaLaunchKernel",
+              "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaEventRecord",
+              "cudaEventRecordWithFlags", "cudaStreamWaitEvent", "cudaEventSynchronize", "cudaStreamSynchronize")
+
+
+def record(rec: dict) -> None:
+    from hybrid.baselines.report import stamp
+
+    rec = {**rec, **stamp("tools/gpu_miss_graph_ab.py"), "gpu": rc.gpu_name()}
+    if os.environ.get("HYBRID_GIT_SHA"):          # the device copy has no .git
+        rec["git_sha"] = os.environ["HYBRID_GIT_SHA"]
+    with (OUT / JSONL).open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+    keys = ("miss_graph", "decode_tok_s", "measured_over_predicted", "cuda_calls_per_step", "ids_equal_first",
+            "skipped", "error")
+    rc.log(f"record {rec.get('check')}: " + json.dumps({k: v for k, v in rec.items() if k in keys}))
+
+
+rc.record = tc.record = record
+
+
+def cuda_calls(session, steps: int = 8) -> dict:
+    """The host's CUDA runtime / driver calls per graphed decode step (torch.profiler), by name."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    hm = session.model
+    hm.new_cache(steps + 8)
+    hm.prompt_tokens = 1
+    logits = hm.forward(torch.tensor([100]), 0, last_only=True)
+    for j in range(1, 4):                             # graphs of this bucket captured before profiling
+        logits = hm.forward(torch.tensor([int(logits[-1].argmax())]), j, last_only=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for j in range(4, 4 + steps):
+            logits = hm.forward(torch.tensor([int(logits[-1].argmax())]), j, last_only=True)
+        torch.cuda.synchronize()
+    hm.prompt_tokens = None
+    counts = {e.key: round(e.count / steps, 2) for e in prof.key_averages() if e.key in CUDA_CALLS}
+    return {"per_step": round(sum(counts.values()), 2), "by_name": counts}
+
+
+def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int, order: str, modes: list[str]) -> None:
+    import torch
+
+    from hybrid.bench.decode import measure
+    from hybrid.model.config import ModelConfig
+    from hybrid.runtime import RuntimeOptions, open_session
+    from hybrid.tokenizer import Tokenizer
+
+    cfg = ModelConfig.from_folder(path)
+    tok = Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    ctx = 32 + tokens
+    rc.log("session: all experts on the CPU runner (builds the expert store, routes the profile text)")
+    s0 = open_session(path, RuntimeOptions(device="cuda", gpus=(0,), cache_slots=(0,), profile=profile), context=ctx)
+    cpu = s0.cpu
+    eprof = OUT / "synth30.experts.json"
+    rc.calibrate_profile(s0, tok, path, eprof)
+    s0.owns_cpu = False
+    s0.close()
+    del s0
+    first: dict = {}
+    for label, kw in tc.configs(miss_slots, order):
+        for mode in modes:
+            check = f"{label}_miss_graph{mode}"
+            if time.perf_counter() > deadline:
+                record({"check": check, "skipped": "device-time deadline"})
+                continue
+            os.environ["HYBRID_MISS_GRAPH"] = mode        # read when the session makes its DecodeGraphs
+            rc.log(f"session {check}: {kw}")
+            s = open_session(path, RuntimeOptions(device="cuda", profile=profile, expert_profile=str(eprof), **kw),
+                             context=ctx, cpu=cpu)
+            try:
+                rec = measure(s, tok, 32, 16, tokens)
+                g = s.model.graphs
+                rec.update({"miss_graph": int(mode), "flags": kw, "linked_layers": len(g.links),
+                            "plan_split": list(s.plan.inputs.layer_split), **rc.graph_info(s)})
+                rec["cuda_calls_per_step"] = cuda_calls(s)
+                head = rec["generated_ids_head"]
+                rec["ids_equal_first"] = first.setdefault(label, head) == head
+                record({"check": check, **rec})
+            finally:
+                s.close()
+                del s
+                torch.cuda.empty_cache()
+    cpu.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
+    p.add_argument("--skew", type=float, default=0.25)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--budget-s", type=float, default=420, help="stop starting new sessions after this")
+    p.add_argument("--miss-slots", type=int, default=1024, help="expert slots per card of the sessions with misses")
+    p.add_argument("--profile", default="h200", help="hardware profile the plans use")
+    p.add_argument("--order", default="synth_one_gpu_slots1024", help="configuration labels (gpu_two_cards.configs)")
+    p.add_argument("--modes", default="0,1,0,1", help="HYBRID_MISS_GRAPH values, in order, per label")
+    a = p.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    deadline = rc.T0 + a.budget_s
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("0", "1") for m in modes):
+        print(f"--modes {a.modes}: expected a comma-separated list of 0 and 1", file=sys.stderr)
+        return 2
+    parts = [("synth_write", lambda: rc.make_synth(a.synth, a.skew, False)),
+             ("ab_runs", lambda: runs(a.synth, deadline, a.tokens, a.profile, a.miss_slots, a.order, modes))]
+    rc.run_parts(parts, deadline, record, rc.log)
+    rc.log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
