@@ -415,20 +415,26 @@ __device__ __forceinline__ float e4m3_mag_f32(u32 b) {  // 7-bit e4m3 magnitude 
   return __int_as_float(b & 0x07F00000u) * 0x1p120f;     // exact (denormal inputs included)
 }
 
-template <int ST>
-__device__ __forceinline__ void warp_m1_async(float (&tot)[4], const u32x4* wt, const u64* st, int c0,
-                                              int c1, const u16* x, int lane, unsigned char* ring) {
+// NT tiles per warp share the activation loads, the zero-or-x B operands and the ring's bookkeeping.
+template <int ST, int NT>
+__device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* const (&wt)[NT],
+                                              const u64* const (&st)[NT], int c0, int c1, const u16* x,
+                                              int lane, unsigned char* ring) {
 #if QPN_MMA >= 2
   static_assert(ST % 2 == 0, "chunk pairs must not straddle the ring's end");
   const int n = lane >> 2, q = lane & 3;
-  const u32 wbase = smem_addr(ring) + lane * 16, sbase = wbase - lane * 8 + ST * 512;
-  const u32x4* wp[1] = {wt + (size_t)c0 * 32 + lane};
-  const u64* sp[1] = {st + (size_t)c0 * 8 + n};
+  const u32 wbase = smem_addr(ring) + lane * 16, sbase = wbase - lane * 8 + ST * NT * 512;
+  const u32x4* wp[NT];
+  const u64* sp[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) wp[nt] = wt[nt] + (size_t)c0 * 32 + lane, sp[nt] = st[nt] + (size_t)c0 * 8 + n;
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
-    const u32x4* w[1] = {wp[0] + s * 32};
-    const u64* g[1] = {sp[0] + s * 8};
-    issue_chunk<2, 1>(w, g, c0 + s < c1, wbase + s * 512, sbase + s * 256);
+    const u32x4* w[NT];
+    const u64* g[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) w[nt] = wp[nt] + s * 32, g[nt] = sp[nt] + s * 8;
+    issue_chunk<2, NT>(w, g, c0 + s < c1, wbase + s * NT * 512, sbase + s * NT * 256);
   }
   for (int c = c0; c < c1; c += ST) {
 #pragma unroll
@@ -437,38 +443,62 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[4], const u32x4* wt, 
         const bool two = c + s + 1 < c1;
         // group 4 (c + s) + n of the pair: this lane's only non-zero B operand
         const u64 xv = (n < 4 || two) ? ld_act(x + (size_t)(c + s) * 64 + n * 16 + 4 * q) : 0ull;
-        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        float d[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
         // scale bytes [s(r,2q') s(r,2q'+1) s(r+8,2q') s(r+8,2q'+1)] of chunk c + s + q/2, q' = q%2,
         // read before the second chunk's issue refills the first chunk's slot
-        const u32 saddr = sbase + (s + (q >> 1)) * 256 + 4 * (q & 1);
-        u32 sw = 0;
+        const u32 saddr = sbase + (s + (q >> 1)) * NT * 256 + 4 * (q & 1);
+        u32 sw[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) sw[nt] = 0;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (h == 0 || two) {
             cp_wait<ST - 2>();
-            if (h == 1) asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw) : "r"(saddr));
+            if (h == 1) {
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt)
+                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw[nt]) : "r"(saddr + nt * 256));
+            }
             const int ns = (s + h + ST - 1) % ST;
-            const u32x4* w[1] = {wp[0] + (s + h + ST - 1) * 32};
-            const u64* g[1] = {sp[0] + (s + h + ST - 1) * 8};
-            issue_chunk<2, 1>(w, g, c + s + h + ST - 1 < c1, wbase + ns * 512, sbase + ns * 256);
-            const u32x4 wv = lds128(wbase + (s + h) * 512);
+            const u32x4* w[NT];
+            const u64* g[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) w[nt] = wp[nt] + (s + h + ST - 1) * 32, g[nt] = sp[nt] + (s + h + ST - 1) * 8;
+            issue_chunk<2, NT>(w, g, c + s + h + ST - 1 < c1, wbase + ns * NT * 512, sbase + ns * NT * 256);
+            u32x4 wv[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) wv[nt] = lds128(wbase + ((s + h) * NT + nt) * 512);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-              u32 p0, p1, p2, p3;
-              dec_fp4(j == 0 ? wv.x : j == 1 ? wv.y : j == 2 ? wv.z : wv.w, p0, p1, p2, p3);
               const bool mine = n == 4 * h + j;
-              mma_tile(d, p0, p1, p2, p3, mine ? (u32)xv : 0u, mine ? (u32)(xv >> 32) : 0u);
+              const u32 b0 = mine ? (u32)xv : 0u, b1 = mine ? (u32)(xv >> 32) : 0u;
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) {
+                u32 p0, p1, p2, p3;
+                dec_fp4(j == 0 ? wv[nt].x : j == 1 ? wv[nt].y : j == 2 ? wv[nt].z : wv[nt].w, p0, p1, p2, p3);
+                mma_tile(d[nt], p0, p1, p2, p3, b0, b1);
+              }
             }
           }
         }
-        if (!two && q < 2) asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw) : "r"(saddr));
-        tot[0] = fmaf(d[0], e4m3_mag_f32(sw << 20), tot[0]);
-        tot[1] = fmaf(d[1], e4m3_mag_f32(sw << 12), tot[1]);
-        tot[2] = fmaf(d[2], e4m3_mag_f32(sw << 4), tot[2]);
-        tot[3] = fmaf(d[3], e4m3_mag_f32(sw >> 4), tot[3]);
+        if (!two && q < 2) {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw[nt]) : "r"(saddr + nt * 256));
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          tot[nt][0] = fmaf(d[nt][0], e4m3_mag_f32(sw[nt] << 20), tot[nt][0]);
+          tot[nt][1] = fmaf(d[nt][1], e4m3_mag_f32(sw[nt] << 12), tot[nt][1]);
+          tot[nt][2] = fmaf(d[nt][2], e4m3_mag_f32(sw[nt] << 4), tot[nt][2]);
+          tot[nt][3] = fmaf(d[nt][3], e4m3_mag_f32(sw[nt] >> 4), tot[nt][3]);
+        }
       }
     }
-    wp[0] += ST * 32, sp[0] += ST * 8;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) wp[nt] += ST * 32, sp[nt] += ST * 8;
   }
   cp_wait<0>();
 #else
@@ -476,33 +506,43 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[4], const u32x4* wt, 
 #endif
 }
 
-// y[1, N] = x[1, K] . W^T for NVFP4 (same arguments as the LINEAR kernels; M must be 1, P = 1)
-template <int ST>
+// y[1, N] = x[1, K] . W^T for NVFP4 (same arguments as the LINEAR kernels; M must be 1, P = 1).
+// A warp group (KS warps splitting K) does NT consecutive tiles; grid.x = ceil(tiles / (TG NT)).
+template <int ST, int NT>
 __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                                float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                                int N, int K, int KS) {
-  constexpr int RING = ST * 32 * 24;
+  constexpr int RING = ST * NT * 32 * 24;
   __shared__ __align__(16) unsigned char smem[RING * WARPS];
-  float (*red)[16] = reinterpret_cast<float (*)[16]>(smem);  // red[warp][row], aliases the rings
+  float (*red)[NT * 16] = reinterpret_cast<float (*)[NT * 16]>(smem);  // red[warp][row], aliases the rings
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int C = K / 64, tiles = (N + 15) >> 4;
-  const int t = blockIdx.x * TG + tg;
-  float tot[4] = {0.f, 0.f, 0.f, 0.f};
-  if (t < tiles)
-    warp_m1_async<ST>(tot, w + (size_t)t * C * 32, s + (size_t)t * C * 8, wk * C / KS, (wk + 1) * C / KS,
-                      x, lane, smem + warp * RING);
-  float vr = tot[0] + tot[1], vr8 = tot[2] + tot[3];  // sum the lane quad's groups
-  vr += __shfl_xor_sync(0xffffffffu, vr, 1);
-  vr += __shfl_xor_sync(0xffffffffu, vr, 2);
-  vr8 += __shfl_xor_sync(0xffffffffu, vr8, 1);
-  vr8 += __shfl_xor_sync(0xffffffffu, vr8, 2);
+  const int t0 = (blockIdx.x * TG + tg) * NT;
+  float tot[NT][4];
+  const u32x4* wt[NT];
+  const u64* st[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.f;
+    const int t = t0 + nt < tiles ? t0 + nt : tiles - 1;  // a tile past the end re-reads the last one
+    wt[nt] = w + (size_t)t * C * 32, st[nt] = s + (size_t)t * C * 8;
+  }
+  if (t0 < tiles) warp_m1_async<ST, NT>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, x, lane, smem + warp * RING);
   __syncthreads();  // red aliases the rings
-  if ((lane & 3) == 0) red[warp][lane >> 2] = vr, red[warp][(lane >> 2) + 8] = vr8;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    float vr = tot[nt][0] + tot[nt][1], vr8 = tot[nt][2] + tot[nt][3];  // sum the lane quad's groups
+    vr += __shfl_xor_sync(0xffffffffu, vr, 1);
+    vr += __shfl_xor_sync(0xffffffffu, vr, 2);
+    vr8 += __shfl_xor_sync(0xffffffffu, vr8, 1);
+    vr8 += __shfl_xor_sync(0xffffffffu, vr8, 2);
+    if ((lane & 3) == 0) red[warp][nt * 16 + (lane >> 2)] = vr, red[warp][nt * 16 + (lane >> 2) + 8] = vr8;
+  }
   __syncthreads();
   const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
-  for (int o = threadIdx.x; o < TG * 16; o += THREADS) {
-    const int row = o & 15, grp = o >> 4, nrow = (blockIdx.x * TG + grp) * 16 + row;
+  for (int o = threadIdx.x; o < TG * NT * 16; o += THREADS) {
+    const int row = o % (NT * 16), grp = o / (NT * 16), nrow = (blockIdx.x * TG + grp) * NT * 16 + row;
     float v = 0.f;
     for (int k = 0; k < KS; ++k) v += red[grp * KS + k][row];
     if (nrow < N) y[nrow] = f_to_h(v * g);
@@ -512,7 +552,13 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
 extern "C" __global__ void qpn2_linear_m1_as(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                              float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                              int M, int N, int K, int KS, int P) {
-  linear_m1_body<6>(w, s, gs, x, y, N, K, KS);
+  linear_m1_body<6, 1>(w, s, gs, x, y, N, K, KS);
+}
+// two tiles per warp (4-stage ring: 48 KB of static shared memory per block)
+extern "C" __global__ void qpn2_linear_m1_as2(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                              float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                              int M, int N, int K, int KS, int P) {
+  linear_m1_body<4, 2>(w, s, gs, x, y, N, K, KS);
 }
 
 // shared memory of one block: the partials (red) and, for ST > 0, the rings, which red aliases

@@ -192,7 +192,8 @@ def bench_linear(name, n, k, qtype, ms, reps, read_bw):
 
 def bench_variants(fmts, reps, read_bw):
     """The other M <= 8 kernels beside the default, same run: '' (register pipeline, 2 chunks per
-    stage), '_u4' (4 chunks per stage), '_as4' (4-stage cp.async ring; sm_80+), the MoE kernels
+    stage), '_u4' (4 chunks per stage), '_as4' (4-stage cp.async ring; sm_80+), '_m1' / '_m1x2' (the
+    M = 1 NVFP4 kernel with one or two tiles per warp; sm_80+), the MoE kernels
     without the ring (''), at M = 64, 128, 512 the 8-row-tile kernels ([mt]) that the tiled
     GEMM replaced, each tile of the tiled GEMM forced ([BMxBN], NVFP4, M = 128, 512), and the
     picked tile with 1 and 4 K splits forced ([s1], [s4]; NVFP4 q_proj, o_proj, dense_down, M = 64,
@@ -202,15 +203,18 @@ def bench_variants(fmts, reps, read_bw):
 
     out = []
     sm = torch_sm()
-    for v in ("", "_u4", "_as", "_as4"):
-        if qpn.variant(v, sm) != v:
+    for v in ("", "_u4", "_as", "_as4", "_m1", "_m1x2"):
+        m1 = v.startswith("_m1")   # the M = 1 NVFP4 kernels, one or two tiles per warp (sm_80+)
+        if (sm < 80) if m1 else qpn.variant(v, sm) != v:
             continue  # not on this device
         try:
             qpn.LINEAR_VARIANT[0] = v
             for qtype in fmts:
+                if m1 and qtype is not QType.NVFP4:
+                    continue
                 for name, n, k in SHAPES:
                     if name in ("lm_head", "dense_up", "dense_down", "q_proj", "o_proj", "expert_gate_up"):
-                        for r in bench_linear(name, n, k, qtype, [1, 8], reps, read_bw):
+                        for r in bench_linear(name, n, k, qtype, [1] if m1 else [1, 8], reps, read_bw):
                             out.append({**r, "shape": f"{name}[{v or 'reg'}]"})
         finally:
             qpn.LINEAR_VARIANT[0] = None
@@ -368,7 +372,7 @@ def bench(args) -> int:
                                 qpn.PREFILL_SPLIT[0])
         if plan is not None:
             return plan.label
-        return qpn.linear_kernel(fmt, qpn._mt(r["m"], env["sm"]), r["m"], env["sm"]).split("linear_")[1]
+        return qpn.linear_kernel(fmt, qpn._mt(r["m"], env["sm"]), r["m"], env["sm"], n=r["n"]).split("linear_")[1]
 
     sms = torch_sms()
 

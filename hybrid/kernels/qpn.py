@@ -23,7 +23,8 @@ MAX_SLOTS = 1024
 # M <= 8 linear kernel: None = the default (sm_80+ NVFP4 at M = 1: qpn2_linear_m1_as, scales applied
 # per 8 groups in fp32; otherwise the register pipeline, measured at least as fast as the rings on
 # the H200 for M = 2..8); "", "_u4" (deeper register pipeline), "_as", "_as4" (6- and 4-stage
-# cp.async rings, sm_80+): benchmark, tests.
+# cp.async rings, sm_80+), "_m1", "_m1x2" (the M = 1 NVFP4 kernels, one or two tiles per warp; see
+# linear_kernel): benchmark, tests.
 LINEAR_VARIANT: list[str | None] = [None]
 MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
 # M > PREFILL_MIN linear kernel: None = the shared-memory tiled GEMM with the tile picked by
@@ -43,13 +44,26 @@ def variant(choice: str | None, sm: int) -> str:
     return "" if choice.startswith("_as") and sm < 80 else choice
 
 
-def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None) -> str:
-    """The kernel qpn_linear launches for M rows in passes of mt 8-row tiles on an sm_<sm> device."""
+def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None, n: int = 0) -> str:
+    """The kernel qpn_linear launches for M rows (N out features) in passes of mt 8-row tiles on an
+    sm_<sm> device. NVFP4 at M = 1 on sm_80+: qpn2_linear_m1_as2 (two 16-row tiles per warp) from
+    M1_PAIR_MIN_TILES tiles on, else qpn2_linear_m1_as; choice "_m1" / "_m1x2" forces one of them
+    there (benchmark, tests)."""
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
+    m1 = sm >= 80 and fmt == 2 and m == 1
+    if choice in ("_m1", "_m1x2"):
+        choice = None if not m1 else choice
+        if choice is not None:
+            return "qpn2_linear_m1_as2" if choice == "_m1x2" else "qpn2_linear_m1_as"
     if choice is None:
-        return "qpn2_linear_m1_as" if sm >= 80 and fmt == 2 and m == 1 else f"qpn{fmt}_linear_mt1"
+        if m1:
+            return "qpn2_linear_m1_as2" if -(-n // 16) >= M1_PAIR_MIN_TILES else "qpn2_linear_m1_as"
+        return f"qpn{fmt}_linear_mt1"
     return f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
+
+
+M1_PAIR_MIN_TILES = 1024  # 16-row tiles from which the M = 1 NVFP4 kernel takes two per warp
 
 
 GEMM_MIN_KSTEPS = 4   # split-K: at least this many k-steps of 64 per split
@@ -298,12 +312,13 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     passes = -(-m // (8 * mt))
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
-    ks = _pick_ks(tiles * passes, chunks, _sms(w.device))
-    tg = WARPS // ks
-    grid = (-(-tiles // tg) * passes, 1, 1)
+    name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n)
+    units = -(-tiles // 2) if name.endswith("_as2") else tiles   # warp work units (tile pairs)
+    ks = _pick_ks(units * passes, chunks, _sms(w.device))
+    grid = (-(-units // (WARPS // ks)) * passes, 1, 1)
     args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
-    mod.launch(linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0]), grid, THREADS, args)
+    mod.launch(name, grid, THREADS, args)
     return y
 
 
