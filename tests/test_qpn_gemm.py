@@ -177,7 +177,7 @@ def test_split_choice():
     assert gemm_splits(512, 151936, 2048, (128, 128), sms) == (1, 32)     # lm_head fills the device
     assert gemm_splits(512, 4096, 2048, (128, 128), sms) == (1, 32)       # q_proj: 128 blocks, one per SM
     assert gemm_splits(512, 5120, 25600, (128, 128), sms) == (4, 100)     # dense_down: 160 blocks, 2 on some SMs
-    assert gemm_splits(64, 5120, 25600, (64, 128), sms) == (3, 134)       # dense_down: 40 blocks x 3 (x 6: same load)
+    assert gemm_splits(64, 5120, 25600, (64, 128), sms) == (6, 67)        # dense_down: 40 blocks x 6, two per SM
     assert gemm_splits(64, 2048, 4096, (64, 128), sms) == (8, 8)          # 16 tiles: 256 KB of partials a tile
     assert gemm_splits(64, 2048, 4096, (64, 64), sms) == (4, 16)          # o_proj: 32 tiles x 4 (x 8: same load)
     assert gemm_splits(64, 512, 4096, (64, 64), sms) == (16, 4)           # 8 tiles x 16
@@ -199,7 +199,7 @@ def test_prefill_plan():
     assert prefill_plan(2, 16, 4096, 2048, 132, 90) is None
     assert prefill_plan(2, 512, 4096, 2048, 132, 90, "mt") is None
     p = prefill_plan(2, 64, 5120, 25600, 132, 90)
-    assert (p.kernel, p.grid, p.ks, p.label) == ("qpn2_gemm_64x128", (1, 40, 3), 134, "gemm_64x128/s3")
+    assert (p.kernel, p.grid, p.ks, p.label) == ("qpn2_gemm_64x128", (1, 40, 6), 67, "gemm_64x128/s6")
     p = prefill_plan(8, 512, 151936, 2048, 132, 90)
     assert (p.kernel, p.grid, p.label) == ("qpn8_gemm_128x128", (4, 1187, 1), "gemm_128x128")
     assert prefill_plan(8, 512, 151936, 2048, 80, 70).kernel == "qpn8_gemm_128x128"

@@ -72,6 +72,10 @@ GEMM_MAX_SPLITS = 16
 # back) costs; fit on the H200: q_proj M = 512, 2 splits took 8 us more than 1 (33.5 MB of partials)
 # where 32 k-steps x 130 KB per SM took 46.4 us
 GEMM_PART_COST = 0.02
+# gemm_cost: per-SM time of two resident blocks of a 64-row tile against one, on the H200 (dense_down
+# M = 64, 64x128: 6 splits, two blocks on most SMs, 104.5 us; 3 splits, one each, 119.4 us; the same
+# k-steps per SM); 128 x 128 blocks (128 registers) gained nothing (q_proj M = 512)
+GEMM_PAIR_RATE = 0.88
 # split-K: the last block of an output tile reads every split's fp32 partial of it alone, so at most
 # this many bytes of partials per tile (a 128x128 tile: 4 splits; 64x64: 16)
 GEMM_MAX_PART_BYTES = 256 << 10
@@ -104,11 +108,15 @@ def gemm_tile(m: int, n: int, sms: int, choice: str | None = None, sm: int = 90,
 def gemm_cost(m: int, n: int, tile: tuple[int, int], sms: int, splits: int, ks: int) -> float:
     """Modelled time of a tiled-GEMM launch, in shared-memory bytes of the busiest SM: its blocks
     (ceil(blocks / SMs)) x ks k-steps x GEMM_SMEM (the double-buffered GEMM is bound by its SM's
-    shared-memory bandwidth: on the H200 one or two resident blocks per SM ran at the same per-SM
-    rate), plus, when split, the fp32 partials written and read back x GEMM_PART_COST."""
+    shared-memory bandwidth), x GEMM_PAIR_RATE where two or more blocks of a tile smaller than
+    128 x 128 share an SM; when split, + the fp32 partials written and read back x GEMM_PART_COST
+    + the partial tiles the last block of each output tile reads alone (splits x tile x 4 bytes)."""
     blocks = -(-m // tile[0]) * -(-n // tile[1]) * splits
-    part = splits * m * n * 8 * GEMM_PART_COST if splits > 1 else 0.0
-    return -(-blocks // sms) * ks * GEMM_SMEM[tile] + part
+    per_sm = -(-blocks // sms)
+    cost = per_sm * ks * GEMM_SMEM[tile] * (GEMM_PAIR_RATE if per_sm > 1 and tile != (128, 128) else 1.0)
+    if splits > 1:
+        cost += splits * m * n * 8 * GEMM_PART_COST + splits * tile[0] * tile[1] * 4
+    return cost
 
 
 def gemm_splits(m: int, n: int, k: int, tile: tuple[int, int], sms: int,
