@@ -9,9 +9,13 @@ The two phases are separate calls so that threads can split rows with a barrier 
 
 Legend: T tokens, H hidden, I intermediate (Ipad = NTI * R), E listed experts,
 P = Σ_e rows of expert e (token rows concatenated: rows[ptr[e]:ptr[e+1]]).
-Inputs:  qkind NVFP4=0 | FP8=1, arena u8 [*], gu_off/dn_off i64 [E] byte offsets,
+Inputs:  qkind NVFP4_F32=0 | FP8=1 | NVFP4_I16=2 (NVFP4 = the host's family, cpu/isa.py; the arena
+         must be packed for it: cpu/layout.py), arena u8 [*], gu_off/dn_off i64 [E] byte offsets,
          scl f32 [E, 3] global scales (gate, up, down), x f32 [T, H], rows i64 [P],
          ptr i64 [E + 1], w f32 [P] routing weights; h f32 [P, Ipad] scratch; out f32 [T, H].
+NVFP4_I16 (cpu/i16.py): x is quantized to int16 per 16-block once per call (xq i16 [T, H],
+xs f32 [T, H/16]), phase 1 quantizes its SiLU output straight into hq i16 [P, Ipad] / hs f32
+[P, Ipad/16], which phase 2 reads.
 """
 from __future__ import annotations
 
@@ -21,22 +25,26 @@ import numpy as np
 from numba import njit, prange
 
 from cpu.gemm import FP8_FACTOR, MB, NVFP4_FACTOR, scratch
+from cpu.i16 import I16_FACTOR, nvfp4_i16_tile, quantize_row, quantize_rows
+from cpu.isa import NVFP4_INT16
 from cpu.layout import GROUP
 from cpu.tiles import JIT, fp8_tile, nvfp4_tile
 
-NVFP4, FP8 = 0, 1
+NVFP4_F32, FP8, NVFP4_I16 = 0, 1, 2
+NVFP4 = NVFP4_I16 if NVFP4_INT16 else NVFP4_F32      # the family layout.pack_nvfp4 packs for here
+QUANT_PARALLEL_ROWS = 64                            # x quantized on the pool from this many rows
 
 
 @njit(**JIT)
 def tile_nbytes(qkind, k, R):
     """Bytes of one R-row tile of a weight with k in-features."""
-    return (k // GROUP) * 9 * R if qkind == NVFP4 else k * R
+    return k * R if qkind == FP8 else (k // GROUP) * 9 * R
 
 
 @njit(**JIT)
 def _tile(qkind, arena, base, k, x, rows, p0, p1, acc, dec):
     R = acc.shape[1]
-    if qkind == NVFP4:
+    if qkind != FP8:
         g = k // GROUP
         nvfp4_tile(arena[base: base + g * 9 * R].reshape((g, 9, R)), x, rows, p0, p1, acc, dec)
     else:
@@ -48,7 +56,7 @@ def experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, u0, u1, h, H, I, R)
     """Phase 1, units [u0, u1): h[p, t*R:(t+1)*R] = silu(gate) * up for the expert's rows p."""
     nti = (I + R - 1) // R
     tb = tile_nbytes(qkind, H, R)
-    fac = NVFP4_FACTOR if qkind == NVFP4 else FP8_FACTOR
+    fac = FP8_FACTOR if qkind == FP8 else NVFP4_FACTOR
     acc_g, dec = scratch(R)
     acc_u = np.empty_like(acc_g)
     for u in range(u0, u1):
@@ -69,7 +77,7 @@ def experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, u0, u1, h, H, I, R)
 def experts_down(qkind, arena, dn_off, scl, h, rows, ptr, w, t0, t1, out, H, I, R):
     """Phase 2, H-tiles [t0, t1): out[rows[p], cols] += w[p] * down(h[p]) for every listed expert."""
     tb = tile_nbytes(qkind, I, R)
-    fac = NVFP4_FACTOR if qkind == NVFP4 else FP8_FACTOR
+    fac = FP8_FACTOR if qkind == FP8 else NVFP4_FACTOR
     hrows = np.arange(h.shape[0])
     acc, dec = scratch(R)
     for t in range(t0, t1):
@@ -86,13 +94,78 @@ def experts_down(qkind, arena, dn_off, scl, h, rows, ptr, w, t0, t1, out, H, I, 
                         out[tok, n0 + r] += wm * acc[m, r]
 
 
+# ----------------------------------------------------------------------------- NVFP4 x int16
+@njit(**JIT)
+def experts_gate_up_i16(arena, gu_off, scl, xq, xs, rows, ptr, u0, u1, hq, hs, H, I, R):
+    """Phase 1 (NVFP4_I16), units [u0, u1): hq/hs[p, tile t] = int16(silu(gate) * up), per 16-block."""
+    nti = (I + R - 1) // R
+    tb = tile_nbytes(NVFP4_I16, H, R)
+    G = H // GROUP
+    acc_g = np.empty((MB, R), np.float32)
+    acc_u = np.empty_like(acc_g)
+    hrow = np.empty(R, np.float32)
+    for u in range(u0, u1):
+        e, t = u // nti, u % nti
+        base = gu_off[e] + 2 * t * tb
+        cg, cu = scl[e, 0] * I16_FACTOR, scl[e, 1] * I16_FACTOR
+        for b0 in range(ptr[e], ptr[e + 1], MB):
+            b1 = min(ptr[e + 1], b0 + MB)
+            nvfp4_i16_tile(arena[base: base + tb], G, xq, xs, rows, b0, b1, acc_g)              # [m, R]
+            nvfp4_i16_tile(arena[base + tb: base + 2 * tb], G, xq, xs, rows, b0, b1, acc_u)     # [m, R]
+            for m in range(b1 - b0):
+                for r in range(R):
+                    g = acc_g[m, r] * cg
+                    hrow[r] = g / (np.float32(1.0) + math.exp(-g)) * (acc_u[m, r] * cu)
+                quantize_row(hrow, hq[b0 + m, t * R: (t + 1) * R],
+                             hs[b0 + m, t * R // GROUP: (t + 1) * R // GROUP])
+
+
+@njit(**JIT)
+def experts_down_i16(arena, dn_off, scl, hq, hs, rows, ptr, w, t0, t1, out, H, I, R):
+    """Phase 2 (NVFP4_I16), H-tiles [t0, t1): out[rows[p], cols] += w[p] * down(hq/hs[p])."""
+    tb = tile_nbytes(NVFP4_I16, I, R)
+    G = I // GROUP
+    hrows = np.arange(hq.shape[0])
+    acc = np.empty((MB, R), np.float32)
+    for t in range(t0, t1):
+        n0 = t * R
+        nr = min(R, H - n0)
+        for e in range(len(ptr) - 1):
+            cd = scl[e, 2] * I16_FACTOR
+            base = dn_off[e] + t * tb
+            for b0 in range(ptr[e], ptr[e + 1], MB):
+                b1 = min(ptr[e + 1], b0 + MB)
+                nvfp4_i16_tile(arena[base: base + tb], G, hq, hs, hrows, b0, b1, acc)
+                for m in range(b1 - b0):
+                    tok, wm = rows[b0 + m], w[b0 + m] * cd
+                    for r in range(nr):
+                        out[tok, n0 + r] += wm * acc[m, r]
+
+
+@njit(**JIT)
+def i16_buffers(x, P, I, R):
+    """xq i16 [T, H], xs f32 [T, H/16], hq i16 [P, Ipad], hs f32 [P, Ipad/16] (x not yet quantized)."""
+    T, H = x.shape
+    ipad = (I + R - 1) // R * R
+    return (np.empty((T, H), np.int16), np.empty((T, H // GROUP), np.float32),
+            np.empty((P, ipad), np.int16), np.empty((P, ipad // GROUP), np.float32))
+
+
+# ----------------------------------------------------------------------------- entry points
 @njit(**JIT)
 def experts_forward(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R):
     """Both phases on the calling thread: out[T, H] += Σ_e w * expert_e(x[rows_e])."""
     nti = (I + R - 1) // R
     nth = (H + R - 1) // R
+    n1 = (len(ptr) - 1) * nti
+    if qkind == NVFP4_I16:
+        xq, xs, hq, hs = i16_buffers(x, rows.shape[0], I, R)
+        quantize_rows(x, 0, x.shape[0], xq, xs)
+        experts_gate_up_i16(arena, gu_off, scl, xq, xs, rows, ptr, 0, n1, hq, hs, H, I, R)
+        experts_down_i16(arena, dn_off, scl, hq, hs, rows, ptr, w, 0, nth, out, H, I, R)
+        return
     h = np.empty((rows.shape[0], nti * R), np.float32)
-    experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, 0, (len(ptr) - 1) * nti, h, H, I, R)
+    experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, 0, n1, h, H, I, R)
     experts_down(qkind, arena, dn_off, scl, h, rows, ptr, w, 0, nth, out, H, I, R)
 
 
@@ -105,6 +178,19 @@ def experts_parallel(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H,
     nti = (I + R - 1) // R
     nth = (H + R - 1) // R
     n1 = (len(ptr) - 1) * nti
+    if qkind == NVFP4_I16:
+        T = x.shape[0]
+        xq, xs, hq, hs = i16_buffers(x, rows.shape[0], I, R)
+        if T >= QUANT_PARALLEL_ROWS:
+            for k in prange(n):
+                quantize_rows(x, T * k // n, T * (k + 1) // n, xq, xs)
+        else:
+            quantize_rows(x, 0, T, xq, xs)
+        for k in prange(n):
+            experts_gate_up_i16(arena, gu_off, scl, xq, xs, rows, ptr, n1 * k // n, n1 * (k + 1) // n, hq, hs, H, I, R)
+        for k in prange(n):
+            experts_down_i16(arena, dn_off, scl, hq, hs, rows, ptr, w, nth * k // n, nth * (k + 1) // n, out, H, I, R)
+        return
     h = np.empty((rows.shape[0], nti * R), np.float32)
     for k in prange(n):
         experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, n1 * k // n, n1 * (k + 1) // n, h, H, I, R)

@@ -30,6 +30,7 @@ from cpu.isa import HAS_AVX2
 E2M1X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)   # 2 * E2M1[code] (int8)
 PERM = np.array([0, 4, 2, 6, 1, 5, 3, 7], np.int64)   # xq[8h + p] = x[8h + PERM[p]]
 QMAX = 32767.0
+
 I16_FACTOR = np.float32(2.0 ** 8 / 512)               # e4m3 decode 2^-8, weights 512 * E2M1
 GROUP_BYTES = 72                                      # 64 code bytes (8 rows x 16) + 8 scale bytes
 JIT = dict(nogil=True, fastmath=True, cache=True)
@@ -142,14 +143,14 @@ def _make_block(MT: int):
                 for m in range(MT):
                     isum = None
                     for q in range(8):
-                        pair = builder.load(_at(builder, xq_rows[m], builder.add(xoff, ir.Constant(_I64, 4 * q)),
-                                                _I32), align=2)
+                        at = builder.add(xoff, ir.Constant(_I64, 4 * q))
+                        pair = builder.load(_at(builder, xq_rows[m], at, _I32), align=2)
                         xv = builder.bitcast(_broadcast(builder, pair, _V8I32), _V16I16)
                         prod = _pmaddwd(builder, ops[q], xv)
                         isum = prod if isum is None else builder.add(isum, prod)
+                    f = builder.sitofp(isum, _V8F32)
                     s = builder.load(_at(builder, xs_rows[m], builder.mul(g, ir.Constant(_I64, 4)), _F32))
                     scale = builder.fmul(sc, _broadcast(builder, s, _V8F32))
-                    f = builder.sitofp(isum, _V8F32)
                     builder.store(builder.call(fmuladd, [f, scale, builder.load(accs[m])]), accs[m])
             accb = builder.bitcast(acc_a.data, _I8.as_pointer())
             for m in range(MT):

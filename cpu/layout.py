@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from cpu.isa import NVFP4_INT16
+
 R = 64        # output rows per tile
 GROUP = 16    # NVFP4 elements per block scale
 
@@ -59,9 +61,10 @@ RECODE = _recode_table()
 
 
 def pack_nvfp4(data: np.ndarray, scale: np.ndarray, out: np.ndarray | None = None,
-               int16: bool = False) -> np.ndarray:
+               int16: bool = NVFP4_INT16) -> np.ndarray:
     """ModelOpt data u8 [N, K/2] + scale bits u8 [N, K/16] -> tiles u8 [NT, G, 9, R], or with
-    `int16` the int16-kernel tiles u8 [NT, R/8, G*72].
+    `int16` (default where cpu/isa.py picks the int16 kernels: AVX2) the int16-kernel tiles
+    u8 [NT, R/8, G*72].
 
     Writes into `out` (any contiguous u8 buffer of nvfp4_nbytes) when given: no second copy.
     One compiled pass (GIL released), so the expert store fills on several threads.
