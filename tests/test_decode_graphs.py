@@ -81,11 +81,13 @@ PLACES = {"all_resident": ((LAYERS * EXPERTS,), {}, FULL),
           "all_cpu": ((0,), {}, [False] * LAYERS)}
 
 
+@pytest.mark.parametrize("miss_graph", [True, False], ids=["miss_graph", "old_miss_path"])
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("place", sorted(PLACES))
-def test_static_decode_matches_eager(models, warm, kind, place):
+def test_static_decode_matches_eager(models, warm, kind, place, miss_graph):
     """bf16 experts run in fp32 (logits within 1e-4); the QPN reference rounds expert inputs to fp16,
-    which turns 1e-7 differences into 1e-3 ones, so NVFP4 compares greedy ids (and logits to 1e-2)."""
+    which turns 1e-7 differences into 1e-3 ones, so NVFP4 compares greedy ids (and logits to 1e-2).
+    Layers that can miss run their hits in the graph (miss_graph) or eagerly after the sync."""
     slots, extra, want_full = PLACES[place]
     model_dir = models[kind]
     ids = _tok(model_dir).encode(PROMPT)
@@ -93,9 +95,11 @@ def test_static_decode_matches_eager(models, warm, kind, place):
     try:
         full = [s.model.experts.device_only(layer) for layer in range(LAYERS)]
         want_ids, want = _decode_logits(s.model, ids, 6)
-        s.model.graphs = DecodeGraphs(s.model.model, s.model.experts, capture=False, enabled=True, bucket=8)
+        s.model.graphs = DecodeGraphs(s.model.model, s.model.experts, capture=False, enabled=True, bucket=8,
+                                      miss_graph=miss_graph)
         got_ids, got = _decode_logits(s.model, ids, 6)
         assert s.stats.graph_steps == 6
+        assert bool(s.model.graphs.links) == (miss_graph and not all(full))
     finally:
         s.close()
     assert full == want_full              # resident (graphable) layers and host-sync layers both ran
@@ -193,13 +197,16 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("miss_graph", ["1", "0"])
 @pytest.mark.parametrize("gpus", [pytest.param((0, 0), id="one-gpu"),
                                   pytest.param((0, 1), id="two-gpus", marks=two_gpus)])
 @pytest.mark.parametrize("place", ["all_resident", "mixed"])
-def test_graphs_match_eager_on_cuda(model_dir, warm, place, gpus, monkeypatch):
+def test_graphs_match_eager_on_cuda(model_dir, warm, place, gpus, miss_graph, monkeypatch):
     """Graph replays give the eager CUDA path's ids and logits (the same kernels) for resident
-    segments and for segments that end at a layer with a host sync; on two GPUs the graphs of each
-    card's segments are captured on that card's device."""
+    segments and for segments that end at a layer with a host sync (its hits in the graph, or
+    eagerly after the sync: HYBRID_MISS_GRAPH); on two GPUs the graphs of each card's segments are
+    captured on that card's device."""
+    monkeypatch.setenv("HYBRID_MISS_GRAPH", miss_graph)
     slots, _, want_full = PLACES[place]
     slots = slots if len(slots) == 2 else (slots[0] // 2,)
     ids = _tok(model_dir).encode(PROMPT)
