@@ -12,9 +12,12 @@ The layers are cut into segments, each one graph on one device:
         hits (-1 pairs dropped). The host waits for the event only, looks the row up (cache
         counters, policy, trace), runs the misses on the CPU runner while the card runs the hits,
         uploads their sum, and replays the next segment, which opens with xm + round(hits + CPU)
-        (hybrid.runtime.miss_link): 3 host operations per such layer (MISS_LAYER_HOST_OPS).
-        HYBRID_MISS_GRAPH=0: the segment ends after the router and the layer's MoE runs eagerly
-        (ids to the host, CPU runner, grouped kernel for the hits, ~14 host operations);
+        (hybrid.runtime.miss_link): 3 host operations per such layer (MISS_LAYER_HOST_OPS). Before
+        a device change the host adds it (eager) and hops. Only where a captured graph can hold the
+        hits (QPN slot storage, or no slots); the hits' GPU time is no longer timed (inside the
+        graph, like the resident layers'). HYBRID_MISS_GRAPH=0, or the torch reference storage:
+        the segment ends after the router and the layer's MoE runs eagerly (ids to the host, CPU
+        runner, grouped kernel for the hits, ~14 host operations);
     a device change (layer split over two GPUs) ends a segment; the last one holds norm + lm_head.
 The position is a device tensor, KV rows are written with index_copy_, and attention reads a
 bucket of L = ceil((pos + 1) / 256) * 256 rows of the KV store with a -inf mask past pos, so one
