@@ -629,22 +629,27 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NT][MT][ACCN]) {
 // ---------------------------------------------------------------- linear
 // w: packed [Npad/16, C, 32, 4] u32, s: scales [Npad/16, C, 8] u64 (QPN2 only), gs: folded global
 // scale, x [M, K] fp16, y [M, N] fp16. grid.x = ceil(tiles / TG) * P, P = ceil(M / (8 MT)).
-template <int FMT, int MT, int U, int ST>
+template <int FMT, int MT, int U, int ST, int NT = 1>
 __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                             float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                             int M, int N, int K, int KS, int P) {
-  __shared__ __align__(16) unsigned char smem[Smem<MT, 1, ST>::BYTES];
-  float (*red)[1][8 * MT][16] = reinterpret_cast<float (*)[1][8 * MT][16]>(smem);
+  __shared__ __align__(16) unsigned char smem[Smem<MT, NT, ST>::BYTES];
+  float (*red)[NT][8 * MT][16] = reinterpret_cast<float (*)[NT][8 * MT][16]>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int pass = blockIdx.x % P, tb = blockIdx.x / P;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int CK = FMT == 2 ? 64 : 32, C = K / CK, tiles = (N + 15) >> 4;
-  const int t = tb * TG + tg;
-  float acc[1][MT][ACCN];
-  zero_acc<MT, 1>(acc);
-  if (t < tiles) {
-    const u32x4* wt[1] = {w + (size_t)t * C * 32};
-    const u64* st[1] = {s + (size_t)t * C * 8};
+  const int t0 = (tb * TG + tg) * NT;   // NT consecutive tiles per warp group
+  float acc[NT][MT][ACCN];
+  zero_acc<MT, NT>(acc);
+  if (t0 < tiles) {
+    const u32x4* wt[NT];
+    const u64* st[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int t = t0 + nt < tiles ? t0 + nt : tiles - 1;  // past the end: re-read the last tile
+      wt[nt] = w + (size_t)t * C * 32, st[nt] = s + (size_t)t * C * 8;
+    }
     const u16* xr[MT];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -652,18 +657,18 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
       xr[mt] = x + (size_t)(m < M ? m : M - 1) * K + lane_k(lane);
     }
     if constexpr (ST > 0)
-      warp_gemm_async<FMT, MT, 1, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
-                                      smem + warp * Smem<MT, 1, ST>::RING);
+      warp_gemm_async<FMT, MT, NT, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
+                                       smem + warp * Smem<MT, NT, ST>::RING);
     else
-      warp_gemm<FMT, MT, 1, U>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
+      warp_gemm<FMT, MT, NT, U>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
   }
   if constexpr (ST > 0) __syncthreads();  // red aliases the rings
-  store_partials<MT, 1>(red, warp, lane, acc);
+  store_partials<MT, NT>(red, warp, lane, acc);
   __syncthreads();
-  for (int o = threadIdx.x; o < TG * 8 * MT * 16; o += THREADS) {
-    int row = o & 15, tok = (o >> 4) % (8 * MT), g = o / (16 * 8 * MT);
-    int n = (tb * TG + g) * 16 + row, m = pass * 8 * MT + tok;
-    if (n < N && m < M) y[(size_t)m * N + n] = f_to_h(red_sum<MT, 1>(red, g, KS, 0, tok, row) * gs);
+  for (int o = threadIdx.x; o < TG * NT * 8 * MT * 16; o += THREADS) {
+    int row = o & 15, tok = (o >> 4) % (8 * MT), gt = o / (16 * 8 * MT), g = gt / NT, nt = gt % NT;
+    int n = ((tb * TG + g) * NT + nt) * 16 + row, m = pass * 8 * MT + tok;
+    if (n < N && m < M) y[(size_t)m * N + n] = f_to_h(red_sum<MT, NT>(red, g, KS, nt, tok, row) * gs);
   }
 }
 
@@ -672,6 +677,13 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
                                   const u16* __restrict__ x, u16* __restrict__ y, int M, int N,     \
                                   int K, int KS, int P) {                                           \
     linear_body<FMT, (MT < MTMAX ? MT : MTMAX), U, ST>(w, s, gs, x, y, M, N, K, KS, P);            \
+  }
+// M <= 8 with two 16-row tiles per warp (shared activation loads): U chunks per register stage
+#define LINEAR2(NAME, FMT, U)                                                                     \
+  extern "C" __global__ void NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, \
+                                  const u16* __restrict__ x, u16* __restrict__ y, int M, int N,     \
+                                  int K, int KS, int P) {                                           \
+    linear_body<FMT, 1, U, 0, 2>(w, s, gs, x, y, M, N, K, KS, P);                                  \
   }
 // M <= 8: 2 chunks per pipeline stage (measured on the H200: 80 registers, 60.7% of read
 // bandwidth on lm_head NVFP4, against 127 registers and 51.3% with 4 chunks per stage)
@@ -689,6 +701,10 @@ LINEAR(qpn2_linear_mt1_as, 2, 1, 2, 6)
 LINEAR(qpn8_linear_mt1_as, 8, 1, 2, 6)
 LINEAR(qpn2_linear_mt1_as4, 2, 1, 2, 4)
 LINEAR(qpn8_linear_mt1_as4, 8, 1, 2, 4)
+LINEAR2(qpn2_linear_mt1_t2, 2, 2)
+LINEAR2(qpn8_linear_mt1_t2, 8, 2)
+LINEAR2(qpn2_linear_mt1_t2u1, 2, 1)
+LINEAR2(qpn8_linear_mt1_t2u1, 8, 1)
 
 // ---------------------------------------------------------------- prefill: shared-memory tiled GEMM
 // y[M, N] = x[M, K] . W^T for M > 16. Block tile BM activation rows x BN weight rows. Global loads

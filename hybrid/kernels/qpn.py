@@ -24,7 +24,8 @@ MAX_SLOTS = 1024
 # per 8 groups in fp32; otherwise the register pipeline, measured at least as fast as the rings on
 # the H200 for M = 2..8); "", "_u4" (deeper register pipeline), "_as", "_as4" (6- and 4-stage
 # cp.async rings, sm_80+), "_m1", "_m1x2" (the M = 1 NVFP4 kernels, one or two tiles per warp; see
-# linear_kernel): benchmark, tests.
+# linear_kernel), "_t2", "_t2u1" (register pipeline, two tiles per warp, 2 or 1 chunks per stage):
+# benchmark, tests.
 LINEAR_VARIANT: list[str | None] = [None]
 MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
 # M > PREFILL_MIN linear kernel: None = the shared-memory tiled GEMM with the tile picked by
@@ -64,6 +65,7 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
 
 
 M1_PAIR_MIN_TILES = 1024  # 16-row tiles from which the M = 1 NVFP4 kernel takes two per warp
+PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1")  # kernels whose warps do two tiles each
 
 
 GEMM_MIN_KSTEPS = 4   # split-K: at least this many k-steps of 64 per split
@@ -321,7 +323,7 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n)
-    units = -(-tiles // 2) if name.endswith("_as2") else tiles   # warp work units (tile pairs)
+    units = -(-tiles // 2) if name.endswith(PAIR_KERNELS) else tiles   # warp work units (tile pairs)
     ks = _pick_ks(units * passes, chunks, _sms(w.device))
     grid = (-(-units // (WARPS // ks)) * passes, 1, 1)
     args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
