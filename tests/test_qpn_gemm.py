@@ -231,15 +231,18 @@ def test_prefill_variant_from_environment():
 
 
 def test_m1_kernel_choice():
-    from hybrid.kernels.qpn import M1_PAIR_MIN_TILES, linear_kernel
+    from hybrid.kernels.qpn import PAIR_MIN_TILES, linear_kernel
 
-    big, small = 16 * M1_PAIR_MIN_TILES, 16 * M1_PAIR_MIN_TILES - 16
+    big, small = 16 * PAIR_MIN_TILES, 16 * PAIR_MIN_TILES - 16
     assert linear_kernel(2, 1, 1, 90, n=big) == "qpn2_linear_m1_as2"     # two tiles per warp
     assert linear_kernel(2, 1, 1, 90, n=small) == "qpn2_linear_m1_as"
-    assert linear_kernel(2, 1, 2, 90, n=big) == "qpn2_linear_mt1"        # M = 2..8: the 8-row tile
-    assert linear_kernel(8, 1, 1, 90, n=big) == "qpn8_linear_mt1"        # FP8: no M = 1 kernel
-    assert linear_kernel(2, 1, 1, 70, n=big) == "qpn2_linear_mt1"        # Volta: no cp.async
+    assert linear_kernel(2, 1, 2, 90, n=big) == "qpn2_linear_mt1_t2u1"   # M = 2..8: the 8-row tile, two tiles
+    assert linear_kernel(2, 1, 8, 90, n=small) == "qpn2_linear_mt1"
+    assert linear_kernel(8, 1, 1, 90, n=big) == "qpn8_linear_mt1_t2u1"   # FP8: no M = 1 kernel
+    assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1"
+    assert linear_kernel(2, 1, 1, 70, n=big) == "qpn2_linear_mt1"        # Volta: no cp.async, one tile
+    assert linear_kernel(2, 2, 9, 90, n=big) == "qpn2_linear_mt2"
     assert linear_kernel(2, 1, 1, 90, "_m1", n=big) == "qpn2_linear_m1_as"
     assert linear_kernel(2, 1, 1, 90, "_m1x2", n=16) == "qpn2_linear_m1_as2"
     assert linear_kernel(2, 1, 1, 70, "_m1x2", n=big) == "qpn2_linear_mt1"
-    assert linear_kernel(2, 1, 8, 90, "_m1x2", n=big) == "qpn2_linear_mt1"
+    assert linear_kernel(2, 1, 8, 90, "_m1x2", n=small) == "qpn2_linear_mt1"

@@ -47,9 +47,11 @@ def variant(choice: str | None, sm: int) -> str:
 
 def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None, n: int = 0) -> str:
     """The kernel qpn_linear launches for M rows (N out features) in passes of mt 8-row tiles on an
-    sm_<sm> device. NVFP4 at M = 1 on sm_80+: qpn2_linear_m1_as2 (two 16-row tiles per warp) from
-    M1_PAIR_MIN_TILES tiles on, else qpn2_linear_m1_as; choice "_m1" / "_m1x2" forces one of them
-    there (benchmark, tests)."""
+    sm_<sm> device. From PAIR_MIN_TILES 16-row tiles on, a warp does two tiles (measured on the H200:
+    lm_head NVFP4 M = 1 52.4 vs 55.3 us, M = 8 59.0 vs 67.3; dense_up M = 1 27.5 vs 30.0, M = 8 33.3 vs
+    36.3; slower on 320 tiles; sm_80+ only, unmeasured on Volta): NVFP4 at M = 1 on sm_80+ qpn2_linear_m1_as2 (else qpn2_linear_m1_as),
+    M <= 8 otherwise qpn{fmt}_linear_mt1_t2u1 (else qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2"
+    forces one of the M = 1 NVFP4 kernels where they apply (benchmark, tests)."""
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
     m1 = sm >= 80 and fmt == 2 and m == 1
@@ -58,13 +60,14 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
         if choice is not None:
             return "qpn2_linear_m1_as2" if choice == "_m1x2" else "qpn2_linear_m1_as"
     if choice is None:
+        pair = sm >= 80 and -(-n // 16) >= PAIR_MIN_TILES   # measured on sm_90 only: Volta keeps one
         if m1:
-            return "qpn2_linear_m1_as2" if -(-n // 16) >= M1_PAIR_MIN_TILES else "qpn2_linear_m1_as"
-        return f"qpn{fmt}_linear_mt1"
+            return "qpn2_linear_m1_as2" if pair else "qpn2_linear_m1_as"
+        return f"qpn{fmt}_linear_mt1_t2u1" if pair else f"qpn{fmt}_linear_mt1"
     return f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
 
 
-M1_PAIR_MIN_TILES = 1024  # 16-row tiles from which the M = 1 NVFP4 kernel takes two per warp
+PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
 PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1")  # kernels whose warps do two tiles each
 
 
