@@ -378,3 +378,33 @@ def test_fewer_cuda_calls_per_step(models, monkeypatch):
     print(f"CUDA calls per decode step ({LAYERS} can-miss layers): old {per_step['0']:.1f} {counts['0']}, "
           f"graph hits {per_step['1']:.1f} {counts['1']}")
     assert per_step["1"] < per_step["0"]
+
+
+def test_miss_link_row_and_cpu_sum():
+    link = MissLink(k=2, hidden=3, dtype=torch.float16, device=torch.device("cpu"))
+    link.row.copy_(torch.tensor([[5.0, 1.0, 0.75, 0.25]]))          # what the router launch writes
+    link.send(torch.tensor([[1.0, -2.0, 0.5]], dtype=torch.float16), torch.tensor([3, -1], dtype=torch.int32))
+    ids, w, local, h = link.fetch()
+    assert ids.tolist() == [[5, 1]] and w.tolist() == [[0.75, 0.25]] and local.tolist() == [[3, -1]]
+    assert h.tolist() == [[1.0, -2.0, 0.5]]
+    link.keep(torch.tensor([[1.0, 1.0, 1.0]], dtype=torch.float16), torch.tensor([[0.5, 0.5, 0.5]]))
+    link.put(np.array([[0.25, 0.0, -0.5]], dtype=np.float32))
+    assert link.dirty and link.yc.tolist() == [[0.25, 0.0, -0.5]]
+    link.put(None)                                                    # no misses: the CPU part reads 0
+    assert not link.dirty and not link.yc.any()
+
+
+def test_graph_safe_slot_storage(models):
+    """Which storages a captured graph can run over every routed pair: QPN on a card or none (CPU
+    stand-ins and the torch reference storage keep the old path when capturing)."""
+    s = open_session(models["nvfp4"], RuntimeOptions(cache_slots=(6, 0), gpus=(0, 0), layer_split=(2,)))
+    try:
+        e = s.model.experts
+        assert [e.has_slots(i) for i in range(LAYERS)] == [True, True, False, False]
+        assert [e.graph_hits(i) for i in range(LAYERS)] == [False, False, True, True]   # CPU card: host storage
+        g = DecodeGraphs(s.model.model, e, capture=True, enabled=True, miss_graph=True)
+        assert [g._linkable(i) for i in range(LAYERS)] == [False, False, True, True]
+        g.capture = False
+        assert all(g._linkable(i) for i in range(LAYERS))
+    finally:
+        s.close()
