@@ -316,11 +316,17 @@ x = np.ones((4, 32), np.float32); rows = np.arange(4)
 t4 = np.zeros((2, 9, 64), np.uint8); t8 = np.zeros((32, 64), np.uint8)
 tiles.nvfp4_tile(t4, x, rows, 0, 1, acc, dec); tiles.nvfp4_tile(t4, x, rows, 0, 4, acc, dec)
 tiles.fp8_tile(t8, x, rows, 0, 1, acc, dec); tiles.fp8_tile(t8, x, rows, 0, 4, acc, dec)
-out = {}
-for f in (tu.nvfp4_tile_m1, tu.nvfp4_tile_m4, tu.fp8_tile_m1, tiles._dot16):
+from cpu import i16, isa
+tq = np.zeros((8 * 2 * 72,), np.uint8); xq = np.zeros((4, 32), np.int16); xs = np.zeros((4, 2), np.float32)
+for m in (1, 4, 8):
+    i16.nvfp4_i16_tile(tq, 2, xq, xs, np.zeros(8, np.int64), 0, m, acc)
+out = {"has_avx2": isa.HAS_AVX2}
+for f in (tu.nvfp4_tile_m1, tu.nvfp4_tile_m4, tu.fp8_tile_m1, tiles._dot16, i16._block):
     asm = "\n".join(f.inspect_asm(s) for s in f.signatures)
     out[f.__name__] = dict(fma=len(re.findall(r"vfmadd\w*ps\s[^\n]*%ymm", asm)),
                            cvt=len(re.findall(r"vcvtph2ps\s[^\n]*%ymm", asm)),
+                           pshufb=len(re.findall(r"vpshufb\s[^\n]*%ymm", asm)),
+                           pmaddwd=len(re.findall(r"vpmaddwd\s[^\n]*%ymm", asm)),
                            zmm=len(re.findall(r"%zmm", asm)))
 print(json.dumps(out))
 """
@@ -335,11 +341,44 @@ def test_kernels_vectorize_for_haswell_avx2(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     import json
     stats = json.loads(res.stdout.strip().splitlines()[-1])
+    assert stats.pop("has_avx2") is True
     for name, s in stats.items():
         assert s["zmm"] == 0, f"{name}: AVX-512 code in a haswell build"
         assert s["fma"] >= 2, f"{name}: no 256-bit vfmadd (ymm) in the hot loop: {s}"
     for name in ("nvfp4_tile_m1", "nvfp4_tile_m4", "fp8_tile_m1"):
         assert stats[name]["cvt"] >= 2, f"{name}: decode not vectorized (no vcvtph2ps ymm)"
+    s = stats["_block"]   # int16 kernels for 1..8 tokens: 4 vpshufb each, 8 vpmaddwd per token
+    assert s["pshufb"] >= 4 * 8 and s["pmaddwd"] >= 8 * 36 and s["cvt"] >= 8, s
+
+
+NO_AVX2_PROBE = r"""
+import numpy as np, json
+from cpu import isa, layout
+from cpu.expert import NVFP4, NVFP4_F32
+from tests.test_cpu_kernels import gemm, rand_nvfp4, ref_dequant, rel_err
+rng = np.random.default_rng(5)
+w = rand_nvfp4(70, 64, rng)
+x = rng.standard_normal((3, 64)).astype(np.float32)
+ref = x.astype(np.float64) @ ref_dequant(w).T
+print(json.dumps(dict(has_avx2=isa.HAS_AVX2, fp32_family=NVFP4 == NVFP4_F32,
+                      int16=rel_err(gemm(w, x, int16=True), ref), fp32=rel_err(gemm(w, x), ref))))
+"""
+
+
+def test_without_avx2_the_fp32_kernels_are_picked_and_int16_still_runs(tmp_path):
+    """-mcpu=ivybridge (AVX, F16C, no AVX2): isa says no AVX2, NVFP4 is the fp32 family, and the
+    int16 kernels (generic IR there) still compute the right numbers."""
+    env = dict(os.environ, NUMBA_CPU_NAME="ivybridge", NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(tmp_path),
+               HYBRID_NVFP4_KERNEL="")
+    root = os.path.dirname(os.path.dirname(__file__))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", NO_AVX2_PROBE], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=root)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["has_avx2"] is False and r["fp32_family"] is True
+    assert r["int16"] <= RTOL and r["fp32"] <= RTOL
 
 
 # ----------------------------------------------------------------------------- ggml re-pack (bench)
