@@ -414,7 +414,8 @@ def test_bench_block_quantization_and_kept_notes(tmp_path):
     md.write_text("old table\n" + ck.KEPT + "\nnote 1\n")
     info = dict(machine=dict(cpu="c", physical_cores=1, logical_cpus=1, llvm_cpu="x", avx2=True, avx512=False,
                              l3_bytes=1 << 20, thp="never", numba="0"), command="c", git="g", time="t", ggml="-",
-                activation_error=dict(fp32=0.0, int8_block32=0.0, int8_block16=0.0, int16_block16=0.0),
+                activation_error=dict(fp32=0.0, int16_kernel=0.0, int8_block32=0.0, int8_block16=0.0,
+                                      int16_block16=0.0), nvfp4_kernel="int16",
                 copy_gbs={1: 1.0})
     row = ck.Row("qwen3-30b-a3b", "nvfp4", 1, 1, 1.0, copy_gbs=1.0, m1_gbs=1.0)
     for _ in range(2):

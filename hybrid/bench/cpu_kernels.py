@@ -10,7 +10,8 @@ the fixture model's (256, 256), over a set of experts larger than the last-level
   numpy     dequantize (table lookup) then matmul, per expert.
   ggml      ggml's own NVFP4 mul_mat (GGML_TYPE_NVFP4 = 40, q8_0 activations) on the same shapes
             and thread counts, through the libggml inside llama-cpp-python (ctypes, one graph).
-and the activation-format check: relative error of int8-per-32-block activations vs fp32.
+and the activation-format check: relative error of both NVFP4 kernel families (fp32 activations,
+int16 activations per 16-block) and of int8-per-block activations, against float64.
 Legend: H hidden, I intermediate, M tokens per expert, E experts in the set.
 """
 from __future__ import annotations
@@ -30,7 +31,8 @@ import numpy as np
 import torch
 
 from cpu import layout
-from cpu.gemm import nvfp4_gemm
+from cpu.gemm import nvfp4_gemm, nvfp4_i16_gemm
+from cpu.isa import NVFP4_INT16
 from hybrid.baselines.report import append_jsonl, git_sha
 from hybrid.checkpoint.formats import E2M1_TABLE, E4M3_TABLE, QType
 from hybrid.checkpoint.qweight import QWeight
@@ -196,6 +198,10 @@ def _numpy_dequant_inputs(store, e):
     H, I, R = store.hidden, store.inter, store.R
     gu0, dn0 = store.offsets[0, e]
     nti, nth = layout.num_tiles(I), layout.num_tiles(H)
+    if NVFP4_INT16:                                   # the store holds the int16-kernel tiles
+        pairs = store.arena.array[gu0:dn0].reshape(nti, 2, R // 8, H // 16 * 72)
+        down = store.arena.array[dn0: gu0 + store.slot_nbytes].reshape(nth, R // 8, I // 16 * 72)
+        return _untile_i16(pairs[:, 0]), _untile_i16(pairs[:, 1]), _untile_i16(down)
     pairs = store.arena.array[gu0:dn0].reshape(nti, 2, H // 16, 9, R)
     down = store.arena.array[dn0: gu0 + store.slot_nbytes].reshape(nth, I // 16, 9, R)
     return _untile(pairs[:, 0]), _untile(pairs[:, 1]), _untile(down)
@@ -211,6 +217,15 @@ def _untile(t):
     data = t[:, :, :8, :].transpose(0, 3, 1, 2).reshape(nt * r, g, 8).copy()
     scale = t[:, :, 8, :].transpose(0, 2, 1).reshape(nt * r, g).copy()
     return data, scale
+
+
+def _untile_i16(t):
+    """int16-kernel tiles [NT, R/8, G*72] -> (bytes [N, G, 8] re-coded as _untile's, scale bytes [N, G])."""
+    nt, nb, gb = t.shape
+    g = gb // 72
+    codes = t[:, :, :64 * g].reshape(nt, nb, g, 2, 8, 4).transpose(0, 1, 4, 2, 3, 5).reshape(nt * nb * 8, g, 8)
+    scale = t[:, :, 64 * g:].reshape(nt, nb, g, 8).transpose(0, 1, 3, 2).reshape(nt * nb * 8, g)
+    return layout.RECODE[codes], scale.copy()
 
 
 def _deq(data, scale):
@@ -319,19 +334,22 @@ def ggml_graphs(gg: Ggml, H: int, I: int, n: int) -> dict:
 
 # ----------------------------------------------------------------------------- activation format
 def activation_format_errors(H: int = 2048, I: int = 768, M: int = 8) -> dict:
-    """Relative error (L2, per token, max) vs float64: our fp32 activations, int8 per 32-block."""
+    """Relative error (L2, per token, max) vs float64: both kernel families, and activations
+    rounded per block to int8 / int16 (float64 products, the rounding alone)."""
     rng = np.random.default_rng(5)
     w = random_qweight(I, H, QType.NVFP4, rng)
     W = (E2M1_TABLE.astype(np.float64)[np.stack([w.data.numpy() & 15, w.data.numpy() >> 4], -1).reshape(I, H)]
          * np.repeat(E4M3_TABLE.astype(np.float64)[w.scale.view(torch.uint8).numpy()], 16, axis=1))
     x = rng.standard_normal((M, H)).astype(np.float32)
     ref = x.astype(np.float64) @ W.T
-    y = np.zeros((M, I), np.float32)
-    tiles = layout.pack_nvfp4(w.data.numpy(), w.scale.view(torch.uint8).numpy())
-    nvfp4_gemm(tiles, x, np.float32(1.0), y, 0, layout.num_tiles(I))
+    ys = {}
+    for name, i16, gemm in (("fp32", False, nvfp4_gemm), ("int16_kernel", True, nvfp4_i16_gemm)):
+        ys[name] = np.zeros((M, I), np.float32)
+        tiles = layout.pack_nvfp4(w.data.numpy(), w.scale.view(torch.uint8).numpy(), int16=i16)
+        gemm(tiles, x, np.float32(1.0), ys[name], 0, layout.num_tiles(I))
     err = lambda a: float((np.linalg.norm(a - ref, axis=1) / np.linalg.norm(ref, axis=1)).max())  # noqa: E731
-    return {"fp32": err(y), **{f"int{bits}_block{blk}": err(quantized(x, bits, blk) @ W.T)
-                               for bits, blk in ((8, 32), (8, 16), (16, 16))}}
+    return {**{k: err(y) for k, y in ys.items()}, **{f"int{bits}_block{blk}": err(quantized(x, bits, blk) @ W.T)
+                                                      for bits, blk in ((8, 32), (8, 16), (16, 16))}}
 
 
 def quantized(x: np.ndarray, bits: int, block: int) -> np.ndarray:
@@ -443,6 +461,7 @@ def run(args) -> int:
         return serve_worker(args.quick)
     threads = sorted({1, args.threads or physical_cores()})
     info = dict(machine=machine(), command="hybrid-bench cpu-kernels " + " ".join(sys.argv[2:]),
+                nvfp4_kernel="int16" if NVFP4_INT16 else "fp32",
                 git=git_sha(dirty=False), time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     gg, info["ggml"] = _ggml()
     hsw = None if args.no_haswell else HaswellWorker(args.quick)
@@ -526,23 +545,26 @@ def markdown(info: dict, rows: list[Row]) -> str:
         "`cost M / cost M=1` = time of one call at M over one call at M = 1.", "",
         *table(rows), "",
         "## Targets (Qwen3-30B-A3B shapes, NVFP4)", "", *targets(rows), "",
-        "## Activation format: fp32", "",
+        f"## Activation format: {info.get('nvfp4_kernel', 'fp32')} (NVFP4 kernel family of this run)", "",
         f"Relative error (L2 per token, max over 8 tokens) of one Qwen3 gate projection against float64: "
-        f"fp32 activations (these kernels) {act['fp32']:.1e}; activations quantized per block to int8 "
-        f"(32, ggml's q8_0) {act['int8_block32']:.1e}, int8 (16) {act['int8_block16']:.1e}, int16 (16) "
-        f"{act['int16_block16']:.1e}.  int8 misses the 1e-3 accuracy bound even with a scale per 16; "
-        "int16 meets it but buys nothing on AVX2: its integer dot (vpmaddwd, 16 products, then vpaddd "
-        "to accumulate) is two instructions per 16 multiply-adds, as two 8-lane FMAs are, and on "
-        "Haswell/Broadwell vpmaddwd issues on one port where FMA has two.  The kernels therefore keep "
-        "fp32 activations and decode each weight byte in 16-bit lanes (shift, mask, vcvtph2ps: the "
-        "fp16 bit trick of DESIGN.md 4) straight into fp32 FMAs.", "",
+        f"fp32-activation kernels {act['fp32']:.1e}, int16-activation kernels "
+        f"{_f(act.get('int16_kernel'), '{:.1e}')}; activations rounded per block (float64 products, the "
+        f"rounding alone) to int8 (32, ggml's q8_0) {act['int8_block32']:.1e}, int8 (16) "
+        f"{act['int8_block16']:.1e}, int16 (16) {act['int16_block16']:.1e}.  int8 misses the 1e-3 bound "
+        "even with a scale per 16.  int16 per 16-block (one NVFP4 group) meets it and removes the "
+        "per-weight int -> float conversion: a 4-bit code becomes 2 x E2M1 in int8 through one vpshufb "
+        "per 32 codes, products are vpmaddwd (16 int16 x int16 -> 8 int32 pair sums), and each group "
+        "ends with one convert and one FMA per 8 rows (cpu/i16.py; AVX2 hosts, picked at import by "
+        "cpu/isa.py; elsewhere the fp32 kernels, which decode E2M1/E4M3 through fp16 bits and "
+        "vcvtph2ps).  Its error is ~1e-5 of |x| |W| per output, so a single dot product that nearly "
+        "cancels has a larger relative error than with fp32 activations (tests/test_cpu_kernels.py "
+        "measures both).", "",
         "## Reading the targets", "",
-        "- With fp32 activations an extra token costs one FMA per weight: on AVX2 (8 lanes, no "
-        "broadcast-from-memory operand, 16 registers) the M = 8 loop spends about 2.5-3x the "
-        "instructions per weight byte of the M = 1 loop, so `M=8 <= 2x M=1` holds only where M = 1 is "
-        "memory-bound with slack, i.e. when all cores share a DDR bus (the 18-core rigs), not on this "
-        "2-core VM whose per-core copy bandwidth is far above one core's decode rate.  ggml's own "
-        "NVFP4 path pays M times its M = 1 cost (one q8_0 vec_dot per token and row).",
+        "- An extra token costs its multiply-adds (int16: vpmaddwd + vpaddd per 16 products per 8 rows, "
+        "the weight decode is shared), an M = 1 call mostly the decode and the memory stream: one "
+        "core's M = 8 call therefore costs several M = 1 calls unless M = 1 is memory-bound with slack, "
+        "i.e. when all cores share a DDR bus (the 18-core rigs).  ggml's own NVFP4 path pays M times "
+        "its M = 1 cost (one q8_0 vec_dot per token and row).",
         "- `% of copy` compares a read-only kernel with STREAM copy's read + write bytes.  Here one "
         "core decodes slower than the memory bus delivers, so the kernels are compute-bound; the "
         "per-core decode rate (the 1-thread rows) is the number to compare with the rig's copy "
