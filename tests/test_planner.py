@@ -292,10 +292,14 @@ def test_resident_layers_pay_no_sync(tiny_dir):
     assert _plan_with(d, mb, (16,)).token_us == pytest.approx(p.token_us + 4 * 100)
 
 
-def test_layers_that_can_miss_pay_sync_lookup_and_eager_ops(tiny_dir):
-    from hybrid.planner.step_shape import DECODE
+def test_layers_that_can_miss_pay_sync_lookup_and_eager_ops(tiny_dir, monkeypatch):
+    from hybrid.planner.step_shape import DECODE, MISS_GRAPH
 
+    monkeypatch.setenv("HYBRID_MISS_GRAPH", "1")                      # hits inside the graph
     mb, d = ModelBytes.from_folder(tiny_dir), profile_dict()
+    linked = _plan_with(d, mb, (8,))
+    assert all(x.host_us == pytest.approx(20 + 15 + MISS_GRAPH["eager_ops"] * 8) for x in linked.layers)
+    monkeypatch.setenv("HYBRID_MISS_GRAPH", "0")                      # the eager path
     p = _plan_with(d, mb, (8,))                                       # 4 of 8 experts per layer
     host = 20 + 15 + DECODE.eager_ops * 8                             # sync + lookup + ops x launch
     assert all(not x.resident and x.host_us == pytest.approx(host) for x in p.layers)
@@ -305,6 +309,11 @@ def test_layers_that_can_miss_pay_sync_lookup_and_eager_ops(tiny_dir):
     mixed = _plan_with(d, mb, (16, 8))                                # card 0 resident, card 1 not
     assert [x.resident for x in mixed.layers] == [True, True, False, False]
     assert mixed.host_us == pytest.approx(2 * 15 + 2 * (120 + 15 + DECODE.eager_ops * 8) + 100)
+    d["overheads"]["layer_sync_us"]["value"] = 20
+    eager = _plan_with(d, mb, (8,))
+    # 11 host ops fewer per layer (8 us each), 13 graph nodes more (3 us each)
+    assert linked.token_us == pytest.approx(eager.token_us - 4 * (11 * 8 - 13 * 3))
+    assert linked.kernel_us == pytest.approx(eager.kernel_us + 4 * 13 * 3)
 
 
 def test_more_kernels_more_time(tiny_dir):
@@ -611,7 +620,12 @@ def test_decode_shape_follows_the_fused_parts(monkeypatch):
     from hybrid.planner.step_shape import DECODE, FUSED_SAVES, decode_shape
 
     monkeypatch.setenv("HYBRID_FUSED", "0")
+    monkeypatch.setenv("HYBRID_MISS_GRAPH", "0")
     assert decode_shape() == DECODE
+    monkeypatch.setenv("HYBRID_MISS_GRAPH", "1")
+    assert (decode_shape().eager_ops, decode_shape().miss_nodes) == (3, 13)
+    from hybrid.runtime.graphs import MISS_LAYER_HOST_OPS
+    assert decode_shape().eager_ops == MISS_LAYER_HOST_OPS          # the runtime's own count
     monkeypatch.setenv("HYBRID_FUSED", "rope,route")
     assert decode_shape().dense_kernels == DECODE.dense_kernels - FUSED_SAVES["rope"] - FUSED_SAVES["route"]
     monkeypatch.delenv("HYBRID_FUSED")

@@ -102,8 +102,9 @@ def _card_layer(mb: ModelBytes, prof: HardwareProfile, c: CardPlan, layer: int, 
     t_cpu = sum(p * cpu_t(m) for m, p in enumerate(probs))
     t_both = sum(p * max(gpu_t(m), cpu_t(m)) for m, p in enumerate(probs))
     host = oh.layer_sync_us.value + oh.lookup_us.value + shape.eager_ops * gpu.launch_us.value
-    kern = shape.dense_kernels * kus + (1.0 - probs[k]) * shape.expert_kernels * kus
-    return LayerPrediction(layer, c.card, slots, h, t_dense, t_gpu, t_cpu, t_dense + host + t_both,
+    nodes = shape.miss_nodes * kus                       # the linked path's extra graph nodes
+    kern = shape.dense_kernels * kus + (1.0 - probs[k]) * shape.expert_kernels * kus + nodes
+    return LayerPrediction(layer, c.card, slots, h, t_dense, t_gpu, t_cpu, t_dense + host + t_both + nodes,
                            host_us=host, kernel_us=kern, resident=False)
 
 
