@@ -137,3 +137,24 @@ def save_shards(folder: Path, sd: dict[str, torch.Tensor], shards: int = 1) -> N
             total += sd[k].numel() * sd[k].element_size()
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def tokenizer_for(path: str | Path):
+    """The tokenizer of a model folder (its config's vocabulary size and BOS/EOS ids)."""
+    from hybrid.model.config import ModelConfig
+    from hybrid.tokenizer import Tokenizer
+
+    cfg = ModelConfig.from_folder(path)
+    return Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+
+
+def greedy_logits(model, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """Prefill ids, then n greedy decode steps -> (the n ids, [n, V] logits of the decode steps)."""
+    model.new_cache(len(ids) + n + 1)
+    logits = model.forward(torch.tensor(ids), 0, last_only=True)
+    out, rows = [], []
+    for step in range(n):
+        out.append(int(logits[-1].argmax()))
+        logits = model.forward(torch.tensor([out[-1]]), len(ids) + step, last_only=True)
+        rows.append(logits[-1])
+    return out, torch.stack(rows)

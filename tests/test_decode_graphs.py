@@ -16,8 +16,7 @@ from hybrid.model.loader import load_model
 from hybrid.runtime import RuntimeOptions, open_session
 from hybrid.runtime.graphs import DecodeGraphs, plan_segments
 from hybrid.sampler import Sampler, SamplerConfig
-from hybrid.testing import write_random_model
-from hybrid.tokenizer import Tokenizer
+from hybrid.testing import greedy_logits, tokenizer_for, write_random_model
 from tests.quant_layouts import to_nvfp4
 
 LAYERS, EXPERTS, TOPK = 4, 16, 4
@@ -57,22 +56,6 @@ def warm(tmp_path_factory, models):
     return str(path)
 
 
-def _tok(path):
-    cfg = ModelConfig.from_folder(path)
-    return Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-
-
-def _decode_logits(model, ids, n):
-    """Prefill, then n greedy decode steps; -> (ids, [n, V] logits of the decode steps)."""
-    model.new_cache(len(ids) + n + 1)
-    logits = model.forward(torch.tensor(ids), 0, last_only=True)
-    out, rows = [], []
-    for step in range(n):
-        nxt = int(logits[-1].argmax())
-        out.append(nxt)
-        logits = model.forward(torch.tensor([nxt]), len(ids) + step, last_only=True)
-        rows.append(logits[-1])
-    return out, torch.stack(rows)
 
 
 FULL = [True] * LAYERS
@@ -90,14 +73,14 @@ def test_static_decode_matches_eager(models, warm, kind, place, miss_graph):
     Layers that can miss run their hits in the graph (miss_graph) or eagerly after the sync."""
     slots, extra, want_full = PLACES[place]
     model_dir = models[kind]
-    ids = _tok(model_dir).encode(PROMPT)
+    ids = tokenizer_for(model_dir).encode(PROMPT)
     s = open_session(model_dir, RuntimeOptions(cache_slots=slots, expert_profile=warm, pcie_frac=0.0, **extra))
     try:
         full = [s.model.experts.device_only(layer) for layer in range(LAYERS)]
-        want_ids, want = _decode_logits(s.model, ids, 6)
+        want_ids, want = greedy_logits(s.model, ids, 6)
         s.model.graphs = DecodeGraphs(s.model.model, s.model.experts, capture=False, enabled=True, bucket=8,
                                       miss_graph=miss_graph)
-        got_ids, got = _decode_logits(s.model, ids, 6)
+        got_ids, got = greedy_logits(s.model, ids, 6)
         assert s.stats.graph_steps == 6
         assert bool(s.model.graphs.links) == (miss_graph and not all(full))
     finally:
@@ -110,7 +93,7 @@ def test_static_decode_matches_eager(models, warm, kind, place, miss_graph):
 
 def test_static_decode_counts_hits_like_eager(model_dir, warm):
     """Hit/miss counters after graphed (static) steps equal those of the eager path."""
-    ids = _tok(model_dir).encode(PROMPT)
+    ids = tokenizer_for(model_dir).encode(PROMPT)
     counts = []
     for graphed in (False, True):
         s = open_session(model_dir, RuntimeOptions(cache_slots=(2 * EXPERTS, 20), gpus=(0, 0), layer_split=(2,),
@@ -118,7 +101,7 @@ def test_static_decode_counts_hits_like_eager(model_dir, warm):
         try:
             if graphed:
                 s.model.graphs = DecodeGraphs(s.model.model, s.model.experts, capture=False, enabled=True)
-            res = generate(s.model, _tok(model_dir), ids, 5, Sampler(SamplerConfig()))
+            res = generate(s.model, tokenizer_for(model_dir), ids, 5, Sampler(SamplerConfig()))
             counts.append(([c.hits.copy() for c in s.caches], [c.misses.copy() for c in s.caches],
                            res.generated_ids))
         finally:
@@ -209,7 +192,7 @@ def test_graphs_match_eager_on_cuda(model_dir, warm, place, gpus, miss_graph, mo
     monkeypatch.setenv("HYBRID_MISS_GRAPH", miss_graph)
     slots, _, want_full = PLACES[place]
     slots = slots if len(slots) == 2 else (slots[0] // 2,)
-    ids = _tok(model_dir).encode(PROMPT)
+    ids = tokenizer_for(model_dir).encode(PROMPT)
     runs = []
     for graphs in ("0", "1"):
         monkeypatch.setenv("HYBRID_CUDA_GRAPHS", graphs)
@@ -217,7 +200,7 @@ def test_graphs_match_eager_on_cuda(model_dir, warm, place, gpus, miss_graph, mo
                                                    expert_profile=warm, pcie_frac=0.0), context=len(ids) + 8)
         try:
             assert [s.model.experts.device_only(layer) for layer in range(LAYERS)] == want_full
-            runs.append(_decode_logits(s.model, ids, 6))
+            runs.append(greedy_logits(s.model, ids, 6))
             steps, err = s.stats.graph_steps, s.model.graphs.error
         finally:
             s.close()

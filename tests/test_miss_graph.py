@@ -12,14 +12,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid.experts.trace import read_trace
-from hybrid.model.config import ModelConfig
 from hybrid.runtime import RuntimeOptions, open_session
 from hybrid.runtime.graphs import MISS_LAYER_HOST_OPS, DecodeGraphs, _Runner, miss_graph_enabled, plan_segments
 from hybrid.runtime.hybrid_experts import HybridExperts
 from hybrid.runtime.miss_link import MissLink
 from hybrid.runtime.slots import host_moe
-from hybrid.testing import write_random_model
-from hybrid.tokenizer import Tokenizer
+from hybrid.testing import greedy_logits, tokenizer_for, write_random_model
 from tests.quant_layouts import to_nvfp4
 
 LAYERS, EXPERTS, TOPK = 4, 16, 4
@@ -35,21 +33,6 @@ def models(tmp_path_factory):
     return {"bf16": bf16, "nvfp4": to_nvfp4(bf16, root / "nvfp4", "modelopt")}
 
 
-def _tok(path):
-    cfg = ModelConfig.from_folder(path)
-    return Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-
-
-def _decode(model, ids, n):
-    """Prefill, then n greedy steps -> (ids, [n, V] logits)."""
-    model.new_cache(len(ids) + n + 1)
-    logits = model.forward(torch.tensor(ids), 0, last_only=True)
-    out, rows = [], []
-    for step in range(n):
-        out.append(int(logits[-1].argmax()))
-        logits = model.forward(torch.tensor([out[-1]]), len(ids) + step, last_only=True)
-        rows.append(logits[-1])
-    return out, torch.stack(rows)
 
 
 # cache slots per card (no expert profile: every cache starts empty and fills by promotion)
@@ -75,12 +58,12 @@ def _session(path, tmp_path, name, miss_graph, place, **kw):
 @pytest.mark.parametrize("place", sorted(PLACES))
 def test_graph_hits_match_the_old_path(models, tmp_path, kind, place):
     path = models[kind]
-    ids = _tok(path).encode(PROMPT)
+    ids = tokenizer_for(path).encode(PROMPT)
     runs = []
     for mg in (False, True):
         s = _session(path, tmp_path, f"t{int(mg)}", mg, place)
         try:
-            got = _decode(s.model, ids, STEPS)
+            got = greedy_logits(s.model, ids, STEPS)
             runs.append((got, _cache_state(s), s.stats.to_dict(s.caches)["pcie_bytes"], s.stats.graph_steps,
                          sorted(s.model.graphs.links)))
         finally:
@@ -109,7 +92,7 @@ def test_full_layer_leaves_the_link(models, tmp_path):
     """Card 0's layers fill up by promotion and become graph-resident (no host work) mid-decode."""
     s = _session(models["nvfp4"], tmp_path, "f", True, "fills_up")
     try:
-        _decode(s.model, _tok(models["nvfp4"]).encode(PROMPT), STEPS)
+        greedy_logits(s.model, tokenizer_for(models["nvfp4"]).encode(PROMPT), STEPS)
         full = [s.model.experts.device_only(i) for i in range(LAYERS)]
         for c in s.cards:
             for layer, table in c.tables.items():          # device tables follow the cache, in place
@@ -128,7 +111,7 @@ def test_eager_combine_before_a_hop(models, tmp_path):
     """A linked layer whose next segment is on another device is combined on the host's side (eager
     ops, same values): forced here by segments planned without carry."""
     path = models["nvfp4"]
-    ids = _tok(path).encode(PROMPT)
+    ids = tokenizer_for(path).encode(PROMPT)
     outs = []
     for mg in (False, True):
         s = _session(path, tmp_path, f"c{int(mg)}", mg, "two_cards")
@@ -137,7 +120,7 @@ def test_eager_combine_before_a_hop(models, tmp_path):
             plan = g._segments
             g._segments = lambda plan=plan: [dataclasses.replace(seg, carry_in=None) for seg in plan()]
         try:
-            outs.append(_decode(s.model, ids, 6))
+            outs.append(greedy_logits(s.model, ids, 6))
         finally:
             s.close()
     assert outs[0][0] == outs[1][0]
@@ -220,7 +203,7 @@ def test_host_ops_per_miss_layer(models, tmp_path, monkeypatch, mg):
 
     monkeypatch.setattr(DecodeGraphs, "_make", tagged)
     try:
-        timeline = _count_host_ops(s, monkeypatch, _tok(path).encode(PROMPT), 6)
+        timeline = _count_host_ops(s, monkeypatch, tokenizer_for(path).encode(PROMPT), 6)
         misses = int(sum(c.misses.sum() for c in s.caches))
     finally:
         s.close()
@@ -299,7 +282,7 @@ def _gpu_run(path, ids, gpus, place, graphs: str, miss_graph: str, monkeypatch, 
         gpus = gpus[:1]
     s = open_session(path, RuntimeOptions(device="cuda", gpus=gpus, pcie_frac=1.0, **kw), context=len(ids) + n + 2)
     try:
-        out = _decode(s.model, ids, n)
+        out = greedy_logits(s.model, ids, n)
         g = s.model.graphs
         info = dict(steps=s.stats.graph_steps, error=g.error, links=sorted(g.links),
                     promotions=int(sum(c.promotions.sum() for c in s.caches)))
@@ -319,7 +302,7 @@ def test_miss_graph_matches_old_path_on_cuda(models, place, gpus, monkeypatch):
     kernel is launched over all k pairs (-1 dropped) instead of the hits alone, so it may split K
     differently, and its fp32 atomics add in no fixed order (bit identity is the CPU test's)."""
     path = models["nvfp4"]
-    ids = _tok(path).encode(PROMPT)
+    ids = tokenizer_for(path).encode(PROMPT)
     eager, eager_info = _gpu_run(path, ids, gpus, place, "0", "0", monkeypatch)
     old, old_info = _gpu_run(path, ids, gpus, place, "1", "0", monkeypatch)
     new, new_info = _gpu_run(path, ids, gpus, place, "1", "1", monkeypatch)
@@ -363,7 +346,7 @@ def test_fewer_cuda_calls_per_step(models, monkeypatch):
     """The host's CUDA calls per graphed decode step with every layer able to miss: fewer with the
     hits in the graph (printed for the record: pytest -s)."""
     path = models["nvfp4"]
-    ids = _tok(path).encode(PROMPT)
+    ids = tokenizer_for(path).encode(PROMPT)
     counts = {}
     for mg in ("0", "1"):
         monkeypatch.setenv("HYBRID_MISS_GRAPH", mg)

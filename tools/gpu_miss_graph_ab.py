@@ -74,21 +74,9 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
     import torch
 
     from hybrid.bench.decode import measure
-    from hybrid.model.config import ModelConfig
     from hybrid.runtime import RuntimeOptions, open_session
-    from hybrid.tokenizer import Tokenizer
 
-    cfg = ModelConfig.from_folder(path)
-    tok = Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-    ctx = 32 + tokens
-    rc.log("session: all experts on the CPU runner (builds the expert store, routes the profile text)")
-    s0 = open_session(path, RuntimeOptions(device="cuda", gpus=(0,), cache_slots=(0,), profile=profile), context=ctx)
-    cpu = s0.cpu
-    eprof = OUT / "synth30.experts.json"
-    rc.calibrate_profile(s0, tok, path, eprof)
-    s0.owns_cpu = False
-    s0.close()
-    del s0
+    cfg, tok, ctx, cpu, eprof = tc.expert_profile_session(path, profile, tokens)
     first: dict = {}
     for label, kw in tc.configs(miss_slots, order):
         for mode in modes:

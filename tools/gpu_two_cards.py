@@ -146,10 +146,9 @@ def predictions(path: Path, profile: str, eprof: Path, ctx: int, miss_slots: int
     return out
 
 
-def synth(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int, order: str = "") -> None:
-    import torch
-
-    from hybrid.bench.decode import measure
+def expert_profile_session(path: Path, profile: str, tokens: int):
+    """An all-CPU session that builds the expert store and routes the profile text into an expert
+    profile; -> (cfg, tokenizer, context, the CPU runner kept for the next sessions, profile path)."""
     from hybrid.model.config import ModelConfig
     from hybrid.runtime import RuntimeOptions, open_session
     from hybrid.tokenizer import Tokenizer
@@ -164,7 +163,16 @@ def synth(path: Path, deadline: float, tokens: int, profile: str, miss_slots: in
     rc.calibrate_profile(s0, tok, path, eprof)
     s0.owns_cpu = False
     s0.close()
-    del s0
+    return cfg, tok, ctx, cpu, eprof
+
+
+def synth(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int, order: str = "") -> None:
+    import torch
+
+    from hybrid.bench.decode import measure
+    from hybrid.runtime import RuntimeOptions, open_session
+
+    cfg, tok, ctx, cpu, eprof = expert_profile_session(path, profile, tokens)
     predictions(path, profile, eprof, ctx, miss_slots, order)
     if torch.cuda.device_count() >= 2:
         record({"check": "hop_probe", "hidden": cfg.hidden_size, "hop": hop_probe(cfg.hidden_size)})
