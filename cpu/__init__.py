@@ -9,5 +9,9 @@
     gemm.py    weight-only GEMV / small-M GEMM over a range of tiles
     expert.py  fused SwiGLU experts in two phases (gate|up + SiLU, then down + weighted scatter)
     bench.py   hook for hybrid-bench calibrate
+    cache.py   drops Numba's cached code of cpu/ when any cpu/*.py changed (cross-file inlining)
 Threads and hand-off live in hybrid/experts/cpu_runner.py.
 """
+from cpu.cache import drop_stale
+
+drop_stale()

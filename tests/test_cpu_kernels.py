@@ -381,6 +381,21 @@ def test_without_avx2_the_fp32_kernels_are_picked_and_int16_still_runs(tmp_path)
     assert r["int16"] <= RTOL and r["fp32"] <= RTOL
 
 
+# ----------------------------------------------------------------------------- cache
+def test_stale_numba_cache_is_dropped_when_a_cpu_source_changes(tmp_path, monkeypatch):
+    """cpu/cache.py: cache files go when the cpu/*.py digest differs from the stamp, stay otherwise."""
+    from cpu import cache
+    monkeypatch.setattr(cache, "cache_dir", lambda: tmp_path)
+    for name in ("expert.experts_forward-1.py311.nbi", "expert.experts_forward-1.py311.1.nbc", "keep.txt"):
+        (tmp_path / name).write_text("x")
+    assert cache.drop_stale() is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == [cache.STAMP, "keep.txt"]
+    (tmp_path / "i16.block-2.py311.nbi").write_text("x")
+    assert cache.drop_stale() is False and (tmp_path / "i16.block-2.py311.nbi").exists()
+    (tmp_path / cache.STAMP).write_text("old digest")
+    assert cache.drop_stale() is True and not (tmp_path / "i16.block-2.py311.nbi").exists()
+
+
 # ----------------------------------------------------------------------------- ggml re-pack (bench)
 @pytest.mark.llama
 def test_ggml_nvfp4_repack_decodes_like_modelopt():
