@@ -511,8 +511,9 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* 
 template <int ST, int NT>
 __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                                float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                               int N, int K, int KS, unsigned char* smem) {
-  constexpr int RING = ST * NT * 32 * 24;  // smem: RING * WARPS bytes (the rings, then the partials)
+                                               int N, int K, int KS) {
+  constexpr int RING = ST * NT * 32 * 24;
+  __shared__ __align__(16) unsigned char smem[RING * WARPS];
   float (*red)[NT * 16] = reinterpret_cast<float (*)[NT * 16]>(smem);  // red[warp][row], aliases the rings
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
@@ -551,23 +552,13 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
 extern "C" __global__ void qpn2_linear_m1_as(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                              float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                              int M, int N, int K, int KS, int P) {
-  __shared__ __align__(16) unsigned char smem[6 * 1 * 32 * 24 * WARPS];
-  linear_m1_body<6, 1>(w, s, gs, x, y, N, K, KS, smem);
+  linear_m1_body<6, 1>(w, s, gs, x, y, N, K, KS);
 }
 // two tiles per warp (4-stage ring: 48 KB of static shared memory per block)
 extern "C" __global__ void qpn2_linear_m1_as2(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                               float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                               int M, int N, int K, int KS, int P) {
-  __shared__ __align__(16) unsigned char smem[4 * 2 * 32 * 24 * WARPS];
-  linear_m1_body<4, 2>(w, s, gs, x, y, N, K, KS, smem);
-}
-// four tiles per warp: 96 KB of rings per block, dynamic shared memory (the launcher raises the
-// function's limit; sm_80+ only, as every M = 1 kernel)
-extern "C" __global__ void qpn2_linear_m1_x4(const u32x4* __restrict__ w, const u64* __restrict__ s,
-                                             float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                             int M, int N, int K, int KS, int P) {
-  extern __shared__ __align__(16) unsigned char dsmem[];
-  linear_m1_body<4, 4>(w, s, gs, x, y, N, K, KS, dsmem);
+  linear_m1_body<4, 2>(w, s, gs, x, y, N, K, KS);
 }
 
 // shared memory of one block: the partials (red) and, for ST > 0, the rings, which red aliases

@@ -244,9 +244,5 @@ def test_m1_kernel_choice():
     assert linear_kernel(2, 2, 9, 90, n=big) == "qpn2_linear_mt2"
     assert linear_kernel(2, 1, 1, 90, "_m1", n=big) == "qpn2_linear_m1_as"
     assert linear_kernel(2, 1, 1, 90, "_m1x2", n=16) == "qpn2_linear_m1_as2"
-    assert linear_kernel(2, 1, 1, 90, "_m1x4", n=16) == "qpn2_linear_m1_x4"
-    from hybrid.kernels.qpn import tiles_per_warp
-    assert [tiles_per_warp(k) for k in ("qpn2_linear_m1_as", "qpn2_linear_m1_as2", "qpn2_linear_m1_x4",
-                                        "qpn8_linear_mt1_t2u1", "qpn2_linear_mt1")] == [1, 2, 4, 2, 1]
     assert linear_kernel(2, 1, 1, 70, "_m1x2", n=big) == "qpn2_linear_mt1"
     assert linear_kernel(2, 1, 8, 90, "_m1x2", n=small) == "qpn2_linear_mt1"

@@ -57,7 +57,6 @@ class Module:
             buf = ctypes.create_string_buffer(image + (b"" if image.endswith(b"\0") else b"\0"))
             check(_cuda().cuModuleLoadData(ctypes.byref(self._handle), buf), "cuModuleLoadData")
         self._funcs: dict[str, ctypes.c_void_p] = {}
-        self._dyn: dict[str, int] = {}
 
     def function(self, name: str) -> ctypes.c_void_p:
         fn = self._funcs.get(name)
@@ -69,29 +68,21 @@ class Module:
         return fn
 
     def launch(self, name: str, grid: tuple[int, int, int], block: int, args: list,
-               stream: torch.cuda.Stream | None = None, smem: int = 0) -> None:
-        """args: ctypes scalars (c_void_p for pointers, c_int, c_float, c_longlong); smem: bytes of
-        dynamic shared memory (over 48 KB the function's limit is raised once)."""
+               stream: torch.cuda.Stream | None = None) -> None:
+        """args: ctypes scalars (c_void_p for pointers, c_int, c_float, c_longlong)."""
         fn = self.function(name)
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         if torch.cuda.current_device() != self.device.index:
             with torch.cuda.device(self.device):
                 _ensure_context(self.device)
-                self._launch(fn, name, grid, block, s, ptrs, self._smem(fn, name, smem))
+                self._launch(fn, name, grid, block, s, ptrs)
         else:
-            self._launch(fn, name, grid, block, s, ptrs, self._smem(fn, name, smem))
-
-    def _smem(self, fn, name: str, smem: int) -> int:
-        if smem > (48 << 10) and self._dyn.get(name, 0) < smem:
-            check(_cuda().cuFuncSetAttribute(fn, 8, smem),  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                  f"cuFuncSetAttribute({name}, {smem} bytes of dynamic shared memory)")
-            self._dyn[name] = smem
-        return smem
+            self._launch(fn, name, grid, block, s, ptrs)
 
     @staticmethod
-    def _launch(fn, name, grid, block, stream, ptrs, smem: int = 0) -> None:
-        check(_cuda().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block, 1, 1, smem,
+    def _launch(fn, name, grid, block, stream, ptrs) -> None:
+        check(_cuda().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block, 1, 1, 0,
                                      ctypes.c_void_p(stream.cuda_stream), ptrs, None),
               f"cuLaunchKernel({name})")
 

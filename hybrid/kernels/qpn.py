@@ -24,7 +24,7 @@ MAX_SLOTS = 1024
 # per 8 groups in fp32; otherwise the register pipeline, measured at least as fast as the rings on
 # the H200 for M = 2..8); "", "_u4" (deeper register pipeline), "_as", "_as4" (6- and 4-stage
 # cp.async rings, sm_80+), "_m1", "_m1x2" (the M = 1 NVFP4 kernels, one or two tiles per warp; see
-# linear_kernel; "_m1x4": four tiles per warp), "_t2", "_t2u1" (register pipeline, two tiles per warp, 2 or 1 chunks per stage):
+# linear_kernel), "_t2", "_t2u1" (register pipeline, two tiles per warp, 2 or 1 chunks per stage):
 # benchmark, tests.
 LINEAR_VARIANT: list[str | None] = [None]
 MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
@@ -55,10 +55,10 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
     m1 = sm >= 80 and fmt == 2 and m == 1
-    if choice in ("_m1", "_m1x2", "_m1x4"):
+    if choice in ("_m1", "_m1x2"):
         choice = None if not m1 else choice
         if choice is not None:
-            return {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2", "_m1x4": "qpn2_linear_m1_x4"}[choice]
+            return "qpn2_linear_m1_as2" if choice == "_m1x2" else "qpn2_linear_m1_as"
     if choice is None:
         pair = sm >= 80 and -(-n // 16) >= PAIR_MIN_TILES   # measured on sm_90 only: Volta keeps one
         if m1:
@@ -69,11 +69,6 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
 
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
 PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1")  # kernels whose warps do two tiles each
-M1_X4_SMEM = 4 * 4 * 32 * 24 * WARPS  # qpn2_linear_m1_x4: four tiles per warp, 4-stage rings (dynamic)
-
-
-def tiles_per_warp(name: str) -> int:
-    return 4 if name.endswith("_m1_x4") else 2 if name.endswith(PAIR_KERNELS) else 1
 
 
 GEMM_MIN_KSTEPS = 4   # split-K: at least this many k-steps of 64 per split
@@ -331,12 +326,12 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n)
-    units = -(-tiles // tiles_per_warp(name))                    # warp work units
+    units = -(-tiles // 2) if name.endswith(PAIR_KERNELS) else tiles   # warp work units (tile pairs)
     ks = _pick_ks(units * passes, chunks, _sms(w.device))
     grid = (-(-units // (WARPS // ks)) * passes, 1, 1)
     args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
-    mod.launch(name, grid, THREADS, args, smem=M1_X4_SMEM if name.endswith("_m1_x4") else 0)
+    mod.launch(name, grid, THREADS, args)
     return y
 
 
