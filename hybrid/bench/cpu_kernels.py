@@ -565,10 +565,10 @@ def markdown(info: dict, rows: list[Row]) -> str:
         "core's M = 8 call therefore costs several M = 1 calls unless M = 1 is memory-bound with slack, "
         "i.e. when all cores share a DDR bus (the 18-core rigs).  ggml's own NVFP4 path pays M times "
         "its M = 1 cost (one q8_0 vec_dot per token and row).",
-        "- `% of copy` compares a read-only kernel with STREAM copy's read + write bytes.  Here one "
-        "core decodes slower than the memory bus delivers, so the kernels are compute-bound; the "
-        "per-core decode rate (the 1-thread rows) is the number to compare with the rig's copy "
-        "bandwidth divided by its cores.",
+        "- `% of copy` compares a read-only kernel with STREAM copy's read + write bytes.  The "
+        "per-core rate (the 1-thread rows) is the number to compare with the rig's copy bandwidth "
+        "divided by its cores; where one core's rate nears its own memory stream, more threads on "
+        "this 2-core VM's one memory path add little.",
         "- ggml with more than one thread busy-waits at every node; on this shared, oversubscribed "
         "VM its multi-thread rows collapse, so compare ggml per thread (the 1-thread rows).", "",
     ]
