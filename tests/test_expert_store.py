@@ -105,6 +105,19 @@ def _pack_nvfp4_numpy(data, scale):
     return tiles
 
 
+def _pack_nvfp4_i16_numpy(data, scale):
+    """The int16 kernels' block-major layout (cpu/layout.py) with numpy: per 8-row block, the whole K
+    of codes (ModelOpt bytes regrouped per group), then the block's scales."""
+    n, g = scale.shape
+    nt = layout.num_tiles(n)
+    d = np.zeros((nt * layout.R, g * 8), np.uint8)
+    s = np.zeros((nt * layout.R, g), np.uint8)
+    d[:n], s[:n] = data, scale
+    codes = d.reshape(nt, layout.R // 8, 8, g, 2, 4).transpose(0, 1, 3, 4, 2, 5).reshape(nt, layout.R // 8, g * 64)
+    scl = s.reshape(nt, layout.R // 8, 8, g).transpose(0, 1, 3, 2).reshape(nt, layout.R // 8, g * 8)
+    return np.concatenate([codes, scl], axis=2)
+
+
 @pytest.mark.parametrize("n,k", [(64, 32), (100, 96), (130, 2048)])
 def test_compiled_pack_equals_numpy_layout(n, k):
     rng = np.random.default_rng(n + k)
@@ -113,6 +126,9 @@ def test_compiled_pack_equals_numpy_layout(n, k):
     out = np.full(layout.nvfp4_nbytes(n, k), 0xAB, np.uint8)  # poisoned: padding must be zeroed
     # the fp32-kernel layout (AVX2 hosts default to the int16 kernels' layout: tests/test_cpu_kernels.py)
     assert np.array_equal(layout.pack_nvfp4(data, scale, out, int16=False), _pack_nvfp4_numpy(data, scale))
+    out = np.full(layout.nvfp4_nbytes(n, k), 0xAB, np.uint8)
+    assert np.array_equal(layout.pack_nvfp4(data, scale, out, int16=True).reshape(-1),
+                          _pack_nvfp4_i16_numpy(data, scale).reshape(-1))
     f8 = rng.integers(0, 256, (n, k), dtype=np.uint8)
     want = np.zeros((layout.num_tiles(n), k, layout.R), np.uint8)
     for t in range(want.shape[0]):
