@@ -438,3 +438,12 @@ def test_bench_block_quantization_and_kept_notes(tmp_path):
     text = md.read_text()
     assert "old table" not in text and text.count(ck.KEPT) == 1 and text.endswith(ck.KEPT + "\nnote 1\n")
     assert len((tmp_path / "cpu_kernels.jsonl").read_text().splitlines()) == 2
+
+
+def test_bench_rejects_unknown_shape(capsys):
+    """hybrid-bench cpu-kernels --shapes: a name it does not know is a one-line error, exit 2."""
+    from hybrid.cli.bench import main
+
+    assert main(["cpu-kernels", "--shapes", "qwen3-30b-a3b,nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--shapes" in err[0] and "fixture" in err[0]
