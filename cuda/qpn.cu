@@ -404,6 +404,18 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], cons
 #endif
 }
 
+// wt[nt] / st[nt]: tile t0 + nt's packed words / scales; a tile past the end re-reads the last one
+// (its results are never written)
+template <int NT>
+__device__ __forceinline__ void tile_ptrs(const u32x4* (&wt)[NT], const u64* (&st)[NT], const u32x4* w,
+                                          const u64* s, int t0, int tiles, int C) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int t = t0 + nt < tiles ? t0 + nt : tiles - 1;
+    wt[nt] = w + (size_t)t * C * 32, st[nt] = s + (size_t)t * C * 8;
+  }
+}
+
 // ---------------------------------------------------------------- NVFP4, M = 1, sm_80+
 // With one activation row, 7 of the MMA's 8 columns would be padding. Here column j of the MMA
 // of group g carries x only when j == g % 8 (each lane's column is lane / 4, so a lane loads x
@@ -413,6 +425,13 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], cons
 // tot[0..3]: rows (r, r, r+8, r+8) x groups (2q, 2q+1) of each 8-group block, r = lane/4, q = lane%4.
 __device__ __forceinline__ float e4m3_mag_f32(u32 b) {  // 7-bit e4m3 magnitude at bits 20..26
   return __int_as_float(b & 0x07F00000u) * 0x1p120f;     // exact (denormal inputs included)
+}
+
+// the NT tiles' scale words at saddr (a tile's scales every 256 bytes of the ring slot)
+template <int NT>
+__device__ __forceinline__ void lds_scales(u32 (&sw)[NT], u32 saddr) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw[nt]) : "r"(saddr + nt * 256));
 }
 
 // NT tiles per warp share the activation loads, the zero-or-x B operands and the ring's bookkeeping.
@@ -456,11 +475,7 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* 
         for (int h = 0; h < 2; ++h) {
           if (h == 0 || two) {
             cp_wait<ST - 2>();
-            if (h == 1) {
-#pragma unroll
-              for (int nt = 0; nt < NT; ++nt)
-                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw[nt]) : "r"(saddr + nt * 256));
-            }
+            if (h == 1) lds_scales<NT>(sw, saddr);
             const int ns = (s + h + ST - 1) % ST;
             const u32x4* w[NT];
             const u64* g[NT];
@@ -483,11 +498,7 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* 
             }
           }
         }
-        if (!two && q < 2) {
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw[nt]) : "r"(saddr + nt * 256));
-        }
+        if (!two && q < 2) lds_scales<NT>(sw, saddr);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           tot[nt][0] = fmaf(d[nt][0], e4m3_mag_f32(sw[nt] << 20), tot[nt][0]);
@@ -522,12 +533,9 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
   float tot[NT][4];
   const u32x4* wt[NT];
   const u64* st[NT];
+  tile_ptrs<NT>(wt, st, w, s, t0, tiles, C);
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.f;
-    const int t = t0 + nt < tiles ? t0 + nt : tiles - 1;  // a tile past the end re-reads the last one
-    wt[nt] = w + (size_t)t * C * 32, st[nt] = s + (size_t)t * C * 8;
-  }
+  for (int nt = 0; nt < NT; ++nt) tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.f;
   if (t0 < tiles) warp_m1_async<ST, NT>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, x, lane, smem + warp * RING);
   __syncthreads();  // red aliases the rings
 #pragma unroll
@@ -645,11 +653,7 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
   if (t0 < tiles) {
     const u32x4* wt[NT];
     const u64* st[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int t = t0 + nt < tiles ? t0 + nt : tiles - 1;  // past the end: re-read the last tile
-      wt[nt] = w + (size_t)t * C * 32, st[nt] = s + (size_t)t * C * 8;
-    }
+    tile_ptrs<NT>(wt, st, w, s, t0, tiles, C);
     const u16* xr[MT];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
