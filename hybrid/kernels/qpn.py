@@ -49,16 +49,17 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     """The kernel qpn_linear launches for M rows (N out features) in passes of mt 8-row tiles on an
     sm_<sm> device. From PAIR_MIN_TILES 16-row tiles on, a warp does two tiles (measured on the H200:
     lm_head NVFP4 M = 1 52.4 vs 55.3 us, M = 8 59.0 vs 67.3; dense_up M = 1 27.5 vs 30.0, M = 8 33.3 vs
-    36.3; slower on 320 tiles; sm_80+ only, unmeasured on Volta): NVFP4 at M = 1 on sm_80+ qpn2_linear_m1_as2 (else qpn2_linear_m1_as),
-    M <= 8 otherwise qpn{fmt}_linear_mt1_t2u1 (else qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2"
-    forces one of the M = 1 NVFP4 kernels where they apply (benchmark, tests)."""
+    36.3; slower on 320 tiles; sm_80+ only, unmeasured on Volta): NVFP4 at M = 1 on sm_80+
+    qpn2_linear_m1_as2 (else qpn2_linear_m1_as), M <= 8 otherwise qpn{fmt}_linear_mt1_t2u1 (else
+    qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2" (M1_KERNELS) forces one of the M = 1 NVFP4 kernels
+    where they apply (benchmark, tests)."""
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
     m1 = sm >= 80 and fmt == 2 and m == 1
-    if choice in ("_m1", "_m1x2"):
-        choice = None if not m1 else choice
-        if choice is not None:
-            return "qpn2_linear_m1_as2" if choice == "_m1x2" else "qpn2_linear_m1_as"
+    if choice in M1_KERNELS:                     # forced where the M = 1 kernels apply, else the default
+        if m1:
+            return M1_KERNELS[choice]
+        choice = None
     if choice is None:
         pair = sm >= 80 and -(-n // 16) >= PAIR_MIN_TILES   # measured on sm_90 only: Volta keeps one
         if m1:
@@ -68,6 +69,7 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
 
 
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
+M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2"}  # LINEAR_VARIANT choices
 PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1")  # kernels whose warps do two tiles each
 
 

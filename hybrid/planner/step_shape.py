@@ -34,7 +34,7 @@ ops (febda33), 23.1 with rope + route (da35ee4): 13 fewer, as rope + route predi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,5 @@ def decode_shape() -> StepShape:
     if enabled("rope_attn") and not (enabled("rope") and enabled("attn")):
         saved += FUSED_SAVES["rope"] + FUSED_SAVES["attn"] - 1 - sum(
             FUSED_SAVES[p] for p in ("rope", "attn") if enabled(p))
-    miss = MISS_GRAPH if miss_graph_enabled() else {"eager_ops": DECODE.eager_ops, "miss_nodes": DECODE.miss_nodes}
-    return StepShape(dense_kernels=max(1, DECODE.dense_kernels - saved), expert_kernels=DECODE.expert_kernels,
-                     head_kernels=DECODE.head_kernels, **miss)
+    shape = replace(DECODE, dense_kernels=max(1, DECODE.dense_kernels - saved))
+    return replace(shape, **MISS_GRAPH) if miss_graph_enabled() else shape
