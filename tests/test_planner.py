@@ -316,6 +316,35 @@ def test_layers_that_can_miss_pay_sync_lookup_and_eager_ops(tiny_dir, monkeypatc
     assert linked.kernel_us == pytest.approx(eager.kernel_us + 4 * 13 * 3)
 
 
+def test_graphed_miss_layers_pay_the_measured_link(tiny_dir, monkeypatch):
+    """A profile that measured the graphed miss path's round trip (overheads.link_us): a can-miss
+    layer pays link + lookup on that path instead of sync + eager ops; the eager path ignores it."""
+    monkeypatch.setenv("HYBRID_MISS_GRAPH", "1")
+    mb, d = ModelBytes.from_folder(tiny_dir), profile_dict()
+    before = _plan_with(d, mb, (8,))
+    d["overheads"]["link_us"] = {"value": 7.0, "source": "measured", "note": "test"}
+    linked = _plan_with(d, mb, (8,))
+    assert all(x.host_us == pytest.approx(7 + 15) for x in linked.layers)
+    assert linked.token_us == pytest.approx(before.token_us - 4 * (20 + 3 * 8 - 7))
+    d["overheads"]["link_us"]["value"] = 50.0
+    assert _plan_with(d, mb, (8,)).token_us == pytest.approx(linked.token_us + 4 * 43)
+    assert all(x.host_us == 15 for x in _plan_with(d, mb, (16,)).layers)   # resident: no link
+    monkeypatch.setenv("HYBRID_MISS_GRAPH", "0")
+    assert all(x.host_us == pytest.approx(20 + 15 + 14 * 8) for x in _plan_with(d, mb, (8,)).layers)
+
+
+def test_profile_link_figure_is_optional():
+    d = profile_dict()
+    prof = profile_from_dict(d)
+    assert prof.overheads.link_us is None and "link_us" not in json.loads(prof.to_json())["overheads"]
+    d["overheads"]["link_us"] = {"value": 9.5, "source": "measured", "note": "x"}
+    prof = profile_from_dict(d)
+    assert prof.overheads.link_us.value == 9.5 and profile_from_dict(json.loads(prof.to_json())) == prof
+    d["overheads"]["link_us"] = 9.5
+    with pytest.raises(ProfileError, match=r"profile.overheads.link_us: expected"):
+        profile_from_dict(d)
+
+
 def test_more_kernels_more_time(tiny_dir):
     from hybrid.planner.step_shape import DECODE
 

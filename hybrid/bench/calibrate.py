@@ -90,7 +90,9 @@ def calibrate(name: str, base: HardwareProfile | None, args, stamp: str) -> Hard
                    lookup_us=measured(_lookup_us(), "ExpertCache.lookup + promote_misses of one token's "
                                       "top-8 in a fully resident layer (48 layers x 128 experts, one "
                                       "begin_step per 48 lookups), mean; the runtime's per-layer "
-                                      "accounting comes on top"))
+                                      "accounting comes on top"),
+                   link_us=_try(lambda: measured(_link_us(0, args.repeats), LINK_HOW),
+                                lambda why: _keep_link(base), 0) if gpus else _keep_link(base))
     desc = (f"measured by hybrid-bench calibrate on {len(gpus)} GPU(s) "
             f"{', '.join(sorted({g.name for g in gpus})) or '(none)'}, {cpu.model}; {stamp}")
     prof = HardwareProfile(name=name, description=desc, gpus=gpus, cpu=cpu, host=host, overheads=oh)
@@ -331,6 +333,62 @@ def _launch_us(i: int, reps: int, per: int) -> float:
     return statistics.median(times) / (CYCLES * per) * 1e6
 
 
+LINK_HOW = ("one graphed can-miss layer's host round trip (hybrid.runtime.miss_link.MissLink, k 8, "
+            "H 2048): replay of a graph holding the next layer's add and the routed row's copy to "
+            "pinned memory + its external event, wait for the event, read the row, upload a [1, H] "
+            "fp32 CPU sum; mean over a loop, GPU 0")
+
+
+def _keep_link(base: HardwareProfile | None) -> Figure | None:
+    return base.overheads.link_us if base is not None else None
+
+
+def _link_us(i: int, reps: int) -> float:
+    """Host µs per can-miss layer on the graphed miss path, the layer's own kernels aside (the
+    planner counts them as graph kernels): what hybrid.runtime.graphs does between two segments."""
+    import numpy as np
+    import torch
+
+    from hybrid.runtime.miss_link import MissLink
+
+    dev = torch.device(f"cuda:{i}")
+    with torch.cuda.device(dev):
+        link = MissLink(8, 2048, torch.float16, dev)
+        h = torch.zeros(1, 2048, dtype=torch.float16, device=dev)
+        slots = torch.zeros(8, dtype=torch.int32, device=dev)
+        y = np.ones((1, 2048), np.float32)
+        side = torch.cuda.Stream(dev)
+
+        def body():
+            link.yh.add_(link.yc)                       # the next graph's combine reads the upload
+            link.send(h, slots)
+
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):
+            body()
+
+        def layer():
+            graph.replay()
+            link.after_replay()
+            link.fetch()
+            link.put(y)
+
+        for _ in range(20):
+            layer()
+        torch.cuda.synchronize(dev)
+        n = max(reps * 50, 200)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            layer()
+        torch.cuda.synchronize(dev)
+        return (time.perf_counter() - t0) / n * 1e6
+
+
 def _router_sync_us(reps: int) -> float:
     import torch
 
@@ -449,5 +507,6 @@ def summary(prof: HardwareProfile) -> list[str]:
     o = prof.overheads
     lines.append(f"  overheads: layer sync {o.layer_sync_us.value:.1f} us ({o.layer_sync_us.source}), "
                  f"cpu dispatch {o.cpu_dispatch_us.value:.1f} us, lookup {o.lookup_us.value:.1f} us, "
-                 f"token {o.token_us.value:.0f} us ({o.token_us.source})")
+                 f"token {o.token_us.value:.0f} us ({o.token_us.source})"
+                 + (f", graphed miss layer {o.link_us.value:.1f} us ({o.link_us.source})" if o.link_us else ""))
     return lines

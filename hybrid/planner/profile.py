@@ -123,12 +123,17 @@ class Overheads:
     lookup_us: the expert cache's lookup of one layer's routed ids (every layer on a card: at once
     where it can miss, deferred to the step's end where it is fully resident);
     cpu_dispatch_us: hand a layer's misses to the CPU pool and collect them;
-    token_us: per token outside the layers (embed, graph replays, sampler, Python)."""
+    token_us: per token outside the layers (embed, graph replays, sampler, Python);
+    link_us: the host's round trip of a can-miss layer whose hits run inside the decode graph
+    (hybrid.runtime.miss_link: replay, wait for the routed row, upload the CPU's sum), which
+    replaces layer_sync_us and the eager ops on that path; absent in older profiles (the planner
+    then charges that path as eager ops)."""
 
     layer_sync_us: Figure
     cpu_dispatch_us: Figure
     token_us: Figure
     lookup_us: Figure
+    link_us: Figure | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,8 @@ class HardwareProfile:
         d = asdict(self)
         d.pop("path")
         d["gpus"] = list(d["gpus"])
+        if d["overheads"]["link_us"] is None:        # older profiles: leave the key out
+            del d["overheads"]["link_us"]
         return {"schema": SCHEMA, **d}
 
     def to_json(self) -> str:
@@ -181,11 +188,15 @@ def _build(cls, d: Any, where: str):
     if missing:
         raise ProfileError(f"{where}: missing key {missing[0]!r}")
     # Fields annotated `Figure` (a string under `from __future__ import annotations`) are figures.
-    kw = {k: _figure(v, f"{where}.{k}") if fields[k].type in ("Figure", Figure) else v for k, v in d.items()}
+    kw = {k: _figure(v, f"{where}.{k}") if fields[k].type in FIGURE_TYPES and (v is not None or
+                                              fields[k].default is MISSING) else v for k, v in d.items()}
     try:
         return cls(**kw)
     except ValueError as exc:
         raise ProfileError(f"{where}: {exc}") from None
+
+
+FIGURE_TYPES = ("Figure", Figure, "Figure | None")
 
 
 def _figure(v: Any, where: str) -> Figure:
