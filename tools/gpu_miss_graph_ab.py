@@ -8,7 +8,7 @@ the order of --modes (default 0,1,0,1: a VM that drifts during the call hits bot
 session: decode tok/s (CUDA graphs), per-card hit rates, the planner's prediction, the first greedy
 ids (equal across modes?), the linked layers, and the host's CUDA calls per decode step
 (torch.profiler over a few steps after the measurement: graph launches, copies, kernel launches,
-event records / waits / syncs).
+event records / waits / syncs) and the GPU time per step by kernel (cuda_calls_per_step.gpu).
 
     HYBRID_CACHE_DIR=.qpncache HYBRID_GIT_SHA=<sha> PYTHONPATH=. python3 tools/gpu_miss_graph_ab.py \\
         --profile h200 --order synth_one_gpu_slots1024 --modes 0,1,0,1 --budget-s 420
@@ -66,8 +66,24 @@ def cuda_calls(session, steps: int = 8) -> dict:
             logits = hm.forward(torch.tensor([int(logits[-1].argmax())]), j, last_only=True)
         torch.cuda.synchronize()
     hm.prompt_tokens = None
-    counts = {e.key: round(e.count / steps, 2) for e in prof.key_averages() if e.key in CUDA_CALLS}
-    return {"per_step": round(sum(counts.values()), 2), "by_name": counts}
+    avg = prof.key_averages()
+    counts = {e.key: round(e.count / steps, 2) for e in avg if e.key in CUDA_CALLS}
+    return {"per_step": round(sum(counts.values()), 2), "by_name": counts, "gpu": kernel_times(avg, steps)}
+
+
+def kernel_times(avg, steps: int, top: int = 25) -> dict:
+    """GPU time per decode step by kernel / copy (CUPTI records the kernels of graph replays too):
+    the total and the largest `top` entries as [name, us per step, launches per step]."""
+    rows = []
+    for e in avg:
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us and e.device_type.name == "CUDA":
+            rows.append((e.key[:90], us / steps, e.count / steps))
+    rows.sort(key=lambda r: -r[1])
+    return {"us_per_step": round(sum(r[1] for r in rows), 1),
+            "top": [[n, round(us, 2), round(c, 2)] for n, us, c in rows[:top]]}
 
 
 def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int, order: str, modes: list[str]) -> None:
