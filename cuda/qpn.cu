@@ -57,7 +57,12 @@
 //   qpn{2,8}_gemm_<BM>x<BN>    prefill (M > 16): shared-memory tiled GEMM, weights decoded once per
 //                              block tile into double-buffered fp16 shared memory, WMMA over BM rows;
 //                              grid (ceil(M/BM), ceil(N/BN), K splits); tiles 128x128, 64x128, 64x64,
-//                              32x64
+//                              32x64 (the Volta / sm_75 prefill path)
+//   qpn{2,8}_gemmf_<BM>x<BN>   sm_80+ prefill (M > 16): packed words decoded straight into the
+//                              m16n8k16 A fragments in registers (no fp16 weight tile in shared
+//                              memory), activations through a cp.async ring, permuted so one
+//                              ld.shared.v4 gives a lane two groups' B fragments; split-K as above;
+//                              tiles 128x128, 64x256, 64x128
 //   qpn_moe_route              one block: slot_ids[A] -> offsets[S+1], perm[A] (grouped by slot),
 //                              active[min(A, S)] (the slots with work, in slot order; -1 after)
 //   qpn{2,8}_moe_gateup_mt{1,4} grid (I/16 / TG, min(A, S)): h[A, I] fp16 = silu(gate x) * up x  (sorted rows)
@@ -1052,6 +1057,216 @@ GEMM(8, 128, 128, 1)
 GEMM(8, 64, 128, 3)
 GEMM(8, 64, 64, 4)
 GEMM(8, 32, 64, 4)
+
+// ---------------------------------------------------------------- prefill GEMM, sm_80+: fragments in registers
+// qpn{2,8}_gemmf_<BM>x<BN>: y[M, N] = x[M, K] . W^T with no fp16 weight tile in shared memory.
+// Each of the 8 warps owns NT = BN / 128 16-row weight tiles (BN / 8 out features) and all BM
+// token rows of the block: it loads its tiles' packed words straight from global memory into
+// registers (the next 64-k step's while the second half of this one is multiplied) and decodes them into m16n8k16 A fragments exactly as the M <= 8
+// kernels do (dec_fp4 + HMUL2 by the group scale, exact: see the header; FP8 dec_fp8), then
+// multiplies each A fragment with the BM / 8 token tiles' B fragments (MJ MMAs per decode). The
+// activations go through an ST-stage cp.async ring of 64-k stages shared by the block, stored
+// permuted so that one ld.shared.v4 gives a lane the B fragments of two groups: the 4 halves
+// 16 g + 4 q + 0..3 of row r (lane q's k-slice of group g, the packed layout's k-slot order) sit
+// at halves 16 q + 4 g of the row (cp.async of 8 bytes); rows padded to 72 halves (144 bytes), so
+// the 8 lanes of a quarter-warp phase (2 rows x 4 q) hit distinct banks. One barrier per stage.
+// Rows past M are never loaded (stale shared memory reaches only output columns that are never
+// written); FP8's last stage may hold one chunk of 32 k (its second half is skipped).
+// grid (ceil(M / BM), ceil(N / BN), splits); split-K exactly as gemm_body (deterministic: the last
+// block of an output tile sums the splits' fp32 partials in split order). Epilogue: per 8-token
+// tile, each warp stages its 8 x BN / 8 fp32 sums in shared memory (the ring, idle by then) and
+// writes rows of 8 outputs.
+#define FXS 72  // halves per activation row of a stage (64 k + 16 bytes of padding)
+
+// stage (k0 = 64 kt ..) of the activations into the ring slot at dst: BM rows x 16 pieces of 8 bytes
+template <int BM>
+__device__ __forceinline__ void gemmf_load_x(u32 dst, const u16* __restrict__ x, int m0, int M, int K,
+                                             int k0) {
+#if QPN_MMA >= 2
+#pragma unroll
+  for (int v = 0; v < BM * 16 / THREADS; ++v) {
+    const int i = threadIdx.x + THREADS * v, r = i >> 4, u = i & 15, k = k0 + 4 * u;  // u = 4 g + q
+    if (m0 + r < M && k < K)
+      cp_async8(dst + (r * FXS + 16 * (u & 3) + 4 * (u >> 2)) * 2, x + (size_t)(m0 + r) * K + k);
+  }
+#endif
+}
+
+// this lane's packed words (CPS chunks) and NVFP4 scales of k-step kt for its NT tiles
+template <int FMT, int NT, int CPS>
+__device__ __forceinline__ void gemmf_load_w(u32x4 (&wv)[CPS][NT], u64 (&sv)[NT], const u32x4* const (&wl)[NT],
+                                             const u64* const (&sl)[NT], int kt, int C) {
+#pragma unroll
+  for (int h = 0; h < CPS; ++h) {
+    const int c = kt * CPS + h;
+    if (c < C) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) wv[h][nt] = ld_stream(wl[nt] + (size_t)c * 32);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) sv[nt] = FMT == 2 ? ld_stream64(sl[nt] + (size_t)kt * 8) : 0ull;
+}
+
+// A fragments of groups 2 gp, 2 gp + 1 of the stage for tile nt: a[g][0..3] (rows r / r + 8, k-slots)
+template <int FMT, int NT, int CPS>
+__device__ __forceinline__ void gemmf_decode(u32 (&a)[2][4], const u32x4 (&wv)[CPS][NT], const u64 (&sv)[NT],
+                                             int nt, int gp) {
+  if (FMT == 2) {
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      const u32 s2 = dec_scale((u32)(sv[nt] >> (32 * gp)), jj);
+      const u32 w = gp == 0 ? (jj == 0 ? wv[0][nt].x : wv[0][nt].y) : (jj == 0 ? wv[0][nt].z : wv[0][nt].w);
+      u32 p0, p1, p2, p3;
+      dec_fp4(w, p0, p1, p2, p3);
+      a[jj][0] = hmul2_splat(p0, s2, 0), a[jj][1] = hmul2_splat(p1, s2, 1);
+      a[jj][2] = hmul2_splat(p2, s2, 0), a[jj][3] = hmul2_splat(p3, s2, 1);
+    }
+  } else {  // chunk gp of the stage: words (g0, r) (g0, r+8) (g1, r) (g1, r+8)
+    const u32x4& v = wv[CPS - 1 < gp ? 0 : gp][nt];
+    dec_fp8(v.x, a[0][0], a[0][2]);
+    dec_fp8(v.y, a[0][1], a[0][3]);
+    dec_fp8(v.z, a[1][0], a[1][2]);
+    dec_fp8(v.w, a[1][1], a[1][3]);
+  }
+}
+
+template <int FMT, int BM, int NT, int ST>
+__device__ __forceinline__ void gemmf_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                           float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                           int M, int N, int K, int KS, float* part, int* cnt) {
+#if QPN_MMA >= 2
+  constexpr int BN = WARPS * 16 * NT, MJ = BM / 8, CPS = FMT == 2 ? 1 : 2;
+  constexpr int XB = BM * FXS * 2;                      // bytes per ring slot
+  constexpr int SW = 16 * NT + 4;                       // epilogue staging row (floats)
+  static_assert(ST >= 2 && WARPS * 8 * SW * 4 <= ST * XB && (BM * 16) % THREADS == 0, "gemmf shape");
+  __shared__ __align__(128) unsigned char sm[ST * XB];
+  __shared__ int last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+  const int C = K / (FMT == 2 ? 64 : 32), tiles = (N + 15) >> 4, nk = (K + 63) / 64;
+  const int kb = blockIdx.z * KS, ke = kb + KS < nk ? kb + KS : nk;
+  const u32 ring = smem_addr(sm);
+  const u32x4* wt[NT];
+  const u64* st[NT];
+  tile_ptrs<NT>(wt, st, w, s, (n0 >> 4) + warp * NT, tiles, C);
+  const u32x4* wl[NT];
+  const u64* sl[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) wl[nt] = wt[nt] + lane, sl[nt] = st[nt] + (lane >> 2);
+  float acc[NT][MJ][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int j = 0; j < MJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][j][e] = 0.f;
+#pragma unroll
+  for (int p = 0; p < ST - 1; ++p) {
+    if (kb + p < ke) gemmf_load_x<BM>(ring + p * XB, x, m0, M, K, 64 * (kb + p));
+    cp_commit();
+  }
+  u32x4 wv[CPS][NT];
+  u64 sv[NT];
+  gemmf_load_w<FMT, NT, CPS>(wv, sv, wl, sl, kb, C);
+  // this lane's row (token l / 4 of 8-token tile 0) and k-slice q = l % 4 in a ring slot
+  const u32 xl = ((lane >> 2) * FXS + 16 * (lane & 3)) * 2;
+  int slot = 0;
+  for (int kt = kb; kt < ke; ++kt) {
+    cp_wait<ST - 2>();
+    __syncthreads();  // stage kt has landed for every thread; every warp is done with stage kt - 1
+    {
+      const int nx = kt + ST - 1, ns = slot == 0 ? ST - 1 : slot - 1;  // the slot of stage kt - 1
+      if (nx < ke) gemmf_load_x<BM>(ring + ns * XB, x, m0, M, K, 64 * nx);
+      cp_commit();
+    }
+    const u32 xa = ring + slot * XB + xl;
+#pragma unroll
+    for (int gp = 0; gp < 2; ++gp) {
+      if (FMT == 8 && gp == 1 && 2 * kt + 1 >= C) break;  // K ends half-way (the last k-step)
+      u32 a[NT][2][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) gemmf_decode<FMT, NT, CPS>(a[nt], wv, sv, nt, gp);
+      // the stage's words are decoded: the next k-step's loads take their registers and fly
+      // during the second half's MMAs
+      if (gp == 1 && kt + 1 < ke) gemmf_load_w<FMT, NT, CPS>(wv, sv, wl, sl, kt + 1, C);
+#pragma unroll
+      for (int j = 0; j < MJ; ++j) {
+        const u32x4 b = lds128(xa + (j * 8 * FXS + 8 * gp) * 2);  // groups 2 gp, 2 gp + 1
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          mma_tile(acc[nt][j], a[nt][0][0], a[nt][0][1], a[nt][0][2], a[nt][0][3], b.x, b.y);
+          mma_tile(acc[nt][j], a[nt][1][0], a[nt][1][1], a[nt][1][2], a[nt][1][3], b.z, b.w);
+        }
+      }
+    }
+    slot = slot == ST - 1 ? 0 : slot + 1;
+  }
+  cp_wait<0>();
+  __syncthreads();  // the ring becomes the epilogue's staging area
+  // acc[nt][j]: rows (features) 16 nt + l / 4 (+ 8), columns (tokens) 8 j + 2 (l % 4) (+ 1)
+  float* stg = reinterpret_cast<float*>(sm) + warp * 8 * SW;
+  const int tt = lane / (2 * NT), seg = lane % (2 * NT), r = lane >> 2, q = lane & 3;
+  const int nw = n0 + warp * 16 * NT + 8 * seg, splits = gridDim.z;
+  const size_t zstride = (size_t)M * N;
+#pragma unroll
+  for (int j = 0; j < MJ; ++j) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      stg[2 * q * SW + 16 * nt + r] = acc[nt][j][0];
+      stg[(2 * q + 1) * SW + 16 * nt + r] = acc[nt][j][1];
+      stg[2 * q * SW + 16 * nt + r + 8] = acc[nt][j][2];
+      stg[(2 * q + 1) * SW + 16 * nt + r + 8] = acc[nt][j][3];
+    }
+    __syncwarp();
+    const int m = m0 + 8 * j + tt;
+    if (lane < 16 * NT && m < M && nw < N) {
+      if (splits == 1)
+        store_y(y + (size_t)m * N + nw, stg + tt * SW + 8 * seg, gs, nw, N);
+      else
+        store_part(part + blockIdx.z * zstride + (size_t)m * N + nw, stg + tt * SW + 8 * seg, nw, N);
+    }
+    __syncwarp();
+  }
+  if (splits == 1) return;
+  __threadfence();  // this block's partials are visible before its arrival is counted
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(cnt + blockIdx.y * gridDim.x + blockIdx.x, 1) == splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+#pragma unroll 1
+  for (int j = 0; j < MJ; ++j) {
+    const int m = m0 + 8 * j + tt;
+    if (lane < 16 * NT && m < M && nw < N) {
+      float v[8];
+      sum_parts(v, part + (size_t)m * N + nw, zstride, splits, nw, N);
+      store_y(y + (size_t)m * N + nw, v, gs, nw, N);
+    }
+  }
+#else
+  __trap();  // never launched below sm_80 (prefill_plan picks these kernels on sm_80+ only)
+#endif
+}
+
+// qpn{2,8}_gemmf_<BM>x<BN>: the arguments of qpn{2,8}_gemm_<BM>x<BN>; blockDim 256, grid
+// (ceil(M / BM), ceil(N / BN), splits). ST ring stages (all under the 48 KB static limit);
+// MINB blocks per SM (registers: 65536 / (256 MINB) at most).
+#define GEMMF(FMT, BM, BN, ST, MINB)                                                               \
+  extern "C" __global__ void __launch_bounds__(THREADS, MINB) qpn##FMT##_gemmf_##BM##x##BN(        \
+      const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x,  \
+      u16* __restrict__ y, int M, int N, int K, int KS, int P, float* part, int* cnt) {             \
+    gemmf_body<FMT, BM, BN / 128, ST>(w, s, gs, x, y, M, N, K, KS, part, cnt);                      \
+  }
+// Tiles (registers on sm_90, no spills): 128x128 160 (one block per SM), 64x256 ~145 (one),
+// 64x128 128 (two). 128x256 (128 accumulators) spilled even at 255: ptxas hoists the 16 B-fragment
+// loads of a group pair (64 registers) ahead of the MMAs.
+GEMMF(2, 128, 128, 2, 1)
+GEMMF(2, 64, 256, 4, 1)
+GEMMF(2, 64, 128, 4, 2)
+GEMMF(8, 128, 128, 2, 1)
+GEMMF(8, 64, 256, 4, 1)
+GEMMF(8, 64, 128, 4, 2)
 
 // ---------------------------------------------------------------- MoE routing
 // slot_ids [A] -> offsets [S+1] (exclusive prefix of per-slot counts), perm [A] (assignments

@@ -69,7 +69,8 @@ def test_linear_matches_reference_all_m(backend, variant, qtype, n, k):
         assert err < 2e-3, f"{backend} {qtype.value} M={m}: relative error {err:.2e}"
 
 
-@pytest.fixture(params=[None, "mt", "128x128", "64x128", "64x64", "32x64"])
+@pytest.fixture(params=[None, "mt", "wmma", "128x128", "64x128", "64x64", "32x64", "f128x128", "f64x256",
+                        "f64x128"])
 def prefill(request):
     from hybrid.kernels import qpn
 
@@ -111,7 +112,9 @@ def split(request):
 
 
 @pytest.mark.parametrize("qtype,n,k,tile", [(QType.NVFP4, 1000, 2048, None), (QType.FP8, 136, 1056, "32x64"),
-                                            (QType.NVFP4, 200, 320, "128x128"), (QType.NVFP4, 90, 4096, "64x128")])
+                                            (QType.NVFP4, 200, 320, "128x128"), (QType.NVFP4, 90, 4096, "64x128"),
+                                            (QType.FP8, 136, 1056, "f64x128"), (QType.NVFP4, 300, 320, "f128x128"),
+                                            (QType.NVFP4, 90, 4096, "f64x256"), (QType.FP8, 1000, 2048, "wmma")])
 def test_prefill_split_k_matches_reference(backend, split, qtype, n, k, tile):
     """Split-K (forced 3, 16 splits or picked): fp32 partials in a scratch, the last block of a
     tile sums them in split order; N % 8 != 0, FP8 K = 32 mod 64 (the last split ends half-way
@@ -129,6 +132,33 @@ def test_prefill_split_k_matches_reference(backend, split, qtype, n, k, tile):
         assert torch.equal(qpn_linear(x, w), qpn_linear(x, w)), "split-K sum not deterministic"
     finally:
         qpn.PREFILL_VARIANT[0] = None
+
+
+@pytest.mark.parametrize("tile", ["f128x128", "f64x256", "f64x128"])
+@pytest.mark.parametrize("qtype,k", [(QType.NVFP4, 320), (QType.FP8, 352), (QType.NVFP4, 1024), (QType.FP8, 1056)])
+def test_prefill_gemmf_tile_edges(tile, qtype, k):
+    """The sm_80+ register-fragment GEMM, each tile forced, native build: M on both sides of the
+    64- and 128-row tiles, N below one 16-row weight tile, not a multiple of 8 or of the block's
+    BN (a warp's tiles past N), FP8 K = 32 mod 64 (the last stage half empty), splits forced
+    (none, 2, 7, more than k-steps); fresh inputs, poisoned outputs."""
+    from hybrid.kernels import qpn
+
+    major, _ = torch.cuda.get_device_capability()
+    if major < 8:
+        pytest.skip("gemmf needs sm_80+")
+    qpn.PREFILL_VARIANT[0] = tile
+    try:
+        for n in (5, 136, 300):
+            qw = MAKE[qtype](n, k, seed=n * 3 + k)
+            w = QPNWeight.from_qweight(qw, "cuda")
+            wref = qw.dequantize(torch.float64)
+            for split in (None, 1, 2, 7, 64):
+                qpn.PREFILL_SPLIT[0] = split
+                for m in (17, 63, 64, 65, 127, 129, 200):
+                    _check_linear(w, wref, m, k, n, f"{tile} split={split} {qtype.value} N={n}")
+    finally:
+        qpn.PREFILL_VARIANT[0] = None
+        qpn.PREFILL_SPLIT[0] = None
 
 
 def test_prefill_split_k_in_cuda_graph():

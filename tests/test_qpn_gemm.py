@@ -198,10 +198,11 @@ def test_split_choice():
 def test_prefill_plan():
     assert prefill_plan(2, 16, 4096, 2048, 132, 90) is None
     assert prefill_plan(2, 512, 4096, 2048, 132, 90, "mt") is None
-    p = prefill_plan(2, 64, 5120, 25600, 132, 90)
+    p = prefill_plan(2, 64, 5120, 25600, 132, 90, "wmma")
     assert (p.kernel, p.grid, p.ks, p.label) == ("qpn2_gemm_64x128", (1, 40, 6), 67, "gemm_64x128/s6")
-    p = prefill_plan(8, 512, 151936, 2048, 132, 90)
+    p = prefill_plan(8, 512, 151936, 2048, 132, 90, "wmma")
     assert (p.kernel, p.grid, p.label) == ("qpn8_gemm_128x128", (4, 1187, 1), "gemm_128x128")
+    assert prefill_plan(8, 512, 151936, 2048, 132, 70).kernel == "qpn8_gemm_128x128"  # below sm_80: WMMA
     assert prefill_plan(8, 512, 151936, 2048, 80, 70).kernel == "qpn8_gemm_128x128"
     assert prefill_plan(8, 128, 8192, 4096, 132, 90, "128x128").grid == (1, 64, 2)  # 128 blocks, one per SM
     assert prefill_plan(2, 64, 2048, 4096, 132, 90, "32x64", 2).grid == (2, 32, 2)
@@ -213,10 +214,36 @@ def test_prefill_kernel_routing():
         return None if plan is None else plan.kernel
 
     assert kernel(2, PREFILL_MIN, 4096, 132) is None
-    assert kernel(2, PREFILL_MIN + 1, 151936, 132).startswith("qpn2_gemm_")
-    assert kernel(2, 64, 4096, 132, k=2048) == "qpn2_gemm_64x128"   # split over K (prefill_plan)
+    assert kernel(2, PREFILL_MIN + 1, 151936, 132).startswith("qpn2_gemmf_")        # sm_80+: gemmf
+    assert kernel(2, PREFILL_MIN + 1, 151936, 80, sm=70).startswith("qpn2_gemm_")   # Volta: WMMA
+    assert kernel(2, PREFILL_MIN + 1, 151936, 80, sm=75).startswith("qpn2_gemm_")
+    assert kernel(2, 64, 4096, 132, "wmma", k=2048) == "qpn2_gemm_64x128"   # split over K (prefill_plan)
+    assert kernel(2, 512, 4096, 132, "f128x128") == "qpn2_gemmf_128x128"
+    assert kernel(8, 64, 4096, 132, "f64x256") == "qpn8_gemmf_64x256"
+    assert kernel(2, 512, 4096, 132, "f128x128", sm=70) == kernel(2, 512, 4096, 132, sm=70)  # no gemmf: WMMA pick
+    with pytest.raises(ValueError, match="f128x128"):
+        kernel(2, 512, 4096, 132, "f32x32")
     assert kernel(8, 512, 4096, 132, "mt") is None
     assert kernel(8, 512, 4096, 132, "64x128") == "qpn8_gemm_64x128"
+
+
+def test_gemmf_tile_and_splits():
+    """The sm_80+ picker: BM no larger than M rounded up (>= 64); a grid that would leave SMs idle is
+    split over K; a forced split count is kept; every plan covers the problem."""
+    from hybrid.kernels.qpn import GEMMF_TILES, gemmf_tile
+
+    sms = 132
+    assert gemmf_tile(64, 151936, 2048, sms)[0] == 64
+    assert gemmf_tile(17, 4096, 2048, sms)[0] == 64
+    p = prefill_plan(2, 64, 5120, 25600, sms, 90)        # dense_down M = 64: 40 or 20 tiles alone
+    assert p.kernel.startswith("qpn2_gemmf_") and p.grid[2] > 1
+    assert prefill_plan(2, 64, 5120, 25600, sms, 90, None, 1).grid[2] == 1
+    for m in (17, 64, 100, 512):
+        for n, k in ((4096, 2048), (2048, 4096), (151936, 2048), (768, 2048), (5, 128)):
+            p = prefill_plan(8, m, n, k, sms, 90)
+            bm, bn = (int(v) for v in p.kernel.rsplit("_", 1)[1].split("x"))
+            assert (bm, bn) in GEMMF_TILES
+            assert p.grid[0] * bm >= m and p.grid[1] * bn >= n and p.grid[2] * p.ks * 64 >= k
 
 
 def test_prefill_variant_from_environment():

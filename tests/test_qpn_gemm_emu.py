@@ -77,7 +77,7 @@ def emu_source() -> str:
     rule = "// " + "-" * 64 + " "
     head = src[src.index("typedef unsigned int u32;"): src.index(rule + "loads, conversions")]
     decode = "".join(re.findall(r"__device__ __forceinline__ void dec_fp[48]\(.*?\n\}\n", src, re.S))
-    gemm = src[src.index(rule + "prefill"): src.index(rule + "MoE routing")]
+    gemm = src[src.index(rule + "prefill"): src.index(rule + "prefill GEMM, sm_80+")]
     # the inline-PTX helpers are the shim's
     gemm = re.sub(r"__device__ __forceinline__ (u32|u32x4|f32x4|float|void) (ld_x16|ld_part4|ld_part|wmma_ld_a|"
                   r"wmma_ld_b|wmma_mma|wmma_st)\(.*?\n\}\n", "", gemm, flags=re.S)

@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--git-sha", default="unknown")
     ap.add_argument("--bench-args", default="", help="extra arguments for hybrid-bench cuda-kernels")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--test-k", default="", help="pytest -k expression (a subset of the GPU tests)")
     ap.add_argument("--test-timeout", type=int, default=200)
     ap.add_argument("--bench-timeout", type=int, default=260)
     args = ap.parse_args(argv)
@@ -65,7 +66,8 @@ def main(argv=None) -> int:
     rc_t = 0
     if not args.skip_tests:
         rc_t = stage("tests", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                               "tests/test_qpn_cuda.py"], args.out / "tests.log", args.test_timeout)
+                               "tests/test_qpn_cuda.py", *(["-k", args.test_k] if args.test_k else [])],
+                     args.out / "tests.log", args.test_timeout)
     command = f"python3 tools/gpu_qpn_check.py {' '.join(argv or sys.argv[1:])}"
     rc_b = stage("bench", [sys.executable, "-m", "hybrid.cli.bench", "cuda-kernels", "--out",
                            str(args.out / "cuda_kernels"), "--git-sha", args.git_sha,

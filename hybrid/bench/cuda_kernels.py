@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--m", default=",".join(map(str, MS)), help="timing: comma list of M values")
     p.add_argument("--shapes", default="all", help="timing: comma list of shape names or 'all'")
     p.add_argument("--reps", type=int, default=40, help="timed launches per measurement")
+    p.add_argument("--prefill-variants", default="",
+                   help="timing: comma list of prefill kernel choices (qpn.PREFILL_VARIANT: wmma, mt, "
+                        "<BM>x<BN>, f<BM>x<BN>) also timed, forced, on the selected shapes at the "
+                        "selected M > 16; rows tagged shape[choice] (A/B of the prefill GEMMs)")
     p.add_argument("--git-sha", default=None, help="git sha to record (default: git rev-parse HEAD)")
     p.add_argument("--command", default=None, help="command line to record (default: argv)")
     p.add_argument("--from-jsonl", type=Path, default=None,
@@ -254,6 +258,29 @@ def bench_variants(fmts, reps, read_bw):
     return out
 
 
+def bench_prefill_variants(fmts, shapes, ms, choices, reps, read_bw):
+    """Each prefill kernel choice forced (qpn.PREFILL_VARIANT) on the given shapes and M, rows
+    tagged shape[choice], their kernel the launch's plan label (or mt<MT>)."""
+    from hybrid.kernels import qpn
+
+    out = []
+    sm, sms = torch_sm(), torch_sms()
+    try:
+        for choice in choices:
+            qpn.prefill_plan(2, 64, 64, 64, sms, sm, choice)  # an unknown choice fails here, once
+            qpn.PREFILL_VARIANT[0] = choice
+            for qtype in fmts:
+                fmt = 2 if qtype.value == "nvfp4" else 8
+                for name, n, k in shapes:
+                    for r in bench_linear(name, n, k, qtype, ms, reps, read_bw):
+                        plan = qpn.prefill_plan(fmt, r["m"], n, k, sms, sm, choice)
+                        kern = plan.label if plan else f"mt{qpn._mt(r['m'], sm)}"
+                        out.append({**r, "shape": f"{name}[{choice}]", "kernel": kern})
+    finally:
+        qpn.PREFILL_VARIANT[0] = None
+    return out
+
+
 def torch_sms() -> int:
     import torch
 
@@ -378,6 +405,9 @@ def bench(args) -> int:
     sms = torch_sms()
 
     recs = [{**r, "kernel": kernel(r)} for r in recs]
+    recs += bench_prefill_variants(fmts, shapes, [m for m in ms if m > qpn.PREFILL_MIN],
+                                   [v for v in args.prefill_variants.split(",") if v], args.reps,
+                                   read_bw)
     if args.shapes == "all":
         recs += bench_variants(fmts, args.reps, read_bw)
     write_results(args.out, env, recs)

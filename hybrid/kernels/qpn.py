@@ -28,10 +28,12 @@ MAX_SLOTS = 1024
 # benchmark, tests.
 LINEAR_VARIANT: list[str | None] = [None]
 MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
-# M > PREFILL_MIN linear kernel: None = the shared-memory tiled GEMM with the tile picked by
-# gemm_tile (split over K by gemm_splits); "mt" = the 8-row-tile kernels (qpn{2,8}_linear_mt{2,4},
-# the path before it; A/B);
-# "<BM>x<BN>" (one of GEMM_TILES) forces a tile: benchmark, tests; initial value from
+# M > PREFILL_MIN linear kernel: None = on sm_80+ the register-fragment GEMM (qpn{2,8}_gemmf_*,
+# tile by gemmf_tile), below sm_80 the shared-memory tiled WMMA GEMM (qpn{2,8}_gemm_*, tile by
+# gemm_tile), each split over K by gemm_splits; "wmma" = the WMMA GEMM on any device (the sm_80+
+# path before gemmf; A/B); "mt" = the 8-row-tile kernels (qpn{2,8}_linear_mt{2,4}, the path before
+# that); "<BM>x<BN>" (one of GEMM_TILES) forces a WMMA tile, "f<BM>x<BN>" (one of GEMMF_TILES) a
+# gemmf tile (below sm_80: the WMMA pick): benchmark, tests; initial value from
 # $HYBRID_QPN_PREFILL (A/B runs of whole programs).
 PREFILL_VARIANT: list[str | None] = [os.environ.get("HYBRID_QPN_PREFILL") or None]
 PREFILL_MIN = 16
@@ -127,11 +129,12 @@ def gemm_cost(m: int, n: int, tile: tuple[int, int], sms: int, splits: int, ks: 
 
 
 def gemm_splits(m: int, n: int, k: int, tile: tuple[int, int], sms: int,
-                force: int | None = None) -> tuple[int, int]:
+                force: int | None = None, cost=None) -> tuple[int, int]:
     """(splits, KS): K splits of the tiled GEMM and k-steps of 64 per split (the last may be shorter):
-    the split count of least gemm_cost (ties: fewer), each split at least GEMM_MIN_KSTEPS k-steps,
-    at most GEMM_MAX_SPLITS splits and GEMM_MAX_PART_BYTES of partials per output tile.
-    force: that many splits (clamped to 1..k-steps)."""
+    the split count of least cost (default gemm_cost; gemmf_cost for the sm_80+ kernels; ties:
+    fewer), each split at least GEMM_MIN_KSTEPS k-steps, at most GEMM_MAX_SPLITS splits and
+    GEMM_MAX_PART_BYTES of partials per output tile. force: that many splits (clamped to 1..k-steps)."""
+    cost = cost or gemm_cost
     nk = -(-k // 64)
     if force is not None:
         ks = -(-nk // max(1, min(int(force), nk)))
@@ -141,10 +144,50 @@ def gemm_splits(m: int, n: int, k: int, tile: tuple[int, int], sms: int,
     for want in range(1, cap + 1):
         ks = -(-nk // want)
         splits = -(-nk // ks)
-        c = gemm_cost(m, n, tile, sms, splits, ks)
+        c = cost(m, n, tile, sms, splits, ks)
         if best is None or c < best[0]:
             best = (c, splits, ks)
     return best[1], best[2]
+
+
+# sm_80+ prefill GEMM qpn{2,8}_gemmf_<BM>x<BN> (weights decoded straight into the MMA's A fragments,
+# activations through a cp.async ring): tile -> blocks resident per SM (registers; qpn.cu GEMMF)
+GEMMF_TILES = {(128, 128): 1, (64, 256): 1, (64, 128): 2}
+# gemmf_cost: microseconds of one 64-k step of one block alone on an H200 SM. NOT YET MEASURED:
+# first guesses at ~500 TFLOP/s on the whole device for the 128-row tile (to be fit to the
+# forced-tile rows of hybrid-bench cuda-kernels, as GEMM_SMEM was)
+GEMMF_STEP_US = {(128, 128): 0.55, (64, 256): 0.55, (64, 128): 0.30}
+GEMMF_PAIR_RATE = 0.88   # two resident blocks of a 2-per-SM tile: each step costs 2 x this x alone
+GEMMF_PART_US = 2.4e-7   # per byte of split-K partials written and read back (8 us per 33.5 MB: q_proj fit above)
+GEMMF_TAIL_US = 5e-6     # per byte of partials the last block of an output tile sums alone
+
+
+def gemmf_cost(m: int, n: int, tile: tuple[int, int], sms: int, splits: int, ks: int) -> float:
+    """Modelled microseconds of a gemmf launch: the busiest SM's blocks (ceil(blocks / SMs)) x ks
+    k-steps x GEMMF_STEP_US, x 2 GEMMF_PAIR_RATE / 2 per block where two share an SM; when split,
+    + the fp32 partials written and read back + the partial tiles the last block of each output tile
+    sums alone."""
+    blocks = -(-m // tile[0]) * -(-n // tile[1]) * splits
+    per_sm = -(-blocks // sms)
+    cost = per_sm * ks * GEMMF_STEP_US[tile] * (GEMMF_PAIR_RATE if per_sm > 1 and GEMMF_TILES[tile] > 1 else 1.0)
+    if splits > 1:
+        cost += splits * m * n * 8 * GEMMF_PART_US + splits * tile[0] * tile[1] * 4 * GEMMF_TAIL_US
+    return cost
+
+
+def gemmf_tile(m: int, n: int, k: int, sms: int, choice: str | None = None) -> tuple[int, int]:
+    """(BM, BN) of the sm_80+ GEMM: of GEMMF_TILES with BM no larger than M rounded up to a power of
+    two (>= 64), the one of least gemmf_cost with the K splits gemm_splits gives it (ties: the
+    first listed). choice "f<BM>x<BN>" forces a tile."""
+    if choice is not None:
+        tile = tuple(int(v) if v.isdigit() else -1 for v in choice[1:].split("x"))
+        if tile not in GEMMF_TILES:
+            raise ValueError(f"PREFILL_VARIANT: expected one of "
+                             f"{', '.join(f'f{a}x{b}' for a, b in GEMMF_TILES)}, got {choice!r}")
+        return tile
+    cap = max(64, 1 << (m - 1).bit_length())
+    fits = [t for t in GEMMF_TILES if t[0] <= cap]
+    return min(fits, key=lambda t: gemmf_cost(m, n, t, sms, *gemm_splits(m, n, k, t, sms, cost=gemmf_cost)))
 
 
 @dataclass(frozen=True)
@@ -164,11 +207,19 @@ class GemmPlan:
 
 def prefill_plan(fmt: int, m: int, n: int, k: int, sms: int, sm: int, choice: str | None = None,
                  split: int | None = None) -> GemmPlan | None:
-    """The tiled GEMM launch for M rows on an sm_<sm> device with `sms` SMs (None: M <= PREFILL_MIN
-    or the 'mt' variant: the 8-row-tile kernels)."""
+    """The GEMM launch for M rows on an sm_<sm> device with `sms` SMs (None: M <= PREFILL_MIN or the
+    'mt' variant: the 8-row-tile kernels): on sm_80+ the register-fragment GEMM (gemmf), else (or
+    with the 'wmma' variant or a forced WMMA tile) the shared-memory tiled WMMA GEMM."""
     if m <= PREFILL_MIN or choice == "mt":
         return None
-    bm, bn = gemm_tile(m, n, sms, choice, sm, k)
+    forced_f = choice is not None and choice.startswith("f")
+    if sm >= 80 and (choice is None or forced_f):
+        bm, bn = gemmf_tile(m, n, k, sms, choice)
+        splits, ks = gemm_splits(m, n, k, (bm, bn), sms, force=split, cost=gemmf_cost)
+        return GemmPlan(f"qpn{fmt}_gemmf_{bm}x{bn}", (-(-m // bm), -(-n // bn), splits), ks)
+    if forced_f:
+        gemmf_tile(m, n, k, sms, choice)   # a valid name all the same
+    bm, bn = gemm_tile(m, n, sms, None if choice in ("wmma", None) or forced_f else choice, sm, k)
     splits, ks = gemm_splits(m, n, k, (bm, bn), sms, force=split)
     return GemmPlan(f"qpn{fmt}_gemm_{bm}x{bn}", (-(-m // bm), -(-n // bn), splits), ks)
 

@@ -1,0 +1,174 @@
+"""The sm_80+ prefill GEMM of cuda/qpn.cu (qpn{2,8}_gemmf_<BM>x<BN>) run on the CPU: its CUDA source
+compiled as C++ under the shim of tests/cuda_emu.py with QPN_MMA = 2, the inline-PTX helpers in C++
+-- cp.async as an immediate copy, ld.shared, and mma.sync m16n8k16 exchanging the real fragment
+layout of the PTX ISA across the warp -- against the torch reference. Catches the permuted
+activation layout, the fragment / lane indexing, the ring's stage and slot logic, the FP8 half
+stage, the epilogue and split-K without a GPU; timing and the real tensor cores are checked on a
+GPU (tests/test_qpn_cuda.py)."""
+import ctypes
+import re
+
+import pytest
+import torch
+
+from hybrid.checkpoint.formats import QType
+from hybrid.kernels import build, layout
+from hybrid.kernels.qpn import GEMMF_TILES
+from tests.cuda_emu import SHIM, compile_emu
+from tests.test_qpn_layout import fp8, nvfp4
+
+HELPERS = r"""
+inline void __trap() { abort(); }
+inline u32x4 ld_stream(const u32x4* p) { return *p; }
+inline u64 ld_stream64(const u64* p) { return *p; }
+inline float ld_part(const float* p) { return *p; }
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline _Float16 hf(u32 bits) { u16 b = (u16)bits; _Float16 x; memcpy(&x, &b, 2); return x; }
+inline u32 hb(_Float16 x) { u16 b; memcpy(&b, &x, 2); return b; }
+inline u16 f_to_h(float f) { return (u16)hb((_Float16)f); }
+inline u32 dec_scale(u32 w, int odd) {  // (scale * 2^-8) * 2^15 in fp16, round to nearest
+  u32 h = (odd ? (w >> 1) : (w << 7)) & 0x3F803F80u;
+  return hb((_Float16)((float)hf(h) * 32768.f)) | (hb((_Float16)((float)hf(h >> 16) * 32768.f)) << 16);
+}
+inline u32 hmul2_splat(u32 a, u32 s, int hi) {
+  const float sv = (float)hf(hi ? s >> 16 : s);
+  return hb((_Float16)((float)hf(a) * sv)) | (hb((_Float16)((float)hf(a >> 16) * sv)) << 16);
+}
+// shared addresses: the low 32 bits; every shared array of a kernel lies in one static object
+thread_local uintptr_t smem_hi;
+inline u32 smem_addr(const void* p) { smem_hi = (uintptr_t)p & ~(uintptr_t)0xFFFFFFFFu; return (u32)(uintptr_t)p; }
+inline char* smem_ptr(u32 a) { return (char*)(smem_hi | a); }
+inline void cp_async8(u32 dst, const void* src) { memcpy(smem_ptr(dst), src, 8); }
+inline void cp_commit() {}
+template <int N> inline void cp_wait() {}
+inline u32x4 lds128(u32 a) { u32x4 v; memcpy(&v, smem_ptr(a), 16); return v; }
+// mma.sync.m16n8k16.row.col f32.f16.f16.f32 with the PTX ISA's fragment layout (g = l / 4, c = l % 4):
+// A a0 (g, 2c..2c+1) a1 (g+8, ..) a2 (g, 2c+8..) a3 (g+8, 2c+8..); B b0 (k 2c..2c+1, n g) b1 (k 2c+8..);
+// D d0 d1 (g, 2c..2c+1), d2 d3 (g+8, 2c..2c+1)
+static u32 fa[8][32][4], fb[8][32][2];
+inline void mma_tile(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  fa[w][l][0] = a0, fa[w][l][1] = a1, fa[w][l][2] = a2, fa[w][l][3] = a3, fb[w][l][0] = b0, fb[w][l][1] = b1;
+  warp_bar[w]->arrive_and_wait();
+  auto A = [&](int r, int k) {
+    const int ln = 4 * (r & 7) + (k & 7) / 2, reg = (r >> 3) + 2 * (k >> 3);
+    return (float)hf(fa[w][ln][reg] >> (16 * (k & 1)));
+  };
+  auto B = [&](int k, int n) {
+    const int ln = 4 * n + (k & 7) / 2;
+    return (float)hf(fb[w][ln][k >> 3] >> (16 * (k & 1)));
+  };
+  for (int e = 0; e < 4; ++e) {
+    const int r = (l >> 2) + 8 * (e >> 1), n = 2 * (l & 3) + (e & 1);
+    float s = d[e];
+    for (int k = 0; k < 16; ++k) s += A(r, k) * B(k, n);
+    d[e] = s;
+  }
+  warp_bar[w]->arrive_and_wait();
+}
+"""
+
+TILE_NAMES = [f"{bm}x{bn}" for bm, bn in GEMMF_TILES]
+RULE = "// " + "-" * 64 + " "
+
+
+def _function(src: str, name: str) -> str:
+    m = re.search(r"(template <[^>]*>\n)?__device__ __forceinline__ void " + name + r"\(.*?\n\}\n", src, re.S)
+    assert m, name
+    return m.group(0)
+
+
+def emu_source() -> str:
+    src = build.source()
+    head = src[src.index("typedef unsigned int u32;"): src.index(RULE + "loads, conversions")]
+    helpers = "".join(_function(src, f) for f in ("dec_fp4", "dec_fp8", "tile_ptrs", "store_y", "store_part",
+                                                   "add_part", "sum_parts"))
+    gemmf = src[src.index(RULE + "prefill GEMM, sm_80+"): src.index(RULE + "MoE routing")]
+    assert "asm" not in gemmf + helpers, "an inline-PTX helper the shim does not replace"
+    part4 = "inline f32x4 ld_part4(const float* p) { f32x4 v; memcpy(&v, p, 16); return v; }\n"
+    entry = "".join(
+        f'extern "C" void emu_{f}_{t}(int gx, int gy, int gz, int rev, const u32x4* w, const u64* s, float gs, '
+        f'const u16* x, u16* y, int M, int N, int K, int KS, float* part, int* cnt) {{ run_grid(gx, gy, THREADS, '
+        f'[&] {{ qpn{f}_gemmf_{t}(w, s, gs, x, y, M, N, K, KS, 1, part, cnt); }}, gz, rev); }}\n'
+        for f in (2, 8) for t in TILE_NAMES)
+    return (SHIM + "#define __CUDA_ARCH__ 900\n#include <cstdlib>\n" + head
+            + "struct __align__(16) f32x4 { float x, y, z, w; };\n" + HELPERS + part4 + helpers + gemmf + entry)
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    return compile_emu(tmp_path_factory, "qpn_gemmf_emu", emu_source())
+
+
+P = lambda t: ctypes.c_void_p(t.data_ptr())   # noqa: E731
+I = ctypes.c_int  # noqa: E741
+
+
+def emu_gemmf(lib, x, qw, tile, splits=1, reverse=False):
+    """y[M, N] from the emulated kernel (grid and KS as the launcher sizes them for `splits`)."""
+    n, k = qw.shape
+    m = x.shape[0]
+    bm, bn = (int(v) for v in tile.split("x"))
+    if qw.qtype is QType.NVFP4:
+        words, scales = layout.pack_nvfp4(qw)
+    else:
+        words, scales = layout.pack_fp8(qw), torch.zeros(16, dtype=torch.uint8)
+    y = torch.full((m, n), float("nan")).half()                               # poisoned output
+    fmt = 2 if qw.qtype is QType.NVFP4 else 8
+    gx, gy, nk = -(-m // bm), -(-n // bn), -(-k // 64)
+    ks = -(-nk // splits)
+    gz = -(-nk // ks)
+    part = torch.full((gz, m, n), float("nan"))                               # poisoned scratch
+    cnt = torch.zeros(gx * gy, dtype=torch.int32)
+    getattr(lib, f"emu_{fmt}_{tile}")(I(gx), I(gy), I(gz), I(int(reverse)), P(words), P(scales),
+                                      ctypes.c_float(layout.global_scale(qw)), P(x), P(y), I(m), I(n), I(k),
+                                      I(ks), P(part), P(cnt))
+    if gz > 1:
+        assert (cnt == gz).all(), "every split of every tile must arrive once"
+    return y
+
+
+def _check(y, x, qw):
+    assert not torch.isnan(y).any(), "unwritten outputs"
+    ref = x.double() @ qw.dequantize(torch.float64).t()
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-3, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype,n,k,m,tile", [
+    (QType.NVFP4, 200, 320, 17, "64x128"),      # N, M not multiples of the tile; 5 k-steps, 4-stage ring
+    (QType.NVFP4, 40, 192, 129, "128x128"),     # warps whose tiles lie past N; 2-stage ring
+    (QType.FP8, 72, 352, 33, "64x256"),         # K = 32 mod 64: the last stage holds one chunk
+    (QType.FP8, 130, 160, 100, "128x128"),
+    (QType.NVFP4, 5, 128, 64, "64x256"),        # N below one 16-row tile, N % 8 != 0
+])
+def test_emulated_gemmf(emu, qtype, n, k, m, tile):
+    qw = {QType.NVFP4: nvfp4, QType.FP8: fp8}[qtype](n, k, seed=n + k + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half()
+    _check(emu_gemmf(emu, x, qw, tile), x, qw)
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+def test_emulated_gemmf_largest_scales(emu, qtype):
+    from tests.test_qpn_gemm import max_scale_weight
+
+    qw = max_scale_weight(qtype, 40, 256)
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(3)).half() * 30
+    y = emu_gemmf(emu, x, qw, "64x128")
+    assert torch.isfinite(y).all()
+    _check(y, x, qw)
+
+
+@pytest.mark.parametrize("qtype,n,k,m,tile,splits,reverse", [
+    (QType.NVFP4, 200, 640, 70, "64x128", 3, False),   # 10 k-steps as 4 + 4 + 2
+    (QType.NVFP4, 90, 512, 33, "64x256", 8, True),     # one k-step per split, N % 8 != 0
+    (QType.FP8, 72, 480, 40, "128x128", 4, True),      # K = 32 mod 64: the last split ends half-way
+])
+def test_emulated_gemmf_split_k(emu, qtype, n, k, m, tile, splits, reverse):
+    """Split-K: fp32 partials per split, the last block of each output tile to arrive sums them in
+    split order (the result does not depend on which block arrives last)."""
+    qw = {QType.NVFP4: nvfp4, QType.FP8: fp8}[qtype](n, k, seed=n + k + m + splits)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + splits)).half()
+    y = emu_gemmf(emu, x, qw, tile, splits=splits, reverse=reverse)
+    _check(y, x, qw)
+    assert torch.equal(y, emu_gemmf(emu, x, qw, tile, splits=splits, reverse=not reverse))
