@@ -16,7 +16,7 @@ from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
 
 RUNTIME_FLAGS = ("gpus", "layer_split", "kv_resident", "cache_slots", "cpu_threads", "hugepages",
                  "pcie_frac", "profile", "vram_cap", "stats", "stats_every", "trace", "expert_profile",
-                 "cache_policy", "cpu_engine", "metrics", "hybrid")
+                 "cache_policy", "cpu_engine", "metrics", "hybrid", "prefill_offload_min")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +74,9 @@ def _runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="back the CPU expert store with 2 MiB hugepages (default auto)")
     r.add_argument("--prefill-chunk", default=None, metavar="N|auto",
                    help="prompt tokens per forward pass (default auto: the plan's chunk, else the whole prompt)")
+    r.add_argument("--prefill-offload-min", default=None, metavar="N",
+                   help="prefill steps of at least N tokens copy the experts they miss to the card and run "
+                        "them there instead of on the CPU (0 = never; default 128)")
     r.add_argument("--pcie-frac", type=float, default=None, metavar="F",
                    help="fraction of the PCIe link expert promotions may use per step (default 0.1)")
     r.add_argument("--profile", default=None, metavar="NAME|FILE",
@@ -215,13 +218,24 @@ def options_from_args(args, num_layers: int):
     slots = None if args.cache_slots in (None, "auto") else parse_ints("--cache-slots", args.cache_slots)
     cap = None if args.vram_cap is None else parse_floats("--vram-cap", args.vram_cap)
     chunk = None if args.prefill_chunk in (None, "auto") else parse_ints("--prefill-chunk", args.prefill_chunk)[0]
+    offload = {} if args.prefill_offload_min is None else {"prefill_offload_min": _tokens(args.prefill_offload_min)}
     return RuntimeOptions(device=args.device, gpus=gpus, layer_split=split, kv_resident=args.kv_resident,
                           kv_dtype=args.kv_dtype, cache_slots=slots, cpu_threads=args.cpu_threads,
                           hugepages=args.hugepages or "auto", prefill_chunk=chunk,
                           pcie_frac=0.1 if args.pcie_frac is None else args.pcie_frac,
                           profile=args.profile, vram_cap_gib=cap, expert_profile=args.expert_profile,
                           policy=args.cache_policy or "lfu-decay", cpu_engine=args.cpu_engine or "auto",
-                          trace=args.trace)
+                          trace=args.trace, **offload)
+
+
+def _tokens(text: str) -> int:
+    """--prefill-offload-min's value (RuntimeOptions checks the range)."""
+    from hybrid.errors import HybridError
+
+    try:
+        return int(text)
+    except ValueError:
+        raise HybridError(f"--prefill-offload-min {text}: expected a token count >= 0 (0 = off)") from None
 
 
 def _default_gpus(args, cards: int) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from hybrid.errors import PlanError
-from hybrid.planner.memory import GIB, KV_DTYPES, MIB, gib, kv_bytes, workspace_bytes
+from hybrid.planner.memory import GIB, KV_DTYPES, MIB, gib, kv_bytes, prefill_stage_bytes, workspace_bytes
 from hybrid.planner.model_bytes import ModelBytes
 from hybrid.planner.plan import CardPlan, HostPlan, Plan, PlanInputs
 from hybrid.planner.popularity import Popularity, allot_slots
@@ -26,7 +26,9 @@ class PlanRequest:
 
     gpus: profile GPU index per logical card (repeat an index for logical cards on one GPU);
     layer_split: card boundaries, None = auto; cache_slots: per card, None = auto (fill);
-    vram_cap_gib: per card, None = the GPU's memory shared evenly among its logical cards.
+    vram_cap_gib: per card, None = the GPU's memory shared evenly among its logical cards;
+    prefill_stage: experts per prefill staging group each card reserves room for (hybrid-run's
+    prefill offload; 0 = none reserved, planner.memory.prefill_stage_bytes), counted in workspace.
     """
 
     gpus: tuple[int, ...]
@@ -38,11 +40,14 @@ class PlanRequest:
     pcie_frac: float = 0.1
     context: int = 1024
     prefill_chunk: int = 512
+    prefill_stage: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.gpus)
         if self.kv_dtype not in KV_DTYPES:
             raise PlanError(f"--kv-dtype {self.kv_dtype}: expected one of {', '.join(KV_DTYPES)}")
+        if self.prefill_stage < 0:
+            raise PlanError(f"prefill staging group must be >= 0 experts, got {self.prefill_stage}")
         if self.kv_tokens < 0 or self.context < 0 or self.prefill_chunk <= 0:
             raise PlanError("--kv-resident and --context must be >= 0, --prefill-chunk > 0")
         if not 0.0 <= self.pcie_frac <= MAX_PCIE_FRAC:
@@ -129,7 +134,7 @@ def _card(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, i: int, layer
         dense += mb.final_norm + (mb.lm_head if not mb.tied else (0 if first else mb.embed))
     kv = kv_bytes(cfg, req.kv_tokens, len(layers), req.kv_dtype)
     ctx = int(gpu.context_mib.value * MIB) if req.gpus.index(g) == i else 0
-    ws = workspace_bytes(cfg, req.prefill_chunk, ctx, last)
+    ws = workspace_bytes(cfg, req.prefill_chunk, ctx, last) + prefill_stage_bytes(mb.slot_bytes, req.prefill_stage)
     parts = [("dense", dense), ("KV", kv), ("workspace", ws)]
     n_exp, slot = len(layers) * cfg.num_experts, mb.slot_bytes
     want = req.per_card(req.cache_slots, i)

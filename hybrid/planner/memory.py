@@ -12,6 +12,11 @@ C = prefill chunk tokens:
     moe         = C × top_k × (2·I + H) × 2 + C × E × 4  expert intermediates fp16, router logits fp32
     logits      = SPEC_ROWS × vocab × 4                  fp32, last card only (verify rows)
     graph       = GRAPH_RESERVE_MIB                      CUDA graph pools + allocator slack
+
+Prefill staging (per card, when prefill offload is on; hybrid.runtime.prefill_stream), with
+G = PREFILL_STAGE_GROUP experts per group and S = one expert slot's bytes:
+    staging     = 4 · G · S        two buffers of G slots, the device copy of one group as stored
+                                   (~S each), the NVFP4 pack's transients (< S per expert)
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ ATTN_TILE = 2048
 SPEC_ROWS = 8
 GRAPH_RESERVE_MIB = 256
 KV_DTYPES = ("fp16", "int8")
+PREFILL_STAGE_GROUP = 16    # experts per prefill staging group (two groups' slots per card)
 
 
 def kv_bytes_per_token_layer(cfg: ModelConfig, kv_dtype: str) -> int:
@@ -44,6 +50,11 @@ def workspace_bytes(cfg: ModelConfig, chunk: int, context_bytes: int, holds_head
     moe = c * cfg.num_experts_per_tok * (2 * cfg.moe_intermediate_size + h) * 2 + c * cfg.num_experts * 4
     logits = SPEC_ROWS * cfg.vocab_size * 4 if holds_head else 0
     return context_bytes + act + attn + moe + logits + GRAPH_RESERVE_MIB * MIB
+
+
+def prefill_stage_bytes(slot_bytes: int, group: int = PREFILL_STAGE_GROUP) -> int:
+    """Bytes a card reserves for prefill staging (formula above; group 0 = offload off)."""
+    return 4 * group * slot_bytes
 
 
 def gib(n: float) -> str:

@@ -23,6 +23,12 @@ hits in the graph too (through its table; hybrid.runtime.miss_link) and `linked`
 part in place: the lookup, the CPU's misses, their upload, the promotions. A promotion never
 evicts an expert the step uses (ExpertCache.evictable), so the hits still running on the card
 never read a slot that is being overwritten.
+
+Prefill offload (prefill_min > 0): in an eager prefill step of at least prefill_min tokens a layer's
+misses do not go to the CPU runner: they are streamed into the card's staging slots and run there
+by the same grouped kernel (hybrid.runtime.prefill_stream), after the hits. The cache's lookup,
+counters, promotions and trace are the same as without it (streamed experts are misses); their
+stored bytes count as PCIe kind "prefill_stream". Decode steps and `linked` never stream.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ import torch
 
 from hybrid.experts.cache import ExpertCache
 from hybrid.runtime.placement import CardSpec
+from hybrid.runtime.prefill_stream import PrefillStream
 from hybrid.runtime.slots import CardSlots
 from hybrid.runtime.stats import RuntimeStats
 
@@ -54,6 +61,7 @@ class CardRuntime:
                                                   #   device, -1 = not in a slot (updated in place)
     full: dict = field(default_factory=dict)      # layer -> its table, for layers whose every
                                                   #   expert is resident
+    prefill: PrefillStream | None = None          # staging slots for prefill offload (first use)
 
     @property
     def device(self) -> torch.device:
@@ -85,10 +93,12 @@ class HybridExperts:
     """ExpertExecutor over cards + a CPU runner. get_expert(layer, e) -> (gate, up, down) QWeight."""
 
     def __init__(self, cards: list[CardRuntime], cpu, get_expert, num_layers: int, stats: RuntimeStats,
-                 trace=None):
+                 trace=None, prefill_min: int = 0):
         self.cards, self.cpu, self.get_expert = cards, cpu, get_expert
         self.card_of = {l: c for c in cards for l in c.spec.layer_ids}
         self.num_layers, self.stats, self.trace = num_layers, stats, trace
+        self.prefill_min = int(prefill_min)  # prefill steps of >= this many tokens stream misses (0: off)
+        stats.pcie.setdefault("prefill_stream", 0)
         self._step: dict | None = None
         self.version = 0                     # bumped when a layer's residency may have changed
         self._tok: dict = {}                 # (T, k, device) -> token index of each pair [T*k] int32
@@ -100,7 +110,7 @@ class HybridExperts:
         self._step = {"t0": time.perf_counter(), "tokens": tokens, "phase": phase, "ids": [None] * self.num_layers,
                       "weights": [None] * self.num_layers, "hits": [0] * self.num_layers,
                       "promotions": [0] * self.num_layers, "gpu": [], "cpu_s": 0.0, "pcie": 0,
-                      "deferred": []}
+                      "deferred": [], "streamed": 0}
 
     def end_step(self) -> None:
         self._settle(self._step)
@@ -110,10 +120,12 @@ class HybridExperts:
         seconds = time.perf_counter() - st["t0"]
         self.stats.add_step(phase, seconds, st["tokens"])
         if self.trace is not None:
+            timings = {"step_ms": round(1e3 * seconds, 4), "gpu_expert_ms": round(1e3 * gpu_s, 4),
+                       "cpu_expert_ms": round(1e3 * st["cpu_s"], 4), "pcie_bytes": st["pcie"]}
+            if st["streamed"]:
+                timings["streamed_experts"] = st["streamed"]
             self.trace.step(np.stack(st["ids"]), weights=np.stack(st["weights"]), phase=phase,
-                            hits=st["hits"], promotions=st["promotions"],
-                            timings={"step_ms": round(1e3 * seconds, 4), "gpu_expert_ms": round(1e3 * gpu_s, 4),
-                                     "cpu_expert_ms": round(1e3 * st["cpu_s"], 4), "pcie_bytes": st["pcie"]})
+                            hits=st["hits"], promotions=st["promotions"], timings=timings)
 
     def abort_step(self) -> None:
         """Drop the step in progress (its forward raised)."""
@@ -181,14 +193,19 @@ class HybridExperts:
         lk = card.cache.lookup(layer, ids_h)
         hit = lk.slots >= 0                                                   # [T, k]
         mt, mj = np.nonzero(~hit)                                             # miss pairs [A_m]
-        if len(mt) and x_h is None:
+        stream = len(mt) > 0 and self.streams_prefill(x.shape[0])
+        if len(mt) and x_h is None and not stream:
             x_h = x.float().cpu().numpy()                                     # [T, H] f32
         self.stats.route_sync_s[layer] += time.perf_counter() - t0
         if small:
             self.add_pcie("act_d2h", x.numel() * 4)
-        handle = self.cpu.submit(layer, ids_h[mt, mj], mt, w_h[mt, mj], x_h) if len(mt) else None
+        cpu_pairs = len(mt) if not stream else 0
+        handle = self.cpu.submit(layer, ids_h[mt, mj], mt, w_h[mt, mj], x_h) if cpu_pairs else None
         t_sub = time.perf_counter()
         out = self._hits(card, layer, x, w_h, lk.slots, hit)                 # [T, H] fp32 or None
+        if stream:
+            y = self._stream(card, layer, x, ids_h[mt, mj], mt, w_h[mt, mj])  # [T, H] fp32
+            out = y if out is None else out + y
         if handle is not None:
             t_wait = time.perf_counter()
             y = torch.from_numpy(self.cpu.sync(handle))                       # [T, H] f32
@@ -199,8 +216,44 @@ class HybridExperts:
             y = y.to(x.device, non_blocking=False)
             out = y if out is None else out + y
         self._promote(card, layer, lk)
-        self._account(layer, x.is_cuda, ids_h, w_h, lk, len(mt), x.numel(), act_counted=small)
+        self._account(layer, x.is_cuda, ids_h, w_h, lk, cpu_pairs, x.numel(), act_counted=small)
         return out.to(x.dtype)
+
+    def streams_prefill(self, tokens: int) -> bool:
+        """Whether this step's misses are streamed to the card (an eager prefill step of at least
+        prefill_min tokens) instead of run on the CPU runner."""
+        st = self._step
+        return bool(self.prefill_min) and st["phase"] == "prefill" and tokens >= self.prefill_min
+
+    def _stream(self, card: CardRuntime, layer: int, x, expert_ids, token_rows, route_w) -> torch.Tensor:
+        """The layer's missed pairs [A] through the card's staging slots (prefill offload) -> [T, H]
+        fp32; timed like the hits (CUDA events on the GPU, so the wait for uploads is in it)."""
+        if card.prefill is None:
+            card.prefill = PrefillStream(card.device, card.stream)
+        ps, n0, b0 = card.prefill, card.prefill.experts, card.prefill.bytes
+        if x.is_cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = ps.run(layer, x, expert_ids, token_rows, route_w, self.get_expert)
+            b.record()
+            self._step["gpu"].append((layer, a, b))
+            self.add_pcie("prefill_stream", ps.bytes - b0)
+        else:
+            t0 = time.perf_counter()
+            out = ps.run(layer, x, expert_ids, token_rows, route_w, self.get_expert)
+            self.stats.gpu_expert_s[layer] += time.perf_counter() - t0
+        self._step["streamed"] += ps.experts - n0
+        return out
+
+    def prefill_stream_stats(self) -> dict:
+        """What prefill offload streamed, summed over the cards: experts, bytes, groups, layers."""
+        tot = {"experts": 0, "bytes": 0, "groups": 0, "layers": 0, "staging_bytes": 0}
+        for c in self.cards:
+            if c.prefill is not None:
+                for k, v in c.prefill.stats().items():
+                    tot[k] += v
+                tot["staging_bytes"] += c.prefill.nbytes
+        return tot
 
     def linked(self, layer: int, link) -> None:
         """The host's part of a can-miss layer whose hits ran inside its decode graph
@@ -370,7 +423,7 @@ class HybridExperts:
                 self.add_pcie("out_h2d", x_elems * 4)
 
     def add_pcie(self, kind: str, n: int) -> None:
-        self.stats.pcie[kind] += int(n)
+        self.stats.pcie[kind] = self.stats.pcie.get(kind, 0) + int(n)
         self._step["pcie"] += int(n)
 
 

@@ -8,6 +8,8 @@ from hybrid.errors import HybridError
 KV_DTYPES = ("fp16", "int8")
 HUGEPAGES = ("auto", "on", "off")
 CPU_ENGINES = ("auto", "numba", "torch")
+PREFILL_OFFLOAD_MIN = 128   # prefill steps of >= this many tokens stream their missed experts to the
+                            # card (hybrid.runtime.prefill_stream); see the hybrid-run flag's help
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class RuntimeOptions:
     policy: str = "lfu-decay"
     cpu_engine: str = "auto"
     trace: str | None = None
+    prefill_offload_min: int = PREFILL_OFFLOAD_MIN
 
     def __post_init__(self) -> None:
         n = len(self.gpus)
@@ -64,5 +67,8 @@ class RuntimeOptions:
             raise HybridError(f"--prefill-chunk must be >= 1 or auto, got {self.prefill_chunk}")
         if not 0.0 <= self.pcie_frac <= 1.0:
             raise HybridError(f"--pcie-frac must be a fraction in [0, 1], got {self.pcie_frac}")
+        if not isinstance(self.prefill_offload_min, int) or self.prefill_offload_min < 0:
+            raise HybridError(f"--prefill-offload-min must be a token count >= 0 (0 = off), "
+                              f"got {self.prefill_offload_min}")
         if self.cpu_engine not in CPU_ENGINES:
             raise HybridError(f"--cpu-engine {self.cpu_engine}: expected one of {', '.join(CPU_ENGINES)}")

@@ -107,7 +107,8 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     t4 = time.perf_counter()
     stats = RuntimeStats(cfg.num_hidden_layers)
     trace = _trace(opts, path, cfg, cards, placement, meta)
-    experts = HybridExperts(cards, cpu, get_expert, cfg.num_hidden_layers, stats, trace)
+    experts = HybridExperts(cards, cpu, get_expert, cfg.num_hidden_layers, stats, trace,
+                            prefill_min=opts.prefill_offload_min)
     model.experts = experts
     graphs = None
     if placement.cards[0].device.startswith("cuda"):
@@ -155,6 +156,7 @@ def _plan(path: Path, cfg: ModelConfig, opts: RuntimeOptions, prof, eprof: Exper
           eprof_path, context: int):
     """A planner Plan when a hardware profile `prof` is known (_hardware_profile); else None."""
     from hybrid.planner import ModelBytes, PlanRequest, Popularity, make_plan
+    from hybrid.planner.memory import PREFILL_STAGE_GROUP
 
     if prof is None:
         return None
@@ -163,7 +165,8 @@ def _plan(path: Path, cfg: ModelConfig, opts: RuntimeOptions, prof, eprof: Exper
                       kv_tokens=opts.kv_resident or max(context, 1), kv_dtype=opts.kv_dtype,
                       cache_slots=opts.cache_slots, vram_cap_gib=opts.vram_cap_gib,
                       pcie_frac=min(opts.pcie_frac, 0.9), context=context,
-                      prefill_chunk=opts.prefill_chunk or 512)
+                      prefill_chunk=opts.prefill_chunk or 512,
+                      prefill_stage=PREFILL_STAGE_GROUP if opts.prefill_offload_min else 0)
     return make_plan(ModelBytes.from_folder(path), prof, req, pop, model=path.resolve().name,
                      experts_path=None if eprof_path is None else str(eprof_path))
 

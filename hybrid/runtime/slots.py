@@ -191,7 +191,7 @@ class CardSlots:
         self.device = torch.device(device)
         self.layer_slots = dict(layer_slots)
         self.hold = HoldBudget(hold_bytes)             # CPU card: fp32 slot bytes (module doc)
-        self._store = {l: _make_store(n, hidden, inter, qtypes[l], self.device, use_kernels, self.hold)
+        self._store = {l: make_store(n, hidden, inter, qtypes[l], self.device, use_kernels, self.hold)
                        for l, (_, n) in self.layer_slots.items() if n > 0}
         self.kinds = sorted({type(g).__name__ for g in self._store.values()})
 
@@ -226,7 +226,7 @@ class CardSlots:
         return self._store[layer].moe(x, slot_ids, token_idx, route_w)
 
 
-def _make_store(n: int, hidden: int, inter: int, qtype, device, use_kernels: bool, hold=None):
+def make_store(n: int, hidden: int, inter: int, qtype, device, use_kernels: bool, hold=None):
     """QPN storage when the kernels take this type and shape, else the torch reference storage."""
     if use_kernels and getattr(qtype, "is_quantized", False) and kernels_available():
         try:

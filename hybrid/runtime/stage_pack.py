@@ -1,0 +1,96 @@
+"""Pack a group of experts' stored bytes into QPN slot storage on the device, in a few launches.
+
+Legend: G experts of the group, I expert intermediate, H hidden, N = G*2I (gate|up rows) or G*H
+(down rows), K in-features, Tn = N/16 tiles, C chunks per tile row (K/64 NVFP4, K/32 FP8).
+
+A prefill step streams every expert it misses (hybrid.runtime.prefill_stream): each is uploaded
+as stored (NVFP4: nibbles u8 [rows, K/2] + e4m3 group scales u8 [rows, K/16]; FP8: e4m3 bytes
+[rows, K]) and must land in the slot layout the grouped kernel reads (hybrid.kernels.layout).
+layout.pack_nvfp4 does one weight at a time in int64 (~70 launches, ~150 bytes of traffic per
+element): fine for a promotion, not for 128 experts per layer. Here the group's gate|up rows are
+stacked (the slot's w13 is gate tiles then up tiles, and I, H are multiples of 16, so no tile
+straddles two experts or two weights) and packed at once: each QPN2 word takes its eight nibbles
+from four bytes, one 256-entry table per (half, byte) position built from layout.FP4_BITS, so a
+word is four table lookups or'ed together (~15 bytes of traffic per element). Bit for bit what
+layout.pack_nvfp4 gives (tests/test_prefill_stream.py). FP8 is a byte shuffle: layout.pack_fp8.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybrid.checkpoint.formats import QType
+from hybrid.checkpoint.qweight import QWeight
+from hybrid.kernels import layout
+
+_LUTS: dict = {}
+
+
+def fp4_luts(device: torch.device) -> torch.Tensor:
+    """int32 [4, 256]: row 2*half + b maps a stored byte (nibbles kk = 2b low, 2b+1 high, sign
+    already folded) to its bits in the QPN2 word (layout.FP4_BITS)."""
+    device = torch.device(device)
+    lut = _LUTS.get(device)
+    if lut is None:
+        v = torch.arange(256, dtype=torch.int64)
+        rows = []
+        for half in (0, 1):
+            for b in (0, 1):
+                word = torch.zeros(256, dtype=torch.int64)
+                for kk, e in ((2 * b, v & 15), (2 * b + 1, v >> 4)):
+                    ms, ss = layout.FP4_BITS[(half, kk)]
+                    word |= ((e & 7) << ms) | ((e >> 3) << ss)
+                rows.append(word)
+        lut = torch.stack(rows)
+        lut = torch.where(lut >= 2 ** 31, lut - 2 ** 32, lut).to(torch.int32).to(device)
+        _LUTS[device] = lut
+    return lut
+
+
+def pack_nvfp4_rows(data: torch.Tensor, scale: torch.Tensor, words: torch.Tensor,
+                    scales: torch.Tensor) -> None:
+    """data u8 [N, K/2], scale u8 [N, K/16] (e4m3 bits) -> words int32 [Tn, C, 32, 4] and scales
+    u8 [Tn, C, 8, 8] (written in place; any contiguous tensors of those sizes). N % 16 == 0."""
+    n, k = data.shape[0], data.shape[1] * 2
+    if n % layout.TILE or k % 64:
+        raise ValueError(f"pack_nvfp4_rows: rows {n} must be a multiple of 16, in-features {k} of 64")
+    tn, c = n // layout.TILE, k // 64
+    sb = scale.view(tn, 2, 8, c, 4, 1, 1)                                  # t half r c j . .
+    flip = (sb >> 7) * 0x88                                               # fold the scale's sign
+    b = data.view(tn, 2, 8, c, 4, 4, 2) ^ flip                            # t half r c j q b
+    b = b.permute(0, 3, 2, 5, 4, 1, 6)                                    # t c r q j half b
+    out = words.view(tn, c, 8, 4, 4)                                      # t c r q j
+    lut = fp4_luts(data.device)
+    for i, (half, bb) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
+        idx = b[..., half, bb].to(torch.int32).reshape(-1)                # [Tn*C*8*4*4]
+        part = lut[i].index_select(0, idx).view(tn, c, 8, 4, 4)
+        if i == 0:
+            out.copy_(part)
+        else:
+            out.bitwise_or_(part)
+    sc = (scale & 0x7F).view(tn, 2, 8, c, 2, 2)                           # t half r c w jj
+    scales.view(tn, c, 8, 8).copy_(sc.permute(0, 3, 2, 4, 1, 5).reshape(tn, c, 8, 8))
+
+
+def pack_fp8_rows(data: torch.Tensor, words: torch.Tensor) -> None:
+    """data u8 [N, K] (e4m3 bits) -> words int32 [Tn, C, 32, 4], in place."""
+    n, k = data.shape
+    qw = QWeight(QType.FP8, (n, k), data.view(torch.float8_e4m3fn))
+    words.view(-1).copy_(layout.pack_fp8(qw).view(-1))
+
+
+def pack_group(slots, g: int, raw: dict) -> None:
+    """The first g slots of QPNExpertSlots `slots` from the group's stored bytes on its device:
+    raw = {'d13': u8 [G, 2I, H/2 or H], 'd2': u8 [G, H, I/2 or I], 'gs': f32 [G, 3]} (+ 's13' u8
+    [G, 2I, H/16], 's2' u8 [G, H, I/16] for NVFP4); rows of gate then up, as the slot holds them."""
+    h, i = slots.hidden, slots.inter
+    if slots.qtype is QType.NVFP4:
+        pack_nvfp4_rows(raw["d13"][:g].reshape(g * 2 * i, h // 2), raw["s13"][:g].reshape(g * 2 * i, h // 16),
+                        slots.w13[:g], slots.s13[:g])
+        pack_nvfp4_rows(raw["d2"][:g].reshape(g * h, i // 2), raw["s2"][:g].reshape(g * h, i // 16),
+                        slots.w2[:g], slots.s2[:g])
+    else:
+        pack_fp8_rows(raw["d13"][:g].reshape(g * 2 * i, h), slots.w13[:g])
+        pack_fp8_rows(raw["d2"][:g].reshape(g * h, i), slots.w2[:g])
+    slots.gs[:g].copy_(raw["gs"][:g])
+    for j in range(g):
+        slots.host[j] = True
