@@ -337,3 +337,52 @@ def test_bad_profiles_are_user_errors(tmp_path):
     bad.write_text(json.dumps({"model": "m"}))
     with pytest.raises(ProfileError, match="missing field"):
         load_profile(bad)
+
+
+@pytest.mark.parametrize("policy", ["lfu-decay", "lru", "static"])
+def test_lookup_resident_equals_one_lookup_per_layer(policy):
+    """The batched lookup of fully resident layers leaves counters, policy state and the step's
+    used sets exactly as one lookup per layer would: seeded scores, skipped steps (decay gaps),
+    prefill-like steps whose tokens route to the same expert twice."""
+    e, layers, rng = 16, [2, 5, 7, 9], np.random.default_rng(3)
+    prof = profile_of(rng.integers(0, 50, size=(10, e)))
+
+    def make():
+        c = ExpertCache(layers, e, e, make_policy(policy, profile=prof))
+        c.seed(prof)
+        c.warm_start({l: list(range(e)) for l in layers})
+        return c
+
+    a, b = make(), make()
+    for step in range(40):
+        a.begin_step(), b.begin_step()
+        if step % 6 == 5:
+            continue
+        t = 1 if step % 3 else 5
+        ids = rng.integers(0, e, size=(len(layers), t, 4))
+        per = [a.lookup(l, ids[j]) for j, l in enumerate(layers)]
+        used = b.lookup_resident(layers, ids)
+        assert used == [list(lk.hits) for lk in per]
+    assert np.array_equal(a.hits, b.hits) and not b.misses.any() and a._used == b._used
+    if policy == "lfu-decay":
+        assert all(np.array_equal(a.policy.scores[l], b.policy.scores[l]) for l in layers)   # bit for bit
+        assert a.policy.last == b.policy.last
+    if policy == "lru":
+        assert all(np.array_equal(a.policy.last_use[l], b.policy.last_use[l]) for l in layers)
+
+
+def test_lookup_resident_refuses_a_miss_and_bad_input():
+    c = ExpertCache([0, 1], [4, 8], 8)
+    c.warm_start({0: [0, 1, 2, 3], 1: list(range(8))})
+    with pytest.raises(RuntimeError, match="before begin_step"):
+        c.lookup_resident([0, 1], np.zeros((2, 1, 2)))
+    c.begin_step()
+    with pytest.raises(RuntimeError, match="layer 0: expert 6 is not resident"):
+        c.lookup_resident([0, 1], np.array([[[1, 6]], [[2, 3]]]))
+    assert not c.hits.any()                                  # nothing counted
+    with pytest.raises(ValueError, match="outside 0..7"):
+        c.lookup_resident([0, 1], np.array([[[1, 8]], [[2, 3]]]))
+    with pytest.raises(ValueError, match="distinct"):
+        c.lookup_resident([1, 1], np.zeros((2, 1, 2)))
+    assert c.lookup_resident([1, 0], np.array([[[7, 7]], [[3, 0]]])) == [[7], [0, 3]]
+    assert c.hits[1, 7] == 1 and c.hits[0, [0, 3]].tolist() == [1, 1]

@@ -30,7 +30,7 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 
 from hybrid.errors import HybridError
-from hybrid.experts.policy import CachePolicy, make_policy
+from hybrid.experts.policy import CachePolicy, DecayedLFU, make_policy
 from hybrid.experts.popularity import ExpertProfile
 
 
@@ -208,6 +208,42 @@ class ExpertCache:
         self.policy.touch(layer, used, self.step)
         self._used.setdefault(layer, set()).update(used)
         return Lookup(layer, slots, hits, misses, tuple(res[e] for e in hits))
+
+    def lookup_resident(self, layers: Sequence[int], ids) -> list[int]:
+        """lookup(layers[j], ids[j]) for each j in order, for layers whose routed experts must all be
+        resident (a fully resident layer, whose lookups the runtime defers to the step's end): the
+        counters and the policy end as those lookups leave them, in a few numpy calls instead of a
+        few per layer. ids [n, T, k] (or [n, k]). -> the unique hit experts per layer; raises if
+        any routed expert is not resident (nothing is counted then)."""
+        if self.step < 0:
+            raise RuntimeError("ExpertCache.lookup_resident before begin_step")
+        if not len(layers):
+            return []
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"lookup_resident: layers {list(layers)} must be distinct")
+        rows = np.array([self._row_of(l) for l in layers], dtype=np.int64)            # [n]
+        ids = np.asarray(ids, dtype=np.int64).reshape(len(layers), -1)                 # [n, T*k]
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
+            raise ValueError(f"layers {list(layers)}: routed ids outside 0..{self.num_experts - 1}")
+        e_n = self.num_experts
+        keys = np.unique(np.arange(len(layers))[:, None] * e_n + ids)                 # sorted (j, e)
+        j, e = np.divmod(keys, e_n)
+        r = rows[j]
+        missed = self.table[r, e] < 0
+        if missed.any():
+            bad = int(np.nonzero(missed)[0][0])
+            raise RuntimeError(f"layer {layers[j[bad]]}: expert {int(e[bad])} is not resident")
+        self.hits[r, e] += 1                                                           # (r, e) unique
+        bounds = [0, *np.searchsorted(j, np.arange(1, len(layers))).tolist(), len(e)]
+        el = e.tolist()
+        used = [el[a:b] for a, b in zip(bounds, bounds[1:])]                           # ascending
+        if isinstance(self.policy, DecayedLFU):
+            self.policy.touch_many(list(layers), used, self.step, pairs=(j, e))
+        else:
+            self.policy.touch_many(list(layers), used, self.step)
+        for layer, u in zip(layers, used):
+            self._used.setdefault(layer, set()).update(u)
+        return used
 
     def promote_misses(self, layer: int, lookup: Lookup) -> list[Promotion]:
         """Promote what the policy admits among lookup.misses, within this step's PCIe budget."""

@@ -72,6 +72,11 @@ class CachePolicy:
     def touch(self, layer: int, used: Sequence[int], step: int) -> None:
         raise NotImplementedError
 
+    def touch_many(self, layers: Sequence[int], used: Sequence[Sequence[int]], step: int) -> None:
+        """touch(layers[j], used[j], step) for each j, in order (policies may batch it)."""
+        for layer, u in zip(layers, used):
+            self.touch(layer, u, step)
+
     def rank(self, layer: int, misses: Sequence[int]) -> list[int]:
         return sorted(misses)
 
@@ -92,20 +97,28 @@ class DecayedLFU(CachePolicy):
             raise PolicyError(f"lfu-decay: need half_life > 0 and margin >= 0, got {half_life}, {margin}")
         self.half_life, self.margin = float(half_life), float(margin)
         self.gamma = 1.0 if math.isinf(self.half_life) else 0.5 ** (1.0 / self.half_life)
-        self.scores: dict[int, np.ndarray] = {}   # layer -> float64 [E]
+        self.scores: dict[int, np.ndarray] = {}   # layer -> float64 [E], a row (view) of _mat
         self.last: dict[int, int] = {}            # layer -> step of its last decay
+        self._mat = np.zeros((0, 0))              # [attached layers, E]: every layer's scores
+        self._rowof: dict[int, int] = {}          # layer -> its row of _mat
 
     def params(self) -> dict:
         return {"half_life": self.half_life, "margin": self.margin}
 
     def attach(self, layer: int, capacity: int, num_experts: int) -> None:
-        self.scores[layer] = np.zeros(num_experts, dtype=np.float64)
+        if self._rowof and num_experts != self._mat.shape[1]:
+            raise PolicyError(f"lfu-decay: layer {layer} has {num_experts} experts, others {self._mat.shape[1]}")
+        if layer not in self._rowof:
+            self._rowof[layer] = len(self._rowof)
+            self._mat = np.concatenate([self._mat.reshape(-1, num_experts), np.zeros((1, num_experts))])
+            self.scores = {l: self._mat[r] for l, r in self._rowof.items()}     # views of the new _mat
+        self.scores[layer][:] = 0.0
         self.last[layer] = 0
 
     def seed(self, layer: int, probs: np.ndarray) -> None:
         """Steady state of the decayed score of an expert used with probability p: p / (1 - g)."""
         scale = 1.0 / (1.0 - self.gamma) if self.gamma < 1.0 else 1.0
-        self.scores[layer] = np.asarray(probs, dtype=np.float64) * scale
+        self.scores[layer][:] = np.asarray(probs, dtype=np.float64) * scale
 
     def touch(self, layer: int, used: Sequence[int], step: int) -> None:
         s = self.scores[layer]
@@ -113,6 +126,31 @@ class DecayedLFU(CachePolicy):
             s *= self.gamma
         self.last[layer] = max(step, self.last[layer])
         s[list(used)] += 1.0
+
+    def touch_many(self, layers: Sequence[int], used: Sequence[Sequence[int]], step: int,
+                   pairs: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """The same float operations as touch() per layer (each row decayed by repeated multiplies,
+        then +1 per used expert) on all the layers' rows at once. used[j]: unique ids of layers[j];
+        pairs: the same as (index into layers, expert) int arrays, if the caller has them."""
+        if len(set(layers)) != len(layers):
+            return super().touch_many(layers, used, step)
+        rows = np.fromiter((self._rowof[l] for l in layers), dtype=np.int64, count=len(layers))
+        gaps = [step - self.last[l] for l in layers]
+        whole = len(rows) == len(self._mat) and bool((rows == np.arange(len(rows))).all())
+        for g in range(max(gaps, default=0)):
+            if whole and min(gaps) > g:
+                self._mat *= self.gamma                                          # in place, all rows
+            else:
+                sel = rows[np.asarray(gaps) > g]
+                self._mat[sel] *= self.gamma
+        if pairs is None:
+            j = np.repeat(np.arange(len(layers)), [len(u) for u in used])
+            e = np.fromiter((x for u in used for x in u), dtype=np.int64, count=len(j))
+        else:
+            j, e = pairs
+        self._mat[rows[j], e] += 1.0
+        for l in layers:
+            self.last[l] = max(step, self.last[l])
 
     def score(self, layer: int, expert: int) -> float:
         return float(self.scores[layer][expert])
