@@ -131,6 +131,7 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
 __device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
 }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
@@ -1076,7 +1077,9 @@ GEMM(8, 32, 64, 4)
 // block of an output tile sums the splits' fp32 partials in split order). Epilogue: per 8-token
 // tile, each warp stages its 8 x BN / 8 fp32 sums in shared memory (the ring, idle by then) and
 // writes rows of 8 outputs.
-#define FXS 72  // halves per activation row of a stage (64 k + 16 bytes of padding)
+#define FXS 72       // halves per activation row of a stage (64 k + 16 bytes of padding)
+#define GEMMF_PD 4   // k-steps ahead that the packed weights are prefetched into L2 (M = 64 needs
+                     // about half the device's bandwidth at tensor-core speed)
 
 // stage (k0 = 64 kt ..) of the activations into the ring slot at dst: BM rows x 16 pieces of 8 bytes
 template <int BM>
@@ -1088,6 +1091,25 @@ __device__ __forceinline__ void gemmf_load_x(u32 dst, const u16* __restrict__ x,
     const int i = threadIdx.x + THREADS * v, r = i >> 4, u = i & 15, k = k0 + 4 * u;  // u = 4 g + q
     if (m0 + r < M && k < K)
       cp_async8(dst + (r * FXS + 16 * (u & 3) + 4 * (u >> 2)) * 2, x + (size_t)(m0 + r) * K + k);
+  }
+#endif
+}
+
+// an L2 prefetch of k-step kt's packed words (CPS * 512 contiguous bytes per tile: lanes 0, 8, 16,
+// 24 each take 128 of a chunk) and NVFP4 scales (64 bytes: lane 0), so that the register loads
+// issued half a k-step ahead find them in L2
+template <int FMT, int NT, int CPS>
+__device__ __forceinline__ void gemmf_prefetch(const u32x4* const (&wl)[NT], const u64* const (&sl)[NT], int kt,
+                                               int C, int lane) {
+#if QPN_MMA >= 2
+  if ((lane & 7) == 0) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int h = 0; h < CPS; ++h)
+        if (kt * CPS + h < C) prefetch_l2(wl[nt] + (size_t)(kt * CPS + h) * 32);
+      if (FMT == 2 && lane == 0) prefetch_l2(sl[nt] + (size_t)kt * 8);
+    }
   }
 #endif
 }
@@ -1169,6 +1191,9 @@ __device__ __forceinline__ void gemmf_body(const u32x4* __restrict__ w, const u6
   u32x4 wv[CPS][NT];
   u64 sv[NT];
   gemmf_load_w<FMT, NT, CPS>(wv, sv, wl, sl, kb, C);
+#pragma unroll
+  for (int p = 1; p < GEMMF_PD; ++p)
+    if (kb + p < ke) gemmf_prefetch<FMT, NT, CPS>(wl, sl, kb + p, C, lane);
   // this lane's row (token l / 4 of 8-token tile 0) and k-slice q = l % 4 in a ring slot
   const u32 xl = ((lane >> 2) * FXS + 16 * (lane & 3)) * 2;
   int slot = 0;
@@ -1180,6 +1205,7 @@ __device__ __forceinline__ void gemmf_body(const u32x4* __restrict__ w, const u6
       if (nx < ke) gemmf_load_x<BM>(ring + ns * XB, x, m0, M, K, 64 * nx);
       cp_commit();
     }
+    if (kt + GEMMF_PD < ke) gemmf_prefetch<FMT, NT, CPS>(wl, sl, kt + GEMMF_PD, C, lane);
     const u32 xa = ring + slot * XB + xl;
 #pragma unroll
     for (int gp = 0; gp < 2; ++gp) {

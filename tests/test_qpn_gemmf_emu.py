@@ -40,6 +40,7 @@ inline u32 smem_addr(const void* p) { smem_hi = (uintptr_t)p & ~(uintptr_t)0xFFF
 inline char* smem_ptr(u32 a) { return (char*)(smem_hi | a); }
 inline void cp_async8(u32 dst, const void* src) { memcpy(smem_ptr(dst), src, 8); }
 inline void cp_commit() {}
+inline void prefetch_l2(const void*) {}
 template <int N> inline void cp_wait() {}
 inline u32x4 lds128(u32 a) { u32x4 v; memcpy(&v, smem_ptr(a), 16); return v; }
 // mma.sync.m16n8k16.row.col f32.f16.f16.f32 with the PTX ISA's fragment layout (g = l / 4, c = l % 4):
