@@ -1,0 +1,137 @@
+"""Prefill offload A/B (hybrid.runtime.prefill_stream) on the Qwen3-30B-A3B-shaped synthetic NVFP4 checkpoint,
+in one process. Writes $OUT/prefill_stream.jsonl + gpu_check.log.
+
+1. The GPU tests of prefill offload (tests/test_prefill_stream_cuda.py, with its printed tiny-model tok/s).
+2. The synthetic checkpoint (tools/make_synthetic.py) and an all-CPU session that builds the expert store
+   and routes a calibration text into an expert profile (gpu_two_cards.expert_profile_session).
+3. For each cache size (--slots, default 0 = every expert on the CPU runner, and 1024 warm-started from the
+   profile) and each --prefill-offload-min of --modes (default 0 = off, then 32 = on): one session,
+   hybrid.bench.decode.measure with a --prompt-tokens prompt (default 512: one prefill chunk) after a
+   warm-up generation of the same prompt; per session prefill tok/s, the measured prefill step's ms, what
+   was streamed (experts, bytes, groups, staging bytes), PCIe bytes by kind, the first greedy ids.
+
+    HYBRID_CACHE_DIR=.qpncache HYBRID_GIT_SHA=<sha> PYTHONPATH=. python3 tools/gpu_prefill_stream.py \\
+        --profile h200 --prompt-tokens 512 --budget-s 270
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_runtime_check as rc  # noqa: E402  - log / make_synth / run_pytest / run_parts / gpu_name
+import gpu_two_cards as tc  # noqa: E402  - expert_profile_session
+
+rc.OUT = tc.OUT = OUT = Path(os.environ.get("OUT", "scratch/out"))
+JSONL = "prefill_stream.jsonl"
+
+
+def record(rec: dict) -> None:
+    from hybrid.baselines.report import stamp
+
+    rec = {**rec, **stamp("tools/gpu_prefill_stream.py"), "gpu": rc.gpu_name()}
+    if os.environ.get("HYBRID_GIT_SHA"):          # the device copy has no .git
+        rec["git_sha"] = os.environ["HYBRID_GIT_SHA"]
+    with (OUT / JSONL).open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+    keys = ("prefill_tok_s", "prefill_step_ms", "decode_tok_s", "streamed", "ids_equal_first", "ok", "summary",
+            "skipped", "error")
+    rc.log(f"record {rec.get('check')}: " + json.dumps({k: v for k, v in rec.items() if k in keys}))
+
+
+rc.record = tc.record = record
+
+
+def runs(path: Path, deadline: float, a) -> None:
+    import torch
+
+    from hybrid.bench.decode import measure
+    from hybrid.runtime import RuntimeOptions, open_session
+
+    cfg, tok, _, cpu, eprof = tc.expert_profile_session(path, a.profile, a.tokens)
+    ctx = a.prompt_tokens + max(a.tokens, 1) + 8
+    first: dict = {}
+    for slots in a.slots:
+        for m in a.modes:
+            check = f"synth_slots{slots}_offload{m}_prompt{a.prompt_tokens}"
+            if time.perf_counter() > deadline:
+                record({"check": check, "skipped": "device-time deadline"})
+                continue
+            kw = dict(device=a.device, gpus=(0,), cache_slots=(slots,), profile=a.profile, prefill_offload_min=m)
+            if slots:
+                kw["expert_profile"] = str(eprof)
+            rc.log(f"session {check}: {kw}")
+            s = open_session(path, RuntimeOptions(**kw), context=ctx, cpu=cpu)
+            try:
+                rec = measure(s, tok, a.prompt_tokens, 1, a.tokens)
+                rep = s.report()
+                rec.update({"cache_slots": slots, "prefill_offload_min": m,
+                            "prefill_step_ms": round(1e3 * s.stats.step_s["prefill"][-1], 2),
+                            "prefill_steps": s.stats.steps["prefill"],
+                            "streamed": s.model.experts.prefill_stream_stats(),
+                            "pcie_bytes": rep["pcie_bytes"], "hit_rate": rep["hit_rate"],
+                            "cpu_expert_ms": rep["cpu_expert_ms"], "gpu_expert_ms": rep["gpu_expert_ms"],
+                            "max_memory_allocated_gib": round(_peak() / 2**30, 2)})
+                head = rec["generated_ids_head"]
+                rec["ids_equal_first"] = first.setdefault(slots, head) == head
+                record({"check": check, **rec})
+            finally:
+                s.close()
+                del s
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+    cpu.close()
+
+
+def _peak() -> int:
+    import torch
+
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(v < 0 for v in out):
+        raise SystemExit(f"error: {flag} {text}: expected a comma-separated list of integers >= 0")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
+    p.add_argument("--skew", type=float, default=0.25)
+    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length of the measured prefills")
+    p.add_argument("--tokens", type=int, default=4, help="tokens decoded after each prefill")
+    p.add_argument("--slots", default="0,1024", help="--cache-slots of the sessions, in order")
+    p.add_argument("--modes", default="0,32", help="--prefill-offload-min values per cache size, in order (0 = off)")
+    p.add_argument("--profile", default="h200", help="hardware profile the plans use")
+    p.add_argument("--budget-s", type=float, default=270, help="stop starting new parts/sessions after this")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the sessions")
+    p.add_argument("--small", action="store_true", help="a 4-layer, 16-expert synthetic model (smoke runs)")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: pytest")
+    a = p.parse_args()
+    a.slots, a.modes = _ints("--slots", a.slots), _ints("--modes", a.modes)
+    if a.prompt_tokens < 1:
+        print(f"error: --prompt-tokens {a.prompt_tokens}: expected >= 1", file=sys.stderr)
+        return 2
+    OUT.mkdir(parents=True, exist_ok=True)
+    deadline = rc.T0 + a.budget_s
+    skip = set(a.skip.split(","))
+    parts = [] if "pytest" in skip else [("pytest", lambda: rc.run_pytest(["tests/test_prefill_stream_cuda.py", "-s"]))]
+    parts += [("synth_write", lambda: rc.make_synth(a.synth, a.skew, a.small)),
+              ("ab_runs", lambda: runs(a.synth, deadline, a))]
+    rc.run_parts(parts, deadline, record, rc.log)
+    rc.log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
