@@ -146,22 +146,32 @@ class HybridExperts:
             both = torch.stack([torch.cat([i.float(), w.float()], 1) for _, i, w in items])
             blocks.append(([layer for layer, _, _ in items], both))
         host = [(layers, buf.cpu().numpy()) for layers, buf in blocks]        # one copy per block
-        layers_done = []
+        by_card: dict[int, list] = {}                                         # card -> [(layer, ids, w)]
         for layers, both in host:
             k = both.shape[2] // 2
             for layer, b in zip(layers, both):                                # b [T, 2k]
-                self._settle_layer(layer, b[:, :k].astype(np.int64), b[:, k:])
-                layers_done.append(layer)
-        dt = (time.perf_counter() - t0) / max(len(layers_done), 1)
-        for layer in layers_done:
-            self.stats.route_sync_s[layer] += dt
+                by_card.setdefault(id(self.card_of[layer]), []).append(
+                    (layer, b[:, :k].astype(np.int64), b[:, k:]))
+        n = 0
+        for items in by_card.values():
+            n += len(items)
+            self._settle_card(self.card_of[items[0][0]], items)
+        dt = (time.perf_counter() - t0) / max(n, 1)
+        for items in by_card.values():
+            for layer, _, _ in items:
+                self.stats.route_sync_s[layer] += dt
 
-    def _settle_layer(self, layer: int, ids_h: np.ndarray, w_h: np.ndarray) -> None:
-        card = self.card_of[layer]
-        lk = card.cache.lookup(layer, ids_h)
-        if lk.misses or card.cache.promote_misses(layer, lk):
-            raise RuntimeError(f"layer {layer}: a fully resident layer missed")
-        self._account(layer, card.device.type == "cuda", ids_h, w_h, lk, 0, 0)
+    def _settle_card(self, card: CardRuntime, items: list) -> None:
+        """One card's deferred lookups in one batched call (ExpertCache.lookup_resident: what one
+        lookup per layer would count); a miss there is a bug (a fully resident layer missed)."""
+        layers = [layer for layer, _, _ in items]
+        try:
+            used = card.cache.lookup_resident(layers, np.stack([ids for _, ids, _ in items]))
+        except RuntimeError as exc:
+            raise RuntimeError(f"a fully resident layer missed: {exc}") from None
+        cuda = card.device.type == "cuda"
+        for (layer, ids_h, w_h), u in zip(items, used):
+            self._account(layer, cuda, ids_h, w_h, len(u), 0, 0)
 
     def _gpu_times(self, pending: list) -> float:
         """Resolve the step's (layer, start, end) CUDA events into seconds (events are done by now)."""
@@ -216,7 +226,7 @@ class HybridExperts:
             y = y.to(x.device, non_blocking=False)
             out = y if out is None else out + y
         self._promote(card, layer, lk)
-        self._account(layer, x.is_cuda, ids_h, w_h, lk, cpu_pairs, x.numel(), act_counted=small)
+        self._account(layer, x.is_cuda, ids_h, w_h, len(lk.hits), cpu_pairs, x.numel(), act_counted=small)
         return out.to(x.dtype)
 
     def streams_prefill(self, tokens: int) -> bool:
@@ -287,7 +297,7 @@ class HybridExperts:
             st["cpu_s"] += t_done - t_sub
         link.put(y)
         self._promote(card, layer, lk)
-        self._account(layer, link.cuda, ids_h, w_h, lk, len(mt), x_h.size, act_counted=True)
+        self._account(layer, link.cuda, ids_h, w_h, len(lk.hits), len(mt), x_h.size, act_counted=True)
 
     def has_slots(self, layer: int) -> bool:
         """Whether the layer has slot storage on its card (a layer given 0 slots has none)."""
@@ -409,12 +419,12 @@ class HybridExperts:
         if done and card.device.type == "cuda":
             self.add_pcie("promotions", len(done) * card.cache.bytes_per_expert)
 
-    def _account(self, layer: int, cuda: bool, ids_h, w_h, lk, misses: int, x_elems: int,
+    def _account(self, layer: int, cuda: bool, ids_h, w_h, hits: int, misses: int, x_elems: int,
                  act_counted: bool = False) -> None:
-        """Record the layer's routing for the trace; count what crossed PCIe (f32 activations;
-        act_counted: x already went down with the ids)."""
+        """Record the layer's routing (hits: its unique resident experts) for the trace; count what
+        crossed PCIe (f32 activations; act_counted: x already went down with the ids)."""
         st = self._step
-        st["ids"][layer], st["weights"][layer], st["hits"][layer] = ids_h, w_h, len(lk.hits)
+        st["ids"][layer], st["weights"][layer], st["hits"][layer] = ids_h, w_h, hits
         if cuda:
             self.add_pcie("ids_d2h", ids_h.size * 8)
             if misses:
