@@ -71,6 +71,39 @@ def cuda_calls(session, steps: int = 8) -> dict:
     return {"per_step": round(sum(counts.values()), 2), "by_name": counts, "gpu": kernel_times(avg, steps)}
 
 
+def host_profile(session, steps: int = 32, top: int = 30) -> dict:
+    """Where the host's time of a graphed decode step goes (cProfile over `steps` steps of
+    hybrid.generate's loop body: forward, argmax, token): wall ms per step and the `top`
+    functions by own time as [file:line(name), us per step, calls per step]."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    hm = session.model
+    hm.new_cache(steps + 8)
+    hm.prompt_tokens = 1
+    logits = hm.forward(torch.tensor([100]), 0, last_only=True)
+    for j in range(1, 4):
+        logits = hm.forward(torch.tensor([int(logits[-1].argmax())]), j, last_only=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for j in range(4, 4 + steps):
+        logits = hm.forward(torch.tensor([int(logits[-1].argmax())]), j, last_only=True)
+    int(logits[-1].argmax())
+    prof.disable()
+    wall = time.perf_counter() - t0
+    hm.prompt_tokens = None
+    st = pstats.Stats(prof).stats
+    rows = sorted(((f"{Path(f).name}:{line}({name})", tt, nc) for (f, line, name), (_, nc, tt, _, _) in st.items()),
+                  key=lambda r: -r[1])
+    return {"wall_ms_per_step": round(wall / steps * 1e3, 3),
+            "top": [[n, round(tt / steps * 1e6, 1), round(nc / steps, 2)] for n, tt, nc in rows[:top]]}
+
+
 def kernel_times(avg, steps: int, top: int = 25) -> dict:
     """GPU time per decode step by kernel / copy (CUPTI records the kernels of graph replays too):
     the total and the largest `top` entries as [name, us per step, launches per step]."""
@@ -86,7 +119,8 @@ def kernel_times(avg, steps: int, top: int = 25) -> dict:
             "top": [[n, round(us, 2), round(c, 2)] for n, us, c in rows[:top]]}
 
 
-def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int, order: str, modes: list[str]) -> None:
+def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int, order: str, modes: list[str],
+         host_prof: bool = False) -> None:
     import torch
 
     from hybrid.bench.decode import measure
@@ -110,6 +144,8 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
                 rec.update({"miss_graph": int(mode), "flags": kw, "linked_layers": len(g.links),
                             "plan_split": list(s.plan.inputs.layer_split), **rc.graph_info(s)})
                 rec["cuda_calls_per_step"] = cuda_calls(s)
+                if host_prof:
+                    rec["host_profile"] = host_profile(s)
                 head = rec["generated_ids_head"]
                 rec["ids_equal_first"] = first.setdefault(label, head) == head
                 record({"check": check, **rec})
@@ -130,6 +166,7 @@ def main() -> int:
     p.add_argument("--profile", default="h200", help="hardware profile the plans use")
     p.add_argument("--order", default="synth_one_gpu_slots1024", help="configuration labels (gpu_two_cards.configs)")
     p.add_argument("--modes", default="0,1,0,1", help="HYBRID_MISS_GRAPH values, in order, per label")
+    p.add_argument("--host-profile", action="store_true", help="also cProfile 32 graphed decode steps per session")
     a = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     deadline = rc.T0 + a.budget_s
@@ -138,7 +175,8 @@ def main() -> int:
         print(f"--modes {a.modes}: expected a comma-separated list of 0 and 1", file=sys.stderr)
         return 2
     parts = [("synth_write", lambda: rc.make_synth(a.synth, a.skew, False)),
-             ("ab_runs", lambda: runs(a.synth, deadline, a.tokens, a.profile, a.miss_slots, a.order, modes))]
+             ("ab_runs", lambda: runs(a.synth, deadline, a.tokens, a.profile, a.miss_slots, a.order, modes,
+                                        a.host_profile))]
     rc.run_parts(parts, deadline, record, rc.log)
     rc.log("done")
     return 0
