@@ -10,7 +10,8 @@ large batches. Per layer (HybridExperts.__call__, eager prefill steps only):
 
     for each group of G missed experts (ascending ids), staging buffer b = group % 2:
         host:  wait until b's pinned buffer was copied out (its `uploaded` event), then copy the
-               group's stored bytes (get_expert: mmap-backed, pageable) into it
+               group's stored bytes (get_expert: mmap-backed, pageable, so they cannot be DMA'd
+               directly) into it, FILL_THREADS numpy memcpys at a time
         side stream (the card's promotion stream): wait until the kernel that last read b's slots
                is done (`free`), copy pinned -> device (one copy per array), record `uploaded`,
                pack into b's QPN slots (hybrid.runtime.stage_pack), record `ready`
@@ -25,6 +26,8 @@ the copies, the pack and the events are CUDA's. Streamed experts stay misses for
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +38,9 @@ from hybrid.kernels import layout
 from hybrid.planner.memory import PREFILL_STAGE_GROUP
 from hybrid.runtime.slots import HoldBudget, QPNSlots, make_store
 from hybrid.runtime.stage_pack import pack_group
+
+FILL_THREADS = min(4, os.cpu_count() or 1)   # threads copying a group's stored bytes into pinned memory
+_POOL: list = []
 
 
 @dataclass
@@ -116,8 +122,8 @@ class PrefillStream:
             return
         if buf.uploaded is not None:
             buf.uploaded.synchronize()                  # its pinned bytes may be overwritten now
-        for j, w in enumerate(ws):
-            _fill(buf.pinned, j, w, buf.store.slots)
+        copies = [c for j, w in enumerate(ws) for c in _copies(buf.pinned, j, w, buf.store.slots)]
+        list(_pool().map(_copy, copies))                # numpy releases the GIL: memcpy in parallel
         n = len(ws)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(buf.free)
@@ -188,18 +194,33 @@ def _raw_shapes(qtype: QType, g: int, h: int, i: int) -> dict:
 
 
 def _fill(pinned: dict, j: int, w: tuple, slots) -> None:
-    """Expert (gate, up, down) as stored into row j of the pinned buffer (checked like a load)."""
+    """Expert (gate, up, down) as stored into row j of the (pinned) host buffer."""
+    for c in _copies(pinned, j, w, slots):
+        _copy(c)
+
+
+def _copies(pinned: dict, j: int, w: tuple, slots) -> list:
+    """The (dst, src) numpy pairs that put expert (gate, up, down) as stored into row j of the pinned
+    buffer (checked like a load); its folded global scales are written here."""
     gate, up, down = w
     _check(w, slots.qtype, slots.hidden, slots.inter)
     i = gate.shape[0]
-    pinned["d13"][j, :i].copy_(gate.data.view(torch.uint8))
-    pinned["d13"][j, i:].copy_(up.data.view(torch.uint8))
-    pinned["d2"][j].copy_(down.data.view(torch.uint8))
+    u8 = lambda t: t.view(torch.uint8).numpy()                                # noqa: E731
+    out = [(pinned["d13"][j, :i], gate.data), (pinned["d13"][j, i:], up.data), (pinned["d2"][j], down.data)]
     if gate.qtype is QType.NVFP4:
-        pinned["s13"][j, :i].copy_(gate.scale.view(torch.uint8))
-        pinned["s13"][j, i:].copy_(up.scale.view(torch.uint8))
-        pinned["s2"][j].copy_(down.scale.view(torch.uint8))
+        out += [(pinned["s13"][j, :i], gate.scale), (pinned["s13"][j, i:], up.scale), (pinned["s2"][j], down.scale)]
     pinned["gs"].numpy()[j] = [layout.global_scale(q) for q in w]
+    return [(u8(d), u8(s)) for d, s in out]
+
+
+def _copy(c: tuple) -> None:
+    np.copyto(c[0], c[1])
+
+
+def _pool() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="hybrid-stage"))
+    return _POOL[0]
 
 
 def _check(w: tuple, qtype: QType, h: int, i: int) -> None:

@@ -58,10 +58,15 @@ class Session:
         d["cpu_runner"] = type(self.cpu).__name__
         d["load_s"] = {k: round(v, 3) for k, v in self.load_s.items()}
         d["cpu_dense_held_bytes"] = self.dense_held
+        d["prefill_stream"] = self.model.experts.prefill_stream_stats()
         return d
 
     def summary(self, measured_tok_s: float | None = None) -> list[str]:
-        return [self.placement.describe()] + summary_lines(self.report(measured_tok_s))
+        rep = self.report(measured_tok_s)
+        ps = rep["prefill_stream"]
+        extra = [f"prefill offload: {ps['experts']} experts streamed to the cards ({ps['bytes'] / 2**20:.1f} MiB, "
+                 f"{ps['groups']} groups, {ps['layers']} layer passes)"] if ps["experts"] else []
+        return [self.placement.describe()] + summary_lines(rep) + extra
 
     def close(self) -> None:
         if self.trace is not None:
