@@ -79,9 +79,11 @@ def _counters(s):
 
 
 # ---- the staging pack -------------------------------------------------------------------------
-def _rand_nvfp4(gen, n, k, name=""):
+def _rand_nvfp4(gen, n, k, name="", scales=(0, 256)):
+    """Random NVFP4 weight; scales: the range of its e4m3 group-scale bytes (the default takes every
+    byte, negative and huge ones included: for the pack; (0x20, 0x39) = 1/8..1 to compute with)."""
     data = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-    scale = torch.randint(0, 256, (n, k // 16), dtype=torch.uint8, generator=gen)
+    scale = torch.randint(*scales, (n, k // 16), dtype=torch.uint8, generator=gen)
     scale[(scale & 0x7F) == 0x7F] = 0x38                          # no NaN codes
     return QWeight(QType.NVFP4, (n, k), data, scale.view(torch.float8_e4m3fn),
                    torch.rand((), generator=gen) + 0.5, name=name)
