@@ -8,6 +8,7 @@
     tiles_unrolled.py  the fused M = 1, 2, 4 loops, written out by gen_tiles.py
     gemm.py    weight-only GEMV / small-M GEMM over a range of tiles
     expert.py  fused SwiGLU experts in two phases (gate|up + SiLU, then down + weighted scatter)
+    atomic.py  atomic fetch-and-add for Numba code (the shared unit counter of expert.py's pool call)
     bench.py   hook for hybrid-bench calibrate
     cache.py   drops Numba's cached code of cpu/ when any cpu/*.py changed (cross-file inlining)
 Threads and hand-off live in hybrid/experts/cpu_runner.py.

@@ -24,6 +24,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from cpu.atomic import counters, fetch_add
 from cpu.gemm import FP8_FACTOR, MB, NVFP4_FACTOR, scratch
 from cpu.i16 import I16_FACTOR, nvfp4_i16_tile, quantize_row, quantize_rows
 from cpu.isa import NVFP4_INT16
@@ -171,13 +172,16 @@ def experts_forward(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, 
 
 @njit(parallel=True, nogil=True, fastmath=True, cache=True)
 def experts_parallel(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, n):
-    """experts_forward on Numba's thread pool, n parts per phase: part k of phase 1 takes units
-    [U k / n, U (k + 1) / n) (U = experts x I-tiles), part k of phase 2 takes H-tiles likewise.
-    One call from Python (no per-worker dispatch under the GIL); every output element is still
-    computed by one part in a fixed order, so the result does not depend on n."""
+    """experts_forward on Numba's thread pool, n parts per phase.  The parts claim units one at a
+    time from a shared counter (cpu/atomic.py): phase 1 units are (expert, I-tile) pairs, phase 2
+    units H-tiles, so a part that is slow or descheduled holds back at most the unit it is on (a
+    fixed split waits for the slowest part at each phase's barrier).  One call from Python (no
+    per-worker dispatch under the GIL); every output element is computed by one unit in a fixed
+    order, so the result does not depend on n nor on which part took which unit."""
     nti = (I + R - 1) // R
     nth = (H + R - 1) // R
     n1 = (len(ptr) - 1) * nti
+    nxt = counters(2)                                  # next unclaimed unit of phase 1, phase 2
     if qkind == NVFP4_I16:
         T = x.shape[0]
         xq, xs, hq, hs = i16_buffers(x, rows.shape[0], I, R)
@@ -187,12 +191,24 @@ def experts_parallel(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H,
         else:
             quantize_rows(x, 0, T, xq, xs)
         for k in prange(n):
-            experts_gate_up_i16(arena, gu_off, scl, xq, xs, rows, ptr, n1 * k // n, n1 * (k + 1) // n, hq, hs, H, I, R)
+            u = fetch_add(nxt, 0, 1)
+            while u < n1:
+                experts_gate_up_i16(arena, gu_off, scl, xq, xs, rows, ptr, u, u + 1, hq, hs, H, I, R)
+                u = fetch_add(nxt, 0, 1)
         for k in prange(n):
-            experts_down_i16(arena, dn_off, scl, hq, hs, rows, ptr, w, nth * k // n, nth * (k + 1) // n, out, H, I, R)
+            t = fetch_add(nxt, 1, 1)
+            while t < nth:
+                experts_down_i16(arena, dn_off, scl, hq, hs, rows, ptr, w, t, t + 1, out, H, I, R)
+                t = fetch_add(nxt, 1, 1)
         return
     h = np.empty((rows.shape[0], nti * R), np.float32)
     for k in prange(n):
-        experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, n1 * k // n, n1 * (k + 1) // n, h, H, I, R)
+        u = fetch_add(nxt, 0, 1)
+        while u < n1:
+            experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, u, u + 1, h, H, I, R)
+            u = fetch_add(nxt, 0, 1)
     for k in prange(n):
-        experts_down(qkind, arena, dn_off, scl, h, rows, ptr, w, nth * k // n, nth * (k + 1) // n, out, H, I, R)
+        t = fetch_add(nxt, 1, 1)
+        while t < nth:
+            experts_down(qkind, arena, dn_off, scl, h, rows, ptr, w, t, t + 1, out, H, I, R)
+            t = fetch_add(nxt, 1, 1)

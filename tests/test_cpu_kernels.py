@@ -275,6 +275,29 @@ def test_experts_parallel_same_result_on_any_thread_count(qtype):
         assert rel_err(one, ref) <= 1e-2                 # accuracy: the tests above and below
 
 
+def test_fetch_add_hands_out_every_unit_once():
+    """The shared work counter of experts_parallel: parts racing on it claim each unit exactly once."""
+    import numba
+    from numba import njit, prange
+    from cpu.atomic import counters, fetch_add
+
+    @njit(parallel=True)
+    def claim(n, hits):
+        nxt = counters(1)                                      # as experts_parallel allocates them
+        for k in prange(n):
+            u = fetch_add(nxt, 0, 1)
+            while u < hits.size:
+                hits[u] += 1
+                u = fetch_add(nxt, 0, 1)
+        return nxt[0]
+
+    parts = 2 * max(2, numba.config.NUMBA_NUM_THREADS)
+    for _ in range(3):
+        hits = np.zeros(200_000, np.int64)
+        assert claim(parts, hits) == hits.size + parts        # each part's last claim finds none left
+        assert (hits == 1).all()
+
+
 def test_int16_expert_error_over_adversarial_seeds():
     """The int16-activation expert on 40 cases whose gate and up rows 1 both carry the largest e4m3
     scale (448), so that one intermediate feature outweighs the rest ~1e5-fold and the output is

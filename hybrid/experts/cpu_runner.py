@@ -5,12 +5,12 @@
 
 y = Σ over listed experts of weight * down(silu(gate(x_rows)) * up(x_rows)), scattered into the
 token rows (untouched rows are 0).  One background thread hands each call to
-`cpu.expert.experts_parallel`, which splits it over Numba's thread pool (`threads` parts): phase 1
-splits (expert, I-tile) units, phase 2 splits H-tiles.  The kernels release the GIL, so the thread
-that submitted keeps running Python/GPU work meanwhile, and there is one dispatch per call (a pool
-of Python workers dispatching each phase under the GIL measured half the speed at 16 threads on
-the H200 host).  Each output element is computed by one part in a fixed order, so the result does
-not depend on the thread count.
+`cpu.expert.experts_parallel`, which runs it on Numba's thread pool (`threads` parts that claim
+phase 1's (expert, I-tile) units, then phase 2's H-tiles, one at a time from a shared counter).
+The kernels release the GIL, so the thread that submitted keeps running Python/GPU work meanwhile,
+and there is one dispatch per call (a pool of Python workers dispatching each phase under the GIL
+measured half the speed at 16 threads on the H200 host).  Each output element is computed by one
+unit in a fixed order, so the result does not depend on the thread count.
 
 Small calls (a decode step's few experts: at most `inline_bytes` of packed weights) skip the pool:
 submit only prepares them and sync runs both phases on the calling thread, as one part would
