@@ -178,6 +178,32 @@ def copy_gbs(threads: int, nbytes: int, reps: int) -> float:
         return 2 * src.nbytes / best_time(run, reps) / 1e9
 
 
+def compute_scaling(threads: int, reps: int, calls: int = 200) -> float:
+    """Rate of `threads` Python threads that each run `calls` NVFP4 GEMVs on their own L2-resident
+    weight (256 x 2048, M = 1, GIL released) over one thread's rate: what this machine's cores
+    give to independent compute, with no memory stream and no barrier (ideal: `threads`).  A VM
+    whose host time-slices its vCPUs shows ~1."""
+    from concurrent.futures import wait
+
+    gemm = nvfp4_i16_gemm if NVFP4_INT16 else nvfp4_gemm
+    rng = np.random.default_rng(6)
+    N, K = 256, 2048
+    tiles = [layout.pack_nvfp4(rng.integers(0, 256, (N, K // 2), dtype=np.uint8),
+                               rng.integers(0x28, 0x50, (N, K // 16), dtype=np.uint8)) for _ in range(threads)]
+    x = rng.standard_normal((1, K)).astype(np.float32)
+
+    def work(t):
+        y = np.zeros((1, N), np.float32)
+        for _ in range(calls):
+            gemm(t, x, np.float32(1.0), y, 0, layout.num_tiles(N))
+
+    with ThreadPoolExecutor(threads) as pool:
+        def run(k):
+            wait([pool.submit(work, t) for t in tiles[:k]])
+        one = best_time(lambda: run(1), reps)
+        return threads * one / best_time(lambda: run(threads), reps)
+
+
 class NumpyBaseline:
     """Dequantize each expert with numpy tables, then matmul (numpy's BLAS threads), 4 experts."""
 
@@ -494,7 +520,8 @@ def run(args) -> int:
         r.copy_gbs = copies[r.threads]
         r.m1_gbs = next(q.ours_gbs for q in rows
                         if (q.shape, q.qtype, q.threads, q.M) == (r.shape, r.qtype, r.threads, 1))
-    info.update(activation_error=activation_format_errors(), copy_gbs=copies)
+    info.update(activation_error=activation_format_errors(), copy_gbs=copies,
+                compute_scaling={t: compute_scaling(t, 5) for t in threads if t > 1})
     _emit(args, info, rows)
     return 0
 
@@ -561,7 +588,9 @@ def markdown(info: dict, rows: list[Row]) -> str:
         "Every column is the best of several rounds that alternate ours / haswell / ggml / copy.  "
         "`% of copy` = ours / STREAM-like numpy copy (read + write bytes) with the same thread count: "
         + ", ".join(f"{t} thread(s) {v:.1f} GB/s" for t, v in info["copy_gbs"].items()) + ".  "
-        "`ggml` = ggml's NVFP4 mul_mat (type 40) on the same shapes and threads, "
+        + "".join(f"`compute x{t}` = {t} threads each running the GEMV on its own L2-resident weight, "
+                  f"rate over one thread's (ideal {t}): {v:.2f}.  " for t, v in info.get("compute_scaling", {}).items())
+        + "`ggml` = ggml's NVFP4 mul_mat (type 40) on the same shapes and threads, "
         f"{info['ggml']}.  `numpy` = dequantize with tables then matmul.  "
         "`cost M / cost M=1` = time of one call at M over one call at M = 1.", "",
         *table(rows), "",
