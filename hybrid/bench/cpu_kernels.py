@@ -95,7 +95,9 @@ def machine() -> dict:
     cpu = detect_cpu()
     return dict(cpu=cpu.model, physical_cores=physical_cores(), logical_cpus=os.cpu_count(),
                 llvm_cpu=ll.get_host_cpu_name(), avx2=cpu.avx2, avx512=cpu.avx512,
-                l3_bytes=l3_bytes(), thp=thp_mode(), numba=numba.__version__, numpy=np.__version__)
+                l3_bytes=l3_bytes(), thp=thp_mode(), numba=numba.__version__, numpy=np.__version__,
+                omp_wait=" ".join(f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+                                  if k in os.environ) or "OMP_WAIT_POLICY unset")
 
 
 def _read(path: str) -> str:
@@ -580,7 +582,7 @@ def markdown(info: dict, rows: list[Row]) -> str:
         "# CPU expert kernels (cpu/, hybrid-bench cpu-kernels)", "",
         f"Machine: {m['cpu']}, {m['physical_cores']} physical cores ({m['logical_cpus']} logical), "
         f"LLVM cpu `{m['llvm_cpu']}`, AVX2 {m['avx2']}, AVX-512 {m['avx512']}, L3 {m['l3_bytes'] >> 20} MiB, "
-        f"THP [{m['thp']}], numba {m['numba']}.  Shared machine: read ratios, not absolutes.",
+        f"THP [{m['thp']}], numba {m['numba']} ({m.get('omp_wait', '?')}).  Shared machine: read ratios, not absolutes.",
         f"Command: `{info['command']}`; git {info['git']}; {info['time']}.", "",
         "GB/s = packed weight + block-scale bytes of the experts touched / wall time (top-8 experts per "
         "call, M tokens routed to each, a set of experts several times the L3).  `haswell` = the same "
@@ -619,6 +621,12 @@ def markdown(info: dict, rows: list[Row]) -> str:
         "per-core rate (the 1-thread rows) is the number to compare with the rig's copy bandwidth "
         "divided by its cores; where one core's rate nears its own memory stream, more threads on "
         "this 2-core VM's one memory path add little.",
+        "- Threads: `compute xN` (header) is what N threads can get from this machine at all.  Our "
+        "call's parts meet at a barrier after each phase (Numba's OpenMP pool); with OMP_WAIT_POLICY "
+        "unset, GNU OpenMP's waiting threads spin (GOMP_SPINCOUNT, 300000 pauses) on a CPU that the "
+        "last working thread, or the caller, may need: where cores are time-sliced or oversubscribed "
+        "that spin can make N threads slower than one.  OMP_WAIT_POLICY=passive (set before torch or "
+        "numba load libgomp) makes them sleep instead.",
         "- ggml with more than one thread busy-waits at every node; on this shared, oversubscribed "
         "VM its multi-thread rows collapse, so compare ggml per thread (the 1-thread rows).", "",
     ]
