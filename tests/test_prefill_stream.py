@@ -18,6 +18,7 @@ from hybrid.model.config import ModelConfig
 from hybrid.planner import ModelBytes, PlanRequest, load_profile, make_plan
 from hybrid.planner.memory import PREFILL_STAGE_GROUP, prefill_stage_bytes
 from hybrid.runtime import RuntimeOptions, open_session
+from hybrid.runtime.options import PREFILL_OFFLOAD_MIN
 from hybrid.runtime.prefill_stream import _fill, _raw_shapes
 from hybrid.runtime.stage_pack import pack_fp8_rows, pack_group, pack_nvfp4_rows
 from hybrid.sampler import Sampler, SamplerConfig
@@ -201,7 +202,8 @@ def test_planner_reserves_staging(tiny):
     p1 = make_plan(mb, prof, PlanRequest(**base, prefill_stage=PREFILL_STAGE_GROUP))
     extra = p1.cards[0].workspace_bytes - p0.cards[0].workspace_bytes
     assert extra == prefill_stage_bytes(mb.slot_bytes) == 4 * PREFILL_STAGE_GROUP * mb.slot_bytes
-    s_on = open_session(tiny["nvfp4"], RuntimeOptions(profile="v100x2-e5v4", cache_slots=(8,)))
+    s_on = open_session(tiny["nvfp4"], RuntimeOptions(profile="v100x2-e5v4", cache_slots=(8,),
+                                                      prefill_offload_min=MIN))
     s_off = open_session(tiny["nvfp4"], RuntimeOptions(profile="v100x2-e5v4", cache_slots=(8,),
                                                        prefill_offload_min=0))
     s_on.close(), s_off.close()
@@ -219,3 +221,12 @@ def test_bad_flag_one_line(value, needle, capsys):
 def test_bad_option_value():
     with pytest.raises(HybridError, match="--prefill-offload-min"):
         RuntimeOptions(prefill_offload_min=-1)
+
+
+def test_default_on_for_cuda_cards_only():
+    """Unset, offload is on for CUDA cards (PREFILL_OFFLOAD_MIN tokens) and off in CPU mode; a value given
+    is used on both; 0 turns it off."""
+    assert RuntimeOptions().offload_min == 0
+    assert RuntimeOptions(device="cuda").offload_min == PREFILL_OFFLOAD_MIN > 0
+    assert RuntimeOptions(prefill_offload_min=7).offload_min == 7
+    assert RuntimeOptions(device="cuda", prefill_offload_min=0).offload_min == 0

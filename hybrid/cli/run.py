@@ -76,7 +76,7 @@ def _runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per forward pass (default auto: the plan's chunk, else the whole prompt)")
     r.add_argument("--prefill-offload-min", default=None, metavar="N",
                    help="prefill steps of at least N tokens copy the experts they miss to the card and run "
-                        "them there instead of on the CPU (0 = never; default 128)")
+                        "them there instead of on the CPU (0 = never; default 128 on CUDA, never with --device cpu)")
     r.add_argument("--pcie-frac", type=float, default=None, metavar="F",
                    help="fraction of the PCIe link expert promotions may use per step (default 0.1)")
     r.add_argument("--profile", default=None, metavar="NAME|FILE",

@@ -8,8 +8,8 @@ from hybrid.errors import HybridError
 KV_DTYPES = ("fp16", "int8")
 HUGEPAGES = ("auto", "on", "off")
 CPU_ENGINES = ("auto", "numba", "torch")
-PREFILL_OFFLOAD_MIN = 128   # prefill steps of >= this many tokens stream their missed experts to the
-                            # card (hybrid.runtime.prefill_stream); see the hybrid-run flag's help
+PREFILL_OFFLOAD_MIN = 128   # CUDA cards: prefill steps of >= this many tokens stream their missed experts
+                            # to the card (hybrid.runtime.prefill_stream); see the hybrid-run flag's help
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,9 @@ class RuntimeOptions:
 
     gpus: CUDA ordinal per logical card (repeat one to put two logical cards on one GPU);
     layer_split: card boundaries (len(gpus) - 1 of them); cache_slots: slots per card (one value
-    or one per card); vram_cap_gib: per card; kv_resident: KV tokens each card holds.
+    or one per card); vram_cap_gib: per card; kv_resident: KV tokens each card holds;
+    prefill_offload_min: prefill steps of at least this many tokens stream their missed experts to
+    the card (0 = never; None: see offload_min).
     """
 
     device: str = "cpu"
@@ -37,7 +39,7 @@ class RuntimeOptions:
     policy: str = "lfu-decay"
     cpu_engine: str = "auto"
     trace: str | None = None
-    prefill_offload_min: int = PREFILL_OFFLOAD_MIN
+    prefill_offload_min: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.gpus)
@@ -67,8 +69,17 @@ class RuntimeOptions:
             raise HybridError(f"--prefill-chunk must be >= 1 or auto, got {self.prefill_chunk}")
         if not 0.0 <= self.pcie_frac <= 1.0:
             raise HybridError(f"--pcie-frac must be a fraction in [0, 1], got {self.pcie_frac}")
-        if not isinstance(self.prefill_offload_min, int) or self.prefill_offload_min < 0:
-            raise HybridError(f"--prefill-offload-min must be a token count >= 0 (0 = off), "
-                              f"got {self.prefill_offload_min}")
+        m = self.prefill_offload_min
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
+            raise HybridError(f"--prefill-offload-min must be a token count >= 0 (0 = off), got {m}")
         if self.cpu_engine not in CPU_ENGINES:
             raise HybridError(f"--cpu-engine {self.cpu_engine}: expected one of {', '.join(CPU_ENGINES)}")
+
+    @property
+    def offload_min(self) -> int:
+        """Prefill steps of at least this many tokens stream their misses to the card; 0 = never.
+        Unset: PREFILL_OFFLOAD_MIN on CUDA; never in CPU mode (the "card" is the CPU, so streaming
+        only swaps the Numba kernels for the torch reference: tests ask for it explicitly)."""
+        if self.prefill_offload_min is not None:
+            return self.prefill_offload_min
+        return PREFILL_OFFLOAD_MIN if self.device == "cuda" else 0

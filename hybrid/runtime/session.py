@@ -113,7 +113,7 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     stats = RuntimeStats(cfg.num_hidden_layers)
     trace = _trace(opts, path, cfg, cards, placement, meta)
     experts = HybridExperts(cards, cpu, get_expert, cfg.num_hidden_layers, stats, trace,
-                            prefill_min=opts.prefill_offload_min)
+                            prefill_min=opts.offload_min)
     model.experts = experts
     graphs = None
     if placement.cards[0].device.startswith("cuda"):
@@ -171,7 +171,7 @@ def _plan(path: Path, cfg: ModelConfig, opts: RuntimeOptions, prof, eprof: Exper
                       cache_slots=opts.cache_slots, vram_cap_gib=opts.vram_cap_gib,
                       pcie_frac=min(opts.pcie_frac, 0.9), context=context,
                       prefill_chunk=opts.prefill_chunk or 512,
-                      prefill_stage=PREFILL_STAGE_GROUP if opts.prefill_offload_min else 0)
+                      prefill_stage=PREFILL_STAGE_GROUP if opts.offload_min else 0)
     return make_plan(ModelBytes.from_folder(path), prof, req, pop, model=path.resolve().name,
                      experts_path=None if eprof_path is None else str(eprof_path))
 
