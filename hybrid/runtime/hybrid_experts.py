@@ -242,10 +242,11 @@ class HybridExperts:
             card.prefill = PrefillStream(card.device, card.stream)
         ps, n0, b0 = card.prefill, card.prefill.experts, card.prefill.bytes
         if x.is_cuda:
+            cur = torch.cuda.current_stream(x.device)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            a.record(cur)
             out = ps.run(layer, x, expert_ids, token_rows, route_w, self.get_expert)
-            b.record()
+            b.record(cur)
             self._step["gpu"].append((layer, a, b))
             self.add_pcie("prefill_stream", ps.bytes - b0)
         else:

@@ -99,15 +99,20 @@ class PrefillStream:
             self._stage(area, buf, layer, group, get_expert)
             a, b = bounds[gi], bounds[gi + 1]
             if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(buf.ready)
+                self._compute().wait_event(buf.ready)
             s_ids, s_tok, s_w = sel(gi, a, b)
             out += buf.store.moe(x, s_ids, s_tok, s_w)
             if self.cuda:
-                buf.free.record()
+                buf.free.record(self._compute())
             self.groups += 1
         self.experts += len(experts)
         self.layers += 1
         return out
+
+    def _compute(self):
+        """The stream the layer's kernels run on: this card's current stream (not the current
+        device's: with two GPUs the other card's may be current)."""
+        return torch.cuda.current_stream(self.device)
 
     def stats(self) -> dict:
         return {"experts": self.experts, "bytes": self.bytes, "groups": self.groups, "layers": self.layers}
@@ -160,13 +165,13 @@ class PrefillStream:
         if self.cuda:
             for b in bufs:
                 b.uploaded, b.ready, b.free = torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event()
-                b.free.record()                          # nothing reads it yet
+                b.free.record(self._compute())           # nothing reads it yet
             if isinstance(bufs[0].store, QPNSlots) and bufs[0].store.host is None:
                 shapes = _raw_shapes(gate.qtype, self.group, hidden, inter)
                 area.raw = {k: torch.empty(s, dtype=dt, device=self.device) for k, (s, dt) in shapes.items()}
                 for b in bufs:
                     b.pinned = {k: torch.empty(s, dtype=dt, pin_memory=True) for k, (s, dt) in shapes.items()}
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))   # the new tensors exist
+            self.stream.wait_stream(self._compute())     # the new tensors exist
         self._areas[key] = area
         return area
 
