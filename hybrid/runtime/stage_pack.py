@@ -54,19 +54,20 @@ def pack_nvfp4_rows(data: torch.Tensor, scale: torch.Tensor, words: torch.Tensor
     if n % layout.TILE or k % 64:
         raise ValueError(f"pack_nvfp4_rows: rows {n} must be a multiple of 16, in-features {k} of 64")
     tn, c = n // layout.TILE, k // 64
-    sb = scale.view(tn, 2, 8, c, 4, 1, 1)                                  # t half r c j . .
-    flip = (sb >> 7) * 0x88                                               # fold the scale's sign
-    b = data.view(tn, 2, 8, c, 4, 4, 2) ^ flip                            # t half r c j q b
-    b = b.permute(0, 3, 2, 5, 4, 1, 6)                                    # t c r q j half b
+    perm = (0, 3, 2, 5, 4, 1, 6)                                          # -> t c r q j half b
+    flip = ((scale.view(tn, 2, 8, c, 4, 1, 1) >> 7) * 0x88).permute(*perm)  # fold the scale's sign
+    b = data.view(tn, 2, 8, c, 4, 4, 2).permute(*perm)                    # t c r q j half b (a view)
     out = words.view(tn, c, 8, 4, 4)                                      # t c r q j
     lut = fp4_luts(data.device)
     for i, (half, bb) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
-        idx = b[..., half, bb].to(torch.int32).reshape(-1)                # [Tn*C*8*4*4]
-        part = lut[i].index_select(0, idx).view(tn, c, 8, 4, 4)
+        idx = b[..., half, bb].to(torch.int32, memory_format=torch.contiguous_format)   # [Tn, C, 8, 4, 4]
+        idx ^= flip[..., half, 0]
+        part = lut[i].index_select(0, idx.view(-1)).view(tn, c, 8, 4, 4)
         if i == 0:
             out.copy_(part)
         else:
             out.bitwise_or_(part)
+        del idx, part                        # transients: two int32 copies of a quarter of the bytes
     sc = (scale & 0x7F).view(tn, 2, 8, c, 2, 2)                           # t half r c w jj
     scales.view(tn, c, 8, 8).copy_(sc.permute(0, 3, 2, 4, 1, 5).reshape(tn, c, 8, 8))
 
