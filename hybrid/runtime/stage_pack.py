@@ -11,7 +11,7 @@ element): fine for a promotion, not for 128 experts per layer. Here the group's 
 stacked (the slot's w13 is gate tiles then up tiles, and I, H are multiples of 16, so no tile
 straddles two experts or two weights) and packed at once: each QPN2 word takes its eight nibbles
 from four bytes, one 256-entry table per (half, byte) position built from layout.FP4_BITS, so a
-word is four table lookups or'ed together (~15 bytes of traffic per element). Bit for bit what
+word is four table lookups or'ed together (under 10 bytes of traffic per element). Bit for bit what
 layout.pack_nvfp4 gives (tests/test_prefill_stream.py). FP8 is a byte shuffle: layout.pack_fp8.
 """
 from __future__ import annotations
