@@ -74,6 +74,7 @@ class PrefillStream:
         self.cuda = self.device.type == "cuda"
         self.stream = stream if stream is not None or not self.cuda else torch.cuda.Stream(self.device)
         self._areas: dict = {}
+        self._weights: dict = {}    # (layer, e) -> get_expert's (gate, up, down), read once
         self.experts = 0            # experts streamed (summed over layers and steps)
         self.bytes = 0              # their stored bytes (what crosses PCIe on a card)
         self.groups = 0
@@ -120,7 +121,7 @@ class PrefillStream:
     # ---- staging -----------------------------------------------------------------------------
     def _stage(self, area: _Area, buf: _Buffer, layer: int, group: list[int], get_expert) -> None:
         """The group's experts into buf's slots 0..len(group)-1 (see the module doc)."""
-        ws = [get_expert(layer, e) for e in group]
+        ws = [self._expert(layer, e, get_expert) for e in group]
         self.bytes += sum(q.nbytes for w in ws for q in w)
         if not area.packed:
             self._load(buf, ws)
@@ -138,6 +139,15 @@ class PrefillStream:
             pack_group(buf.store.slots, n, area.raw)
             buf.ready.record(self.stream)
 
+    def _expert(self, layer: int, e: int, get_expert) -> tuple:
+        """get_expert's weights, kept: the checkpoint's tensors are views of its mmap (no copy held),
+        and reading them costs ~1 ms an expert (safetensors look-ups, scale checks): 128 of them per
+        layer would cost more than their upload."""
+        w = self._weights.get((layer, e))
+        if w is None:
+            w = self._weights[(layer, e)] = get_expert(layer, e)
+        return w
+
     def _load(self, buf: _Buffer, ws: list) -> None:
         """Storage without the packed path (CPU mode, dense experts): the storage's own load()."""
         if not self.cuda:
@@ -152,7 +162,7 @@ class PrefillStream:
 
     def _area(self, layer: int, e: int, get_expert) -> _Area:
         """The staging area for this layer's expert type, made on first use and kept."""
-        gate, up, down = get_expert(layer, int(e))
+        gate, up, down = self._expert(layer, int(e), get_expert)
         key = (gate.qtype, tuple(gate.shape), tuple(down.shape))
         area = self._areas.get(key)
         if area is not None:
