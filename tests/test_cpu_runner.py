@@ -102,3 +102,52 @@ def test_kernels_release_the_gil_and_the_pool_call_is_parallel():
     for f in (expert.experts_gate_up, expert.experts_down, expert.experts_parallel):
         assert f.targetoptions.get("nogil") is True
     assert expert.experts_parallel.targetoptions.get("parallel")
+
+
+def test_pool_wait_policy_is_set_before_the_pool_starts():
+    """set_pool_wait: passive by default, spin leaves libgomp's default, the environment wins, a bad
+    value is one clear error; in a fresh process Numba's libgomp then reports the policy."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import ctypes, os
+        from hybrid.errors import HybridError
+        from hybrid.experts.cpu_runner import set_pool_wait
+        for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "HYBRID_CPU_WAIT"):
+            os.environ.pop(k, None)
+        print(set_pool_wait("spin"), "|", os.environ.get("OMP_WAIT_POLICY"))
+        os.environ["GOMP_SPINCOUNT"] = "1000"
+        print(set_pool_wait(), "|", os.environ.get("OMP_WAIT_POLICY"))
+        del os.environ["GOMP_SPINCOUNT"]
+        try:
+            set_pool_wait("busy")
+        except HybridError as e:
+            print("error:", e)
+        print(set_pool_wait(), "|", os.environ.get("OMP_WAIT_POLICY"))
+        from numba import njit, prange
+        @njit(parallel=True)
+        def f(n):
+            s = 0
+            for i in prange(n):
+                s += i
+            return s
+        f(10)
+        print(set_pool_wait("spin"), flush=True)
+        gomp = ctypes.CDLL("libgomp.so.1")
+        if hasattr(gomp, "omp_display_env"):
+            gomp.omp_display_env(0)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0, r.stderr
+    assert lines[0] == "libgomp default (spin, then sleep) | None"
+    assert lines[1] == "GOMP_SPINCOUNT=1000 (from the environment) | None"
+    assert lines[2].startswith("error: HYBRID_CPU_WAIT='busy': expected one of passive, spin")
+    assert lines[3] == "OMP_WAIT_POLICY=PASSIVE | PASSIVE"
+    assert lines[4] == "OMP_WAIT_POLICY=PASSIVE"            # pool started: reports, changes nothing
+    if "OMP_WAIT_POLICY =" in r.stderr:                      # libgomp >= 11 lists its settings
+        assert "OMP_WAIT_POLICY = 'PASSIVE'" in r.stderr

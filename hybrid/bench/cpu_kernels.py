@@ -95,9 +95,7 @@ def machine() -> dict:
     cpu = detect_cpu()
     return dict(cpu=cpu.model, physical_cores=physical_cores(), logical_cpus=os.cpu_count(),
                 llvm_cpu=ll.get_host_cpu_name(), avx2=cpu.avx2, avx512=cpu.avx512,
-                l3_bytes=l3_bytes(), thp=thp_mode(), numba=numba.__version__, numpy=np.__version__,
-                omp_wait=" ".join(f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-                                  if k in os.environ) or "OMP_WAIT_POLICY unset")
+                l3_bytes=l3_bytes(), thp=thp_mode(), numba=numba.__version__, numpy=np.__version__)
 
 
 def _read(path: str) -> str:
@@ -498,7 +496,7 @@ def progress(row: Row) -> None:
 
 def run(args) -> int:
     from hybrid.errors import HybridError
-    from hybrid.experts.cpu_runner import physical_cores
+    from hybrid.experts.cpu_runner import physical_cores, set_pool_wait
 
     if args.worker:
         return serve_worker(args.quick)
@@ -507,7 +505,8 @@ def run(args) -> int:
     if bad or not shapes:
         raise HybridError(f"--shapes: expected a comma list of {', '.join(SHAPES)}, got {args.shapes!r}")
     threads = sorted({1, args.threads or physical_cores()})
-    info = dict(machine=machine(), command="hybrid-bench cpu-kernels " + " ".join(sys.argv[2:]),
+    wait = set_pool_wait()                        # before any runner starts Numba's pool (and the child's)
+    info = dict(machine=dict(machine(), pool_wait=wait), command="hybrid-bench cpu-kernels " + " ".join(sys.argv[2:]),
                 nvfp4_kernel="int16" if NVFP4_INT16 else "fp32",
                 git=git_sha(dirty=False), time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     gg, info["ggml"] = _ggml()
@@ -582,7 +581,7 @@ def markdown(info: dict, rows: list[Row]) -> str:
         "# CPU expert kernels (cpu/, hybrid-bench cpu-kernels)", "",
         f"Machine: {m['cpu']}, {m['physical_cores']} physical cores ({m['logical_cpus']} logical), "
         f"LLVM cpu `{m['llvm_cpu']}`, AVX2 {m['avx2']}, AVX-512 {m['avx512']}, L3 {m['l3_bytes'] >> 20} MiB, "
-        f"THP [{m['thp']}], numba {m['numba']} ({m.get('omp_wait', '?')}).  Shared machine: read ratios, not absolutes.",
+        f"THP [{m['thp']}], numba {m['numba']} (pool waiters: {m.get('pool_wait', '?')}).  Shared machine: read ratios, not absolutes.",
         f"Command: `{info['command']}`; git {info['git']}; {info['time']}.", "",
         "GB/s = packed weight + block-scale bytes of the experts touched / wall time (top-8 experts per "
         "call, M tokens routed to each, a set of experts several times the L3).  `haswell` = the same "
@@ -622,11 +621,12 @@ def markdown(info: dict, rows: list[Row]) -> str:
         "divided by its cores; where one core's rate nears its own memory stream, more threads on "
         "this 2-core VM's one memory path add little.",
         "- Threads: `compute xN` (header) is what N threads can get from this machine at all.  Our "
-        "call's parts meet at a barrier after each phase (Numba's OpenMP pool); with OMP_WAIT_POLICY "
-        "unset, GNU OpenMP's waiting threads spin (GOMP_SPINCOUNT, 300000 pauses) on a CPU that the "
-        "last working thread, or the caller, may need: where cores are time-sliced or oversubscribed "
-        "that spin can make N threads slower than one.  OMP_WAIT_POLICY=passive (set before torch or "
-        "numba load libgomp) makes them sleep instead.",
+        "call's parts meet at a barrier after each phase (Numba's OpenMP pool).  By default GNU "
+        "OpenMP's waiting threads spin (GOMP_SPINCOUNT, 300000 pauses) on a CPU that the last "
+        "working thread, or the caller, may need, which where cores are time-sliced or "
+        "oversubscribed can make N threads slower than one; the runner makes them sleep "
+        "(OMP_WAIT_POLICY=PASSIVE; HYBRID_CPU_WAIT=spin keeps libgomp's default; `pool waiters` in "
+        "the header).",
         "- ggml with more than one thread busy-waits at every node; on this shared, oversubscribed "
         "VM its multi-thread rows collapse, so compare ggml per thread (the 1-thread rows).", "",
     ]

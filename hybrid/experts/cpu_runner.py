@@ -10,7 +10,8 @@ phase 1's (expert, I-tile) units, then phase 2's H-tiles, one at a time from a s
 The kernels release the GIL, so the thread that submitted keeps running Python/GPU work meanwhile,
 and there is one dispatch per call (a pool of Python workers dispatching each phase under the GIL
 measured half the speed at 16 threads on the H200 host).  Each output element is computed by one
-unit in a fixed order, so the result does not depend on the thread count.
+unit in a fixed order, so the result does not depend on the thread count.  The pool's idle threads
+sleep rather than spin (set_pool_wait, HYBRID_CPU_WAIT=passive|spin).
 
 Small calls (a decode step's few experts: at most `inline_bytes` of packed weights) skip the pool:
 submit only prepares them and sync runs both phases on the calling thread, as one part would
@@ -22,6 +23,8 @@ Legend: T tokens, H hidden, I intermediate, E listed experts, P = Σ_e rows of e
 """
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 import time
@@ -29,8 +32,40 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hybrid.errors import HybridError
 from hybrid.hardware import physical_cores
 from cpu.expert import experts_forward, experts_parallel
+
+log = logging.getLogger("hybrid.experts")
+POOL_WAIT_ENV = "HYBRID_CPU_WAIT"
+POOL_WAITS = {"passive": "PASSIVE", "spin": None}     # -> OMP_WAIT_POLICY (None: libgomp's default)
+
+
+def set_pool_wait(mode: str | None = None) -> str:
+    """How the threads of Numba's OpenMP pool wait at the phase barrier and between calls; must run
+    before the pool starts (GNU OpenMP reads it once, when Numba loads its libgomp at the first
+    parallel launch; torch loads its own copy, which this leaves alone):
+        passive  sleep at once (OMP_WAIT_POLICY=PASSIVE); the default
+        spin     libgomp's default: spin GOMP_SPINCOUNT (300000) pause loops, then sleep
+    mode None: $HYBRID_CPU_WAIT, else passive.  OMP_WAIT_POLICY / GOMP_SPINCOUNT already in the
+    environment win.  Returns the setting that applies, in words.  Why: a spinning waiter takes the
+    CPU from the thread still working wherever cores are time-sliced or oversubscribed (the
+    runner's threads share the cores with the thread driving the GPUs); on the 2-vCPU dev VM
+    2-thread calls with spinning waiters fell to 0.15-0.6x one thread at times (results/cpu_kernels.md)."""
+    import numba.np.ufunc.parallel as npar
+
+    mode = (mode or os.environ.get(POOL_WAIT_ENV) or "passive").strip().lower()
+    if mode not in POOL_WAITS:
+        raise HybridError(f"{POOL_WAIT_ENV}={mode!r}: expected one of {', '.join(POOL_WAITS)}")
+    given = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ]
+    if getattr(npar, "_is_initialized", False):
+        return " ".join(given) or "libgomp default (Numba's pool started before the runner)"
+    if given:
+        return " ".join(given) + " (from the environment)"
+    if POOL_WAITS[mode] is None:
+        return "libgomp default (spin, then sleep)"
+    os.environ["OMP_WAIT_POLICY"] = POOL_WAITS[mode]
+    return f"OMP_WAIT_POLICY={POOL_WAITS[mode]}"
 
 
 @dataclass
@@ -56,9 +91,11 @@ INLINE_BYTES = 1 << 20    # calls reading at most this many packed weight bytes 
 
 class CpuExpertRunner:
     """Worker pool over an ExpertStore; threads default to the physical core count.
-    inline_bytes: calls that read at most this many packed expert bytes run on the caller (0: never)."""
+    inline_bytes: calls that read at most this many packed expert bytes run on the caller (0: never).
+    wait: how the pool's idle threads wait (set_pool_wait; default passive: they sleep)."""
 
-    def __init__(self, store, threads: int | None = None, inline_bytes: int = INLINE_BYTES):
+    def __init__(self, store, threads: int | None = None, inline_bytes: int = INLINE_BYTES,
+                 wait: str | None = None):
         self.store = store
         self.inline_bytes = int(inline_bytes)
         self.threads = int(threads or physical_cores())
@@ -68,6 +105,8 @@ class CpuExpertRunner:
         self._worker = threading.Thread(target=self._loop, daemon=True, name="cpu-experts")
         self._closed = False
         self.timing = {"calls": 0, "queue_s": 0.0, "kernel_s": 0.0}   # pooled calls: submit -> start, kernel
+        self.wait = set_pool_wait(wait)
+        log.debug("cpu experts: %d threads, pool waiters: %s", self.threads, self.wait)
         self._warm_up()
         self._worker.start()
 
