@@ -240,10 +240,76 @@ def test_gemmf_tile_and_splits():
     assert prefill_plan(2, 64, 5120, 25600, sms, 90, None, 1).grid[2] == 1
     for m in (17, 64, 100, 512):
         for n, k in ((4096, 2048), (2048, 4096), (151936, 2048), (768, 2048), (5, 128)):
-            p = prefill_plan(8, m, n, k, sms, 90)
-            bm, bn = (int(v) for v in p.kernel.rsplit("_", 1)[1].split("x"))
-            assert (bm, bn) in GEMMF_TILES
-            assert p.grid[0] * bm >= m and p.grid[1] * bn >= n and p.grid[2] * p.ks * 64 >= k
+            for fmt in (2, 8):
+                p = prefill_plan(fmt, m, n, k, sms, 90)
+                fam, tile = p.kernel.split("_", 1)[1].split("_")
+                bm, bn = (int(v) for v in tile.split("x"))
+                assert (bm, bn) in (GEMMF_TILES if fam == "gemmf" else GEMM_TILES)
+                assert p.grid[0] * bm >= m and p.grid[1] * bn >= n and p.grid[2] * p.ks * 64 >= k
+    for fmt in (2, 8):                                    # forced gemmf tiles stay gemmf on sm_80+
+        for bm, bn in GEMMF_TILES:
+            assert prefill_plan(fmt, 64, 768, 2048, sms, 90, f"f{bm}x{bn}").kernel == f"qpn{fmt}_gemmf_{bm}x{bn}"
+
+
+# The sm_80+ default on the shapes of H200 device call 3 (tools/gemm_probe.sh 93ed732, results/
+# cuda_kernels.md "sm_80+ prefill GEMM"): (fmt, M, N, K) -> plan label; the measured best of the
+# WMMA pick and the three gemmf tiles unless noted (us: picked / best / the default before).
+PICKS = [
+    (2, 512, 151936, 2048, "gemmf_64x256"),       # lm_head 1168 / 1168 / 1299 (64x128)
+    (2, 128, 151936, 2048, "gemmf_64x256"),       # 295 / 295 / 332
+    (2, 64, 151936, 2048, "gemmf_64x256"),        # 165 / 165 / 170
+    (2, 64, 25600, 5120, "gemmf_64x256"),         # dense_up 82.0 / 82.0 / 92.7
+    (2, 512, 25600, 5120, "gemmf_64x256"),        # 545 / 545 / 575
+    (2, 512, 5120, 25600, "gemmf_64x256/s4"),     # dense_down 518 / 518 / 582
+    (2, 64, 5120, 25600, "gemmf_64x128/s6"),      # 90.8 / 90.8 / 91.4
+    (2, 512, 4096, 2048, "gemmf_64x256"),         # q_proj 35.9 / 35.9 / 41.4
+    (2, 128, 4096, 2048, "gemmf_64x256/s4"),      # 24.8 / 24.8 / 26.1
+    (2, 512, 2048, 4096, "gemmf_64x256/s2"),      # o_proj 47.6 / 47.6 / 49.1
+    (2, 64, 768, 2048, "gemm_64x64/s8"),          # expert_gate_up: WMMA 14.3 / 14.3 / 18.2
+    (2, 128, 768, 2048, "gemm_64x64/s5"),         # 15.3 / 15.3 / 18.8
+    (2, 512, 768, 2048, "gemmf_64x256/s4"),       # 23.9 / 23.9 / 25.2
+    (8, 512, 5120, 25600, "gemm_128x128/s4"),     # FP8 dense_down: WMMA 563 / 563 / 687
+    (8, 64, 768, 2048, "gemm_64x64/s8"),          # FP8 expert_gate_up 14.1 / 14.1 / 18.6
+    (8, 64, 25600, 5120, "gemmf_64x256"),         # FP8 dense_up 97.2 / 97.2 / 101
+    (8, 512, 4096, 2048, "gemmf_64x256"),         # FP8 q_proj 39.0 / 39.0 / 44.5
+    (8, 512, 151936, 2048, "gemmf_64x256"),       # FP8 lm_head 1371 / 1262 (WMMA) / 1439: the model's
+]                                                 # FP8 64x256 step is 5-9% low on lm_head (documented)
+
+
+@pytest.mark.parametrize("fmt,m,n,k,label", PICKS)
+def test_sm90_default_picks(fmt, m, n, k, label):
+    assert prefill_plan(fmt, m, n, k, 132, 90).label == label
+
+
+@pytest.mark.parametrize("sm,sms", [(70, 80), (75, 40)])
+def test_below_sm80_picks_wmma(sm, sms):
+    for fmt, m, n, k, _ in PICKS:
+        p = prefill_plan(fmt, m, n, k, sms, sm)
+        assert p.kernel.startswith(f"qpn{fmt}_gemm_"), p.kernel
+        bm, bn = gemm_tile(m, n, sms, None, sm, k)
+        assert p.kernel == f"qpn{fmt}_gemm_{bm}x{bn}" and p.grid[2:] == gemm_splits(m, n, k, (bm, bn), sms)[:1]
+
+
+def test_cost_model_against_measured_rows():
+    """gemmf_cost / gemm_us against a few H200 rows of call 3 (93ed732), within the fit's worst 15%."""
+    from hybrid.kernels.qpn import gemm_us, gemmf_cost
+
+    sms = 132
+    rows = [  # (cost, fmt, m, n, k, tile, splits, measured us)
+        (gemmf_cost, 2, 512, 151936, 2048, (64, 256), 1, 1168.0),
+        (gemmf_cost, 2, 512, 151936, 2048, (128, 128), 1, 1585.7),
+        (gemmf_cost, 2, 512, 151936, 2048, (64, 128), 1, 1299.3),
+        (gemmf_cost, 8, 512, 5120, 25600, (64, 256), 4, 632.4),
+        (gemmf_cost, 2, 64, 768, 2048, (64, 128), 8, 18.1),
+        (gemm_us, 2, 512, 151936, 2048, (128, 128), 1, 1214.2),
+        (gemm_us, 8, 512, 5120, 25600, (128, 128), 4, 562.6),
+        (gemm_us, 2, 64, 768, 2048, (64, 64), 8, 14.3),
+        (gemm_us, 2, 64, 5120, 25600, (64, 128), 6, 104.8),
+    ]
+    for cost, fmt, m, n, k, tile, splits, us in rows:
+        nk = -(-k // 64)
+        got = cost(m, n, tile, sms, splits, -(-nk // splits), fmt)
+        assert abs(got / us - 1) < 0.15, (cost.__name__, fmt, m, n, k, tile, splits, got, us)
 
 
 def test_prefill_variant_from_environment():

@@ -29,9 +29,10 @@ MAX_SLOTS = 1024
 LINEAR_VARIANT: list[str | None] = [None]
 MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
 # M > PREFILL_MIN linear kernel: None = on sm_80+ the register-fragment GEMM (qpn{2,8}_gemmf_*,
-# tile by gemmf_tile), below sm_80 the shared-memory tiled WMMA GEMM (qpn{2,8}_gemm_*, tile by
-# gemm_tile), each split over K by gemm_splits; "wmma" = the WMMA GEMM on any device (the sm_80+
-# path before gemmf; A/B); "mt" = the 8-row-tile kernels (qpn{2,8}_linear_mt{2,4}, the path before
+# tile by gemmf_tile) or the shared-memory tiled WMMA GEMM (qpn{2,8}_gemm_*, tile by gemm_tile),
+# whichever the H200 cost model (gemmf_cost vs gemm_us) says is faster, below sm_80 the WMMA GEMM;
+# each split over K by gemm_splits; "wmma" = the WMMA GEMM on any device (the sm_80+ path before
+# gemmf; A/B); "mt" = the 8-row-tile kernels (qpn{2,8}_linear_mt{2,4}, the path before
 # that); "<BM>x<BN>" (one of GEMM_TILES) forces a WMMA tile, "f<BM>x<BN>" (one of GEMMF_TILES) a
 # gemmf tile (below sm_80: the WMMA pick): benchmark, tests; initial value from
 # $HYBRID_QPN_PREFILL (A/B runs of whole programs).
@@ -153,29 +154,66 @@ def gemm_splits(m: int, n: int, k: int, tile: tuple[int, int], sms: int,
 # sm_80+ prefill GEMM qpn{2,8}_gemmf_<BM>x<BN> (weights decoded straight into the MMA's A fragments,
 # activations through a cp.async ring): tile -> blocks resident per SM (registers; qpn.cu GEMMF)
 GEMMF_TILES = {(128, 128): 1, (64, 256): 1, (64, 128): 2}
-# gemmf_cost: microseconds of one 64-k step of one block alone on an H200 SM. NOT YET MEASURED:
-# first guesses at ~500 TFLOP/s on the whole device for the 128-row tile (to be fit to the
-# forced-tile rows of hybrid-bench cuda-kernels, as GEMM_SMEM was)
-GEMMF_STEP_US = {(128, 128): 0.55, (64, 256): 0.55, (64, 128): 0.30}
-GEMMF_PAIR_RATE = 0.88   # two resident blocks of a 2-per-SM tile: each step costs 2 x this x alone
-GEMMF_PART_US = 2.4e-7   # per byte of split-K partials written and read back (8 us per 33.5 MB: q_proj fit above)
-GEMMF_TAIL_US = 5e-6     # per byte of partials the last block of an output tile sums alone
+# The sm_80+ prefill cost model, in microseconds, least-squares fit (log error) on the 144 forced rows
+# of H200 device call 3 (tools/gemm_probe.sh 93ed732: every gemmf tile and the WMMA pick at M = 64,
+# 128, 512 on six shapes, NVFP4 and FP8; rms error 5.3%, worst 13%; tools/gemm_fit.py prints it):
+# gemmf_cost / gemm_us = launch + busiest SM's k-steps x per-step time + per-wave block start
+# + (split) counters' memset + partials written and read back + the last block's L2 round trips.
+# gemmf: microseconds of one 64-k step of one block alone on an SM, per format (FP8 reads twice the
+# bytes): 64x256 does the most MMA work per decoded weight and per B fragment loaded (~1.0 us per
+# 2.1 MFLOP: ~270 TFLOP/s on the device); 128x128 (two ring stages, 160 registers) is the slowest
+GEMMF_STEP_US = {(128, 128): {2: 1.27, 8: 1.31}, (64, 256): {2: 0.96, 8: 1.13}, (64, 128): {2: 0.69, 8: 0.80}}
+GEMMF_PAIR_RATE = 0.78   # two resident blocks of a 2-per-SM tile: each step costs 2 x this x alone
+GEMMF_BLOCK_US = 0.55    # per wave of blocks on an SM: ring fill and first weight loads, epilogue
+GEMM_BLOCK_US = 1.3      # the same for the WMMA GEMM (a deeper register prologue)
+# WMMA GEMM (gemm_cost's shared-memory bytes) in microseconds on the H200, per format: 128x128 ~1.05 us
+# per k-step (NVFP4; the 128 B/clock/SM bound would be 0.52: WMMA fragment loads do not reach it)
+GEMM_US_PER_BYTE = {2: 0.81e-5, 8: 0.84e-5}
+PREFILL_LAUNCH_US = 6.2  # a launch as CUDA events see it (cuBLAS on the smallest shapes: 8.5 us)
+PREFILL_SPLIT_US = 3.5   # split-K: the arrival counters' memset launch
+PREFILL_PART_US = 3.4e-7  # per byte of split-K partials written and read back (~2.9 TB/s)
+PREFILL_TAIL_US = 0.23   # one L2 round trip of the last block's reduction (4 splits' partials at once)
 
 
-def gemmf_cost(m: int, n: int, tile: tuple[int, int], sms: int, splits: int, ks: int) -> float:
-    """Modelled microseconds of a gemmf launch: the busiest SM's blocks (ceil(blocks / SMs)) x ks
-    k-steps x GEMMF_STEP_US, x 2 GEMMF_PAIR_RATE / 2 per block where two share an SM; when split,
-    + the fp32 partials written and read back + the partial tiles the last block of each output tile
-    sums alone."""
+def _split_us(m: int, n: int, splits: int, iters: int) -> float:
+    """Split-K overhead: the counters' memset, the partials written and read back, and the last block
+    of an output tile summing them: `iters` passes over its tile x ceil(splits / 4) L2 round trips."""
+    if splits == 1:
+        return 0.0
+    return PREFILL_SPLIT_US + splits * m * n * 8 * PREFILL_PART_US + iters * -(-splits // 4) * PREFILL_TAIL_US
+
+
+def gemmf_cost(m: int, n: int, tile: tuple[int, int], sms: int, splits: int, ks: int, fmt: int = 2) -> float:
+    """Modelled microseconds of a gemmf launch on the H200 (fit above): launch + the busiest SM's
+    blocks (ceil(blocks / SMs)) x ks k-steps x GEMMF_STEP_US, x GEMMF_PAIR_RATE where two share an
+    SM, + GEMMF_BLOCK_US per wave of resident blocks; when split, _split_us (the last block's
+    reduction passes over its tile BM / 8 times: 8 tokens x BN features each)."""
     blocks = -(-m // tile[0]) * -(-n // tile[1]) * splits
     per_sm = -(-blocks // sms)
-    cost = per_sm * ks * GEMMF_STEP_US[tile] * (GEMMF_PAIR_RATE if per_sm > 1 and GEMMF_TILES[tile] > 1 else 1.0)
-    if splits > 1:
-        cost += splits * m * n * 8 * GEMMF_PART_US + splits * tile[0] * tile[1] * 4 * GEMMF_TAIL_US
-    return cost
+    res = GEMMF_TILES[tile]
+    cost = per_sm * ks * GEMMF_STEP_US[tile][fmt] * (GEMMF_PAIR_RATE if per_sm > 1 and res > 1 else 1.0)
+    return (PREFILL_LAUNCH_US + cost + -(-blocks // (sms * res)) * GEMMF_BLOCK_US
+            + _split_us(m, n, splits, tile[0] // 8))
 
 
-def gemmf_tile(m: int, n: int, k: int, sms: int, choice: str | None = None) -> tuple[int, int]:
+def gemm_us(m: int, n: int, tile: tuple[int, int], sms: int, splits: int, ks: int, fmt: int = 2) -> float:
+    """Modelled microseconds of a WMMA GEMM launch on the H200 (fit above; sm_80+ compares it with
+    gemmf_cost): gemm_cost's k-step bytes x GEMM_US_PER_BYTE, + GEMM_BLOCK_US per wave (tiles below
+    128 x 128: two blocks resident), launch, _split_us (the last block passes over its tile in
+    16 x 16 fragments, 8 per pass: (BM / 32) x (BN / 64) passes)."""
+    blocks = -(-m // tile[0]) * -(-n // tile[1]) * splits
+    per_sm = -(-blocks // sms)
+    small = tile != (128, 128)
+    cost = per_sm * ks * GEMM_SMEM[tile] * (GEMM_PAIR_RATE if per_sm > 1 and small else 1.0)
+    return (PREFILL_LAUNCH_US + cost * GEMM_US_PER_BYTE[fmt] + -(-blocks // (sms * (2 if small else 1)))
+            * GEMM_BLOCK_US + _split_us(m, n, splits, (tile[0] // 32) * (tile[1] // 64)))
+
+
+def _gemmf_cost_fn(fmt: int):
+    return lambda m, n, tile, sms, splits, ks: gemmf_cost(m, n, tile, sms, splits, ks, fmt)
+
+
+def gemmf_tile(m: int, n: int, k: int, sms: int, choice: str | None = None, fmt: int = 2) -> tuple[int, int]:
     """(BM, BN) of the sm_80+ GEMM: of GEMMF_TILES with BM no larger than M rounded up to a power of
     two (>= 64), the one of least gemmf_cost with the K splits gemm_splits gives it (ties: the
     first listed). choice "f<BM>x<BN>" forces a tile."""
@@ -187,7 +225,8 @@ def gemmf_tile(m: int, n: int, k: int, sms: int, choice: str | None = None) -> t
         return tile
     cap = max(64, 1 << (m - 1).bit_length())
     fits = [t for t in GEMMF_TILES if t[0] <= cap]
-    return min(fits, key=lambda t: gemmf_cost(m, n, t, sms, *gemm_splits(m, n, k, t, sms, cost=gemmf_cost)))
+    cost = _gemmf_cost_fn(fmt)
+    return min(fits, key=lambda t: cost(m, n, t, sms, *gemm_splits(m, n, k, t, sms, cost=cost)))
 
 
 @dataclass(frozen=True)
@@ -208,20 +247,32 @@ class GemmPlan:
 def prefill_plan(fmt: int, m: int, n: int, k: int, sms: int, sm: int, choice: str | None = None,
                  split: int | None = None) -> GemmPlan | None:
     """The GEMM launch for M rows on an sm_<sm> device with `sms` SMs (None: M <= PREFILL_MIN or the
-    'mt' variant: the 8-row-tile kernels): on sm_80+ the register-fragment GEMM (gemmf), else (or
-    with the 'wmma' variant or a forced WMMA tile) the shared-memory tiled WMMA GEMM."""
+    'mt' variant: the 8-row-tile kernels). Default on sm_80+: the register-fragment GEMM (gemmf:
+    gemmf_tile, its splits) or the shared-memory tiled WMMA GEMM (gemm_tile, its splits), whichever
+    the H200 fit models faster (gemmf_cost vs gemm_us: WMMA where the launch is a few k-steps per
+    block, e.g. one MoE expert at M <= 128, and on some large FP8 shapes); below sm_80 the WMMA GEMM.
+    'wmma' or a forced WMMA tile: the WMMA GEMM; a forced gemmf tile: that tile (below sm_80: the
+    WMMA pick)."""
     if m <= PREFILL_MIN or choice == "mt":
         return None
     forced_f = choice is not None and choice.startswith("f")
-    if sm >= 80 and (choice is None or forced_f):
-        bm, bn = gemmf_tile(m, n, k, sms, choice)
-        splits, ks = gemm_splits(m, n, k, (bm, bn), sms, force=split, cost=gemmf_cost)
-        return GemmPlan(f"qpn{fmt}_gemmf_{bm}x{bn}", (-(-m // bm), -(-n // bn), splits), ks)
     if forced_f:
-        gemmf_tile(m, n, k, sms, choice)   # a valid name all the same
+        gemmf_tile(m, n, k, sms, choice)   # a valid name on every device
+    fplan = fcost = None
+    if sm >= 80 and (choice is None or forced_f):
+        tile = gemmf_tile(m, n, k, sms, choice, fmt)
+        cost = _gemmf_cost_fn(fmt)
+        splits, ks = gemm_splits(m, n, k, tile, sms, force=split, cost=cost)
+        fplan = GemmPlan(f"qpn{fmt}_gemmf_{tile[0]}x{tile[1]}", (-(-m // tile[0]), -(-n // tile[1]), splits), ks)
+        if forced_f:
+            return fplan
+        fcost = cost(m, n, tile, sms, splits, ks)
     bm, bn = gemm_tile(m, n, sms, None if choice in ("wmma", None) or forced_f else choice, sm, k)
     splits, ks = gemm_splits(m, n, k, (bm, bn), sms, force=split)
-    return GemmPlan(f"qpn{fmt}_gemm_{bm}x{bn}", (-(-m // bm), -(-n // bn), splits), ks)
+    wplan = GemmPlan(f"qpn{fmt}_gemm_{bm}x{bn}", (-(-m // bm), -(-n // bn), splits), ks)
+    if fplan is not None and fcost <= gemm_us(m, n, (bm, bn), sms, splits, ks, fmt):
+        return fplan
+    return wplan
 
 
 # ---------------------------------------------------------------------------- weights
