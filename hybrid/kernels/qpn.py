@@ -6,6 +6,7 @@ A routed assignments.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -244,6 +245,7 @@ class GemmPlan:
         return name + (f"/s{self.grid[2]}" if self.grid[2] > 1 else "")
 
 
+@functools.lru_cache(maxsize=4096)  # ~0.1 ms of model search per new (shape, M); the constants are fixed
 def prefill_plan(fmt: int, m: int, n: int, k: int, sms: int, sm: int, choice: str | None = None,
                  split: int | None = None) -> GemmPlan | None:
     """The GEMM launch for M rows on an sm_<sm> device with `sms` SMs (None: M <= PREFILL_MIN or the
