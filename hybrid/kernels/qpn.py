@@ -157,23 +157,27 @@ def gemm_splits(m: int, n: int, k: int, tile: tuple[int, int], sms: int,
 GEMMF_TILES = {(128, 128): 1, (64, 256): 1, (64, 128): 2}
 # The sm_80+ prefill cost model, in microseconds, least-squares fit (log error) on the 144 forced rows
 # of H200 device call 3 (tools/gemm_probe.sh 93ed732: every gemmf tile and the WMMA pick at M = 64,
-# 128, 512 on six shapes, NVFP4 and FP8; rms error 5.3%, worst 13%; tools/gemm_fit.py prints it):
+# 128, 512 on six shapes, NVFP4 and FP8; rms error 4.0%, worst 14%; tools/gemm_fit.py prints it):
 # gemmf_cost / gemm_us = launch + busiest SM's k-steps x per-step time + per-wave block start
 # + (split) counters' memset + partials written and read back + the last block's L2 round trips.
 # gemmf: microseconds of one 64-k step of one block alone on an SM, per format (FP8 reads twice the
 # bytes): 64x256 does the most MMA work per decoded weight and per B fragment loaded (~1.0 us per
 # 2.1 MFLOP: ~270 TFLOP/s on the device); 128x128 (two ring stages, 160 registers) is the slowest
-GEMMF_STEP_US = {(128, 128): {2: 1.27, 8: 1.31}, (64, 256): {2: 0.96, 8: 1.13}, (64, 128): {2: 0.69, 8: 0.80}}
-GEMMF_PAIR_RATE = 0.78   # two resident blocks of a 2-per-SM tile: each step costs 2 x this x alone
-GEMMF_BLOCK_US = 0.55    # per wave of blocks on an SM: ring fill and first weight loads, epilogue
-GEMM_BLOCK_US = 1.3      # the same for the WMMA GEMM (a deeper register prologue)
-# WMMA GEMM (gemm_cost's shared-memory bytes) in microseconds on the H200, per format: 128x128 ~1.05 us
-# per k-step (NVFP4; the 128 B/clock/SM bound would be 0.52: WMMA fragment loads do not reach it)
-GEMM_US_PER_BYTE = {2: 0.81e-5, 8: 0.84e-5}
-PREFILL_LAUNCH_US = 6.2  # a launch as CUDA events see it (cuBLAS on the smallest shapes: 8.5 us)
-PREFILL_SPLIT_US = 3.5   # split-K: the arrival counters' memset launch
-PREFILL_PART_US = 3.4e-7  # per byte of split-K partials written and read back (~2.9 TB/s)
-PREFILL_TAIL_US = 0.23   # one L2 round trip of the last block's reduction (4 splits' partials at once)
+GEMMF_STEP_US = {(128, 128): {2: 1.25, 8: 1.29}, (64, 256): {2: 0.949, 8: 1.12}, (64, 128): {2: 0.703, 8: 0.811}}
+GEMMF_PAIR_RATE = 0.756  # two resident blocks of a 2-per-SM tile: each step costs 2 x this x alone
+GEMMF_BLOCK_US = 2.31    # per wave of blocks on an SM: ring fill, first weight loads, epilogue
+# WMMA GEMM (gemm_cost's shared-memory bytes) in microseconds on the H200, per format (one block alone:
+# 128x128 ~1.24 us per k-step; the 128 B/clock/SM bound would be 0.52: WMMA fragment loads do not
+# reach it). Every WMMA tile runs two blocks per SM on sm_90 (128x128: 128 registers, 40 KB of shared
+# memory), each step then x GEMM_US_PAIR_RATE (the forced rows: lm_head's 36 blocks per SM ~1.05 us
+# per block-step, q_proj M = 512's one block per SM ~1.25; gemm_cost's rule leaves 128x128 unpaired)
+GEMM_US_PER_BYTE = {2: 0.953e-5, 8: 0.992e-5}
+GEMM_US_PAIR_RATE = 0.774
+GEMM_BLOCK_US = 2.43     # per wave (two blocks per SM) for the WMMA GEMM
+PREFILL_LAUNCH_US = 3.52  # a launch as CUDA events see it, queued behind a sleep
+PREFILL_SPLIT_US = 4.06  # split-K: the arrival counters' memset launch
+PREFILL_PART_US = 3.38e-7  # per byte of split-K partials written and read back (~3 TB/s)
+PREFILL_TAIL_US = 0.263  # one L2 round trip of the last block's reduction (4 splits' partials at once)
 
 
 def _split_us(m: int, n: int, splits: int, iters: int) -> float:
@@ -199,15 +203,15 @@ def gemmf_cost(m: int, n: int, tile: tuple[int, int], sms: int, splits: int, ks:
 
 def gemm_us(m: int, n: int, tile: tuple[int, int], sms: int, splits: int, ks: int, fmt: int = 2) -> float:
     """Modelled microseconds of a WMMA GEMM launch on the H200 (fit above; sm_80+ compares it with
-    gemmf_cost): gemm_cost's k-step bytes x GEMM_US_PER_BYTE, + GEMM_BLOCK_US per wave (tiles below
-    128 x 128: two blocks resident), launch, _split_us (the last block passes over its tile in
-    16 x 16 fragments, 8 per pass: (BM / 32) x (BN / 64) passes)."""
+    gemmf_cost): the busiest SM's blocks x ks x gemm_cost's k-step bytes x GEMM_US_PER_BYTE, x
+    GEMM_US_PAIR_RATE where two share an SM (every tile: two resident), + GEMM_BLOCK_US per wave,
+    launch, _split_us (the last block passes over its tile in 16 x 16 fragments, 8 per pass:
+    (BM / 32) x (BN / 64) passes)."""
     blocks = -(-m // tile[0]) * -(-n // tile[1]) * splits
     per_sm = -(-blocks // sms)
-    small = tile != (128, 128)
-    cost = per_sm * ks * GEMM_SMEM[tile] * (GEMM_PAIR_RATE if per_sm > 1 and small else 1.0)
-    return (PREFILL_LAUNCH_US + cost * GEMM_US_PER_BYTE[fmt] + -(-blocks // (sms * (2 if small else 1)))
-            * GEMM_BLOCK_US + _split_us(m, n, splits, (tile[0] // 32) * (tile[1] // 64)))
+    cost = per_sm * ks * GEMM_SMEM[tile] * GEMM_US_PER_BYTE[fmt] * (GEMM_US_PAIR_RATE if per_sm > 1 else 1.0)
+    return (PREFILL_LAUNCH_US + cost + -(-blocks // (sms * 2)) * GEMM_BLOCK_US
+            + _split_us(m, n, splits, (tile[0] // 32) * (tile[1] // 64)))
 
 
 def _gemmf_cost_fn(fmt: int):
