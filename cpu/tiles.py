@@ -6,7 +6,8 @@ never copied.  Results are unscaled: the caller multiplies by the weight's globa
 E2M1_FACTOR * E4M3_FACTOR (NVFP4) or E4M3_FACTOR (FP8).
 
 Which loop runs for a block of M rows (`nvfp4_tile` / `fp8_tile`):
-    M >= 12   decode a [16, R] slice once into `dec`, then one FMA pass per row (`*_mn`)
+    M >= 12   decode a [16, R] slice once into `dec`, then one FMA pass per row (`*_mn`);
+              FP8 at every M (FP8_MN_MIN: faster than its fused loops at M = 1..8)
     else      fused decode+FMA over 8 (NVFP4), 4, 2, then 1 rows at a time (`*_m8`, `*_m4`, `*_m2`,
               `*_m1`, in cpu/tiles_unrolled.py): each byte decoded once per 8 (4) rows, group sums
               in registers.
@@ -22,7 +23,9 @@ from cpu.tiles_unrolled import (fp8_tile_m1, fp8_tile_m2, fp8_tile_m4, nvfp4_til
                                 nvfp4_tile_m4, nvfp4_tile_m8)
 
 JIT = dict(nogil=True, fastmath=True, cache=True)
-MN_MIN = 12  # from this many rows on, the decode-once buffer path is faster
+MN_MIN = 12  # from this many rows on, the decode-once buffer path is faster (NVFP4)
+FP8_MN_MIN = 1  # FP8: decode-once at every M (L2-resident GEMV, cycles per 128 B, fused -> decode-once:
+                # M=1 52.8 -> 47.1, M=2 71.0 -> 60.2, M=4 124.2 -> 88.3, M=8 242.0 -> 143.7..226.9)
 
 
 # ----------------------------------------------------------------------------- NVFP4
@@ -67,7 +70,7 @@ def nvfp4_tile_mn(tile, x, rows, p0, p1, acc, dec):
 def fp8_tile(tile, x, rows, p0, p1, acc, dec):
     """tile u8 [K, R] e4m3 bits; acc f32 [MB, R] -> acc[m] for m < p1 - p0; dec f32 [16, R] scratch."""
     m = p1 - p0
-    if m >= MN_MIN:
+    if m >= FP8_MN_MIN:
         fp8_tile_mn(tile, x, rows, p0, p1, acc, dec)
         return
     i = 0
