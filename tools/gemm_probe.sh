@@ -4,9 +4,12 @@
 #   OUT=/some/dir bash tools/gemm_probe.sh GIT_SHA
 # 1. tests/test_qpn_cuda.py -k prefill: every prefill path (gemmf tiles forced and picked, the WMMA
 #    GEMM, the 8-row-tile kernels; native build and compute_70 PTX), split-K, tile edges;
-# 2. hybrid-bench cuda-kernels at M = 64, 128, 512 on six shapes: the default (gemmf on sm_80+),
-#    the WMMA GEMM (the default before: [wmma]) and each gemmf tile forced, beside cuBLAS FP16;
-# 3. a summary table (us; x = cuBLAS time / ours) from the benchmark's JSONL.
+# 2. hybrid-bench cuda-kernels at M = 64, 128, 512 on six shapes: the default (prefill_plan: gemmf
+#    or the WMMA GEMM by the H200 cost model), the WMMA GEMM's pick ([wmma]) and each gemmf tile
+#    forced, beside cuBLAS FP16;
+# 3. a summary table (us; x = cuBLAS time / ours) from the benchmark's JSONL;
+# 4. $OUT/fit.md: tools/gemm_fit.py on the rows (the cost model's error, the picks against the
+#    measured best); refit on the dev VM with `tools/gemm_fit.py $OUT/gemm.jsonl --fit` (scipy).
 set -u
 : "${OUT:?set OUT}"
 export PYTHONPATH=. HYBRID_CACHE_DIR="${HYBRID_CACHE_DIR:-.qpncache}"
@@ -45,3 +48,5 @@ for (s, f, m), d in sorted(tab.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0
     print(f"{s:15s} {f:5s} {m:4d} {cb:8.1f} | {cell('')} {dk:13s} | "
           + " | ".join(f"{cell(c):>14s}" for c in cols[1:]))
 PY
+python3 tools/gemm_fit.py "$OUT/gemm.jsonl" > "$OUT/fit.md" 2>&1
+echo "fit rc=$?"; head -n 1 "$OUT/fit.md"; tail -n 1 "$OUT/fit.md"
