@@ -496,6 +496,24 @@ def test_cli_json(tiny_dir, tmp_path, capsys):
     assert Plan.from_dict(d).cards[1].kv_tokens == 512
 
 
+def test_cli_reserves_prefill_offload_staging_as_run_does(tiny_dir, tmp_path, capsys):
+    """hybrid-plan's default reserves what hybrid-run's prefill offload (on by default on CUDA) adds to
+    each card's workspace; --prefill-offload-min 0 reserves nothing; a negative value is refused."""
+    from hybrid.planner.memory import PREFILL_STAGE_GROUP, prefill_stage_bytes
+
+    pfile = tmp_path / "rig.json"
+    pfile.write_text(json.dumps(profile_dict()))
+    base = ["--model", str(tiny_dir), "--profile", str(pfile), "--layer-split", "2", "--json"]
+    ws = []
+    for extra in ([], ["--prefill-offload-min", "0"]):
+        assert plan_main(base + extra) == 0
+        ws.append([c["workspace_bytes"] for c in json.loads(capsys.readouterr().out)["cards"]])
+    slot = ModelBytes.from_folder(tiny_dir).slot_bytes
+    assert [a - b for a, b in zip(*ws)] == [prefill_stage_bytes(slot, PREFILL_STAGE_GROUP)] * 2
+    assert plan_main(base + ["--prefill-offload-min", "-1"]) == 2
+    assert "--prefill-offload-min -1: expected >= 0" in capsys.readouterr().err
+
+
 def test_cli_table(tiny_dir, tmp_path, capsys):
     pfile = tmp_path / "rig.json"
     pfile.write_text(json.dumps(profile_dict()))

@@ -13,7 +13,8 @@ from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
 from hybrid.errors import HybridError, PlanError
 from hybrid.planner import (ModelBytes, Plan, PlanRequest, find_popularity, load_popularity, load_profile,
                             make_plan)
-from hybrid.planner.memory import KV_DTYPES
+from hybrid.planner.memory import KV_DTYPES, PREFILL_STAGE_GROUP
+from hybrid.runtime.options import PREFILL_OFFLOAD_MIN
 from hybrid.planner.model_bytes import ASSUMED_QUANTS
 from hybrid.planner.render import render
 
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(p)
     p.add_argument("--assume-quant", default="nvfp4", choices=ASSUMED_QUANTS,
                    help="quantization assumed when the folder has only config.json (default nvfp4)")
+    p.add_argument("--prefill-offload-min", type=int, default=PREFILL_OFFLOAD_MIN, metavar="N",
+                   help="as hybrid-run on CUDA: > 0 reserves each card's prefill-offload staging "
+                        f"(5 x {PREFILL_STAGE_GROUP} expert slots); 0 = offload off, nothing reserved "
+                        f"(default {PREFILL_OFFLOAD_MIN}, hybrid-run's on CUDA)")
     p.add_argument("--per-layer", action="store_true", help="also print the per-layer prediction")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_debug_flag(p)
@@ -85,9 +90,13 @@ def request_from_args(args, num_gpus: int) -> PlanRequest:
     if split is not None and len(gpus) < 2:
         raise PlanError(f"--layer-split {args.layer_split}: needs two or more cards in --gpus "
                         f"(e.g. --gpus 0,0 for two logical cards on one GPU)")
+    offload = getattr(args, "prefill_offload_min", 0)
+    if offload < 0:
+        raise HybridError(f"--prefill-offload-min {offload}: expected >= 0 tokens (0 = off)")
     return PlanRequest(gpus=gpus, layer_split=split, kv_tokens=args.kv_resident, kv_dtype=args.kv_dtype,
                        cache_slots=slots, vram_cap_gib=cap, pcie_frac=args.pcie_frac,
-                       context=args.context, prefill_chunk=args.prefill_chunk)
+                       context=args.context, prefill_chunk=args.prefill_chunk,
+                       prefill_stage=PREFILL_STAGE_GROUP if offload else 0)
 
 
 def plan_from_args(args) -> Plan:
