@@ -16,7 +16,6 @@ event records / waits / syncs) and the GPU time per step by kernel (cuda_calls_p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -33,17 +32,9 @@ CUDA_CALLS = ("cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemcpy", "cudaMemsetAsy
               "cudaEventRecordWithFlags", "cudaStreamWaitEvent", "cudaEventSynchronize", "cudaStreamSynchronize")
 
 
-def record(rec: dict) -> None:
-    from hybrid.baselines.report import stamp
-
-    rec = {**rec, **stamp("tools/gpu_miss_graph_ab.py"), "gpu": rc.gpu_name()}
-    if os.environ.get("HYBRID_GIT_SHA"):          # the device copy has no .git
-        rec["git_sha"] = os.environ["HYBRID_GIT_SHA"]
-    with (OUT / JSONL).open("a") as f:
-        f.write(json.dumps(rec) + "\n")
-    keys = ("miss_graph", "decode_tok_s", "measured_over_predicted", "cuda_calls_per_step", "ids_equal_first",
-            "skipped", "error")
-    rc.log(f"record {rec.get('check')}: " + json.dumps({k: v for k, v in rec.items() if k in keys}))
+record = rc.recorder("tools/gpu_miss_graph_ab.py", JSONL,
+                     ("miss_graph", "decode_tok_s", "measured_over_predicted", "cuda_calls_per_step",
+                      "ids_equal_first", "skipped", "error"))
 
 
 rc.record = tc.record = record

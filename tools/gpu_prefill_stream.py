@@ -16,7 +16,6 @@ in one process. Writes $OUT/prefill_stream.jsonl + gpu_check.log.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,17 +29,9 @@ rc.OUT = tc.OUT = OUT = Path(os.environ.get("OUT", "scratch/out"))
 JSONL = "prefill_stream.jsonl"
 
 
-def record(rec: dict) -> None:
-    from hybrid.baselines.report import stamp
-
-    rec = {**rec, **stamp("tools/gpu_prefill_stream.py"), "gpu": rc.gpu_name()}
-    if os.environ.get("HYBRID_GIT_SHA"):          # the device copy has no .git
-        rec["git_sha"] = os.environ["HYBRID_GIT_SHA"]
-    with (OUT / JSONL).open("a") as f:
-        f.write(json.dumps(rec) + "\n")
-    keys = ("prefill_tok_s", "prefill_step_ms", "decode_tok_s", "streamed", "ids_equal_first", "ok", "summary",
-            "skipped", "error")
-    rc.log(f"record {rec.get('check')}: " + json.dumps({k: v for k, v in rec.items() if k in keys}))
+record = rc.recorder("tools/gpu_prefill_stream.py", JSONL,
+                     ("prefill_tok_s", "prefill_step_ms", "decode_tok_s", "streamed", "ids_equal_first",
+                      "ok", "summary", "skipped", "error"))
 
 
 rc.record = tc.record = record

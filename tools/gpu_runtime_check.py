@@ -53,23 +53,30 @@ def log(msg: str) -> None:
         f.write(line + "\n")
 
 
-def record(rec: dict) -> None:
-    from hybrid.baselines.report import stamp
-
-    rec = {**rec, **stamp("tools/gpu_runtime_check.py"), "gpu": gpu_name()}
-    if os.environ.get("HYBRID_GIT_SHA"):          # the device copy has no .git
-        rec["git_sha"] = os.environ["HYBRID_GIT_SHA"]
-    with (OUT / "runtime_gpu.jsonl").open("a") as f:
-        f.write(json.dumps(rec) + "\n")
-    log(f"record {rec.get('check')}: " + json.dumps({k: v for k, v in rec.items()
-                                                    if k in ("ok", "decode_tok_s", "measured_over_predicted",
-                                                             "match", "skipped", "error")}))
-
-
 def gpu_name() -> str:
     import torch
 
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+
+
+def recorder(tool: str, jsonl: str, keys: tuple, machine=None):
+    """record(rec) for a device tool: the record stamped with machine, command and git sha (the
+    device copy has no .git: HYBRID_GIT_SHA) and the GPU (or machine()'s fields), appended to
+    OUT/jsonl (OUT as the tool set it here), its `keys` logged."""
+    def record(rec: dict) -> None:
+        from hybrid.baselines.report import stamp
+
+        rec = {**rec, **stamp(tool), **(machine() if machine else {"gpu": gpu_name()})}
+        if os.environ.get("HYBRID_GIT_SHA"):
+            rec["git_sha"] = os.environ["HYBRID_GIT_SHA"]
+        with (OUT / jsonl).open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        log(f"record {rec.get('check')}: " + json.dumps({k: v for k, v in rec.items() if k in keys}))
+    return record
+
+
+record = recorder("tools/gpu_runtime_check.py", "runtime_gpu.jsonl",
+                  ("ok", "decode_tok_s", "measured_over_predicted", "match", "skipped", "error"))
 
 
 def run_cli(args: list[str]) -> dict:

@@ -32,17 +32,10 @@ rc.OUT = OUT = Path(os.environ.get("OUT", "scratch/out"))
 JSONL = "two_cards.jsonl"
 
 
-def record(rec: dict) -> None:
-    from hybrid.baselines.report import stamp
-
-    rec = {**rec, **stamp("tools/gpu_two_cards.py"), "gpus_seen": gpu_names()}
-    if os.environ.get("HYBRID_GIT_SHA"):          # the device copy has no .git
-        rec["git_sha"] = os.environ["HYBRID_GIT_SHA"]
-    with (OUT / JSONL).open("a") as f:
-        f.write(json.dumps(rec) + "\n")
-    keys = ("ok", "decode_tok_s", "measured_over_predicted", "match_cpu_reference", "match_cuda_reference",
-            "skipped", "error", "hop", "summary", "ids_equal_two_gpus")
-    rc.log(f"record {rec.get('check')}: " + json.dumps({k: v for k, v in rec.items() if k in keys}))
+record = rc.recorder("tools/gpu_two_cards.py", JSONL,
+                     ("ok", "decode_tok_s", "measured_over_predicted", "match_cpu_reference",
+                      "match_cuda_reference", "skipped", "error", "hop", "summary", "ids_equal_two_gpus"),
+                     machine=lambda: {"gpus_seen": gpu_names()})
 
 
 rc.record = record                                 # tiny_checks, make_synth, ... record here too
