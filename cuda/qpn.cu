@@ -1074,9 +1074,9 @@ GEMM(8, 32, 64, 4)
 // Rows past M are never loaded (stale shared memory reaches only output columns that are never
 // written); FP8's last stage may hold one chunk of 32 k (its second half is skipped).
 // grid (ceil(M / BM), ceil(N / BN), splits); split-K exactly as gemm_body (deterministic: the last
-// block of an output tile sums the splits' fp32 partials in split order, all 256 threads over the
-// tile in pieces of 8 outputs). Epilogue: per 8-token tile, each warp stages its 8 x BN / 8 fp32
-// sums in shared memory (the ring, idle by then) and writes rows of 8 outputs (or 8 partials).
+// block of an output tile sums the splits' fp32 partials in split order). Epilogue: per 8-token
+// tile, each warp stages its 8 x BN / 8 fp32 sums in shared memory (the ring, idle by then) and
+// writes rows of 8 outputs.
 #define FXS 72       // halves per activation row of a stage (64 k + 16 bytes of padding)
 #define GEMMF_PD 4   // k-steps ahead that the packed weights are prefetched into L2 (M = 64 needs
                      // about half the device's bandwidth at tensor-core speed)
@@ -1261,25 +1261,14 @@ __device__ __forceinline__ void gemmf_body(const u32x4* __restrict__ w, const u6
   __syncthreads();
   if (!last) return;
   __threadfence();
-  // the sum: every thread of the block, pieces of 8 outputs (consecutive threads along a row), two
-  // pieces summed before either is stored (their partials' loads can be in flight together):
-  // BM * BN / 4096 rounds of ceil(splits / 4) L2 round trips (rows of 8 tokens per warp took BM / 8
-  // rounds with 16 NT of 32 lanes busy)
-  constexpr int PR = BN / 8, PT = BM * PR / THREADS;  // pieces per row, per thread
-  static_assert(PT % 2 == 0 && PT * THREADS == BM * PR, "gemmf reduction pieces");
 #pragma unroll 1
-  for (int u = 0; u < PT; u += 2) {
-    float v[2][8];
-    int m[2], n[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int i = threadIdx.x + THREADS * (u + h);
-      m[h] = m0 + i / PR, n[h] = n0 + 8 * (i % PR);
-      if (m[h] < M && n[h] < N) sum_parts(v[h], part + (size_t)m[h] * N + n[h], zstride, splits, n[h], N);
+  for (int j = 0; j < MJ; ++j) {
+    const int m = m0 + 8 * j + tt;
+    if (lane < 16 * NT && m < M && nw < N) {
+      float v[8];
+      sum_parts(v, part + (size_t)m * N + nw, zstride, splits, nw, N);
+      store_y(y + (size_t)m * N + nw, v, gs, nw, N);
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (m[h] < M && n[h] < N) store_y(y + (size_t)m[h] * N + n[h], v[h], gs, n[h], N);
   }
 #else
   __trap();  // never launched below sm_80 (prefill_plan picks these kernels on sm_80+ only)

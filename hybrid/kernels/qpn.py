@@ -191,11 +191,8 @@ def _split_us(m: int, n: int, splits: int, iters: int) -> float:
 def gemmf_cost(m: int, n: int, tile: tuple[int, int], sms: int, splits: int, ks: int, fmt: int = 2) -> float:
     """Modelled microseconds of a gemmf launch on the H200 (fit above): launch + the busiest SM's
     blocks (ceil(blocks / SMs)) x ks k-steps x GEMMF_STEP_US, x GEMMF_PAIR_RATE where two share an
-    SM, + GEMMF_BLOCK_US per wave of resident blocks; when split, _split_us with the last block's
-    reduction passes as measured: BM / 8 (rows of 8 tokens per warp, 93ed732). qpn.cu's block-wide
-    reduction since then needs BM x BN / 4096 (2 for 64x128, 4 for the others): unmeasured, so the
-    model keeps the measured passes (it can only under-rate gemmf on split launches) until a probe
-    of the new kernel is fit."""
+    SM, + GEMMF_BLOCK_US per wave of resident blocks; when split, _split_us (the last block's
+    reduction passes over its tile BM / 8 times: 8 tokens x BN features each)."""
     blocks = -(-m // tile[0]) * -(-n // tile[1]) * splits
     per_sm = -(-blocks // sms)
     res = GEMMF_TILES[tile]
