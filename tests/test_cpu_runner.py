@@ -151,3 +151,21 @@ def test_pool_wait_policy_is_set_before_the_pool_starts():
     assert lines[4] == "OMP_WAIT_POLICY=PASSIVE"            # pool started: reports, changes nothing
     if "OMP_WAIT_POLICY =" in r.stderr:                      # libgomp >= 11 lists its settings
         assert "OMP_WAIT_POLICY = 'PASSIVE'" in r.stderr
+
+
+def test_flat_pairs_grouping_matches_numpy():
+    """The compiled grouping of flat (expert, row, weight) pairs = stable argsort + unique + gathers."""
+    from hybrid.experts.cpu_runner import _group
+    rng = np.random.default_rng(9)
+    for n in (0, 1, 8, 64, 300):
+        e = rng.integers(0, 40, n).astype(np.int32)
+        r = rng.integers(0, 9, n).astype(np.int32)
+        w = rng.random(n).astype(np.float32)
+        order = np.argsort(e.astype(np.int64), kind="stable")
+        ids, counts = np.unique(e[order], return_counts=True)
+        ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        got = _group(e, r, w, 9)
+        for a, b in zip(got, (ids.astype(np.int64), r[order].astype(np.int64), ptr, w[order])):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+    with pytest.raises(ValueError, match="one entry per pair"):
+        _group(np.array([1, 2]), np.array([0]), np.array([1.0, 1.0]), 4)

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from numba import njit
 
 from hybrid.errors import HybridError
 from hybrid.hardware import physical_cores
@@ -169,6 +170,7 @@ class CpuExpertRunner:
         gu, dn, scl = s.slots(0, [])
         experts_forward(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R)
         experts_parallel(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R, 1)
+        _group_pairs(rows, rows, w, 1)
 
     def _loop(self) -> None:
         import numba
@@ -212,11 +214,15 @@ def _group(expert_ids, token_rows, route_weights, T: int):
     """-> ids i64 [E], rows i64 [P], ptr i64 [E + 1], w f32 [P] (rows of entry e: ptr[e]:ptr[e+1])."""
     flat = isinstance(token_rows, np.ndarray) and token_rows.ndim == 1 and token_rows.dtype.kind in "iu"
     if flat:                                    # [A] pairs -> grouped by expert id, ascending
-        e = np.asarray(expert_ids, dtype=np.int64)
-        order = np.argsort(e, kind="stable")
-        ids, counts = np.unique(e[order], return_counts=True)
-        rows = np.asarray(token_rows, dtype=np.int64)[order]
-        w = np.asarray(route_weights, dtype=np.float32)[order]
+        e = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
+        w = np.asarray(route_weights, dtype=np.float32).reshape(-1)
+        if not e.shape == token_rows.shape == w.shape:
+            raise ValueError("flat expert_ids, token_rows and route_weights must have one entry per pair, "
+                             f"got {e.shape[0]}, {token_rows.shape[0]}, {w.shape[0]}")
+        ids, rows, ptr, w, ok = _group_pairs(e, np.asarray(token_rows, dtype=np.int64), w, T)
+        if not ok:
+            raise ValueError(f"token rows must lie in [0, {T})")
+        return ids, rows, ptr, w
     else:
         if not len(expert_ids) == len(token_rows) == len(route_weights):
             raise ValueError("expert_ids, token_rows and route_weights must have one entry per expert")
@@ -232,3 +238,26 @@ def _group(expert_ids, token_rows, route_weights, T: int):
     ptr = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum(counts, out=ptr[1:])
     return ids, np.ascontiguousarray(rows), ptr, np.ascontiguousarray(w)
+
+
+@njit(nogil=True, cache=True)
+def _group_pairs(e, r, wt, T):
+    """Flat (expert e[a], token row r[a], weight wt[a]) pairs, stably sorted by expert ->
+    ids [E], rows [P], ptr [E + 1], w [P], all rows in [0, T).  One compiled pass: numpy's
+    argsort + unique + gathers cost ~35-50 us of Python per call, paid by every decode layer."""
+    n = e.shape[0]
+    order = np.argsort(e, kind="mergesort")
+    ids = np.empty(n, np.int64)
+    rows = np.empty(n, np.int64)
+    w = np.empty(n, np.float32)
+    ptr = np.zeros(n + 1, np.int64)
+    E, ok = 0, True
+    for i in range(n):
+        j = order[i]
+        rows[i], w[i] = r[j], wt[j]
+        ok = ok and 0 <= r[j] < T
+        if E == 0 or e[j] != ids[E - 1]:
+            ids[E] = e[j]
+            E += 1
+        ptr[E] = i + 1
+    return ids[:E].copy(), rows, ptr[:E + 1].copy(), w, ok
