@@ -68,3 +68,37 @@ def compile_emu(tmp_path_factory, name: str, source: str) -> ctypes.CDLL:
         pytest.skip("g++ without C++20 <barrier> or _Float16")
     assert res.returncode == 0, res.stderr[-3000:]
     return ctypes.CDLL(str(d / "emu.so"))
+
+
+def run_gemm_emu(lib, x, qw, tile, splits=1, reverse=False):
+    """y[M, N] from an emulated prefill GEMM (`emu_<fmt>_<tile>` in lib: the WMMA GEMM's or gemmf's
+    entry points take the same arguments); splits > 1: split-K over that many k ranges (as the launcher
+    sizes them: KS = ceil(ceil(K / 64) / splits) k-steps each); blocks run in reverse order if asked.
+    Output and split-K scratch start poisoned (NaN)."""
+    import torch
+
+    from hybrid.checkpoint.formats import QType
+    from hybrid.kernels import layout
+
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())   # noqa: E731
+    i = ctypes.c_int
+    n, k = qw.shape
+    m = x.shape[0]
+    bm, bn = (int(v) for v in tile.split("x"))
+    if qw.qtype is QType.NVFP4:
+        words, scales = layout.pack_nvfp4(qw)
+    else:
+        words, scales = layout.pack_fp8(qw), torch.zeros(16, dtype=torch.uint8)
+    y = torch.full((m, n), float("nan")).half()
+    fmt = 2 if qw.qtype is QType.NVFP4 else 8
+    gx, gy, nk = -(-m // bm), -(-n // bn), -(-k // 64)
+    ks = -(-nk // splits)
+    gz = -(-nk // ks)
+    part = torch.full((gz, m, n), float("nan"))
+    cnt = torch.zeros(gx * gy, dtype=torch.int32)
+    getattr(lib, f"emu_{fmt}_{tile}")(i(gx), i(gy), i(gz), i(int(reverse)), ptr(words), ptr(scales),
+                                      ctypes.c_float(layout.global_scale(qw)), ptr(x), ptr(y), i(m), i(n), i(k),
+                                      i(ks), ptr(part), ptr(cnt))
+    if gz > 1:
+        assert (cnt == gz).all(), "every split of every tile must arrive once"
+    return y

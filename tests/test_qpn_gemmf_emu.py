@@ -5,16 +5,15 @@ layout of the PTX ISA across the warp -- against the torch reference. Catches th
 activation layout, the fragment / lane indexing, the ring's stage and slot logic, the FP8 half
 stage, the epilogue and split-K without a GPU; timing and the real tensor cores are checked on a
 GPU (tests/test_qpn_cuda.py)."""
-import ctypes
 import re
 
 import pytest
 import torch
 
 from hybrid.checkpoint.formats import QType
-from hybrid.kernels import build, layout
+from hybrid.kernels import build
 from hybrid.kernels.qpn import GEMMF_TILES
-from tests.cuda_emu import SHIM, compile_emu
+from tests.cuda_emu import SHIM, compile_emu, run_gemm_emu
 from tests.test_qpn_layout import fp8, nvfp4
 
 HELPERS = r"""
@@ -101,32 +100,7 @@ def emu(tmp_path_factory):
     return compile_emu(tmp_path_factory, "qpn_gemmf_emu", emu_source())
 
 
-P = lambda t: ctypes.c_void_p(t.data_ptr())   # noqa: E731
-I = ctypes.c_int  # noqa: E741
-
-
-def emu_gemmf(lib, x, qw, tile, splits=1, reverse=False):
-    """y[M, N] from the emulated kernel (grid and KS as the launcher sizes them for `splits`)."""
-    n, k = qw.shape
-    m = x.shape[0]
-    bm, bn = (int(v) for v in tile.split("x"))
-    if qw.qtype is QType.NVFP4:
-        words, scales = layout.pack_nvfp4(qw)
-    else:
-        words, scales = layout.pack_fp8(qw), torch.zeros(16, dtype=torch.uint8)
-    y = torch.full((m, n), float("nan")).half()                               # poisoned output
-    fmt = 2 if qw.qtype is QType.NVFP4 else 8
-    gx, gy, nk = -(-m // bm), -(-n // bn), -(-k // 64)
-    ks = -(-nk // splits)
-    gz = -(-nk // ks)
-    part = torch.full((gz, m, n), float("nan"))                               # poisoned scratch
-    cnt = torch.zeros(gx * gy, dtype=torch.int32)
-    getattr(lib, f"emu_{fmt}_{tile}")(I(gx), I(gy), I(gz), I(int(reverse)), P(words), P(scales),
-                                      ctypes.c_float(layout.global_scale(qw)), P(x), P(y), I(m), I(n), I(k),
-                                      I(ks), P(part), P(cnt))
-    if gz > 1:
-        assert (cnt == gz).all(), "every split of every tile must arrive once"
-    return y
+emu_gemmf = run_gemm_emu
 
 
 def _check(y, x, qw):
