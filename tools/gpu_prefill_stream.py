@@ -43,7 +43,7 @@ def runs(path: Path, deadline: float, a) -> None:
     from hybrid.bench.decode import measure
     from hybrid.runtime import RuntimeOptions, open_session
 
-    cfg, tok, _, cpu, eprof = tc.expert_profile_session(path, a.profile, a.tokens)
+    cfg, tok, _, cpu, eprof = tc.expert_profile_session(path, a.profile, a.tokens, a.device)
     ctx = a.prompt_tokens + max(a.tokens, 1) + 8
     first: dict = {}
     for slots in a.slots:

@@ -139,9 +139,10 @@ def predictions(path: Path, profile: str, eprof: Path, ctx: int, miss_slots: int
     return out
 
 
-def expert_profile_session(path: Path, profile: str, tokens: int):
+def expert_profile_session(path: Path, profile: str, tokens: int, device: str = "cuda"):
     """An all-CPU session that builds the expert store and routes the profile text into an expert
-    profile; -> (cfg, tokenizer, context, the CPU runner kept for the next sessions, profile path)."""
+    profile; -> (cfg, tokenizer, context, the CPU runner kept for the next sessions, profile path).
+    device "cpu": the same on a machine without a GPU (smoke runs of the tools)."""
     from hybrid.model.config import ModelConfig
     from hybrid.runtime import RuntimeOptions, open_session
     from hybrid.tokenizer import Tokenizer
@@ -150,7 +151,7 @@ def expert_profile_session(path: Path, profile: str, tokens: int):
     tok = Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     ctx = 32 + tokens
     rc.log("session: all experts on the CPU runner (builds the expert store, routes the profile text)")
-    s0 = open_session(path, RuntimeOptions(device="cuda", gpus=(0,), cache_slots=(0,), profile=profile), context=ctx)
+    s0 = open_session(path, RuntimeOptions(device=device, gpus=(0,), cache_slots=(0,), profile=profile), context=ctx)
     cpu = s0.cpu
     eprof = OUT / "synth30.experts.json"
     rc.calibrate_profile(s0, tok, path, eprof)
