@@ -55,6 +55,31 @@ template <class F> void run_grid(int gx, int gy, int threads, F f, int gz = 1, b
 """
 
 
+# Device helpers both prefill-GEMM emulations (WMMA and gemmf) define alike: streaming loads, the
+# split-K counter's atomic, fp16 bits, the exact group-scale decode and multiply, shared addresses.
+GEMM_HELPERS = r"""
+inline u32x4 ld_stream(const u32x4* p) { return *p; }
+inline u64 ld_stream64(const u64* p) { return *p; }
+inline float ld_part(const float* p) { return *p; }
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline _Float16 hf(u32 bits) { u16 b = (u16)bits; _Float16 x; memcpy(&x, &b, 2); return x; }
+inline u32 hb(_Float16 x) { u16 b; memcpy(&b, &x, 2); return b; }
+inline u16 f_to_h(float f) { return (u16)hb((_Float16)f); }
+inline u32 dec_scale(u32 w, int odd) {  // (scale * 2^-8) * 2^15 in fp16, round to nearest
+  u32 h = (odd ? (w >> 1) : (w << 7)) & 0x3F803F80u;
+  return hb((_Float16)((float)hf(h) * 32768.f)) | (hb((_Float16)((float)hf(h >> 16) * 32768.f)) << 16);
+}
+inline u32 hmul2_splat(u32 a, u32 s, int hi) {
+  const float sv = (float)hf(hi ? s >> 16 : s);
+  return hb((_Float16)((float)hf(a) * sv)) | (hb((_Float16)((float)hf(a >> 16) * sv)) << 16);
+}
+// shared addresses: the low 32 bits; every shared array of a kernel lies in one static object
+thread_local uintptr_t smem_hi;
+inline u32 smem_addr(const void* p) { smem_hi = (uintptr_t)p & ~(uintptr_t)0xFFFFFFFFu; return (u32)(uintptr_t)p; }
+inline char* smem_ptr(u32 a) { return (char*)(smem_hi | a); }
+"""
+
+
 def compile_emu(tmp_path_factory, name: str, source: str) -> ctypes.CDLL:
     """source (SHIM + kernels + entry points) -> the loaded shared library; skips without a C++20 g++."""
     if not shutil.which("g++"):
