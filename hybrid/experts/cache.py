@@ -30,7 +30,7 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 
 from hybrid.errors import HybridError
-from hybrid.experts.policy import CachePolicy, DecayedLFU, make_policy
+from hybrid.experts.policy import CachePolicy, make_policy
 from hybrid.experts.popularity import ExpertProfile
 
 
@@ -237,10 +237,7 @@ class ExpertCache:
         bounds = [0, *np.searchsorted(j, np.arange(1, len(layers))).tolist(), len(e)]
         el = e.tolist()
         used = [el[a:b] for a, b in zip(bounds, bounds[1:])]                           # ascending
-        if isinstance(self.policy, DecayedLFU):
-            self.policy.touch_many(list(layers), used, self.step, pairs=(j, e))
-        else:
-            self.policy.touch_many(list(layers), used, self.step)
+        self.policy.touch_many(list(layers), used, self.step, pairs=(j, e))
         for layer, u in zip(layers, used):
             self._used.setdefault(layer, set()).update(u)
         return used

@@ -72,8 +72,10 @@ class CachePolicy:
     def touch(self, layer: int, used: Sequence[int], step: int) -> None:
         raise NotImplementedError
 
-    def touch_many(self, layers: Sequence[int], used: Sequence[Sequence[int]], step: int) -> None:
-        """touch(layers[j], used[j], step) for each j, in order (policies may batch it)."""
+    def touch_many(self, layers: Sequence[int], used: Sequence[Sequence[int]], step: int,
+                   pairs: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """touch(layers[j], used[j], step) for each j, in order (policies may batch it; pairs: the
+        same as (index into layers, expert) arrays, for those that want them)."""
         for layer, u in zip(layers, used):
             self.touch(layer, u, step)
 
@@ -133,7 +135,7 @@ class DecayedLFU(CachePolicy):
         then +1 per used expert) on all the layers' rows at once. used[j]: unique ids of layers[j];
         pairs: the same as (index into layers, expert) int arrays, if the caller has them."""
         if len(set(layers)) != len(layers):
-            return super().touch_many(layers, used, step)
+            return super().touch_many(layers, used, step, pairs)
         rows = np.fromiter((self._rowof[l] for l in layers), dtype=np.int64, count=len(layers))
         gaps = [step - self.last[l] for l in layers]
         whole = len(rows) == len(self._mat) and bool((rows == np.arange(len(rows))).all())
