@@ -300,18 +300,28 @@ def _graph_kernel_us(i: int, reps: int) -> tuple[float, int]:
     dev = f"cuda:{i}"
     with torch.cuda.device(dev):
         b = _small_bufs(dev)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            _small_kernels(b, CYCLES)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        torch.cuda.synchronize(dev)
+        graph = _captured(dev, lambda: _small_kernels(b, CYCLES))
         per = _count_kernels(b)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):   # not its once-made default stream
-            _small_kernels(b, CYCLES)
         t = _events(dev, graph.replay, reps)
     return t / (CYCLES * per) * 1e6, per
+
+
+def _captured(dev, body):
+    """A CUDA graph of body() on device dev: run once eagerly on a side stream (warm-up, lazy
+    allocations), then captured on a fresh stream (not torch's once-made capture stream, which
+    belongs to the first device it met)."""
+    import torch
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):
+        body()
+    return graph
 
 
 def _launch_us(i: int, reps: int, per: int) -> float:
@@ -357,20 +367,12 @@ def _link_us(i: int, reps: int) -> float:
         h = torch.zeros(1, 2048, dtype=torch.float16, device=dev)
         slots = torch.zeros(8, dtype=torch.int32, device=dev)
         y = np.ones((1, 2048), np.float32)
-        side = torch.cuda.Stream(dev)
 
         def body():
             link.yh.add_(link.yc)                       # the next graph's combine reads the upload
             link.send(h, slots)
 
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            body()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        torch.cuda.synchronize(dev)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):
-            body()
+        graph = _captured(dev, body)
 
         def layer():
             graph.replay()
