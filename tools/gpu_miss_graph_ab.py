@@ -40,18 +40,28 @@ record = rc.recorder("tools/gpu_miss_graph_ab.py", JSONL,
 rc.record = tc.record = record
 
 
-def cuda_calls(session, steps: int = 8) -> dict:
-    """The host's CUDA runtime / driver calls per graphed decode step (torch.profiler), by name."""
+def warm_decode(session, steps: int):
+    """A fresh cache for `steps` profiled decode steps after 4 warm-up ones (their graphs captured
+    before profiling); -> (the session's model, the last warm-up logits). Reset prompt_tokens after."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     hm = session.model
     hm.new_cache(steps + 8)
     hm.prompt_tokens = 1
     logits = hm.forward(torch.tensor([100]), 0, last_only=True)
-    for j in range(1, 4):                             # graphs of this bucket captured before profiling
+    for j in range(1, 4):
         logits = hm.forward(torch.tensor([int(logits[-1].argmax())]), j, last_only=True)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return hm, logits
+
+
+def cuda_calls(session, steps: int = 8) -> dict:
+    """The host's CUDA runtime / driver calls per graphed decode step (torch.profiler), by name."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    hm, logits = warm_decode(session, steps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for j in range(4, 4 + steps):
             logits = hm.forward(torch.tensor([int(logits[-1].argmax())]), j, last_only=True)
@@ -71,14 +81,7 @@ def host_profile(session, steps: int = 32, top: int = 30) -> dict:
 
     import torch
 
-    hm = session.model
-    hm.new_cache(steps + 8)
-    hm.prompt_tokens = 1
-    logits = hm.forward(torch.tensor([100]), 0, last_only=True)
-    for j in range(1, 4):
-        logits = hm.forward(torch.tensor([int(logits[-1].argmax())]), j, last_only=True)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    hm, logits = warm_decode(session, steps)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
