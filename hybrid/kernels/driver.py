@@ -57,6 +57,7 @@ class Module:
             buf = ctypes.create_string_buffer(image + (b"" if image.endswith(b"\0") else b"\0"))
             check(_cuda().cuModuleLoadData(ctypes.byref(self._handle), buf), "cuModuleLoadData")
         self._funcs: dict[str, ctypes.c_void_p] = {}
+        self._occupancy: dict[tuple[str, int], int] = {}
 
     def function(self, name: str) -> ctypes.c_void_p:
         fn = self._funcs.get(name)
@@ -66,6 +67,19 @@ class Module:
                   f"cuModuleGetFunction({name})")
             self._funcs[name] = fn
         return fn
+
+    def occupancy(self, name: str, block: int) -> int:
+        """Resident blocks per SM of kernel name at block threads (static shared memory only)."""
+        key = (name, block)
+        n = self._occupancy.get(key)
+        if n is None:
+            c = ctypes.c_int()
+            with torch.cuda.device(self.device):
+                check(_cuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    ctypes.byref(c), self.function(name), block, ctypes.c_size_t(0)),
+                    f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})")
+            n = self._occupancy[key] = max(1, c.value)
+        return n
 
     def launch(self, name: str, grid: tuple[int, int, int], block: int, args: list,
                stream: torch.cuda.Stream | None = None) -> None:

@@ -6,6 +6,7 @@ A routed assignments.
 from __future__ import annotations
 
 import ctypes
+import math
 import functools
 import os
 from contextlib import nullcontext
@@ -39,6 +40,10 @@ MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_a
 # $HYBRID_QPN_PREFILL (A/B runs of whole programs).
 PREFILL_VARIANT: list[str | None] = [os.environ.get("HYBRID_QPN_PREFILL") or None]
 PREFILL_MIN = 16
+# sm_90 prefill (M > PREFILL_MIN): the wgmma GEMM of cuda/qpn_sm90.cu (hybrid.kernels.sm90) when
+# PREFILL_VARIANT is "wgmma", or by default once SM90_DEFAULT is True (set from measured H200 runs;
+# until then the gemmf / WMMA pick stays the default). Other devices ignore "wgmma".
+SM90_DEFAULT = False
 GEMM_TILES = ((128, 128), (64, 128), (64, 64), (32, 64))  # (BM rows of x, BN rows of W), largest first
 
 
@@ -261,6 +266,8 @@ def prefill_plan(fmt: int, m: int, n: int, k: int, sms: int, sm: int, choice: st
     WMMA pick)."""
     if m <= PREFILL_MIN or choice == "mt":
         return None
+    if choice == "wgmma":   # sm_90 takes the wgmma GEMM before planning (use_sm90); elsewhere the default
+        choice = None
     forced_f = choice is not None and choice.startswith("f")
     if forced_f:
         gemmf_tile(m, n, k, sms, choice)   # a valid name on every device
@@ -381,6 +388,31 @@ def _pick_ks(units: int, chunks: int, sms: int) -> int:
     return ks
 
 
+# _linear_ks: fixed cost of one warp's work item (ring fill, block reduction) in chunks of K
+KS_ITEM_CHUNKS = 1.5
+
+
+def _linear_ks(units: int, chunks: int, sms: int, per_sm: int) -> int:
+    """Warps splitting K (1, 2, 4, 8) for an M <= 8 linear kernel of `units` warp work units over
+    `chunks` chunks of K, `per_sm` resident blocks per SM: the most balanced launch. Score = wave
+    fill (blocks / (sms x per_sm), over its ceiling: the last partial wave, or a single partial one,
+    reads at the share of the GPU it occupies) x chunks per warp / (chunks per warp +
+    KS_ITEM_CHUNKS). Fit on 80 forced-KS H200 rows (tools/qpn_grid_probe.py: lm_head, dense
+    up/down, q_proj; NVFP4/FP8; M = 1, 8; each kernel): the pick is the measured best on 72, within
+    5.4% on the rest (lm_head NVFP4 M = 1: 49.9 us vs 53.4 with _pick_ks; dense_up FP8 37.9 vs 40.8)."""
+    best, best_score = 1, -1.0
+    for ks in (1, 2, 4, 8):
+        per = chunks / ks
+        if chunks // ks < 2:
+            break
+        blocks = -(-units // (WARPS // ks))
+        waves = blocks / (sms * per_sm)
+        score = waves / math.ceil(waves) * per / (per + KS_ITEM_CHUNKS)
+        if score > best_score * 1.0001:
+            best, best_score = ks, score
+    return best
+
+
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -427,6 +459,10 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
         return y
     mod = _module(w.device)
     fmt = _fmt(w.qtype)
+    if m > PREFILL_MIN and use_sm90(mod.sm, PREFILL_VARIANT[0]):
+        from hybrid.kernels import sm90
+
+        return sm90.linear(x, w, y)
     plan = prefill_plan(fmt, m, n, k, _sms(w.device), mod.sm, PREFILL_VARIANT[0], PREFILL_SPLIT[0])
     if plan is not None:
         _launch_gemm(mod, plan, w, x, y)
@@ -437,12 +473,19 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     chunks = k // layout.CHUNK[w.qtype]
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n)
     units = -(-tiles // 2) if name.endswith(PAIR_KERNELS) else tiles   # warp work units (tile pairs)
-    ks = _pick_ks(units * passes, chunks, _sms(w.device))
+    sms = _sms(w.device)
+    ks = (_linear_ks(units, chunks, sms, mod.occupancy(name, THREADS)) if passes == 1
+          else _pick_ks(units * passes, chunks, sms))
     grid = (-(-units // (WARPS // ks)) * passes, 1, 1)
     args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
     mod.launch(name, grid, THREADS, args)
     return y
+
+
+def use_sm90(sm: int, choice: str | None) -> bool:
+    """Whether M > PREFILL_MIN rows on an sm_<sm> device take the wgmma GEMM (sm_90 only)."""
+    return sm == 90 and (choice == "wgmma" or (choice is None and SM90_DEFAULT))
 
 
 def _launch_gemm(mod, plan: GemmPlan, w: QPNWeight, x: torch.Tensor, y: torch.Tensor) -> None:
