@@ -1,0 +1,380 @@
+// QPN prefill GEMM for Hopper (sm_90a): wgmma.mma_async with the decoded weights as the A operand
+// from registers and the activations as B from shared memory.
+//
+// Compiled by NVRTC for sm_90a only (hybrid/kernels/sm90.py); the source includes no header.
+// Legend: M activation rows (tokens), N out features, K in features, C packed chunks per 16-row
+//         tile (K/64 QPN2, K/32 QPN8), Kp = K rounded up to 64, Mp = M rounded up to NT,
+//         NT tokens per block (the wgmma N: 64, 128 or 256), ST ring stages.
+//
+// y[M, N] = x[M, K] . W[N, K]^T, W packed in the QPN layout of cuda/qpn.cu (its header; the device
+// helpers dec_fp4, dec_fp8, dec_scale, hmul2_splat, store_y, store_part are copies of qpn.cu's),
+// never dequantized in memory: decoded in registers straight into wgmma A fragments.
+//
+// Block: 256 threads = 2 warpgroups, 128 weight rows (8 tiles of 16) x NT tokens.
+//   Warp w (0..7) decodes 16-row tile n0/16 + w; within warpgroup w/4 it holds rows 16 (w % 4) ..
+//   of the wgmma's 64-row A, whose register fragment is exactly the mma.m16n8k16 A fragment:
+//   lane (g = l/4, q = l%4) holds rows g, g+8 at k-slots 2q, 2q+1, 2q+8, 2q+9; the packed layout
+//   gives lane q the elements 16 G + 4 q + 0..3 of group G, so k-slot s of a group holds element
+//   perm(s) = 4 (s/2 % 4) + 2 (s/8) + s % 2. B must use the same permutation: the pre-pass
+//   qpn_sm90_permute_x writes xp [Mp, Kp] fp16 with xp[m, 16 G + s] = x[m, 16 G + perm(s)]
+//   (zeros past M and K).
+//   Each warpgroup: acc[NT / 2] fp32 per thread = D[64 rows x NT tokens], 4 wgmma m64nNTk16 per
+//   64-k step; A double-buffered in registers (wgmma.wait_group 1 after each commit frees the
+//   fragment registers of the wgmma before).
+// Shared memory: an ST-slot cp.async ring; slot = x stage [NT x 64] in the no-swizzle K-major
+//   core-matrix layout (core matrix = 8 tokens x 8 k = 128 contiguous bytes; byte offset of
+//   (token n, k-octet k8) = (n / 8) 1024 + k8 128 + (n % 8) 16; descriptor LBO = 128 (next
+//   k-octet), SBO = 1024 (next 8 tokens)), then each lane's own packed words (16 B per chunk)
+//   and NVFP4 scales (8 B), copied and read back by that lane only. One barrier per 64-k step;
+//   stage kt + ST - 2 is issued into the slot of stage kt - 2, whose wgmmas are complete (at most
+//   one wgmma, of step kt - 1, is pending at the barrier).
+// Epilogue: fp32 sums staged in shared memory [NT][132], rows of 8 outputs written as fp16 x gs
+//   (one split) or fp32 partials part[z][M][N] (split-K; the launcher sums them in split order).
+// Kernels:
+//   qpn_sm90_permute_x           grid (ceil(Mp * Kp / 16 / 256)), 256 threads: x -> xp
+//   qpn{2,8}_wgmma_t{64,128,256}  grid (Mp / NT, ceil(N / 128), splits), 256 threads,
+//                                 dynamic shared memory smem_bytes(FMT, NT) (sm90.py)
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+struct __align__(16) u32x4 { u32 x, y, z, w; };
+struct __align__(16) f32x4 { float x, y, z, w; };
+
+#define THREADS 256
+#define BR 128       // weight rows per block
+#define SW (BR + 4)  // floats per staged epilogue row (conflict-free fragment stores)
+
+// ---------------------------------------------------------------- memory
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{.reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;}" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ u32x4 lds128(u32 a) {
+  u32x4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ u64 lds64(u32 a) {
+  u64 v;
+  asm volatile("ld.shared.u64 %0, [%1];" : "=l"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ u16 f_to_h(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// ---------------------------------------------------------------- register decode (qpn.cu's)
+// 8 E2M1 codes -> 4 half2 (value * 2^-14): p0 (r,k0k1) p1 (r8,k0k1) p2 (r,k2k3) p3 (r8,k2k3)
+__device__ __forceinline__ void dec_fp4(u32 w, u32& p0, u32& p1, u32& p2, u32& p3) {
+  p0 = w & 0x8E008E00u;
+  p1 = (w << 3) & 0x8E008E00u;
+  p2 = ((w << 9) & 0x0E000E00u) | ((w << 2) & 0x80008000u);
+  p3 = ((w << 6) & 0x0E000E00u) | ((w << 1) & 0x80008000u);
+}
+// 4 e4m3 codes stored k0 k2 k1 k3 -> half2 (k0,k1), (k2,k3) (value * 2^-8)
+__device__ __forceinline__ void dec_fp8(u32 w, u32& k01, u32& k23) {
+  k01 = ((w << 8) & 0x80008000u) | ((w << 7) & 0x3F803F80u);
+  k23 = (w & 0x80008000u) | ((w >> 1) & 0x3F803F80u);
+}
+// scale word -> half2 (S(r), S(r+8)), S = scale * 2^7, of group j (odd picks the byte pair)
+__device__ __forceinline__ u32 dec_scale(u32 w, int odd) {
+  u32 h = (odd ? (w >> 1) : (w << 7)) & 0x3F803F80u, d;  // scale * 2^-8
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(h), "r"(0x78007800u));  // * 2^15
+  return d;
+}
+__device__ __forceinline__ u32 hmul2_splat(u32 a, u32 s, int hi) {
+  u32 d;
+  if (hi)
+    asm("{.reg .b16 l, h;\n .reg .b32 t;\n mov.b32 {l, h}, %2;\n mov.b32 t, {h, h};\n"
+        " mul.rn.f16x2 %0, %1, t;}" : "=r"(d) : "r"(a), "r"(s));
+  else
+    asm("{.reg .b16 l, h;\n .reg .b32 t;\n mov.b32 {l, h}, %2;\n mov.b32 t, {l, l};\n"
+        " mul.rn.f16x2 %0, %1, t;}" : "=r"(d) : "r"(a), "r"(s));
+  return d;
+}
+
+// ---------------------------------------------------------------- wgmma
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+// keeps the compiler from moving accumulator accesses across the asynchronous MMAs
+template <int R>
+__device__ __forceinline__ void fence_acc(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// shared-memory matrix descriptor: no swizzle, LBO 128 (next k-octet), SBO 1024 (next 8 tokens)
+__device__ __forceinline__ u64 desc_b(u32 addr) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(128 >> 4) << 16) | ((u64)(1024 >> 4) << 32);
+}
+// d[64 x N] += a[64 x 16] (this warp's 16 rows in a0..a3) . B[16 x N] (descriptor), fp32 accumulate
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[128], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %133, 0;\n wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+}
+
+// ---------------------------------------------------------------- epilogue stores (qpn.cu's)
+// 8 consecutive outputs of row m at n..n+7 (fewer at the right edge)
+__device__ __forceinline__ void store_y(u16* out, const float* v, float gs, int n, int N) {
+  if ((N & 7) == 0 && n + 8 <= N) {
+    u32x4 o;
+    o.x = (u32)f_to_h(v[0] * gs) | ((u32)f_to_h(v[1] * gs) << 16);
+    o.y = (u32)f_to_h(v[2] * gs) | ((u32)f_to_h(v[3] * gs) << 16);
+    o.z = (u32)f_to_h(v[4] * gs) | ((u32)f_to_h(v[5] * gs) << 16);
+    o.w = (u32)f_to_h(v[6] * gs) | ((u32)f_to_h(v[7] * gs) << 16);
+    *reinterpret_cast<u32x4*>(out) = o;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (n + e < N) out[e] = f_to_h(v[e] * gs);
+  }
+}
+__device__ __forceinline__ void store_part(float* out, const float* v, int n, int N) {
+  if ((N & 7) == 0 && n + 8 <= N) {
+    reinterpret_cast<f32x4*>(out)[0] = f32x4{v[0], v[1], v[2], v[3]};
+    reinterpret_cast<f32x4*>(out)[1] = f32x4{v[4], v[5], v[6], v[7]};
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (n + e < N) out[e] = v[e];
+  }
+}
+
+// ---------------------------------------------------------------- pre-pass
+// xp[Mp, Kp] fp16: one thread per 16-element group; pairs P0..P7 of x's group (P j = elements
+// 2j, 2j+1) -> k-slots (P0 P2 P4 P6 | P1 P3 P5 P7); zeros past M and K.
+extern "C" __global__ void __launch_bounds__(THREADS) qpn_sm90_permute_x(
+    const u16* __restrict__ x, u16* __restrict__ xp, int M, int K, int Mp, int Kp) {
+  const long long i = (long long)blockIdx.x * THREADS + threadIdx.x;
+  const int gk = Kp >> 4;
+  if (i >= (long long)Mp * gk) return;
+  const int m = (int)(i / gk), g = (int)(i % gk);
+  u32x4 a = {0u, 0u, 0u, 0u}, b = {0u, 0u, 0u, 0u};
+  if (m < M && 16 * g < K) {
+    const u32x4* src = reinterpret_cast<const u32x4*>(x + (size_t)m * K + 16 * g);
+    a = src[0], b = src[1];
+  }
+  u32x4* dst = reinterpret_cast<u32x4*>(xp + (size_t)m * Kp + 16 * g);
+  dst[0] = u32x4{a.x, a.z, b.x, b.z};
+  dst[1] = u32x4{a.y, a.w, b.y, b.w};
+}
+
+// ---------------------------------------------------------------- GEMM
+template <int FMT, int NT>
+struct Ring {
+  static constexpr int CPS = FMT == 2 ? 1 : 2;       // packed chunks per 64-k step
+  static constexpr int XS = NT * 128;                // x bytes per slot
+  static constexpr int WS = THREADS * 16 * CPS;      // packed words per slot (lane-private)
+  static constexpr int SS = FMT == 2 ? THREADS * 8 : 0;  // NVFP4 scales per slot (lane-private)
+  static constexpr int SLOT = XS + WS + SS;
+};
+
+// stage kt (k = 64 kt ..) into ring slot sb: x pieces (piece i -> byte 16 i of the slot: token
+// (i / 64) 8 + i % 8, k-octet (i / 8) % 8), this lane's words and scales
+template <int FMT, int NT>
+__device__ __forceinline__ void load_stage(u32 sb, const u16* __restrict__ xs, int Kp, const u32x4* wl,
+                                           const u64* sl, int kt, int C) {
+  typedef Ring<FMT, NT> R;
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int v = 0; v < NT * 8 / THREADS; ++v) {
+    const int i = tid + THREADS * v, n = (i >> 6) * 8 + (i & 7), k8 = (i >> 3) & 7;
+    cp_async16(sb + 16 * i, xs + (size_t)n * Kp + 64 * kt + 8 * k8);
+  }
+#pragma unroll
+  for (int h = 0; h < R::CPS; ++h) {
+    const int c = kt * R::CPS + h;
+    if (c < C) cp_async16(sb + R::XS + (tid * R::CPS + h) * 16, wl + (size_t)c * 32);
+  }
+  if (FMT == 2) cp_async8(sb + R::XS + R::WS + tid * 8, sl + (size_t)kt * 8);
+}
+
+// A fragment of group j (0..3) of a 64-k step: a[0..3] = rows (r, r+8) x k-slots (lo, hi)
+template <int FMT>
+__device__ __forceinline__ void decode_a(u32 (&a)[4], const u32x4 (&wv)[2], u64 sv, int j) {
+  if (FMT == 2) {
+    const u32 s2 = dec_scale((u32)(sv >> (32 * (j >> 1))), j & 1);
+    const u32 w = j == 0 ? wv[0].x : j == 1 ? wv[0].y : j == 2 ? wv[0].z : wv[0].w;
+    u32 p0, p1, p2, p3;
+    dec_fp4(w, p0, p1, p2, p3);
+    a[0] = hmul2_splat(p0, s2, 0), a[1] = hmul2_splat(p1, s2, 1);
+    a[2] = hmul2_splat(p2, s2, 0), a[3] = hmul2_splat(p3, s2, 1);
+  } else {  // chunk j / 2: words (g0, r) (g0, r+8) (g1, r) (g1, r+8)
+    const u32x4& v = wv[j >> 1];
+    dec_fp8((j & 1) ? v.z : v.x, a[0], a[2]);
+    dec_fp8((j & 1) ? v.w : v.y, a[1], a[3]);
+  }
+}
+
+template <int FMT, int NT, int ST>
+__device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,
+                                           const u16* __restrict__ xp, u16* __restrict__ y,
+                                           float* __restrict__ part, int M, int N, int K, int Kp, int KS) {
+  typedef Ring<FMT, NT> R;
+  constexpr int NR = NT / 2;  // accumulators per thread
+  static_assert(ST >= 3 && NT * 8 % THREADS == 0, "wgmma shape");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int m0 = blockIdx.x * NT, n0 = blockIdx.y * BR;
+  const int C = K / (FMT == 2 ? 64 : 32), tiles = (N + 15) >> 4, nk = Kp >> 6;
+  const int kb = blockIdx.z * KS, ke = kb + KS < nk ? kb + KS : nk;
+  int t = (n0 >> 4) + warp;
+  if (t >= tiles) t = tiles - 1;  // rows past N: read a valid tile, never written
+  const u32x4* wl = w + (size_t)t * C * 32 + lane;
+  const u64* sl = s + (size_t)t * C * 8 + (lane >> 2);
+  const u16* xs = xp + (size_t)m0 * Kp;
+  const u32 ring = smem_addr(smem);
+  float acc[NR];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int p = 0; p < ST - 2; ++p) {
+    if (kb + p < ke) load_stage<FMT, NT>(ring + p * R::SLOT, xs, Kp, wl, sl, kb + p, C);
+    cp_commit();
+  }
+  u32 a[2][4];
+  int slot = 0;
+  for (int kt = kb; kt < ke; ++kt) {
+    cp_wait<ST - 3>();
+    __syncthreads();  // stage kt landed for all; every warpgroup's wgmmas of step kt - 2 are done
+    {
+      const int nx = kt + ST - 2, ns = slot >= 2 ? slot - 2 : slot + ST - 2;
+      if (nx < ke) load_stage<FMT, NT>(ring + ns * R::SLOT, xs, Kp, wl, sl, nx, C);
+      cp_commit();
+    }
+    const u32 sb = ring + slot * R::SLOT;
+    u32x4 wv[2];
+    wv[0] = lds128(sb + R::XS + tid * R::CPS * 16);
+    wv[1] = R::CPS == 2 ? lds128(sb + R::XS + tid * R::CPS * 16 + 16) : wv[0];
+    const u64 sv = FMT == 2 ? lds64(sb + R::XS + R::WS + tid * 8) : 0ull;
+    fence_acc<NR>(acc);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (FMT == 8 && j == 2 && 2 * kt + 1 >= C) break;  // K ends half-way (the last k-step)
+      decode_a<FMT>(a[j & 1], wv, sv, j);
+      wgmma_fence();
+      wgmma_rs(acc, a[j & 1][0], a[j & 1][1], a[j & 1][2], a[j & 1][3], desc_b(sb + 256 * j));
+      wgmma_commit();
+      wgmma_wait<1>();  // the wgmma before this one is done: its A registers are free
+    }
+    fence_acc<NR>(acc);
+    slot = slot == ST - 1 ? 0 : slot + 1;
+  }
+  wgmma_wait<0>();
+  fence_acc<NR>(acc);
+  cp_wait<0>();
+  __syncthreads();  // the ring becomes the epilogue's staging area
+  // acc[4 i + 2 v1 + v0]: feature 16 warp + l / 4 + 8 v1, token 8 i + 2 (l % 4) + v0
+  float* stg = reinterpret_cast<float*>(smem);
+  const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int i = 0; i < NT / 8; ++i) {
+    float* r0 = stg + (8 * i + 2 * q) * SW + 16 * warp + g;
+    r0[0] = acc[4 * i], r0[SW] = acc[4 * i + 1], r0[8] = acc[4 * i + 2], r0[SW + 8] = acc[4 * i + 3];
+  }
+  __syncthreads();
+  const size_t zoff = (size_t)blockIdx.z * M * N;
+#pragma unroll 4
+  for (int p = tid; p < NT * (BR / 8); p += THREADS) {
+    const int r = p / (BR / 8), c8 = 8 * (p % (BR / 8)), m = m0 + r, n = n0 + c8;
+    if (m < M && n < N) {
+      const f32x4 lo = *reinterpret_cast<const f32x4*>(stg + r * SW + c8);
+      const f32x4 hi = *reinterpret_cast<const f32x4*>(stg + r * SW + c8 + 4);
+      const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      if (part)
+        store_part(part + zoff + (size_t)m * N + n, v, n, N);
+      else
+        store_y(y + (size_t)m * N + n, v, gs, n, N);
+    }
+  }
+}
+
+// qpn{2,8}_wgmma_t<NT>: w words [Tn, C, 32, 4] (as u32x4), s scales [Tn, C, 8, 8] (as u64; FP8: any
+// 16 bytes), gs the folded global scale, xp [Mp, Kp] (qpn_sm90_permute_x), y [M, N] fp16 (one
+// split) or part fp32 [splits, M, N] (non-null: split-K partials, unscaled), KS 64-k steps per split.
+// ST ring stages, MINB blocks per SM (the shared memory of two fits for NT <= 128).
+#define WGMMA(FMT, NT, ST, MINB)                                                                   \
+  extern "C" __global__ void __launch_bounds__(THREADS, MINB) qpn##FMT##_wgmma_t##NT(               \
+      const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ xp, \
+      u16* __restrict__ y, float* __restrict__ part, int M, int N, int K, int Kp, int KS) {         \
+    wgmma_body<FMT, NT, ST>(w, s, gs, xp, y, part, M, N, K, Kp, KS);                               \
+  }
+WGMMA(2, 64, 7, 2)
+WGMMA(2, 128, 5, 2)
+WGMMA(2, 256, 4, 1)
+WGMMA(8, 64, 6, 2)
+WGMMA(8, 128, 4, 2)
+WGMMA(8, 256, 4, 1)

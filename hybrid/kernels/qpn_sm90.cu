@@ -1,0 +1,1 @@
+../../cuda/qpn_sm90.cu

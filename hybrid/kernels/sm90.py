@@ -1,0 +1,259 @@
+"""Hopper prefill GEMM (cuda/qpn_sm90.cu): wgmma with the decoded QPN weights as A from registers.
+
+Legend: M rows (tokens), N out, K in, NT tokens per block (the wgmma N), Mp = M rounded up to NT,
+Kp = K rounded up to 64, S K splits, KS 64-k steps per split.
+
+    y = linear(x, w)          # x [M, K] fp16 on an sm_90 device, w a CUDA QPNWeight -> y [M, N] fp16
+    plan(fmt, m, n, k, sms)   # the launch (kernel, grid, KS, shared memory), host-side only
+
+Built by NVRTC for sm_90a (wgmma exists only there), cached like the QPN kernels (hybrid.kernels.build:
+key = source, options, NVRTC version, target). `python -m hybrid.kernels.sm90 --compile-only` is the
+CPU-only check: NVRTC 12 -> compute_90a PTX -> ptxas -arch=sm_90a -v, fails on spills or on wgmma
+serialized by ptxas.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybrid.checkpoint.formats import QType
+
+SOURCE_NAME = "qpn_sm90.cu"
+ARCH = "90a"
+THREADS = 256
+ROWS = 128            # weight rows per block (2 warpgroups x 64)
+TOKEN_TILES = (64, 128, 256)
+# ring stages per (format, NT); must match the WGMMA(...) lines of cuda/qpn_sm90.cu
+STAGES = {(2, 64): 7, (2, 128): 5, (2, 256): 4, (8, 64): 6, (8, 128): 4, (8, 256): 4}
+MIN_BLOCKS = {64: 2, 128: 2, 256: 1}   # blocks per SM the kernels are built for (__launch_bounds__)
+MIN_KSTEPS = 8        # split-K: at least this many 64-k steps per split
+MAX_SPLITS = 8
+# relative cost per token row of a block of NT tokens (the wgmma amortises the decode and the
+# barrier over NT; first guesses, not yet measured)
+TOKEN_COST = {64: 1.4, 128: 1.15, 256: 1.0}
+KERNELS = tuple(["qpn_sm90_permute_x"] + [f"qpn{f}_wgmma_t{nt}" for f in (2, 8) for nt in TOKEN_TILES])
+
+
+def source() -> str:
+    return Path(__file__).with_name(SOURCE_NAME).read_text()
+
+
+def ring_slot(fmt: int, nt: int) -> int:
+    """Bytes of one ring slot: the x stage (NT x 64 fp16), 256 lanes' packed words (+ NVFP4 scales)."""
+    cps = 1 if fmt == 2 else 2
+    return nt * 128 + THREADS * 16 * cps + (THREADS * 8 if fmt == 2 else 0)
+
+
+def smem_bytes(fmt: int, nt: int) -> int:
+    """Dynamic shared memory of qpn{fmt}_wgmma_t{nt}: the ring, or the epilogue's fp32 staging."""
+    return max(STAGES[(fmt, nt)] * ring_slot(fmt, nt), nt * (ROWS + 4) * 4)
+
+
+@dataclass(frozen=True)
+class Sm90Plan:
+    """A launch of qpn{fmt}_wgmma_t{nt}: grid (Mp / NT, ceil(N / 128), splits), KS, padded sizes."""
+
+    kernel: str
+    nt: int
+    grid: tuple[int, int, int]
+    ks: int
+    mp: int
+    kp: int
+    smem: int
+
+    @property
+    def label(self) -> str:
+        return f"wgmma_t{self.nt}" + (f"/s{self.grid[2]}" if self.grid[2] > 1 else "")
+
+
+def pick_nt(m: int) -> int:
+    """NT of least padded-token cost: ceil(M / NT) * NT * TOKEN_COST[NT] (ties: the larger NT)."""
+    return min(reversed(TOKEN_TILES), key=lambda nt: -(-m // nt) * nt * TOKEN_COST[nt])
+
+
+def plan(fmt: int, m: int, n: int, k: int, sms: int, nt: int | None = None,
+         splits: int | None = None) -> Sm90Plan:
+    """The launch for M rows, N out, K in on a device with `sms` SMs. Split K while the blocks fill
+    less than one wave (MIN_BLOCKS per SM), each split at least MIN_KSTEPS steps, at most MAX_SPLITS.
+    nt / splits: forced (benchmark, tests)."""
+    if fmt not in (2, 8) or m < 1 or n < 1 or k < 1 or k % (64 if fmt == 2 else 32):
+        raise ValueError(f"sm90 plan: bad shape fmt={fmt} M={m} N={n} K={k}")
+    nt = pick_nt(m) if nt is None else nt
+    if nt not in TOKEN_TILES:
+        raise ValueError(f"sm90 plan: NT must be one of {TOKEN_TILES}, got {nt}")
+    mp, kp = -(-m // nt) * nt, -(-k // 64) * 64
+    nk = kp // 64
+    blocks = (mp // nt) * -(-n // ROWS)
+    if splits is None:
+        splits = max(1, min(MAX_SPLITS, nk // MIN_KSTEPS, sms * MIN_BLOCKS[nt] // blocks))
+    splits = max(1, min(int(splits), nk))
+    ks = -(-nk // splits)
+    splits = -(-nk // ks)
+    return Sm90Plan(f"qpn{fmt}_wgmma_t{nt}", nt, (mp // nt, -(-n // ROWS), splits), ks, mp, kp,
+                    smem_bytes(fmt, nt))
+
+
+def permute_x(x: torch.Tensor, mp: int, kp: int) -> torch.Tensor:
+    """Torch reference of qpn_sm90_permute_x: xp [Mp, Kp] with xp[m, 16 G + s] = x[m, 16 G + perm(s)],
+    perm(s) = 4 (s / 2 % 4) + 2 (s / 8) + s % 2 (the packed layout's k-slot order), zeros past M, K."""
+    m, k = x.shape
+    xp = torch.zeros(mp, kp, dtype=x.dtype, device=x.device)
+    xp[:m, :k].view(m, k // 16, 2, 4, 2).copy_(x.reshape(m, k // 16, 4, 2, 2).transpose(2, 3))
+    return xp
+
+
+def k_slot_perm() -> list[int]:
+    """perm(s) for s = 0..15: the element of a 16-group that k-slot s of the MMA holds."""
+    return [4 * (s // 2 % 4) + 2 * (s // 8) + s % 2 for s in range(16)]
+
+
+# ---------------------------------------------------------------------------- build
+def options() -> list[str]:
+    from hybrid.kernels.build import OPTIONS
+
+    return OPTIONS + [f"--gpu-architecture=sm_{ARCH}"]
+
+
+def image(use_cache: bool = True) -> bytes:
+    """The sm_90a CUBIN (NVRTC), cached in hybrid.kernels.build.cache_dir() by source, options, version."""
+    from hybrid.kernels.build import cache_dir
+    from hybrid.kernels.nvrtc import NvrtcError, load_nvrtc
+
+    nv = load_nvrtc()
+    if 90 not in nv.supported_archs():
+        raise NvrtcError(f"NVRTC {nv.version} at {nv.path} cannot target sm_90a")
+    src, opts = source(), options()
+    key = hashlib.sha256("\0".join([src, *opts, str(nv.version)]).encode()).hexdigest()[:20]
+    path = cache_dir() / f"{key}-sm_{ARCH}.cubin"
+    if use_cache and path.exists():
+        return path.read_bytes()
+    img = nv.compile(src, SOURCE_NAME, opts, cubin=True)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(img)
+        tmp.replace(path)
+    return img
+
+
+_MODULES: dict[int, object] = {}
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+def module(device: torch.device):
+    """The loaded sm_90a module of a CUDA device (built on first use); ValueError off sm_90."""
+    from hybrid.kernels.driver import Module
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    mod = _MODULES.get(index)
+    if mod is None:
+        cap = torch.cuda.get_device_capability(index)
+        if cap != (9, 0):
+            raise ValueError(f"the wgmma prefill GEMM needs an sm_90 GPU, got sm_{cap[0]}{cap[1]}")
+        mod = _MODULES[index] = Module(image(), torch.device("cuda", index))
+        mod.smem_set = {}
+    return mod
+
+
+def launch(mod, name: str, grid: tuple[int, int, int], smem: int, args: list) -> None:
+    """cuLaunchKernel on torch's current stream with `smem` bytes of dynamic shared memory (the
+    function's limit raised once)."""
+    from hybrid.kernels.driver import _cuda, check
+
+    fn = mod.function(name)
+    if mod.smem_set.get(name, 0) < smem:
+        check(_cuda().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+              f"cuFuncSetAttribute({name}, {smem} B)")
+        mod.smem_set[name] = smem
+    stream = torch.cuda.current_stream(mod.device)
+    ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    with torch.cuda.device(mod.device):
+        check(_cuda().cuLaunchKernel(fn, grid[0], grid[1], grid[2], THREADS, 1, 1, smem,
+                                     ctypes.c_void_p(stream.cuda_stream), ptrs, None),
+              f"cuLaunchKernel({name})")
+
+
+def _p(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+# ---------------------------------------------------------------------------- launcher
+def linear(x: torch.Tensor, w, y: torch.Tensor, nt: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """y[M, N] fp16 = x[M, K] . W^T on an sm_90 device (checked by qpn.qpn_linear: shapes, dtypes,
+    device, alignment). A pre-pass writes the permuted activations xp [Mp, Kp]; split-K sums fp32
+    partials [S, M, N] in split order (torch) and scales by the folded global scale."""
+    (m, n), k = y.shape, x.shape[1]
+    fmt = 2 if w.qtype is QType.NVFP4 else 8
+    mod = module(w.device)
+    sms = torch.cuda.get_device_properties(w.device).multi_processor_count
+    pl = plan(fmt, m, n, k, sms, nt, splits)
+    xp = torch.empty(pl.mp, pl.kp, dtype=torch.float16, device=x.device)
+    groups = pl.mp * pl.kp // 16
+    launch(mod, "qpn_sm90_permute_x", (-(-groups // THREADS), 1, 1), 0,
+           [_p(x), _p(xp), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(pl.mp), ctypes.c_int(pl.kp)])
+    part = torch.empty(pl.grid[2], m, n, dtype=torch.float32, device=x.device) if pl.grid[2] > 1 else None
+    launch(mod, pl.kernel, pl.grid, pl.smem,
+           [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(xp), _p(y),
+            _p(part) if part is not None else ctypes.c_void_p(0), ctypes.c_int(m), ctypes.c_int(n),
+            ctypes.c_int(k), ctypes.c_int(pl.kp), ctypes.c_int(pl.ks)])
+    if part is not None:
+        y.copy_(part.sum(0).mul_(w.gscale))
+    return y
+
+
+# ---------------------------------------------------------------------------- compile-only check
+def compile_check():
+    """CPU-only: NVRTC 12 -> compute_90a PTX -> ptxas -arch=sm_90a -v.
+    -> ([KernelReport], ptx text, ptxas log)."""
+    from hybrid.kernels.build import OPTIONS, include_options, parse_ptxas, ptxas_path
+    from hybrid.kernels.nvrtc import NvrtcError, load_nvrtc
+
+    nv = load_nvrtc(12)
+    ptx = nv.compile(source(), SOURCE_NAME, OPTIONS + include_options() + [f"--gpu-architecture=compute_{ARCH}"],
+                     cubin=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "qpn_sm90.ptx"
+        p.write_bytes(ptx)
+        res = subprocess.run([str(ptxas_path()), f"-arch=sm_{ARCH}", "-v", str(p), "-o",
+                              str(Path(tmp) / "qpn_sm90.cubin")], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise NvrtcError(f"ptxas failed for sm_{ARCH}:\n{res.stderr}")
+    return parse_ptxas(res.stderr), ptx.decode(), res.stderr
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="wgmma prefill GEMM (cuda/qpn_sm90.cu): CPU-only build check")
+    ap.add_argument("--compile-only", action="store_true", required=True,
+                    help="compile for sm_90a with NVRTC 12 + ptxas (pip wheels); fail on spills or "
+                         "serialized wgmma")
+    ap.parse_args(argv)
+    reports, _, log = compile_check()
+    print(f"sm_{ARCH}: {len(reports)} kernels")
+    print(f"{'kernel':24s} {'regs':>5s} {'spill st':>9s} {'spill ld':>9s} {'smem(dyn)':>10s}")
+    bad = 0
+    for r in sorted(reports, key=lambda r: r.name):
+        parts = r.name.split("_t")
+        dyn = smem_bytes(int(r.name[3]), int(parts[1])) if "_wgmma_t" in r.name else 0
+        flag = "  SPILL" if r.spill_stores or r.spill_loads else ""
+        bad += bool(flag)
+        print(f"{r.name:24s} {r.registers:5d} {r.spill_stores:9d} {r.spill_loads:9d} {dyn:10d}{flag}")
+    serial = [ln for ln in log.splitlines() if "wgmma" in ln.lower() and "serialize" in ln.lower()]
+    for ln in serial:
+        print(ln)
+    bad += len(serial)
+    print("OK: no spills, wgmma not serialized" if not bad else f"FAIL: {bad} problem(s)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

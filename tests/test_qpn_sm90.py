@@ -1,0 +1,227 @@
+"""The sm_90a wgmma prefill GEMM (cuda/qpn_sm90.cu, hybrid.kernels.sm90): host-side planning and the
+k-slot permutation on the CPU, the CPU-only build check (NVRTC 12 + ptxas wheels), and on an sm_90 GPU
+the kernels vs the float64 reference on fresh inputs with poisoned (NaN) outputs."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid.checkpoint.formats import QType
+from hybrid.kernels import layout, sm90
+from tests.test_qpn_layout import fp8, nvfp4
+
+MAKE = {QType.NVFP4: nvfp4, QType.FP8: fp8}
+
+
+# ---------------------------------------------------------------------------- CPU: permutation
+def test_k_slot_perm_is_the_packed_lane_order():
+    """k-slot s of the MMA holds element perm(s): lane q's slots 2q, 2q+1, 2q+8, 2q+9 are its
+    k-slice 4q..4q+3 (the QPN layout), and perm is a bijection of 0..15."""
+    perm = sm90.k_slot_perm()
+    assert sorted(perm) == list(range(16))
+    for q in range(4):
+        assert [perm[2 * q], perm[2 * q + 1], perm[2 * q + 8], perm[2 * q + 9]] == [4 * q + i for i in range(4)]
+
+
+@pytest.mark.parametrize("m,k,mp,kp", [(3, 64, 64, 64), (17, 352, 64, 384), (100, 320, 128, 320)])
+def test_permute_x_gathers_and_pads(m, k, mp, kp):
+    x = torch.randn(m, k).half()
+    xp = sm90.permute_x(x, mp, kp)
+    assert xp.shape == (mp, kp)
+    idx = torch.tensor([16 * (c // 16) + sm90.k_slot_perm()[c % 16] for c in range(k)])
+    assert torch.equal(xp[:m, :k], x[:, idx])
+    assert not xp[m:].any() and not xp[:, k:].any()
+
+
+@pytest.mark.parametrize("qtype,n,k", [(QType.NVFP4, 40, 192), (QType.FP8, 24, 96)])
+def test_permuted_fragments_multiply_to_the_product(qtype, n, k):
+    """The emulated data flow: A[r, slot] = the lane's decoded weight of that slot (W[r, 16 G +
+    perm(slot)]), B[slot, m] = xp[m, slot]: A . B equals x . W^T."""
+    qw = MAKE[qtype](n, k, seed=5)
+    if qtype is QType.NVFP4:
+        words, scales = layout.pack_nvfp4(qw)
+        wd = layout.decode_nvfp4(words, scales, n, k, float(qw.scale_2)).double()
+    else:
+        wd = layout.decode_fp8(layout.pack_fp8(qw), n, k, float(qw.scale)).double()
+    idx = torch.tensor([16 * (c // 16) + sm90.k_slot_perm()[c % 16] for c in range(k)])
+    a = wd[:, idx]                                  # [N, K] in k-slot order
+    x = torch.randn(7, k).half()
+    b = sm90.permute_x(x, 7, k).double()            # [M, K] in k-slot order
+    torch.testing.assert_close(b @ a.t(), x.double() @ wd.t(), rtol=1e-12, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------- CPU: planning
+def test_stages_match_the_source():
+    """STAGES / MIN_BLOCKS in sm90.py are the WGMMA(FMT, NT, ST, MINB) lines of the source."""
+    src = Path(sm90.__file__).with_name(sm90.SOURCE_NAME).read_text()
+    rows = re.findall(r"^WGMMA\((\d), (\d+), (\d+), (\d)\)", src, re.M)
+    assert {(int(f), int(nt)): int(st) for f, nt, st, _ in rows} == sm90.STAGES
+    assert {int(nt): int(mb) for _, nt, _, mb in rows} == sm90.MIN_BLOCKS
+
+
+@pytest.mark.parametrize("fmt", [2, 8])
+@pytest.mark.parametrize("nt", sm90.TOKEN_TILES)
+def test_shared_memory_fits_the_h200(fmt, nt):
+    """Every kernel's dynamic shared memory fits one SM (227 KB per block); MIN_BLOCKS of them fit."""
+    smem = sm90.smem_bytes(fmt, nt)
+    assert smem <= 227 * 1024
+    assert sm90.MIN_BLOCKS[nt] * (smem + 1024) <= 228 * 1024
+    assert smem >= nt * (sm90.ROWS + 4) * 4   # the epilogue's staging
+
+
+@pytest.mark.parametrize("m,nt", [(17, 64), (64, 64), (65, 128), (100, 128), (128, 128), (129, 256),
+                                  (512, 256), (300, 128)])
+def test_pick_nt(m, nt):
+    assert sm90.pick_nt(m) == nt
+
+
+def test_plan_grid_and_splits():
+    p = sm90.plan(2, 512, 151936, 2048, 132)          # lm_head: enough blocks, no split
+    assert p.kernel == "qpn2_wgmma_t256" and p.grid == (2, 1187, 1) and p.ks == 32
+    assert (p.mp, p.kp) == (512, 2048)
+    p = sm90.plan(2, 512, 4096, 2048, 132)            # q_proj: 64 blocks -> 2 splits of 16 steps
+    assert p.grid == (2, 32, 2) and p.ks == 16
+    p = sm90.plan(8, 17, 200, 352, 132)               # FP8, K = 32 mod 64: Kp 384, 6 steps, no split
+    assert p.kernel == "qpn8_wgmma_t64" and (p.mp, p.kp) == (64, 384) and p.grid == (1, 2, 1) and p.ks == 6
+    p = sm90.plan(2, 100, 300, 4096, 132, nt=64, splits=100)   # forced: at most one split per step
+    assert p.grid == (2, 3, 64) and p.ks == 1
+    p = sm90.plan(2, 100, 300, 4096, 132, splits=3)   # 64 steps in 3 splits of 22 (the last 20)
+    assert p.grid[2] == 3 and p.ks == 22
+    with pytest.raises(ValueError, match="NT must be"):
+        sm90.plan(2, 100, 300, 4096, 132, nt=32)
+    with pytest.raises(ValueError, match="bad shape"):
+        sm90.plan(2, 100, 300, 96, 132)
+
+
+def test_qpn_hook_is_sm90_only():
+    from hybrid.kernels import qpn
+
+    assert qpn.use_sm90(90, "wgmma") and not qpn.use_sm90(80, "wgmma") and not qpn.use_sm90(90, "mt")
+    assert qpn.use_sm90(90, None) is qpn.SM90_DEFAULT
+    # elsewhere "wgmma" plans as the default
+    assert qpn.prefill_plan(2, 512, 4096, 2048, 108, 80, "wgmma") == qpn.prefill_plan(2, 512, 4096, 2048, 108, 80)
+
+
+# ---------------------------------------------------------------------------- CPU: build check
+def test_compiles_for_sm90a_without_spills():
+    pytest.importorskip("nvidia.cuda_nvrtc", reason="needs nvidia-cuda-nvrtc-cu12 (pip)")
+    pytest.importorskip("nvidia.cuda_nvcc", reason="needs nvidia-cuda-nvcc-cu12 (pip) for ptxas")
+    reports, ptx, log = sm90.compile_check()
+    assert sorted(r.name for r in reports) == sorted(sm90.KERNELS)
+    assert not [r.name for r in reports if r.spill_stores or r.spill_loads]
+    for nt in sm90.TOKEN_TILES:
+        assert f"wgmma.mma_async.sync.aligned.m64n{nt}k16.f32.f16.f16" in ptx
+    assert "serialize" not in log.lower()
+    regs = {r.name: r.registers for r in reports}
+    for nt, minb in sm90.MIN_BLOCKS.items():    # the blocks per SM the plan assumes fit in registers
+        for f in (2, 8):
+            assert regs[f"qpn{f}_wgmma_t{nt}"] * sm90.THREADS * minb <= 65536
+
+
+def test_cli_compile_only(capsys):
+    pytest.importorskip("nvidia.cuda_nvrtc", reason="needs nvidia-cuda-nvrtc-cu12 (pip)")
+    pytest.importorskip("nvidia.cuda_nvcc", reason="needs nvidia-cuda-nvcc-cu12 (pip) for ptxas")
+    assert sm90.main(["--compile-only"]) == 0
+    assert "OK: no spills" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- GPU (sm_90)
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def needs_sm90(fn):
+    return pytest.mark.cuda(pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")(fn))
+
+
+SEED = [2000]
+
+
+def fresh(shape):
+    SEED[0] += 1
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(SEED[0])).half()
+
+
+def rel_err(y, ref):
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def _check(w, wref, m, k, n, what, nt=None, splits=None):
+    x = fresh((m, k))
+    y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    sm90.linear(x.cuda(), w, y, nt=nt, splits=splits)
+    y = y.cpu()
+    assert torch.isfinite(y).all(), f"{what} M={m}: unwritten, NaN or overflowed outputs"
+    err = rel_err(y, x.double() @ wref.t())
+    assert err < 2e-3, f"{what} M={m}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype,n,k", [(QType.NVFP4, 200, 320), (QType.FP8, 200, 352),
+                                       (QType.NVFP4, 1000, 2048), (QType.FP8, 136, 1056),
+                                       (QType.NVFP4, 5, 4096), (QType.FP8, 300, 2048)])
+@pytest.mark.parametrize("nt", [None, 64, 128, 256])
+@needs_sm90
+def test_wgmma_matches_reference(qtype, n, k, nt):
+    """Every token tile forced (and picked), M on both sides of the tiles, N not a multiple of 8,
+    16 or 128, FP8 K = 32 mod 64 (the last step half empty)."""
+    from hybrid.kernels import QPNWeight
+
+    qw = MAKE[qtype](n, k, seed=n + k)
+    w = QPNWeight.from_qweight(qw, "cuda")
+    wref = qw.dequantize(torch.float64)
+    for m in (17, 64, 100, 129, 512):
+        _check(w, wref, m, k, n, f"{qtype.value} N={n} K={k} nt={nt}", nt=nt)
+
+
+@pytest.mark.parametrize("qtype,n,k", [(QType.NVFP4, 1000, 2048), (QType.FP8, 136, 1056)])
+@pytest.mark.parametrize("splits", [1, 2, 7, 64])
+@needs_sm90
+def test_wgmma_split_k(qtype, n, k, splits):
+    """Split-K forced (1, 2, 7, more than the k-steps): fp32 partials summed in split order;
+    deterministic (a second call is identical)."""
+    from hybrid.kernels import QPNWeight
+
+    qw = MAKE[qtype](n, k, seed=n + k + 3)
+    w = QPNWeight.from_qweight(qw, "cuda")
+    wref = qw.dequantize(torch.float64)
+    for m in (17, 100, 300):
+        _check(w, wref, m, k, n, f"{qtype.value} splits={splits}", splits=splits)
+    x = fresh((40, k)).cuda()
+    y1 = sm90.linear(x, w, torch.empty(40, n, dtype=torch.float16, device="cuda"), splits=splits)
+    y2 = sm90.linear(x, w, torch.empty(40, n, dtype=torch.float16, device="cuda"), splits=splits)
+    assert torch.equal(y1, y2)
+
+
+@needs_sm90
+def test_permute_kernel_matches_torch():
+    import ctypes
+
+    mod = sm90.module(torch.device("cuda", torch.cuda.current_device()))
+    for m, k, mp, kp in ((17, 352, 64, 384), (100, 2048, 128, 2048), (3, 64, 256, 64)):
+        x = fresh((m, k)).cuda()
+        xp = torch.full((mp, kp), float("nan"), dtype=torch.float16, device="cuda")
+        sm90.launch(mod, "qpn_sm90_permute_x", (-(-mp * kp // 16 // 256), 1, 1), 0,
+                    [sm90._p(x), sm90._p(xp), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(mp), ctypes.c_int(kp)])
+        assert torch.equal(xp.cpu(), sm90.permute_x(x.cpu(), mp, kp))
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+@needs_sm90
+def test_qpn_linear_wgmma_variant(qtype):
+    """qpn_linear with PREFILL_VARIANT 'wgmma' takes the wgmma GEMM on sm_90 for M > 16 (and the
+    M <= 16 kernels below), poisoned outputs."""
+    from hybrid.kernels import QPNWeight, qpn, qpn_linear
+
+    qw = MAKE[qtype](512, 1024, seed=9)
+    w = QPNWeight.from_qweight(qw, "cuda")
+    wref = qw.dequantize(torch.float64)
+    qpn.PREFILL_VARIANT[0] = "wgmma"
+    try:
+        for m in (8, 16, 17, 64, 512):
+            x = fresh((m, 1024))
+            out = torch.full((m, 512), float("nan"), dtype=torch.float16, device="cuda")
+            y = qpn_linear(x.cuda(), w, out=out).cpu()
+            assert torch.isfinite(y).all() and rel_err(y, x.double() @ wref.t()) < 2e-3, f"M={m}"
+    finally:
+        qpn.PREFILL_VARIANT[0] = None
