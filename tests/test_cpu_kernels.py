@@ -470,3 +470,12 @@ def test_bench_rejects_unknown_shape(capsys):
     assert main(["cpu-kernels", "--shapes", "qwen3-30b-a3b,nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--shapes" in err[0] and "fixture" in err[0]
+
+
+def test_read_probe_sums_every_word_once_on_any_part_count():
+    """cpu/stream.py (the bench's read-only bandwidth probe): n parts claiming spans read each
+    u64 word once, a short last span included."""
+    from cpu.stream import read_parallel
+    a = np.random.default_rng(9).integers(0, 256, 8 * 10_001, dtype=np.uint8)
+    want = int(a.view(np.uint64).sum(dtype=np.uint64))
+    assert all(int(read_parallel(a, 4096, n)) == want for n in (1, 2, 3, 7))
