@@ -10,17 +10,17 @@
 // helpers dec_fp4, dec_fp8, dec_scale, hmul2_splat, store_y, store_part are copies of qpn.cu's),
 // never dequantized in memory: decoded in registers straight into wgmma A fragments.
 //
-// Block: 256 threads = 2 warpgroups, 128 weight rows (8 tiles of 16) x NT tokens.
-//   Warp w (0..7) decodes 16-row tile n0/16 + w; within warpgroup w/4 it holds rows 16 (w % 4) ..
-//   of the wgmma's 64-row A, whose register fragment is exactly the mma.m16n8k16 A fragment:
+// Block: 256 threads = 2 warpgroups, BR = 128 MW weight rows (MW 64-row A sets per warpgroup) x NT
+//   tokens. Warp w decodes MW 16-row tiles; in warpgroup w/4 it holds rows 16 (w % 4) .. of each
+//   64-row A set, whose register fragment is exactly the mma.m16n8k16 A fragment:
 //   lane (g = l/4, q = l%4) holds rows g, g+8 at k-slots 2q, 2q+1, 2q+8, 2q+9; the packed layout
 //   gives lane q the elements 16 G + 4 q + 0..3 of group G, so k-slot s of a group holds element
 //   perm(s) = 4 (s/2 % 4) + 2 (s/8) + s % 2. B must use the same permutation: the pre-pass
 //   qpn_sm90_permute_x writes xp [Mp, Kp] fp16 with xp[m, 16 G + s] = x[m, 16 G + perm(s)]
 //   (zeros past M and K).
-//   Each warpgroup: acc[NT / 2] fp32 per thread = D[64 rows x NT tokens], 4 wgmma m64nNTk16 per
-//   64-k step; A double-buffered in registers (wgmma.wait_group 1 after each commit frees the
-//   fragment registers of the wgmma before).
+//   Each warpgroup: acc[MW][NT / 2] fp32 per thread = MW x D[64 rows x NT tokens], 4 x MW wgmma
+//   m64nNTk16 per 64-k step; A double-buffered in registers (wgmma.wait_group 1 after each commit
+//   frees the fragment registers of the group before).
 // Shared memory: an ST-slot cp.async ring; slot = x stage [NT x 64] in the no-swizzle K-major
 //   core-matrix layout (core matrix = 8 tokens x 8 k = 128 contiguous bytes; byte offset of
 //   (token n, k-octet k8) = (n / 8) 1024 + k8 128 + (n % 8) 16; descriptor LBO = 128 (next
@@ -28,12 +28,13 @@
 //   and NVFP4 scales (8 B), copied and read back by that lane only. One barrier per 64-k step;
 //   stage kt + ST - 2 is issued into the slot of stage kt - 2, whose wgmmas are complete (at most
 //   one wgmma, of step kt - 1, is pending at the barrier).
-// Epilogue: fp32 sums staged in shared memory [NT][132], rows of 8 outputs written as fp16 x gs
+// Epilogue: fp32 sums staged in shared memory [NT][BR + 4], rows of 8 outputs written as fp16 x gs
 //   (one split) or fp32 partials part[z][M][N] (split-K; the launcher sums them in split order).
 // Kernels:
 //   qpn_sm90_permute_x           grid (ceil(Mp * Kp / 16 / 256)), 256 threads: x -> xp
-//   qpn{2,8}_wgmma_t{64,128,256}  grid (Mp / NT, ceil(N / 128), splits), 256 threads,
-//                                 dynamic shared memory smem_bytes(FMT, NT) (sm90.py)
+//   qpn{2,8}_wgmma_<BR>x<NT>     BR x NT: 128x64, 128x128, 128x256, 256x64, 256x128; grid (Mp / NT,
+//                                ceil(N / BR), splits), 256 threads, dynamic shared memory
+//                                sm90.smem_bytes(FMT, BR, NT)
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -42,8 +43,6 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 struct __align__(16) f32x4 { float x, y, z, w; };
 
 #define THREADS 256
-#define BR 128       // weight rows per block
-#define SW (BR + 4)  // floats per staged epilogue row (conflict-free fragment stores)
 
 // ---------------------------------------------------------------- memory
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -233,33 +232,39 @@ extern "C" __global__ void __launch_bounds__(THREADS) qpn_sm90_permute_x(
 }
 
 // ---------------------------------------------------------------- GEMM
-template <int FMT, int NT>
+// MW 64-row A sets per warpgroup (block rows BR = 128 MW): warp w (warpgroup wg = w / 4, wq = w % 4)
+// decodes tiles wg 4 MW + 4 u + wq (u < MW), the rows 16 wq .. of its warpgroup's A set u.
+template <int FMT, int MW, int NT>
 struct Ring {
-  static constexpr int CPS = FMT == 2 ? 1 : 2;       // packed chunks per 64-k step
-  static constexpr int XS = NT * 128;                // x bytes per slot
-  static constexpr int WS = THREADS * 16 * CPS;      // packed words per slot (lane-private)
-  static constexpr int SS = FMT == 2 ? THREADS * 8 : 0;  // NVFP4 scales per slot (lane-private)
+  static constexpr int CPS = FMT == 2 ? 1 : 2;               // packed chunks per 64-k step
+  static constexpr int XS = NT * 128;                        // x bytes per slot
+  static constexpr int WS = THREADS * 16 * CPS * MW;         // packed words per slot (lane-private)
+  static constexpr int SS = FMT == 2 ? THREADS * 8 * MW : 0;  // NVFP4 scales per slot (lane-private)
   static constexpr int SLOT = XS + WS + SS;
+  __device__ static u32 words(int u, int h) { return XS + ((threadIdx.x * MW + u) * CPS + h) * 16; }
+  __device__ static u32 scales(int u) { return XS + WS + (threadIdx.x * MW + u) * 8; }
 };
 
 // stage kt (k = 64 kt ..) into ring slot sb: x pieces (piece i -> byte 16 i of the slot: token
 // (i / 64) 8 + i % 8, k-octet (i / 8) % 8), this lane's words and scales
-template <int FMT, int NT>
-__device__ __forceinline__ void load_stage(u32 sb, const u16* __restrict__ xs, int Kp, const u32x4* wl,
-                                           const u64* sl, int kt, int C) {
-  typedef Ring<FMT, NT> R;
-  const int tid = threadIdx.x;
+template <int FMT, int MW, int NT>
+__device__ __forceinline__ void load_stage(u32 sb, const u16* __restrict__ xs, int Kp, const u32x4* const (&wl)[MW],
+                                           const u64* const (&sl)[MW], int kt, int C) {
+  typedef Ring<FMT, MW, NT> R;
 #pragma unroll
   for (int v = 0; v < NT * 8 / THREADS; ++v) {
-    const int i = tid + THREADS * v, n = (i >> 6) * 8 + (i & 7), k8 = (i >> 3) & 7;
+    const int i = threadIdx.x + THREADS * v, n = (i >> 6) * 8 + (i & 7), k8 = (i >> 3) & 7;
     cp_async16(sb + 16 * i, xs + (size_t)n * Kp + 64 * kt + 8 * k8);
   }
 #pragma unroll
-  for (int h = 0; h < R::CPS; ++h) {
-    const int c = kt * R::CPS + h;
-    if (c < C) cp_async16(sb + R::XS + (tid * R::CPS + h) * 16, wl + (size_t)c * 32);
+  for (int u = 0; u < MW; ++u) {
+#pragma unroll
+    for (int h = 0; h < R::CPS; ++h) {
+      const int c = kt * R::CPS + h;
+      if (c < C) cp_async16(sb + R::words(u, h), wl[u] + (size_t)c * 32);
+    }
+    if (FMT == 2) cp_async8(sb + R::scales(u), sl[u] + (size_t)kt * 8);
   }
-  if (FMT == 2) cp_async8(sb + R::XS + R::WS + tid * 8, sl + (size_t)kt * 8);
 }
 
 // A fragment of group j (0..3) of a 64-k step: a[0..3] = rows (r, r+8) x k-slots (lo, hi)
@@ -279,71 +284,93 @@ __device__ __forceinline__ void decode_a(u32 (&a)[4], const u32x4 (&wv)[2], u64 
   }
 }
 
-template <int FMT, int NT, int ST>
+template <int FMT, int MW, int NT, int ST>
 __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,
                                            const u16* __restrict__ xp, u16* __restrict__ y,
                                            float* __restrict__ part, int M, int N, int K, int Kp, int KS) {
-  typedef Ring<FMT, NT> R;
-  constexpr int NR = NT / 2;  // accumulators per thread
+  typedef Ring<FMT, MW, NT> R;
+  constexpr int NR = NT / 2, BR = 128 * MW, SW = BR + 4;  // accumulators per set; staged row (floats)
   static_assert(ST >= 3 && NT * 8 % THREADS == 0, "wgmma shape");
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int m0 = blockIdx.x * NT, n0 = blockIdx.y * BR;
   const int C = K / (FMT == 2 ? 64 : 32), tiles = (N + 15) >> 4, nk = Kp >> 6;
   const int kb = blockIdx.z * KS, ke = kb + KS < nk ? kb + KS : nk;
-  int t = (n0 >> 4) + warp;
-  if (t >= tiles) t = tiles - 1;  // rows past N: read a valid tile, never written
-  const u32x4* wl = w + (size_t)t * C * 32 + lane;
-  const u64* sl = s + (size_t)t * C * 8 + (lane >> 2);
+  int tt[MW];  // this warp's tiles within the block
+  const u32x4* wl[MW];
+  const u64* sl[MW];
+#pragma unroll
+  for (int u = 0; u < MW; ++u) {
+    tt[u] = (warp >> 2) * 4 * MW + 4 * u + (warp & 3);
+    int t = (n0 >> 4) + tt[u];
+    if (t >= tiles) t = tiles - 1;  // rows past N: read a valid tile, never written
+    wl[u] = w + (size_t)t * C * 32 + lane;
+    sl[u] = s + (size_t)t * C * 8 + (lane >> 2);
+  }
   const u16* xs = xp + (size_t)m0 * Kp;
   const u32 ring = smem_addr(smem);
-  float acc[NR];
+  float acc[MW][NR];
 #pragma unroll
-  for (int i = 0; i < NR; ++i) acc[i] = 0.f;
+  for (int u = 0; u < MW; ++u)
+#pragma unroll
+    for (int i = 0; i < NR; ++i) acc[u][i] = 0.f;
 #pragma unroll
   for (int p = 0; p < ST - 2; ++p) {
-    if (kb + p < ke) load_stage<FMT, NT>(ring + p * R::SLOT, xs, Kp, wl, sl, kb + p, C);
+    if (kb + p < ke) load_stage<FMT, MW, NT>(ring + p * R::SLOT, xs, Kp, wl, sl, kb + p, C);
     cp_commit();
   }
-  u32 a[2][4];
+  u32 a[2][MW][4];
   int slot = 0;
   for (int kt = kb; kt < ke; ++kt) {
     cp_wait<ST - 3>();
     __syncthreads();  // stage kt landed for all; every warpgroup's wgmmas of step kt - 2 are done
     {
       const int nx = kt + ST - 2, ns = slot >= 2 ? slot - 2 : slot + ST - 2;
-      if (nx < ke) load_stage<FMT, NT>(ring + ns * R::SLOT, xs, Kp, wl, sl, nx, C);
+      if (nx < ke) load_stage<FMT, MW, NT>(ring + ns * R::SLOT, xs, Kp, wl, sl, nx, C);
       cp_commit();
     }
     const u32 sb = ring + slot * R::SLOT;
-    u32x4 wv[2];
-    wv[0] = lds128(sb + R::XS + tid * R::CPS * 16);
-    wv[1] = R::CPS == 2 ? lds128(sb + R::XS + tid * R::CPS * 16 + 16) : wv[0];
-    const u64 sv = FMT == 2 ? lds64(sb + R::XS + R::WS + tid * 8) : 0ull;
-    fence_acc<NR>(acc);
+    u32x4 wv[MW][2];
+    u64 sv[MW];
+#pragma unroll
+    for (int u = 0; u < MW; ++u) {
+      wv[u][0] = lds128(sb + R::words(u, 0));
+      wv[u][1] = R::CPS == 2 ? lds128(sb + R::words(u, 1)) : wv[u][0];
+      sv[u] = FMT == 2 ? lds64(sb + R::scales(u)) : 0ull;
+    }
+#pragma unroll
+    for (int u = 0; u < MW; ++u) fence_acc<NR>(acc[u]);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if (FMT == 8 && j == 2 && 2 * kt + 1 >= C) break;  // K ends half-way (the last k-step)
-      decode_a<FMT>(a[j & 1], wv, sv, j);
+#pragma unroll
+      for (int u = 0; u < MW; ++u) decode_a<FMT>(a[j & 1][u], wv[u], sv[u], j);
       wgmma_fence();
-      wgmma_rs(acc, a[j & 1][0], a[j & 1][1], a[j & 1][2], a[j & 1][3], desc_b(sb + 256 * j));
+#pragma unroll
+      for (int u = 0; u < MW; ++u)
+        wgmma_rs(acc[u], a[j & 1][u][0], a[j & 1][u][1], a[j & 1][u][2], a[j & 1][u][3], desc_b(sb + 256 * j));
       wgmma_commit();
-      wgmma_wait<1>();  // the wgmma before this one is done: its A registers are free
+      wgmma_wait<1>();  // the group before this one is done: its A registers are free
     }
-    fence_acc<NR>(acc);
+#pragma unroll
+    for (int u = 0; u < MW; ++u) fence_acc<NR>(acc[u]);
     slot = slot == ST - 1 ? 0 : slot + 1;
   }
   wgmma_wait<0>();
-  fence_acc<NR>(acc);
+#pragma unroll
+  for (int u = 0; u < MW; ++u) fence_acc<NR>(acc[u]);
   cp_wait<0>();
-  __syncthreads();  // the ring becomes the epilogue's staging area
-  // acc[4 i + 2 v1 + v0]: feature 16 warp + l / 4 + 8 v1, token 8 i + 2 (l % 4) + v0
+  __syncthreads();  // the ring becomes the epilogue's staging area [NT][SW] fp32
+  // acc[u][4 i + 2 v1 + v0]: block row 16 tt[u] + l / 4 + 8 v1, token 8 i + 2 (l % 4) + v0
   float* stg = reinterpret_cast<float*>(smem);
   const int g = lane >> 2, q = lane & 3;
 #pragma unroll
-  for (int i = 0; i < NT / 8; ++i) {
-    float* r0 = stg + (8 * i + 2 * q) * SW + 16 * warp + g;
-    r0[0] = acc[4 * i], r0[SW] = acc[4 * i + 1], r0[8] = acc[4 * i + 2], r0[SW + 8] = acc[4 * i + 3];
+  for (int u = 0; u < MW; ++u) {
+#pragma unroll
+    for (int i = 0; i < NT / 8; ++i) {
+      float* r0 = stg + (8 * i + 2 * q) * SW + 16 * tt[u] + g;
+      r0[0] = acc[u][4 * i], r0[SW] = acc[u][4 * i + 1], r0[8] = acc[u][4 * i + 2], r0[SW + 8] = acc[u][4 * i + 3];
+    }
   }
   __syncthreads();
   const size_t zoff = (size_t)blockIdx.z * M * N;
@@ -362,19 +389,24 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
   }
 }
 
-// qpn{2,8}_wgmma_t<NT>: w words [Tn, C, 32, 4] (as u32x4), s scales [Tn, C, 8, 8] (as u64; FP8: any
-// 16 bytes), gs the folded global scale, xp [Mp, Kp] (qpn_sm90_permute_x), y [M, N] fp16 (one
-// split) or part fp32 [splits, M, N] (non-null: split-K partials, unscaled), KS 64-k steps per split.
-// ST ring stages, MINB blocks per SM (the shared memory of two fits for NT <= 128).
-#define WGMMA(FMT, NT, ST, MINB)                                                                   \
-  extern "C" __global__ void __launch_bounds__(THREADS, MINB) qpn##FMT##_wgmma_t##NT(               \
+// qpn{2,8}_wgmma_<BR>x<NT>: w words [Tn, C, 32, 4] (as u32x4), s scales [Tn, C, 8, 8] (as u64; FP8:
+// any 16 bytes), gs the folded global scale, xp [Mp, Kp] (qpn_sm90_permute_x), y [M, N] fp16 (one
+// split) or part fp32 [splits, M, N] (non-null: split-K partials, unscaled), KS 64-k steps per
+// split. BR weight rows x NT tokens per block; ST ring stages; MINB blocks per SM (registers and
+// shared memory of that many fit).
+#define WGMMA(FMT, BR, NT, ST, MINB)                                                               \
+  extern "C" __global__ void __launch_bounds__(THREADS, MINB) qpn##FMT##_wgmma_##BR##x##NT(         \
       const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ xp, \
       u16* __restrict__ y, float* __restrict__ part, int M, int N, int K, int Kp, int KS) {         \
-    wgmma_body<FMT, NT, ST>(w, s, gs, xp, y, part, M, N, K, Kp, KS);                               \
+    wgmma_body<FMT, BR / 128, NT, ST>(w, s, gs, xp, y, part, M, N, K, Kp, KS);                     \
   }
-WGMMA(2, 64, 7, 2)
-WGMMA(2, 128, 5, 2)
-WGMMA(2, 256, 4, 1)
-WGMMA(8, 64, 6, 2)
-WGMMA(8, 128, 4, 2)
-WGMMA(8, 256, 4, 1)
+WGMMA(2, 128, 64, 7, 2)
+WGMMA(2, 128, 128, 5, 2)
+WGMMA(2, 128, 256, 5, 1)
+WGMMA(2, 256, 64, 5, 2)
+WGMMA(2, 256, 128, 6, 1)
+WGMMA(8, 128, 64, 6, 2)
+WGMMA(8, 128, 128, 4, 2)
+WGMMA(8, 128, 256, 5, 1)
+WGMMA(8, 256, 64, 4, 2)
+WGMMA(8, 256, 128, 5, 1)

@@ -53,43 +53,44 @@ def test_permuted_fragments_multiply_to_the_product(qtype, n, k):
 
 # ---------------------------------------------------------------------------- CPU: planning
 def test_stages_match_the_source():
-    """STAGES / MIN_BLOCKS in sm90.py are the WGMMA(FMT, NT, ST, MINB) lines of the source."""
+    """STAGES / MIN_BLOCKS in sm90.py are the WGMMA(FMT, BR, NT, ST, MINB) lines of the source."""
     src = Path(sm90.__file__).with_name(sm90.SOURCE_NAME).read_text()
-    rows = re.findall(r"^WGMMA\((\d), (\d+), (\d+), (\d)\)", src, re.M)
-    assert {(int(f), int(nt)): int(st) for f, nt, st, _ in rows} == sm90.STAGES
-    assert {int(nt): int(mb) for _, nt, _, mb in rows} == sm90.MIN_BLOCKS
+    rows = [tuple(map(int, r)) for r in re.findall(r"^WGMMA\((\d), (\d+), (\d+), (\d+), (\d)\)", src, re.M)]
+    assert {(f, br, nt): st for f, br, nt, st, _ in rows} == sm90.STAGES
+    assert {(br, nt): mb for _, br, nt, _, mb in rows} == sm90.MIN_BLOCKS
+    assert sorted(sm90.MIN_BLOCKS) == sorted(sm90.TILES)
 
 
 @pytest.mark.parametrize("fmt", [2, 8])
-@pytest.mark.parametrize("nt", sm90.TOKEN_TILES)
-def test_shared_memory_fits_the_h200(fmt, nt):
+@pytest.mark.parametrize("tile", sm90.TILES)
+def test_shared_memory_fits_the_h200(fmt, tile):
     """Every kernel's dynamic shared memory fits one SM (227 KB per block); MIN_BLOCKS of them fit."""
-    smem = sm90.smem_bytes(fmt, nt)
+    smem = sm90.smem_bytes(fmt, *tile)
     assert smem <= 227 * 1024
-    assert sm90.MIN_BLOCKS[nt] * (smem + 1024) <= 228 * 1024
-    assert smem >= nt * (sm90.ROWS + 4) * 4   # the epilogue's staging
+    assert sm90.MIN_BLOCKS[tile] * (smem + 1024) <= 228 * 1024
+    assert smem >= tile[1] * (tile[0] + 4) * 4   # the epilogue's staging
 
 
-@pytest.mark.parametrize("m,nt", [(17, 64), (64, 64), (65, 128), (100, 128), (128, 128), (129, 256),
-                                  (512, 256), (300, 128)])
-def test_pick_nt(m, nt):
-    assert sm90.pick_nt(m) == nt
+@pytest.mark.parametrize("m,tile", [(17, (256, 64)), (64, (256, 64)), (65, (256, 128)), (100, (256, 128)),
+                                    (128, (256, 128)), (129, (128, 256)), (512, (128, 256)), (300, (256, 128))])
+def test_pick_tile(m, tile):
+    assert sm90.pick_tile(m) == tile
 
 
 def test_plan_grid_and_splits():
     p = sm90.plan(2, 512, 151936, 2048, 132)          # lm_head: enough blocks, no split
-    assert p.kernel == "qpn2_wgmma_t256" and p.grid == (2, 1187, 1) and p.ks == 32
+    assert p.kernel == "qpn2_wgmma_128x256" and p.grid == (2, 1187, 1) and p.ks == 32
     assert (p.mp, p.kp) == (512, 2048)
     p = sm90.plan(2, 512, 4096, 2048, 132)            # q_proj: 64 blocks -> 2 splits of 16 steps
     assert p.grid == (2, 32, 2) and p.ks == 16
     p = sm90.plan(8, 17, 200, 352, 132)               # FP8, K = 32 mod 64: Kp 384, 6 steps, no split
-    assert p.kernel == "qpn8_wgmma_t64" and (p.mp, p.kp) == (64, 384) and p.grid == (1, 2, 1) and p.ks == 6
-    p = sm90.plan(2, 100, 300, 4096, 132, nt=64, splits=100)   # forced: at most one split per step
+    assert p.kernel == "qpn8_wgmma_256x64" and (p.mp, p.kp) == (64, 384) and p.grid == (1, 1, 1) and p.ks == 6
+    p = sm90.plan(2, 100, 300, 4096, 132, tile=(128, 64), splits=100)   # forced: at most one split per step
     assert p.grid == (2, 3, 64) and p.ks == 1
     p = sm90.plan(2, 100, 300, 4096, 132, splits=3)   # 64 steps in 3 splits of 22 (the last 20)
     assert p.grid[2] == 3 and p.ks == 22
-    with pytest.raises(ValueError, match="NT must be"):
-        sm90.plan(2, 100, 300, 4096, 132, nt=32)
+    with pytest.raises(ValueError, match="must be one of"):
+        sm90.plan(2, 100, 300, 4096, 132, tile=(128, 32))
     with pytest.raises(ValueError, match="bad shape"):
         sm90.plan(2, 100, 300, 96, 132)
 
@@ -110,13 +111,13 @@ def test_compiles_for_sm90a_without_spills():
     reports, ptx, log = sm90.compile_check()
     assert sorted(r.name for r in reports) == sorted(sm90.KERNELS)
     assert not [r.name for r in reports if r.spill_stores or r.spill_loads]
-    for nt in sm90.TOKEN_TILES:
+    for nt in (64, 128, 256):
         assert f"wgmma.mma_async.sync.aligned.m64n{nt}k16.f32.f16.f16" in ptx
     assert "serialize" not in log.lower()
     regs = {r.name: r.registers for r in reports}
-    for nt, minb in sm90.MIN_BLOCKS.items():    # the blocks per SM the plan assumes fit in registers
+    for (br, nt), minb in sm90.MIN_BLOCKS.items():    # the blocks per SM the plan assumes fit in registers
         for f in (2, 8):
-            assert regs[f"qpn{f}_wgmma_t{nt}"] * sm90.THREADS * minb <= 65536
+            assert regs[f"qpn{f}_wgmma_{br}x{nt}"] * sm90.THREADS * minb <= 65536
 
 
 def test_cli_compile_only(capsys):
@@ -147,10 +148,10 @@ def rel_err(y, ref):
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-def _check(w, wref, m, k, n, what, nt=None, splits=None):
+def _check(w, wref, m, k, n, what, tile=None, splits=None):
     x = fresh((m, k))
     y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-    sm90.linear(x.cuda(), w, y, nt=nt, splits=splits)
+    sm90.linear(x.cuda(), w, y, tile=tile, splits=splits)
     y = y.cpu()
     assert torch.isfinite(y).all(), f"{what} M={m}: unwritten, NaN or overflowed outputs"
     err = rel_err(y, x.double() @ wref.t())
@@ -160,10 +161,10 @@ def _check(w, wref, m, k, n, what, nt=None, splits=None):
 @pytest.mark.parametrize("qtype,n,k", [(QType.NVFP4, 200, 320), (QType.FP8, 200, 352),
                                        (QType.NVFP4, 1000, 2048), (QType.FP8, 136, 1056),
                                        (QType.NVFP4, 5, 4096), (QType.FP8, 300, 2048)])
-@pytest.mark.parametrize("nt", [None, 64, 128, 256])
+@pytest.mark.parametrize("tile", [None, *sm90.TILES])
 @needs_sm90
-def test_wgmma_matches_reference(qtype, n, k, nt):
-    """Every token tile forced (and picked), M on both sides of the tiles, N not a multiple of 8,
+def test_wgmma_matches_reference(qtype, n, k, tile):
+    """Every tile forced (and picked), M on both sides of the tiles, N not a multiple of 8,
     16 or 128, FP8 K = 32 mod 64 (the last step half empty)."""
     from hybrid.kernels import QPNWeight
 
@@ -171,7 +172,7 @@ def test_wgmma_matches_reference(qtype, n, k, nt):
     w = QPNWeight.from_qweight(qw, "cuda")
     wref = qw.dequantize(torch.float64)
     for m in (17, 64, 100, 129, 512):
-        _check(w, wref, m, k, n, f"{qtype.value} N={n} K={k} nt={nt}", nt=nt)
+        _check(w, wref, m, k, n, f"{qtype.value} N={n} K={k} tile={tile}", tile=tile)
 
 
 @pytest.mark.parametrize("qtype,n,k", [(QType.NVFP4, 1000, 2048), (QType.FP8, 136, 1056)])

@@ -41,7 +41,7 @@ def permute(sm90, x, m: int, k: int) -> None:
                 [sm90._p(x), sm90._p(xp), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(mp), ctypes.c_int(kp)])
 
 
-def bench_shape(name: str, fmt: str, ms: list[int], reps: int, nts: list[int | None]) -> list[dict]:
+def bench_shape(name: str, fmt: str, ms: list[int], reps: int, tiles: list) -> list[dict]:
     from hybrid.bench.cuda_kernels import _clone_weight, _gpu_dequant, copies_for, random_qweight, time_ms
     from hybrid.checkpoint.formats import QType
     from hybrid.kernels import QPNWeight, qpn, qpn_linear, sm90
@@ -53,6 +53,7 @@ def bench_shape(name: str, fmt: str, ms: list[int], reps: int, nts: list[int | N
     base = QPNWeight.from_qweight(qw, dev)
     ws = [base] + [_clone_weight(base) for _ in range(copies_for(base.nbytes) - 1)]
     wd = _gpu_dequant(qw).half()
+    dense = [wd] + [wd.clone() for _ in range(copies_for(wd.numel() * 2) - 1)]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     out = []
     for m in ms:
@@ -61,17 +62,17 @@ def bench_shape(name: str, fmt: str, ms: list[int], reps: int, nts: list[int | N
         qpn.PREFILL_VARIANT[0] = None
         t_def = time_ms([lambda w=w: qpn_linear(x, w) for w in ws], reps)
         pick = qpn.prefill_plan(2 if fmt == "nvfp4" else 8, m, n, k, sms, 90)
-        t_cub = time_ms([lambda: x @ wd.t()], reps)
+        t_cub = time_ms([lambda d=d: x @ d.t() for d in dense], reps)
         rec = dict(shape=name, n=n, k=k, format=fmt, m=m, default_us=t_def * 1e3,
                    default_kernel=pick.label if pick else "mt", cublas_us=t_cub * 1e3)
-        for nt in nts:
+        for tile in tiles:
             y = torch.full((m, n), float("nan"), dtype=torch.float16, device=dev)
-            sm90.linear(x, base, y, nt=nt)
+            sm90.linear(x, base, y, tile=tile)
             err = ((y.float() - ref).norm() / ref.norm()).item()
-            t = time_ms([lambda w=w: sm90.linear(x, w, torch.empty(m, n, dtype=torch.float16, device=dev), nt=nt)
+            t = time_ms([lambda w=w: sm90.linear(x, w, torch.empty(m, n, dtype=torch.float16, device=dev), tile=tile)
                          for w in ws], reps)
-            p = sm90.plan(2 if fmt == "nvfp4" else 8, m, n, k, sms, nt)
-            tag = "pick" if nt is None else f"t{nt}"
+            p = sm90.plan(2 if fmt == "nvfp4" else 8, m, n, k, sms, tile)
+            tag = "pick" if tile is None else f"{tile[0]}x{tile[1]}"
             rec[f"wgmma_{tag}_us"] = t * 1e3
             rec[f"wgmma_{tag}_kernel"] = p.label
             rec[f"wgmma_{tag}_relerr"] = err
@@ -79,12 +80,12 @@ def bench_shape(name: str, fmt: str, ms: list[int], reps: int, nts: list[int | N
         out.append(rec)
         line = (f"{name:14s} {fmt:5s} M={m:4d} cuBLAS {rec['cublas_us']:8.1f}  default {rec['default_us']:8.1f} "
                 f"({rec['default_kernel']})")
-        for nt in nts:
-            tag = "pick" if nt is None else f"t{nt}"
+        for tile in tiles:
+            tag = "pick" if tile is None else f"{tile[0]}x{tile[1]}"
             line += (f"  wgmma[{tag}] {rec[f'wgmma_{tag}_us']:8.1f} ({rec[f'wgmma_{tag}_kernel']}, "
                      f"err {rec[f'wgmma_{tag}_relerr']:.1e})")
         print(line + f"  permute {rec['permute_us']:.1f}", flush=True)
-    del ws, wd
+    del ws, wd, dense
     torch.cuda.empty_cache()
     return out
 
@@ -95,13 +96,14 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="lm_head,dense_up,dense_down,q_proj", help="comma list of " + ",".join(SHAPES))
     ap.add_argument("--formats", default="nvfp4,fp8")
     ap.add_argument("--m", default="64,128,512")
-    ap.add_argument("--nt", default="pick", help="comma list of token tiles to time: pick, 64, 128, 256")
+    ap.add_argument("--tiles", default="pick", help="comma list of wgmma tiles to time: pick, <BR>x<NT> "
+                                                    "(hybrid.kernels.sm90.TILES)")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("tools/wgmma_bench.py: needs an sm_90 GPU")
         return 2
-    nts = [None if v == "pick" else int(v) for v in args.nt.split(",")]
+    tiles = [None if v == "pick" else tuple(int(a) for a in v.split("x")) for v in args.tiles.split(",")]
     env = dict(machine=platform.node(), gpu=torch.cuda.get_device_name(), git_sha=git_sha(),
                torch=torch.__version__, command="tools/wgmma_bench.py " + " ".join(argv or []))
     with open(args.out, "a") as f:
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
                 print(f"--shapes: unknown shape {name!r} (expected {', '.join(SHAPES)})")
                 return 2
             for fmt in args.formats.split(","):
-                for rec in bench_shape(name, fmt, [int(v) for v in args.m.split(",")], args.reps, nts):
+                for rec in bench_shape(name, fmt, [int(v) for v in args.m.split(",")], args.reps, tiles):
                     f.write(json.dumps({**env, **rec}) + "\n")
     return 0
 

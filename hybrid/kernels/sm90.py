@@ -1,6 +1,7 @@
 """Hopper prefill GEMM (cuda/qpn_sm90.cu): wgmma with the decoded QPN weights as A from registers.
 
-Legend: M rows (tokens), N out, K in, NT tokens per block (the wgmma N), Mp = M rounded up to NT,
+Legend: M rows (tokens), N out, K in, BR weight rows and NT tokens per block (NT: the wgmma N),
+Mp = M rounded up to NT,
 Kp = K rounded up to 64, S K splits, KS 64-k steps per split.
 
     y = linear(x, w)          # x [M, K] fp16 on an sm_90 device, w a CUDA QPNWeight -> y [M, N] fp16
@@ -29,40 +30,41 @@ from hybrid.checkpoint.formats import QType
 SOURCE_NAME = "qpn_sm90.cu"
 ARCH = "90a"
 THREADS = 256
-ROWS = 128            # weight rows per block (2 warpgroups x 64)
-TOKEN_TILES = (64, 128, 256)
-# ring stages per (format, NT); must match the WGMMA(...) lines of cuda/qpn_sm90.cu
-STAGES = {(2, 64): 7, (2, 128): 5, (2, 256): 4, (8, 64): 6, (8, 128): 4, (8, 256): 4}
-MIN_BLOCKS = {64: 2, 128: 2, 256: 1}   # blocks per SM the kernels are built for (__launch_bounds__)
+TILES = ((128, 64), (128, 128), (128, 256), (256, 64), (256, 128))   # (BR weight rows, NT tokens)
+# ring stages and blocks per SM per (format, BR, NT); must match the WGMMA(...) lines of cuda/qpn_sm90.cu
+STAGES = {(2, 128, 64): 7, (2, 128, 128): 5, (2, 128, 256): 5, (2, 256, 64): 5, (2, 256, 128): 6,
+          (8, 128, 64): 6, (8, 128, 128): 4, (8, 128, 256): 5, (8, 256, 64): 4, (8, 256, 128): 5}
+MIN_BLOCKS = {(128, 64): 2, (128, 128): 2, (128, 256): 1, (256, 64): 2, (256, 128): 1}
 MIN_KSTEPS = 8        # split-K: at least this many 64-k steps per split
 MAX_SPLITS = 8
 # relative cost per token row of a block of NT tokens (the wgmma amortises the decode and the
 # barrier over NT; first guesses, not yet measured)
 TOKEN_COST = {64: 1.4, 128: 1.15, 256: 1.0}
-KERNELS = tuple(["qpn_sm90_permute_x"] + [f"qpn{f}_wgmma_t{nt}" for f in (2, 8) for nt in TOKEN_TILES])
+KERNELS = tuple(["qpn_sm90_permute_x"] + [f"qpn{f}_wgmma_{br}x{nt}" for f in (2, 8) for br, nt in TILES])
 
 
 def source() -> str:
     return Path(__file__).with_name(SOURCE_NAME).read_text()
 
 
-def ring_slot(fmt: int, nt: int) -> int:
-    """Bytes of one ring slot: the x stage (NT x 64 fp16), 256 lanes' packed words (+ NVFP4 scales)."""
-    cps = 1 if fmt == 2 else 2
-    return nt * 128 + THREADS * 16 * cps + (THREADS * 8 if fmt == 2 else 0)
+def ring_slot(fmt: int, br: int, nt: int) -> int:
+    """Bytes of one ring slot: the x stage (NT x 64 fp16), 256 lanes' packed words (+ NVFP4 scales)
+    for BR / 128 tiles each."""
+    cps, mw = (1 if fmt == 2 else 2), br // 128
+    return nt * 128 + THREADS * 16 * cps * mw + (THREADS * 8 * mw if fmt == 2 else 0)
 
 
-def smem_bytes(fmt: int, nt: int) -> int:
-    """Dynamic shared memory of qpn{fmt}_wgmma_t{nt}: the ring, or the epilogue's fp32 staging."""
-    return max(STAGES[(fmt, nt)] * ring_slot(fmt, nt), nt * (ROWS + 4) * 4)
+def smem_bytes(fmt: int, br: int, nt: int) -> int:
+    """Dynamic shared memory of qpn{fmt}_wgmma_{br}x{nt}: the ring, or the epilogue's fp32 staging."""
+    return max(STAGES[(fmt, br, nt)] * ring_slot(fmt, br, nt), nt * (br + 4) * 4)
 
 
 @dataclass(frozen=True)
 class Sm90Plan:
-    """A launch of qpn{fmt}_wgmma_t{nt}: grid (Mp / NT, ceil(N / 128), splits), KS, padded sizes."""
+    """A launch of qpn{fmt}_wgmma_{BR}x{NT}: grid (Mp / NT, ceil(N / BR), splits), KS, padded sizes."""
 
     kernel: str
-    nt: int
+    tile: tuple[int, int]
     grid: tuple[int, int, int]
     ks: int
     mp: int
@@ -71,34 +73,37 @@ class Sm90Plan:
 
     @property
     def label(self) -> str:
-        return f"wgmma_t{self.nt}" + (f"/s{self.grid[2]}" if self.grid[2] > 1 else "")
+        return f"wgmma_{self.tile[0]}x{self.tile[1]}" + (f"/s{self.grid[2]}" if self.grid[2] > 1 else "")
 
 
-def pick_nt(m: int) -> int:
-    """NT of least padded-token cost: ceil(M / NT) * NT * TOKEN_COST[NT] (ties: the larger NT)."""
-    return min(reversed(TOKEN_TILES), key=lambda nt: -(-m // nt) * nt * TOKEN_COST[nt])
+def pick_tile(m: int) -> tuple[int, int]:
+    """(BR, NT): NT of least padded-token cost ceil(M / NT) * NT * TOKEN_COST[NT] (ties: the larger),
+    BR 256 where it exists for that NT (half the activation reads per weight row). First guesses."""
+    nt = min((256, 128, 64), key=lambda v: -(-m // v) * v * TOKEN_COST[v])
+    return (256, nt) if (256, nt) in TILES else (128, nt)
 
 
-def plan(fmt: int, m: int, n: int, k: int, sms: int, nt: int | None = None,
+def plan(fmt: int, m: int, n: int, k: int, sms: int, tile: tuple[int, int] | None = None,
          splits: int | None = None) -> Sm90Plan:
     """The launch for M rows, N out, K in on a device with `sms` SMs. Split K while the blocks fill
     less than one wave (MIN_BLOCKS per SM), each split at least MIN_KSTEPS steps, at most MAX_SPLITS.
-    nt / splits: forced (benchmark, tests)."""
+    tile (BR, NT) / splits: forced (benchmark, tests)."""
     if fmt not in (2, 8) or m < 1 or n < 1 or k < 1 or k % (64 if fmt == 2 else 32):
         raise ValueError(f"sm90 plan: bad shape fmt={fmt} M={m} N={n} K={k}")
-    nt = pick_nt(m) if nt is None else nt
-    if nt not in TOKEN_TILES:
-        raise ValueError(f"sm90 plan: NT must be one of {TOKEN_TILES}, got {nt}")
+    tile = pick_tile(m) if tile is None else tuple(tile)
+    if tile not in TILES:
+        raise ValueError(f"sm90 plan: tile (BR, NT) must be one of {TILES}, got {tile}")
+    br, nt = tile
     mp, kp = -(-m // nt) * nt, -(-k // 64) * 64
     nk = kp // 64
-    blocks = (mp // nt) * -(-n // ROWS)
+    blocks = (mp // nt) * -(-n // br)
     if splits is None:
-        splits = max(1, min(MAX_SPLITS, nk // MIN_KSTEPS, sms * MIN_BLOCKS[nt] // blocks))
+        splits = max(1, min(MAX_SPLITS, nk // MIN_KSTEPS, sms * MIN_BLOCKS[tile] // blocks))
     splits = max(1, min(int(splits), nk))
     ks = -(-nk // splits)
     splits = -(-nk // ks)
-    return Sm90Plan(f"qpn{fmt}_wgmma_t{nt}", nt, (mp // nt, -(-n // ROWS), splits), ks, mp, kp,
-                    smem_bytes(fmt, nt))
+    return Sm90Plan(f"qpn{fmt}_wgmma_{br}x{nt}", tile, (mp // nt, -(-n // br), splits), ks, mp, kp,
+                    smem_bytes(fmt, br, nt))
 
 
 def permute_x(x: torch.Tensor, mp: int, kp: int) -> torch.Tensor:
@@ -186,7 +191,8 @@ def _p(t: torch.Tensor) -> ctypes.c_void_p:
 
 
 # ---------------------------------------------------------------------------- launcher
-def linear(x: torch.Tensor, w, y: torch.Tensor, nt: int | None = None, splits: int | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w, y: torch.Tensor, tile: tuple[int, int] | None = None,
+           splits: int | None = None) -> torch.Tensor:
     """y[M, N] fp16 = x[M, K] . W^T on an sm_90 device (checked by qpn.qpn_linear: shapes, dtypes,
     device, alignment). A pre-pass writes the permuted activations xp [Mp, Kp]; split-K sums fp32
     partials [S, M, N] in split order (torch) and scales by the folded global scale."""
@@ -194,7 +200,7 @@ def linear(x: torch.Tensor, w, y: torch.Tensor, nt: int | None = None, splits: i
     fmt = 2 if w.qtype is QType.NVFP4 else 8
     mod = module(w.device)
     sms = torch.cuda.get_device_properties(w.device).multi_processor_count
-    pl = plan(fmt, m, n, k, sms, nt, splits)
+    pl = plan(fmt, m, n, k, sms, tile, splits)
     xp = torch.empty(pl.mp, pl.kp, dtype=torch.float16, device=x.device)
     groups = pl.mp * pl.kp // 16
     launch(mod, "qpn_sm90_permute_x", (-(-groups // THREADS), 1, 1), 0,
@@ -242,8 +248,10 @@ def main(argv=None) -> int:
     print(f"{'kernel':24s} {'regs':>5s} {'spill st':>9s} {'spill ld':>9s} {'smem(dyn)':>10s}")
     bad = 0
     for r in sorted(reports, key=lambda r: r.name):
-        parts = r.name.split("_t")
-        dyn = smem_bytes(int(r.name[3]), int(parts[1])) if "_wgmma_t" in r.name else 0
+        dyn = 0
+        if "_wgmma_" in r.name:
+            br, nt = r.name.rsplit("_", 1)[1].split("x")
+            dyn = smem_bytes(int(r.name[3]), int(br), int(nt))
         flag = "  SPILL" if r.spill_stores or r.spill_loads else ""
         bad += bool(flag)
         print(f"{r.name:24s} {r.registers:5d} {r.spill_stores:9d} {r.spill_loads:9d} {dyn:10d}{flag}")
