@@ -25,7 +25,8 @@
 //   core-matrix layout (core matrix = 8 tokens x 8 k = 128 contiguous bytes; byte offset of
 //   (token n, k-octet k8) = (n / 8) 1024 + k8 128 + (n % 8) 16; descriptor LBO = 128 (next
 //   k-octet), SBO = 1024 (next 8 tokens)), then each lane's own packed words (16 B per chunk)
-//   and NVFP4 scales (8 B), copied and read back by that lane only. One barrier per 64-k step;
+//   and NVFP4 scales (8 B), copied and read back by that lane only. One barrier per 64-k step,
+//   after each thread's fence.proxy.async (wgmma reads shared memory through the async proxy);
 //   stage kt + ST - 2 is issued into the slot of stage kt - 2, whose wgmmas are complete (at most
 //   one wgmma, of step kt - 1, is pending at the barrier).
 // Epilogue: fp32 sums staged in shared memory [NT][BR + 4], rows of 8 outputs written as fp16 x gs
@@ -110,6 +111,7 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // keeps the compiler from moving accumulator accesses across the asynchronous MMAs
 template <int R>
 __device__ __forceinline__ void fence_acc(float (&d)[R]) {
@@ -323,6 +325,7 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
   int slot = 0;
   for (int kt = kb; kt < ke; ++kt) {
     cp_wait<ST - 3>();
+    fence_proxy_async();  // this thread's cp.async writes (generic proxy) -> wgmma reads (async proxy)
     __syncthreads();  // stage kt landed for all; every warpgroup's wgmmas of step kt - 2 are done
     {
       const int nx = kt + ST - 2, ns = slot >= 2 ? slot - 2 : slot + ST - 2;
