@@ -149,11 +149,15 @@ __device__ __forceinline__ u64 lds64(u32 a) {
 
 // ---------------------------------------------------------------- register decode
 // 8 E2M1 codes -> 4 half2 (value * 2^-14): p0 (r,k0k1) p1 (r8,k0k1) p2 (r,k2k3) p3 (r8,k2k3)
+// p2 = ((w << 9) & 0x0E000E00) | ((w << 2) & 0x80008000) as mask, multiply, mask: the multiply by
+// 2^9 + 2^2 adds two shifted copies of the masked fields whose bits never overlap, so the sum is
+// their OR (p3, by 2^6 + 2^1: one overlap at bit 20, its carry stops at bit 23, outside the mask);
+// 9 instructions per word instead of 11, equal on all 2^32 words (checked exhaustively).
 __device__ __forceinline__ void dec_fp4(u32 w, u32& p0, u32& p1, u32& p2, u32& p3) {
   p0 = w & 0x8E008E00u;
   p1 = (w << 3) & 0x8E008E00u;
-  p2 = ((w << 9) & 0x0E000E00u) | ((w << 2) & 0x80008000u);
-  p3 = ((w << 6) & 0x0E000E00u) | ((w << 1) & 0x80008000u);
+  p2 = ((w & 0x20072007u) * 0x204u) & 0x8E008E00u;
+  p3 = ((w & 0x40384038u) * 0x42u) & 0x8E008E00u;
 }
 // 4 e4m3 codes stored k0 k2 k1 k3 -> half2 (k0,k1), (k2,k3) (value * 2^-8)
 __device__ __forceinline__ void dec_fp8(u32 w, u32& k01, u32& k23) {

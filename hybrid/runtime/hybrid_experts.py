@@ -312,10 +312,11 @@ class HybridExperts:
         """Every expert of the layer is in a slot: no host sync, lookup deferred to the step's end."""
         if x.is_cuda:
             self._wait_ready(card, layer)
+            cur = torch.cuda.current_stream(x.device)   # the layer's card, not the current device
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            a.record(cur)
             out = self.moe_device(layer, x, ids, weights)
-            b.record()
+            b.record(cur)
             self._step["gpu"].append((layer, a, b))
         else:
             t0 = time.perf_counter()
@@ -394,10 +395,11 @@ class HybridExperts:
         dev = x.device
         if dev.type == "cuda":
             self._wait_ready(card, layer)
+            cur = torch.cuda.current_stream(dev)   # the layer's card, not the current device
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            a.record(cur)
             out = card.slots.moe_local(layer, x, slot_ids, tok, route_w).float()
-            b.record()
+            b.record(cur)
             self._step["gpu"].append((layer, a, b))
             return out
         t0 = time.perf_counter()
