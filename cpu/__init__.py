@@ -9,6 +9,8 @@
     gemm.py    weight-only GEMV / small-M GEMM over a range of tiles
     expert.py  fused SwiGLU experts in two phases (gate|up + SiLU, then down + weighted scatter)
     atomic.py  atomic fetch-and-add for Numba code (the shared unit counter of expert.py's pool call)
+    dataflow.py  the fused experts as one parallel region: units claimed in order, no phase barrier
+    stream.py  read-only bandwidth probe (hybrid-bench cpu-kernels' `read`)
     bench.py   hook for hybrid-bench calibrate
     cache.py   drops Numba's cached code of cpu/ when any cpu/*.py changed (cross-file inlining)
 Threads and hand-off live in hybrid/experts/cpu_runner.py.

@@ -275,6 +275,25 @@ def test_experts_parallel_same_result_on_any_thread_count(qtype):
         assert rel_err(one, ref) <= 1e-2                 # accuracy: the tests above and below
 
 
+@pytest.mark.parametrize("qtype", ["nvfp4", "nvfp4-int16", "fp8"])
+def test_experts_dataflow_equals_experts_forward_on_any_part_count(qtype):
+    """cpu/dataflow.py (one region, Q/G/D units, partials reduced per H-tile): bit-equal to the
+    serial experts_forward for 1..n parts; an H that is not a multiple of the tile included."""
+    import numba
+    from cpu.dataflow import experts_dataflow
+    from cpu.expert import QUANT_PARALLEL_ROWS
+    for T, H in ((1, 128), (5, 80), (QUANT_PARALLEL_ROWS + 3, 128)):
+        I = 80
+        args, ref = expert_case(qtype, T, seed=30 + T, H=H, I=I)
+        one = np.zeros((T, H), np.float32)
+        experts_forward(*args, one, H, I, layout.R)
+        for n in range(1, max(2, numba.config.NUMBA_NUM_THREADS) + 3):
+            out = np.zeros((T, H), np.float32)
+            experts_dataflow(*args, out, H, I, layout.R, n)
+            assert np.array_equal(one, out), (T, H, n)
+        assert rel_err(one, ref) <= 1e-2                 # accuracy: the tests above and below
+
+
 def test_fetch_add_hands_out_every_unit_once():
     """The shared work counter of experts_parallel: parts racing on it claim each unit exactly once."""
     import numba

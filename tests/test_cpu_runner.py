@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from cpu import expert
-from hybrid.experts.cpu_runner import CpuExpertRunner
+from hybrid.errors import HybridError
+from hybrid.experts.cpu_runner import SCHEDULES, CpuExpertRunner
 from hybrid.experts.store import ExpertStore
 from tests.test_cpu_kernels import RTOL, rand_fp8, rand_nvfp4, ref_experts, rel_err
 
@@ -49,10 +50,15 @@ def test_thread_counts_give_the_same_result(store_and_weights):
     x = rng.standard_normal((9, H)).astype(np.float32)
     ids, rows, wts = routing(9, rng)
     outs = []
-    for n in range(1, 6):
-        with CpuExpertRunner(s, threads=n) as runner:
-            outs.append(runner.sync(runner.submit(0, ids, rows, wts, x)))
+    for sched in SCHEDULES:                            # pooled (inline_bytes=0): both schedules
+        for n in range(1, 6):
+            with CpuExpertRunner(s, threads=n, schedule=sched, inline_bytes=0) as runner:
+                outs.append(runner.sync(runner.submit(0, ids, rows, wts, x)))
+    with CpuExpertRunner(s, threads=2) as runner:     # default: small calls inline
+        outs.append(runner.sync(runner.submit(0, ids, rows, wts, x)))
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    with pytest.raises(HybridError, match="HYBRID_CPU_SCHEDULE"):
+        CpuExpertRunner(s, threads=1, schedule="nope")
 
 
 def test_timing_counts_pooled_calls_only(store_and_weights):

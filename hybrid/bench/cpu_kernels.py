@@ -141,13 +141,16 @@ def expert_count(H: int, I: int, qtype: QType, quick: bool) -> int:
     return max(2 * TOPK, int(-(-target // per)))
 
 
-def build_store(H: int, I: int, qtype: QType, n: int, seed: int = 0):
+def build_store(H: int, I: int, qtype: QType, n: int, seed: int = 0, distinct: int = 2 * TOPK):
+    """n expert slots filled from `distinct` random experts in turn (each slot its own bytes in
+    memory; drawing every slot's values would cost a many-core host's run ~20 s per set for
+    nothing: the values do not change the speed)."""
     from hybrid.experts.store import ExpertStore
 
     rng = np.random.default_rng(seed)
-    get = lambda l, e: (random_qweight(I, H, qtype, rng), random_qweight(I, H, qtype, rng),  # noqa: E731
-                        random_qweight(H, I, qtype, rng))
-    return ExpertStore.build(1, n, H, I, get, qtype, progress=False)
+    pool = [(random_qweight(I, H, qtype, rng), random_qweight(I, H, qtype, rng), random_qweight(H, I, qtype, rng))
+            for _ in range(min(n, distinct))]
+    return ExpertStore.build(1, n, H, I, lambda l, e: pool[e % len(pool)], qtype, progress=False)
 
 
 # ----------------------------------------------------------------------------- timing

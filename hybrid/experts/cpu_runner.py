@@ -35,11 +35,14 @@ from numba import njit
 
 from hybrid.errors import HybridError
 from hybrid.hardware import physical_cores
+from cpu.dataflow import experts_dataflow
 from cpu.expert import experts_forward, experts_parallel
 
 log = logging.getLogger("hybrid.experts")
 POOL_WAIT_ENV = "HYBRID_CPU_WAIT"
 POOL_WAITS = {"passive": "PASSIVE", "spin": None}     # -> OMP_WAIT_POLICY (None: libgomp's default)
+SCHEDULE_ENV = "HYBRID_CPU_SCHEDULE"
+SCHEDULES = {"phases": experts_parallel, "dataflow": experts_dataflow}   # cpu/expert.py, cpu/dataflow.py
 
 
 def set_pool_wait(mode: str | None = None) -> str:
@@ -93,11 +96,17 @@ INLINE_BYTES = 1 << 20    # calls reading at most this many packed weight bytes 
 class CpuExpertRunner:
     """Worker pool over an ExpertStore; threads default to the physical core count.
     inline_bytes: calls that read at most this many packed expert bytes run on the caller (0: never).
-    wait: how the pool's idle threads wait (set_pool_wait; default passive: they sleep)."""
+    wait: how the pool's idle threads wait (set_pool_wait; default passive: they sleep).
+    schedule: how a pooled call's units are run: 'phases' (two parallel regions, a barrier
+    between gate|up and down) or 'dataflow' (one region, no barrier); default $HYBRID_CPU_SCHEDULE,
+    else 'phases'."""
 
     def __init__(self, store, threads: int | None = None, inline_bytes: int = INLINE_BYTES,
-                 wait: str | None = None):
+                 wait: str | None = None, schedule: str | None = None):
         self.store = store
+        self.schedule = (schedule or os.environ.get(SCHEDULE_ENV) or "phases").strip().lower()
+        if self.schedule not in SCHEDULES:
+            raise HybridError(f"{SCHEDULE_ENV}={self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
         self.inline_bytes = int(inline_bytes)
         self.threads = int(threads or physical_cores())
         if self.threads < 1:
@@ -169,7 +178,7 @@ class CpuExpertRunner:
         rows, ptr, w = np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.float32)
         gu, dn, scl = s.slots(0, [])
         experts_forward(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R)
-        experts_parallel(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R, 1)
+        SCHEDULES[self.schedule](s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R, 1)
         _group_pairs(rows, rows, w, 1)
 
     def _loop(self) -> None:
@@ -196,8 +205,8 @@ class CpuExpertRunner:
     def _run_parallel(self, work: Work) -> None:
         s = self.store
         gu, dn, scl = work.slots
-        experts_parallel(s.qkind, s.arena.array, gu, dn, scl, work.x, work.rows, work.ptr, work.w, work.out,
-                         s.hidden, s.inter, s.R, work.parts)
+        SCHEDULES[self.schedule](s.qkind, s.arena.array, gu, dn, scl, work.x, work.rows, work.ptr, work.w,
+                                 work.out, s.hidden, s.inter, s.R, work.parts)
 
     def _run_all(self, work: Work) -> None:
         """Both phases of the whole call on this thread (one part: the numbers of any part count)."""

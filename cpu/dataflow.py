@@ -1,0 +1,169 @@
+"""The fused experts of cpu/expert.py on Numba's pool as one parallel region with no phase barrier.
+
+    experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, n)
+
+Same inputs, same result (bit for bit) as cpu/expert.py's `experts_forward`.  `n` parts claim
+units one at a time from one shared counter, in this order:
+    Q   x's rows quantized to int16 in chunks of QROWS (NVFP4_I16 only, T >= QUANT_PARALLEL_ROWS;
+        fewer rows are quantized by the caller before the region)
+    G   (expert e, I-tile t), e-major: h[rows of e, tile t] = silu(gate) * up    (waits for all Q)
+    D   (expert e, H-tile t), e-major: part[rows of e, tile t] = down(h[rows of e])
+        (waits until the G units of expert e are done: experts finish in claim order, so only
+        the last experts' D units can find their G units still running)
+and the part that completes the last D unit of H-tile t adds the E partials of that tile into
+out, expert by expert in list order: out[rows[p], cols] += w[p] * scale_e * part[p, cols], the
+operations of `experts_down` in the same order.
+Why: two phases with a barrier between them (expert.py's `experts_parallel`) leave every part
+idle while the slowest finishes its last phase-1 unit, and phase 2's H-tiles (32 for Qwen3, each
+all E experts' rows) are too few and too long to share evenly among 16 threads; here phase 2 is
+E times finer and nothing waits for a phase to end.
+Waits spin on the counters with `pause`, yielding the CPU after SPIN_YIELD rounds (a part whose
+unit is not ready must not take the core from the part computing it, where cores are shared).
+
+Legend: T tokens, H hidden, I intermediate, E listed experts, P = Σ_e rows of expert e,
+NTI / NTH I- / H-tiles (R rows each), Hpad = NTH * R.
+"""
+from __future__ import annotations
+
+import math
+import platform
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from cpu.atomic import fetch_add
+from cpu.expert import (FP8, NVFP4_I16, QUANT_PARALLEL_ROWS, _tile, experts_gate_up, experts_gate_up_i16,
+                        i16_buffers, tile_nbytes)
+from cpu.gemm import FP8_FACTOR, MB, NVFP4_FACTOR, scratch
+from cpu.i16 import I16_FACTOR, nvfp4_i16_tile, quantize_rows
+from cpu.layout import GROUP
+from cpu.tiles import JIT
+
+QROWS = 16                # x rows per Q unit
+SPIN_YIELD = 2000         # pause rounds before a waiting part yields its CPU
+LINE = 8                  # int64 counters per 64-byte cache line
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+
+@intrinsic
+def cpu_pause(typingctx):
+    """x86 `pause` (a spin-wait hint); nothing elsewhere."""
+    def codegen(context, builder, signature, args):
+        if _X86:                        # an intrinsic: Numba's JIT has no inline-asm parser
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def sched_yield(typingctx):
+    """libc sched_yield() (declared by name, so the calling functions stay cacheable, which a
+    ctypes pointer would prevent)."""
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@njit(nogil=True, cache=True)
+def wait_count(state, i, want):
+    """Spin until state[i] >= want (atomic read-modify-write of + 0: sees other parts' writes)."""
+    k = 0
+    while fetch_add(state, i, 0) < want:
+        cpu_pause()
+        k += 1
+        if k >= SPIN_YIELD:
+            sched_yield()
+            k = 0
+
+
+@njit(nogil=True, cache=True)
+def dataflow_buffers(E, nth, P, R, hcols):
+    """state i64: [0] next unit (own cache line), [LINE + e] G units done of expert e,
+    [LINE + E + t] D units done of H-tile t, [LINE + E + nth] Q units done; part f32 [P, Hpad];
+    h f32 [P, hcols] (the fp32/FP8 phase-1 output; hcols 0 for NVFP4_I16).  A call, not inline
+    allocations: inside a parallel=True function Numba may turn those into parfors of their own."""
+    return (np.zeros(LINE + E + nth + 1, np.int64), np.empty((P, nth * R), np.float32),
+            np.empty((P, hcols), np.float32))
+
+
+@njit(**JIT)
+def down_part(qkind, arena, dn_off, hq, hs, h, ptr, e, t, part, I, R):
+    """D unit (e, t): part[ptr[e]:ptr[e+1], t*R:(t+1)*R] = unscaled down-projection of h's rows."""
+    hrows = np.arange(part.shape[0])
+    if qkind == NVFP4_I16:
+        tb = tile_nbytes(NVFP4_I16, I, R)
+        base = dn_off[e] + t * tb
+        for b0 in range(ptr[e], ptr[e + 1], MB):
+            b1 = min(ptr[e + 1], b0 + MB)
+            nvfp4_i16_tile(arena[base: base + tb], I // GROUP, hq, hs, hrows, b0, b1,
+                           part[b0:b1, t * R:(t + 1) * R])
+        return
+    tb = tile_nbytes(qkind, I, R)
+    acc, dec = scratch(R)
+    for b0 in range(ptr[e], ptr[e + 1], MB):
+        b1 = min(ptr[e + 1], b0 + MB)
+        _tile(qkind, arena, dn_off[e] + t * tb, I, h, hrows, b0, b1, acc, dec)
+        part[b0:b1, t * R:(t + 1) * R] = acc[:b1 - b0]
+
+
+@njit(**JIT)
+def reduce_tile(qkind, scl, part, rows, ptr, w, t, out, H, R):
+    """out[rows[p], tile t] += w[p] * scale_e * part[p, tile t], experts in list order."""
+    fac = I16_FACTOR if qkind == NVFP4_I16 else (FP8_FACTOR if qkind == FP8 else NVFP4_FACTOR)
+    n0 = t * R
+    nr = min(R, H - n0)
+    for e in range(len(ptr) - 1):
+        cd = scl[e, 2] * fac
+        for p in range(ptr[e], ptr[e + 1]):
+            tok, wm = rows[p], w[p] * cd
+            for r in range(nr):
+                out[tok, n0 + r] += wm * part[p, n0 + r]
+
+
+@njit(parallel=True, nogil=True, fastmath=True, cache=True)
+def experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, n):
+    """Both phases of experts_forward as Q, G, D units claimed by n parts (module doc)."""
+    T = x.shape[0]
+    E = len(ptr) - 1
+    P = rows.shape[0]
+    nti = (I + R - 1) // R
+    nth = (H + R - 1) // R
+    i16 = qkind == NVFP4_I16
+    nq = (T + QROWS - 1) // QROWS if i16 and T >= QUANT_PARALLEL_ROWS else 0
+    n1 = E * nti
+    n2 = E * nth
+    state, part, h = dataflow_buffers(E, nth, P, R, 0 if i16 else nti * R)
+    xq, xs, hq, hs = i16_buffers(x, P if i16 else 0, I, R)
+    if i16 and nq == 0:
+        quantize_rows(x, 0, T, xq, xs)
+    qdone = LINE + E + nth
+    for k in prange(n):
+        u = fetch_add(state, 0, 1)
+        while u < nq + n1 + n2:
+            if u < nq:
+                quantize_rows(x, u * QROWS, min(T, (u + 1) * QROWS), xq, xs)
+                fetch_add(state, qdone, 1)
+            elif u < nq + n1:
+                g = u - nq
+                wait_count(state, qdone, nq)
+                if i16:
+                    experts_gate_up_i16(arena, gu_off, scl, xq, xs, rows, ptr, g, g + 1, hq, hs, H, I, R)
+                else:
+                    experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, g, g + 1, h, H, I, R)
+                fetch_add(state, LINE + g // nti, 1)
+            else:
+                d = u - nq - n1
+                e, t = d // nth, d % nth
+                wait_count(state, LINE + e, nti)
+                down_part(qkind, arena, dn_off, hq, hs, h, ptr, e, t, part, I, R)
+                if fetch_add(state, LINE + E + t, 1) == E - 1:
+                    reduce_tile(qkind, scl, part, rows, ptr, w, t, out, H, R)
+            u = fetch_add(state, 0, 1)

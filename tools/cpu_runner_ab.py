@@ -1,0 +1,79 @@
+"""A/B of CpuExpertRunner variants (issue 4) in one process, on one Qwen3-30B-A3B NVFP4 expert set.
+
+    python tools/cpu_runner_ab.py --threads 1,16 --ms 1,8 --variants phases,dataflow [--nohuge]
+
+Variants are runner schedules (hybrid/experts/cpu_runner.py SCHEDULES); --nohuge adds each on a
+second store in 4 KiB pages ('4k:<schedule>').  Every round measures the read-only stream
+(cpu/stream.py) and each variant (order flipped every other round) the way hybrid-bench
+cpu-kernels does (a sweep over all experts, top-8 per call, best of --reps sweeps); the table has
+best and median GB/s over rounds and each round's ratio to the first variant.  The pool's wait
+policy is the process's (HYBRID_CPU_WAIT), so compare spin and passive in two runs.
+"""
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from hybrid.experts.cpu_runner import CpuExpertRunner, set_pool_wait
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
+    ap.add_argument("--ms", default="1,8", help="comma list of tokens per expert")
+    ap.add_argument("--variants", default="phases,dataflow", help="comma list of runner schedules")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3, help="sweeps per measurement (best kept)")
+    ap.add_argument("--nohuge", action="store_true", help="also every variant on a 4 KiB-page store")
+    ap.add_argument("--l3x", type=float, default=2.0, help="expert set size in last-level caches")
+    ap.add_argument("--budget", type=float, default=1e9, help="stop after the round that passes this many s")
+    a = ap.parse_args()
+    t0 = time.time()
+    print("pool wait:", set_pool_wait(), flush=True)
+    from hybrid.bench.cpu_kernels import SHAPES, TOPK, build_store, compute_scaling, copy_gbs, l3_bytes, ours_gbs, read_gbs
+    from hybrid.checkpoint.formats import QType
+
+    H, I = SHAPES["qwen3-30b-a3b"]
+    n = max(2 * TOPK, int(a.l3x * l3_bytes() // (3 * H * I * 0.5625)) // TOPK * TOPK)
+    stores = {"": build_store(H, I, QType.NVFP4, n)}
+    if a.nohuge:
+        from hybrid.experts import store as st
+        real = st.allocate
+        st.allocate = lambda nbytes, hugepages="auto": real(nbytes, "off")
+        stores["4k:"] = build_store(H, I, QType.NVFP4, n)
+        st.allocate = real
+    print(f"{n} experts, {stores[''].nbytes / 1e6:.0f} MB, backing {[s.backing for s in stores.values()]}, "
+          f"{time.time() - t0:.1f} s", flush=True)
+    threads = [int(t) for t in a.threads.split(",")]
+    ms = [int(m) for m in a.ms.split(",")]
+    vs = [p + v for p in stores for v in a.variants.split(",")]
+    store_of = {v: stores[v[:v.index(":") + 1] if ":" in v else ""] for v in vs}
+    runners = {(v, t): CpuExpertRunner(store_of[v], threads=t, schedule=v.split(":")[-1]) for v in vs for t in threads}
+    print(f"runners ready {time.time() - t0:.1f} s", flush=True)
+    res: dict = {}
+    for r in range(a.rounds):
+        for t in threads:
+            res.setdefault(("read", t, 0), []).append(read_gbs(stores[""].arena.array, t, a.reps))
+            for m in ms:
+                for v in (vs if r % 2 == 0 else vs[::-1]):
+                    res.setdefault((v, t, m), []).append(ours_gbs(store_of[v], runners[(v, t)], m, a.reps))
+        print(f"round {r} done {time.time() - t0:.1f} s", flush=True)
+        if time.time() - t0 > a.budget:
+            break
+    for t in threads:
+        if t > 1:
+            print(f"copy {t} threads {copy_gbs(t, 2 * l3_bytes(), a.reps):.2f} GB/s (read + write), "
+                  f"compute x{t} {compute_scaling(t, 3):.2f}", flush=True)
+    print(f"variant threads M: best median | GB/s per round | ratio to {vs[0]} per round")
+    for (v, t, m), x in sorted(res.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        base = res.get((vs[0], t, m))
+        rat = "" if base is None else " ".join(f"{x[i] / base[i]:.2f}" for i in range(len(x)))
+        print(f"{v} {t} {m}: {max(x):.2f} {statistics.median(x):.2f} | {' '.join(f'{y:.2f}' for y in x)} | {rat}")
+    for r in runners.values():
+        r.close()
+    print(f"total {time.time() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
