@@ -8,6 +8,8 @@ past the L2), beside the launcher's own pick. Rows: shape, n, k, format, m, kern
 (blocks), waves (grid / resident blocks per wave from the occupancy API), t_us, eff_read.
 A question this answers: how much of the M = 1 kernel's gap to the read bandwidth is the last,
 partial wave of blocks (lm_head: 1187 blocks of which 528 fit at once on the H200).
+--moe: instead, the grouped MoE kernels (8 experts of a Qwen3-30B-A3B layer, qpn_moe) with the
+gate|up and down launches' KS forced to every pair (kernel "moe:<ks gateup>/<ks down>").
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--sha", default="unknown")
+    ap.add_argument("--moe", action="store_true", help="probe the grouped MoE kernels instead")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
     read_bw, copy_bw = bandwidths()
@@ -51,6 +54,8 @@ def main() -> int:
     mod = qpn._module(dev)
     print(f"read {read_bw:.0f} GB/s copy {copy_bw:.0f} GB/s, {sms} SMs, sm_{mod.sm}", flush=True)
     out = open(a.out, "a")
+    if a.moe:
+        return probe_moe(a, out, read_bw, copy_bw, dev)
     for shape in a.shapes.split(","):
         n, k = SHAPES[shape]
         for qt in (QType.NVFP4, QType.FP8):
@@ -97,6 +102,58 @@ def main() -> int:
                           f"{'' if r.get('same_as_pick', True) else '  MISMATCH'}", flush=True)
             del ws
             torch.cuda.empty_cache()
+    return 0
+
+
+def probe_moe(a, out, read_bw, copy_bw, dev, h=2048, i=768, topk=8) -> int:
+    from hybrid.kernels import QPNExpertSlots, qpn_moe
+
+    for qt in (QType.NVFP4, QType.FP8):
+        sets = []
+        for _ in range(copies_for(topk * 3 * i * h // 2)):
+            sl = QPNExpertSlots(topk, h, i, qt, dev)
+            for s in range(topk):
+                sl.load(s, random_qweight(qt, i, h, dev), random_qweight(qt, i, h, dev),
+                        random_qweight(qt, h, i, dev))
+            sets.append(sl)
+        nbytes = topk * sets[0].nbytes_per_slot
+        for t in (1, 4, 8):
+            x = torch.randn(t, h, device=dev, dtype=torch.float16)
+            ids = torch.stack([torch.randperm(topk, device=dev) for _ in range(t)]).int().flatten()
+            tok = torch.arange(t, device=dev, dtype=torch.int32).repeat_interleave(topk)
+            rw = torch.rand(t * topk, device=dev)
+            orig = qpn._pick_ks
+            calls = []
+            qpn._pick_ks = lambda u, c, s: calls.append(orig(u, c, s)) or calls[-1]
+            qpn_moe(x, sets[0], ids, tok, rw)
+            qpn._pick_ks = orig
+            ref = qpn_moe(x, sets[0], ids, tok, rw)
+            t0 = time_ms([lambda sl=sl: qpn_moe(x, sl, ids, tok, rw) for sl in sets], a.reps)
+            rows = [dict(kernel=f"pick:{calls[0]}/{calls[1]}", t_us=t0 * 1e3)]
+            for kg in (1, 2, 4, 8):
+                for kd in (1, 2, 4, 8):
+                    def forced(u, c, s, seq=(kg, kd)):   # gate|up first, then down, every call
+                        calls.append(0)
+                        return seq[(len(calls) - 1) % 2]
+                    qpn._pick_ks = forced
+                    try:
+                        calls.clear()
+                        y = qpn_moe(x, sets[0], ids, tok, rw)
+                        ok = bool(torch.allclose(y, ref, rtol=1e-3, atol=1e-3))
+                        tt = time_ms([lambda sl=sl: (calls.clear(), qpn_moe(x, sl, ids, tok, rw)) for sl in sets],
+                                     a.reps)
+                    finally:
+                        qpn._pick_ks = orig
+                    rows.append(dict(kernel=f"moe:{kg}/{kd}", t_us=tt * 1e3, same_as_pick=ok))
+            for r in rows:
+                r.update(shape="moe_8_experts", n=h, k=i, format=qt.value, m=t, bytes=nbytes,
+                         eff_read=nbytes / (r["t_us"] * 1e-6) / 1e9 / read_bw, read_bw=read_bw, copy_bw=copy_bw,
+                         gpu=torch.cuda.get_device_name(dev), git_sha=a.sha, command="tools/qpn_grid_probe.py --moe")
+                out.write(json.dumps(r) + "\n")
+                print(f"moe {qt.value:5s} T={t} {r['kernel']:12s} {r['t_us']:7.1f} us {100 * r['eff_read']:5.1f}%"
+                      f"{'' if r.get('same_as_pick', True) else '  MISMATCH'}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
     return 0
 
 
