@@ -627,6 +627,13 @@ class QPNExpertSlots:
 
 
 # ---------------------------------------------------------------------------- MoE
+# qpn_moe's down launch with more than one token: at least this many chunks of K per warp (H200,
+# 8 Qwen3-30B-A3B experts, forced K splits, tools/qpn_grid_probe.py --moe: T = 4 / 8 tokens NVFP4
+# 24.4 / 25.8 us at 6 chunks vs 24.5 / 26.6 at 3, FP8 27.3 / 28.3 vs 28.9 / 30.9 at 3; one token:
+# 3 chunks per warp stays best)
+MOE_DOWN_MIN_CHUNKS = 6
+
+
 def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, token_idx: torch.Tensor,
             route_w: torch.Tensor) -> torch.Tensor:
     """y[T, H] fp32 = sum_a route_w[a] * down_s(silu(gate_s x[t]) * up_s x[t]), s = slot_ids[a],
@@ -667,6 +674,8 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
                 ctypes.c_longlong(ss13), _p(x), _p(token_idx), _p(offsets), _p(perm), _p(slot_list), _p(hbuf),
                 ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)])
     ks = _pick_ks(h // 16 * active, i // ck, sms)
+    while t > 1 and ks > 1 and (i // ck) / ks < MOE_DOWN_MIN_CHUNKS:   # several tokens: longer warp items
+        ks //= 2
     mod.launch(f"qpn{fmt}_moe_down_mt{mt}{sfx}", (-(-(h // 16) // (WARPS // ks)), rows, 1), THREADS,
                [_p(slots.w2), _p(slots.s2), _p(slots.gs), ctypes.c_longlong(ws2),
                 ctypes.c_longlong(ss2), _p(hbuf), _p(token_idx), _p(route_w), _p(offsets),
