@@ -415,6 +415,217 @@ extern "C" __global__ void __launch_bounds__(128)
   if (threadIdx.x == 0) *counter = 0;
 }
 
+// ---------------------------------------------------------------- add + RMSNorm + router, a block per expert
+// fused_add_norm_router_e: fused_add_norm_router's outputs (T <= 8, H % 4 == 0, 16-byte aligned rows) from
+// one block of 128 threads per expert (grid E). Thread t owns the groups of 4 elements t + 128 j of a row:
+// it loads its slice of the expert's router row, of w and of token 0's x / delta at once (one latency),
+// makes the residual and the block's sum of squares (one barrier per token), then h (rounded to x's
+// dtype) and its share of the dot product; token t + 1's x / delta loads are in flight during token t's
+// math. Groups j >= ANRE_NJ (H > 2048) go through shared memory. The last block (threadfence + counter,
+// left zero) softmaxes each token's logits (a warp per token, as topk_row) and ranks every expert
+// against the others in parallel (rank = experts of a larger probability, or of an equal one and a
+// lower id: topk_row's order), then sums the k chosen weights in rank order (as topk_row).
+#define ANRE_NJ 4         // groups of 4 elements per thread kept in registers: H <= 2048
+#define ANRE_MAXTK 256    // T * k
+
+template <bool F32>
+__device__ __forceinline__ uint4 ld4(const void* p, size_t i) {   // elements i..i+3, raw bits
+  if (F32) return *(const uint4*)((const float*)p + i);
+  const uint2 r = *(const uint2*)((const u16*)p + i);
+  return make_uint4(r.x, r.y, 0u, 0u);
+}
+template <bool F32>
+__device__ __forceinline__ void cvt4(uint4 r, float (&f)[4]) {
+  if (F32) {
+    f[0] = __uint_as_float(r.x); f[1] = __uint_as_float(r.y);
+    f[2] = __uint_as_float(r.z); f[3] = __uint_as_float(r.w);
+  } else {
+    f[0] = h2f((u16)(r.x & 0xffffu)); f[1] = h2f((u16)(r.x >> 16));
+    f[2] = h2f((u16)(r.y & 0xffffu)); f[3] = h2f((u16)(r.y >> 16));
+  }
+}
+template <bool F32>
+__device__ __forceinline__ void st4(void* p, size_t i, const float (&f)[4]) {
+  if (F32) *(float4*)((float*)p + i) = make_float4(f[0], f[1], f[2], f[3]);
+  else *(uint2*)((u16*)p + i) = make_uint2((u32)f2h(f[0]) | ((u32)f2h(f[1]) << 16),
+                                           (u32)f2h(f[2]) | ((u32)f2h(f[3]) << 16));
+}
+template <bool XF, int DM>   // resid<XF, DM> of 4 elements from their raw loads
+__device__ __forceinline__ void resid4(uint4 xr, uint4 dr, float (&v)[4]) {
+  cvt4<XF>(xr, v);
+  if (DM) {
+    float d[4];
+    cvt4<DM == 2>(dr, d);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float de = XF ? d[i] : h2f(f2h(d[i]));
+      v[i] = XF ? v[i] + de : h2f(f2h(v[i] + de));
+    }
+  }
+}
+
+template <bool XF, int DM>
+__device__ __forceinline__ void anre_body(const void* x, const void* delta, const float* w, void* x_out,
+                                          void* hout, int H, float eps, const float* router, float* logits,
+                                          int T, int E, float* hs, float (*pss)[4], float (*pacc)[4]) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, e = blockIdx.x, NG = H >> 2;
+  const bool b0 = blockIdx.x == 0;
+  const float* wr = router + (size_t)e * H;
+  float4 rr[ANRE_NJ], ww[ANRE_NJ];
+  uint4 xr[ANRE_NJ], dr[ANRE_NJ];
+#pragma unroll
+  for (int j = 0; j < ANRE_NJ; ++j) {                     // every load of token 0 first: one latency
+    const int gi = tid + 128 * j;
+    rr[j] = ww[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    xr[j] = dr[j] = make_uint4(0u, 0u, 0u, 0u);
+    if (gi < NG) {
+      rr[j] = *(const float4*)(wr + 4 * gi);
+      ww[j] = *(const float4*)(w + 4 * gi);
+      xr[j] = ld4<XF>(x, 4 * gi);
+      if (DM) dr[j] = ld4<DM == 2>(delta, 4 * gi);
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    const size_t row = (size_t)t * H;
+    float v[ANRE_NJ][4];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < ANRE_NJ; ++j) {                   // zeros past H
+      const int gi = tid + 128 * j;
+      resid4<XF, DM>(xr[j], dr[j], v[j]);
+      if (DM && b0 && gi < NG) st4<XF>(x_out, row + 4 * gi, v[j]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ss = fmaf(v[j][i], v[j][i], ss);
+    }
+    if (t + 1 < T) {                                      // the next token's loads, in flight meanwhile
+#pragma unroll
+      for (int j = 0; j < ANRE_NJ; ++j) {
+        const int gi = tid + 128 * j;
+        if (gi < NG) {
+          xr[j] = ld4<XF>(x, row + H + 4 * gi);
+          if (DM) dr[j] = ld4<DM == 2>(delta, row + H + 4 * gi);
+        }
+      }
+    }
+    for (int gi = tid + 128 * ANRE_NJ; gi < NG; gi += 128) {   // H > 2048: this thread's groups in hs
+      float u[4];
+      resid4<XF, DM>(ld4<XF>(x, row + 4 * gi), DM ? ld4<DM == 2>(delta, row + 4 * gi) : make_uint4(0u, 0u, 0u, 0u), u);
+      *(float4*)(hs + 4 * gi) = make_float4(u[0], u[1], u[2], u[3]);
+      if (DM && b0) st4<XF>(x_out, row + 4 * gi, u);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ss = fmaf(u[i], u[i], ss);
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) pss[t][warp] = ss;
+    __syncthreads();
+    const float rstd = rsqrtf((pss[t][0] + pss[t][1] + pss[t][2] + pss[t][3]) / (float)H + eps);
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < ANRE_NJ; ++j) {
+      const int gi = tid + 128 * j;
+      if (gi < NG) {
+        float hv[4];
+        hv[0] = round_x<XF>(v[j][0] * rstd * ww[j].x); hv[1] = round_x<XF>(v[j][1] * rstd * ww[j].y);
+        hv[2] = round_x<XF>(v[j][2] * rstd * ww[j].z); hv[3] = round_x<XF>(v[j][3] * rstd * ww[j].w);
+        if (b0) st4<XF>(hout, row + 4 * gi, hv);
+        acc = fmaf(hv[3], rr[j].w, fmaf(hv[2], rr[j].z, fmaf(hv[1], rr[j].y, fmaf(hv[0], rr[j].x, acc))));
+      }
+    }
+    for (int gi = tid + 128 * ANRE_NJ; gi < NG; gi += 128) {
+      const float4 u = *(const float4*)(hs + 4 * gi), w4 = *(const float4*)(w + 4 * gi);
+      const float4 r4 = *(const float4*)(wr + 4 * gi);
+      float hv[4];
+      hv[0] = round_x<XF>(u.x * rstd * w4.x); hv[1] = round_x<XF>(u.y * rstd * w4.y);
+      hv[2] = round_x<XF>(u.z * rstd * w4.z); hv[3] = round_x<XF>(u.w * rstd * w4.w);
+      if (b0) st4<XF>(hout, row + 4 * gi, hv);
+      acc = fmaf(hv[3], r4.w, fmaf(hv[2], r4.z, fmaf(hv[1], r4.y, fmaf(hv[0], r4.x, acc))));
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) pacc[t][warp] = acc;
+  }
+  __syncthreads();
+  if (tid < T) logits[(size_t)tid * E + e] = (pacc[tid][0] + pacc[tid][1]) + (pacc[tid][2] + pacc[tid][3]);
+}
+
+// Softmax + top-k of the T rows of logits [T, E] by one block of 128 threads, the outputs of topk_row.
+// pr: shared [T * E] floats; sp / si: shared [T * k] (weight, id) in rank order.
+__device__ __forceinline__ void topk_block(const float* logits, int T, int E, int k, int renorm, long long* ids,
+                                           float* weights, const int* slot_table, int* slots, float* route_row,
+                                           float* pr, float* sp, int* si) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  for (int i = tid; i < T * k; i += 128) { sp[i] = 0.f; si[i] = 0; }   // every rank is filled (NaN: maybe not)
+  for (int t = warp; t < T; t += 4) {                     // softmax, a warp per token (topk_row's sums)
+    const float* row = logits + (size_t)t * E;
+    float v[ROUTE_MAXV];
+    float m = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < ROUTE_MAXV; ++j) {
+      const int e = lane + 32 * j;
+      v[j] = e < E ? ld_cg(row + e) : NEG_INF;
+      m = fmaxf(m, v[j]);
+    }
+    m = warp_max(m);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < ROUTE_MAXV; ++j) {
+      v[j] = lane + 32 * j < E ? expf(v[j] - m) : 0.f;
+      s += v[j];
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int j = 0; j < ROUTE_MAXV; ++j)
+      if (lane + 32 * j < E) pr[t * E + lane + 32 * j] = v[j] / s;
+  }
+  __syncthreads();
+  for (int i = tid; i < T * E; i += 128) {                // the rank of expert e of token t
+    const int t = i / E, e = i - t * E;
+    const float* p = pr + t * E;
+    const float pe = p[e];
+    int n = 0;
+#pragma unroll 8
+    for (int j = 0; j < E; ++j) {
+      const float pj = p[j];
+      n += (int)(pj > pe) | ((int)(pj == pe) & (int)(j < e));
+    }
+    if (n < k) { sp[t * k + n] = pe; si[t * k + n] = e; }
+  }
+  __syncthreads();
+  for (int i = tid; i < T * k; i += 128) {
+    const int t = i / k, r = i - t * k;
+    float total = 0.f;
+    for (int j = 0; j < k; ++j) total += sp[t * k + j];   // descending, as topk_row
+    const float wt = renorm ? sp[i] / total : sp[i];
+    const int id = si[i];
+    weights[i] = wt;
+    ids[i] = id;
+    if (slots) slots[i] = slot_table[id];
+    if (route_row) {
+      route_row[(size_t)t * 2 * k + r] = (float)id;
+      route_row[(size_t)t * 2 * k + k + r] = wt;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    fused_add_norm_router_e(const void* x, const void* delta, const float* w, void* x_out, void* hout,
+                            int H, float eps, int x_f32, int delta_f32, const float* router, float* logits,
+                            int* counter, int T, int E, int k, int renorm, long long* ids, float* weights,
+                            const int* slot_table, int* slots, float* route_row) {
+  __shared__ __align__(16) float hs[ANR_MAXH];           // H > 2048: the residual; then the probabilities
+  __shared__ float pss[ROUTER_MAXT][4], pacc[ROUTER_MAXT][4], sp[ANRE_MAXTK];
+  __shared__ int si[ANRE_MAXTK];
+  __shared__ int last;
+  DISPATCH_XD(anre_body, x, delta, w, x_out, hout, H, eps, router, logits, T, E, hs, pss, pacc);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  topk_block(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, hs, sp, si);
+  if (threadIdx.x == 0) *counter = 0;
+}
+
 // ---------------------------------------------------------------- one-token GQA attention
 // Flash-decoding. Block (KV head kvh, split s) of 128 threads attends keys [SK s, SK s + SK) for the
 // g query heads of kvh (one K/V read shared by the g heads), SK = R rounds of RK keys. Thread t is
@@ -581,9 +792,10 @@ __device__ __forceinline__ void combine_out(const AttnSmem& sm, const float4 (&x
 }
 
 // The split's attention once sm.qs holds the queries (and sm.kn / sm.vn row pp when pp >= 0) and the
-// threads are synchronised; kq / vq: the first round's loads; n = keys attended (0..n-1, n <= L).
+// threads are synchronised; kq / vq: the first round's loads; n = keys attended (0..n-1, n <= L);
+// SA: the split blocks of this KV head that arrive here (the last of them combines; 1: none does).
 __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint4 (&kq)[ATT_NP],
-                                           uint4 (&vq)[ATT_NP], int n, int pp) {
+                                           uint4 (&vq)[ATT_NP], int n, int pp, int SA) {
   const int tid = threadIdx.x, kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
   const int D = a.D, g = a.g, RK = a.RK, cpl = a.cpl, C = D >> 3, Cp = 1 << cpl;
   const int KP = ATT_THREADS >> cpl, NP = RK / KP;
@@ -697,7 +909,7 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
   }
   __syncthreads();                                        // sm.m / sm.l final (also with no rounds)
   const int gd = g * D;
-  if (S == 1) {                                           // one split: normalise and write
+  if (SA == 1) {                                          // one split: normalise and write
 #pragma unroll
     for (int j = 0; j < ATT_HPT; ++j) {
       const int h = r + KP * j;
@@ -732,7 +944,7 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
   }
   __threadfence();
   __syncthreads();
-  if (tid == 0) sm.last = atomicAdd(&a.counters[kvh], 1) == S - 1;
+  if (tid == 0) sm.last = atomicAdd(&a.counters[kvh], 1) == SA - 1;
   __syncthreads();
   if (!sm.last) return;
   __threadfence();
@@ -803,7 +1015,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
   }
   const int n = (int)(p + 1 < (long long)L ? p + 1 : (long long)L);   // keys 0..p (<= 0: none)
   __syncthreads();
-  attn_split(sm, a, kq, vq, n, -1);
+  attn_split(sm, a, kq, vq, n, -1, gridDim.y);
 }
 
 // q/k RMSNorm + RoPE + KV write + attention for one token in one launch: every split block makes
@@ -847,5 +1059,130 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     }
   }
   const int n = ok ? (int)(p + 1 < (long long)L ? p + 1 : (long long)L) : 0;
-  attn_split(sm, a, kq, vq, n, writer ? (int)p : -1);
+  attn_split(sm, a, kq, vq, n, writer ? (int)p : -1, gridDim.y);
+}
+
+// fused_rope_attn_e: fused_rope_attn's outputs in fewer serial steps. Only the SU = ceil(n / SK) splits
+// with keys run (the others return at once) and only they count into the combine; a lone split with keys
+// writes the output itself. The heads: one per Cp = 2^cpl lanes (the attention's layout), lane c holds
+// the pairs (i, i + D/2), i in [4c, 4c + 4), loaded 8 bytes at a time; the q rows and norm weights of the
+// first two passes and the V row are loaded before the position is read, the RoPE row once for all
+// passes. The writer (the split holding p; the last split with keys when p is past them) also makes the
+// K head (head g of the passes) and writes K/V row p with 16-byte stores.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    fused_rope_attn_e(const u16* qkv, const float* q_norm, const float* k_norm, const float* table,
+                      int table_rows, const long long* pos, int pos0, u16* k_store, u16* v_store,
+                      u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps,
+                      float scale2, int L, int RK, int R, int cpl) {
+  __shared__ __align__(16) AttnSmem sm;
+  const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, g = Hq / Hkv, SK = R * RK;
+  const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
+  uint4 kq[ATT_NP], vq[ATT_NP];
+  attn_load(a, split * SK, kq, vq);                       // the first round, before the position
+  const int c = tid & ((1 << cpl) - 1), hs = tid >> cpl, HP = ATT_THREADS >> cpl, half = D >> 1;
+  const bool on = 8 * c < D;
+  const u16* vsrc = qkv + (size_t)(Hq + Hkv + kvh) * D;
+  const uint4 vrow = tid < (D >> 3) ? *(const uint4*)(vsrc + 8 * tid) : make_uint4(0u, 0u, 0u, 0u);
+  uint2 xa[2], xb[2];                                     // passes 0, 1: head hs + HP u (g: the K head)
+  float4 na[2], nb[2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int h = hs + HP * u;
+    xa[u] = xb[u] = make_uint2(0u, 0u);
+    na[u] = nb[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (on && h <= g) {
+      const u16* src = qkv + (size_t)(h < g ? kvh * g + h : Hq + kvh) * D;
+      xa[u] = *(const uint2*)(src + 4 * c);
+      xb[u] = *(const uint2*)(src + half + 4 * c);
+      if (q_norm) {
+        const float* nw = h < g ? q_norm : k_norm;
+        na[u] = *(const float4*)(nw + 4 * c);
+        nb[u] = *(const float4*)(nw + half + 4 * c);
+      }
+    }
+  }
+  const long long p = pos ? pos[0] : (long long)pos0;
+  const bool ok = p >= 0 && p < C && p < table_rows;
+  const int n = ok ? (int)(p + 1 < (long long)L ? p + 1 : (long long)L) : 0;
+  const int SU = (n + SK - 1) / SK;                       // splits with keys (<= gridDim.y)
+  if (SU == 0) {                                          // a bad position: NaN out, nothing written
+    if (split == 0)
+      for (int i = tid; i < g * D; i += ATT_THREADS) out[(size_t)kvh * g * D + i] = (u16)0x7e00;
+    return;
+  }
+  if (split >= SU) return;
+  const long long ps = p / SK;
+  const bool writer = split == (ps < SU - 1 ? (int)ps : SU - 1);
+  float4 ca = make_float4(0.f, 0.f, 0.f, 0.f), cb = ca, sa = ca, sb = ca;   // cos / signed sin of i, i + D/2
+  if (on) {
+    const float* cs = table + (size_t)p * 2 * D;
+    ca = *(const float4*)(cs + 4 * c);
+    cb = *(const float4*)(cs + half + 4 * c);
+    sa = *(const float4*)(cs + D + 4 * c);
+    sb = *(const float4*)(cs + D + half + 4 * c);
+  }
+  const int nh = g + (writer ? 1 : 0), passes = (nh + HP - 1) / HP;
+  for (int u = 0; u < passes; ++u) {
+    const int h = hs + HP * u;
+    const bool act = on && h < nh;
+    uint2 ra = u == 0 ? xa[0] : xa[1], rb = u == 0 ? xb[0] : xb[1];
+    float4 wa = u == 0 ? na[0] : na[1], wb = u == 0 ? nb[0] : nb[1];
+    if (u >= 2) {                                         // g + 1 > 2 HP: later heads loaded now
+      ra = rb = make_uint2(0u, 0u);
+      if (act) {
+        const u16* src = qkv + (size_t)(h < g ? kvh * g + h : Hq + kvh) * D;
+        ra = *(const uint2*)(src + 4 * c);
+        rb = *(const uint2*)(src + half + 4 * c);
+        if (q_norm) {
+          const float* nw = h < g ? q_norm : k_norm;
+          wa = *(const float4*)(nw + 4 * c);
+          wb = *(const float4*)(nw + half + 4 * c);
+        }
+      }
+    }
+    float fa[4], fb[4];
+    fa[0] = h2f((u16)(ra.x & 0xffffu)); fa[1] = h2f((u16)(ra.x >> 16));
+    fa[2] = h2f((u16)(ra.y & 0xffffu)); fa[3] = h2f((u16)(ra.y >> 16));
+    fb[0] = h2f((u16)(rb.x & 0xffffu)); fb[1] = h2f((u16)(rb.x >> 16));
+    fb[2] = h2f((u16)(rb.y & 0xffffu)); fb[3] = h2f((u16)(rb.y >> 16));
+    if (q_norm) {                                         // both norms or neither (the launcher)
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ss = fmaf(fb[i], fb[i], fmaf(fa[i], fa[i], ss));
+      for (int o = (1 << cpl) >> 1; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      const float rstd = rsqrtf(ss / (float)D + eps);
+      fa[0] = fa[0] * rstd * wa.x; fa[1] = fa[1] * rstd * wa.y; fa[2] = fa[2] * rstd * wa.z; fa[3] = fa[3] * rstd * wa.w;
+      fb[0] = fb[0] * rstd * wb.x; fb[1] = fb[1] * rstd * wb.y; fb[2] = fb[2] * rstd * wb.z; fb[3] = fb[3] * rstd * wb.w;
+    }
+    if (act) {
+      const float c0[4] = {ca.x, ca.y, ca.z, ca.w}, c1[4] = {cb.x, cb.y, cb.z, cb.w};
+      const float c2[4] = {sa.x, sa.y, sa.z, sa.w}, c3[4] = {sb.x, sb.y, sb.z, sb.w};
+      float oa[4], ob[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        oa[i] = h2f(f2h(fmaf(fb[i], c2[i], fa[i] * c0[i])));
+        ob[i] = h2f(f2h(fmaf(fa[i], c3[i], fb[i] * c1[i])));
+      }
+      float* dst = h < g ? sm.qs + h * D : sm.kn;
+      *(float4*)(dst + 4 * c) = make_float4(oa[0], oa[1], oa[2], oa[3]);
+      *(float4*)(dst + half + 4 * c) = make_float4(ob[0], ob[1], ob[2], ob[3]);
+    }
+  }
+  if (writer && tid < (D >> 3)) {
+    float vf[8];
+    unpack8(vrow, vf);
+    *(float4*)(sm.vn + 8 * tid) = make_float4(vf[0], vf[1], vf[2], vf[3]);
+    *(float4*)(sm.vn + 8 * tid + 4) = make_float4(vf[4], vf[5], vf[6], vf[7]);
+  }
+  __syncthreads();                                        // queries, sm.kn / sm.vn
+  if (writer && tid < (D >> 3)) {
+    const size_t row = ((size_t)p * Hkv + kvh) * D + 8 * tid;
+    const float* kf = sm.kn + 8 * tid;
+    *(uint4*)(k_store + row) = make_uint4((u32)f2h(kf[0]) | ((u32)f2h(kf[1]) << 16),
+                                          (u32)f2h(kf[2]) | ((u32)f2h(kf[3]) << 16),
+                                          (u32)f2h(kf[4]) | ((u32)f2h(kf[5]) << 16),
+                                          (u32)f2h(kf[6]) | ((u32)f2h(kf[7]) << 16));
+    *(uint4*)(v_store + row) = vrow;
+  }
+  attn_split(sm, a, kq, vq, n, writer ? (int)p : -1, SU);
 }

@@ -55,6 +55,13 @@ def backend(request):
         fused.force_ptx(dev, None)
 
 
+@pytest.fixture(params=["old", "new"])
+def kernels(request, monkeypatch):
+    """The older and the newer kernels (HYBRID_FUSED_NEW) of add_norm_router and rope_attn."""
+    monkeypatch.setenv("HYBRID_FUSED_NEW", "all" if request.param == "new" else "0")
+    return request.param
+
+
 # ---------------------------------------------------------------------------- add + RMSNorm
 @pytest.mark.parametrize("t,h", [(1, 2048), (3, 256), (2, 7), (4, 4100)])
 @pytest.mark.parametrize("xdt", [torch.float16, torch.float32])
@@ -148,10 +155,11 @@ def test_router_topk(backend, t, e, h, hdt):
     assert torch.equal(row[:, :k].cpu(), rid.float())
 
 
-@pytest.mark.parametrize("t,h,e", [(1, 2048, 128), (3, 100, 60), (8, 256, 512), (2, 66, 32), (1, 8192, 64)])
+@pytest.mark.parametrize("t,h,e", [(1, 2048, 128), (3, 100, 60), (8, 256, 512), (2, 66, 32), (1, 8192, 64),
+                                   (8, 2048, 128), (4, 4096, 160)])
 @pytest.mark.parametrize("xdt", [torch.float16, torch.float32])
 @pytest.mark.parametrize("ddt", [None, torch.float16, torch.float32])
-def test_add_norm_router(backend, t, h, e, xdt, ddt):
+def test_add_norm_router(backend, kernels, t, h, e, xdt, ddt):
     """Residual add + RMSNorm + router + top-k in one launch: x2 exact, h as the RMSNorm reference,
     ids / weights as the torch route of the h the kernel wrote."""
     k = 8
@@ -229,7 +237,7 @@ def test_decode_attn_many_splits(backend, p, hq):
 @pytest.mark.parametrize("sms", [1, 3, 8])
 @pytest.mark.parametrize("hq,hkv,d,p", [(32, 4, 128, 0), (32, 4, 128, 33), (32, 4, 128, 300), (32, 4, 128, 3000),
                                         (12, 4, 40, 700), (15, 1, 136, 200)])
-def test_attn_rounds(monkeypatch, sms, hq, hkv, d, p):
+def test_attn_rounds(monkeypatch, kernels, sms, hq, hkv, d, p):
     """Fewer SMs in the plan: more rounds per split (online softmax across rounds, the next round's
     loads in flight) and splits past the last key, for decode_attn and rope_attn."""
     monkeypatch.setitem(fused._SMS, torch.device("cuda", torch.cuda.current_device()), sms)
@@ -264,7 +272,7 @@ def test_decode_attn_bad_position_is_nan():
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128), (8, 8, 256), (12, 4, 40), (2, 1, 16), (15, 1, 136)])
 @pytest.mark.parametrize("p", [0, 31, 32, 64, 127, 128, 300, 1100])
 @pytest.mark.parametrize("device_pos", [True, False])
-def test_rope_attn_is_rope_then_attn(backend, hq, hkv, d, p, device_pos):
+def test_rope_attn_is_rope_then_attn(backend, kernels, hq, hkv, d, p, device_pos):
     """The one-kernel q/k norm + RoPE + KV write + attention against fused_qk_rope_kv then
     fused_decode_attn (the same fp16 q, the same math) and the torch reference."""
     cap = 1600
@@ -288,6 +296,45 @@ def test_rope_attn_is_rope_then_attn(backend, hq, hkv, d, p, device_pos):
     torch.testing.assert_close(ks1.float(), ks2.float(), atol=2e-3, rtol=1e-3)
     torch.testing.assert_close(got.float(), two.float(), atol=2e-3, rtol=1e-3)
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=3e-3, rtol=3e-3)
+
+
+@gpu_only
+@pytest.mark.parametrize("min_rounds", [2, 4, 8])
+@pytest.mark.parametrize("p", [0, 40, 127, 128, 255, 700, 3000])
+def test_rope_attn_fewer_splits(kernels, monkeypatch, min_rounds, p):
+    """fused.ATT_MIN_ROUNDS > 1 (fewer, longer splits; one split with keys writes the output itself)."""
+    monkeypatch.setattr(fused, "ATT_MIN_ROUNDS", min_rounds)
+    hq, hkv, d, cap = 32, 4, 128, 3100
+    qkv = fresh((1, (hq + 2 * hkv) * d), torch.float16)
+    qn, kn = fresh((d,), scale=0.2, shift=1.0), fresh((d,), scale=0.2, shift=1.0)
+    table = Rotary(d, 1e6).table(torch.device("cpu"), cap)
+    ks, vs = fresh((cap, hkv, d), torch.float16), fresh((cap, hkv, d), torch.float16)
+    keys = _keys(p, cap)
+    rks, rvs = ks.float(), vs.float()
+    want = fused.ref_rope_attn(qkv, qn, kn, table, rks, rvs, hq, hkv, d, EPS, keys, start=p)
+    gks, gvs = ks.to(DEV), vs.to(DEV)
+    poison(((1, hq * d), torch.float16))
+    got = fused.rope_attn(*[t.to(DEV) for t in (qkv, qn, kn, table)], gks, gvs, hq, hkv, d, EPS, keys,
+                          pos=torch.tensor([p], device=DEV))
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=3e-3, rtol=3e-3)
+    torch.testing.assert_close(gvs.cpu().float(), rvs)
+    torch.testing.assert_close(gks.cpu().float(), rks, atol=2e-3, rtol=1e-3)
+
+
+@gpu_only
+def test_rope_attn_bad_position_is_nan(kernels):
+    """A device position outside the RoPE table: NaN out, no K/V row written."""
+    hq, hkv, d = 8, 2, 64
+    qkv = fresh((1, (hq + 2 * hkv) * d), torch.float16).cuda()
+    qn, kn = fresh((d,), shift=1.0).cuda(), fresh((d,), shift=1.0).cuda()
+    table = Rotary(d, 1e6).table(torch.device("cuda"), 100)
+    ks, vs = fresh((512, hkv, d), torch.float16).cuda(), fresh((512, hkv, d), torch.float16).cuda()
+    ks0, vs0 = ks.clone(), vs.clone()
+    for p in (-1, 150):
+        out = fused.rope_attn(qkv, qn, kn, table, ks, vs, hq, hkv, d, EPS, 256, pos=torch.tensor([p], device=DEV))
+        assert torch.isnan(out).all()
+    assert torch.equal(ks, ks0) and torch.equal(vs, vs0)
 
 
 @gpu_only
@@ -345,7 +392,7 @@ def test_odd_shapes_rejected():
 
 # ---------------------------------------------------------------------------- CUDA graph
 @gpu_only
-def test_graph_capture_and_replay():
+def test_graph_capture_and_replay(kernels):
     """All seven kernels captured once (position a device tensor) and replayed at several positions
     give what the same calls give eagerly (bit-identical: the same kernels)."""
     hdim, hq, hkv, d, e, k, cap, keys = 256, 8, 2, 64, 32, 4, 512, 512

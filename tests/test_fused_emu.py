@@ -18,6 +18,9 @@ HELPERS = r"""
 static uint32_t xch[1024];
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
@@ -54,6 +57,13 @@ extern "C" void emu_rope_attn(int gx, int gy, const u16* qkv, const float* q_nor
     u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps, float scale2,
     int L, int RK, int R, int cpl) {
   run_grid(gx, gy, ATT_THREADS, [&] { fused_rope_attn(qkv, q_norm, k_norm, table, table_rows, pos, pos0,
+      k_store, v_store, out, partials, counters, Hq, Hkv, D, C, eps, scale2, L, RK, R, cpl); });
+}
+extern "C" void emu_rope_attn_e(int gx, int gy, const u16* qkv, const float* q_norm, const float* k_norm,
+    const float* table, int table_rows, const long long* pos, int pos0, u16* k_store, u16* v_store,
+    u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps, float scale2,
+    int L, int RK, int R, int cpl) {
+  run_grid(gx, gy, ATT_THREADS, [&] { fused_rope_attn_e(qkv, q_norm, k_norm, table, table_rows, pos, pos0,
       k_store, v_store, out, partials, counters, Hq, Hkv, D, C, eps, scale2, L, RK, R, cpl); });
 }
 """
@@ -110,10 +120,10 @@ def emu_decode_attn(lib, q, ks, vs, keys, p, device_pos, sms):
     return out
 
 
-def emu_rope_attn(lib, qkv, qn, kn, table, ks, vs, hq, hkv, d, keys, p, sms):
+def emu_rope_attn(lib, qkv, qn, kn, table, ks, vs, hq, hkv, d, keys, p, sms, kernel="emu_rope_attn"):
     (splits, rounds, rk, cpl), part, cnt = _work(hkv, hq // hkv, d, keys, sms)
     out = torch.full((1, hq * d), float("nan")).half()
-    lib.emu_rope_attn(I(hkv), I(splits), P(qkv), P(qn), P(kn), P(table), I(table.shape[0]), P(None), I(p), P(ks),
+    getattr(lib, kernel)(I(hkv), I(splits), P(qkv), P(qn), P(kn), P(table), I(table.shape[0]), P(None), I(p), P(ks),
                       P(vs), P(out), P(part), P(cnt), I(hq), I(hkv), I(d), I(ks.shape[0]), F(1e-6),
                       F(d ** -0.5 * fused._LOG2E), I(keys), I(rk), I(rounds), I(cpl))
     assert not cnt.any()
@@ -150,11 +160,16 @@ def test_emulated_attention(emu, hq, hkv, d, p, sms):
     table = Rotary(d, 1e6).table(torch.device("cpu"), cap)
     rks, rvs = ks.float(), vs.float()
     want = fused.ref_rope_attn(qkv, qn, kn, table, rks, rvs, hq, hkv, d, 1e-6, bucket, start=p)
-    got = emu_rope_attn(emu, qkv, qn, kn, table, ks, vs, hq, hkv, d, bucket, p, sms)
-    assert not torch.isnan(got).any()
-    torch.testing.assert_close(got.float(), want.float(), atol=3e-3, rtol=3e-3)
-    assert torch.equal(vs.float(), rvs)
-    torch.testing.assert_close(ks.float(), rks, atol=2e-3, rtol=1e-3)
+    outs = []
+    for kernel in ("emu_rope_attn", "emu_rope_attn_e"):
+        ks_k, vs_k = ks.clone(), vs.clone()
+        got = emu_rope_attn(emu, qkv, qn, kn, table, ks_k, vs_k, hq, hkv, d, bucket, p, sms, kernel)
+        assert not torch.isnan(got).any(), kernel
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-3, rtol=3e-3)
+        assert torch.equal(vs_k.float(), rvs), kernel
+        torch.testing.assert_close(ks_k.float(), rks, atol=2e-3, rtol=1e-3)
+        outs.append(got)
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=2e-3, rtol=1e-3)   # new vs old
 
 
 def test_emulated_bad_position_is_nan(emu):
@@ -162,3 +177,123 @@ def test_emulated_bad_position_is_nan(emu):
     ks, vs = _fresh((300, 2, 64), 2).half(), _fresh((300, 2, 64), 3).half()
     for keys in (16, 256):
         assert torch.isnan(emu_decode_attn(emu, q, ks, vs, keys, -1, True, 132)).all()
+
+
+def test_emulated_rope_attn_e_bad_position_is_nan(emu):
+    """A position outside the table: NaN out and no K/V row written (the older kernel's behaviour)."""
+    hq, hkv, d, cap = 8, 2, 64, 300
+    qkv = _fresh((1, (hq + 2 * hkv) * d), 7).half()
+    qn, kn = _fresh((d,), 8, 0.2, 1.0), _fresh((d,), 9, 0.2, 1.0)
+    table = Rotary(d, 1e6).table(torch.device("cpu"), 100)
+    ks, vs = _fresh((cap, hkv, d), 2).half(), _fresh((cap, hkv, d), 3).half()
+    ks0, vs0 = ks.clone(), vs.clone()
+    for p in (-1, 150):
+        got = emu_rope_attn(emu, qkv, qn, kn, table, ks, vs, hq, hkv, d, 256, p, 132, "emu_rope_attn_e")
+        assert torch.isnan(got).all()
+    assert torch.equal(ks, ks0) and torch.equal(vs, vs0)
+
+
+@pytest.mark.parametrize("min_rounds,p,sms", [(4, 31, 132), (4, 200, 132), (8, 700, 132), (2, 90, 3)])
+def test_emulated_rope_attn_e_fewer_splits(emu, monkeypatch, min_rounds, p, sms):
+    """fused.ATT_MIN_ROUNDS > 1: fewer splits of more rounds; a lone split with keys writes the output."""
+    monkeypatch.setattr(fused, "ATT_MIN_ROUNDS", min_rounds)
+    hq, hkv, d = 32, 4, 128
+    cap = p + 80
+    qkv = _fresh((1, (hq + 2 * hkv) * d), p).half()
+    qn, kn = _fresh((d,), p + 1, 0.2, 1.0), _fresh((d,), p + 2, 0.2, 1.0)
+    table = Rotary(d, 1e6).table(torch.device("cpu"), cap)
+    ks, vs = _fresh((cap, hkv, d), p + 3).half(), _fresh((cap, hkv, d), p + 4).half()
+    keys = min(-(-(p + 1) // 256) * 256, cap)
+    rks, rvs = ks.float(), vs.float()
+    want = fused.ref_rope_attn(qkv, qn, kn, table, rks, rvs, hq, hkv, d, 1e-6, keys, start=p)
+    got = emu_rope_attn(emu, qkv, qn, kn, table, ks, vs, hq, hkv, d, keys, p, sms, "emu_rope_attn_e")
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-3, rtol=3e-3)
+    assert torch.equal(vs.float(), rvs)
+
+
+# ---------------------------------------------------------------------------- add + RMSNorm + router
+ROUTER_ENTRY = r"""
+extern "C" void emu_anr(int e_kernel, int reverse, const void* x, const void* delta, const float* w, void* x_out,
+    void* hout, int H, float eps, int x_f32, int delta_f32, const float* router, float* logits, int* counter,
+    int T, int E, int k, int renorm, long long* ids, float* weights, const int* slot_table, int* slots,
+    float* route_row) {
+  if (e_kernel)
+    run_grid(E, 1, 128, [&] { fused_add_norm_router_e(x, delta, w, x_out, hout, H, eps, x_f32, delta_f32, router,
+        logits, counter, T, E, k, renorm, ids, weights, slot_table, slots, route_row); }, 1, reverse);
+  else
+    run_grid((E + 3) / 4, 1, 128, [&] { fused_add_norm_router(x, delta, w, x_out, hout, H, eps, x_f32, delta_f32,
+        router, logits, counter, T, E, k, renorm, ids, weights, slot_table, slots, route_row); }, 1, reverse);
+}
+"""
+
+
+def router_emu_source() -> str:
+    """The residual add + RMSNorm and router parts of cuda/fused.cu under SHIM."""
+    src = fused_build.source()
+    rule = "// " + "-" * 64 + " "
+    head = _section(src, "typedef unsigned int u32;", rule)
+    reductions = "".join(re.findall(r"__device__ __forceinline__ float warp_(?:sum|max)\(float v\) \{.*?\n\}\n",
+                                    src, re.S))
+    norm = _section(src, rule + "residual add + RMSNorm", rule + "q/k RMSNorm")
+    router = _section(src, rule + "router softmax + top-k", rule + "one-token GQA attention")
+    return SHIM + HELPERS + head + reductions + norm + router + ROUTER_ENTRY
+
+
+@pytest.fixture(scope="module")
+def router_emu(tmp_path_factory):
+    return compile_emu(tmp_path_factory, "fused_router_emu", router_emu_source())
+
+
+def emu_add_norm_router(lib, kernel_e, x, w, router, k, delta=None, reverse=False):
+    t, h = x.shape
+    e = router.shape[0]
+    x2, hn = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    logits = torch.full((t, e), float("nan"))
+    ids, wt = torch.full((t, k), -1, dtype=torch.int64), torch.full((t, k), float("nan"))
+    table = torch.randperm(e, generator=torch.Generator().manual_seed(e)).to(torch.int32)
+    slots, row = torch.full((t * k,), -7, dtype=torch.int32), torch.full((t, 2 * k), float("nan"))
+    cnt = torch.zeros(1, dtype=torch.int32)
+    dt = {torch.float16: 0, torch.float32: 1}
+    lib.emu_anr(I(int(kernel_e)), I(int(reverse)), P(x), P(delta), P(w), P(x2 if delta is not None else None), P(hn),
+                I(h), F(1e-6), I(dt[x.dtype]), I(dt[delta.dtype] if delta is not None else 0), P(router), P(logits),
+                P(cnt), I(t), I(e), I(k), I(1), P(ids), P(wt), P(table), P(slots), P(row))
+    assert cnt.item() == 0                                   # the counter is left zero
+    assert torch.equal(slots, table[ids.reshape(-1)]) and torch.equal(row[:, k:], wt)
+    assert torch.equal(row[:, :k], ids.float())
+    return (x2 if delta is not None else x), hn, ids, wt
+
+
+F16, F32 = torch.float16, torch.float32
+
+
+@pytest.mark.parametrize("t,h,e,xdt,ddt", [(1, 2048, 128, F16, F16), (3, 100, 60, F32, F16), (2, 4096, 32, F16, F32),
+                                           (1, 16, 8, F16, None), (4, 64, 8, F32, F32), (5, 48, 16, F32, None),
+                                           pytest.param(8, 256, 512, F16, F16, marks=SLOW)])
+def test_emulated_add_norm_router_e(router_emu, t, h, e, xdt, ddt):
+    """The block-per-expert kernel against the warp-per-expert one (x2 and h bit-identical, ids identical,
+    weights within fp32 rounding) and the torch route of the h it wrote; blocks in reverse order once."""
+    k = min(8, e)
+    g = torch.Generator().manual_seed(t * 1000 + h + e)
+    x = torch.randn(t, h, generator=g).to(xdt)
+    d = (torch.randn(t, h, generator=g) * 0.5).to(ddt) if ddt is not None else None
+    w = torch.randn(h, generator=g) * 0.2 + 1.0
+    router = torch.randn(e, h, generator=g) * 3.0 / h ** 0.5
+    old = emu_add_norm_router(router_emu, False, x, w, router, k, d)
+    for reverse in (False, True):
+        new = emu_add_norm_router(router_emu, True, x, w, router, k, d, reverse)
+        assert torch.equal(new[0], old[0])
+        torch.testing.assert_close(new[1], old[1], atol=1e-3 if xdt == torch.float16 else 1e-6, rtol=1e-3)
+        rid, rw = fused.ref_router_topk(new[1], router, k, True)
+        assert torch.equal(new[2], rid)
+        torch.testing.assert_close(new[3], rw, atol=1e-6, rtol=1e-5)
+        if torch.equal(new[1], old[1]):
+            assert torch.equal(new[2], old[2])
+            torch.testing.assert_close(new[3], old[3], atol=1e-7, rtol=1e-6)
+
+
+def test_emulated_topk_ties_take_lowest_ids(router_emu):
+    """Equal logits (a zero router): the k lowest ids, in order, as topk_row."""
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(5))
+    _, _, ids, wt = emu_add_norm_router(router_emu, True, x, torch.ones(64), torch.zeros(16, 64), 4)
+    assert ids.tolist() == [[0, 1, 2, 3]] * 2
+    torch.testing.assert_close(wt, torch.full((2, 4), 0.25))

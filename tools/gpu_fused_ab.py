@@ -11,12 +11,15 @@ MoE output (x + h) between layers, captured as ONE CUDA graph, for each setting:
     fused+residual  HYBRID_FUSED=1 and the stand-in MoE output passed as decode_dense(residual=...)
                     (what hybrid/runtime/graphs.py would get by adding the MoE output in the next
                     layer's input RMSNorm)
+    new, new+residual  fused / fused+residual with the newer kernels (HYBRID_FUSED_NEW=all:
+                    fused_add_norm_router_e, fused_rope_attn_e)
+(every other setting runs with HYBRID_FUSED_NEW=0: the older kernels)
 Per setting: GPU us per layer (CUDA events over graph replays), CUDA kernels per layer and the ten
 kernels with the most device time per layer (torch.profiler over one eager run), eager host us per
 layer, and the outputs against the torch setting. One JSON line
 per setting on stdout (and appended to $OUT/fused_ab.jsonl when $OUT is set).
 
-    PYTHONPATH=. python3 tools/gpu_fused_ab.py [--layers 48] [--pos 300 3000] [--replays 50]
+    PYTHONPATH=. python3 tools/gpu_fused_ab.py [--layers 48] [--pos 300 3000] [--replays 50] [--settings ...]
     python3 tools/gpu_fused_ab.py --device cpu --layers 2 --ctx 512   # a dry run of the script (CPU)
 """
 from __future__ import annotations
@@ -30,6 +33,9 @@ from pathlib import Path
 import torch
 
 from gpu_attn_bench import replay_us          # tools/ is on sys.path: this script's folder
+
+
+SETTINGS = ("torch", "default", "fused-sdpa", "fused-2attn", "fused", "fused+residual", "new", "new+residual")
 
 
 def build(layers: int, ctx: int, dev: torch.device):
@@ -90,7 +96,8 @@ def body(m, x, pos, keys, residual: bool):
 def measure(m, setting: str, pos_value: int, replays: int) -> dict:
     os.environ["HYBRID_FUSED"] = {"torch": "0", "default": "", "fused-sdpa": "norm,rope,route",
                                   "fused-2attn": "norm,rope,attn,route"}.get(setting, "1")
-    residual = setting == "fused+residual"
+    os.environ["HYBRID_FUSED_NEW"] = "all" if setting.startswith("new") else "0"
+    residual = setting.endswith("+residual")
     dev = m.layer_devices[0]
     keys = min(-(-(pos_value + 1) // 256) * 256, m.cache.capacity)
     x_in = torch.randn(1, m.cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(dev, m.dtype)
@@ -145,19 +152,20 @@ def main(argv=None) -> int:
     p.add_argument("--ctx", type=int, default=4096, help="KV rows (default 4096)")
     p.add_argument("--replays", type=int, default=50, help="graph replays timed (default 50)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run of this script)")
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS,
+                   help="settings measured, the first is the outputs' baseline (default: all)")
     args = p.parse_args(argv)
     from hybrid.baselines.report import append_jsonl, stamp
 
     m = build(args.layers, args.ctx, torch.device(args.device))
     recs = []
     for pos in args.pos:
-        group = [measure(m, setting, pos, args.replays)
-                 for setting in ("torch", "default", "fused-sdpa", "fused-2attn", "fused", "fused+residual")]
+        group = [measure(m, setting, pos, args.replays) for setting in args.settings]
         base_x, base_ids = group[0].pop("_out")
         for r in group[1:]:
             x, ids = r.pop("_out")
-            r["max_abs_diff_x_vs_torch"] = float((x - base_x).abs().max())
-            r["ids_equal_vs_torch"] = float((ids == base_ids).float().mean())
+            r[f"max_abs_diff_x_vs_{args.settings[0]}"] = float((x - base_x).abs().max())
+            r[f"ids_equal_vs_{args.settings[0]}"] = float((ids == base_ids).float().mean())
         recs += group
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "none"
     recs = [{**r, **stamp("tools/gpu_fused_ab.py"), "gpu": gpu} for r in recs]

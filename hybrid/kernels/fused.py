@@ -37,6 +37,7 @@ ATT_MAX_W = 1024          # splits x query heads of one KV head (the combine's s
 ATT_COMBINE_Q = 32768     # at most this many floats of partials (splits x g x D) per combining block
 ATT_PASSES = 4            # tuning (tools/gpu_attn_bench.py --sweep): key passes per round, 1..4
 ATT_BLOCKS_PER_SM = 1.0   # tuning: split blocks per SM the plan aims at
+ATT_MIN_ROUNDS = 1        # tuning: rounds per split at least (fewer splits, less combining, for few keys)
 _DT = {torch.float16: 0, torch.float32: 1}
 
 
@@ -46,6 +47,30 @@ _DT = {torch.float16: 0, torch.float32: 1}
 # with torch's SDPA 49.4, torch ops 88.6; at 3072 keys 51.0 / 98.0 / 137.2 (SDPA 62.7 us per layer,
 # fused_rope_attn 21.3). results/runtime.md.
 DEFAULT_PARTS = frozenset(PARTS)
+
+
+# Newer kernels beside the ones they may replace (cuda/fused.cu *_e): "router" = fused_add_norm_router_e
+# (a block per expert, the norm made from one round of loads, a parallel top-k), "attn" = fused_rope_attn_e
+# (only the splits with keys run; fewer serial loads). HYBRID_FUSED_NEW: unset = NEW_DEFAULT; 1/all; 0/none;
+# a comma list. The older kernels stay the default until a GPU run shows the new ones correct and faster.
+NEW_PARTS = ("router", "attn")
+NEW_DEFAULT: frozenset = frozenset()
+
+
+def new_kernel(part: str) -> bool:
+    """HYBRID_FUSED_NEW (see NEW_PARTS): whether the newer kernel of `part` runs where it applies."""
+    v = os.environ.get("HYBRID_FUSED_NEW", "").strip().lower()
+    if v == "":
+        return part in NEW_DEFAULT
+    if v in ("1", "on", "true", "yes", "all"):
+        return True
+    if v in ("0", "off", "false", "no", "none"):
+        return False
+    return part in {p.strip() for p in v.split(",")}
+
+
+def _aligned(*ts) -> bool:
+    return all(t is None or t.data_ptr() % 16 == 0 for t in ts)
 
 
 def enabled(part: str) -> bool:
@@ -343,7 +368,11 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
     logits = torch.empty(t, e, dtype=torch.float32, device=dev)
     ids = torch.empty(t, k, dtype=torch.int64, device=dev)
     weights = torch.empty(t, k, dtype=torch.float32, device=dev)
-    _module(dev).launch("fused_add_norm_router", (-(-e // 4), 1, 1), 128, [
+    if new_kernel("router") and hd % 4 == 0 and _aligned(x, delta, weight, router):
+        name, grid = "fused_add_norm_router_e", e                # a block per expert
+    else:
+        name, grid = "fused_add_norm_router", -(-e // 4)         # a warp per expert
+    _module(dev).launch(name, (grid, 1, 1), 128, [
         _p(x), _p(delta), _p(weight), _p(x2 if delta is not None else None), _p(h), ctypes.c_int(hd),
         ctypes.c_float(eps), ctypes.c_int(_DT[x.dtype]), ctypes.c_int(_DT[delta.dtype] if delta is not None else 0),
         _p(router), _p(logits), _p(cnt), ctypes.c_int(t), ctypes.c_int(e), ctypes.c_int(k),
@@ -440,7 +469,7 @@ def attn_plan(keys: int, hkv: int, g: int, d: int, sms: int) -> tuple[int, int, 
     chunks = -(-keys // rk)
     blocks = max(1, int(sms * ATT_BLOCKS_PER_SM))
     most = max(1, min(-(-blocks // hkv), ATT_COMBINE_Q // (g * d), ATT_MAX_W // g))
-    rounds = -(-chunks // most)
+    rounds = max(-(-chunks // most), min(ATT_MIN_ROUNDS, chunks))
     return -(-chunks // rounds), rounds, rk, cpl
 
 
@@ -478,7 +507,8 @@ def rope_attn(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
     g, plan, part, cnt, out = _attn_setup("rope_attn", hq, hkv, d, keys, k_store, v_store, pos, start,
                                           min(keys, table.shape[0]), dev)
     splits, rounds, rk, cpl = plan
-    _module(dev).launch("fused_rope_attn", (hkv, splits, 1), ATT_THREADS, [
+    new = new_kernel("attn") and _aligned(qkv, q_norm, k_norm, table)
+    _module(dev).launch("fused_rope_attn_e" if new else "fused_rope_attn", (hkv, splits, 1), ATT_THREADS, [
         _p(qkv), _p(q_norm), _p(k_norm), _p(table), ctypes.c_int(table.shape[0]), _p(pos), ctypes.c_int(start),
         _p(k_store), _p(v_store), _p(out), _p(part), _p(cnt[1:]), ctypes.c_int(hq), ctypes.c_int(hkv),
         ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps), ctypes.c_float(d ** -0.5 * _LOG2E),

@@ -1,0 +1,196 @@
+"""Older vs newer fused decode kernels, per kernel, at decode shapes (no checkpoint needed).
+
+Each launch of a graph gets its own weights and KV store (as the layers of a model: nothing is found
+in L2 from the previous launch); L launches are captured as ONE CUDA graph per (kernel, setting, shape)
+and replayed; every replay is timed by its own pair of CUDA events; the record gives the median and
+the minimum us per launch. Settings (HYBRID_FUSED_NEW at capture time, hybrid.kernels.fused):
+    router  add_norm_router: x [T, H] fp16 + attention output fp16 -> RMSNorm -> router [E, H] fp32 ->
+            softmax / top-k (+ the runtime's slot ids and route row), T = 1..8:
+            old = fused_add_norm_router (a warp per expert), new = fused_add_norm_router_e
+    attn    rope_attn: Hq / Hkv / D heads, one token at device position p, keys = p + 1 rounded up to
+            256 (the graph bucket): old = fused_rope_attn, new = fused_rope_attn_e, each at several
+            fused.ATT_MIN_ROUNDS (rounds per split at least)
+Correctness beside each record: the new kernel's outputs against the old one's and the torch reference
+(router: ids equal to the reference's top-k of the h written, weights max diff; attention: max abs
+diff to the fp32 reference). One JSON line per record on stdout (appended to $OUT/fused_kernels_ab.jsonl
+when $OUT is set).
+
+    PYTHONPATH=. python3 tools/gpu_fused_kernels_ab.py [--what router attn] [--launches 48]
+    python3 tools/gpu_fused_kernels_ab.py --device cpu --launches 2    # a dry run (the references)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from hybrid.kernels import fused
+from hybrid.model.layers import Rotary
+
+EPS = 1e-6
+
+
+def timed(fn, replays: int, cuda: bool) -> tuple[float, float]:
+    """(median, min) us per replay of fn captured as one CUDA graph (each replay timed by events)."""
+    if not cuda:
+        fn()
+        return 0.0, 0.0
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for a, b in ev:
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    us = [a.elapsed_time(b) * 1000 for a, b in ev]
+    return statistics.median(us), min(us)
+
+
+def _setting(new: bool, min_rounds: int = 1) -> None:
+    os.environ["HYBRID_FUSED_NEW"] = "all" if new else "0"
+    fused.ATT_MIN_ROUNDS = min_rounds
+
+
+# ---------------------------------------------------------------------------- router
+def router_case(t: int, h: int, e: int, k: int, n: int, dev, replays: int) -> list[dict]:
+    g = torch.Generator(device=dev).manual_seed(t)
+    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev) * scale   # noqa: E731
+    dt = torch.float16 if dev.type == "cuda" else torch.float32
+    xs = [rnd(t, h).to(dt) for _ in range(n)]
+    ds = [rnd(t, h, scale=0.5).to(dt) for _ in range(n)]
+    ws = [1 + rnd(h, scale=0.1) for _ in range(n)]
+    routers = [rnd(e, h, scale=3.0 / h ** 0.5) for _ in range(n)]
+    table = torch.randperm(e, device=dev).to(torch.int32)
+    slots = [torch.zeros(t * k, dtype=torch.int32, device=dev) for _ in range(n)]
+    rows = [torch.zeros(t, 2 * k, device=dev) for _ in range(n)]
+    outs: dict = {}
+
+    def run():
+        return [fused.add_norm_router(xs[i], ws[i], EPS, routers[i], k, True, ds[i], table, slots[i], rows[i])
+                for i in range(n)]
+
+    recs = []
+    for name, new in (("old", False), ("new", True)):
+        _setting(new)
+        med, mn = timed(run, replays, dev.type == "cuda")
+        outs[name] = run()
+        recs.append({"kernel": "add_norm_router", "setting": name, "T": t, "H": h, "E": e, "k": k, "launches": n,
+                     "us_per_launch_median": round(med / n, 3), "us_per_launch_min": round(mn / n, 3)})
+    old, new = outs["old"], outs["new"]
+    ids_ref = ids_eq_old = 0
+    wdiff = hdiff = 0.0
+    x_eq = True
+    for (x2o, ho, io, wo), (x2n, hn, i_n, wn) in zip(old, new):
+        x_eq &= bool(torch.equal(x2o, x2n))
+        hdiff = max(hdiff, float((ho.float() - hn.float()).abs().max()))
+        ids_eq_old += int(torch.equal(io, i_n))
+        wdiff = max(wdiff, float((wo - wn).abs().max()))
+    for i, (_, hn, i_n, wn) in enumerate(new):
+        rid, rw = fused.ref_router_topk(hn, routers[i], k, True)
+        ids_ref += int(torch.equal(i_n, rid))
+        wdiff = max(wdiff, float((wn - rw).abs().max()))
+    check = {"x2_equal_old": x_eq, "h_max_diff_old": hdiff, "ids_equal_old": f"{ids_eq_old}/{n}",
+             "ids_equal_ref": f"{ids_ref}/{n}", "weights_max_diff": wdiff}
+    recs[1].update(check)
+    return recs
+
+
+# ---------------------------------------------------------------------------- attention
+def attn_case(p: int, hq: int, hkv: int, d: int, cap: int, n: int, dev, replays: int, rounds: list[int]) -> list[dict]:
+    g = torch.Generator(device=dev).manual_seed(p)
+    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev) * scale   # noqa: E731
+    qkvs = [rnd(1, (hq + 2 * hkv) * d).half() for _ in range(n)]
+    qn, kn = 1 + rnd(d, scale=0.1), 1 + rnd(d, scale=0.1)
+    table = Rotary(d, 1e6).table(dev, cap)
+    ks = [rnd(cap, hkv, d).half() for _ in range(n)]
+    vs = [rnd(cap, hkv, d).half() for _ in range(n)]
+    keys = min(-(-(p + 1) // 256) * 256, cap)
+    pos = torch.tensor([p], device=dev)
+
+    def run():
+        return [fused.rope_attn(qkvs[i], qn, kn, table, ks[i], vs[i], hq, hkv, d, EPS, keys, pos=pos)
+                for i in range(n)]
+
+    want = fused.ref_rope_attn(qkvs[0].cpu(), qn.cpu(), kn.cpu(), table.cpu(), ks[0].float().cpu(),
+                               vs[0].float().cpu(), hq, hkv, d, EPS, keys, start=p).float()
+    recs, base = [], None
+    sms = fused._sm_count(dev) if dev.type == "cuda" else 132
+    for name, new in (("old", False), ("new", True)):
+        for mr in rounds:
+            _setting(new, mr)
+            med, mn = timed(run, replays, dev.type == "cuda")
+            out = run()
+            s, r, rk, _ = fused.attn_plan(keys, hkv, hq // hkv, d, sms)
+            rec = {"kernel": "rope_attn", "setting": name, "min_rounds": mr, "pos": p, "keys": keys,
+                   "heads": [hq, hkv, d], "plan": {"splits": s, "rounds": r, "keys_per_round": rk},
+                   "splits_with_keys": -(-(p + 1) // (r * rk)), "launches": n,
+                   "us_per_launch_median": round(med / n, 3), "us_per_launch_min": round(mn / n, 3),
+                   "max_abs_diff_ref": float((out[0].float().cpu() - want).abs().max())}
+            if base is None:
+                base = out
+            else:
+                rec["max_abs_diff_old"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(out, base))
+            recs.append(rec)
+    _setting(False)
+    return recs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--what", nargs="+", default=["router", "attn"], choices=["router", "attn"])
+    ap.add_argument("--launches", type=int, default=48, help="launches per graph, each on its own data (default 48)")
+    ap.add_argument("--replays", type=int, default=30, help="timed graph replays (default 30)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8], help="router: tokens T (default 1 2 4 8)")
+    ap.add_argument("--router", type=int, nargs=3, default=[2048, 128, 8], metavar=("H", "E", "K"),
+                    help="router: hidden, experts, experts per token (default 2048 128 8)")
+    ap.add_argument("--pos", type=int, nargs="+", default=[15, 80, 255, 1000, 2047, 4095],
+                    help="attention: decode positions (default 15 80 255 1000 2047 4095)")
+    ap.add_argument("--heads", type=int, nargs=3, default=[32, 4, 128], metavar=("HQ", "HKV", "D"))
+    ap.add_argument("--ctx", type=int, default=4096, help="attention: KV rows (default 4096)")
+    ap.add_argument("--min-rounds", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="attention: fused.ATT_MIN_ROUNDS values tried (default 1 2 4 8)")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run of this script)")
+    args = ap.parse_args(argv)
+    from hybrid.baselines.report import append_jsonl, stamp
+
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none"
+    st = {**stamp("tools/gpu_fused_kernels_ab.py"), "gpu": gpu}
+    if os.environ.get("HYBRID_GIT_SHA"):                     # the device copy has no .git
+        st["git_sha"] = os.environ["HYBRID_GIT_SHA"]
+    recs = []
+    todo = []
+    if "router" in args.what:
+        h, e, k = args.router
+        todo += [lambda t=t: router_case(t, h, e, k, args.launches, dev, args.replays) for t in args.tokens]
+    if "attn" in args.what:
+        hq, hkv, d = args.heads
+        todo += [lambda p=p: attn_case(p, hq, hkv, d, args.ctx, args.launches, dev, args.replays, args.min_rounds)
+                 for p in args.pos]
+    for job in todo:
+        for r in job():
+            r = {**r, **st}
+            print(json.dumps(r), flush=True)
+            recs.append(r)
+    if os.environ.get("OUT"):
+        append_jsonl(Path(os.environ["OUT"]) / "fused_kernels_ab.jsonl", recs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
