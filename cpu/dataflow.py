@@ -35,10 +35,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu.atomic import fetch_add
-from cpu.expert import (FP8, NVFP4_I16, QUANT_PARALLEL_ROWS, _tile, experts_gate_up, experts_gate_up_i16,
+from cpu.expert import (FP8, NVFP4_I16, QUANT_PARALLEL_ROWS, _tile, experts_gate_up, gate_up_unit_i16,
                         i16_buffers, tile_nbytes)
 from cpu.gemm import FP8_FACTOR, MB, NVFP4_FACTOR, scratch
-from cpu.i16 import I16_FACTOR, nvfp4_i16_tile, quantize_rows
+from cpu.i16 import I16_FACTOR, NO_LIMIT, nvfp4_i16_tile_pf, quantize_rows
 from cpu.layout import GROUP
 from cpu.tiles import JIT
 
@@ -95,16 +95,17 @@ def dataflow_buffers(E, nth, P, R, hcols):
 
 
 @njit(**JIT)
-def down_part(qkind, arena, dn_off, hq, hs, h, ptr, e, t, part, I, R):
-    """D unit (e, t): part[ptr[e]:ptr[e+1], t*R:(t+1)*R] = unscaled down-projection of h's rows."""
+def down_part(qkind, arena, dn_off, hq, hs, h, ptr, e, t, part, I, R, pf, pf_lim):
+    """D unit (e, t): part[ptr[e]:ptr[e+1], t*R:(t+1)*R] = unscaled down-projection of h's rows
+    (NVFP4_I16: prefetch pf ahead, up to pf_lim bytes from the tile's start)."""
     hrows = np.arange(part.shape[0])
     if qkind == NVFP4_I16:
         tb = tile_nbytes(NVFP4_I16, I, R)
         base = dn_off[e] + t * tb
         for b0 in range(ptr[e], ptr[e + 1], MB):
             b1 = min(ptr[e + 1], b0 + MB)
-            nvfp4_i16_tile(arena[base: base + tb], I // GROUP, hq, hs, hrows, b0, b1,
-                           part[b0:b1, t * R:(t + 1) * R])
+            nvfp4_i16_tile_pf(arena[base: base + tb], I // GROUP, hq, hs, hrows, b0, b1,
+                              part[b0:b1, t * R:(t + 1) * R], pf, pf_lim)
         return
     tb = tile_nbytes(qkind, I, R)
     acc, dec = scratch(R)
@@ -129,8 +130,10 @@ def reduce_tile(qkind, scl, part, rows, ptr, w, t, out, H, R):
 
 
 @njit(parallel=True, nogil=True, fastmath=True, cache=True)
-def experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, n):
-    """Both phases of experts_forward as Q, G, D units claimed by n parts (module doc)."""
+def experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, n, pf, clamp):
+    """Both phases of experts_forward as Q, G, D units claimed by n parts (module doc).
+    NVFP4_I16 prefetch: pf bytes ahead; clamp: never past the unit's own bytes (G: its gate|up
+    pair, D: its down tile), else into whatever follows (another part's unit)."""
     T = x.shape[0]
     E = len(ptr) - 1
     P = rows.shape[0]
@@ -140,6 +143,7 @@ def experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H,
     nq = (T + QROWS - 1) // QROWS if i16 and T >= QUANT_PARALLEL_ROWS else 0
     n1 = E * nti
     n2 = E * nth
+    tb1, tb2 = tile_nbytes(qkind, H, R), tile_nbytes(qkind, I, R)
     state, part, h = dataflow_buffers(E, nth, P, R, 0 if i16 else nti * R)
     xq, xs, hq, hs = i16_buffers(x, P if i16 else 0, I, R)
     if i16 and nq == 0:
@@ -155,7 +159,8 @@ def experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H,
                 g = u - nq
                 wait_count(state, qdone, nq)
                 if i16:
-                    experts_gate_up_i16(arena, gu_off, scl, xq, xs, rows, ptr, g, g + 1, hq, hs, H, I, R)
+                    gate_up_unit_i16(arena, gu_off, scl, xq, xs, rows, ptr, g, hq, hs, H, I, R, pf,
+                                     2 * tb1 if clamp else NO_LIMIT)
                 else:
                     experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, g, g + 1, h, H, I, R)
                 fetch_add(state, LINE + g // nti, 1)
@@ -163,7 +168,8 @@ def experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H,
                 d = u - nq - n1
                 e, t = d // nth, d % nth
                 wait_count(state, LINE + e, nti)
-                down_part(qkind, arena, dn_off, hq, hs, h, ptr, e, t, part, I, R)
+                down_part(qkind, arena, dn_off, hq, hs, h, ptr, e, t, part, I, R, pf,
+                          tb2 - 64 if clamp else NO_LIMIT)
                 if fetch_add(state, LINE + E + t, 1) == E - 1:
                     reduce_tile(qkind, scl, part, rows, ptr, w, t, out, H, R)
             u = fetch_add(state, 0, 1)

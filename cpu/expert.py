@@ -26,7 +26,7 @@ from numba import njit, prange
 
 from cpu.atomic import counters, fetch_add
 from cpu.gemm import FP8_FACTOR, MB, NVFP4_FACTOR, scratch
-from cpu.i16 import I16_FACTOR, nvfp4_i16_tile, quantize_row, quantize_rows
+from cpu.i16 import I16_FACTOR, NO_LIMIT, PREFETCH, nvfp4_i16_tile, nvfp4_i16_tile_pf, quantize_row, quantize_rows
 from cpu.isa import NVFP4_INT16
 from cpu.layout import GROUP
 from cpu.tiles import JIT, fp8_tile, nvfp4_tile
@@ -99,26 +99,34 @@ def experts_down(qkind, arena, dn_off, scl, h, rows, ptr, w, t0, t1, out, H, I, 
 @njit(**JIT)
 def experts_gate_up_i16(arena, gu_off, scl, xq, xs, rows, ptr, u0, u1, hq, hs, H, I, R):
     """Phase 1 (NVFP4_I16), units [u0, u1): hq/hs[p, tile t] = int16(silu(gate) * up), per 16-block."""
+    for u in range(u0, u1):
+        gate_up_unit_i16(arena, gu_off, scl, xq, xs, rows, ptr, u, hq, hs, H, I, R, PREFETCH, NO_LIMIT)
+
+
+@njit(**JIT)
+def gate_up_unit_i16(arena, gu_off, scl, xq, xs, rows, ptr, u, hq, hs, H, I, R, pf, pf_end):
+    """Unit u = (expert e, I-tile t) of phase 1 (NVFP4_I16); prefetches pf bytes ahead, never past
+    pf_end bytes from the unit's start (its gate|up tile pair is 2 tb bytes)."""
     nti = (I + R - 1) // R
     tb = tile_nbytes(NVFP4_I16, H, R)
     G = H // GROUP
     acc_g = np.empty((MB, R), np.float32)
     acc_u = np.empty_like(acc_g)
     hrow = np.empty(R, np.float32)
-    for u in range(u0, u1):
-        e, t = u // nti, u % nti
-        base = gu_off[e] + 2 * t * tb
-        cg, cu = scl[e, 0] * I16_FACTOR, scl[e, 1] * I16_FACTOR
-        for b0 in range(ptr[e], ptr[e + 1], MB):
-            b1 = min(ptr[e + 1], b0 + MB)
-            nvfp4_i16_tile(arena[base: base + tb], G, xq, xs, rows, b0, b1, acc_g)              # [m, R]
-            nvfp4_i16_tile(arena[base + tb: base + 2 * tb], G, xq, xs, rows, b0, b1, acc_u)     # [m, R]
-            for m in range(b1 - b0):
-                for r in range(R):
-                    g = acc_g[m, r] * cg
-                    hrow[r] = g / (np.float32(1.0) + math.exp(-g)) * (acc_u[m, r] * cu)
-                quantize_row(hrow, hq[b0 + m, t * R: (t + 1) * R],
-                             hs[b0 + m, t * R // GROUP: (t + 1) * R // GROUP])
+    e, t = u // nti, u % nti
+    base = gu_off[e] + 2 * t * tb
+    cg, cu = scl[e, 0] * I16_FACTOR, scl[e, 1] * I16_FACTOR
+    for b0 in range(ptr[e], ptr[e + 1], MB):
+        b1 = min(ptr[e + 1], b0 + MB)
+        nvfp4_i16_tile_pf(arena[base: base + tb], G, xq, xs, rows, b0, b1, acc_g, pf, pf_end - 64)      # [m, R]
+        nvfp4_i16_tile_pf(arena[base + tb: base + 2 * tb], G, xq, xs, rows, b0, b1, acc_u, pf,
+                          pf_end - tb - 64)                                                            # [m, R]
+        for m in range(b1 - b0):
+            for r in range(R):
+                g = acc_g[m, r] * cg
+                hrow[r] = g / (np.float32(1.0) + math.exp(-g)) * (acc_u[m, r] * cu)
+            quantize_row(hrow, hq[b0 + m, t * R: (t + 1) * R],
+                         hs[b0 + m, t * R // GROUP: (t + 1) * R // GROUP])
 
 
 @njit(**JIT)

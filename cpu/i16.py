@@ -35,6 +35,7 @@ QMAX = 32767.0
 I16_FACTOR = np.float32(2.0 ** 8 / 512)               # e4m3 decode 2^-8, weights 512 * E2M1
 PREFETCH = 8192   # bytes ahead of each group's codes (128 groups); paired A/B at M = 1, 1 thread, 64 MB of
                   # experts: 1 KB 1.10-1.21x over none, 8 KB 1.46x over 1 KB, 16 KB ~ 8 KB, 32 KB 0.96x
+NO_LIMIT = 1 << 62                                    # pf_lim that never binds
 GROUP_BYTES = 72                                      # 64 code bytes (8 rows x 16) + 8 scale bytes
 JIT = dict(nogil=True, fastmath=True, cache=True)
 
@@ -109,15 +110,18 @@ def _weights(builder, v):
 
 def _make_block(MT: int):
     @intrinsic
-    def block(typingctx, tile, off, G, xq, xs, rows, p0, acc, a0, col):
-        """acc[a0 + m, col:col + 8] = Σ_g isum * scale (m < MT, token row rows[p0 + m]); see module doc."""
-        sig = types.void(tile, off, G, xq, xs, rows, p0, acc, a0, col)
+    def block(typingctx, tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim):
+        """acc[a0 + m, col:col + 8] = Σ_g isum * scale (m < MT, token row rows[p0 + m]); see module doc.
+        Prefetches tile + min(off + 64 g + pf, pf_lim) per group (bytes from the tile's start)."""
+        sig = types.void(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
 
         def codegen(context, builder, signature, args):
-            tile_v, off_v, g_v, xq_v, xs_v, rows_v, p0_v, acc_v, a0_v, col_v = args
+            tile_v, off_v, g_v, xq_v, xs_v, rows_v, p0_v, acc_v, a0_v, col_v, pf_v, lim_v = args
+            off_v, pf_v, lim_v = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 10, 11))
             arr = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else None
                    for t, v in zip(signature.args, args)]
-            base = builder.gep(builder.bitcast(arr[0].data, _I8.as_pointer()), [off_v])
+            tile0 = builder.bitcast(arr[0].data, _I8.as_pointer())
+            base = builder.gep(tile0, [off_v])
             sbase = builder.gep(base, [builder.mul(g_v, ir.Constant(_I64, 64))])
             xq_a, xs_a, rows_a, acc_a = arr[3], arr[4], arr[5], arr[7]
             xq_s0 = cgutils.unpack_tuple(builder, xq_a.strides)[0]
@@ -138,7 +142,9 @@ def _make_block(MT: int):
                 sc = _decode_scales(builder, builder.gep(sbase, [builder.mul(g, ir.Constant(_I64, 8))]))
                 cb = builder.gep(base, [builder.mul(g, ir.Constant(_I64, 64))])
                 pf = _declare(builder.module, "llvm.prefetch.p0i8", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
-                builder.call(pf, [builder.gep(cb, [ir.Constant(_I64, PREFETCH)]), ir.Constant(_I32, 0),
+                at = builder.add(builder.add(off_v, builder.mul(g, ir.Constant(_I64, 64))), pf_v)
+                at = builder.select(builder.icmp_signed("<", at, lim_v), at, lim_v)
+                builder.call(pf, [builder.gep(tile0, [at]), ir.Constant(_I32, 0),
                                   ir.Constant(_I32, 3), ir.Constant(_I32, 1)])      # read, keep, data
                 ops = []
                 for h in range(2):
@@ -173,35 +179,44 @@ block_m5, block_m6, block_m7, block_m8 = (_make_block(m) for m in (5, 6, 7, 8))
 
 
 @njit(**JIT)
-def _block(tile, off, G, xq, xs, rows, p0, k, acc, a0, col):
+def _block(tile, off, G, xq, xs, rows, p0, k, acc, a0, col, pf, pf_lim):
     """k (1..8) tokens rows[p0:p0 + k] -> acc[a0:a0 + k, col:col + 8]."""
     if k >= 8:
-        block_m8(tile, off, G, xq, xs, rows, p0, acc, a0, col)
+        block_m8(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
     elif k == 7:
-        block_m7(tile, off, G, xq, xs, rows, p0, acc, a0, col)
+        block_m7(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
     elif k == 6:
-        block_m6(tile, off, G, xq, xs, rows, p0, acc, a0, col)
+        block_m6(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
     elif k == 5:
-        block_m5(tile, off, G, xq, xs, rows, p0, acc, a0, col)
+        block_m5(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
     elif k == 4:
-        block_m4(tile, off, G, xq, xs, rows, p0, acc, a0, col)
+        block_m4(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
     elif k == 3:
-        block_m3(tile, off, G, xq, xs, rows, p0, acc, a0, col)
+        block_m3(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
     elif k == 2:
-        block_m2(tile, off, G, xq, xs, rows, p0, acc, a0, col)
+        block_m2(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
     else:
-        block_m1(tile, off, G, xq, xs, rows, p0, acc, a0, col)
+        block_m1(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
 
 
 @njit(**JIT)
 def nvfp4_i16_tile(tile, G, xq, xs, rows, p0, p1, acc):
     """tile u8 [R/8 * G * 72] (cpu/layout.py); tokens rows[p0:p1] of xq i16 [*, >=16G] / xs f32
     [*, >=G] -> acc f32 [>= p1 - p0, R] (unscaled, see module doc).  Block-major: each 8-row
-    block's bytes stream once, for every 8 tokens (decode repeats per 8 tokens, from L1)."""
+    block's bytes stream once, for every 8 tokens (decode repeats per 8 tokens, from L1).
+    Prefetches PREFETCH bytes ahead, past the tile's end too (nvfp4_i16_tile_pf bounds it)."""
+    nvfp4_i16_tile_pf(tile, G, xq, xs, rows, p0, p1, acc, PREFETCH, NO_LIMIT)
+
+
+@njit(**JIT)
+def nvfp4_i16_tile_pf(tile, G, xq, xs, rows, p0, p1, acc, pf, pf_lim):
+    """nvfp4_i16_tile with the prefetch distance pf (bytes) and the last byte offset from the
+    tile's start that may be prefetched (pf_lim; past the tile is allowed: a prefetch never faults)."""
     nb = tile.shape[0] // (GROUP_BYTES * G)
     for b in range(nb):
         for i in range(0, p1 - p0, 8):
-            _block(tile, b * GROUP_BYTES * G, G, xq, xs, rows, p0 + i, min(8, p1 - p0 - i), acc, i, 8 * b)
+            _block(tile, b * GROUP_BYTES * G, G, xq, xs, rows, p0 + i, min(8, p1 - p0 - i), acc, i, 8 * b,
+                   pf, pf_lim)
 
 
 # ----------------------------------------------------------------------------- activations

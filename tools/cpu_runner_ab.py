@@ -2,9 +2,10 @@
 
     python tools/cpu_runner_ab.py --threads 1,16 --ms 1,8 --variants phases,dataflow [--nohuge]
 
-Variants are runner schedules (hybrid/experts/cpu_runner.py SCHEDULES), 'direct:<schedule>' (the
-same kernel called from this thread without the runner: no submit/queue/sync hand-off), and with
---nohuge each again on a second store in 4 KiB pages ('4k:...').  Every round measures the read-only stream
+Variants are runner schedules (hybrid/experts/cpu_runner.py SCHEDULES) with optional prefixes:
+'direct:' (the same kernel called from this thread without the runner: no submit/queue/sync
+hand-off), 'pf<N>:' / 'pf<N>u:' (dataflow's prefetch distance N bytes, bounded to the unit / not),
+and with --nohuge each again on a second store in 4 KiB pages ('4k:...').  Every round measures the read-only stream
 (cpu/stream.py) and each variant (order flipped every other round) the way hybrid-bench
 cpu-kernels does (a sweep over all experts, top-8 per call, best of --reps sweeps); the table has
 best and median GB/s over rounds and each round's ratio to the first variant.  The pool's wait
@@ -19,14 +20,23 @@ import numpy as np
 from hybrid.experts.cpu_runner import CpuExpertRunner, set_pool_wait
 
 
+def prefetch_of(v: str):
+    from cpu.i16 import PREFETCH
+
+    for part in v.split(":")[:-1]:
+        if part.startswith("pf"):
+            return int(part[2:].rstrip("u")), not part.endswith("u")
+    return PREFETCH, True
+
+
 class Direct:
     """The runner's submit/sync surface, computed at once on this thread (no hand-off)."""
 
-    def __init__(self, store, threads, schedule):
+    def __init__(self, store, threads, schedule, prefetch):
         import numba
 
-        from hybrid.experts.cpu_runner import SCHEDULES, _group
-        self.s, self.t, self.fn, self.group = store, threads, SCHEDULES[schedule], _group
+        from hybrid.experts.cpu_runner import _group, schedule_kernel
+        self.s, self.t, self.fn, self.group = store, threads, schedule_kernel(schedule, prefetch), _group
         numba.set_num_threads(min(max(threads, numba.get_num_threads()), numba.config.NUMBA_NUM_THREADS))
 
     def submit(self, layer, ids, rows, wts, x):
@@ -75,8 +85,9 @@ def main() -> None:
     ms = [int(m) for m in a.ms.split(",")]
     vs = [p + v for p in stores for v in a.variants.split(",")]
     store_of = {v: stores["4k:" if v.startswith("4k:") else ""] for v in vs}
-    runners = {(v, t): CpuExpertRunner(store_of[v], threads=t, schedule=v.split(":")[-1]) if "direct:" not in v
-               else Direct(store_of[v], t, v.split(":")[-1]) for v in vs for t in threads}
+    runners = {(v, t): CpuExpertRunner(store_of[v], threads=t, schedule=v.split(":")[-1], prefetch=prefetch_of(v))
+               if "direct:" not in v else Direct(store_of[v], t, v.split(":")[-1], prefetch_of(v))
+               for v in vs for t in threads}
     print(f"runners ready {time.time() - t0:.1f} s", flush=True)
     res: dict = {}
     for r in range(a.rounds):

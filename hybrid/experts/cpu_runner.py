@@ -37,12 +37,22 @@ from hybrid.errors import HybridError
 from hybrid.hardware import physical_cores
 from cpu.dataflow import experts_dataflow
 from cpu.expert import experts_forward, experts_parallel
+from cpu.i16 import PREFETCH
 
 log = logging.getLogger("hybrid.experts")
 POOL_WAIT_ENV = "HYBRID_CPU_WAIT"
 POOL_WAITS = {"passive": "PASSIVE", "spin": None}     # -> OMP_WAIT_POLICY (None: libgomp's default)
 SCHEDULE_ENV = "HYBRID_CPU_SCHEDULE"
-SCHEDULES = {"phases": experts_parallel, "dataflow": experts_dataflow}   # cpu/expert.py, cpu/dataflow.py
+SCHEDULES = ("phases", "dataflow")                      # cpu/expert.py experts_parallel, cpu/dataflow.py
+
+
+def schedule_kernel(schedule: str, prefetch: tuple[int, bool] = (PREFETCH, True)):
+    """-> f(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, n) running a call on
+    Numba's pool.  prefetch (dataflow only): (bytes ahead, bounded to the unit's own bytes)."""
+    if schedule == "phases":
+        return experts_parallel
+    dist, clamp = int(prefetch[0]), bool(prefetch[1])
+    return lambda *args: experts_dataflow(*args, dist, clamp)
 
 
 def set_pool_wait(mode: str | None = None) -> str:
@@ -99,14 +109,15 @@ class CpuExpertRunner:
     wait: how the pool's idle threads wait (set_pool_wait; default passive: they sleep).
     schedule: how a pooled call's units are run: 'phases' (two parallel regions, a barrier
     between gate|up and down) or 'dataflow' (one region, no barrier); default $HYBRID_CPU_SCHEDULE,
-    else 'phases'."""
+    else 'phases'.  prefetch: see schedule_kernel."""
 
     def __init__(self, store, threads: int | None = None, inline_bytes: int = INLINE_BYTES,
-                 wait: str | None = None, schedule: str | None = None):
+                 wait: str | None = None, schedule: str | None = None, prefetch: tuple[int, bool] = (PREFETCH, True)):
         self.store = store
         self.schedule = (schedule or os.environ.get(SCHEDULE_ENV) or "phases").strip().lower()
         if self.schedule not in SCHEDULES:
             raise HybridError(f"{SCHEDULE_ENV}={self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        self._kernel = schedule_kernel(self.schedule, prefetch)
         self.inline_bytes = int(inline_bytes)
         self.threads = int(threads or physical_cores())
         if self.threads < 1:
@@ -178,7 +189,7 @@ class CpuExpertRunner:
         rows, ptr, w = np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.float32)
         gu, dn, scl = s.slots(0, [])
         experts_forward(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R)
-        SCHEDULES[self.schedule](s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R, 1)
+        self._kernel(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R, 1)
         _group_pairs(rows, rows, w, 1)
 
     def _loop(self) -> None:
@@ -205,8 +216,8 @@ class CpuExpertRunner:
     def _run_parallel(self, work: Work) -> None:
         s = self.store
         gu, dn, scl = work.slots
-        SCHEDULES[self.schedule](s.qkind, s.arena.array, gu, dn, scl, work.x, work.rows, work.ptr, work.w,
-                                 work.out, s.hidden, s.inter, s.R, work.parts)
+        self._kernel(s.qkind, s.arena.array, gu, dn, scl, work.x, work.rows, work.ptr, work.w, work.out,
+                     s.hidden, s.inter, s.R, work.parts)
 
     def _run_all(self, work: Work) -> None:
         """Both phases of the whole call on this thread (one part: the numbers of any part count)."""
