@@ -415,7 +415,7 @@ extern "C" __global__ void __launch_bounds__(128)
   if (threadIdx.x == 0) *counter = 0;
 }
 
-// ---------------------------------------------------------------- add + RMSNorm + router, a block per expert
+// ---------------------------------------------------------------- vectorised add + RMSNorm (+ router)
 // fused_add_norm_router_e: fused_add_norm_router's outputs (T <= 8, H % 4 == 0, 16-byte aligned rows) from
 // one block of 128 threads per expert (grid E). Thread t owns the groups of 4 elements t + 128 j of a row:
 // it loads its slice of the expert's router row, of w and of token 0's x / delta at once (one latency),
@@ -462,6 +462,82 @@ __device__ __forceinline__ void resid4(uint4 xr, uint4 dr, float (&v)[4]) {
       v[i] = XF ? v[i] + de : h2f(f2h(v[i] + de));
     }
   }
+}
+
+// fused_add_rms_norm_e: fused_add_rms_norm's outputs (H % 4 == 0, 16-byte aligned rows), grid T, block 256:
+// a thread's groups of 4 elements (t + 256 j) of x, delta and w loaded at once, one barrier.
+#define ARN_NJ 4          // groups per thread kept in registers: H <= 4096 (beyond: loaded again)
+
+template <bool XF, int DM>
+__device__ __forceinline__ void add_rms_norm_e_body(const void* x, const void* delta, const float* w,
+                                                    void* x_out, void* h, float* hf, int H, float eps,
+                                                    float* part) {
+  const int tid = threadIdx.x, NG = H >> 2;
+  const size_t row = (size_t)blockIdx.x * H;
+  uint4 xr[ARN_NJ], dr[ARN_NJ];
+  float4 ww[ARN_NJ];
+#pragma unroll
+  for (int j = 0; j < ARN_NJ; ++j) {
+    const int gi = tid + 256 * j;
+    xr[j] = dr[j] = make_uint4(0u, 0u, 0u, 0u);
+    ww[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (gi < NG) {
+      xr[j] = ld4<XF>(x, row + 4 * gi);
+      if (DM) dr[j] = ld4<DM == 2>(delta, row + 4 * gi);
+      ww[j] = *(const float4*)(w + 4 * gi);
+    }
+  }
+  float v[ARN_NJ][4];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < ARN_NJ; ++j) {
+    const int gi = tid + 256 * j;
+    resid4<XF, DM>(xr[j], dr[j], v[j]);
+    if (DM && gi < NG) st4<XF>(x_out, row + 4 * gi, v[j]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ss = fmaf(v[j][i], v[j][i], ss);
+  }
+  for (int gi = tid + 256 * ARN_NJ; gi < NG; gi += 256) {
+    float u[4];
+    resid4<XF, DM>(ld4<XF>(x, row + 4 * gi), DM ? ld4<DM == 2>(delta, row + 4 * gi) : make_uint4(0u, 0u, 0u, 0u), u);
+    if (DM) st4<XF>(x_out, row + 4 * gi, u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ss = fmaf(u[i], u[i], ss);
+  }
+  ss = warp_sum(ss);
+  if ((tid & 31) == 0) part[tid >> 5] = ss;
+  __syncthreads();
+  float tot = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) tot += part[j];
+  const float rstd = rsqrtf(tot / (float)H + eps);
+#pragma unroll
+  for (int j = 0; j < ARN_NJ; ++j) {
+    const int gi = tid + 256 * j;
+    if (gi < NG) {
+      float hv[4];
+      hv[0] = round_x<XF>(v[j][0] * rstd * ww[j].x); hv[1] = round_x<XF>(v[j][1] * rstd * ww[j].y);
+      hv[2] = round_x<XF>(v[j][2] * rstd * ww[j].z); hv[3] = round_x<XF>(v[j][3] * rstd * ww[j].w);
+      st4<XF>(h, row + 4 * gi, hv);
+      if (hf) *(float4*)(hf + row + 4 * gi) = make_float4(hv[0], hv[1], hv[2], hv[3]);
+    }
+  }
+  for (int gi = tid + 256 * ARN_NJ; gi < NG; gi += 256) {   // recomputed (x_out may alias nothing)
+    float u[4], hv[4];
+    resid4<XF, DM>(ld4<XF>(x, row + 4 * gi), DM ? ld4<DM == 2>(delta, row + 4 * gi) : make_uint4(0u, 0u, 0u, 0u), u);
+    const float4 w4 = *(const float4*)(w + 4 * gi);
+    hv[0] = round_x<XF>(u[0] * rstd * w4.x); hv[1] = round_x<XF>(u[1] * rstd * w4.y);
+    hv[2] = round_x<XF>(u[2] * rstd * w4.z); hv[3] = round_x<XF>(u[3] * rstd * w4.w);
+    st4<XF>(h, row + 4 * gi, hv);
+    if (hf) *(float4*)(hf + row + 4 * gi) = make_float4(hv[0], hv[1], hv[2], hv[3]);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    fused_add_rms_norm_e(const void* x, const void* delta, const float* w, void* x_out, void* h,
+                         float* hf, int H, float eps, int x_f32, int delta_f32) {
+  __shared__ float part[8];
+  DISPATCH_XD(add_rms_norm_e_body, x, delta, w, x_out, h, hf, H, eps, part);
 }
 
 template <bool XF, int DM>

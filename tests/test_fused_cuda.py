@@ -66,7 +66,7 @@ def kernels(request, monkeypatch):
 @pytest.mark.parametrize("t,h", [(1, 2048), (3, 256), (2, 7), (4, 4100)])
 @pytest.mark.parametrize("xdt", [torch.float16, torch.float32])
 @pytest.mark.parametrize("ddt", [None, torch.float16, torch.float32])
-def test_add_rms_norm(backend, t, h, xdt, ddt):
+def test_add_rms_norm(backend, kernels, t, h, xdt, ddt):
     x, w = fresh((t, h), xdt), fresh((h,), scale=0.2, shift=1.0)
     d = fresh((t, h), ddt, scale=0.5) if ddt is not None else None
     poison(((t, h), xdt), ((t, h), xdt), ((t, h), torch.float32))

@@ -224,6 +224,13 @@ extern "C" void emu_anr(int e_kernel, int reverse, const void* x, const void* de
     run_grid((E + 3) / 4, 1, 128, [&] { fused_add_norm_router(x, delta, w, x_out, hout, H, eps, x_f32, delta_f32,
         router, logits, counter, T, E, k, renorm, ids, weights, slot_table, slots, route_row); }, 1, reverse);
 }
+extern "C" void emu_arn(int e_kernel, int T, const void* x, const void* delta, const float* w, void* x_out, void* h,
+    float* hf, int H, float eps, int x_f32, int delta_f32) {
+  if (e_kernel)
+    run_grid(T, 1, 256, [&] { fused_add_rms_norm_e(x, delta, w, x_out, h, hf, H, eps, x_f32, delta_f32); });
+  else
+    run_grid(T, 1, 256, [&] { fused_add_rms_norm(x, delta, w, x_out, h, hf, H, eps, x_f32, delta_f32); });
+}
 """
 
 
@@ -297,3 +304,25 @@ def test_emulated_topk_ties_take_lowest_ids(router_emu):
     _, _, ids, wt = emu_add_norm_router(router_emu, True, x, torch.ones(64), torch.zeros(16, 64), 4)
     assert ids.tolist() == [[0, 1, 2, 3]] * 2
     torch.testing.assert_close(wt, torch.full((2, 4), 0.25))
+
+
+@pytest.mark.parametrize("t,h,xdt,ddt", [(1, 2048, F16, F16), (2, 4100, F32, F16), (3, 36, F16, F32), (1, 20480, F16, None),
+                                         (2, 5000, F32, F32)])
+def test_emulated_add_rms_norm_e(router_emu, t, h, xdt, ddt):
+    """The vectorised add + RMSNorm against the older kernel: x2 and the fp32 copy exact / h within one
+    rounding (the sum of squares is added in another order)."""
+    g = torch.Generator().manual_seed(t * 7 + h)
+    x = torch.randn(t, h, generator=g).to(xdt)
+    d = (torch.randn(t, h, generator=g) * 0.5).to(ddt) if ddt is not None else None
+    w = torch.randn(h, generator=g) * 0.2 + 1.0
+    dt = {torch.float16: 0, torch.float32: 1}
+    outs = []
+    for e_kernel in (0, 1):
+        x2, hn, hf = torch.full_like(x, float("nan")), torch.full_like(x, float("nan")), torch.full((t, h), float("nan"))
+        router_emu.emu_arn(I(e_kernel), I(t), P(x), P(d), P(w), P(x2 if d is not None else None), P(hn), P(hf), I(h),
+                           F(1e-6), I(dt[xdt]), I(dt[ddt] if d is not None else 0))
+        assert torch.equal(hf, hn.float())
+        outs.append((x2, hn))
+    if d is not None:
+        assert torch.equal(outs[1][0], outs[0][0])
+    torch.testing.assert_close(outs[1][1], outs[0][1], atol=1e-3 if xdt == F16 else 1e-6, rtol=1e-3)

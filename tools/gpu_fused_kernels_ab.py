@@ -4,6 +4,8 @@ Each launch of a graph gets its own weights and KV store (as the layers of a mod
 in L2 from the previous launch); L launches are captured as ONE CUDA graph per (kernel, setting, shape)
 and replayed; every replay is timed by its own pair of CUDA events; the record gives the median and
 the minimum us per launch. Settings (HYBRID_FUSED_NEW at capture time, hybrid.kernels.fused):
+    norm    add_rms_norm: x [T, H] fp16 + delta fp16 or fp32 (the MoE output) -> RMSNorm, T = 1, 8:
+            old = fused_add_rms_norm, new = fused_add_rms_norm_e
     router  add_norm_router: x [T, H] fp16 + attention output fp16 -> RMSNorm -> router [E, H] fp32 ->
             softmax / top-k (+ the runtime's slot ids and route row), T = 1..8:
             old = fused_add_norm_router (a warp per expert), new = fused_add_norm_router_e
@@ -108,6 +110,30 @@ def router_case(t: int, h: int, e: int, k: int, n: int, dev, replays: int) -> li
     return recs
 
 
+# ---------------------------------------------------------------------------- add + RMSNorm
+def norm_case(t: int, h: int, n: int, dev, replays: int, delta_f32: bool) -> list[dict]:
+    g = torch.Generator(device=dev).manual_seed(100 + t)
+    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev) * scale   # noqa: E731
+    dt = torch.float16 if dev.type == "cuda" else torch.float32
+    xs = [rnd(t, h).to(dt) for _ in range(n)]
+    ds = [rnd(t, h, scale=0.5).to(torch.float32 if delta_f32 else dt) for _ in range(n)]
+    ws = [1 + rnd(h, scale=0.1) for _ in range(n)]
+
+    def run():
+        return [fused.add_rms_norm(xs[i], ws[i], EPS, ds[i]) for i in range(n)]
+
+    recs, outs = [], []
+    for name, new in (("old", False), ("new", True)):
+        _setting(new)
+        med, mn = timed(run, replays, dev.type == "cuda")
+        outs.append(run())
+        recs.append({"kernel": "add_rms_norm", "setting": name, "T": t, "H": h, "delta": "fp32" if delta_f32 else "fp16",
+                     "launches": n, "us_per_launch_median": round(med / n, 3), "us_per_launch_min": round(mn / n, 3)})
+    recs[1]["x2_equal_old"] = all(bool(torch.equal(a[0], b[0])) for a, b in zip(*outs))
+    recs[1]["h_max_diff_old"] = max(float((a[1].float() - b[1].float()).abs().max()) for a, b in zip(*outs))
+    return recs
+
+
 # ---------------------------------------------------------------------------- attention
 def attn_case(p: int, hq: int, hkv: int, d: int, cap: int, n: int, dev, replays: int, rounds: list[int]) -> list[dict]:
     g = torch.Generator(device=dev).manual_seed(p)
@@ -150,7 +176,7 @@ def attn_case(p: int, hq: int, hkv: int, d: int, cap: int, n: int, dev, replays:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--what", nargs="+", default=["router", "attn"], choices=["router", "attn"])
+    ap.add_argument("--what", nargs="+", default=["norm", "router", "attn"], choices=["norm", "router", "attn"])
     ap.add_argument("--launches", type=int, default=48, help="launches per graph, each on its own data (default 48)")
     ap.add_argument("--replays", type=int, default=30, help="timed graph replays (default 30)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8], help="router: tokens T (default 1 2 4 8)")
@@ -175,6 +201,9 @@ def main(argv=None) -> int:
         st["git_sha"] = os.environ["HYBRID_GIT_SHA"]
     recs = []
     todo = []
+    if "norm" in args.what:
+        todo += [lambda t=t, f=f: norm_case(t, args.router[0], args.launches, dev, args.replays, f)
+                 for t in (1, 8) for f in (False, True)]
     if "router" in args.what:
         h, e, k = args.router
         todo += [lambda t=t: router_case(t, h, e, k, args.launches, dev, args.replays) for t in args.tokens]

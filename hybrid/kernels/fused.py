@@ -49,11 +49,12 @@ _DT = {torch.float16: 0, torch.float32: 1}
 DEFAULT_PARTS = frozenset(PARTS)
 
 
-# Newer kernels beside the ones they may replace (cuda/fused.cu *_e): "router" = fused_add_norm_router_e
+# Newer kernels beside the ones they may replace (cuda/fused.cu *_e): "norm" = fused_add_rms_norm_e
+# (vectorised, every load at once), "router" = fused_add_norm_router_e
 # (a block per expert, the norm made from one round of loads, a parallel top-k), "attn" = fused_rope_attn_e
 # (only the splits with keys run; fewer serial loads). HYBRID_FUSED_NEW: unset = NEW_DEFAULT; 1/all; 0/none;
 # a comma list. The older kernels stay the default until a GPU run shows the new ones correct and faster.
-NEW_PARTS = ("router", "attn")
+NEW_PARTS = ("norm", "router", "attn")
 NEW_DEFAULT: frozenset = frozenset()
 
 
@@ -159,7 +160,8 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
     out = torch.empty_like(x)
     hf = torch.empty(t, h, dtype=torch.float32, device=dev) if want_f32 else None
     if t:
-        _module(dev).launch("fused_add_rms_norm", (t, 1, 1), 256, [
+        new = new_kernel("norm") and h % 4 == 0 and _aligned(x, delta, weight)
+        _module(dev).launch("fused_add_rms_norm_e" if new else "fused_add_rms_norm", (t, 1, 1), 256, [
             _p(x), _p(delta), _p(weight), _p(x_out if delta is not None else None), _p(out), _p(hf),
             ctypes.c_int(h), ctypes.c_float(eps), ctypes.c_int(_DT[x.dtype]),
             ctypes.c_int(_DT[delta.dtype] if delta is not None else 0)])
