@@ -9,7 +9,9 @@ and with --nohuge each again on a second store in 4 KiB pages ('4k:...').  Every
 (cpu/stream.py) and each variant (order flipped every other round) the way hybrid-bench
 cpu-kernels does (a sweep over all experts, top-8 per call, best of --reps sweeps); the table has
 best and median GB/s over rounds and each round's ratio to the first variant.  The pool's wait
-policy is the process's (HYBRID_CPU_WAIT), so compare spin and passive in two runs.
+policy is the process's (HYBRID_CPU_WAIT), so compare spin and passive in two runs; each runner
+thread leads its own OpenMP team, and spinning teams would take cores from the one measured, so
+with spin run one variant and --no-read.
 """
 import argparse
 import statistics
@@ -64,6 +66,8 @@ def main() -> None:
     ap.add_argument("--nohuge", action="store_true", help="also every variant on a 4 KiB-page store")
     ap.add_argument("--l3x", type=float, default=2.0, help="expert set size in last-level caches")
     ap.add_argument("--budget", type=float, default=1e9, help="stop after the round that passes this many s")
+    ap.add_argument("--no-read", action="store_true",
+                    help="skip the read probe (with spinning waiters its team would spin beside the runner's)")
     a = ap.parse_args()
     t0 = time.time()
     print("pool wait:", set_pool_wait(), flush=True)
@@ -92,7 +96,8 @@ def main() -> None:
     res: dict = {}
     for r in range(a.rounds):
         for t in threads:
-            res.setdefault(("read", t, 0), []).append(read_gbs(stores[""].arena.array, t, a.reps))
+            if not a.no_read:
+                res.setdefault(("read", t, 0), []).append(read_gbs(stores[""].arena.array, t, a.reps))
             for m in ms:
                 for v in (vs if r % 2 == 0 else vs[::-1]):
                     res.setdefault((v, t, m), []).append(ours_gbs(store_of[v], runners[(v, t)], m, a.reps))
