@@ -118,6 +118,10 @@ __device__ __forceinline__ void fence_acc(float (&d)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+__device__ __forceinline__ void fence_a(u32 (&a)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
 // shared-memory matrix descriptor: no swizzle, LBO 128 (next k-octet), SBO 1024 (next 8 tokens)
 __device__ __forceinline__ u64 desc_b(u32 addr) {
   return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(128 >> 4) << 16) | ((u64)(1024 >> 4) << 32);
@@ -286,7 +290,7 @@ __device__ __forceinline__ void decode_a(u32 (&a)[4], const u32x4 (&wv)[2], u64 
   }
 }
 
-template <int FMT, int MW, int NT, int ST>
+template <int FMT, int MW, int NT, int ST, int PS>
 __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,
                                            const u16* __restrict__ xp, u16* __restrict__ y,
                                            float* __restrict__ part, int M, int N, int K, int Kp, int KS) {
@@ -321,9 +325,10 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
     if (kb + p < ke) load_stage<FMT, MW, NT>(ring + p * R::SLOT, xs, Kp, wl, sl, kb + p, C);
     cp_commit();
   }
-  u32 a[2][MW][4];
   int slot = 0;
-  for (int kt = kb; kt < ke; ++kt) {
+  // one 64-k step; ab: A fragment buffers [NB][MW][4] (group j uses ab[j % NB])
+  auto step = [&](int kt, auto& ab) {
+    constexpr int NB = sizeof(ab) / sizeof(ab[0]);
     cp_wait<ST - 3>();
     fence_proxy_async();  // this thread's cp.async writes (generic proxy) -> wgmma reads (async proxy)
     __syncthreads();  // stage kt landed for all; every warpgroup's wgmmas of step kt - 2 are done
@@ -333,6 +338,11 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
       cp_commit();
     }
     const u32 sb = ring + slot * R::SLOT;
+    // groups of 16 k of this step inside K (FP8: 2 on a last half step). ptxas (12.9) serializes the
+    // wgmmas (C7513) of the per-step pipeline when its step is straight-line code (NVFP4) unless the
+    // count is a run-time value, and of the per-group pipeline when it is: each form keeps its own
+    // (the compile-only check fails on C7513).
+    const int ng = PS ? (K - 64 * kt >= 64 ? 4 : (K - 64 * kt) >> 4) : (FMT == 8 && 2 * kt + 1 >= C ? 2 : 4);
     u32x4 wv[MW][2];
     u64 sv[MW];
 #pragma unroll
@@ -343,21 +353,62 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
     }
 #pragma unroll
     for (int u = 0; u < MW; ++u) fence_acc<NR>(acc[u]);
+    if (PS) {  // the whole step's fragments, then its wgmmas as one group
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (FMT == 8 && j == 2 && 2 * kt + 1 >= C) break;  // K ends half-way (the last k-step)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int u = 0; u < MW; ++u) decode_a<FMT>(a[j & 1][u], wv[u], sv[u], j);
+        for (int u = 0; u < MW; ++u) {
+          decode_a<FMT>(ab[j][u], wv[u], sv[u], j);
+          fence_a(ab[j][u]);  // computed before the fence, not sunk between the wgmmas
+        }
+      u64 d[4];  // the groups' B descriptors, likewise
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        d[j] = desc_b(sb + 256 * j);
+        asm volatile("" : "+l"(d[j])::"memory");
+      }
       wgmma_fence();
 #pragma unroll
-      for (int u = 0; u < MW; ++u)
-        wgmma_rs(acc[u], a[j & 1][u][0], a[j & 1][u][1], a[j & 1][u][2], a[j & 1][u][3], desc_b(sb + 256 * j));
+      for (int j = 0; j < 4; ++j) {
+        if (j == ng) break;
+#pragma unroll
+        for (int u = 0; u < MW; ++u)
+          wgmma_rs(acc[u], ab[j][u][0], ab[j][u][1], ab[j][u][2], ab[j][u][3], d[j]);
+      }
       wgmma_commit();
-      wgmma_wait<1>();  // the group before this one is done: its A registers are free
+      wgmma_wait<1>();  // the step before is done: its A registers are free
+    } else {   // per group: decode, wgmma, commit, wait for the group before
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (FMT == 8 && j == 2 && ng == 2) break;
+#pragma unroll
+        for (int u = 0; u < MW; ++u) {
+          decode_a<FMT>(ab[j % NB][u], wv[u], sv[u], j);
+          fence_a(ab[j % NB][u]);
+        }
+        u64 d = desc_b(sb + 256 * j);
+        asm volatile("" : "+l"(d)::"memory");
+        wgmma_fence();
+#pragma unroll
+        for (int u = 0; u < MW; ++u)
+          wgmma_rs(acc[u], ab[j % NB][u][0], ab[j % NB][u][1], ab[j % NB][u][2], ab[j % NB][u][3], d);
+        wgmma_commit();
+        wgmma_wait<1>();  // the group before this one is done: its A registers are free
+      }
     }
 #pragma unroll
     for (int u = 0; u < MW; ++u) fence_acc<NR>(acc[u]);
     slot = slot == ST - 1 ? 0 : slot + 1;
+  };
+  if (PS) {  // two buffer sets, alternating steps
+    u32 a0[4][MW][4], a1[4][MW][4];
+    for (int kt = kb; kt < ke; kt += 2) {
+      step(kt, a0);
+      if (kt + 1 < ke) step(kt + 1, a1);
+    }
+  } else {
+    u32 a[2][MW][4];
+    for (int kt = kb; kt < ke; ++kt) step(kt, a);
   }
   wgmma_wait<0>();
 #pragma unroll
@@ -397,12 +448,15 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
 // split) or part fp32 [splits, M, N] (non-null: split-K partials, unscaled), KS 64-k steps per
 // split. BR weight rows x NT tokens per block; ST ring stages; MINB blocks per SM (registers and
 // shared memory of that many fit).
-#define WGMMA(FMT, BR, NT, ST, MINB)                                                               \
-  extern "C" __global__ void __launch_bounds__(THREADS, MINB) qpn##FMT##_wgmma_##BR##x##NT(         \
+#define WGMMA1(FMT, BR, NT, ST, MINB, PS, SFX)                                                     \
+  extern "C" __global__ void __launch_bounds__(THREADS, MINB) qpn##FMT##_wgmma_##BR##x##NT##SFX(    \
       const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ xp, \
       u16* __restrict__ y, float* __restrict__ part, int M, int N, int K, int Kp, int KS) {         \
-    wgmma_body<FMT, BR / 128, NT, ST>(w, s, gs, xp, y, part, M, N, K, Kp, KS);                     \
+    wgmma_body<FMT, BR / 128, NT, ST, PS>(w, s, gs, xp, y, part, M, N, K, Kp, KS);                 \
   }
+// each tile in two pipelines: per group (decode, wgmma, wait for the group before) and, suffix _s,
+// per step (the step's 4 fragments decoded, its wgmmas one group; two register sets)
+#define WGMMA(FMT, BR, NT, ST, MINB) WGMMA1(FMT, BR, NT, ST, MINB, 0, ) WGMMA1(FMT, BR, NT, ST, MINB, 1, _s)
 WGMMA(2, 128, 64, 7, 2)
 WGMMA(2, 128, 128, 5, 2)
 WGMMA(2, 128, 256, 5, 1)

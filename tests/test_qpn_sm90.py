@@ -79,18 +79,20 @@ def test_pick_tile(m, tile):
 
 def test_plan_grid_and_splits():
     p = sm90.plan(2, 512, 151936, 2048, 132)          # lm_head: enough blocks, no split
-    assert p.kernel == "qpn2_wgmma_128x256" and p.grid == (2, 1187, 1) and p.ks == 32
+    assert p.kernel == f"qpn2_wgmma_128x256{sm90.PIPE[0]}" and p.grid == (2, 1187, 1) and p.ks == 32
     assert (p.mp, p.kp) == (512, 2048)
     p = sm90.plan(2, 512, 4096, 2048, 132)            # q_proj: 64 blocks -> 2 splits of 16 steps
     assert p.grid == (2, 32, 2) and p.ks == 16
-    p = sm90.plan(8, 17, 200, 352, 132)               # FP8, K = 32 mod 64: Kp 384, 6 steps, no split
-    assert p.kernel == "qpn8_wgmma_256x64" and (p.mp, p.kp) == (64, 384) and p.grid == (1, 1, 1) and p.ks == 6
+    p = sm90.plan(8, 17, 200, 352, 132, pipe="_s")    # FP8, K = 32 mod 64: Kp 384, 6 steps, no split
+    assert p.kernel == "qpn8_wgmma_256x64_s" and (p.mp, p.kp) == (64, 384) and p.grid == (1, 1, 1) and p.ks == 6
     p = sm90.plan(2, 100, 300, 4096, 132, tile=(128, 64), splits=100)   # forced: at most one split per step
     assert p.grid == (2, 3, 64) and p.ks == 1
     p = sm90.plan(2, 100, 300, 4096, 132, splits=3)   # 64 steps in 3 splits of 22 (the last 20)
     assert p.grid[2] == 3 and p.ks == 22
     with pytest.raises(ValueError, match="must be one of"):
         sm90.plan(2, 100, 300, 4096, 132, tile=(128, 32))
+    with pytest.raises(ValueError, match="pipe must be"):
+        sm90.plan(2, 100, 300, 4096, 132, pipe="_x")
     with pytest.raises(ValueError, match="bad shape"):
         sm90.plan(2, 100, 300, 96, 132)
 
@@ -148,10 +150,10 @@ def rel_err(y, ref):
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-def _check(w, wref, m, k, n, what, tile=None, splits=None):
+def _check(w, wref, m, k, n, what, tile=None, splits=None, pipe=None):
     x = fresh((m, k))
     y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-    sm90.linear(x.cuda(), w, y, tile=tile, splits=splits)
+    sm90.linear(x.cuda(), w, y, tile=tile, splits=splits, pipe=pipe)
     y = y.cpu()
     assert torch.isfinite(y).all(), f"{what} M={m}: unwritten, NaN or overflowed outputs"
     err = rel_err(y, x.double() @ wref.t())
@@ -162,8 +164,9 @@ def _check(w, wref, m, k, n, what, tile=None, splits=None):
                                        (QType.NVFP4, 1000, 2048), (QType.FP8, 136, 1056),
                                        (QType.NVFP4, 5, 4096), (QType.FP8, 300, 2048)])
 @pytest.mark.parametrize("tile", [None, *sm90.TILES])
+@pytest.mark.parametrize("pipe", sm90.PIPES)
 @needs_sm90
-def test_wgmma_matches_reference(qtype, n, k, tile):
+def test_wgmma_matches_reference(qtype, n, k, tile, pipe):
     """Every tile forced (and picked), M on both sides of the tiles, N not a multiple of 8,
     16 or 128, FP8 K = 32 mod 64 (the last step half empty)."""
     from hybrid.kernels import QPNWeight
@@ -172,7 +175,7 @@ def test_wgmma_matches_reference(qtype, n, k, tile):
     w = QPNWeight.from_qweight(qw, "cuda")
     wref = qw.dequantize(torch.float64)
     for m in (17, 64, 100, 129, 512):
-        _check(w, wref, m, k, n, f"{qtype.value} N={n} K={k} tile={tile}", tile=tile)
+        _check(w, wref, m, k, n, f"{qtype.value} N={n} K={k} tile={tile}{pipe}", tile=tile, pipe=pipe)
 
 
 @pytest.mark.parametrize("qtype,n,k", [(QType.NVFP4, 1000, 2048), (QType.FP8, 136, 1056)])

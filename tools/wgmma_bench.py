@@ -65,14 +65,13 @@ def bench_shape(name: str, fmt: str, ms: list[int], reps: int, tiles: list) -> l
         t_cub = time_ms([lambda d=d: x @ d.t() for d in dense], reps)
         rec = dict(shape=name, n=n, k=k, format=fmt, m=m, default_us=t_def * 1e3,
                    default_kernel=pick.label if pick else "mt", cublas_us=t_cub * 1e3)
-        for tile in tiles:
+        for tag, tile, pipe in tiles:
             y = torch.full((m, n), float("nan"), dtype=torch.float16, device=dev)
-            sm90.linear(x, base, y, tile=tile)
+            sm90.linear(x, base, y, tile=tile, pipe=pipe)
             err = ((y.float() - ref).norm() / ref.norm()).item()
-            t = time_ms([lambda w=w: sm90.linear(x, w, torch.empty(m, n, dtype=torch.float16, device=dev), tile=tile)
-                         for w in ws], reps)
-            p = sm90.plan(2 if fmt == "nvfp4" else 8, m, n, k, sms, tile)
-            tag = "pick" if tile is None else f"{tile[0]}x{tile[1]}"
+            t = time_ms([lambda w=w: sm90.linear(x, w, torch.empty(m, n, dtype=torch.float16, device=dev), tile=tile,
+                                                 pipe=pipe) for w in ws], reps)
+            p = sm90.plan(2 if fmt == "nvfp4" else 8, m, n, k, sms, tile, pipe=pipe)
             rec[f"wgmma_{tag}_us"] = t * 1e3
             rec[f"wgmma_{tag}_kernel"] = p.label
             rec[f"wgmma_{tag}_relerr"] = err
@@ -80,8 +79,7 @@ def bench_shape(name: str, fmt: str, ms: list[int], reps: int, tiles: list) -> l
         out.append(rec)
         line = (f"{name:14s} {fmt:5s} M={m:4d} cuBLAS {rec['cublas_us']:8.1f}  default {rec['default_us']:8.1f} "
                 f"({rec['default_kernel']})")
-        for tile in tiles:
-            tag = "pick" if tile is None else f"{tile[0]}x{tile[1]}"
+        for tag, _, _ in tiles:
             line += (f"  wgmma[{tag}] {rec[f'wgmma_{tag}_us']:8.1f} ({rec[f'wgmma_{tag}_kernel']}, "
                      f"err {rec[f'wgmma_{tag}_relerr']:.1e})")
         print(line + f"  permute {rec['permute_us']:.1f}", flush=True)
@@ -90,20 +88,28 @@ def bench_shape(name: str, fmt: str, ms: list[int], reps: int, tiles: list) -> l
     return out
 
 
+def parse_tile(v: str):
+    """'pick' -> (tag, None, None); '<BR>x<NT>[_s]' -> (tag, (BR, NT), pipe)."""
+    if v == "pick":
+        return v, None, None
+    base, _, sfx = v.partition("_")
+    return v, tuple(int(a) for a in base.split("x")), "_" + sfx if sfx else ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="append JSONL records here")
     ap.add_argument("--shapes", default="lm_head,dense_up,dense_down,q_proj", help="comma list of " + ",".join(SHAPES))
     ap.add_argument("--formats", default="nvfp4,fp8")
     ap.add_argument("--m", default="64,128,512")
-    ap.add_argument("--tiles", default="pick", help="comma list of wgmma tiles to time: pick, <BR>x<NT> "
-                                                    "(hybrid.kernels.sm90.TILES)")
+    ap.add_argument("--tiles", default="pick", help="comma list of wgmma kernels to time: pick, <BR>x<NT>[_s] "
+                                                    "(hybrid.kernels.sm90.TILES; _s: the per-step pipeline)")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("tools/wgmma_bench.py: needs an sm_90 GPU")
         return 2
-    tiles = [None if v == "pick" else tuple(int(a) for a in v.split("x")) for v in args.tiles.split(",")]
+    tiles = [parse_tile(v) for v in args.tiles.split(",")]
     env = dict(machine=platform.node(), gpu=torch.cuda.get_device_name(), git_sha=git_sha(),
                torch=torch.__version__, command="tools/wgmma_bench.py " + " ".join(argv or []))
     with open(args.out, "a") as f:

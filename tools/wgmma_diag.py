@@ -14,7 +14,7 @@ import argparse
 import torch
 
 
-def diag(fmt: str, tile: tuple[int, int]) -> bool:
+def diag(fmt: str, tile: tuple[int, int], pipe: str) -> bool:
     from hybrid.checkpoint.formats import QType
     from hybrid.kernels import QPNWeight, sm90
     from tests.test_qpn_layout import fp8, nvfp4
@@ -26,13 +26,13 @@ def diag(fmt: str, tile: tuple[int, int]) -> bool:
     wd = qw.dequantize(torch.float32)                         # [N, K]
     x = torch.eye(m, k, dtype=torch.float16)
     y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-    sm90.linear(x.cuda(), w, y, tile=tile)
+    sm90.linear(x.cuda(), w, y, tile=tile, pipe=pipe)
     torch.cuda.synchronize()
     y = y.float().cpu()
     ref = wd.t()[:m]                                          # y[m, n] = W[n, m]
     err = ((y - ref).norm() / ref.norm()).item()
     ok = err < 2e-3 and torch.isfinite(y).all().item()
-    print(f"{fmt} tile {br}x{nt}: relative error {err:.2e}, NaN {int(torch.isnan(y).sum())} of {y.numel()}"
+    print(f"{fmt} tile {br}x{nt}{pipe}: relative error {err:.2e}, NaN {int(torch.isnan(y).sum())} of {y.numel()}"
           f" -> {'OK' if ok else 'WRONG'}")
     if ok:
         return True
@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     ok = True
     for fmt in args.format.split(","):
         for tile in tiles:
-            ok &= diag(fmt, tile)
+            for pipe in sm90.PIPES:
+                ok &= diag(fmt, tile, pipe)
     return 0 if ok else 1
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -40,7 +41,12 @@ MAX_SPLITS = 8
 # relative cost per token row of a block of NT tokens (the wgmma amortises the decode and the
 # barrier over NT; first guesses, not yet measured)
 TOKEN_COST = {64: 1.4, 128: 1.15, 256: 1.0}
-KERNELS = tuple(["qpn_sm90_permute_x"] + [f"qpn{f}_wgmma_{br}x{nt}" for f in (2, 8) for br, nt in TILES])
+# pipelines: "" per group (decode a fragment, its wgmma, wait for the group before), "_s" per step (the
+# step's 4 fragments, its wgmmas as one group, two register sets); PIPE[0] is the one plan() takes
+PIPES = ("", "_s")
+PIPE: list[str] = [os.environ.get("HYBRID_WGMMA_PIPE", "")]
+KERNELS = tuple(["qpn_sm90_permute_x"] + [f"qpn{f}_wgmma_{br}x{nt}{p}" for f in (2, 8) for br, nt in TILES
+                                          for p in PIPES])
 
 
 def source() -> str:
@@ -73,7 +79,7 @@ class Sm90Plan:
 
     @property
     def label(self) -> str:
-        return f"wgmma_{self.tile[0]}x{self.tile[1]}" + (f"/s{self.grid[2]}" if self.grid[2] > 1 else "")
+        return self.kernel.split("_", 1)[1] + (f"/s{self.grid[2]}" if self.grid[2] > 1 else "")
 
 
 def pick_tile(m: int) -> tuple[int, int]:
@@ -84,15 +90,18 @@ def pick_tile(m: int) -> tuple[int, int]:
 
 
 def plan(fmt: int, m: int, n: int, k: int, sms: int, tile: tuple[int, int] | None = None,
-         splits: int | None = None) -> Sm90Plan:
+         splits: int | None = None, pipe: str | None = None) -> Sm90Plan:
     """The launch for M rows, N out, K in on a device with `sms` SMs. Split K while the blocks fill
     less than one wave (MIN_BLOCKS per SM), each split at least MIN_KSTEPS steps, at most MAX_SPLITS.
-    tile (BR, NT) / splits: forced (benchmark, tests)."""
+    tile (BR, NT) / splits / pipe (PIPES; default PIPE[0]): forced (benchmark, tests)."""
     if fmt not in (2, 8) or m < 1 or n < 1 or k < 1 or k % (64 if fmt == 2 else 32):
         raise ValueError(f"sm90 plan: bad shape fmt={fmt} M={m} N={n} K={k}")
     tile = pick_tile(m) if tile is None else tuple(tile)
     if tile not in TILES:
         raise ValueError(f"sm90 plan: tile (BR, NT) must be one of {TILES}, got {tile}")
+    pipe = PIPE[0] if pipe is None else pipe
+    if pipe not in PIPES:
+        raise ValueError(f"sm90 plan: pipe must be one of {PIPES}, got {pipe!r}")
     br, nt = tile
     mp, kp = -(-m // nt) * nt, -(-k // 64) * 64
     nk = kp // 64
@@ -102,7 +111,7 @@ def plan(fmt: int, m: int, n: int, k: int, sms: int, tile: tuple[int, int] | Non
     splits = max(1, min(int(splits), nk))
     ks = -(-nk // splits)
     splits = -(-nk // ks)
-    return Sm90Plan(f"qpn{fmt}_wgmma_{br}x{nt}", tile, (mp // nt, -(-n // br), splits), ks, mp, kp,
+    return Sm90Plan(f"qpn{fmt}_wgmma_{br}x{nt}{pipe}", tile, (mp // nt, -(-n // br), splits), ks, mp, kp,
                     smem_bytes(fmt, br, nt))
 
 
@@ -192,7 +201,7 @@ def _p(t: torch.Tensor) -> ctypes.c_void_p:
 
 # ---------------------------------------------------------------------------- launcher
 def linear(x: torch.Tensor, w, y: torch.Tensor, tile: tuple[int, int] | None = None,
-           splits: int | None = None) -> torch.Tensor:
+           splits: int | None = None, pipe: str | None = None) -> torch.Tensor:
     """y[M, N] fp16 = x[M, K] . W^T on an sm_90 device (checked by qpn.qpn_linear: shapes, dtypes,
     device, alignment). A pre-pass writes the permuted activations xp [Mp, Kp]; split-K sums fp32
     partials [S, M, N] in split order (torch) and scales by the folded global scale."""
@@ -200,7 +209,7 @@ def linear(x: torch.Tensor, w, y: torch.Tensor, tile: tuple[int, int] | None = N
     fmt = 2 if w.qtype is QType.NVFP4 else 8
     mod = module(w.device)
     sms = torch.cuda.get_device_properties(w.device).multi_processor_count
-    pl = plan(fmt, m, n, k, sms, tile, splits)
+    pl = plan(fmt, m, n, k, sms, tile, splits, pipe)
     xp = torch.empty(pl.mp, pl.kp, dtype=torch.float16, device=x.device)
     groups = pl.mp * pl.kp // 16
     launch(mod, "qpn_sm90_permute_x", (-(-groups // THREADS), 1, 1), 0,
@@ -235,6 +244,26 @@ def compile_check():
     return parse_ptxas(res.stderr), ptx.decode(), res.stderr
 
 
+def native_check(nv=None) -> tuple[list, str]:
+    """This machine's NVRTC straight to the sm_90a CUBIN with ptxas' report from NVRTC's own log (no
+    ptxas binary needed; the GPU machine's toolchain): ([KernelReport], log)."""
+    from hybrid.kernels.build import parse_ptxas
+    from hybrid.kernels.nvrtc import load_nvrtc
+
+    nv = nv or load_nvrtc()
+    lib, prog = nv.lib, ctypes.c_void_p()
+    nv._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source().encode(), SOURCE_NAME.encode(), 0, None, None),
+              "create")
+    try:
+        opts = options() + ["--ptxas-options=-v"]
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        nv._check(lib.nvrtcCompileProgram(prog, len(opts), arr), f"compile of {SOURCE_NAME}", nv._log(prog))
+        log = nv._log(prog)
+        return parse_ptxas(log), log
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -242,16 +271,19 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true", required=True,
                     help="compile for sm_90a with NVRTC 12 + ptxas (pip wheels); fail on spills or "
                          "serialized wgmma")
-    ap.parse_args(argv)
-    reports, _, log = compile_check()
+    ap.add_argument("--native", action="store_true",
+                    help="with this machine's NVRTC straight to CUBIN (ptxas report from its log)")
+    args = ap.parse_args(argv)
+    if args.native:
+        reports, log = native_check()
+    else:
+        reports, _, log = compile_check()
     print(f"sm_{ARCH}: {len(reports)} kernels")
     print(f"{'kernel':24s} {'regs':>5s} {'spill st':>9s} {'spill ld':>9s} {'smem(dyn)':>10s}")
     bad = 0
     for r in sorted(reports, key=lambda r: r.name):
-        dyn = 0
-        if "_wgmma_" in r.name:
-            br, nt = r.name.rsplit("_", 1)[1].split("x")
-            dyn = smem_bytes(int(r.name[3]), int(br), int(nt))
+        t = re.match(r"qpn(\d)_wgmma_(\d+)x(\d+)", r.name)
+        dyn = smem_bytes(*map(int, t.groups())) if t else 0
         flag = "  SPILL" if r.spill_stores or r.spill_loads else ""
         bad += bool(flag)
         print(f"{r.name:24s} {r.registers:5d} {r.spill_stores:9d} {r.spill_loads:9d} {dyn:10d}{flag}")
