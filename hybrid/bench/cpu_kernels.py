@@ -529,7 +529,7 @@ def progress(row: Row) -> None:
 
 def run(args) -> int:
     from hybrid.errors import HybridError
-    from hybrid.experts.cpu_runner import physical_cores, set_pool_wait
+    from hybrid.experts.cpu_runner import default_schedule, physical_cores, set_pool_wait
 
     if args.worker:
         return serve_worker(args.quick)
@@ -539,7 +539,7 @@ def run(args) -> int:
         raise HybridError(f"--shapes: expected a comma list of {', '.join(SHAPES)}, got {args.shapes!r}")
     threads = sorted({1, args.threads or physical_cores()})
     wait = set_pool_wait()                        # before any runner starts Numba's pool (and the child's)
-    info = dict(machine=dict(machine(), pool_wait=wait), command="hybrid-bench cpu-kernels " + " ".join(sys.argv[2:]),
+    info = dict(machine=dict(machine(), pool_wait=wait, schedule=default_schedule()), command="hybrid-bench cpu-kernels " + " ".join(sys.argv[2:]),
                 nvfp4_kernel="int16" if NVFP4_INT16 else "fp32",
                 git=git_sha(dirty=False), time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     gg, info["ggml"] = _ggml()
@@ -619,7 +619,7 @@ def markdown(info: dict, rows: list[Row]) -> str:
         "# CPU expert kernels (cpu/, hybrid-bench cpu-kernels)", "",
         f"Machine: {m['cpu']}, {m['physical_cores']} physical cores ({m['logical_cpus']} logical), "
         f"LLVM cpu `{m['llvm_cpu']}`, AVX2 {m['avx2']}, AVX-512 {m['avx512']}, L3 {m['l3_bytes'] >> 20} MiB, "
-        f"THP [{m['thp']}], numba {m['numba']} (pool waiters: {m.get('pool_wait', '?')}).  Shared machine: read ratios, not absolutes.",
+        f"THP [{m['thp']}], numba {m['numba']} (pool waiters: {m.get('pool_wait', '?')}; runner schedule: {m.get('schedule', 'phases')}).  Shared machine: read ratios, not absolutes.",
         f"Command: `{info['command']}`; git {info['git']}; {info['time']}.", "",
         "GB/s = packed weight + block-scale bytes of the experts touched / wall time (top-8 experts per "
         "call, M tokens routed to each, a set of experts several times the L3).  `haswell` = the same "

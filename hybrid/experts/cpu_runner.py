@@ -44,6 +44,12 @@ POOL_WAIT_ENV = "HYBRID_CPU_WAIT"
 POOL_WAITS = {"passive": "PASSIVE", "spin": None}     # -> OMP_WAIT_POLICY (None: libgomp's default)
 SCHEDULE_ENV = "HYBRID_CPU_SCHEDULE"
 SCHEDULES = ("phases", "dataflow")                      # cpu/expert.py experts_parallel, cpu/dataflow.py
+DEFAULT_SCHEDULE = "phases"
+
+
+def default_schedule() -> str:
+    """The schedule a runner built without one uses: $HYBRID_CPU_SCHEDULE, else DEFAULT_SCHEDULE."""
+    return (os.environ.get(SCHEDULE_ENV) or DEFAULT_SCHEDULE).strip().lower()
 
 
 def schedule_kernel(schedule: str, prefetch: tuple[int, bool] = (PREFETCH, True)):
@@ -114,7 +120,7 @@ class CpuExpertRunner:
     def __init__(self, store, threads: int | None = None, inline_bytes: int = INLINE_BYTES,
                  wait: str | None = None, schedule: str | None = None, prefetch: tuple[int, bool] = (PREFETCH, True)):
         self.store = store
-        self.schedule = (schedule or os.environ.get(SCHEDULE_ENV) or "phases").strip().lower()
+        self.schedule = (schedule or default_schedule()).strip().lower()
         if self.schedule not in SCHEDULES:
             raise HybridError(f"{SCHEDULE_ENV}={self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
         self._kernel = schedule_kernel(self.schedule, prefetch)
