@@ -47,6 +47,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--sha", default="unknown")
     ap.add_argument("--moe", action="store_true", help="probe the grouped MoE kernels instead")
+    ap.add_argument("--extra", default="", help="comma list of more M <= 8 kernel names to probe (e.g. variants "
+                                                 "added to cuda/qpn.cu for a measurement; '_t2' in a name: two tiles per warp)")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
     read_bw, copy_bw = bandwidths()
@@ -69,10 +71,11 @@ def main() -> int:
                 t = time_ms([lambda w=w: qpn_linear(x, w) for w in ws], a.reps)
                 rows = [dict(kernel="pick", ks=None, grid=None, waves=None, t_us=t * 1e3)]
                 names = [f"qpn{fmt}_linear_mt1", f"qpn{fmt}_linear_mt1_t2u1"]
+                names += [nm for nm in a.extra.split(",") if nm and nm.startswith(f"qpn{fmt}_")]
                 if fmt == 2 and m == 1:
                     names += ["qpn2_linear_m1_as", "qpn2_linear_m1_as2"]
                 for name in names:
-                    units = -(-tiles // 2) if name.endswith(qpn.PAIR_KERNELS) else tiles
+                    units = -(-tiles // 2) if "_t2" in name or name.endswith(qpn.PAIR_KERNELS) else tiles
                     per_sm = occupancy(mod, name)
                     for ks in (1, 2, 4, 8):
                         if chunks // ks < 2:
