@@ -1303,11 +1303,15 @@ GEMMF(8, 64, 128, 4, 2)
 // grouped by slot), active [min(A, S)] (slots with at least one assignment, ascending; -1 after),
 // so the expert kernels launch min(A, S) block rows instead of S (most slots idle in decode).
 // One block of 1024 threads; S <= 1024. Ids outside [0, S) are dropped.
+// zero[nzero] (fp32, 16-byte aligned, nzero % 4 == 0): the down kernel's output, zeroed here so a
+// decode step needs no separate memset (the launcher passes nzero = 0 for large outputs).
 extern "C" __global__ void __launch_bounds__(1024)
     qpn_moe_route(const int* __restrict__ slot_ids, int A, int S, int* __restrict__ offsets,
-                  int* __restrict__ perm, int* __restrict__ active) {
+                  int* __restrict__ perm, int* __restrict__ active, float* __restrict__ zero, int nzero) {
   __shared__ int cnt[1024], scan[1024], ascan[1024];
   const int t = threadIdx.x;
+  const f32x4 z4 = {0.f, 0.f, 0.f, 0.f};
+  for (int j = 4 * t; j < nzero; j += 4 * 1024) *reinterpret_cast<f32x4*>(zero + j) = z4;
   cnt[t] = 0;
   __syncthreads();
   for (int a = t; a < A; a += 1024) {

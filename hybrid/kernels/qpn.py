@@ -632,6 +632,9 @@ class QPNExpertSlots:
 # 24.4 / 25.8 us at 6 chunks vs 24.5 / 26.6 at 3, FP8 27.3 / 28.3 vs 28.9 / 30.9 at 3; one token:
 # 3 chunks per warp stays best)
 MOE_DOWN_MIN_CHUNKS = 6
+# qpn_moe: outputs of at most this many fp32 values are zeroed by the route kernel (one block) instead
+# of a separate memset (8 decode tokens x hidden 4096 = 32768)
+ROUTE_ZERO_MAX = 32768
 
 
 def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, token_idx: torch.Tensor,
@@ -649,9 +652,13 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
     t = x.shape[0]
     if dev.type != "cuda":
         return ref_moe(x, slots.host, slot_ids, token_idx, route_w)
-    y = torch.zeros(t, h, dtype=torch.float32, device=dev)
     if a == 0 or t == 0:
-        return y
+        return torch.zeros(t, h, dtype=torch.float32, device=dev)
+    # the route kernel zeroes a small output (decode) itself: one graph node fewer per layer
+    y = torch.empty(t, h, dtype=torch.float32, device=dev)
+    nzero = t * h if t * h <= ROUTE_ZERO_MAX else 0
+    if not nzero:
+        y.zero_()
     mod = _module(dev)
     s = slots.num_slots
     offsets = torch.empty(s + 1, dtype=torch.int32, device=dev)
@@ -660,7 +667,8 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
     slot_list = torch.empty(rows, dtype=torch.int32, device=dev)
     hbuf = torch.empty(a, i, dtype=torch.float16, device=dev)
     mod.launch("qpn_moe_route", (1, 1, 1), 1024,
-               [_p(slot_ids), ctypes.c_int(a), ctypes.c_int(s), _p(offsets), _p(perm), _p(slot_list)])
+               [_p(slot_ids), ctypes.c_int(a), ctypes.c_int(s), _p(offsets), _p(perm), _p(slot_list), _p(y),
+                ctypes.c_int(nzero)])
     mt = 1 if t <= 8 else 4
     sfx = variant(MOE_VARIANT[0], mod.sm) if mt == 1 else ""
     fmt, ck, sms = _fmt(slots.qtype), layout.CHUNK[slots.qtype], _sms(dev)
