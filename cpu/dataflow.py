@@ -43,6 +43,7 @@ from cpu.layout import GROUP
 from cpu.tiles import JIT
 
 QROWS = 16                # x rows per Q unit
+PF_ON, PF_STOP, PF_NEXT = 0, 1, 2   # prefetch near a unit's end (experts_dataflow)
 SPIN_YIELD = 2000         # pause rounds before a waiting part yields its CPU
 LINE = 8                  # int64 counters per 64-byte cache line
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
@@ -95,9 +96,9 @@ def dataflow_buffers(E, nth, P, R, hcols):
 
 
 @njit(**JIT)
-def down_part(qkind, arena, dn_off, hq, hs, h, ptr, e, t, part, I, R, pf, pf_lim):
+def down_part(qkind, arena, dn_off, hq, hs, h, ptr, e, t, part, I, R, pf, pf_lim, pf_jump):
     """D unit (e, t): part[ptr[e]:ptr[e+1], t*R:(t+1)*R] = unscaled down-projection of h's rows
-    (NVFP4_I16: prefetch pf ahead, up to pf_lim bytes from the tile's start)."""
+    (NVFP4_I16 prefetch: nvfp4_i16_tile_pf)."""
     hrows = np.arange(part.shape[0])
     if qkind == NVFP4_I16:
         tb = tile_nbytes(NVFP4_I16, I, R)
@@ -105,7 +106,7 @@ def down_part(qkind, arena, dn_off, hq, hs, h, ptr, e, t, part, I, R, pf, pf_lim
         for b0 in range(ptr[e], ptr[e + 1], MB):
             b1 = min(ptr[e + 1], b0 + MB)
             nvfp4_i16_tile_pf(arena[base: base + tb], I // GROUP, hq, hs, hrows, b0, b1,
-                              part[b0:b1, t * R:(t + 1) * R], pf, pf_lim)
+                              part[b0:b1, t * R:(t + 1) * R], pf, pf_lim, pf_jump)
         return
     tb = tile_nbytes(qkind, I, R)
     acc, dec = scratch(R)
@@ -130,10 +131,11 @@ def reduce_tile(qkind, scl, part, rows, ptr, w, t, out, H, R):
 
 
 @njit(parallel=True, nogil=True, fastmath=True, cache=True)
-def experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, n, pf, clamp):
+def experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, n, pf, pfmode):
     """Both phases of experts_forward as Q, G, D units claimed by n parts (module doc).
-    NVFP4_I16 prefetch: pf bytes ahead; clamp: never past the unit's own bytes (G: its gate|up
-    pair, D: its down tile), else into whatever follows (another part's unit)."""
+    NVFP4_I16 prefetch, pf bytes ahead; near a unit's end (G: its gate|up tile pair, D: its down
+    tile) it goes, pfmode PF_ON: on into the bytes that follow (often another part's unit),
+    PF_STOP: nowhere, PF_NEXT: into the part's next unit, claimed one unit ahead."""
     T = x.shape[0]
     E = len(ptr) - 1
     P = rows.shape[0]
@@ -149,9 +151,11 @@ def experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H,
     if i16 and nq == 0:
         quantize_rows(x, 0, T, xq, xs)
     qdone = LINE + E + nth
+    total = nq + n1 + n2
     for k in prange(n):
         u = fetch_add(state, 0, 1)
-        while u < nq + n1 + n2:
+        while u < total:
+            v = fetch_add(state, 0, 1) if pfmode == PF_NEXT else total     # claimed one ahead
             if u < nq:
                 quantize_rows(x, u * QROWS, min(T, (u + 1) * QROWS), xq, xs)
                 fetch_add(state, qdone, 1)
@@ -159,8 +163,10 @@ def experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H,
                 g = u - nq
                 wait_count(state, qdone, nq)
                 if i16:
-                    gate_up_unit_i16(arena, gu_off, scl, xq, xs, rows, ptr, g, hq, hs, H, I, R, pf,
-                                     2 * tb1 if clamp else NO_LIMIT)
+                    end = _unit_start(gu_off, dn_off, g, nti, tb1, nq, n1, nth, tb2) + 2 * tb1
+                    lim, jump = _pf_bounds(pf, pfmode, 2 * tb1, end, v, gu_off, dn_off, nti, tb1, nq, n1, nth, tb2,
+                                           total)
+                    gate_up_unit_i16(arena, gu_off, scl, xq, xs, rows, ptr, g, hq, hs, H, I, R, pf, lim, jump)
                 else:
                     experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, g, g + 1, h, H, I, R)
                 fetch_add(state, LINE + g // nti, 1)
@@ -168,8 +174,31 @@ def experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H,
                 d = u - nq - n1
                 e, t = d // nth, d % nth
                 wait_count(state, LINE + e, nti)
-                down_part(qkind, arena, dn_off, hq, hs, h, ptr, e, t, part, I, R, pf,
-                          tb2 - 64 if clamp else NO_LIMIT)
+                end = dn_off[e] + (t + 1) * tb2
+                lim, jump = _pf_bounds(pf, pfmode, tb2, end, v, gu_off, dn_off, nti, tb1, nq, n1, nth, tb2, total)
+                down_part(qkind, arena, dn_off, hq, hs, h, ptr, e, t, part, I, R, pf, lim, jump)
                 if fetch_add(state, LINE + E + t, 1) == E - 1:
                     reduce_tile(qkind, scl, part, rows, ptr, w, t, out, H, R)
-            u = fetch_add(state, 0, 1)
+            u = v if pfmode == PF_NEXT else fetch_add(state, 0, 1)
+
+
+@njit(nogil=True, cache=True)
+def _unit_start(gu_off, dn_off, u, nti, tb1, nq, n1, nth, tb2):
+    """Arena offset of the first weight byte of G unit u (0-based among G units)."""
+    return gu_off[u // nti] + 2 * (u % nti) * tb1
+
+
+@njit(nogil=True, cache=True)
+def _pf_bounds(pf, pfmode, lim, end, v, gu_off, dn_off, nti, tb1, nq, n1, nth, tb2, total):
+    """(pf_lim, pf_jump) of nvfp4_i16_tile_pf for a unit whose bytes end at arena offset `end`
+    (lim bytes from its start), the part's next unit being v (PF_NEXT)."""
+    if pfmode == PF_ON:
+        return NO_LIMIT, 0
+    if pfmode == PF_STOP or v >= total or v < nq:
+        return lim, -pf
+    if v < nq + n1:
+        nxt = _unit_start(gu_off, dn_off, v - nq, nti, tb1, nq, n1, nth, tb2)
+    else:
+        d = v - nq - n1
+        nxt = dn_off[d // nth] + (d % nth) * tb2
+    return lim, nxt - end

@@ -100,13 +100,14 @@ def experts_down(qkind, arena, dn_off, scl, h, rows, ptr, w, t0, t1, out, H, I, 
 def experts_gate_up_i16(arena, gu_off, scl, xq, xs, rows, ptr, u0, u1, hq, hs, H, I, R):
     """Phase 1 (NVFP4_I16), units [u0, u1): hq/hs[p, tile t] = int16(silu(gate) * up), per 16-block."""
     for u in range(u0, u1):
-        gate_up_unit_i16(arena, gu_off, scl, xq, xs, rows, ptr, u, hq, hs, H, I, R, PREFETCH, NO_LIMIT)
+        gate_up_unit_i16(arena, gu_off, scl, xq, xs, rows, ptr, u, hq, hs, H, I, R, PREFETCH, NO_LIMIT, 0)
 
 
 @njit(**JIT)
-def gate_up_unit_i16(arena, gu_off, scl, xq, xs, rows, ptr, u, hq, hs, H, I, R, pf, pf_end):
-    """Unit u = (expert e, I-tile t) of phase 1 (NVFP4_I16); prefetches pf bytes ahead, never past
-    pf_end bytes from the unit's start (its gate|up tile pair is 2 tb bytes)."""
+def gate_up_unit_i16(arena, gu_off, scl, xq, xs, rows, ptr, u, hq, hs, H, I, R, pf, pf_end, pf_jump):
+    """Unit u = (expert e, I-tile t) of phase 1 (NVFP4_I16); prefetches pf bytes ahead, moved by
+    pf_jump where that reaches pf_end bytes from the unit's start (nvfp4_i16_tile_pf; the unit's
+    gate|up tile pair is 2 tb bytes)."""
     nti = (I + R - 1) // R
     tb = tile_nbytes(NVFP4_I16, H, R)
     G = H // GROUP
@@ -118,9 +119,9 @@ def gate_up_unit_i16(arena, gu_off, scl, xq, xs, rows, ptr, u, hq, hs, H, I, R, 
     cg, cu = scl[e, 0] * I16_FACTOR, scl[e, 1] * I16_FACTOR
     for b0 in range(ptr[e], ptr[e + 1], MB):
         b1 = min(ptr[e + 1], b0 + MB)
-        nvfp4_i16_tile_pf(arena[base: base + tb], G, xq, xs, rows, b0, b1, acc_g, pf, pf_end - 64)      # [m, R]
+        nvfp4_i16_tile_pf(arena[base: base + tb], G, xq, xs, rows, b0, b1, acc_g, pf, pf_end, pf_jump)    # [m, R]
         nvfp4_i16_tile_pf(arena[base + tb: base + 2 * tb], G, xq, xs, rows, b0, b1, acc_u, pf,
-                          pf_end - tb - 64)                                                            # [m, R]
+                          pf_end - tb, pf_jump)                                                        # [m, R]
         for m in range(b1 - b0):
             for r in range(R):
                 g = acc_g[m, r] * cg

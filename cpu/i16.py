@@ -110,14 +110,16 @@ def _weights(builder, v):
 
 def _make_block(MT: int):
     @intrinsic
-    def block(typingctx, tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim):
+    def block(typingctx, tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim, pf_jump):
         """acc[a0 + m, col:col + 8] = Σ_g isum * scale (m < MT, token row rows[p0 + m]); see module doc.
-        Prefetches tile + min(off + 64 g + pf, pf_lim) per group (bytes from the tile's start)."""
-        sig = types.void(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
+        Prefetches tile + a per group, a = off + 64 g + pf, plus pf_jump where a >= pf_lim
+        (bytes from the tile's start): see nvfp4_i16_tile_pf."""
+        sig = types.void(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim, pf_jump)
 
         def codegen(context, builder, signature, args):
-            tile_v, off_v, g_v, xq_v, xs_v, rows_v, p0_v, acc_v, a0_v, col_v, pf_v, lim_v = args
-            off_v, pf_v, lim_v = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 10, 11))
+            g_v, p0_v, a0_v, col_v = args[2], args[6], args[8], args[9]
+            off_v, pf_v, lim_v, jump_v = (context.cast(builder, args[i], signature.args[i], types.int64)
+                                          for i in (1, 10, 11, 12))
             arr = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else None
                    for t, v in zip(signature.args, args)]
             tile0 = builder.bitcast(arr[0].data, _I8.as_pointer())
@@ -143,7 +145,7 @@ def _make_block(MT: int):
                 cb = builder.gep(base, [builder.mul(g, ir.Constant(_I64, 64))])
                 pf = _declare(builder.module, "llvm.prefetch.p0i8", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
                 at = builder.add(builder.add(off_v, builder.mul(g, ir.Constant(_I64, 64))), pf_v)
-                at = builder.select(builder.icmp_signed("<", at, lim_v), at, lim_v)
+                at = builder.select(builder.icmp_signed("<", at, lim_v), at, builder.add(at, jump_v))
                 builder.call(pf, [builder.gep(tile0, [at]), ir.Constant(_I32, 0),
                                   ir.Constant(_I32, 3), ir.Constant(_I32, 1)])      # read, keep, data
                 ops = []
@@ -179,24 +181,24 @@ block_m5, block_m6, block_m7, block_m8 = (_make_block(m) for m in (5, 6, 7, 8))
 
 
 @njit(**JIT)
-def _block(tile, off, G, xq, xs, rows, p0, k, acc, a0, col, pf, pf_lim):
+def _block(tile, off, G, xq, xs, rows, p0, k, acc, a0, col, pf, pf_lim, pf_jump):
     """k (1..8) tokens rows[p0:p0 + k] -> acc[a0:a0 + k, col:col + 8]."""
     if k >= 8:
-        block_m8(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
+        block_m8(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim, pf_jump)
     elif k == 7:
-        block_m7(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
+        block_m7(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim, pf_jump)
     elif k == 6:
-        block_m6(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
+        block_m6(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim, pf_jump)
     elif k == 5:
-        block_m5(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
+        block_m5(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim, pf_jump)
     elif k == 4:
-        block_m4(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
+        block_m4(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim, pf_jump)
     elif k == 3:
-        block_m3(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
+        block_m3(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim, pf_jump)
     elif k == 2:
-        block_m2(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
+        block_m2(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim, pf_jump)
     else:
-        block_m1(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim)
+        block_m1(tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim, pf_jump)
 
 
 @njit(**JIT)
@@ -204,19 +206,21 @@ def nvfp4_i16_tile(tile, G, xq, xs, rows, p0, p1, acc):
     """tile u8 [R/8 * G * 72] (cpu/layout.py); tokens rows[p0:p1] of xq i16 [*, >=16G] / xs f32
     [*, >=G] -> acc f32 [>= p1 - p0, R] (unscaled, see module doc).  Block-major: each 8-row
     block's bytes stream once, for every 8 tokens (decode repeats per 8 tokens, from L1).
-    Prefetches PREFETCH bytes ahead, past the tile's end too (nvfp4_i16_tile_pf bounds it)."""
-    nvfp4_i16_tile_pf(tile, G, xq, xs, rows, p0, p1, acc, PREFETCH, NO_LIMIT)
+    Prefetches PREFETCH bytes ahead, past the tile's end too (nvfp4_i16_tile_pf redirects it)."""
+    nvfp4_i16_tile_pf(tile, G, xq, xs, rows, p0, p1, acc, PREFETCH, NO_LIMIT, 0)
 
 
 @njit(**JIT)
-def nvfp4_i16_tile_pf(tile, G, xq, xs, rows, p0, p1, acc, pf, pf_lim):
-    """nvfp4_i16_tile with the prefetch distance pf (bytes) and the last byte offset from the
-    tile's start that may be prefetched (pf_lim; past the tile is allowed: a prefetch never faults)."""
+def nvfp4_i16_tile_pf(tile, G, xq, xs, rows, p0, p1, acc, pf, pf_lim, pf_jump):
+    """nvfp4_i16_tile, prefetching pf bytes ahead of each group's codes; a target at or past
+    pf_lim bytes from the tile's start moves by pf_jump bytes: to where the caller reads next
+    (another unit), or by -pf onto the current group (no prefetch past pf_lim).  Any address
+    is allowed: a prefetch never faults."""
     nb = tile.shape[0] // (GROUP_BYTES * G)
     for b in range(nb):
         for i in range(0, p1 - p0, 8):
             _block(tile, b * GROUP_BYTES * G, G, xq, xs, rows, p0 + i, min(8, p1 - p0 - i), acc, i, 8 * b,
-                   pf, pf_lim)
+                   pf, pf_lim, pf_jump)
 
 
 # ----------------------------------------------------------------------------- activations

@@ -4,7 +4,8 @@
 
 Variants are runner schedules (hybrid/experts/cpu_runner.py SCHEDULES) with optional prefixes:
 'direct:' (the same kernel called from this thread without the runner: no submit/queue/sync
-hand-off), 'pf<N>:' / 'pf<N>u:' (dataflow's prefetch distance N bytes, bounded to the unit / not),
+hand-off), 'pf<N><o|s|n>:' (dataflow's prefetch distance N bytes; near a unit's end on into the
+bytes that follow / stop / into the part's next unit, claimed ahead: cpu/dataflow.py PF_*),
 and with --nohuge each again on a second store in 4 KiB pages ('4k:...').  Every round measures the read-only stream
 (cpu/stream.py) and each variant (order flipped every other round) the way hybrid-bench
 cpu-kernels does (a sweep over all experts, top-8 per call, best of --reps sweeps); the table has
@@ -23,12 +24,13 @@ from hybrid.experts.cpu_runner import CpuExpertRunner, set_pool_wait
 
 
 def prefetch_of(v: str):
+    from cpu.dataflow import PF_NEXT, PF_ON, PF_STOP
     from cpu.i16 import PREFETCH
 
     for part in v.split(":")[:-1]:
         if part.startswith("pf"):
-            return int(part[2:].rstrip("u")), not part.endswith("u")
-    return PREFETCH, True
+            return int(part[2:-1]), {"o": PF_ON, "s": PF_STOP, "n": PF_NEXT}[part[-1]]
+    return PREFETCH, PF_NEXT
 
 
 class Direct:

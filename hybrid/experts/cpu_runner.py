@@ -35,7 +35,7 @@ from numba import njit
 
 from hybrid.errors import HybridError
 from hybrid.hardware import physical_cores
-from cpu.dataflow import experts_dataflow
+from cpu.dataflow import PF_NEXT, experts_dataflow
 from cpu.expert import experts_forward, experts_parallel
 from cpu.i16 import PREFETCH
 
@@ -52,13 +52,14 @@ def default_schedule() -> str:
     return (os.environ.get(SCHEDULE_ENV) or DEFAULT_SCHEDULE).strip().lower()
 
 
-def schedule_kernel(schedule: str, prefetch: tuple[int, bool] = (PREFETCH, True)):
+def schedule_kernel(schedule: str, prefetch: tuple[int, int] = (PREFETCH, PF_NEXT)):
     """-> f(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, n) running a call on
-    Numba's pool.  prefetch (dataflow only): (bytes ahead, bounded to the unit's own bytes)."""
+    Numba's pool.  prefetch (dataflow only): (bytes ahead, what to prefetch near a unit's end:
+    cpu/dataflow.py PF_ON | PF_STOP | PF_NEXT)."""
     if schedule == "phases":
         return experts_parallel
-    dist, clamp = int(prefetch[0]), bool(prefetch[1])
-    return lambda *args: experts_dataflow(*args, dist, clamp)
+    dist, mode = int(prefetch[0]), int(prefetch[1])
+    return lambda *args: experts_dataflow(*args, dist, mode)
 
 
 def set_pool_wait(mode: str | None = None) -> str:
@@ -118,7 +119,7 @@ class CpuExpertRunner:
     else 'phases'.  prefetch: see schedule_kernel."""
 
     def __init__(self, store, threads: int | None = None, inline_bytes: int = INLINE_BYTES,
-                 wait: str | None = None, schedule: str | None = None, prefetch: tuple[int, bool] = (PREFETCH, True)):
+                 wait: str | None = None, schedule: str | None = None, prefetch: tuple[int, int] = (PREFETCH, PF_NEXT)):
         self.store = store
         self.schedule = (schedule or default_schedule()).strip().lower()
         if self.schedule not in SCHEDULES:
