@@ -16,23 +16,27 @@
 //   lane (g = l/4, q = l%4) holds rows g, g+8 at k-slots 2q, 2q+1, 2q+8, 2q+9; the packed layout
 //   gives lane q the elements 16 G + 4 q + 0..3 of group G, so k-slot s of a group holds element
 //   perm(s) = 4 (s/2 % 4) + 2 (s/8) + s % 2. B must use the same permutation: the pre-pass
-//   qpn_sm90_permute_x writes xp [Mp, Kp] fp16 with xp[m, 16 G + s] = x[m, 16 G + perm(s)]
-//   (zeros past M and K).
+//   qpn_sm90_permute_x writes xp[m, 16 G + s] = x[m, 16 G + perm(s)] (zeros past M and K), laid
+//   out as the ring wants it: [Mp / NT][Kp / 64] stage blocks of NT x 128 bytes.
 //   Each warpgroup: acc[MW][NT / 2] fp32 per thread = MW x D[64 rows x NT tokens], 4 x MW wgmma
 //   m64nNTk16 per 64-k step; A double-buffered in registers (wgmma.wait_group 1 after each commit
 //   frees the fragment registers of the group before).
-// Shared memory: an ST-slot cp.async ring; slot = x stage [NT x 64] in the no-swizzle K-major
-//   core-matrix layout (core matrix = 8 tokens x 8 k = 128 contiguous bytes; byte offset of
-//   (token n, k-octet k8) = (n / 8) 1024 + k8 128 + (n % 8) 16; descriptor LBO = 128 (next
-//   k-octet), SBO = 1024 (next 8 tokens)), then each lane's own packed words (16 B per chunk)
-//   and NVFP4 scales (8 B), copied and read back by that lane only. One barrier per 64-k step,
-//   after each thread's fence.proxy.async (wgmma reads shared memory through the async proxy);
-//   stage kt + ST - 2 is issued into the slot of stage kt - 2, whose wgmmas are complete (at most
-//   one wgmma, of step kt - 1, is pending at the barrier).
+// Shared memory: an ST-slot ring filled by bulk asynchronous copies (cp.async.bulk: the TMA engine,
+//   the async proxy that wgmma reads through, so no proxy fence; a cp.async + fence.proxy.async ring
+//   measured ~1.5-2 us per 64-k step whatever the tile on the H200, suspected: the fence's
+//   MEMBAR.ALL.CTA waits for every copy in flight, so no load overlapped the math),
+//   each slot completing on its mbarrier (thread 0 arms it with the stage's bytes). Slot = x stage
+//   [NT x 64] in the no-swizzle K-major core-matrix layout (core matrix = 8 tokens x 8 k = 128
+//   contiguous bytes; byte offset of (token n, k-octet k8) = (n / 8) 1024 + k8 128 + (n % 8) 16;
+//   descriptor LBO = 128 (next k-octet), SBO = 1024 (next 8 tokens)), then per warp and tile the
+//   packed words of the step (512 B per chunk, lane l's 16 B at 16 l) and NVFP4 scales (64 B), each
+//   copied by lane 0 of its warp. One barrier per 64-k step: after it, stage kt + ST - 2 is issued
+//   into the slot of stage kt - 2, whose wgmmas are complete (at most one commit group, of step
+//   kt - 1, is pending at the barrier); then each thread waits on stage kt's mbarrier.
 // Epilogue: fp32 sums staged in shared memory [NT][BR + 4], rows of 8 outputs written as fp16 x gs
 //   (one split) or fp32 partials part[z][M][N] (split-K; the launcher sums them in split order).
 // Kernels:
-//   qpn_sm90_permute_x           grid (ceil(Mp * Kp / 16 / 256)), 256 threads: x -> xp
+//   qpn_sm90_permute_x           grid (ceil(Mp * Kp / 16 / 256)), 256 threads: x -> xp (stage blocks)
 //   qpn{2,8}_wgmma_<BR>x<NT>     BR x NT: 128x64, 128x128, 128x256, 256x64, 256x128; grid (Mp / NT,
 //                                ceil(N / BR), splits), 256 threads, dynamic shared memory
 //                                sm90.smem_bytes(FMT, BR, NT)
@@ -51,15 +55,22 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
   asm("{.reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;}" : "=r"(a) : "l"(p));
   return a;
 }
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+// bulk asynchronous copy global -> shared (the TMA engine, async proxy), completing on an mbarrier:
+// bytes a multiple of 16, both addresses 16-byte aligned
+__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 mbar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(mbar) : "memory");
 }
-__device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+__device__ __forceinline__ void mbar_init(u32 mbar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(mbar), "r"(count) : "memory");
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void mbar_expect_arrive(u32 mbar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 mbar, u32 parity) {
+  asm volatile("{\n .reg .pred P1;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+               " @P1 bra DONE;\n bra WAIT;\n DONE:\n}" ::"r"(mbar), "r"(parity) : "memory");
+}
 __device__ __forceinline__ u32x4 lds128(u32 a) {
   u32x4 v;
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
@@ -111,7 +122,6 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // keeps the compiler from moving accumulator accesses across the asynchronous MMAs
 template <int R>
 __device__ __forceinline__ void fence_acc(float (&d)[R]) {
@@ -219,10 +229,12 @@ __device__ __forceinline__ void store_part(float* out, const float* v, int n, in
 }
 
 // ---------------------------------------------------------------- pre-pass
-// xp[Mp, Kp] fp16: one thread per 16-element group; pairs P0..P7 of x's group (P j = elements
-// 2j, 2j+1) -> k-slots (P0 P2 P4 P6 | P1 P3 P5 P7); zeros past M and K.
+// xp fp16 [Mp / NT][Kp / 64][NT x 64 in the slot's core-matrix order]: each 64-k stage of each NT-token
+// tile is one contiguous NT x 128-byte block (one bulk copy). One thread per 16-element group (token m,
+// group g): pairs P0..P7 of x's group (P j = elements 2j, 2j+1) -> k-slots (P0 P2 P4 P6 | P1 P3 P5 P7),
+// the two k-octets 2 (g % 4), 2 (g % 4) + 1 of stage g / 4; zeros past M and K.
 extern "C" __global__ void __launch_bounds__(THREADS) qpn_sm90_permute_x(
-    const u16* __restrict__ x, u16* __restrict__ xp, int M, int K, int Mp, int Kp) {
+    const u16* __restrict__ x, u16* __restrict__ xp, int M, int K, int Mp, int Kp, int NT) {
   const long long i = (long long)blockIdx.x * THREADS + threadIdx.x;
   const int gk = Kp >> 4;
   if (i >= (long long)Mp * gk) return;
@@ -232,9 +244,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) qpn_sm90_permute_x(
     const u32x4* src = reinterpret_cast<const u32x4*>(x + (size_t)m * K + 16 * g);
     a = src[0], b = src[1];
   }
-  u32x4* dst = reinterpret_cast<u32x4*>(xp + (size_t)m * Kp + 16 * g);
-  dst[0] = u32x4{a.x, a.z, b.x, b.z};
-  dst[1] = u32x4{a.y, a.w, b.y, b.w};
+  const int n = m % NT, k8 = 2 * (g & 3);
+  const size_t stage = (size_t)(m / NT) * (Kp >> 6) + (g >> 2);
+  u16* blk = xp + stage * NT * 64 + (n >> 3) * 512 + (n & 7) * 8;
+  *reinterpret_cast<u32x4*>(blk + k8 * 64) = u32x4{a.x, a.z, b.x, b.z};
+  *reinterpret_cast<u32x4*>(blk + (k8 + 1) * 64) = u32x4{a.y, a.w, b.y, b.w};
 }
 
 // ---------------------------------------------------------------- GEMM
@@ -244,32 +258,35 @@ template <int FMT, int MW, int NT>
 struct Ring {
   static constexpr int CPS = FMT == 2 ? 1 : 2;               // packed chunks per 64-k step
   static constexpr int XS = NT * 128;                        // x bytes per slot
-  static constexpr int WS = THREADS * 16 * CPS * MW;         // packed words per slot (lane-private)
-  static constexpr int SS = FMT == 2 ? THREADS * 8 * MW : 0;  // NVFP4 scales per slot (lane-private)
+  static constexpr int WS = 8 * MW * CPS * 512;              // packed words per slot: [warp][u][h][lane]
+  static constexpr int SS = FMT == 2 ? 8 * MW * 64 : 0;      // NVFP4 scales per slot: [warp][u][row r]
   static constexpr int SLOT = XS + WS + SS;
-  __device__ static u32 words(int u, int h) { return XS + ((threadIdx.x * MW + u) * CPS + h) * 16; }
-  __device__ static u32 scales(int u) { return XS + WS + (threadIdx.x * MW + u) * 8; }
+  __device__ static u32 words(int u, int h) {
+    return XS + (((threadIdx.x >> 5) * MW + u) * CPS + h) * 512 + (threadIdx.x & 31) * 16;
+  }
+  __device__ static u32 scales(int u) { return XS + WS + ((threadIdx.x >> 5) * MW + u) * 64 + (threadIdx.x & 31) / 4 * 8; }
 };
 
-// stage kt (k = 64 kt ..) into ring slot sb: x pieces (piece i -> byte 16 i of the slot: token
-// (i / 64) 8 + i % 8, k-octet (i / 8) % 8), this lane's words and scales
+// stage kt (k = 64 kt ..) into ring slot sb by bulk copies completing on mbarrier mb: thread 0 arms it
+// with the stage's bytes and copies the x block; lane 0 of each warp copies its tiles' words (CPS
+// chunks; FP8: one on a last half step) and NVFP4 scales
 template <int FMT, int MW, int NT>
-__device__ __forceinline__ void load_stage(u32 sb, const u16* __restrict__ xs, int Kp, const u32x4* const (&wl)[MW],
-                                           const u64* const (&sl)[MW], int kt, int C) {
+__device__ __forceinline__ void load_stage(u32 sb, u32 mb, const u16* __restrict__ xs, const u32x4* const (&wt)[MW],
+                                           const u64* const (&st)[MW], int kt, int C) {
   typedef Ring<FMT, MW, NT> R;
-#pragma unroll
-  for (int v = 0; v < NT * 8 / THREADS; ++v) {
-    const int i = threadIdx.x + THREADS * v, n = (i >> 6) * 8 + (i & 7), k8 = (i >> 3) & 7;
-    cp_async16(sb + 16 * i, xs + (size_t)n * Kp + 64 * kt + 8 * k8);
+  const int chunks = kt * R::CPS + R::CPS <= C ? R::CPS : C - kt * R::CPS;
+  const u32 wbytes = chunks * 512, sbytes = FMT == 2 ? 64 : 0;
+  if (threadIdx.x == 0) {
+    mbar_expect_arrive(mb, R::XS + 8 * MW * (wbytes + sbytes));
+    bulk_g2s(sb, xs + (size_t)kt * NT * 64, R::XS, mb);
   }
+  if ((threadIdx.x & 31) == 0) {
+    const int warp = threadIdx.x >> 5;
 #pragma unroll
-  for (int u = 0; u < MW; ++u) {
-#pragma unroll
-    for (int h = 0; h < R::CPS; ++h) {
-      const int c = kt * R::CPS + h;
-      if (c < C) cp_async16(sb + R::words(u, h), wl[u] + (size_t)c * 32);
+    for (int u = 0; u < MW; ++u) {
+      bulk_g2s(sb + R::XS + (warp * MW + u) * R::CPS * 512, wt[u] + (size_t)kt * R::CPS * 32, wbytes, mb);
+      if (FMT == 2) bulk_g2s(sb + R::XS + R::WS + (warp * MW + u) * 64, st[u] + (size_t)kt * 8, sbytes, mb);
     }
-    if (FMT == 2) cp_async8(sb + R::scales(u), sl[u] + (size_t)kt * 8);
   }
 }
 
@@ -290,6 +307,13 @@ __device__ __forceinline__ void decode_a(u32 (&a)[4], const u32x4 (&wv)[2], u64 
   }
 }
 
+// the ST mbarriers sit past the ring and the epilogue's staging
+template <int FMT, int MW, int NT, int ST>
+__device__ __host__ constexpr int mbar_offset() {
+  return ((ST * Ring<FMT, MW, NT>::SLOT > NT * (128 * MW + 4) * 4 ? ST * Ring<FMT, MW, NT>::SLOT
+                                                                   : NT * (128 * MW + 4) * 4) + 7) & ~7;
+}
+
 template <int FMT, int MW, int NT, int ST, int PS>
 __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,
                                            const u16* __restrict__ xp, u16* __restrict__ y,
@@ -303,40 +327,43 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
   const int C = K / (FMT == 2 ? 64 : 32), tiles = (N + 15) >> 4, nk = Kp >> 6;
   const int kb = blockIdx.z * KS, ke = kb + KS < nk ? kb + KS : nk;
   int tt[MW];  // this warp's tiles within the block
-  const u32x4* wl[MW];
-  const u64* sl[MW];
+  const u32x4* wt[MW];
+  const u64* st[MW];
 #pragma unroll
   for (int u = 0; u < MW; ++u) {
     tt[u] = (warp >> 2) * 4 * MW + 4 * u + (warp & 3);
     int t = (n0 >> 4) + tt[u];
     if (t >= tiles) t = tiles - 1;  // rows past N: read a valid tile, never written
-    wl[u] = w + (size_t)t * C * 32 + lane;
-    sl[u] = s + (size_t)t * C * 8 + (lane >> 2);
+    wt[u] = w + (size_t)t * C * 32;
+    st[u] = s + (size_t)t * C * 8;
   }
-  const u16* xs = xp + (size_t)m0 * Kp;
-  const u32 ring = smem_addr(smem);
+  const u16* xs = xp + (size_t)blockIdx.x * nk * NT * 64;  // this token tile's stages
+  const u32 ring = smem_addr(smem), mbar = ring + mbar_offset<FMT, MW, NT, ST>();
+  if (tid == 0) {
+#pragma unroll
+    for (int p = 0; p < ST; ++p) mbar_init(mbar + 8 * p, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
   float acc[MW][NR];
 #pragma unroll
   for (int u = 0; u < MW; ++u)
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[u][i] = 0.f;
 #pragma unroll
-  for (int p = 0; p < ST - 2; ++p) {
-    if (kb + p < ke) load_stage<FMT, MW, NT>(ring + p * R::SLOT, xs, Kp, wl, sl, kb + p, C);
-    cp_commit();
-  }
+  for (int p = 0; p < ST - 2; ++p)
+    if (kb + p < ke) load_stage<FMT, MW, NT>(ring + p * R::SLOT, mbar + 8 * p, xs, wt, st, kb + p, C);
   int slot = 0;
+  u32 phase = 0;  // parity of the slot's current use
   // one 64-k step; ab: A fragment buffers [NB][MW][4] (group j uses ab[j % NB])
   auto step = [&](int kt, auto& ab) {
     constexpr int NB = sizeof(ab) / sizeof(ab[0]);
-    cp_wait<ST - 3>();
-    fence_proxy_async();  // this thread's cp.async writes (generic proxy) -> wgmma reads (async proxy)
-    __syncthreads();  // stage kt landed for all; every warpgroup's wgmmas of step kt - 2 are done
+    __syncthreads();  // every warpgroup's wgmmas (and every lane's reads) of step kt - 2 are done
     {
       const int nx = kt + ST - 2, ns = slot >= 2 ? slot - 2 : slot + ST - 2;
-      if (nx < ke) load_stage<FMT, MW, NT>(ring + ns * R::SLOT, xs, Kp, wl, sl, nx, C);
-      cp_commit();
+      if (nx < ke) load_stage<FMT, MW, NT>(ring + ns * R::SLOT, mbar + 8 * ns, xs, wt, st, nx, C);
     }
+    mbar_wait(mbar + 8 * slot, phase);  // stage kt has landed
     const u32 sb = ring + slot * R::SLOT;
     // groups of 16 k of this step inside K (FP8: 2 on a last half step). ptxas (12.9) serializes the
     // wgmmas (C7513) of the per-step pipeline when its step is straight-line code (NVFP4) unless the
@@ -398,7 +425,8 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
     }
 #pragma unroll
     for (int u = 0; u < MW; ++u) fence_acc<NR>(acc[u]);
-    slot = slot == ST - 1 ? 0 : slot + 1;
+    if (slot == ST - 1) slot = 0, phase ^= 1u;
+    else ++slot;
   };
   if (PS) {  // two buffer sets, alternating steps
     u32 a0[4][MW][4], a1[4][MW][4];
@@ -413,8 +441,7 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
   wgmma_wait<0>();
 #pragma unroll
   for (int u = 0; u < MW; ++u) fence_acc<NR>(acc[u]);
-  cp_wait<0>();
-  __syncthreads();  // the ring becomes the epilogue's staging area [NT][SW] fp32
+  __syncthreads();  // the ring (every stage consumed) becomes the epilogue's staging area [NT][SW] fp32
   // acc[u][4 i + 2 v1 + v0]: block row 16 tt[u] + l / 4 + 8 v1, token 8 i + 2 (l % 4) + v0
   float* stg = reinterpret_cast<float*>(smem);
   const int g = lane >> 2, q = lane & 3;
@@ -457,13 +484,13 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
 // each tile in two pipelines: per group (decode, wgmma, wait for the group before) and, suffix _s,
 // per step (the step's 4 fragments decoded, its wgmmas one group; two register sets)
 #define WGMMA(FMT, BR, NT, ST, MINB) WGMMA1(FMT, BR, NT, ST, MINB, 0, ) WGMMA1(FMT, BR, NT, ST, MINB, 1, _s)
-WGMMA(2, 128, 64, 7, 2)
+WGMMA(2, 128, 64, 8, 2)
 WGMMA(2, 128, 128, 5, 2)
-WGMMA(2, 128, 256, 5, 1)
-WGMMA(2, 256, 64, 5, 2)
-WGMMA(2, 256, 128, 6, 1)
+WGMMA(2, 128, 256, 6, 1)
+WGMMA(2, 256, 64, 6, 2)
+WGMMA(2, 256, 128, 8, 1)
 WGMMA(8, 128, 64, 6, 2)
 WGMMA(8, 128, 128, 4, 2)
 WGMMA(8, 128, 256, 5, 1)
 WGMMA(8, 256, 64, 4, 2)
-WGMMA(8, 256, 128, 5, 1)
+WGMMA(8, 256, 128, 6, 1)

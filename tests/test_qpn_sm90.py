@@ -34,6 +34,19 @@ def test_permute_x_gathers_and_pads(m, k, mp, kp):
     assert not xp[m:].any() and not xp[:, k:].any()
 
 
+@pytest.mark.parametrize("nt", [64, 128, 256])
+def test_block_x_is_the_core_matrix_layout(nt):
+    """Element (token n, k) of stage (tile, kt) sits at halves (n / 8) 512 + (k / 8) 64 + (n % 8) 8 + k % 8
+    of the stage block: byte offset (n / 8) 1024 + k8 128 + (n % 8) 16, the descriptor's SBO 1024, LBO 128."""
+    mp, kp = 2 * nt, 192
+    xp = torch.arange(mp * kp, dtype=torch.float32).view(mp, kp)
+    xb = sm90.block_x(xp, nt)
+    for tile, n, k in ((0, 0, 0), (1, 13, 70), (0, nt - 1, kp - 1), (1, 8, 9)):
+        stage = tile * (kp // 64) + k // 64
+        off = stage * nt * 64 + (n // 8) * 512 + (k % 64 // 8) * 64 + (n % 8) * 8 + k % 8
+        assert xb[off] == xp[tile * nt + n, k]
+
+
 @pytest.mark.parametrize("qtype,n,k", [(QType.NVFP4, 40, 192), (QType.FP8, 24, 96)])
 def test_permuted_fragments_multiply_to_the_product(qtype, n, k):
     """The emulated data flow: A[r, slot] = the lane's decoded weight of that slot (W[r, 16 G +
@@ -202,12 +215,14 @@ def test_permute_kernel_matches_torch():
     import ctypes
 
     mod = sm90.module(torch.device("cuda", torch.cuda.current_device()))
-    for m, k, mp, kp in ((17, 352, 64, 384), (100, 2048, 128, 2048), (3, 64, 256, 64)):
+    for m, k, mp, kp, nt in ((17, 352, 64, 384, 64), (100, 2048, 128, 2048, 128), (3, 64, 256, 64, 256),
+                             (300, 320, 512, 320, 256)):
         x = fresh((m, k)).cuda()
-        xp = torch.full((mp, kp), float("nan"), dtype=torch.float16, device="cuda")
+        xp = torch.full((mp * kp,), float("nan"), dtype=torch.float16, device="cuda")
         sm90.launch(mod, "qpn_sm90_permute_x", (-(-mp * kp // 16 // 256), 1, 1), 0,
-                    [sm90._p(x), sm90._p(xp), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(mp), ctypes.c_int(kp)])
-        assert torch.equal(xp.cpu(), sm90.permute_x(x.cpu(), mp, kp))
+                    [sm90._p(x), sm90._p(xp), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(mp), ctypes.c_int(kp),
+                     ctypes.c_int(nt)])
+        assert torch.equal(xp.cpu(), sm90.block_x(sm90.permute_x(x.cpu(), mp, kp), nt))
 
 
 @pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])

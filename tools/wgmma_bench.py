@@ -38,7 +38,8 @@ def permute(sm90, x, m: int, k: int) -> None:
     mp, kp = -(-m // 256) * 256, -(-k // 64) * 64
     xp = torch.empty(mp, kp, dtype=torch.float16, device=x.device)
     sm90.launch(sm90.module(x.device), "qpn_sm90_permute_x", (-(-mp * kp // 16 // 256), 1, 1), 0,
-                [sm90._p(x), sm90._p(xp), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(mp), ctypes.c_int(kp)])
+                [sm90._p(x), sm90._p(xp), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(mp), ctypes.c_int(kp),
+                 ctypes.c_int(256)])
 
 
 def bench_shape(name: str, fmt: str, ms: list[int], reps: int, tiles: list) -> list[dict]:

@@ -33,8 +33,8 @@ ARCH = "90a"
 THREADS = 256
 TILES = ((128, 64), (128, 128), (128, 256), (256, 64), (256, 128))   # (BR weight rows, NT tokens)
 # ring stages and blocks per SM per (format, BR, NT); must match the WGMMA(...) lines of cuda/qpn_sm90.cu
-STAGES = {(2, 128, 64): 7, (2, 128, 128): 5, (2, 128, 256): 5, (2, 256, 64): 5, (2, 256, 128): 6,
-          (8, 128, 64): 6, (8, 128, 128): 4, (8, 128, 256): 5, (8, 256, 64): 4, (8, 256, 128): 5}
+STAGES = {(2, 128, 64): 8, (2, 128, 128): 5, (2, 128, 256): 6, (2, 256, 64): 6, (2, 256, 128): 8,
+          (8, 128, 64): 6, (8, 128, 128): 4, (8, 128, 256): 5, (8, 256, 64): 4, (8, 256, 128): 6}
 MIN_BLOCKS = {(128, 64): 2, (128, 128): 2, (128, 256): 1, (256, 64): 2, (256, 128): 1}
 MIN_KSTEPS = 8        # split-K: at least this many 64-k steps per split
 MAX_SPLITS = 8
@@ -54,15 +54,17 @@ def source() -> str:
 
 
 def ring_slot(fmt: int, br: int, nt: int) -> int:
-    """Bytes of one ring slot: the x stage (NT x 64 fp16), 256 lanes' packed words (+ NVFP4 scales)
-    for BR / 128 tiles each."""
+    """Bytes of one ring slot: the x stage (NT x 64 fp16), the 8 warps' packed words (512 B per 16-row
+    tile and chunk) and NVFP4 scales (64 B per tile) for BR / 128 tiles each."""
     cps, mw = (1 if fmt == 2 else 2), br // 128
-    return nt * 128 + THREADS * 16 * cps * mw + (THREADS * 8 * mw if fmt == 2 else 0)
+    return nt * 128 + 8 * mw * cps * 512 + (8 * mw * 64 if fmt == 2 else 0)
 
 
 def smem_bytes(fmt: int, br: int, nt: int) -> int:
-    """Dynamic shared memory of qpn{fmt}_wgmma_{br}x{nt}: the ring, or the epilogue's fp32 staging."""
-    return max(STAGES[(fmt, br, nt)] * ring_slot(fmt, br, nt), nt * (br + 4) * 4)
+    """Dynamic shared memory of qpn{fmt}_wgmma_{br}x{nt}: the ring or the epilogue's fp32 staging,
+    whichever is larger (8-byte aligned), then one mbarrier per ring stage."""
+    st = STAGES[(fmt, br, nt)]
+    return (max(st * ring_slot(fmt, br, nt), nt * (br + 4) * 4) + 7) // 8 * 8 + 8 * st
 
 
 @dataclass(frozen=True)
@@ -116,12 +118,20 @@ def plan(fmt: int, m: int, n: int, k: int, sms: int, tile: tuple[int, int] | Non
 
 
 def permute_x(x: torch.Tensor, mp: int, kp: int) -> torch.Tensor:
-    """Torch reference of qpn_sm90_permute_x: xp [Mp, Kp] with xp[m, 16 G + s] = x[m, 16 G + perm(s)],
-    perm(s) = 4 (s / 2 % 4) + 2 (s / 8) + s % 2 (the packed layout's k-slot order), zeros past M, K."""
+    """xp [Mp, Kp] with xp[m, 16 G + s] = x[m, 16 G + perm(s)], perm(s) = 4 (s / 2 % 4) + 2 (s / 8) + s % 2
+    (the packed layout's k-slot order), zeros past M, K (torch; the kernel's values, row-major)."""
     m, k = x.shape
     xp = torch.zeros(mp, kp, dtype=x.dtype, device=x.device)
     xp[:m, :k].view(m, k // 16, 2, 4, 2).copy_(x.reshape(m, k // 16, 4, 2, 2).transpose(2, 3))
     return xp
+
+
+def block_x(xp: torch.Tensor, nt: int) -> torch.Tensor:
+    """xp [Mp, Kp] -> the layout qpn_sm90_permute_x writes (flat fp16): [Mp / NT][Kp / 64] stages of
+    NT x 64 in core-matrix order [NT / 8][k-octet 8][token % 8][8 k] (one bulk copy per stage)."""
+    mp, kp = xp.shape
+    v = xp.view(mp // nt, nt // 8, 8, kp // 64, 8, 8)        # tile, token/8, token%8, stage, k8, e
+    return v.permute(0, 3, 1, 4, 2, 5).reshape(-1)
 
 
 def k_slot_perm() -> list[int]:
@@ -213,7 +223,8 @@ def linear(x: torch.Tensor, w, y: torch.Tensor, tile: tuple[int, int] | None = N
     xp = torch.empty(pl.mp, pl.kp, dtype=torch.float16, device=x.device)
     groups = pl.mp * pl.kp // 16
     launch(mod, "qpn_sm90_permute_x", (-(-groups // THREADS), 1, 1), 0,
-           [_p(x), _p(xp), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(pl.mp), ctypes.c_int(pl.kp)])
+           [_p(x), _p(xp), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(pl.mp), ctypes.c_int(pl.kp),
+            ctypes.c_int(pl.tile[1])])
     part = torch.empty(pl.grid[2], m, n, dtype=torch.float32, device=x.device) if pl.grid[2] > 1 else None
     launch(mod, pl.kernel, pl.grid, pl.smem,
            [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(xp), _p(y),
