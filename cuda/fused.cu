@@ -41,6 +41,12 @@
 //   fused_rope_attn     grid (Hkv, S splits), block 128, one token: fused_qk_rope_kv + fused_decode_attn
 //       in one launch: qkv [1, (Hq + 2 Hkv) * D] fp16 -> out [Hq, D] fp16, K/V row p written by the
 //       block whose split holds p (the last split when p is past them), the queries made by every block
+// Newer versions of three of them (same arguments and outputs; the launcher picks them by HYBRID_FUSED_NEW
+// where H % 4 == 0 and the rows are 16-byte aligned):
+//   fused_add_rms_norm_e     grid T, block 256: every load of a row at once (groups of 4 elements)
+//   fused_add_norm_router_e  grid E, block 128: a block per expert, the norm from one round of loads,
+//       the last block's top-k by parallel ranks
+//   fused_rope_attn_e        grid (Hkv, S), block 128: only the splits with keys run and combine
 
 typedef unsigned int u32;
 typedef unsigned short u16;
