@@ -314,7 +314,7 @@ __device__ __host__ constexpr int mbar_offset() {
                                                                    : NT * (128 * MW + 4) * 4) + 7) & ~7;
 }
 
-template <int FMT, int MW, int NT, int ST, int PS>
+template <int FMT, int MW, int NT, int ST, int PS, int NOLD = 0>
 __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,
                                            const u16* __restrict__ xp, u16* __restrict__ y,
                                            float* __restrict__ part, int M, int N, int K, int Kp, int KS) {
@@ -353,17 +353,22 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
 #pragma unroll
   for (int p = 0; p < ST - 2; ++p)
     if (kb + p < ke) load_stage<FMT, MW, NT>(ring + p * R::SLOT, mbar + 8 * p, xs, wt, st, kb + p, C);
+  if (NOLD) {  // diagnostic (timing only, wrong results): the loop multiplies the first stages again
+#pragma unroll
+    for (int p = 0; p < ST - 2; ++p)
+      if (kb + p < ke) mbar_wait(mbar + 8 * p, 0);
+  }
   int slot = 0;
   u32 phase = 0;  // parity of the slot's current use
   // one 64-k step; ab: A fragment buffers [NB][MW][4] (group j uses ab[j % NB])
   auto step = [&](int kt, auto& ab) {
     constexpr int NB = sizeof(ab) / sizeof(ab[0]);
     __syncthreads();  // every warpgroup's wgmmas (and every lane's reads) of step kt - 2 are done
-    {
+    if (!NOLD) {
       const int nx = kt + ST - 2, ns = slot >= 2 ? slot - 2 : slot + ST - 2;
       if (nx < ke) load_stage<FMT, MW, NT>(ring + ns * R::SLOT, mbar + 8 * ns, xs, wt, st, nx, C);
+      mbar_wait(mbar + 8 * slot, phase);  // stage kt has landed
     }
-    mbar_wait(mbar + 8 * slot, phase);  // stage kt has landed
     const u32 sb = ring + slot * R::SLOT;
     // groups of 16 k of this step inside K (FP8: 2 on a last half step). ptxas (12.9) serializes the
     // wgmmas (C7513) of the per-step pipeline when its step is straight-line code (NVFP4) unless the
@@ -425,7 +430,8 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
     }
 #pragma unroll
     for (int u = 0; u < MW; ++u) fence_acc<NR>(acc[u]);
-    if (slot == ST - 1) slot = 0, phase ^= 1u;
+    if (NOLD) slot = slot == ST - 3 ? 0 : slot + 1;   // the prologue's ST - 2 stages, round and round
+    else if (slot == ST - 1) slot = 0, phase ^= 1u;
     else ++slot;
   };
   if (PS) {  // two buffer sets, alternating steps
@@ -484,6 +490,13 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
 // each tile in two pipelines: per group (decode, wgmma, wait for the group before) and, suffix _s,
 // per step (the step's 4 fragments decoded, its wgmmas one group; two register sets)
 #define WGMMA(FMT, BR, NT, ST, MINB) WGMMA1(FMT, BR, NT, ST, MINB, 0, ) WGMMA1(FMT, BR, NT, ST, MINB, 1, _s)
+// diagnostics (timing only, results wrong): no loads in the main loop (the decode + wgmma rate alone)
+#define WGMMA_NOLD(FMT, BR, NT, ST, MINB, PS, SFX)                                                 \
+  extern "C" __global__ void __launch_bounds__(THREADS, MINB) qpn##FMT##_wgmma_##BR##x##NT##SFX##_nold( \
+      const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ xp, \
+      u16* __restrict__ y, float* __restrict__ part, int M, int N, int K, int Kp, int KS) {         \
+    wgmma_body<FMT, BR / 128, NT, ST, PS, 1>(w, s, gs, xp, y, part, M, N, K, Kp, KS);              \
+  }
 WGMMA(2, 128, 64, 8, 2)
 WGMMA(2, 128, 128, 5, 2)
 WGMMA(2, 128, 256, 6, 1)
@@ -494,3 +507,7 @@ WGMMA(8, 128, 128, 4, 2)
 WGMMA(8, 128, 256, 5, 1)
 WGMMA(8, 256, 64, 4, 2)
 WGMMA(8, 256, 128, 6, 1)
+WGMMA_NOLD(2, 128, 256, 6, 1, 0, )
+WGMMA_NOLD(2, 128, 256, 6, 1, 1, _s)
+WGMMA_NOLD(2, 256, 128, 8, 1, 0, )
+WGMMA_NOLD(2, 256, 128, 8, 1, 1, _s)

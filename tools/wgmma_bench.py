@@ -66,12 +66,14 @@ def bench_shape(name: str, fmt: str, ms: list[int], reps: int, tiles: list) -> l
         t_cub = time_ms([lambda d=d: x @ d.t() for d in dense], reps)
         rec = dict(shape=name, n=n, k=k, format=fmt, m=m, default_us=t_def * 1e3,
                    default_kernel=pick.label if pick else "mt", cublas_us=t_cub * 1e3)
-        for tag, tile, pipe in tiles:
+        for tag, tile, pipe, diag in tiles:
+            if diag and fmt != "nvfp4":
+                continue
             y = torch.full((m, n), float("nan"), dtype=torch.float16, device=dev)
-            sm90.linear(x, base, y, tile=tile, pipe=pipe)
+            sm90.linear(x, base, y, tile=tile, pipe=pipe, diag=diag)
             err = ((y.float() - ref).norm() / ref.norm()).item()
             t = time_ms([lambda w=w: sm90.linear(x, w, torch.empty(m, n, dtype=torch.float16, device=dev), tile=tile,
-                                                 pipe=pipe) for w in ws], reps)
+                                                 pipe=pipe, diag=diag) for w in ws], reps)
             p = sm90.plan(2 if fmt == "nvfp4" else 8, m, n, k, sms, tile, pipe=pipe)
             rec[f"wgmma_{tag}_us"] = t * 1e3
             rec[f"wgmma_{tag}_kernel"] = p.label
@@ -80,7 +82,9 @@ def bench_shape(name: str, fmt: str, ms: list[int], reps: int, tiles: list) -> l
         out.append(rec)
         line = (f"{name:14s} {fmt:5s} M={m:4d} cuBLAS {rec['cublas_us']:8.1f}  default {rec['default_us']:8.1f} "
                 f"({rec['default_kernel']})")
-        for tag, _, _ in tiles:
+        for tag, _, _, diag in tiles:
+            if f"wgmma_{tag}_us" not in rec:
+                continue
             line += (f"  wgmma[{tag}] {rec[f'wgmma_{tag}_us']:8.1f} ({rec[f'wgmma_{tag}_kernel']}, "
                      f"err {rec[f'wgmma_{tag}_relerr']:.1e})")
         print(line + f"  permute {rec['permute_us']:.1f}", flush=True)
@@ -90,11 +94,12 @@ def bench_shape(name: str, fmt: str, ms: list[int], reps: int, tiles: list) -> l
 
 
 def parse_tile(v: str):
-    """'pick' -> (tag, None, None); '<BR>x<NT>[_s]' -> (tag, (BR, NT), pipe)."""
+    """'pick' -> (tag, None, None, ''); '<BR>x<NT>[_s][_nold]' -> (tag, (BR, NT), pipe, diag)."""
     if v == "pick":
-        return v, None, None
-    base, _, sfx = v.partition("_")
-    return v, tuple(int(a) for a in base.split("x")), "_" + sfx if sfx else ""
+        return v, None, None, ""
+    diag = "_nold" if v.endswith("_nold") else ""
+    base, _, sfx = v[: len(v) - len(diag)].partition("_")
+    return v, tuple(int(a) for a in base.split("x")), "_" + sfx if sfx else "", diag
 
 
 def main(argv=None) -> int:
@@ -103,8 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="lm_head,dense_up,dense_down,q_proj", help="comma list of " + ",".join(SHAPES))
     ap.add_argument("--formats", default="nvfp4,fp8")
     ap.add_argument("--m", default="64,128,512")
-    ap.add_argument("--tiles", default="pick", help="comma list of wgmma kernels to time: pick, <BR>x<NT>[_s] "
-                                                    "(hybrid.kernels.sm90.TILES; _s: the per-step pipeline)")
+    ap.add_argument("--tiles", default="pick", help="comma list of wgmma kernels to time: pick, <BR>x<NT>[_s][_nold] "
+                                                    "(hybrid.kernels.sm90.TILES; _s: the per-step pipeline; "
+                                                    "_nold: NVFP4 timing-only diagnostic without main-loop loads)")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):

@@ -47,6 +47,8 @@ PIPES = ("", "_s")
 PIPE: list[str] = [os.environ.get("HYBRID_WGMMA_PIPE", "")]
 KERNELS = tuple(["qpn_sm90_permute_x"] + [f"qpn{f}_wgmma_{br}x{nt}{p}" for f in (2, 8) for br, nt in TILES
                                           for p in PIPES])
+# diagnostics, timing only (results wrong): no loads in the main loop (PIPES suffix + "_nold")
+DIAG_KERNELS = tuple(f"qpn2_wgmma_{t}{p}_nold" for t in ("128x256", "256x128") for p in PIPES)
 
 
 def source() -> str:
@@ -211,10 +213,11 @@ def _p(t: torch.Tensor) -> ctypes.c_void_p:
 
 # ---------------------------------------------------------------------------- launcher
 def linear(x: torch.Tensor, w, y: torch.Tensor, tile: tuple[int, int] | None = None,
-           splits: int | None = None, pipe: str | None = None) -> torch.Tensor:
+           splits: int | None = None, pipe: str | None = None, diag: str = "") -> torch.Tensor:
     """y[M, N] fp16 = x[M, K] . W^T on an sm_90 device (checked by qpn.qpn_linear: shapes, dtypes,
     device, alignment). A pre-pass writes the permuted activations xp [Mp, Kp]; split-K sums fp32
-    partials [S, M, N] in split order (torch) and scales by the folded global scale."""
+    partials [S, M, N] in split order (torch) and scales by the folded global scale. diag "_nold": the
+    timing-only diagnostic kernels (DIAG_KERNELS; wrong results)."""
     (m, n), k = y.shape, x.shape[1]
     fmt = 2 if w.qtype is QType.NVFP4 else 8
     mod = module(w.device)
@@ -226,7 +229,7 @@ def linear(x: torch.Tensor, w, y: torch.Tensor, tile: tuple[int, int] | None = N
            [_p(x), _p(xp), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(pl.mp), ctypes.c_int(pl.kp),
             ctypes.c_int(pl.tile[1])])
     part = torch.empty(pl.grid[2], m, n, dtype=torch.float32, device=x.device) if pl.grid[2] > 1 else None
-    launch(mod, pl.kernel, pl.grid, pl.smem,
+    launch(mod, pl.kernel + diag, pl.grid, pl.smem,
            [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(xp), _p(y),
             _p(part) if part is not None else ctypes.c_void_p(0), ctypes.c_int(m), ctypes.c_int(n),
             ctypes.c_int(k), ctypes.c_int(pl.kp), ctypes.c_int(pl.ks)])
