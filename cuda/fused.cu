@@ -873,9 +873,61 @@ __device__ __forceinline__ void combine_out(const AttnSmem& sm, const float4 (&x
   ob[0] = f2h(o.x / l); ob[1] = f2h(o.y / l); ob[2] = f2h(o.z / l); ob[3] = f2h(o.w / l);
 }
 
+// Groups i0 and i1 (when has1) of combine_out together: xp0 / xp1 hold their first pf splits; the rest
+// in batches of ATT_CB splits with both groups' loads in flight (the same sums, in the same order).
+#define ATT_CB 8
+__device__ __forceinline__ void combine_two(const AttnSmem& sm, const float4 (&xp0)[ATT_PF],
+                                            const float4 (&xp1)[ATT_PF], int pf, const float* pacc, int i0,
+                                            int i1, bool has1, int SU, int g, int G4, int gd, u16* out) {
+  const int h0 = i0 / G4, h1 = has1 ? i1 / G4 : 0;
+  const float* w = sm.u.c.w;
+  float4 o0 = make_float4(0.f, 0.f, 0.f, 0.f), o1 = o0;
+#pragma unroll
+  for (int u = 0; u < ATT_PF; ++u) {
+    if (u < pf) {
+      const float w0 = w[u * g + h0], w1 = w[u * g + h1];
+      o0.x = fmaf(w0, xp0[u].x, o0.x); o0.y = fmaf(w0, xp0[u].y, o0.y);
+      o0.z = fmaf(w0, xp0[u].z, o0.z); o0.w = fmaf(w0, xp0[u].w, o0.w);
+      o1.x = fmaf(w1, xp1[u].x, o1.x); o1.y = fmaf(w1, xp1[u].y, o1.y);
+      o1.z = fmaf(w1, xp1[u].z, o1.z); o1.w = fmaf(w1, xp1[u].w, o1.w);
+    }
+  }
+  for (int sp = pf; sp < SU; sp += ATT_CB) {
+    float4 x0[ATT_CB], x1[ATT_CB];
+#pragma unroll
+    for (int u = 0; u < ATT_CB; ++u) {
+      x0[u] = x1[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (sp + u < SU) {
+        x0[u] = ld_cg4(pacc + (size_t)(sp + u) * gd + 4 * i0);
+        if (has1) x1[u] = ld_cg4(pacc + (size_t)(sp + u) * gd + 4 * i1);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < ATT_CB; ++u) {
+      if (sp + u < SU) {
+        const float w0 = w[(sp + u) * g + h0], w1 = w[(sp + u) * g + h1];
+        o0.x = fmaf(w0, x0[u].x, o0.x); o0.y = fmaf(w0, x0[u].y, o0.y);
+        o0.z = fmaf(w0, x0[u].z, o0.z); o0.w = fmaf(w0, x0[u].w, o0.w);
+        o1.x = fmaf(w1, x1[u].x, o1.x); o1.y = fmaf(w1, x1[u].y, o1.y);
+        o1.z = fmaf(w1, x1[u].z, o1.z); o1.w = fmaf(w1, x1[u].w, o1.w);
+      }
+    }
+  }
+  const float l0 = sm.l[h0], l1 = sm.l[h1];               // 0 with no keys: NaN out
+  u16* ob = out + 4 * i0;
+  ob[0] = f2h(o0.x / l0); ob[1] = f2h(o0.y / l0); ob[2] = f2h(o0.z / l0); ob[3] = f2h(o0.w / l0);
+  if (has1) {
+    ob = out + 4 * i1;
+    ob[0] = f2h(o1.x / l1); ob[1] = f2h(o1.y / l1); ob[2] = f2h(o1.z / l1); ob[3] = f2h(o1.w / l1);
+  }
+}
+
 // The split's attention once sm.qs holds the queries (and sm.kn / sm.vn row pp when pp >= 0) and the
 // threads are synchronised; kq / vq: the first round's loads; n = keys attended (0..n-1, n <= L);
 // SA: the split blocks of this KV head that arrive here (the last of them combines; 1: none does).
+// FC (fused_rope_attn_e): the combine's weights in one step (two barriers fewer) and its loads in
+// batches over both output groups (combine_two); the same results.
+template <bool FC>
 __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint4 (&kq)[ATT_NP],
                                            uint4 (&vq)[ATT_NP], int n, int pp, int SA) {
   const int tid = threadIdx.x, kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
@@ -1047,6 +1099,27 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
     wl[i] = ld_cg(pml + 2 * i + 1);
   }
   __syncthreads();
+  if (FC) {
+    if (tid < g) {                                        // per head: max, weights, sum (as below)
+      float mx = NEG_INF;
+      for (int sp = 0; sp < SU; ++sp) mx = fmaxf(mx, w[sp * g + tid]);
+      float l = 0.f;
+      for (int sp = 0; sp < SU; ++sp) {
+        const float mi = w[sp * g + tid], wgt = mi == NEG_INF ? 0.f : exp2f(mi - mx);
+        w[sp * g + tid] = wgt;
+        l += wl[sp * g + tid] * wgt;
+      }
+      sm.l[tid] = l;                                      // 0 with no keys: NaN out
+    }
+    __syncthreads();
+    if (tid < NG)
+      combine_two(sm, xp0, xp1, min(SU, ATT_PF), pacc, tid, tid + ATT_THREADS, tid + ATT_THREADS < NG, SU, g,
+                  G4, gd, out_kvh);
+    for (int idx = tid + 2 * ATT_THREADS; idx < NG; idx += ATT_THREADS)
+      combine_out(sm, xp0, 0, pacc, idx, SU, g, G4, gd, out_kvh);
+    if (tid == 0) a.counters[kvh] = 0;
+    return;
+  }
   if (tid < g) {
     float mx = NEG_INF;
     for (int sp = 0; sp < SU; ++sp) mx = fmaxf(mx, w[sp * g + tid]);
@@ -1097,7 +1170,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
   }
   const int n = (int)(p + 1 < (long long)L ? p + 1 : (long long)L);   // keys 0..p (<= 0: none)
   __syncthreads();
-  attn_split(sm, a, kq, vq, n, -1, gridDim.y);
+  attn_split<false>(sm, a, kq, vq, n, -1, gridDim.y);
 }
 
 // q/k RMSNorm + RoPE + KV write + attention for one token in one launch: every split block makes
@@ -1141,7 +1214,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     }
   }
   const int n = ok ? (int)(p + 1 < (long long)L ? p + 1 : (long long)L) : 0;
-  attn_split(sm, a, kq, vq, n, writer ? (int)p : -1, gridDim.y);
+  attn_split<false>(sm, a, kq, vq, n, writer ? (int)p : -1, gridDim.y);
 }
 
 // fused_rope_attn_e: fused_rope_attn's outputs in fewer serial steps. Only the SU = ceil(n / SK) splits
@@ -1266,5 +1339,5 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                                           (u32)f2h(kf[6]) | ((u32)f2h(kf[7]) << 16));
     *(uint4*)(v_store + row) = vrow;
   }
-  attn_split(sm, a, kq, vq, n, writer ? (int)p : -1, SU);
+  attn_split<true>(sm, a, kq, vq, n, writer ? (int)p : -1, SU);
 }

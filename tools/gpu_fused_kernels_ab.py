@@ -61,9 +61,15 @@ def timed(fn, replays: int, cuda: bool) -> tuple[float, float]:
     return statistics.median(us), min(us)
 
 
-def _setting(new: bool, min_rounds: int = 1) -> None:
+PLAN_DEFAULTS = (fused.ATT_MIN_ROUNDS, fused.ATT_COMBINE_Q, fused.ATT_BLOCKS_PER_SM)
+
+
+def _setting(new: bool, min_rounds: int | None = None, combine_q: int | None = None, per_sm: float | None = None):
     os.environ["HYBRID_FUSED_NEW"] = "all" if new else "0"
-    fused.ATT_MIN_ROUNDS = min_rounds
+    mr, cq, bps = PLAN_DEFAULTS
+    fused.ATT_MIN_ROUNDS = mr if min_rounds is None else min_rounds
+    fused.ATT_COMBINE_Q = cq if combine_q is None else combine_q
+    fused.ATT_BLOCKS_PER_SM = bps if per_sm is None else per_sm
 
 
 # ---------------------------------------------------------------------------- router
@@ -135,7 +141,8 @@ def norm_case(t: int, h: int, n: int, dev, replays: int, delta_f32: bool) -> lis
 
 
 # ---------------------------------------------------------------------------- attention
-def attn_case(p: int, hq: int, hkv: int, d: int, cap: int, n: int, dev, replays: int, rounds: list[int]) -> list[dict]:
+def attn_case(p: int, hq: int, hkv: int, d: int, cap: int, n: int, dev, replays: int, rounds: list[int],
+              extra: list[str]) -> list[dict]:
     g = torch.Generator(device=dev).manual_seed(p)
     rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev) * scale   # noqa: E731
     qkvs = [rnd(1, (hq + 2 * hkv) * d).half() for _ in range(n)]
@@ -154,22 +161,26 @@ def attn_case(p: int, hq: int, hkv: int, d: int, cap: int, n: int, dev, replays:
                                vs[0].float().cpu(), hq, hkv, d, EPS, keys, start=p).float()
     recs, base = [], None
     sms = fused._sm_count(dev) if dev.type == "cuda" else 132
-    for name, new in (("old", False), ("new", True)):
-        for mr in rounds:
-            _setting(new, mr)
-            med, mn = timed(run, replays, dev.type == "cuda")
-            out = run()
-            s, r, rk, _ = fused.attn_plan(keys, hkv, hq // hkv, d, sms)
-            rec = {"kernel": "rope_attn", "setting": name, "min_rounds": mr, "pos": p, "keys": keys,
-                   "heads": [hq, hkv, d], "plan": {"splits": s, "rounds": r, "keys_per_round": rk},
-                   "splits_with_keys": -(-(p + 1) // (r * rk)), "launches": n,
-                   "us_per_launch_median": round(med / n, 3), "us_per_launch_min": round(mn / n, 3),
-                   "max_abs_diff_ref": float((out[0].float().cpu() - want).abs().max())}
-            if base is None:
-                base = out
-            else:
-                rec["max_abs_diff_old"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(out, base))
-            recs.append(rec)
+    plans = [("old", False, mr, None, None) for mr in rounds] + [("new", True, mr, None, None) for mr in rounds]
+    for x in extra:
+        mr, cq, bps = x.split(":")
+        plans.append(("new", True, int(mr), int(cq), float(bps)))
+    for name, new, mr, cq, bps in plans:
+        _setting(new, mr, cq, bps)
+        med, mn = timed(run, replays, dev.type == "cuda")
+        out = run()
+        s, r, rk, _ = fused.attn_plan(keys, hkv, hq // hkv, d, sms)
+        rec = {"kernel": "rope_attn", "setting": name, "min_rounds": mr, "combine_q": fused.ATT_COMBINE_Q,
+               "blocks_per_sm": fused.ATT_BLOCKS_PER_SM, "pos": p, "keys": keys,
+               "heads": [hq, hkv, d], "plan": {"splits": s, "rounds": r, "keys_per_round": rk},
+               "splits_with_keys": -(-(p + 1) // (r * rk)), "launches": n,
+               "us_per_launch_median": round(med / n, 3), "us_per_launch_min": round(mn / n, 3),
+               "max_abs_diff_ref": float((out[0].float().cpu() - want).abs().max())}
+        if base is None:
+            base = out
+        else:
+            rec["max_abs_diff_old"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(out, base))
+        recs.append(rec)
     _setting(False)
     return recs
 
@@ -188,6 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=4096, help="attention: KV rows (default 4096)")
     ap.add_argument("--min-rounds", type=int, nargs="+", default=[1, 2, 4, 8],
                     help="attention: fused.ATT_MIN_ROUNDS values tried (default 1 2 4 8)")
+    ap.add_argument("--attn-extra", nargs="*", default=["1:65536:2.0", "1:131072:4.0"],
+                    help="attention: more plans of the new kernel as MIN_ROUNDS:COMBINE_Q:BLOCKS_PER_SM")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run of this script)")
     args = ap.parse_args(argv)
     from hybrid.baselines.report import append_jsonl, stamp
@@ -209,8 +222,8 @@ def main(argv=None) -> int:
         todo += [lambda t=t: router_case(t, h, e, k, args.launches, dev, args.replays) for t in args.tokens]
     if "attn" in args.what:
         hq, hkv, d = args.heads
-        todo += [lambda p=p: attn_case(p, hq, hkv, d, args.ctx, args.launches, dev, args.replays, args.min_rounds)
-                 for p in args.pos]
+        todo += [lambda p=p: attn_case(p, hq, hkv, d, args.ctx, args.launches, dev, args.replays, args.min_rounds,
+                                       args.attn_extra) for p in args.pos]
     for job in todo:
         for r in job():
             r = {**r, **st}
