@@ -1,6 +1,7 @@
-"""Read-only memory bandwidth of this machine, measured the way the expert kernels read.
+"""Probes of what this machine gives the expert kernels: read-only bandwidth, and compute scaling.
 
     total = read_parallel(a, unit, n)    # a u8 [N] (N % 8 == 0), n parts -> sum of a's int64 words
+    compute_parallel(w, G, xq, xs, rows, acc, calls, n)   # n parts, each GEMVs on its own weight
 
 `n` parts on Numba's thread pool (one `prange` over the parts, as cpu/expert.py's
 `experts_parallel`) claim `unit`-byte spans of `a` one at a time from a shared counter
@@ -15,6 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from cpu.atomic import counters, fetch_add
+from cpu.i16 import nvfp4_i16_tile
 
 UNIT = 147456        # bytes per claimed span: one phase-1 unit of the Qwen3 expert (gate + up tile)
 
@@ -47,3 +49,16 @@ def read_parallel(a, unit, n):
             u = fetch_add(nxt, 0, 1)
         total += s
     return total
+
+
+@njit(parallel=True, nogil=True, fastmath=True, cache=True)
+def compute_parallel(w, G, xq, xs, rows, acc, calls, n):
+    """n parts on Numba's pool; part k runs `calls` int16 GEMVs (M = 1, cpu/i16.py) over its own
+    cache-resident weight w[k] (u8 [n, NT, tile bytes]) into acc[k] (f32 [n, 1, R]): no memory
+    stream, no barrier, no Python between calls.  Time at n parts over time at 1 part, times n,
+    is what n threads of this machine give to independent kernel compute (ideal n; less where
+    vCPUs share physical cores or clocks drop with more cores busy)."""
+    for k in prange(n):
+        for c in range(calls):
+            for t in range(w.shape[1]):
+                nvfp4_i16_tile(w[k, t], G, xq, xs, rows, 0, 1, acc[k])

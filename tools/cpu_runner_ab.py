@@ -6,7 +6,9 @@ Variants are runner schedules (hybrid/experts/cpu_runner.py SCHEDULES) with opti
 'direct:' (the same kernel called from this thread without the runner: no submit/queue/sync
 hand-off), 'pf<N><o|s|n>:' (dataflow's prefetch distance N bytes; near a unit's end on into the
 bytes that follow / stop / into the part's next unit, claimed ahead: cpu/dataflow.py PF_*),
-and with --nohuge each again on a second store in 4 KiB pages ('4k:...').  Every round measures the read-only stream
+and with --nohuge each again on a second store in 4 KiB pages ('4k:...').  'readcall' is no kernel:
+each call's experts' bytes (contiguous) summed by the read probe on the pool, one parallel region
+per call, from this thread: the stream with the per-call region start and end, without compute.  Every round measures the read-only stream
 (cpu/stream.py) and each variant (order flipped every other round) the way hybrid-bench
 cpu-kernels does (a sweep over all experts, top-8 per call, best of --reps sweeps); the table has
 best and median GB/s over rounds and each round's ratio to the first variant.  The pool's wait
@@ -31,6 +33,26 @@ def prefetch_of(v: str):
         if part.startswith("pf"):
             return int(part[2:-1]), {"o": PF_ON, "s": PF_STOP, "n": PF_NEXT}[part[-1]]
     return PREFETCH, PF_NEXT
+
+
+class ReadCall:
+    """Per call: the read probe over the listed (consecutive) experts' slots, on `threads` parts."""
+
+    def __init__(self, store, threads):
+        self.s, self.t = store, threads
+
+    def submit(self, layer, ids, rows, wts, x):
+        from cpu.stream import UNIT, read_parallel
+
+        gu, _, _ = self.s.slots(layer, ids)
+        a = self.s.arena.array[gu.min(): gu.max() + self.s.slot_nbytes]
+        return read_parallel(a[: a.shape[0] // 8 * 8], UNIT, self.t)
+
+    def sync(self, h):
+        return h
+
+    def close(self):
+        pass
 
 
 class Direct:
@@ -91,7 +113,8 @@ def main() -> None:
     ms = [int(m) for m in a.ms.split(",")]
     vs = [p + v for p in stores for v in a.variants.split(",")]
     store_of = {v: stores["4k:" if v.startswith("4k:") else ""] for v in vs}
-    runners = {(v, t): CpuExpertRunner(store_of[v], threads=t, schedule=v.split(":")[-1], prefetch=prefetch_of(v))
+    runners = {(v, t): ReadCall(store_of[v], t) if v.endswith("readcall") else
+               CpuExpertRunner(store_of[v], threads=t, schedule=v.split(":")[-1], prefetch=prefetch_of(v))
                if "direct:" not in v else Direct(store_of[v], t, v.split(":")[-1], prefetch_of(v))
                for v in vs for t in threads}
     print(f"runners ready {time.time() - t0:.1f} s", flush=True)

@@ -195,30 +195,28 @@ def copy_gbs(threads: int, nbytes: int, reps: int) -> float:
         return 2 * src.nbytes / best_time(run, reps) / 1e9
 
 
-def compute_scaling(threads: int, reps: int, calls: int = 200) -> float:
-    """Rate of `threads` Python threads that each run `calls` NVFP4 GEMVs on their own L2-resident
-    weight (256 x 2048, M = 1, GIL released) over one thread's rate: what this machine's cores
-    give to independent compute, with no memory stream and no barrier (ideal: `threads`).  A VM
-    whose host time-slices its vCPUs shows ~1."""
-    from concurrent.futures import wait
+def compute_scaling(threads: int, reps: int, calls: int = 400) -> float:
+    """What `threads` threads give to independent compute, over one thread (ideal: `threads`): each
+    part of Numba's pool runs `calls` int16 NVFP4 GEMVs (256 x 2048, M = 1) on its own L2-resident
+    weight, inside one compiled call (cpu/stream.py compute_parallel: no memory stream, no barrier,
+    no GIL between GEMVs).  ~1 on a VM whose host time-slices its vCPUs; about half the thread count
+    where pairs of vCPUs are hyperthreads of one core."""
+    from cpu.i16 import quantize_rows
+    from cpu.stream import compute_parallel
 
-    gemm = nvfp4_i16_gemm if NVFP4_INT16 else nvfp4_gemm
     rng = np.random.default_rng(6)
     N, K = 256, 2048
-    tiles = [layout.pack_nvfp4(rng.integers(0, 256, (N, K // 2), dtype=np.uint8),
-                               rng.integers(0x28, 0x50, (N, K // 16), dtype=np.uint8)) for _ in range(threads)]
+    w = np.stack([layout.pack_nvfp4(rng.integers(0, 256, (N, K // 2), dtype=np.uint8),
+                                    rng.integers(0x28, 0x50, (N, K // 16), dtype=np.uint8), int16=True).reshape(
+        layout.num_tiles(N), -1) for _ in range(threads)])
     x = rng.standard_normal((1, K)).astype(np.float32)
+    xq, xs = np.empty((1, K), np.int16), np.empty((1, K // 16), np.float32)
+    quantize_rows(x, 0, 1, xq, xs)
+    rows, acc = np.zeros(1, np.int64), np.zeros((threads, 1, layout.R), np.float32)
 
-    def work(t):
-        y = np.zeros((1, N), np.float32)
-        for _ in range(calls):
-            gemm(t, x, np.float32(1.0), y, 0, layout.num_tiles(N))
-
-    with ThreadPoolExecutor(threads) as pool:
-        def run(k):
-            wait([pool.submit(work, t) for t in tiles[:k]])
-        one = best_time(lambda: run(1), reps)
-        return threads * one / best_time(lambda: run(threads), reps)
+    def run(k):
+        compute_parallel(w, K // 16, xq, xs, rows, acc, calls, k)
+    return threads * best_time(lambda: run(1), reps) / best_time(lambda: run(threads), reps)
 
 
 def read_gbs(arena: np.ndarray, threads: int, reps: int) -> float:

@@ -44,7 +44,7 @@ POOL_WAIT_ENV = "HYBRID_CPU_WAIT"
 POOL_WAITS = {"passive": "PASSIVE", "spin": None}     # -> OMP_WAIT_POLICY (None: libgomp's default)
 SCHEDULE_ENV = "HYBRID_CPU_SCHEDULE"
 SCHEDULES = ("phases", "dataflow")                      # cpu/expert.py experts_parallel, cpu/dataflow.py
-DEFAULT_SCHEDULE = "phases"
+DEFAULT_SCHEDULE = "dataflow"
 
 
 def default_schedule() -> str:
@@ -116,7 +116,8 @@ class CpuExpertRunner:
     wait: how the pool's idle threads wait (set_pool_wait; default passive: they sleep).
     schedule: how a pooled call's units are run: 'phases' (two parallel regions, a barrier
     between gate|up and down) or 'dataflow' (one region, no barrier); default $HYBRID_CPU_SCHEDULE,
-    else 'phases'.  prefetch: see schedule_kernel."""
+    else DEFAULT_SCHEDULE ('dataflow': 1.09-1.15x 'phases' at M = 1 and 0.93-1.12x at M = 8 with
+    16 threads on the H200 host, results/cpu_kernels_h200.md).  prefetch: see schedule_kernel."""
 
     def __init__(self, store, threads: int | None = None, inline_bytes: int = INLINE_BYTES,
                  wait: str | None = None, schedule: str | None = None, prefetch: tuple[int, int] = (PREFETCH, PF_NEXT)):
