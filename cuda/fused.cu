@@ -75,6 +75,20 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// True in the last of `blocks` blocks to arrive at counter, where every write the arriving blocks made
+// before is visible (a barrier, then one thread's fence + atomic + fence, as cooperative groups' grid sync).
+__device__ __forceinline__ bool arrive_last(int* counter, int blocks, int* flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const int l = atomicAdd(counter, 1) == blocks - 1;
+    if (l) __threadfence();
+    *flag = l;
+  }
+  __syncthreads();
+  return *flag;
+}
+
 __device__ __forceinline__ float ld_cg(const float* p) {   // L2, not a possibly stale L1 line
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
@@ -698,12 +712,7 @@ extern "C" __global__ void __launch_bounds__(128)
   __shared__ int si[ANRE_MAXTK];
   __shared__ int last;
   DISPATCH_XD(anre_body, x, delta, w, x_out, hout, H, eps, router, logits, T, E, hs, pss, pacc);
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!arrive_last(counter, gridDim.x, &last)) return;
   topk_block(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, hs, sp, si);
   if (threadIdx.x == 0) *counter = 0;
 }
@@ -873,6 +882,112 @@ __device__ __forceinline__ void combine_out(const AttnSmem& sm, const float4 (&x
   ob[0] = f2h(o.x / l); ob[1] = f2h(o.y / l); ob[2] = f2h(o.z / l); ob[3] = f2h(o.w / l);
 }
 
+// One round of a split: keys [rs, rs + nk) (nk >= 1) from kq / vq, which are then reloaded with the rows
+// of the round at next_rs (none when < 0); scores, online softmax, P.V into acc.
+__device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint4 (&kq)[ATT_NP],
+                                           uint4 (&vq)[ATT_NP], float (&acc)[ATT_HPT][8], int rs, int nk,
+                                           int n, int pp, int next_rs) {
+  const int tid = threadIdx.x, D = a.D, g = a.g, RK = a.RK, cpl = a.cpl, C = D >> 3, Cp = 1 << cpl;
+  const int KP = ATT_THREADS >> cpl, NP = RK / KP;
+  const int c = tid & (Cp - 1), r = tid >> cpl, warp = tid >> 5, lane = tid & 31;
+  const int T = cpl < 4 ? cpl : 4, nv = 16 >> T;         // butterfly stages; values left per lane
+  __syncthreads();                                      // the last round's P.V is done with vt, sc
+  float kf[ATT_NP][8];
+#pragma unroll
+  for (int i = 0; i < ATT_NP; ++i) {                   // K to floats, V rows into the tile
+    const int kl = r + KP * i, key = rs + kl;
+    float vf[8];
+    unpack8(kq[i], kf[i]);
+    unpack8(vq[i], vf);
+    if (key == pp) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        kf[i][e] = sm.kn[(8 * c + e) & 255];
+        vf[e] = sm.vn[(8 * c + e) & 255];
+      }
+    }
+    if (!(key < n)) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) kf[i][e] = vf[e] = 0.f;
+    }
+    if (i < NP && c < C) {
+      float* vt = sm.u.vt + kl * D + 8 * c;
+      *(float4*)vt = make_float4(vf[0], vf[1], vf[2], vf[3]);
+      *(float4*)(vt + 4) = make_float4(vf[4], vf[5], vf[6], vf[7]);
+    }
+  }
+  if (next_rs >= 0) attn_load(a, next_rs, kq, vq);    // a later round's rows, in flight meanwhile
+  for (int h0 = 0; h0 < g; h0 += 4) {                   // scores, 4 heads x 4 key passes at a time
+    float s[16];
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh) {
+      float4 q0 = make_float4(0.f, 0.f, 0.f, 0.f), q1 = q0;
+      if (h0 + hh < g && c < C) {
+        q0 = *(const float4*)(sm.qs + (h0 + hh) * D + 8 * c);
+        q1 = *(const float4*)(sm.qs + (h0 + hh) * D + 8 * c + 4);
+      }
+#pragma unroll
+      for (int i = 0; i < ATT_NP; ++i)
+        s[4 * hh + i] = q0.x * kf[i][0] + q0.y * kf[i][1] + q0.z * kf[i][2] + q0.w * kf[i][3] +
+                        q1.x * kf[i][4] + q1.y * kf[i][5] + q1.z * kf[i][6] + q1.w * kf[i][7];
+    }
+    // transposing butterfly over the Cp lanes of a row: each stage halves the values a lane keeps
+    int o = Cp >> 1;
+    if (T > 0) { butterfly_stage<8>(s, c, o); o >>= 1; }
+    if (T > 1) { butterfly_stage<4>(s, c, o); o >>= 1; }
+    if (T > 2) { butterfly_stage<2>(s, c, o); o >>= 1; }
+    if (T > 3) { butterfly_stage<1>(s, c, o); o >>= 1; }
+    for (; o; o >>= 1) s[0] += __shfl_xor_sync(0xffffffffu, s[0], o);   // Cp = 32: one value left
+    if ((c & ((1 << (cpl - T)) - 1)) == 0) {            // value j is (head h0 + v / 4, pass v % 4)
+      const int base = nv * (c >> (cpl - T));
+      if (nv == 1) {                                    // D >= 128: one value per lane
+        put_score(sm, h0, base, s[0], g, NP, r, KP, rs, n, a.scale2);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          if (j < nv) put_score(sm, h0, j + base, s[j], g, NP, r, KP, rs, n, a.scale2);
+      }
+    }
+  }
+  __syncthreads();
+  for (int h = warp; h < g; h += ATT_THREADS / 32) {    // online softmax, a warp per head
+    float v[ATT_MAXRK / 32], mx = NEG_INF;
+#pragma unroll
+    for (int i = 0; i < ATT_MAXRK / 32; ++i) {
+      const int kk = lane + 32 * i;
+      v[i] = kk < nk ? sm.sc[h][kk] : NEG_INF;
+      mx = fmaxf(mx, v[i]);
+    }
+    const float mo = sm.m[h], lo = sm.l[h];
+    const float mn = fmaxf(mo, warp_max(mx));           // finite: nk >= 1
+    const float al = exp2f(mo - mn);                    // 0 on the first round
+    float ls = 0.f;
+#pragma unroll
+    for (int i = 0; i < ATT_MAXRK / 32; ++i) {
+      const int kk = lane + 32 * i;
+      const float e = kk < nk ? exp2f(v[i] - mn) : 0.f;
+      if (kk < nk) sm.sc[h][kk] = e;
+      ls += e;
+    }
+    ls = warp_sum(ls);
+    if (lane == 0) { sm.m[h] = mn; sm.l[h] = fmaf(lo, al, ls); sm.al[h] = al; }
+  }
+  __syncthreads();
+  if (c < C) {                                          // P.V of the round
+#pragma unroll
+    for (int j = 0; j < ATT_HPT; ++j) {
+      const int h = r + KP * j;
+      const float al = h < g ? sm.al[h] : 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[j][e] *= al;
+    }
+    const int hn = (g + KP - 1) / KP;                   // head slots in use: no per-key predicates
+    if (hn == 1) attn_pv<1>(sm, acc, nk, D, c, C, r, KP, g);
+    else if (hn == 2) attn_pv<2>(sm, acc, nk, D, c, C, r, KP, g);
+    else attn_pv<ATT_HPT>(sm, acc, nk, D, c, C, r, KP, g);
+  }
+}
+
 // Groups i0 and i1 (when has1) of combine_out together: xp0 / xp1 hold their first pf splits; the rest
 // in batches of ATT_CB splits with both groups' loads in flight (the same sums, in the same order).
 #define ATT_CB 8
@@ -925,120 +1040,34 @@ __device__ __forceinline__ void combine_two(const AttnSmem& sm, const float4 (&x
 // The split's attention once sm.qs holds the queries (and sm.kn / sm.vn row pp when pp >= 0) and the
 // threads are synchronised; kq / vq: the first round's loads; n = keys attended (0..n-1, n <= L);
 // SA: the split blocks of this KV head that arrive here (the last of them combines; 1: none does).
-// FC (fused_rope_attn_e): the combine's weights in one step (two barriers fewer) and its loads in
+// FC (fused_rope_attn_e): kq2 / vq2 hold the second round's rows (the rounds' loads two ahead); the combine's weights in one step (two barriers fewer) and its loads in
 // batches over both output groups (combine_two); the same results.
 template <bool FC>
 __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint4 (&kq)[ATT_NP],
-                                           uint4 (&vq)[ATT_NP], int n, int pp, int SA) {
+                                           uint4 (&vq)[ATT_NP], uint4 (&kq2)[ATT_NP], uint4 (&vq2)[ATT_NP],
+                                           int n, int pp, int SA) {
   const int tid = threadIdx.x, kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
-  const int D = a.D, g = a.g, RK = a.RK, cpl = a.cpl, C = D >> 3, Cp = 1 << cpl;
-  const int KP = ATT_THREADS >> cpl, NP = RK / KP;
-  const int c = tid & (Cp - 1), r = tid >> cpl, warp = tid >> 5, lane = tid & 31;
+  const int D = a.D, g = a.g, RK = a.RK, cpl = a.cpl, C = D >> 3;
+  const int KP = ATT_THREADS >> cpl, c = tid & ((1 << cpl) - 1), r = tid >> cpl;
   const int SK = a.R * RK, start = split * SK;
   const int rounds = n > start ? min(a.R, (n - start + RK - 1) / RK) : 0;
-  const int T = cpl < 4 ? cpl : 4, nv = 16 >> T;         // butterfly stages; values left per lane
   if (tid < g) { sm.m[tid] = NEG_INF; sm.l[tid] = 0.f; }
   float acc[ATT_HPT][8];
 #pragma unroll
   for (int j = 0; j < ATT_HPT; ++j)
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
-  for (int rd = 0; rd < rounds; ++rd) {
-    const int rs = start + rd * RK, nk = min(RK, n - rs);
-    __syncthreads();                                      // the last round's P.V is done with vt, sc
-    float kf[ATT_NP][8];
-#pragma unroll
-    for (int i = 0; i < ATT_NP; ++i) {                   // K to floats, V rows into the tile
-      const int kl = r + KP * i, key = rs + kl;
-      float vf[8];
-      unpack8(kq[i], kf[i]);
-      unpack8(vq[i], vf);
-      if (key == pp) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          kf[i][e] = sm.kn[(8 * c + e) & 255];
-          vf[e] = sm.vn[(8 * c + e) & 255];
-        }
-      }
-      if (!(key < n)) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) kf[i][e] = vf[e] = 0.f;
-      }
-      if (i < NP && c < C) {
-        float* vt = sm.u.vt + kl * D + 8 * c;
-        *(float4*)vt = make_float4(vf[0], vf[1], vf[2], vf[3]);
-        *(float4*)(vt + 4) = make_float4(vf[4], vf[5], vf[6], vf[7]);
-      }
+  if (!FC) {
+    for (int rd = 0; rd < rounds; ++rd) {
+      const int rs = start + rd * RK;
+      attn_round(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 1 < rounds ? rs + RK : -1);
     }
-    if (rd + 1 < rounds) attn_load(a, rs + RK, kq, vq);  // the next round's rows, in flight meanwhile
-    for (int h0 = 0; h0 < g; h0 += 4) {                   // scores, 4 heads x 4 key passes at a time
-      float s[16];
-#pragma unroll
-      for (int hh = 0; hh < 4; ++hh) {
-        float4 q0 = make_float4(0.f, 0.f, 0.f, 0.f), q1 = q0;
-        if (h0 + hh < g && c < C) {
-          q0 = *(const float4*)(sm.qs + (h0 + hh) * D + 8 * c);
-          q1 = *(const float4*)(sm.qs + (h0 + hh) * D + 8 * c + 4);
-        }
-#pragma unroll
-        for (int i = 0; i < ATT_NP; ++i)
-          s[4 * hh + i] = q0.x * kf[i][0] + q0.y * kf[i][1] + q0.z * kf[i][2] + q0.w * kf[i][3] +
-                          q1.x * kf[i][4] + q1.y * kf[i][5] + q1.z * kf[i][6] + q1.w * kf[i][7];
-      }
-      // transposing butterfly over the Cp lanes of a row: each stage halves the values a lane keeps
-      int o = Cp >> 1;
-      if (T > 0) { butterfly_stage<8>(s, c, o); o >>= 1; }
-      if (T > 1) { butterfly_stage<4>(s, c, o); o >>= 1; }
-      if (T > 2) { butterfly_stage<2>(s, c, o); o >>= 1; }
-      if (T > 3) { butterfly_stage<1>(s, c, o); o >>= 1; }
-      for (; o; o >>= 1) s[0] += __shfl_xor_sync(0xffffffffu, s[0], o);   // Cp = 32: one value left
-      if ((c & ((1 << (cpl - T)) - 1)) == 0) {            // value j is (head h0 + v / 4, pass v % 4)
-        const int base = nv * (c >> (cpl - T));
-        if (nv == 1) {                                    // D >= 128: one value per lane
-          put_score(sm, h0, base, s[0], g, NP, r, KP, rs, n, a.scale2);
-        } else {
-#pragma unroll
-          for (int j = 0; j < 16; ++j)
-            if (j < nv) put_score(sm, h0, j + base, s[j], g, NP, r, KP, rs, n, a.scale2);
-        }
-      }
-    }
-    __syncthreads();
-    for (int h = warp; h < g; h += ATT_THREADS / 32) {    // online softmax, a warp per head
-      float v[ATT_MAXRK / 32], mx = NEG_INF;
-#pragma unroll
-      for (int i = 0; i < ATT_MAXRK / 32; ++i) {
-        const int kk = lane + 32 * i;
-        v[i] = kk < nk ? sm.sc[h][kk] : NEG_INF;
-        mx = fmaxf(mx, v[i]);
-      }
-      const float mo = sm.m[h], lo = sm.l[h];
-      const float mn = fmaxf(mo, warp_max(mx));           // finite: nk >= 1
-      const float al = exp2f(mo - mn);                    // 0 on the first round
-      float ls = 0.f;
-#pragma unroll
-      for (int i = 0; i < ATT_MAXRK / 32; ++i) {
-        const int kk = lane + 32 * i;
-        const float e = kk < nk ? exp2f(v[i] - mn) : 0.f;
-        if (kk < nk) sm.sc[h][kk] = e;
-        ls += e;
-      }
-      ls = warp_sum(ls);
-      if (lane == 0) { sm.m[h] = mn; sm.l[h] = fmaf(lo, al, ls); sm.al[h] = al; }
-    }
-    __syncthreads();
-    if (c < C) {                                          // P.V of the round
-#pragma unroll
-      for (int j = 0; j < ATT_HPT; ++j) {
-        const int h = r + KP * j;
-        const float al = h < g ? sm.al[h] : 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[j][e] *= al;
-      }
-      const int hn = (g + KP - 1) / KP;                   // head slots in use: no per-key predicates
-      if (hn == 1) attn_pv<1>(sm, acc, nk, D, c, C, r, KP, g);
-      else if (hn == 2) attn_pv<2>(sm, acc, nk, D, c, C, r, KP, g);
-      else attn_pv<ATT_HPT>(sm, acc, nk, D, c, C, r, KP, g);
+  } else {                                                // two rounds' rows in flight: kq / kq2 in turn
+    for (int rd = 0; rd < rounds; rd += 2) {
+      const int rs = start + rd * RK, rs2 = rs + RK;
+      attn_round(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 2 < rounds ? rs + 2 * RK : -1);
+      if (rd + 1 < rounds)
+        attn_round(sm, a, kq2, vq2, acc, rs2, min(RK, n - rs2), n, pp, rd + 3 < rounds ? rs2 + 2 * RK : -1);
     }
   }
   __syncthreads();                                        // sm.m / sm.l final (also with no rounds)
@@ -1076,12 +1105,16 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
       pml[((size_t)split * g + tid) * 2 + 1] = sm.l[tid];
     }
   }
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) sm.last = atomicAdd(&a.counters[kvh], 1) == SA - 1;
-  __syncthreads();
-  if (!sm.last) return;
-  __threadfence();
+  if (FC) {
+    if (!arrive_last(&a.counters[kvh], SA, &sm.last)) return;
+  } else {
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) sm.last = atomicAdd(&a.counters[kvh], 1) == SA - 1;
+    __syncthreads();
+    if (!sm.last) return;
+    __threadfence();
+  }
   const int SU = n > 0 ? min(S, (n + SK - 1) / SK) : 0;   // the splits with keys
   const int SG = SU * g;                                   // <= ATT_MAXW (the launcher's plan)
   const int G4 = D >> 2, NG = g * G4;                      // float4 groups of the KV head's output
@@ -1170,7 +1203,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
   }
   const int n = (int)(p + 1 < (long long)L ? p + 1 : (long long)L);   // keys 0..p (<= 0: none)
   __syncthreads();
-  attn_split<false>(sm, a, kq, vq, n, -1, gridDim.y);
+  attn_split<false>(sm, a, kq, vq, kq, vq, n, -1, gridDim.y);
 }
 
 // q/k RMSNorm + RoPE + KV write + attention for one token in one launch: every split block makes
@@ -1214,7 +1247,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     }
   }
   const int n = ok ? (int)(p + 1 < (long long)L ? p + 1 : (long long)L) : 0;
-  attn_split<false>(sm, a, kq, vq, n, writer ? (int)p : -1, gridDim.y);
+  attn_split<false>(sm, a, kq, vq, kq, vq, n, writer ? (int)p : -1, gridDim.y);
 }
 
 // fused_rope_attn_e: fused_rope_attn's outputs in fewer serial steps. Only the SU = ceil(n / SK) splits
@@ -1232,8 +1265,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
   __shared__ __align__(16) AttnSmem sm;
   const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, g = Hq / Hkv, SK = R * RK;
   const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
-  uint4 kq[ATT_NP], vq[ATT_NP];
-  attn_load(a, split * SK, kq, vq);                       // the first round, before the position
+  uint4 kq[ATT_NP], vq[ATT_NP], kq2[ATT_NP], vq2[ATT_NP];
+  attn_load(a, split * SK, kq, vq);                       // the first two rounds, before the position
+  if (R > 1) attn_load(a, split * SK + RK, kq2, vq2);
   const int c = tid & ((1 << cpl) - 1), hs = tid >> cpl, HP = ATT_THREADS >> cpl, half = D >> 1;
   const bool on = 8 * c < D;
   const u16* vsrc = qkv + (size_t)(Hq + Hkv + kvh) * D;
@@ -1339,5 +1373,5 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                                           (u32)f2h(kf[6]) | ((u32)f2h(kf[7]) << 16));
     *(uint4*)(v_store + row) = vrow;
   }
-  attn_split<true>(sm, a, kq, vq, n, writer ? (int)p : -1, SU);
+  attn_split<true>(sm, a, kq, vq, kq2, vq2, n, writer ? (int)p : -1, SU);
 }

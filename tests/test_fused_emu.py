@@ -80,7 +80,7 @@ def emu_source() -> str:
     src = fused_build.source()
     rule = "// " + "-" * 64 + " "
     head = _section(src, "typedef unsigned int u32;", rule)
-    reductions = "".join(re.findall(r"__device__ __forceinline__ float warp_(?:sum|max)\(float v\) \{.*?\n\}\n",
+    reductions = "".join(re.findall(r"__device__ __forceinline__ (?:float warp_(?:sum|max)\(float v\)|bool arrive_last\([^)]*\)) \{.*?\n\}\n",
                                     src, re.S))
     rope = _section(src, rule + "q/k RMSNorm", rule + "router")
     attn = _section(src, rule + "one-token GQA attention", None)
@@ -239,7 +239,7 @@ def router_emu_source() -> str:
     src = fused_build.source()
     rule = "// " + "-" * 64 + " "
     head = _section(src, "typedef unsigned int u32;", rule)
-    reductions = "".join(re.findall(r"__device__ __forceinline__ float warp_(?:sum|max)\(float v\) \{.*?\n\}\n",
+    reductions = "".join(re.findall(r"__device__ __forceinline__ (?:float warp_(?:sum|max)\(float v\)|bool arrive_last\([^)]*\)) \{.*?\n\}\n",
                                     src, re.S))
     norm = _section(src, rule + "residual add + RMSNorm", rule + "q/k RMSNorm")
     router = _section(src, rule + "router softmax + top-k", rule + "one-token GQA attention")
