@@ -883,7 +883,8 @@ __device__ __forceinline__ void combine_out(const AttnSmem& sm, const float4 (&x
 }
 
 // One round of a split: keys [rs, rs + nk) (nk >= 1) from kq / vq, which are then reloaded with the rows
-// of the round at next_rs (none when < 0); scores, online softmax, P.V into acc.
+// of the round at next_rs (none when < 0); scores, online softmax (FC: two heads per warp at once), P.V.
+template <bool FC>
 __device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint4 (&kq)[ATT_NP],
                                            uint4 (&vq)[ATT_NP], float (&acc)[ATT_HPT][8], int rs, int nk,
                                            int n, int pp, int next_rs) {
@@ -950,6 +951,51 @@ __device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint
     }
   }
   __syncthreads();
+  if (FC) {                                             // the same, two heads per warp at once
+    for (int h = warp; h < g; h += 2 * (ATT_THREADS / 32)) {
+      const int h2 = h + ATT_THREADS / 32;
+      const bool two = h2 < g;
+      const int hb = two ? h2 : h;                      // a row to read when there is no second head
+      float v[ATT_MAXRK / 32], v2[ATT_MAXRK / 32], mx = NEG_INF, mx2 = NEG_INF;
+#pragma unroll
+      for (int i = 0; i < ATT_MAXRK / 32; ++i) {
+        const int kk = lane + 32 * i;
+        v[i] = kk < nk ? sm.sc[h][kk] : NEG_INF;
+        v2[i] = kk < nk ? sm.sc[hb][kk] : NEG_INF;
+        mx = fmaxf(mx, v[i]);
+        mx2 = fmaxf(mx2, v2[i]);
+      }
+#pragma unroll
+      for (int o = 16; o; o >>= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        mx2 = fmaxf(mx2, __shfl_xor_sync(0xffffffffu, mx2, o));
+      }
+      const float mo = sm.m[h], lo = sm.l[h], mo2 = sm.m[hb], lo2 = sm.l[hb];
+      const float mn = fmaxf(mo, mx), mn2 = fmaxf(mo2, mx2);
+      const float al = exp2f(mo - mn), al2 = exp2f(mo2 - mn2);
+      float ls = 0.f, ls2 = 0.f;
+#pragma unroll
+      for (int i = 0; i < ATT_MAXRK / 32; ++i) {
+        const int kk = lane + 32 * i;
+        const float e = kk < nk ? exp2f(v[i] - mn) : 0.f, e2 = kk < nk ? exp2f(v2[i] - mn2) : 0.f;
+        if (kk < nk) {
+          sm.sc[h][kk] = e;
+          if (two) sm.sc[h2][kk] = e2;
+        }
+        ls += e;
+        ls2 += e2;
+      }
+#pragma unroll
+      for (int o = 16; o; o >>= 1) {
+        ls += __shfl_xor_sync(0xffffffffu, ls, o);
+        ls2 += __shfl_xor_sync(0xffffffffu, ls2, o);
+      }
+      if (lane == 0) {
+        sm.m[h] = mn; sm.l[h] = fmaf(lo, al, ls); sm.al[h] = al;
+        if (two) { sm.m[h2] = mn2; sm.l[h2] = fmaf(lo2, al2, ls2); sm.al[h2] = al2; }
+      }
+    }
+  } else
   for (int h = warp; h < g; h += ATT_THREADS / 32) {    // online softmax, a warp per head
     float v[ATT_MAXRK / 32], mx = NEG_INF;
 #pragma unroll
@@ -1060,14 +1106,14 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
   if (!FC) {
     for (int rd = 0; rd < rounds; ++rd) {
       const int rs = start + rd * RK;
-      attn_round(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 1 < rounds ? rs + RK : -1);
+      attn_round<false>(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 1 < rounds ? rs + RK : -1);
     }
   } else {                                                // two rounds' rows in flight: kq / kq2 in turn
     for (int rd = 0; rd < rounds; rd += 2) {
       const int rs = start + rd * RK, rs2 = rs + RK;
-      attn_round(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 2 < rounds ? rs + 2 * RK : -1);
+      attn_round<true>(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 2 < rounds ? rs + 2 * RK : -1);
       if (rd + 1 < rounds)
-        attn_round(sm, a, kq2, vq2, acc, rs2, min(RK, n - rs2), n, pp, rd + 3 < rounds ? rs2 + 2 * RK : -1);
+        attn_round<true>(sm, a, kq2, vq2, acc, rs2, min(RK, n - rs2), n, pp, rd + 3 < rounds ? rs2 + 2 * RK : -1);
     }
   }
   __syncthreads();                                        // sm.m / sm.l final (also with no rounds)
