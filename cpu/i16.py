@@ -120,6 +120,8 @@ def _make_block(MT: int):
             g_v, p0_v, a0_v, col_v = args[2], args[6], args[8], args[9]
             off_v, pf_v, lim_v, jump_v = (context.cast(builder, args[i], signature.args[i], types.int64)
                                           for i in (1, 10, 11, 12))
+            hint_v = builder.and_(pf_v, ir.Constant(_I64, 3))         # pf's low 2 bits: T0, T1, T2, NTA
+            dist_v = builder.sub(pf_v, hint_v)
             arr = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else None
                    for t, v in zip(signature.args, args)]
             tile0 = builder.bitcast(arr[0].data, _I8.as_pointer())
@@ -144,10 +146,18 @@ def _make_block(MT: int):
                 sc = _decode_scales(builder, builder.gep(sbase, [builder.mul(g, ir.Constant(_I64, 8))]))
                 cb = builder.gep(base, [builder.mul(g, ir.Constant(_I64, 64))])
                 pf = _declare(builder.module, "llvm.prefetch.p0i8", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
-                at = builder.add(builder.add(off_v, builder.mul(g, ir.Constant(_I64, 64))), pf_v)
+                at = builder.add(builder.add(off_v, builder.mul(g, ir.Constant(_I64, 64))), dist_v)
                 at = builder.select(builder.icmp_signed("<", at, lim_v), at, builder.add(at, jump_v))
-                builder.call(pf, [builder.gep(tile0, [at]), ir.Constant(_I32, 0),
-                                  ir.Constant(_I32, 3), ir.Constant(_I32, 1)])      # read, keep, data
+                addr = builder.gep(tile0, [at])
+                sw = builder.switch(hint_v, builder.function.append_basic_block("pf_t0"))
+                done = builder.function.append_basic_block("pf_done")
+                for h, blk in enumerate([sw.default] + [builder.function.append_basic_block(f"pf_h{h}") for h in (1, 2, 3)]):
+                    if h:
+                        sw.add_case(ir.Constant(_I64, h), blk)
+                    builder.position_at_end(blk)
+                    builder.call(pf, [addr, ir.Constant(_I32, 0), ir.Constant(_I32, 3 - h), ir.Constant(_I32, 1)])
+                    builder.branch(done)
+                builder.position_at_end(done)
                 ops = []
                 for h in range(2):
                     v = builder.load(_at(builder, cb, ir.Constant(_I64, 32 * h), _V32I8), align=1)
@@ -212,7 +222,8 @@ def nvfp4_i16_tile(tile, G, xq, xs, rows, p0, p1, acc):
 
 @njit(**JIT)
 def nvfp4_i16_tile_pf(tile, G, xq, xs, rows, p0, p1, acc, pf, pf_lim, pf_jump):
-    """nvfp4_i16_tile, prefetching pf bytes ahead of each group's codes; a target at or past
+    """nvfp4_i16_tile, prefetching pf & ~3 bytes ahead of each group's codes with the locality
+    hint pf & 3 (0 prefetcht0, 1 prefetcht1, 2 prefetcht2, 3 prefetchnta); a target at or past
     pf_lim bytes from the tile's start moves by pf_jump bytes: to where the caller reads next
     (another unit), or by -pf onto the current group (no prefetch past pf_lim).  Any address
     is allowed: a prefetch never faults."""

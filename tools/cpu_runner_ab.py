@@ -5,7 +5,8 @@
 Variants are runner schedules (hybrid/experts/cpu_runner.py SCHEDULES) with optional prefixes:
 'direct:' (the same kernel called from this thread without the runner: no submit/queue/sync
 hand-off), 'pf<N><o|s|n>:' (dataflow's prefetch distance N bytes; near a unit's end on into the
-bytes that follow / stop / into the part's next unit, claimed ahead: cpu/dataflow.py PF_*),
+bytes that follow / stop / into the part's next unit, claimed ahead: cpu/dataflow.py PF_*;
+a suffix t1 / t2 / nta picks that prefetch instruction instead of prefetcht0),
 and with --nohuge each again on a second store in 4 KiB pages ('4k:...').  'readcall' is no kernel:
 each call's experts' bytes (contiguous) summed by the read probe on the pool, one parallel region
 per call, from this thread: the stream with the per-call region start and end, without compute.  Every round measures the read-only stream
@@ -30,8 +31,10 @@ def prefetch_of(v: str):
     from cpu.i16 import PREFETCH
 
     for part in v.split(":")[:-1]:
-        if part.startswith("pf"):
-            return int(part[2:-1]), {"o": PF_ON, "s": PF_STOP, "n": PF_NEXT}[part[-1]]
+        if part.startswith("pf"):                   # pf<N><o|s|n>[t1|t2|nta]
+            hint = next((h for h, tag in ((1, "t1"), (2, "t2"), (3, "nta")) if part.endswith(tag)), 0)
+            part = part[:len(part) - (0 if hint == 0 else 2 if hint < 3 else 3)]
+            return int(part[2:-1]) + hint, {"o": PF_ON, "s": PF_STOP, "n": PF_NEXT}[part[-1]]
     return PREFETCH, PF_NEXT
 
 
