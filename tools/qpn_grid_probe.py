@@ -20,7 +20,8 @@ import sys
 
 import torch
 
-from hybrid.bench.cuda_kernels import bandwidths, copies_for, random_qweight, time_ms, _clone_weight
+from hybrid.bench.cuda_kernels import (_clone_weight, bandwidths, copies_for, moe_slot_sets, random_qweight,
+                                       time_ms)
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import QPNWeight, qpn_linear
 from hybrid.kernels import layout, qpn
@@ -109,16 +110,10 @@ def main() -> int:
 
 
 def probe_moe(a, out, read_bw, copy_bw, dev, h=2048, i=768, topk=8) -> int:
-    from hybrid.kernels import QPNExpertSlots, qpn_moe
+    from hybrid.kernels import qpn_moe
 
     for qt in (QType.NVFP4, QType.FP8):
-        sets = []
-        for _ in range(copies_for(topk * 3 * i * h // 2)):
-            sl = QPNExpertSlots(topk, h, i, qt, dev)
-            for s in range(topk):
-                sl.load(s, random_qweight(qt, i, h, dev), random_qweight(qt, i, h, dev),
-                        random_qweight(qt, h, i, dev))
-            sets.append(sl)
+        sets = moe_slot_sets(qt, h, i, topk, dev)
         nbytes = topk * sets[0].nbytes_per_slot
         for t in (1, 4, 8):
             x = torch.randn(t, h, device=dev, dtype=torch.float16)

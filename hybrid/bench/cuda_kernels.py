@@ -314,13 +314,10 @@ def _gpu_dequant(qw):
     return (table[codes.long()] * qw.scale.float().unsqueeze(-1) * qw.scale_2.float()).view(n, k)
 
 
-def bench_moe(qtype, ts, reps, read_bw, h=2048, i=768, topk=8):
-    """All 8 selected experts of one Qwen3-30B-A3B layer through qpn_moe vs batched cuBLAS FP16."""
-    import torch
+def moe_slot_sets(qtype, h: int, i: int, topk: int, dev) -> list:
+    """Enough copies of topk random experts in QPN slots that rotating over them defeats the L2."""
+    from hybrid.kernels import QPNExpertSlots
 
-    from hybrid.kernels import QPNExpertSlots, qpn_moe
-
-    dev = torch.device("cuda", torch.cuda.current_device())
     sets = []
     for _ in range(copies_for(topk * 3 * i * h // 2)):
         sl = QPNExpertSlots(topk, h, i, qtype, dev)
@@ -328,6 +325,17 @@ def bench_moe(qtype, ts, reps, read_bw, h=2048, i=768, topk=8):
             sl.load(s, random_qweight(qtype, i, h, dev), random_qweight(qtype, i, h, dev),
                     random_qweight(qtype, h, i, dev))
         sets.append(sl)
+    return sets
+
+
+def bench_moe(qtype, ts, reps, read_bw, h=2048, i=768, topk=8):
+    """All 8 selected experts of one Qwen3-30B-A3B layer through qpn_moe vs batched cuBLAS FP16."""
+    import torch
+
+    from hybrid.kernels import qpn_moe
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sets = moe_slot_sets(qtype, h, i, topk, dev)
     nbytes = topk * sets[0].nbytes_per_slot
     w13 = torch.randn(topk, 2 * i, h, device=dev, dtype=torch.float16) * 0.02
     w2 = torch.randn(topk, h, i, device=dev, dtype=torch.float16) * 0.02
