@@ -231,14 +231,14 @@ __device__ __forceinline__ void store_part(float* out, const float* v, int n, in
 // ---------------------------------------------------------------- pre-pass
 // xp fp16 [Mp / NT][Kp / 64][NT x 64 in the slot's core-matrix order]: each 64-k stage of each NT-token
 // tile is one contiguous NT x 128-byte block (one bulk copy). One thread per 16-element group (token m,
-// group g): pairs P0..P7 of x's group (P j = elements 2j, 2j+1) -> k-slots (P0 P2 P4 P6 | P1 P3 P5 P7),
+// group g; m fastest): pairs P0..P7 of x's group (P j = elements 2j, 2j+1) -> k-slots (P0 P2 P4 P6 | P1 P3 P5 P7),
 // the two k-octets 2 (g % 4), 2 (g % 4) + 1 of stage g / 4; zeros past M and K.
 extern "C" __global__ void __launch_bounds__(THREADS) qpn_sm90_permute_x(
     const u16* __restrict__ x, u16* __restrict__ xp, int M, int K, int Mp, int Kp, int NT) {
   const long long i = (long long)blockIdx.x * THREADS + threadIdx.x;
   const int gk = Kp >> 4;
   if (i >= (long long)Mp * gk) return;
-  const int m = (int)(i / gk), g = (int)(i % gk);
+  const int m = (int)(i % Mp), g = (int)(i / Mp);  // tokens fastest: 8 threads write one 128-byte k-octet row
   u32x4 a = {0u, 0u, 0u, 0u}, b = {0u, 0u, 0u, 0u};
   if (m < M && 16 * g < K) {
     const u32x4* src = reinterpret_cast<const u32x4*>(x + (size_t)m * K + 16 * g);
@@ -290,6 +290,41 @@ __device__ __forceinline__ void load_stage(u32 sb, u32 mb, const u16* __restrict
   }
 }
 
+// warp-specialized (WS): the producer warp's copies of stage kt into slot sb, completing on full:
+// lane 0 arms it, then copy i = lane, lane + 32, .. of x (i = 0), the 8 MW tiles' words (1 .. 8 MW)
+// and NVFP4 scales (8 MW + 1 .. 16 MW); tiles past N read the last tile
+template <int FMT, int MW, int NT>
+__device__ __forceinline__ void produce_stage(u32 sb, u32 full, const u16* __restrict__ xs, const u32x4* __restrict__ w,
+                                              const u64* __restrict__ s, int t0, int tiles, int kt, int C) {
+  typedef Ring<FMT, MW, NT> R;
+  const int lane = threadIdx.x & 31;
+  const int chunks = kt * R::CPS + R::CPS <= C ? R::CPS : C - kt * R::CPS;
+  const u32 wbytes = chunks * 512, sbytes = FMT == 2 ? 64 : 0;
+  if (lane == 0) mbar_expect_arrive(full, R::XS + 8 * MW * (wbytes + sbytes));
+  __syncwarp();
+  constexpr int NC = 1 + (FMT == 2 ? 16 : 8) * MW;
+#pragma unroll
+  for (int i = lane; i < NC; i += 32) {
+    if (i == 0) {
+      bulk_g2s(sb, xs + (size_t)kt * NT * 64, R::XS, full);
+    } else {
+      const int c = (i - 1) % (8 * MW), wq = c / MW, u = c % MW;   // warp wq's tile u
+      int t = t0 + (wq >> 2) * 4 * MW + 4 * u + (wq & 3);
+      if (t >= tiles) t = tiles - 1;
+      if (i <= 8 * MW)
+        bulk_g2s(sb + R::XS + c * R::CPS * 512, w + ((size_t)t * C + kt * R::CPS) * 32, wbytes, full);
+      else
+        bulk_g2s(sb + R::XS + R::WS + c * 64, s + ((size_t)t * C + kt) * 8, sbytes, full);
+    }
+  }
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 mbar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(mbar) : "memory");
+}
+// the consumer warps' own barrier (the producer warp never joins)
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
 // A fragment of group j (0..3) of a 64-k step: a[0..3] = rows (r, r+8) x k-slots (lo, hi)
 template <int FMT>
 __device__ __forceinline__ void decode_a(u32 (&a)[4], const u32x4 (&wv)[2], u64 sv, int j) {
@@ -307,14 +342,14 @@ __device__ __forceinline__ void decode_a(u32 (&a)[4], const u32x4 (&wv)[2], u64 
   }
 }
 
-// the ST mbarriers sit past the ring and the epilogue's staging
+// the mbarriers (ST full, then WS: ST empty) sit past the ring and the epilogue's staging
 template <int FMT, int MW, int NT, int ST>
 __device__ __host__ constexpr int mbar_offset() {
   return ((ST * Ring<FMT, MW, NT>::SLOT > NT * (128 * MW + 4) * 4 ? ST * Ring<FMT, MW, NT>::SLOT
                                                                    : NT * (128 * MW + 4) * 4) + 7) & ~7;
 }
 
-template <int FMT, int MW, int NT, int ST, int PS, int NOLD = 0>
+template <int FMT, int MW, int NT, int ST, int PS, int NOLD = 0, int WS = 0>
 __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,
                                            const u16* __restrict__ xp, u16* __restrict__ y,
                                            float* __restrict__ part, int M, int N, int K, int Kp, int KS) {
@@ -341,18 +376,37 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
   const u32 ring = smem_addr(smem), mbar = ring + mbar_offset<FMT, MW, NT, ST>();
   if (tid == 0) {
 #pragma unroll
-    for (int p = 0; p < ST; ++p) mbar_init(mbar + 8 * p, 1);
+    for (int p = 0; p < ST; ++p) {
+      mbar_init(mbar + 8 * p, 1);
+      if (WS) mbar_init(mbar + 8 * (ST + p), 8);   // empty: one arrive per consumer warp
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+  if (WS && warp >= 8) {  // the producer warpgroup gives its registers to the consumers; its first warp
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");  // stages kt into slot (kt - kb) % ST
+    if (warp == 8) {                                                   // once its last use is released
+      u32 ph = 0;
+      for (int kt = kb, slot = 0; kt < ke; ++kt) {
+        if (kt - kb >= ST) mbar_wait(mbar + 8 * (ST + slot), ph ^ 1u);
+        produce_stage<FMT, MW, NT>(ring + slot * R::SLOT, mbar + 8 * slot, xs, w, s, n0 >> 4, tiles, kt, C);
+        if (slot == ST - 1) slot = 0, ph ^= 1u;
+        else ++slot;
+      }
+    }
+    return;
+  }
+  if (WS) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
   float acc[MW][NR];
 #pragma unroll
   for (int u = 0; u < MW; ++u)
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[u][i] = 0.f;
+  if (!WS) {
 #pragma unroll
-  for (int p = 0; p < ST - 2; ++p)
-    if (kb + p < ke) load_stage<FMT, MW, NT>(ring + p * R::SLOT, mbar + 8 * p, xs, wt, st, kb + p, C);
+    for (int p = 0; p < ST - 2; ++p)
+      if (kb + p < ke) load_stage<FMT, MW, NT>(ring + p * R::SLOT, mbar + 8 * p, xs, wt, st, kb + p, C);
+  }
   if (NOLD) {  // diagnostic (timing only, wrong results): the loop multiplies the first stages again
 #pragma unroll
     for (int p = 0; p < ST - 2; ++p)
@@ -363,11 +417,15 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
   // one 64-k step; ab: A fragment buffers [NB][MW][4] (group j uses ab[j % NB])
   auto step = [&](int kt, auto& ab) {
     constexpr int NB = sizeof(ab) / sizeof(ab[0]);
-    __syncthreads();  // every warpgroup's wgmmas (and every lane's reads) of step kt - 2 are done
-    if (!NOLD) {
-      const int nx = kt + ST - 2, ns = slot >= 2 ? slot - 2 : slot + ST - 2;
-      if (nx < ke) load_stage<FMT, MW, NT>(ring + ns * R::SLOT, mbar + 8 * ns, xs, wt, st, nx, C);
+    if (WS) {
       mbar_wait(mbar + 8 * slot, phase);  // stage kt has landed
+    } else {
+      __syncthreads();  // every warpgroup's wgmmas (and every lane's reads) of step kt - 2 are done
+      if (!NOLD) {
+        const int nx = kt + ST - 2, ns = slot >= 2 ? slot - 2 : slot + ST - 2;
+        if (nx < ke) load_stage<FMT, MW, NT>(ring + ns * R::SLOT, mbar + 8 * ns, xs, wt, st, nx, C);
+        mbar_wait(mbar + 8 * slot, phase);  // stage kt has landed
+      }
     }
     const u32 sb = ring + slot * R::SLOT;
     // groups of 16 k of this step inside K (FP8: 2 on a last half step). ptxas (12.9) serializes the
@@ -430,6 +488,10 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
     }
 #pragma unroll
     for (int u = 0; u < MW; ++u) fence_acc<NR>(acc[u]);
+    if (WS && kt > kb) {  // step kt - 1's wgmmas are complete (one group pending): release its slot
+      __syncwarp();
+      if (lane == 0) mbar_arrive(mbar + 8 * (ST + (slot == 0 ? ST - 1 : slot - 1)));
+    }
     if (NOLD) slot = slot == ST - 3 ? 0 : slot + 1;   // the prologue's ST - 2 stages, round and round
     else if (slot == ST - 1) slot = 0, phase ^= 1u;
     else ++slot;
@@ -447,7 +509,8 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
   wgmma_wait<0>();
 #pragma unroll
   for (int u = 0; u < MW; ++u) fence_acc<NR>(acc[u]);
-  __syncthreads();  // the ring (every stage consumed) becomes the epilogue's staging area [NT][SW] fp32
+  if (WS) consumers_sync();
+  else __syncthreads();  // the ring (every stage consumed) becomes the epilogue's staging area [NT][SW] fp32
   // acc[u][4 i + 2 v1 + v0]: block row 16 tt[u] + l / 4 + 8 v1, token 8 i + 2 (l % 4) + v0
   float* stg = reinterpret_cast<float*>(smem);
   const int g = lane >> 2, q = lane & 3;
@@ -459,7 +522,8 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
       r0[0] = acc[u][4 * i], r0[SW] = acc[u][4 * i + 1], r0[8] = acc[u][4 * i + 2], r0[SW + 8] = acc[u][4 * i + 3];
     }
   }
-  __syncthreads();
+  if (WS) consumers_sync();
+  else __syncthreads();
   const size_t zoff = (size_t)blockIdx.z * M * N;
 #pragma unroll 4
   for (int p = tid; p < NT * (BR / 8); p += THREADS) {
@@ -489,7 +553,17 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
   }
 // each tile in two pipelines: per group (decode, wgmma, wait for the group before) and, suffix _s,
 // per step (the step's 4 fragments decoded, its wgmmas one group; two register sets)
-#define WGMMA(FMT, BR, NT, ST, MINB) WGMMA1(FMT, BR, NT, ST, MINB, 0, ) WGMMA1(FMT, BR, NT, ST, MINB, 1, _s)
+// warp-specialized, suffix _w: a third (producer) warpgroup, 40 registers (setmaxnreg), one warp of
+// which fills the ring on empty/full mbarriers; the consumer warpgroups (232 registers) never wait for
+// each other (blockDim 384, one block per SM)
+#define WGMMA_WS(FMT, BR, NT, ST, MINB, PS, SFX)                                                   \
+  extern "C" __global__ void __launch_bounds__(THREADS + 128, 1) qpn##FMT##_wgmma_##BR##x##NT##SFX(   \
+      const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ xp, \
+      u16* __restrict__ y, float* __restrict__ part, int M, int N, int K, int Kp, int KS) {         \
+    wgmma_body<FMT, BR / 128, NT, ST, PS, 0, 1>(w, s, gs, xp, y, part, M, N, K, Kp, KS);           \
+  }
+#define WGMMA(FMT, BR, NT, ST, MINB) WGMMA1(FMT, BR, NT, ST, MINB, 0, ) WGMMA1(FMT, BR, NT, ST, MINB, 1, _s) \
+  WGMMA_WS(FMT, BR, NT, ST, MINB, 0, _w)
 // diagnostics (timing only, results wrong): no loads in the main loop (the decode + wgmma rate alone)
 #define WGMMA_NOLD(FMT, BR, NT, ST, MINB, PS, SFX)                                                 \
   extern "C" __global__ void __launch_bounds__(THREADS, MINB) qpn##FMT##_wgmma_##BR##x##NT##SFX##_nold( \

@@ -84,23 +84,15 @@ def test_shared_memory_fits_the_h200(fmt, tile):
     assert smem >= tile[1] * (tile[0] + 4) * 4   # the epilogue's staging
 
 
-@pytest.mark.parametrize("m,tile", [(17, (256, 64)), (64, (256, 64)), (65, (256, 128)), (100, (256, 128)),
-                                    (128, (256, 128)), (129, (128, 256)), (512, (128, 256)), (300, (256, 128))])
-def test_pick_tile(m, tile):
-    assert sm90.pick_tile(m) == tile
-
-
-def test_plan_grid_and_splits():
-    p = sm90.plan(2, 512, 151936, 2048, 132)          # lm_head: enough blocks, no split
+def test_plan_forced_grid_and_splits():
+    p = sm90.plan(2, 512, 151936, 2048, 132, tile=(128, 256), splits=1)   # lm_head, one split
     assert p.kernel == f"qpn2_wgmma_128x256{sm90.PIPE[0]}" and p.grid == (2, 1187, 1) and p.ks == 32
     assert (p.mp, p.kp) == (512, 2048)
-    p = sm90.plan(2, 512, 4096, 2048, 132)            # q_proj: 64 blocks -> 2 splits of 16 steps
-    assert p.grid == (2, 32, 2) and p.ks == 16
-    p = sm90.plan(8, 17, 200, 352, 132, pipe="_s")    # FP8, K = 32 mod 64: Kp 384, 6 steps, no split
+    p = sm90.plan(8, 17, 200, 352, 132, tile=(256, 64), splits=1, pipe="_s")  # FP8, K = 32 mod 64: Kp 384
     assert p.kernel == "qpn8_wgmma_256x64_s" and (p.mp, p.kp) == (64, 384) and p.grid == (1, 1, 1) and p.ks == 6
-    p = sm90.plan(2, 100, 300, 4096, 132, tile=(128, 64), splits=100)   # forced: at most one split per step
+    p = sm90.plan(2, 100, 300, 4096, 132, tile=(128, 64), splits=100)   # at most one split per step
     assert p.grid == (2, 3, 64) and p.ks == 1
-    p = sm90.plan(2, 100, 300, 4096, 132, splits=3)   # 64 steps in 3 splits of 22 (the last 20)
+    p = sm90.plan(2, 100, 300, 4096, 132, tile=(128, 64), splits=3)     # 64 steps in 3 splits of 22 (the last 20)
     assert p.grid[2] == 3 and p.ks == 22
     with pytest.raises(ValueError, match="must be one of"):
         sm90.plan(2, 100, 300, 4096, 132, tile=(128, 32))
@@ -110,11 +102,38 @@ def test_plan_grid_and_splits():
         sm90.plan(2, 100, 300, 96, 132)
 
 
+@pytest.mark.parametrize("fmt,m,n,k", [(2, 512, 151936, 2048), (8, 64, 5120, 25600), (2, 17, 4096, 2048),
+                                       (8, 300, 768, 2048)])
+def test_plan_is_the_least_modelled_cost(fmt, m, n, k):
+    """The picked plan costs no more than any forced tile and split count, and its cost is cost_us."""
+    p = sm90.plan(fmt, m, n, k, 132)
+    assert p.us == pytest.approx(sm90.cost_us(fmt, m, n, k, 132, p.tile, p.grid[2], p.ks, sm90.PIPE[0]))
+    for tile in sm90.TILES:
+        for sp in (1, 2, 3, 5, 8):
+            assert p.us <= sm90.plan(fmt, m, n, k, 132, tile=tile, splits=sp).us + 1e-9
+
+
+def test_cost_counts_whole_waves():
+    """A last partial wave costs a whole one: 133 blocks of a one-per-SM tile take two waves on 132 SMs."""
+    one = sm90.cost_us(2, 256, 128 * 132, 2048, 132, (128, 256), 1, 32)
+    two = sm90.cost_us(2, 256, 128 * 133, 2048, 132, (128, 256), 1, 32)
+    step = sm90.STEP_US[(2, 128, 256)]
+    assert two - one == pytest.approx(32 * step, rel=1e-3)
+
+
 def test_qpn_hook_is_sm90_only():
     from hybrid.kernels import qpn
 
     assert qpn.use_sm90(90, "wgmma") and not qpn.use_sm90(80, "wgmma") and not qpn.use_sm90(90, "mt")
-    assert qpn.use_sm90(90, None) is qpn.SM90_DEFAULT
+    old = qpn.SM90_DEFAULT[0]
+    try:
+        qpn.SM90_DEFAULT[0] = False
+        assert not qpn.use_sm90(90, None, 2, 512, 25600, 5120, 132)
+        qpn.SM90_DEFAULT[0] = True   # by the models: dense_up at M = 512 yes (measured 2x), M = 16 never
+        assert qpn.use_sm90(90, None, 2, 512, 25600, 5120, 132) and not qpn.use_sm90(90, None, 2, 16, 25600, 5120, 132)
+        assert not qpn.use_sm90(80, None, 2, 512, 25600, 5120, 132)
+    finally:
+        qpn.SM90_DEFAULT[0] = old
     # elsewhere "wgmma" plans as the default
     assert qpn.prefill_plan(2, 512, 4096, 2048, 108, 80, "wgmma") == qpn.prefill_plan(2, 512, 4096, 2048, 108, 80)
 
@@ -244,3 +263,27 @@ def test_qpn_linear_wgmma_variant(qtype):
             assert torch.isfinite(y).all() and rel_err(y, x.double() @ wref.t()) < 2e-3, f"M={m}"
     finally:
         qpn.PREFILL_VARIANT[0] = None
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+@needs_sm90
+def test_qpn_linear_default_sm90(qtype):
+    """SM90_DEFAULT: qpn_linear takes the wgmma GEMM where its model beats the gemmf / WMMA pick's and
+    that pick elsewhere; poisoned outputs, both paths correct."""
+    from hybrid.kernels import QPNWeight, qpn, qpn_linear
+
+    old = qpn.SM90_DEFAULT[0]
+    qpn.SM90_DEFAULT[0] = True
+    try:
+        for n, k in ((3000, 2048), (200, 320)):
+            qw = MAKE[qtype](n, k, seed=n + 1)
+            w = QPNWeight.from_qweight(qw, "cuda")
+            wref = qw.dequantize(torch.float64)
+            for m in (17, 64, 128, 300):
+                x = fresh((m, k))
+                out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+                y = qpn_linear(x.cuda(), w, out=out).cpu()
+                took = qpn.use_sm90(90, None, 2 if qtype is QType.NVFP4 else 8, m, n, k, 132)
+                assert torch.isfinite(y).all() and rel_err(y, x.double() @ wref.t()) < 2e-3, f"N={n} M={m} sm90={took}"
+    finally:
+        qpn.SM90_DEFAULT[0] = old

@@ -61,11 +61,15 @@ def bench_shape(name: str, fmt: str, ms: list[int], reps: int, tiles: list) -> l
         x = torch.randn(m, k, device=dev, dtype=torch.float16)
         ref = x.float() @ wd.float().t()
         qpn.PREFILL_VARIANT[0] = None
+        default_sm90 = qpn.SM90_DEFAULT[0]
+        qpn.SM90_DEFAULT[0] = False           # the gemmf / WMMA pick (the default before this GEMM)
         t_def = time_ms([lambda w=w: qpn_linear(x, w) for w in ws], reps)
+        qpn.SM90_DEFAULT[0] = default_sm90
         pick = qpn.prefill_plan(2 if fmt == "nvfp4" else 8, m, n, k, sms, 90)
         t_cub = time_ms([lambda d=d: x @ d.t() for d in dense], reps)
         rec = dict(shape=name, n=n, k=k, format=fmt, m=m, default_us=t_def * 1e3,
-                   default_kernel=pick.label if pick else "mt", cublas_us=t_cub * 1e3)
+                   default_kernel=pick.label if pick else "mt", cublas_us=t_cub * 1e3,
+                   default_model_us=qpn.prefill_us(2 if fmt == "nvfp4" else 8, m, n, k, sms) if pick else None)
         for tag, tile, pipe, diag in tiles:
             if diag and fmt != "nvfp4":
                 continue
@@ -75,6 +79,11 @@ def bench_shape(name: str, fmt: str, ms: list[int], reps: int, tiles: list) -> l
             t = time_ms([lambda w=w: sm90.linear(x, w, torch.empty(m, n, dtype=torch.float16, device=dev), tile=tile,
                                                  pipe=pipe, diag=diag) for w in ws], reps)
             p = sm90.plan(2 if fmt == "nvfp4" else 8, m, n, k, sms, tile, pipe=pipe)
+            blocks = p.grid[0] * p.grid[1] * p.grid[2]
+            rec[f"wgmma_{tag}_plan"] = dict(tile=list(p.tile), pipe=pipe if pipe is not None else sm90.PIPE[0],
+                                            splits=p.grid[2], ks=p.ks, mp=p.mp, kp=p.kp, blocks=blocks,
+                                            waves=-(-blocks // (sms * sm90.resident(p.tile, "_w" if p.kernel.endswith("_w") else ""))),
+                                            model_us=p.us)
             rec[f"wgmma_{tag}_us"] = t * 1e3
             rec[f"wgmma_{tag}_kernel"] = p.label
             rec[f"wgmma_{tag}_relerr"] = err

@@ -41,9 +41,10 @@ MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_a
 PREFILL_VARIANT: list[str | None] = [os.environ.get("HYBRID_QPN_PREFILL") or None]
 PREFILL_MIN = 16
 # sm_90 prefill (M > PREFILL_MIN): the wgmma GEMM of cuda/qpn_sm90.cu (hybrid.kernels.sm90) when
-# PREFILL_VARIANT is "wgmma", or by default once SM90_DEFAULT is True (set from measured H200 runs;
-# until then the gemmf / WMMA pick stays the default). Other devices ignore "wgmma".
-SM90_DEFAULT = False
+# PREFILL_VARIANT is "wgmma"; with SM90_DEFAULT (initial value from $HYBRID_QPN_SM90=1) also by default
+# wherever its H200 cost model (sm90.cost_us) is below the gemmf / WMMA pick's (prefill_us). Other
+# devices ignore "wgmma".
+SM90_DEFAULT = [os.environ.get("HYBRID_QPN_SM90", "0") == "1"]
 GEMM_TILES = ((128, 128), (64, 128), (64, 64), (32, 64))  # (BM rows of x, BN rows of W), largest first
 
 
@@ -459,7 +460,7 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
         return y
     mod = _module(w.device)
     fmt = _fmt(w.qtype)
-    if m > PREFILL_MIN and use_sm90(mod.sm, PREFILL_VARIANT[0]):
+    if m > PREFILL_MIN and use_sm90(mod.sm, PREFILL_VARIANT[0], fmt, m, n, k, _sms(w.device)):
         from hybrid.kernels import sm90
 
         return sm90.linear(x, w, y)
@@ -483,9 +484,29 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     return y
 
 
-def use_sm90(sm: int, choice: str | None) -> bool:
-    """Whether M > PREFILL_MIN rows on an sm_<sm> device take the wgmma GEMM (sm_90 only)."""
-    return sm == 90 and (choice == "wgmma" or (choice is None and SM90_DEFAULT))
+def use_sm90(sm: int, choice: str | None, fmt: int = 2, m: int = 0, n: int = 0, k: int = 0, sms: int = 132) -> bool:
+    """Whether M > PREFILL_MIN rows on an sm_<sm> device take the wgmma GEMM (sm_90 only): forced by
+    'wgmma'; by default (SM90_DEFAULT) where its modelled time is below the gemmf / WMMA pick's."""
+    if sm != 90:
+        return False
+    if choice == "wgmma":
+        return True
+    return choice is None and SM90_DEFAULT[0] and m > PREFILL_MIN and _sm90_faster(fmt, m, n, k, sms)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sm90_faster(fmt: int, m: int, n: int, k: int, sms: int) -> bool:
+    from hybrid.kernels import sm90
+
+    return sm90.plan(fmt, m, n, k, sms).us < prefill_us(fmt, m, n, k, sms)
+
+
+def prefill_us(fmt: int, m: int, n: int, k: int, sms: int, sm: int = 90) -> float:
+    """Modelled microseconds on the H200 of prefill_plan's default pick (gemmf_cost or gemm_us)."""
+    plan = prefill_plan(fmt, m, n, k, sms, sm)
+    tile = tuple(int(v) for v in plan.kernel.rsplit("_", 1)[1].split("x"))
+    cost = gemmf_cost if "_gemmf_" in plan.kernel else gemm_us
+    return cost(m, n, tile, sms, plan.grid[2], plan.ks, fmt)
 
 
 def _launch_gemm(mod, plan: GemmPlan, w: QPNWeight, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ serialized by ptxas.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -36,19 +37,32 @@ TILES = ((128, 64), (128, 128), (128, 256), (256, 64), (256, 128))   # (BR weigh
 STAGES = {(2, 128, 64): 8, (2, 128, 128): 5, (2, 128, 256): 6, (2, 256, 64): 6, (2, 256, 128): 8,
           (8, 128, 64): 6, (8, 128, 128): 4, (8, 128, 256): 5, (8, 256, 64): 4, (8, 256, 128): 6}
 MIN_BLOCKS = {(128, 64): 2, (128, 128): 2, (128, 256): 1, (256, 64): 2, (256, 128): 1}
-MIN_KSTEPS = 8        # split-K: at least this many 64-k steps per split
+MIN_KSTEPS = 4        # split-K: at least this many 64-k steps per split
 MAX_SPLITS = 8
-# relative cost per token row of a block of NT tokens (the wgmma amortises the decode and the
-# barrier over NT; first guesses, not yet measured)
-TOKEN_COST = {64: 1.4, 128: 1.15, 256: 1.0}
+# The cost model (microseconds on the H200; plan() takes the (tile, splits) of least cost and
+# qpn.qpn_linear compares it with the gemmf / WMMA model): 2 launches + the pre-pass (bytes of x read
+# and xp written) + waves x KS x the step time of one wave (all the blocks resident on an SM, one
+# 64-k step) + split-K (partials written and summed by torch, its launches). Waves =
+# ceil(blocks / (SMs x resident blocks)): a last partial wave costs a whole one. STEP_US: first
+# values from H200 device call 4 (tools/wgmma_bench.py, bulk-copy ring; its rows' time less the
+# pre-pass and splits over waves x KS), to be refit on more rows (tools/wgmma_fit.py).
+LAUNCH_US = 3.52
+PERMUTE_US_PER_BYTE = 2.9e-7
+SPLIT_US = 7.0
+PART_US_PER_BYTE = 3.38e-7
+STEP_US = {(2, 128, 64): 0.67, (2, 128, 128): 0.82, (2, 128, 256): 0.90, (2, 256, 64): 1.24, (2, 256, 128): 1.05,
+           (8, 128, 64): 0.63, (8, 128, 128): 0.78, (8, 128, 256): 0.84, (8, 256, 64): 1.04, (8, 256, 128): 0.89}
+PIPE_RATE = {"": 1.0, "_s": 1.1, "_w": 1.0}   # step time relative to the per-group pipeline (unmeasured: _w)
 # pipelines: "" per group (decode a fragment, its wgmma, wait for the group before), "_s" per step (the
-# step's 4 fragments, its wgmmas as one group, two register sets); PIPE[0] is the one plan() takes
-PIPES = ("", "_s")
+# step's 4 fragments, its wgmmas as one group, two register sets), "_w" per group, warp-specialized (a
+# producer warpgroup (40 registers by setmaxnreg, consumers 232) fills the ring on empty/full mbarriers,
+# no block barrier per step; blockDim 384, one block per SM); PIPE[0] is the one plan() takes
+PIPES = ("", "_s", "_w")
 PIPE: list[str] = [os.environ.get("HYBRID_WGMMA_PIPE", "")]
 KERNELS = tuple(["qpn_sm90_permute_x"] + [f"qpn{f}_wgmma_{br}x{nt}{p}" for f in (2, 8) for br, nt in TILES
                                           for p in PIPES])
 # diagnostics, timing only (results wrong): no loads in the main loop (PIPES suffix + "_nold")
-DIAG_KERNELS = tuple(f"qpn2_wgmma_{t}{p}_nold" for t in ("128x256", "256x128") for p in PIPES)
+DIAG_KERNELS = tuple(f"qpn2_wgmma_{t}{p}_nold" for t in ("128x256", "256x128") for p in ("", "_s"))
 
 
 def source() -> str:
@@ -64,9 +78,9 @@ def ring_slot(fmt: int, br: int, nt: int) -> int:
 
 def smem_bytes(fmt: int, br: int, nt: int) -> int:
     """Dynamic shared memory of qpn{fmt}_wgmma_{br}x{nt}: the ring or the epilogue's fp32 staging,
-    whichever is larger (8-byte aligned), then one mbarrier per ring stage."""
+    whichever is larger (8-byte aligned), then two mbarriers per ring stage (full; empty: _w only)."""
     st = STAGES[(fmt, br, nt)]
-    return (max(st * ring_slot(fmt, br, nt), nt * (br + 4) * 4) + 7) // 8 * 8 + 8 * st
+    return (max(st * ring_slot(fmt, br, nt), nt * (br + 4) * 4) + 7) // 8 * 8 + 16 * st
 
 
 @dataclass(frozen=True)
@@ -80,43 +94,69 @@ class Sm90Plan:
     mp: int
     kp: int
     smem: int
+    us: float = 0.0   # modelled microseconds (cost_us)
 
     @property
     def label(self) -> str:
         return self.kernel.split("_", 1)[1] + (f"/s{self.grid[2]}" if self.grid[2] > 1 else "")
 
 
-def pick_tile(m: int) -> tuple[int, int]:
-    """(BR, NT): NT of least padded-token cost ceil(M / NT) * NT * TOKEN_COST[NT] (ties: the larger),
-    BR 256 where it exists for that NT (half the activation reads per weight row). First guesses."""
-    nt = min((256, 128, 64), key=lambda v: -(-m // v) * v * TOKEN_COST[v])
-    return (256, nt) if (256, nt) in TILES else (128, nt)
+def resident(tile: tuple[int, int], pipe: str) -> int:
+    """Blocks per SM: MIN_BLOCKS of the tile (registers and shared memory), 1 for the warp-specialized."""
+    return 1 if pipe.endswith("_w") else MIN_BLOCKS[tile]
 
 
+def cost_us(fmt: int, m: int, n: int, k: int, sms: int, tile: tuple[int, int], splits: int, ks: int,
+            pipe: str = "") -> float:
+    """Modelled microseconds of one linear() on the H200 (see STEP_US)."""
+    br, nt = tile
+    mp, kp = -(-m // nt) * nt, -(-k // 64) * 64
+    blocks = (mp // nt) * -(-n // br) * splits
+    waves = -(-blocks // (sms * resident(tile, pipe)))
+    us = 2 * LAUNCH_US + (m * k + mp * kp) * 2 * PERMUTE_US_PER_BYTE
+    us += waves * ks * STEP_US[(fmt, br, nt)] * PIPE_RATE[pipe]
+    if splits > 1:
+        us += SPLIT_US + splits * m * n * 8 * PART_US_PER_BYTE
+    return us
+
+
+def _splits(nk: int, force: int | None) -> list[tuple[int, int]]:
+    """(splits, KS) candidates: every distinct split count of at least MIN_KSTEPS steps (at most
+    MAX_SPLITS), or the forced count (clamped to 1..steps)."""
+    if force is not None:
+        ks = -(-nk // max(1, min(int(force), nk)))
+        return [(-(-nk // ks), ks)]
+    out = {}
+    for want in range(1, max(1, min(MAX_SPLITS, nk // MIN_KSTEPS)) + 1):
+        ks = -(-nk // want)
+        out[-(-nk // ks)] = ks
+    return sorted(out.items())
+
+
+@functools.lru_cache(maxsize=4096)   # ~0.2 ms of model search per new (shape, M)
 def plan(fmt: int, m: int, n: int, k: int, sms: int, tile: tuple[int, int] | None = None,
          splits: int | None = None, pipe: str | None = None) -> Sm90Plan:
-    """The launch for M rows, N out, K in on a device with `sms` SMs. Split K while the blocks fill
-    less than one wave (MIN_BLOCKS per SM), each split at least MIN_KSTEPS steps, at most MAX_SPLITS.
+    """The launch for M rows, N out, K in on a device with `sms` SMs: of the TILES (BR, NT) and their
+    split counts, the one of least cost_us (ties: the first listed, fewer splits).
     tile (BR, NT) / splits / pipe (PIPES; default PIPE[0]): forced (benchmark, tests)."""
     if fmt not in (2, 8) or m < 1 or n < 1 or k < 1 or k % (64 if fmt == 2 else 32):
         raise ValueError(f"sm90 plan: bad shape fmt={fmt} M={m} N={n} K={k}")
-    tile = pick_tile(m) if tile is None else tuple(tile)
-    if tile not in TILES:
+    if tile is not None and tuple(tile) not in TILES:
         raise ValueError(f"sm90 plan: tile (BR, NT) must be one of {TILES}, got {tile}")
     pipe = PIPE[0] if pipe is None else pipe
     if pipe not in PIPES:
         raise ValueError(f"sm90 plan: pipe must be one of {PIPES}, got {pipe!r}")
-    br, nt = tile
-    mp, kp = -(-m // nt) * nt, -(-k // 64) * 64
-    nk = kp // 64
-    blocks = (mp // nt) * -(-n // br)
-    if splits is None:
-        splits = max(1, min(MAX_SPLITS, nk // MIN_KSTEPS, sms * MIN_BLOCKS[tile] // blocks))
-    splits = max(1, min(int(splits), nk))
-    ks = -(-nk // splits)
-    splits = -(-nk // ks)
-    return Sm90Plan(f"qpn{fmt}_wgmma_{br}x{nt}{pipe}", tile, (mp // nt, -(-n // br), splits), ks, mp, kp,
-                    smem_bytes(fmt, br, nt))
+    kp = -(-k // 64) * 64
+    best = None
+    for t in [tuple(tile)] if tile is not None else TILES:
+        for sp, ks in _splits(kp // 64, splits):
+            us = cost_us(fmt, m, n, k, sms, t, sp, ks, pipe)
+            if best is None or us < best[0]:
+                best = (us, t, sp, ks)
+    us, (br, nt), sp, ks = best
+    mp = -(-m // nt) * nt
+    return Sm90Plan(f"qpn{fmt}_wgmma_{br}x{nt}{pipe}", (br, nt), (mp // nt, -(-n // br), sp), ks, mp, kp,
+                    smem_bytes(fmt, br, nt), us)
 
 
 def permute_x(x: torch.Tensor, mp: int, kp: int) -> torch.Tensor:
@@ -189,6 +229,11 @@ def module(device: torch.device):
     return mod
 
 
+def block_threads(kernel: str) -> int:
+    """blockDim of a kernel: 384 for the warp-specialized ones (_w: a producer warpgroup), else 256."""
+    return THREADS + 128 if kernel.endswith("_w") else THREADS
+
+
 def launch(mod, name: str, grid: tuple[int, int, int], smem: int, args: list) -> None:
     """cuLaunchKernel on torch's current stream with `smem` bytes of dynamic shared memory (the
     function's limit raised once)."""
@@ -202,7 +247,7 @@ def launch(mod, name: str, grid: tuple[int, int, int], smem: int, args: list) ->
     stream = torch.cuda.current_stream(mod.device)
     ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     with torch.cuda.device(mod.device):
-        check(_cuda().cuLaunchKernel(fn, grid[0], grid[1], grid[2], THREADS, 1, 1, smem,
+        check(_cuda().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block_threads(name), 1, 1, smem,
                                      ctypes.c_void_p(stream.cuda_stream), ptrs, None),
               f"cuLaunchKernel({name})")
 
