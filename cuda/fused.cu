@@ -1086,12 +1086,13 @@ __device__ __forceinline__ void combine_two(const AttnSmem& sm, const float4 (&x
 // The split's attention once sm.qs holds the queries (and sm.kn / sm.vn row pp when pp >= 0) and the
 // threads are synchronised; kq / vq: the first round's loads; n = keys attended (0..n-1, n <= L);
 // SA: the split blocks of this KV head that arrive here (the last of them combines; 1: none does).
-// FC (fused_rope_attn_e): kq2 / vq2 hold the second round's rows (the rounds' loads two ahead); the combine's weights in one step (two barriers fewer) and its loads in
-// batches over both output groups (combine_two); the same results.
+// FC (fused_rope_attn_e): the softmax of two heads per warp at once; the arrival as cooperative groups'
+// grid sync; the combine's weights in one step (two barriers fewer: a thread per head for <= 8 splits, a
+// warp per head beyond, whose sums differ from the older order by fp32 rounding) and its loads in batches
+// over both output groups (combine_two). (Two rounds' K/V loads in flight measured no faster: GPU run 2.)
 template <bool FC>
 __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint4 (&kq)[ATT_NP],
-                                           uint4 (&vq)[ATT_NP], uint4 (&kq2)[ATT_NP], uint4 (&vq2)[ATT_NP],
-                                           int n, int pp, int SA) {
+                                           uint4 (&vq)[ATT_NP], int n, int pp, int SA) {
   const int tid = threadIdx.x, kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
   const int D = a.D, g = a.g, RK = a.RK, cpl = a.cpl, C = D >> 3;
   const int KP = ATT_THREADS >> cpl, c = tid & ((1 << cpl) - 1), r = tid >> cpl;
@@ -1108,12 +1109,10 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
       const int rs = start + rd * RK;
       attn_round<false>(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 1 < rounds ? rs + RK : -1);
     }
-  } else {                                                // two rounds' rows in flight: kq / kq2 in turn
-    for (int rd = 0; rd < rounds; rd += 2) {
-      const int rs = start + rd * RK, rs2 = rs + RK;
-      attn_round<true>(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 2 < rounds ? rs + 2 * RK : -1);
-      if (rd + 1 < rounds)
-        attn_round<true>(sm, a, kq2, vq2, acc, rs2, min(RK, n - rs2), n, pp, rd + 3 < rounds ? rs2 + 2 * RK : -1);
+  } else {
+    for (int rd = 0; rd < rounds; ++rd) {
+      const int rs = start + rd * RK;
+      attn_round<true>(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 1 < rounds ? rs + RK : -1);
     }
   }
   __syncthreads();                                        // sm.m / sm.l final (also with no rounds)
@@ -1179,7 +1178,21 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
   }
   __syncthreads();
   if (FC) {
-    if (tid < g) {                                        // per head: max, weights, sum (as below)
+    if (SU > 8) {                                         // per head (a warp): max, weights, sum over lanes
+      for (int h = tid >> 5; h < g; h += ATT_THREADS / 32) {
+        const int lane = tid & 31;
+        float mx = NEG_INF, l = 0.f;
+        for (int sp = lane; sp < SU; sp += 32) mx = fmaxf(mx, w[sp * g + h]);
+        mx = warp_max(mx);
+        for (int sp = lane; sp < SU; sp += 32) {
+          const float mi = w[sp * g + h], wgt = mi == NEG_INF ? 0.f : exp2f(mi - mx);
+          w[sp * g + h] = wgt;
+          l += wl[sp * g + h] * wgt;
+        }
+        l = warp_sum(l);
+        if (lane == 0) sm.l[h] = l;
+      }
+    } else if (tid < g) {                                 // per head (a thread): the same, in sequence
       float mx = NEG_INF;
       for (int sp = 0; sp < SU; ++sp) mx = fmaxf(mx, w[sp * g + tid]);
       float l = 0.f;
@@ -1249,7 +1262,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
   }
   const int n = (int)(p + 1 < (long long)L ? p + 1 : (long long)L);   // keys 0..p (<= 0: none)
   __syncthreads();
-  attn_split<false>(sm, a, kq, vq, kq, vq, n, -1, gridDim.y);
+  attn_split<false>(sm, a, kq, vq, n, -1, gridDim.y);
 }
 
 // q/k RMSNorm + RoPE + KV write + attention for one token in one launch: every split block makes
@@ -1293,7 +1306,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     }
   }
   const int n = ok ? (int)(p + 1 < (long long)L ? p + 1 : (long long)L) : 0;
-  attn_split<false>(sm, a, kq, vq, kq, vq, n, writer ? (int)p : -1, gridDim.y);
+  attn_split<false>(sm, a, kq, vq, n, writer ? (int)p : -1, gridDim.y);
 }
 
 // fused_rope_attn_e: fused_rope_attn's outputs in fewer serial steps. Only the SU = ceil(n / SK) splits
@@ -1311,9 +1324,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
   __shared__ __align__(16) AttnSmem sm;
   const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, g = Hq / Hkv, SK = R * RK;
   const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
-  uint4 kq[ATT_NP], vq[ATT_NP], kq2[ATT_NP], vq2[ATT_NP];
-  attn_load(a, split * SK, kq, vq);                       // the first two rounds, before the position
-  if (R > 1) attn_load(a, split * SK + RK, kq2, vq2);
+  uint4 kq[ATT_NP], vq[ATT_NP];
+  attn_load(a, split * SK, kq, vq);                       // the first round, before the position
   const int c = tid & ((1 << cpl) - 1), hs = tid >> cpl, HP = ATT_THREADS >> cpl, half = D >> 1;
   const bool on = 8 * c < D;
   const u16* vsrc = qkv + (size_t)(Hq + Hkv + kvh) * D;
@@ -1419,5 +1431,5 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                                           (u32)f2h(kf[6]) | ((u32)f2h(kf[7]) << 16));
     *(uint4*)(v_store + row) = vrow;
   }
-  attn_split<true>(sm, a, kq, vq, kq2, vq2, n, writer ? (int)p : -1, SU);
+  attn_split<true>(sm, a, kq, vq, n, writer ? (int)p : -1, SU);
 }

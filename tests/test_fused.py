@@ -199,3 +199,14 @@ def test_ref_rope_attn_is_rope_then_attention():
     q = fused.qk_rope_kv(qkv, qn, kn, table, ks2, vs2, hq, hkv, d, 1e-6, start=p)
     assert torch.equal(got, fused.decode_attn(q, ks2, vs2, 16, start=p))
     assert torch.equal(ks, ks2) and torch.equal(vs, vs2)
+
+
+def test_new_kernel_switch(monkeypatch):
+    """HYBRID_FUSED_NEW: unset = NEW_DEFAULT (every newer kernel), 0 = the older kernels, a list = those."""
+    monkeypatch.delenv("HYBRID_FUSED_NEW", raising=False)
+    assert all(fused.new_kernel(p) == (p in fused.NEW_DEFAULT) for p in fused.NEW_PARTS)
+    assert fused.NEW_DEFAULT == frozenset(fused.NEW_PARTS)
+    monkeypatch.setenv("HYBRID_FUSED_NEW", "0")
+    assert not any(fused.new_kernel(p) for p in fused.NEW_PARTS)
+    monkeypatch.setenv("HYBRID_FUSED_NEW", "router, attn")
+    assert [fused.new_kernel(p) for p in fused.NEW_PARTS] == [False, True, True]

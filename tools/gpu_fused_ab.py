@@ -13,7 +13,7 @@ MoE output (x + h) between layers, captured as ONE CUDA graph, for each setting:
                     layer's input RMSNorm)
     new, new+residual  fused / fused+residual with the newer kernels (HYBRID_FUSED_NEW=all:
                     fused_add_norm_router_e, fused_rope_attn_e)
-(every other setting runs with HYBRID_FUSED_NEW=0: the older kernels)
+(the other settings but default run with HYBRID_FUSED_NEW=0: the older kernels)
 Per setting: GPU us per layer (CUDA events over graph replays), CUDA kernels per layer and the ten
 kernels with the most device time per layer (torch.profiler over one eager run), eager host us per
 layer, and the outputs against the torch setting. One JSON line
@@ -96,7 +96,10 @@ def body(m, x, pos, keys, residual: bool):
 def measure(m, setting: str, pos_value: int, replays: int) -> dict:
     os.environ["HYBRID_FUSED"] = {"torch": "0", "default": "", "fused-sdpa": "norm,rope,route",
                                   "fused-2attn": "norm,rope,attn,route"}.get(setting, "1")
-    os.environ["HYBRID_FUSED_NEW"] = "all" if setting.startswith("new") else "0"
+    if setting == "default":                                 # both switches as a user gets them
+        os.environ.pop("HYBRID_FUSED_NEW", None)
+    else:
+        os.environ["HYBRID_FUSED_NEW"] = "all" if setting.startswith("new") else "0"
     residual = setting.endswith("+residual")
     dev = m.layer_devices[0]
     keys = min(-(-(pos_value + 1) // 256) * 256, m.cache.capacity)
