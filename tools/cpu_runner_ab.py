@@ -93,6 +93,9 @@ def main() -> None:
     ap.add_argument("--nohuge", action="store_true", help="also every variant on a 4 KiB-page store")
     ap.add_argument("--l3x", type=float, default=2.0, help="expert set size in last-level caches")
     ap.add_argument("--budget", type=float, default=1e9, help="stop after the round that passes this many s")
+    ap.add_argument("--cells", default=None, metavar="TxM,...",
+                    help="measure only these (threads x tokens) cells, e.g. 16x1,16x8,1x1 (default: every pair)")
+    ap.add_argument("--no-copy", action="store_true", help="skip copy and compute xN at the end")
     ap.add_argument("--no-read", action="store_true",
                     help="skip the read probe (with spinning waiters its team would spin beside the runner's)")
     a = ap.parse_args()
@@ -114,6 +117,10 @@ def main() -> None:
           f"{time.time() - t0:.1f} s", flush=True)
     threads = [int(t) for t in a.threads.split(",")]
     ms = [int(m) for m in a.ms.split(",")]
+    cells = None if a.cells is None else {tuple(int(v) for v in c.split("x")) for c in a.cells.split(",")}
+    if cells is not None:
+        threads = sorted({t for t, _ in cells}, reverse=True)
+        ms = sorted({m for _, m in cells})
     vs = [p + v for p in stores for v in a.variants.split(",")]
     store_of = {v: stores["4k:" if v.startswith("4k:") else ""] for v in vs}
     runners = {(v, t): ReadCall(store_of[v], t) if v.endswith("readcall") else
@@ -127,12 +134,14 @@ def main() -> None:
             if not a.no_read:
                 res.setdefault(("read", t, 0), []).append(read_gbs(stores[""].arena.array, t, a.reps))
             for m in ms:
+                if cells is not None and (t, m) not in cells:
+                    continue
                 for v in (vs if r % 2 == 0 else vs[::-1]):
                     res.setdefault((v, t, m), []).append(ours_gbs(store_of[v], runners[(v, t)], m, a.reps))
         print(f"round {r} done {time.time() - t0:.1f} s", flush=True)
         if time.time() - t0 > a.budget:
             break
-    for t in threads:
+    for t in threads if not a.no_copy else []:
         if t > 1:
             print(f"copy {t} threads {copy_gbs(t, 2 * l3_bytes(), a.reps):.2f} GB/s (read + write), "
                   f"compute x{t} {compute_scaling(t, 3):.2f}", flush=True)
