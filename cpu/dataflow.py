@@ -25,7 +25,6 @@ NTI / NTH I- / H-tiles (R rows each), Hpad = NTH * R.
 """
 from __future__ import annotations
 
-import math
 import platform
 
 import numpy as np
