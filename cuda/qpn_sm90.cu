@@ -562,8 +562,9 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
       u16* __restrict__ y, float* __restrict__ part, int M, int N, int K, int Kp, int KS) {         \
     wgmma_body<FMT, BR / 128, NT, ST, PS, 0, 1>(w, s, gs, xp, y, part, M, N, K, Kp, KS);           \
   }
-#define WGMMA(FMT, BR, NT, ST, MINB) WGMMA1(FMT, BR, NT, ST, MINB, 0, ) WGMMA1(FMT, BR, NT, ST, MINB, 1, _s) \
-  WGMMA_WS(FMT, BR, NT, ST, MINB, 0, _w)
+// STW: the warp-specialized kernel's ring stages (one block per SM: as many as shared memory holds, <= 12)
+#define WGMMA(FMT, BR, NT, ST, MINB, STW) WGMMA1(FMT, BR, NT, ST, MINB, 0, ) WGMMA1(FMT, BR, NT, ST, MINB, 1, _s) \
+  WGMMA_WS(FMT, BR, NT, STW, 1, 0, _w)
 // diagnostics (timing only, results wrong): no loads in the main loop (the decode + wgmma rate alone)
 #define WGMMA_NOLD(FMT, BR, NT, ST, MINB, PS, SFX)                                                 \
   extern "C" __global__ void __launch_bounds__(THREADS, MINB) qpn##FMT##_wgmma_##BR##x##NT##SFX##_nold( \
@@ -571,16 +572,16 @@ __device__ __forceinline__ void wgmma_body(const u32x4* __restrict__ w, const u6
       u16* __restrict__ y, float* __restrict__ part, int M, int N, int K, int Kp, int KS) {         \
     wgmma_body<FMT, BR / 128, NT, ST, PS, 1>(w, s, gs, xp, y, part, M, N, K, Kp, KS);              \
   }
-WGMMA(2, 128, 64, 8, 2)
-WGMMA(2, 128, 128, 5, 2)
-WGMMA(2, 128, 256, 6, 1)
-WGMMA(2, 256, 64, 6, 2)
-WGMMA(2, 256, 128, 8, 1)
-WGMMA(8, 128, 64, 6, 2)
-WGMMA(8, 128, 128, 4, 2)
-WGMMA(8, 128, 256, 5, 1)
-WGMMA(8, 256, 64, 4, 2)
-WGMMA(8, 256, 128, 6, 1)
+WGMMA(2, 128, 64, 8, 2, 12)
+WGMMA(2, 128, 128, 5, 2, 10)
+WGMMA(2, 128, 256, 6, 1, 6)
+WGMMA(2, 256, 64, 6, 2, 12)
+WGMMA(2, 256, 128, 8, 1, 9)
+WGMMA(8, 128, 64, 6, 2, 12)
+WGMMA(8, 128, 128, 4, 2, 9)
+WGMMA(8, 128, 256, 5, 1, 5)
+WGMMA(8, 256, 64, 4, 2, 9)
+WGMMA(8, 256, 128, 6, 1, 7)
 WGMMA_NOLD(2, 128, 256, 6, 1, 0, )
 WGMMA_NOLD(2, 128, 256, 6, 1, 1, _s)
 WGMMA_NOLD(2, 256, 128, 8, 1, 0, )

@@ -68,9 +68,10 @@ def test_permuted_fragments_multiply_to_the_product(qtype, n, k):
 def test_stages_match_the_source():
     """STAGES / MIN_BLOCKS in sm90.py are the WGMMA(FMT, BR, NT, ST, MINB) lines of the source."""
     src = Path(sm90.__file__).with_name(sm90.SOURCE_NAME).read_text()
-    rows = [tuple(map(int, r)) for r in re.findall(r"^WGMMA\((\d), (\d+), (\d+), (\d+), (\d)\)", src, re.M)]
-    assert {(f, br, nt): st for f, br, nt, st, _ in rows} == sm90.STAGES
-    assert {(br, nt): mb for _, br, nt, _, mb in rows} == sm90.MIN_BLOCKS
+    rows = [tuple(map(int, r)) for r in re.findall(r"^WGMMA\((\d), (\d+), (\d+), (\d+), (\d), (\d+)\)", src, re.M)]
+    assert {(f, br, nt): st for f, br, nt, st, _, _ in rows} == sm90.STAGES
+    assert {(br, nt): mb for _, br, nt, _, mb, _ in rows} == sm90.MIN_BLOCKS
+    assert {(f, br, nt): stw for f, br, nt, _, _, stw in rows} == sm90.STAGES_W
     assert sorted(sm90.MIN_BLOCKS) == sorted(sm90.TILES)
 
 
@@ -82,6 +83,8 @@ def test_shared_memory_fits_the_h200(fmt, tile):
     assert smem <= 227 * 1024
     assert sm90.MIN_BLOCKS[tile] * (smem + 1024) <= 228 * 1024
     assert smem >= tile[1] * (tile[0] + 4) * 4   # the epilogue's staging
+    smem_w = sm90.smem_bytes(fmt, *tile, "_w")   # one block per SM
+    assert tile[1] * (tile[0] + 4) * 4 <= smem_w <= 227 * 1024
 
 
 def test_plan_forced_grid_and_splits():
@@ -196,7 +199,7 @@ def _check(w, wref, m, k, n, what, tile=None, splits=None, pipe=None):
                                        (QType.NVFP4, 1000, 2048), (QType.FP8, 136, 1056),
                                        (QType.NVFP4, 5, 4096), (QType.FP8, 300, 2048)])
 @pytest.mark.parametrize("tile", [None, *sm90.TILES])
-@pytest.mark.parametrize("pipe", sm90.PIPES)
+@pytest.mark.parametrize("pipe", sm90.PIPES, ids=["grp", "step", "ws"])
 @needs_sm90
 def test_wgmma_matches_reference(qtype, n, k, tile, pipe):
     """Every tile forced (and picked), M on both sides of the tiles, N not a multiple of 8,

@@ -37,6 +37,9 @@ TILES = ((128, 64), (128, 128), (128, 256), (256, 64), (256, 128))   # (BR weigh
 STAGES = {(2, 128, 64): 8, (2, 128, 128): 5, (2, 128, 256): 6, (2, 256, 64): 6, (2, 256, 128): 8,
           (8, 128, 64): 6, (8, 128, 128): 4, (8, 128, 256): 5, (8, 256, 64): 4, (8, 256, 128): 6}
 MIN_BLOCKS = {(128, 64): 2, (128, 128): 2, (128, 256): 1, (256, 64): 2, (256, 128): 1}
+# ring stages of the warp-specialized kernels (_w; one block per SM): as many as shared memory holds, <= 12
+STAGES_W = {(2, 128, 64): 12, (2, 128, 128): 10, (2, 128, 256): 6, (2, 256, 64): 12, (2, 256, 128): 9,
+            (8, 128, 64): 12, (8, 128, 128): 9, (8, 128, 256): 5, (8, 256, 64): 9, (8, 256, 128): 7}
 MIN_KSTEPS = 4        # split-K: at least this many 64-k steps per split
 MAX_SPLITS = 8
 # The cost model (microseconds on the H200; plan() takes the (tile, splits) of least cost and
@@ -76,10 +79,10 @@ def ring_slot(fmt: int, br: int, nt: int) -> int:
     return nt * 128 + 8 * mw * cps * 512 + (8 * mw * 64 if fmt == 2 else 0)
 
 
-def smem_bytes(fmt: int, br: int, nt: int) -> int:
-    """Dynamic shared memory of qpn{fmt}_wgmma_{br}x{nt}: the ring or the epilogue's fp32 staging,
+def smem_bytes(fmt: int, br: int, nt: int, pipe: str = "") -> int:
+    """Dynamic shared memory of qpn{fmt}_wgmma_{br}x{nt}{pipe}: the ring or the epilogue's fp32 staging,
     whichever is larger (8-byte aligned), then two mbarriers per ring stage (full; empty: _w only)."""
-    st = STAGES[(fmt, br, nt)]
+    st = (STAGES_W if pipe.endswith("_w") else STAGES)[(fmt, br, nt)]
     return (max(st * ring_slot(fmt, br, nt), nt * (br + 4) * 4) + 7) // 8 * 8 + 16 * st
 
 
@@ -156,7 +159,7 @@ def plan(fmt: int, m: int, n: int, k: int, sms: int, tile: tuple[int, int] | Non
     us, (br, nt), sp, ks = best
     mp = -(-m // nt) * nt
     return Sm90Plan(f"qpn{fmt}_wgmma_{br}x{nt}{pipe}", (br, nt), (mp // nt, -(-n // br), sp), ks, mp, kp,
-                    smem_bytes(fmt, br, nt), us)
+                    smem_bytes(fmt, br, nt, pipe), us)
 
 
 def permute_x(x: torch.Tensor, mp: int, kp: int) -> torch.Tensor:
@@ -342,7 +345,7 @@ def main(argv=None) -> int:
     bad = 0
     for r in sorted(reports, key=lambda r: r.name):
         t = re.match(r"qpn(\d)_wgmma_(\d+)x(\d+)", r.name)
-        dyn = smem_bytes(*map(int, t.groups())) if t else 0
+        dyn = smem_bytes(*map(int, t.groups()), "_w" if r.name.endswith("_w") else "") if t else 0
         flag = "  SPILL" if r.spill_stores or r.spill_loads else ""
         bad += bool(flag)
         print(f"{r.name:24s} {r.registers:5d} {r.spill_stores:9d} {r.spill_loads:9d} {dyn:10d}{flag}")
