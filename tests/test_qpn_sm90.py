@@ -89,7 +89,8 @@ def test_shared_memory_fits_the_h200(fmt, tile):
 
 def test_plan_forced_grid_and_splits():
     p = sm90.plan(2, 512, 151936, 2048, 132, tile=(128, 256), splits=1)   # lm_head, one split
-    assert p.kernel == f"qpn2_wgmma_128x256{sm90.PIPE[0]}" and p.grid == (2, 1187, 1) and p.ks == 32
+    assert p.kernel == f"qpn2_wgmma_128x256{sm90.PIPE[0] or sm90.PLAN_PIPES[0]}" and p.grid == (2, 1187, 1)
+    assert p.ks == 32
     assert (p.mp, p.kp) == (512, 2048)
     p = sm90.plan(8, 17, 200, 352, 132, tile=(256, 64), splits=1, pipe="_s")  # FP8, K = 32 mod 64: Kp 384
     assert p.kernel == "qpn8_wgmma_256x64_s" and (p.mp, p.kp) == (64, 384) and p.grid == (1, 1, 1) and p.ks == 6
@@ -110,17 +111,18 @@ def test_plan_forced_grid_and_splits():
 def test_plan_is_the_least_modelled_cost(fmt, m, n, k):
     """The picked plan costs no more than any forced tile and split count, and its cost is cost_us."""
     p = sm90.plan(fmt, m, n, k, 132)
-    assert p.us == pytest.approx(sm90.cost_us(fmt, m, n, k, 132, p.tile, p.grid[2], p.ks, sm90.PIPE[0]))
+    assert p.us == pytest.approx(sm90.cost_us(fmt, m, n, k, 132, p.tile, p.grid[2], p.ks, p.pipe))
     for tile in sm90.TILES:
         for sp in (1, 2, 3, 5, 8):
-            assert p.us <= sm90.plan(fmt, m, n, k, 132, tile=tile, splits=sp).us + 1e-9
+            for pp in sm90.PLAN_PIPES:
+                assert p.us <= sm90.plan(fmt, m, n, k, 132, tile=tile, splits=sp, pipe=pp).us + 1e-9
 
 
 def test_cost_counts_whole_waves():
     """A last partial wave costs a whole one: 133 blocks of a one-per-SM tile take two waves on 132 SMs."""
     one = sm90.cost_us(2, 256, 128 * 132, 2048, 132, (128, 256), 1, 32)
     two = sm90.cost_us(2, 256, 128 * 133, 2048, 132, (128, 256), 1, 32)
-    step = sm90.STEP_US[(2, 128, 256)]
+    step = sm90.STEP_US[(2, 128, 256, "")]
     assert two - one == pytest.approx(32 * step, rel=1e-3)
 
 

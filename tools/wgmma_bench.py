@@ -80,7 +80,7 @@ def bench_shape(name: str, fmt: str, ms: list[int], reps: int, tiles: list) -> l
                                                  pipe=pipe, diag=diag) for w in ws], reps)
             p = sm90.plan(2 if fmt == "nvfp4" else 8, m, n, k, sms, tile, pipe=pipe)
             blocks = p.grid[0] * p.grid[1] * p.grid[2]
-            rec[f"wgmma_{tag}_plan"] = dict(tile=list(p.tile), pipe=pipe if pipe is not None else sm90.PIPE[0],
+            rec[f"wgmma_{tag}_plan"] = dict(tile=list(p.tile), pipe=p.pipe,
                                             splits=p.grid[2], ks=p.ks, mp=p.mp, kp=p.kp, blocks=blocks,
                                             waves=-(-blocks // (sms * sm90.resident(p.tile, "_w" if p.kernel.endswith("_w") else ""))),
                                             model_us=p.us)

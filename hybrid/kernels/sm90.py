@@ -53,15 +53,19 @@ LAUNCH_US = 3.52
 PERMUTE_US_PER_BYTE = 2.9e-7
 SPLIT_US = 7.0
 PART_US_PER_BYTE = 3.38e-7
-STEP_US = {(2, 128, 64): 0.67, (2, 128, 128): 0.82, (2, 128, 256): 0.90, (2, 256, 64): 1.24, (2, 256, 128): 1.05,
-           (8, 128, 64): 0.63, (8, 128, 128): 0.78, (8, 128, 256): 0.84, (8, 256, 64): 1.04, (8, 256, 128): 0.89}
-PIPE_RATE = {"": 1.0, "_s": 1.1, "_w": 1.0}   # step time relative to the per-group pipeline (unmeasured: _w)
+_STEP = {(2, 128, 64): 0.67, (2, 128, 128): 0.82, (2, 128, 256): 0.90, (2, 256, 64): 1.24, (2, 256, 128): 1.05,
+         (8, 128, 64): 0.63, (8, 128, 128): 0.78, (8, 128, 256): 0.84, (8, 256, 64): 1.04, (8, 256, 128): 0.89}
+# (format, BR, NT, pipe) -> microseconds of one wave-step; _s measured 5-15% slower than "" (call 4),
+# _w unmeasured (taken as "")
+STEP_US = {**{(*t, ""): v for t, v in _STEP.items()}, **{(*t, "_s"): 1.1 * v for t, v in _STEP.items()},
+           **{(*t, "_w"): v for t, v in _STEP.items()}}
 # pipelines: "" per group (decode a fragment, its wgmma, wait for the group before), "_s" per step (the
 # step's 4 fragments, its wgmmas as one group, two register sets), "_w" per group, warp-specialized (a
 # producer warpgroup (40 registers by setmaxnreg, consumers 232) fills the ring on empty/full mbarriers,
 # no block barrier per step; blockDim 384, one block per SM); PIPE[0] is the one plan() takes
 PIPES = ("", "_s", "_w")
-PIPE: list[str] = [os.environ.get("HYBRID_WGMMA_PIPE", "")]
+PIPE: list[str | None] = [os.environ.get("HYBRID_WGMMA_PIPE") or None]   # forced pipeline (None: searched)
+PLAN_PIPES = ("",)    # the pipelines plan() searches when none is forced
 KERNELS = tuple(["qpn_sm90_permute_x"] + [f"qpn{f}_wgmma_{br}x{nt}{p}" for f in (2, 8) for br, nt in TILES
                                           for p in PIPES])
 # diagnostics, timing only (results wrong): no loads in the main loop (PIPES suffix + "_nold")
@@ -98,6 +102,7 @@ class Sm90Plan:
     kp: int
     smem: int
     us: float = 0.0   # modelled microseconds (cost_us)
+    pipe: str = ""    # the pipeline (PIPES)
 
     @property
     def label(self) -> str:
@@ -117,7 +122,7 @@ def cost_us(fmt: int, m: int, n: int, k: int, sms: int, tile: tuple[int, int], s
     blocks = (mp // nt) * -(-n // br) * splits
     waves = -(-blocks // (sms * resident(tile, pipe)))
     us = 2 * LAUNCH_US + (m * k + mp * kp) * 2 * PERMUTE_US_PER_BYTE
-    us += waves * ks * STEP_US[(fmt, br, nt)] * PIPE_RATE[pipe]
+    us += waves * ks * STEP_US[(fmt, br, nt, pipe)]
     if splits > 1:
         us += SPLIT_US + splits * m * n * 8 * PART_US_PER_BYTE
     return us
@@ -139,27 +144,28 @@ def _splits(nk: int, force: int | None) -> list[tuple[int, int]]:
 @functools.lru_cache(maxsize=4096)   # ~0.2 ms of model search per new (shape, M)
 def plan(fmt: int, m: int, n: int, k: int, sms: int, tile: tuple[int, int] | None = None,
          splits: int | None = None, pipe: str | None = None) -> Sm90Plan:
-    """The launch for M rows, N out, K in on a device with `sms` SMs: of the TILES (BR, NT) and their
-    split counts, the one of least cost_us (ties: the first listed, fewer splits).
-    tile (BR, NT) / splits / pipe (PIPES; default PIPE[0]): forced (benchmark, tests)."""
+    """The launch for M rows, N out, K in on a device with `sms` SMs: of the TILES (BR, NT), their
+    split counts and PLAN_PIPES, the one of least cost_us (ties: the first listed, fewer splits).
+    tile (BR, NT) / splits / pipe (PIPES; default PIPE[0] if set): forced (benchmark, tests)."""
     if fmt not in (2, 8) or m < 1 or n < 1 or k < 1 or k % (64 if fmt == 2 else 32):
         raise ValueError(f"sm90 plan: bad shape fmt={fmt} M={m} N={n} K={k}")
     if tile is not None and tuple(tile) not in TILES:
         raise ValueError(f"sm90 plan: tile (BR, NT) must be one of {TILES}, got {tile}")
     pipe = PIPE[0] if pipe is None else pipe
-    if pipe not in PIPES:
+    if pipe is not None and pipe not in PIPES:
         raise ValueError(f"sm90 plan: pipe must be one of {PIPES}, got {pipe!r}")
     kp = -(-k // 64) * 64
     best = None
-    for t in [tuple(tile)] if tile is not None else TILES:
-        for sp, ks in _splits(kp // 64, splits):
-            us = cost_us(fmt, m, n, k, sms, t, sp, ks, pipe)
-            if best is None or us < best[0]:
-                best = (us, t, sp, ks)
-    us, (br, nt), sp, ks = best
+    for pp in PLAN_PIPES if pipe is None else (pipe,):
+        for t in [tuple(tile)] if tile is not None else TILES:
+            for sp, ks in _splits(kp // 64, splits):
+                us = cost_us(fmt, m, n, k, sms, t, sp, ks, pp)
+                if best is None or us < best[0]:
+                    best = (us, t, sp, ks, pp)
+    us, (br, nt), sp, ks, pipe = best
     mp = -(-m // nt) * nt
     return Sm90Plan(f"qpn{fmt}_wgmma_{br}x{nt}{pipe}", (br, nt), (mp // nt, -(-n // br), sp), ks, mp, kp,
-                    smem_bytes(fmt, br, nt, pipe), us)
+                    smem_bytes(fmt, br, nt, pipe), us, pipe)
 
 
 def permute_x(x: torch.Tensor, mp: int, kp: int) -> torch.Tensor:
