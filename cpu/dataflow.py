@@ -162,7 +162,7 @@ def experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H,
                 g = u - nq
                 wait_count(state, qdone, nq)
                 if i16:
-                    end = _unit_start(gu_off, dn_off, g, nti, tb1, nq, n1, nth, tb2) + 2 * tb1
+                    end = _unit_start(gu_off, g, nti, tb1) + 2 * tb1
                     lim, jump = _pf_bounds(pf, pfmode, 2 * tb1, end, v, gu_off, dn_off, nti, tb1, nq, n1, nth, tb2,
                                            total)
                     gate_up_unit_i16(arena, gu_off, scl, xq, xs, rows, ptr, g, hq, hs, H, I, R, pf, lim, jump)
@@ -182,7 +182,7 @@ def experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H,
 
 
 @njit(nogil=True, cache=True)
-def _unit_start(gu_off, dn_off, u, nti, tb1, nq, n1, nth, tb2):
+def _unit_start(gu_off, u, nti, tb1):
     """Arena offset of the first weight byte of G unit u (0-based among G units)."""
     return gu_off[u // nti] + 2 * (u % nti) * tb1
 
@@ -196,7 +196,7 @@ def _pf_bounds(pf, pfmode, lim, end, v, gu_off, dn_off, nti, tb1, nq, n1, nth, t
     if pfmode == PF_STOP or v >= total or v < nq:
         return lim, -pf
     if v < nq + n1:
-        nxt = _unit_start(gu_off, dn_off, v - nq, nti, tb1, nq, n1, nth, tb2)
+        nxt = _unit_start(gu_off, v - nq, nti, tb1)
     else:
         d = v - nq - n1
         nxt = dn_off[d // nth] + (d % nth) * tb2
