@@ -24,11 +24,33 @@ def fixed_us(rec: dict, plan: dict, permute_rate: float) -> float:
     return us
 
 
+def table(rows: list[dict]) -> None:
+    """Markdown: per row cuBLAS FP16, the gemmf / WMMA pick (before), the wgmma pick, the fastest
+    wgmma kernel timed, and the ratios."""
+    print("| shape | fmt | M | cuBLAS FP16 | before (kernel) | wgmma pick (kernel) | fastest wgmma (kernel) "
+          "| pick / cuBLAS | pick / before |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        tags = [k[len("wgmma_"):-len("_us")] for k in r if k.startswith("wgmma_") and k.endswith("_us")
+                and not k.endswith("_nold_us")]
+        if "pick" not in tags:
+            continue
+        best = min(tags, key=lambda t: r[f"wgmma_{t}_us"])
+        pick = r["wgmma_pick_us"]
+        print(f"| {r['shape']} | {r['format']} | {r['m']} | {r['cublas_us']:.1f} | {r['default_us']:.1f} "
+              f"({r['default_kernel']}) | {pick:.1f} ({r['wgmma_pick_kernel']}) | {r[f'wgmma_{best}_us']:.1f} "
+              f"({r[f'wgmma_{best}_kernel']}) | {pick / r['cublas_us']:.2f} | {pick / r['default_us']:.2f} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("jsonl")
+    ap.add_argument("--table", action="store_true", help="print the markdown table of the rows only")
     args = ap.parse_args(argv)
     rows = [json.loads(line) for line in open(args.jsonl) if line.strip()]
+    if args.table:
+        table(rows)
+        return 0
     # pre-pass: permute_us of a 256-token tiling = launch + bytes x rate
     rates = [(r["permute_us"] - sm90.LAUNCH_US) / ((r["m"] * r["k"] + -(-r["m"] // 256) * 256 * r["k"]) * 2)
              for r in rows if r.get("permute_us")]
