@@ -75,7 +75,7 @@ def _setting(new: bool, min_rounds: int | None = None, combine_q: int | None = N
 # ---------------------------------------------------------------------------- router
 def router_case(t: int, h: int, e: int, k: int, n: int, dev, replays: int) -> list[dict]:
     g = torch.Generator(device=dev).manual_seed(t)
-    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev) * scale   # noqa: E731
+    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev) * scale
     dt = torch.float16 if dev.type == "cuda" else torch.float32
     xs = [rnd(t, h).to(dt) for _ in range(n)]
     ds = [rnd(t, h, scale=0.5).to(dt) for _ in range(n)]
@@ -119,7 +119,7 @@ def router_case(t: int, h: int, e: int, k: int, n: int, dev, replays: int) -> li
 # ---------------------------------------------------------------------------- add + RMSNorm
 def norm_case(t: int, h: int, n: int, dev, replays: int, delta_f32: bool) -> list[dict]:
     g = torch.Generator(device=dev).manual_seed(100 + t)
-    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev) * scale   # noqa: E731
+    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev) * scale
     dt = torch.float16 if dev.type == "cuda" else torch.float32
     xs = [rnd(t, h).to(dt) for _ in range(n)]
     ds = [rnd(t, h, scale=0.5).to(torch.float32 if delta_f32 else dt) for _ in range(n)]
@@ -144,7 +144,7 @@ def norm_case(t: int, h: int, n: int, dev, replays: int, delta_f32: bool) -> lis
 def attn_case(p: int, hq: int, hkv: int, d: int, cap: int, n: int, dev, replays: int, rounds: list[int],
               extra: list[str]) -> list[dict]:
     g = torch.Generator(device=dev).manual_seed(p)
-    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev) * scale   # noqa: E731
+    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev) * scale
     qkvs = [rnd(1, (hq + 2 * hkv) * d).half() for _ in range(n)]
     qn, kn = 1 + rnd(d, scale=0.1), 1 + rnd(d, scale=0.1)
     table = Rotary(d, 1e6).table(dev, cap)
