@@ -4,9 +4,11 @@
     y = runner.sync(handle)                                                   # [T, H] f32
 
 y = Σ over listed experts of weight * down(silu(gate(x_rows)) * up(x_rows)), scattered into the
-token rows (untouched rows are 0).  One background thread hands each call to
-`cpu.expert.experts_parallel`, which runs it on Numba's thread pool (`threads` parts that claim
-phase 1's (expert, I-tile) units, then phase 2's H-tiles, one at a time from a shared counter).
+token rows (untouched rows are 0).  One background thread hands each call to Numba's thread pool:
+by default `cpu.dataflow.experts_dataflow` (one parallel region; `threads` parts claim the
+call's gate|up units and then its (expert, H-tile) down units from one counter, a down unit
+waiting only for its own expert), or with schedule='phases' `cpu.expert.experts_parallel` (two
+regions: all gate|up units, a barrier, then all H-tiles).
 The kernels release the GIL, so the thread that submitted keeps running Python/GPU work meanwhile,
 and there is one dispatch per call (a pool of Python workers dispatching each phase under the GIL
 measured half the speed at 16 threads on the H200 host).  Each output element is computed by one
