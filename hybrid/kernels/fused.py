@@ -53,11 +53,11 @@ DEFAULT_PARTS = frozenset(PARTS)
 # (vectorised, every load at once), "router" = fused_add_norm_router_e
 # (a block per expert, the norm made from one round of loads, a parallel top-k), "attn" = fused_rope_attn_e
 # (only the splits with keys run; fewer serial loads). HYBRID_FUSED_NEW: unset = NEW_DEFAULT; 1/all; 0/none
-# (the older kernels, kept for A/B); a comma list. Default: all three, measured on the H200 (GPU run 2,
-# git 122ca50, tools/gpu_fused_kernels_ab.py, 48 launches per graph, us per launch old -> new): add+norm
-# 2.42 -> 1.76; add+norm+router T=1 14.20 -> 7.35, T=8 65.5 -> 22.7 (ids equal); rope+attention at
-# position 15 / 80 / 255 / 1000 / 2047 / 4095: 10.9 / 11.4 / 12.1 / 14.2 / 17.7 / 23.9 -> 5.8 / 8.8 / 9.6 /
-# 13.5 / 16.9 / 22.6; the GPU tests and the runtime's greedy-id tests passed with them. results/runtime.md.
+# (the older kernels, kept for A/B); a comma list. Default: all three, measured on the H200 (GPU run 3,
+# git 60fa019, tools/gpu_fused_kernels_ab.py, 48 launches per graph, us per launch old -> new): add+norm
+# 2.42 -> 1.76; add+norm+router T=1 14.18 -> 7.38, T=8 65.5 -> 22.6 (ids equal); rope+attention at
+# position 15 / 80 / 255 / 1000 / 2047 / 4095: 10.9 / 11.4 / 11.9 / 14.3 / 18.2 / 23.7 -> 6.0 / 8.9 / 9.5 /
+# 12.5 / 15.6 / 21.0; the GPU tests (and, run 2, the runtime's greedy-id tests) passed. results/runtime.md 16.
 NEW_PARTS = ("norm", "router", "attn")
 NEW_DEFAULT: frozenset = frozenset(NEW_PARTS)
 
