@@ -1,8 +1,10 @@
-"""The one-token attention kernels of cuda/fused.cu (fused_decode_attn, fused_rope_attn) run on the CPU:
-their CUDA source compiled as C++ (g++ -std=c++20) under a small shim, a block's threads as OS threads
-(__syncthreads and the warp shuffles as barriers), blocks one after another, against the torch
-references. Catches indexing, masking, split/round/combine and butterfly errors on a machine without
-a GPU; timing, memory ordering between blocks and the real fp16 instructions are checked on a GPU
+"""Kernels of cuda/fused.cu run on the CPU: the one-token attention (fused_decode_attn, fused_rope_attn,
+fused_rope_attn_e) and the add + RMSNorm (+ router) kernels (fused_add_rms_norm[_e],
+fused_add_norm_router[_e]), their CUDA source compiled as C++ (g++ -std=c++20) under a small shim, a
+block's threads as OS threads (__syncthreads and the warp shuffles as barriers), blocks one after another
+(the router's also in reverse order), against the torch references and the older kernels. Catches
+indexing, masking, split/round/combine, butterfly and ranking errors on a machine without a GPU; timing,
+memory ordering between blocks and the real fp16 instructions are checked on a GPU
 (tests/test_fused_cuda.py)."""
 import ctypes
 import re
