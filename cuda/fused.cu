@@ -441,7 +441,7 @@ extern "C" __global__ void __launch_bounds__(128)
 // it loads its slice of the expert's router row, of w and of token 0's x / delta at once (one latency),
 // makes the residual and the block's sum of squares (one barrier per token), then h (rounded to x's
 // dtype) and its share of the dot product; token t + 1's x / delta loads are in flight during token t's
-// math. Groups j >= ANRE_NJ (H > 2048) go through shared memory. The last block (threadfence + counter,
+// math. Groups j >= ANRE_NJ (H > 2048) go through shared memory. The last block (arrive_last; the counter
 // left zero) softmaxes each token's logits (a warp per token, as topk_row) and ranks every expert
 // against the others in parallel (rank = experts of a larger probability, or of an equal one and a
 // lower id: topk_row's order), then sums the k chosen weights in rank order (as topk_row).
@@ -542,7 +542,7 @@ __device__ __forceinline__ void add_rms_norm_e_body(const void* x, const void* d
       if (hf) *(float4*)(hf + row + 4 * gi) = make_float4(hv[0], hv[1], hv[2], hv[3]);
     }
   }
-  for (int gi = tid + 256 * ARN_NJ; gi < NG; gi += 256) {   // recomputed (x_out may alias nothing)
+  for (int gi = tid + 256 * ARN_NJ; gi < NG; gi += 256) {   // H > 4096: made again from x / delta
     float u[4], hv[4];
     resid4<XF, DM>(ld4<XF>(x, row + 4 * gi), DM ? ld4<DM == 2>(delta, row + 4 * gi) : make_uint4(0u, 0u, 0u, 0u), u);
     const float4 w4 = *(const float4*)(w + 4 * gi);
