@@ -88,9 +88,8 @@ def test_shared_memory_fits_the_h200(fmt, tile):
 
 
 def test_plan_forced_grid_and_splits():
-    p = sm90.plan(2, 512, 151936, 2048, 132, tile=(128, 256), splits=1)   # lm_head, one split
-    assert p.kernel == f"qpn2_wgmma_128x256{sm90.PIPE[0] or sm90.PLAN_PIPES[0]}" and p.grid == (2, 1187, 1)
-    assert p.ks == 32
+    p = sm90.plan(2, 512, 151936, 2048, 132, tile=(128, 256), splits=1, pipe="_w")   # lm_head, one split
+    assert p.kernel == "qpn2_wgmma_128x256_w" and p.grid == (2, 1187, 1) and p.ks == 32 and p.pipe == "_w"
     assert (p.mp, p.kp) == (512, 2048)
     p = sm90.plan(8, 17, 200, 352, 132, tile=(256, 64), splits=1, pipe="_s")  # FP8, K = 32 mod 64: Kp 384
     assert p.kernel == "qpn8_wgmma_256x64_s" and (p.mp, p.kp) == (64, 384) and p.grid == (1, 1, 1) and p.ks == 6

@@ -4,7 +4,7 @@ of tools/wgmma_bench.py, and show the model against every measured row.
     PYTHONPATH=. python3 tools/wgmma_fit.py BENCH.jsonl [--sms 132]
 
 Step time of a (format, tile, pipe) = median over its forced rows of (measured - launches - pre-pass -
-split-K) / (waves x KS); the pre-pass rate from the rows' permute timings. Prints the fitted values
+split-K) / (sm90.waves x KS); the pre-pass rate from the rows' permute timings. Prints the fitted values
 as Python, then per row: measured, modelled now, modelled with the fit, and the relative errors.
 """
 from __future__ import annotations
@@ -14,6 +14,10 @@ import json
 import statistics
 
 from hybrid.kernels import sm90
+
+
+def eff_waves(plan: dict, sms: int = 132) -> float:
+    return sm90.waves(plan["blocks"], sms, sm90.resident(tuple(plan["tile"]), plan["pipe"]))
 
 
 def fixed_us(rec: dict, plan: dict, permute_rate: float) -> float:
@@ -64,7 +68,7 @@ def main(argv=None) -> int:
             tag = key[len("wgmma_"):-len("_plan")]
             t = r[f"wgmma_{tag}_us"]
             steps.setdefault((fmt, *plan["tile"], plan["pipe"]), []).append(
-                (t - fixed_us(r, plan, rate)) / (plan["waves"] * plan["ks"]))
+                (t - fixed_us(r, plan, rate)) / (eff_waves(plan) * plan["ks"]))
     print(f"PERMUTE_US_PER_BYTE = {rate:.3g}")
     fit = {key: statistics.median(v) for key, v in sorted(steps.items())}
     print("STEP_US (fmt, BR, NT, pipe): median [min, max] of", {k: len(v) for k, v in steps.items()})
@@ -82,7 +86,7 @@ def main(argv=None) -> int:
             step = fit.get((fmt, *plan["tile"], plan["pipe"]))
             if step is None:
                 continue
-            mod = fixed_us(r, plan, rate) + plan["waves"] * plan["ks"] * step
+            mod = fixed_us(r, plan, rate) + eff_waves(plan) * plan["ks"] * step
             worst.append(abs(mod / t - 1))
             print(f"  {r['shape']:14s} {r['format']:5s} M={r['m']:4d} {tag:10s} {t:8.1f} {plan['model_us']:8.1f} "
                   f"{mod:8.1f}  ({mod / t - 1:+.0%})  cuBLAS {r['cublas_us']:.1f} default {r['default_us']:.1f}")

@@ -41,10 +41,14 @@ MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_a
 PREFILL_VARIANT: list[str | None] = [os.environ.get("HYBRID_QPN_PREFILL") or None]
 PREFILL_MIN = 16
 # sm_90 prefill (M > PREFILL_MIN): the wgmma GEMM of cuda/qpn_sm90.cu (hybrid.kernels.sm90) when
-# PREFILL_VARIANT is "wgmma"; with SM90_DEFAULT (initial value from $HYBRID_QPN_SM90=1) also by default
-# wherever its H200 cost model (sm90.cost_us) is below the gemmf / WMMA pick's (prefill_us). Other
-# devices ignore "wgmma".
-SM90_DEFAULT = [os.environ.get("HYBRID_QPN_SM90", "0") == "1"]
+# PREFILL_VARIANT is "wgmma", and by default (SM90_DEFAULT; $HYBRID_QPN_SM90=0 turns it off) wherever
+# its H200 cost model (sm90.cost_us) is below SM90_MARGIN x the gemmf / WMMA pick's (prefill_us).
+# Measured on the H200 (device call 0206, results/cuda_kernels.md): with the margin, every (shape,
+# format, M) of the 30 timed that takes it was faster than the gemmf / WMMA pick (lm_head, dense
+# up/down at M = 64..512: 0.42-0.79x its time; q_proj M = 512, o_proj FP8 M = 512); the small
+# attention shapes at M <= 128 stay on gemmf (within +-10% either way). Other devices ignore "wgmma".
+SM90_DEFAULT = [os.environ.get("HYBRID_QPN_SM90", "1") != "0"]
+SM90_MARGIN = 0.8
 GEMM_TILES = ((128, 128), (64, 128), (64, 64), (32, 64))  # (BM rows of x, BN rows of W), largest first
 
 
@@ -486,7 +490,8 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
 
 def use_sm90(sm: int, choice: str | None, fmt: int = 2, m: int = 0, n: int = 0, k: int = 0, sms: int = 132) -> bool:
     """Whether M > PREFILL_MIN rows on an sm_<sm> device take the wgmma GEMM (sm_90 only): forced by
-    'wgmma'; by default (SM90_DEFAULT) where its modelled time is below the gemmf / WMMA pick's."""
+    'wgmma'; by default (SM90_DEFAULT) where its modelled time is below SM90_MARGIN x the gemmf / WMMA
+    pick's."""
     if sm != 90:
         return False
     if choice == "wgmma":
@@ -498,7 +503,7 @@ def use_sm90(sm: int, choice: str | None, fmt: int = 2, m: int = 0, n: int = 0, 
 def _sm90_faster(fmt: int, m: int, n: int, k: int, sms: int) -> bool:
     from hybrid.kernels import sm90
 
-    return sm90.plan(fmt, m, n, k, sms).us < prefill_us(fmt, m, n, k, sms)
+    return sm90.plan(fmt, m, n, k, sms).us < SM90_MARGIN * prefill_us(fmt, m, n, k, sms)
 
 
 def prefill_us(fmt: int, m: int, n: int, k: int, sms: int, sm: int = 90) -> float:

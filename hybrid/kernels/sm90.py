@@ -42,30 +42,36 @@ STAGES_W = {(2, 128, 64): 12, (2, 128, 128): 10, (2, 128, 256): 6, (2, 256, 64):
             (8, 128, 64): 12, (8, 128, 128): 9, (8, 128, 256): 5, (8, 256, 64): 9, (8, 256, 128): 7}
 MIN_KSTEPS = 4        # split-K: at least this many 64-k steps per split
 MAX_SPLITS = 8
-# The cost model (microseconds on the H200; plan() takes the (tile, splits) of least cost and
-# qpn.qpn_linear compares it with the gemmf / WMMA model): 2 launches + the pre-pass (bytes of x read
-# and xp written) + waves x KS x the step time of one wave (all the blocks resident on an SM, one
-# 64-k step) + split-K (partials written and summed by torch, its launches). Waves =
-# ceil(blocks / (SMs x resident blocks)): a last partial wave costs a whole one. STEP_US: first
-# values from H200 device call 4 (tools/wgmma_bench.py, bulk-copy ring; its rows' time less the
-# pre-pass and splits over waves x KS), to be refit on more rows (tools/wgmma_fit.py).
+# The cost model (microseconds on the H200; plan() takes the (tile, splits, pipeline) of least cost
+# and qpn.qpn_linear compares it with the gemmf / WMMA model): 2 launches + the pre-pass (bytes of x
+# read and xp written) + waves x KS x the step time of one wave (all the blocks resident on an SM,
+# one 64-k step) + split-K (partials written and summed by torch, its launches). Waves =
+# ceil(blocks / (SMs x resident blocks)): a last partial wave costs a whole one, except that a last
+# wave of a two-per-SM tile with at most one block per SM costs ALONE_RATE of one. Fit on the 300
+# forced rows of H200 device call 0206 (tools/wgmma_bench.py at 60fa019 + working tree: 5 shapes x
+# NVFP4/FP8 x M = 64, 128, 512 x 5 tiles x {per group, warp-specialized}; tools/wgmma_fit.py): rms
+# error 5.2%, median 3.8%, worst 14%.
 LAUNCH_US = 3.52
-PERMUTE_US_PER_BYTE = 2.9e-7
+PERMUTE_US_PER_BYTE = 1.68e-7
 SPLIT_US = 7.0
 PART_US_PER_BYTE = 3.38e-7
-_STEP = {(2, 128, 64): 0.67, (2, 128, 128): 0.82, (2, 128, 256): 0.90, (2, 256, 64): 1.24, (2, 256, 128): 1.05,
-         (8, 128, 64): 0.63, (8, 128, 128): 0.78, (8, 128, 256): 0.84, (8, 256, 64): 1.04, (8, 256, 128): 0.89}
-# (format, BR, NT, pipe) -> microseconds of one wave-step; _s measured 5-15% slower than "" (call 4),
-# _w unmeasured (taken as "")
-STEP_US = {**{(*t, ""): v for t, v in _STEP.items()}, **{(*t, "_s"): 1.1 * v for t, v in _STEP.items()},
-           **{(*t, "_w"): v for t, v in _STEP.items()}}
+ALONE_RATE = 0.68
+# (format, BR, NT, pipe) -> microseconds of one wave-step; _s not in call 0206 (call 0140: 5-15% slower
+# than the per-group pipeline): taken as 1.1 x ""
+_STEP = {(2, 128, 64, ""): 0.713, (2, 128, 128, ""): 0.924, (2, 128, 256, ""): 0.966, (2, 256, 64, ""): 1.342,
+         (2, 256, 128, ""): 1.121, (8, 128, 64, ""): 0.687, (8, 128, 128, ""): 0.920, (8, 128, 256, ""): 0.886,
+         (8, 256, 64, ""): 1.177, (8, 256, 128, ""): 0.959,
+         (2, 128, 64, "_w"): 0.771, (2, 128, 128, "_w"): 0.832, (2, 128, 256, "_w"): 0.911, (2, 256, 64, "_w"): 1.357,
+         (2, 256, 128, "_w"): 1.396, (8, 128, 64, "_w"): 0.545, (8, 128, 128, "_w"): 0.595, (8, 128, 256, "_w"): 0.722,
+         (8, 256, 64, "_w"): 0.889, (8, 256, 128, "_w"): 1.002}
+STEP_US = {**_STEP, **{(f, br, nt, "_s"): 1.1 * v for (f, br, nt, p), v in _STEP.items() if p == ""}}
 # pipelines: "" per group (decode a fragment, its wgmma, wait for the group before), "_s" per step (the
 # step's 4 fragments, its wgmmas as one group, two register sets), "_w" per group, warp-specialized (a
 # producer warpgroup (40 registers by setmaxnreg, consumers 232) fills the ring on empty/full mbarriers,
 # no block barrier per step; blockDim 384, one block per SM); PIPE[0] is the one plan() takes
 PIPES = ("", "_s", "_w")
 PIPE: list[str | None] = [os.environ.get("HYBRID_WGMMA_PIPE") or None]   # forced pipeline (None: searched)
-PLAN_PIPES = ("",)    # the pipelines plan() searches when none is forced
+PLAN_PIPES = ("", "_w")    # the pipelines plan() searches when none is forced (both measured in call 0206)
 KERNELS = tuple(["qpn_sm90_permute_x"] + [f"qpn{f}_wgmma_{br}x{nt}{p}" for f in (2, 8) for br, nt in TILES
                                           for p in PIPES])
 # diagnostics, timing only (results wrong): no loads in the main loop (PIPES suffix + "_nold")
@@ -114,15 +120,21 @@ def resident(tile: tuple[int, int], pipe: str) -> int:
     return 1 if pipe.endswith("_w") else MIN_BLOCKS[tile]
 
 
+def waves(blocks: int, sms: int, res: int) -> float:
+    """Waves of `blocks` at `res` per SM, a last partial wave whole, or ALONE_RATE where it leaves one
+    block per SM of a two-per-SM tile."""
+    full, rem = divmod(blocks, sms * res)
+    return full + (0.0 if rem == 0 else ALONE_RATE if res == 2 and rem <= sms else 1.0)
+
+
 def cost_us(fmt: int, m: int, n: int, k: int, sms: int, tile: tuple[int, int], splits: int, ks: int,
             pipe: str = "") -> float:
     """Modelled microseconds of one linear() on the H200 (see STEP_US)."""
     br, nt = tile
     mp, kp = -(-m // nt) * nt, -(-k // 64) * 64
     blocks = (mp // nt) * -(-n // br) * splits
-    waves = -(-blocks // (sms * resident(tile, pipe)))
     us = 2 * LAUNCH_US + (m * k + mp * kp) * 2 * PERMUTE_US_PER_BYTE
-    us += waves * ks * STEP_US[(fmt, br, nt, pipe)]
+    us += waves(blocks, sms, resident(tile, pipe)) * ks * STEP_US[(fmt, br, nt, pipe)]
     if splits > 1:
         us += SPLIT_US + splits * m * n * 8 * PART_US_PER_BYTE
     return us
