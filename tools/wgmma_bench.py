@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 
 import torch
 
@@ -127,7 +128,8 @@ def main(argv=None) -> int:
         return 2
     tiles = [parse_tile(v) for v in args.tiles.split(",")]
     env = dict(machine=platform.node(), gpu=torch.cuda.get_device_name(), git_sha=git_sha(),
-               torch=torch.__version__, command="tools/wgmma_bench.py " + " ".join(argv or []))
+               torch=torch.__version__,
+               command="tools/wgmma_bench.py " + " ".join(sys.argv[1:] if argv is None else argv))
     with open(args.out, "a") as f:
         for name in args.shapes.split(","):
             if name not in SHAPES:
