@@ -404,6 +404,11 @@ def bench(args) -> int:
         if r["shape"] == "moe_8_experts":
             return "moe" + (qpn.variant(None, env["sm"]) or " reg")
         fmt = 2 if r["format"] == "nvfp4" else 8
+        if r["m"] > qpn.PREFILL_MIN and qpn.use_sm90(env["sm"], qpn.PREFILL_VARIANT[0], fmt, r["m"], r["n"],
+                                                      r["k"], sms):
+            from hybrid.kernels import sm90     # qpn_linear takes the wgmma GEMM before prefill_plan
+
+            return sm90.plan(fmt, r["m"], r["n"], r["k"], sms).label
         plan = qpn.prefill_plan(fmt, r["m"], r["n"], r["k"], sms, env["sm"], qpn.PREFILL_VARIANT[0],
                                 qpn.PREFILL_SPLIT[0])
         if plan is not None:
