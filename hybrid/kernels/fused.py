@@ -62,16 +62,22 @@ NEW_PARTS = ("norm", "router", "attn")
 NEW_DEFAULT: frozenset = frozenset(NEW_PARTS)
 
 
-def new_kernel(part: str) -> bool:
-    """HYBRID_FUSED_NEW (see NEW_PARTS): whether the newer kernel of `part` runs where it applies."""
-    v = os.environ.get("HYBRID_FUSED_NEW", "").strip().lower()
+def _env_part(var: str, part: str, default) -> bool:
+    """Whether environment switch `var` names `part`: unset = part in default; 1/on/all = every part;
+    0/off/none = none; otherwise a comma list of parts."""
+    v = os.environ.get(var, "").strip().lower()
     if v == "":
-        return part in NEW_DEFAULT
+        return part in default
     if v in ("1", "on", "true", "yes", "all"):
         return True
     if v in ("0", "off", "false", "no", "none"):
         return False
     return part in {p.strip() for p in v.split(",")}
+
+
+def new_kernel(part: str) -> bool:
+    """HYBRID_FUSED_NEW (see NEW_PARTS): whether the newer kernel of `part` runs where it applies."""
+    return _env_part("HYBRID_FUSED_NEW", part, NEW_DEFAULT)
 
 
 def _aligned(*ts) -> bool:
@@ -81,14 +87,7 @@ def _aligned(*ts) -> bool:
 def enabled(part: str) -> bool:
     """HYBRID_FUSED: unset = DEFAULT_PARTS; 1/on/all = every part; 0/off = none; a comma list = the
     parts named."""
-    v = os.environ.get("HYBRID_FUSED", "").strip().lower()
-    if v == "":
-        return part in DEFAULT_PARTS
-    if v in ("1", "on", "true", "yes", "all"):
-        return True
-    if v in ("0", "off", "false", "no", "none"):
-        return False
-    return part in {p.strip() for p in v.split(",")}
+    return _env_part("HYBRID_FUSED", part, DEFAULT_PARTS)
 
 
 # ---------------------------------------------------------------------------- checks
