@@ -81,12 +81,19 @@ def pick_target(nv: Nvrtc, sm: int, force_ptx: bool = False) -> Target:
 def compile_image(nv: Nvrtc, target: Target, src: str | None = None, use_cache: bool = True) -> bytes:
     """Compile (or fetch from the cache) the module image for target."""
     src = source() if src is None else src
-    opts = OPTIONS + [target.arch_option]
+    return cached_compile(nv, src, SOURCE_NAME, OPTIONS + [target.arch_option], target.suffix, target.cubin,
+                          use_cache)
+
+
+def cached_compile(nv: Nvrtc, src: str, name: str, opts: list[str], suffix: str, cubin: bool,
+                   use_cache: bool = True) -> bytes:
+    """NVRTC image of src (CUBIN or PTX), cached in cache_dir() under sha256(source, options, NVRTC
+    version) + suffix; written through a temporary file, so a concurrent build never reads half a file."""
     key = hashlib.sha256("\0".join([src, *opts, str(nv.version)]).encode()).hexdigest()[:20]
-    path = cache_dir() / f"{key}-{target.suffix}"
+    path = cache_dir() / f"{key}-{suffix}"
     if use_cache and path.exists():
         return path.read_bytes()
-    image = nv.compile(src, SOURCE_NAME, opts, cubin=target.cubin)
+    image = nv.compile(src, name, opts, cubin=cubin)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import re
 import subprocess
@@ -211,24 +210,13 @@ def options() -> list[str]:
 
 def image(use_cache: bool = True) -> bytes:
     """The sm_90a CUBIN (NVRTC), cached in hybrid.kernels.build.cache_dir() by source, options, version."""
-    from hybrid.kernels.build import cache_dir
+    from hybrid.kernels.build import cached_compile
     from hybrid.kernels.nvrtc import NvrtcError, load_nvrtc
 
     nv = load_nvrtc()
     if 90 not in nv.supported_archs():
         raise NvrtcError(f"NVRTC {nv.version} at {nv.path} cannot target sm_90a")
-    src, opts = source(), options()
-    key = hashlib.sha256("\0".join([src, *opts, str(nv.version)]).encode()).hexdigest()[:20]
-    path = cache_dir() / f"{key}-sm_{ARCH}.cubin"
-    if use_cache and path.exists():
-        return path.read_bytes()
-    img = nv.compile(src, SOURCE_NAME, opts, cubin=True)
-    if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(img)
-        tmp.replace(path)
-    return img
+    return cached_compile(nv, source(), SOURCE_NAME, options(), f"sm_{ARCH}.cubin", True, use_cache)
 
 
 _MODULES: dict[int, object] = {}
