@@ -73,6 +73,23 @@ def sched_yield(typingctx):
 
 
 @njit(nogil=True, cache=True)
+def pause_loop(n):
+    """n x86 `pause`s (timing the spin unit; hybrid/experts/cpu_runner.py pause_ns)."""
+    for _ in range(n):
+        cpu_pause()
+
+
+@njit(nogil=True, cache=True)
+def spin_while_equal(state, want, pauses):
+    """Spin (pause) while state[0] == want, at most `pauses` rounds -> True if it changed."""
+    for _ in range(pauses):
+        if fetch_add(state, 0, 0) != want:
+            return True
+        cpu_pause()
+    return fetch_add(state, 0, 0) != want
+
+
+@njit(nogil=True, cache=True)
 def wait_count(state, i, want):
     """Spin until state[i] >= want (atomic read-modify-write of + 0: sees other parts' writes)."""
     k = 0

@@ -76,6 +76,28 @@ def test_timing_counts_pooled_calls_only(store_and_weights):
         assert tm["calls"] == 3 and tm["kernel_s"] > 0 and tm["queue_s"] >= 0
 
 
+def test_spinning_lead_thread_takes_every_call(store_and_weights):
+    """wait='spin:<us>': the runner's lead thread spins on the submit counter before sleeping on the
+    queue; calls submitted back to back, two before one sync, and after a pause all come back,
+    equal to a passive runner's."""
+    import time
+
+    s, _ = store_and_weights
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, H)).astype(np.float32)
+    ids, rows, wts = routing(3, rng)
+    with CpuExpertRunner(s, threads=2, inline_bytes=0, wait="passive") as runner:
+        want = runner.sync(runner.submit(0, ids, rows, wts, x))
+    with CpuExpertRunner(s, threads=2, inline_bytes=0, wait="spin:30") as runner:
+        assert runner.spin_pauses >= 1
+        outs = [runner.sync(runner.submit(0, ids, rows, wts, x)) for _ in range(5)]
+        h1, h2 = runner.submit(0, ids, rows, wts, x), runner.submit(0, ids, rows, wts, x)
+        outs += [runner.sync(h2), runner.sync(h1)]
+        time.sleep(0.01)                                   # past the spin: the lead thread sleeps
+        outs.append(runner.sync(runner.submit(0, ids, rows, wts, x)))
+    assert all(np.array_equal(want, o) for o in outs)
+
+
 def test_untouched_rows_are_zero_and_flat_pairs_match(store_and_weights):
     s, _ = store_and_weights
     rng = np.random.default_rng(5)
@@ -133,6 +155,15 @@ def test_pool_wait_policy_is_set_before_the_pool_starts():
         except HybridError as e:
             print("error:", e)
         print(set_pool_wait(), "|", os.environ.get("OMP_WAIT_POLICY"))
+        del os.environ["OMP_WAIT_POLICY"]
+        print(set_pool_wait("spin:200"), "|", os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
+        for bad in ("spin:x", "passive:5", "spin:-1"):
+            try:
+                set_pool_wait(bad)
+            except HybridError as e:
+                print("error:", e)
+        del os.environ["GOMP_SPINCOUNT"]
+        print(set_pool_wait(), "|", os.environ.get("OMP_WAIT_POLICY"))
         from numba import njit, prange
         @njit(parallel=True)
         def f(n):
@@ -154,7 +185,14 @@ def test_pool_wait_policy_is_set_before_the_pool_starts():
     assert lines[1] == "GOMP_SPINCOUNT=1000 (from the environment) | None"
     assert lines[2].startswith("error: HYBRID_CPU_WAIT='busy': expected one of passive, spin")
     assert lines[3] == "OMP_WAIT_POLICY=PASSIVE | PASSIVE"
-    assert lines[4] == "OMP_WAIT_POLICY=PASSIVE"            # pool started: reports, changes nothing
+    spin = lines[4].split(" | ")                              # spin:200 -> a spin count of ~200 us of pauses
+    count = int(spin[1].split()[1])
+    assert spin[0].startswith(f"GOMP_SPINCOUNT={count} (spin ~200 us at ") and spin[1].startswith("None ")
+    assert count >= 1
+    for line in lines[5:8]:
+        assert line.startswith("error: HYBRID_CPU_WAIT=") and "spin:<microseconds>" in line
+    assert lines[8] == "OMP_WAIT_POLICY=PASSIVE | PASSIVE"
+    assert lines[9] == "OMP_WAIT_POLICY=PASSIVE"            # pool started: reports, changes nothing
     if "OMP_WAIT_POLICY =" in r.stderr:                      # libgomp >= 11 lists its settings
         assert "OMP_WAIT_POLICY = 'PASSIVE'" in r.stderr
 

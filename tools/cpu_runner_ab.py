@@ -12,14 +12,25 @@ each call's experts' bytes (contiguous) summed by the read probe on the pool, on
 per call, from this thread: the stream with the per-call region start and end, without compute.  Every round measures the read-only stream
 (cpu/stream.py) and each variant (order flipped every other round) the way hybrid-bench
 cpu-kernels does (a sweep over all experts, top-8 per call, best of --reps sweeps); the table has
-best and median GB/s over rounds and each round's ratio to the first variant.  The pool's wait
-policy is the process's (HYBRID_CPU_WAIT), so compare spin and passive in two runs; each runner
-thread leads its own OpenMP team, and spinning teams would take cores from the one measured, so
-with spin run one variant and --no-read.
+best and median GB/s over rounds and each round's ratio to the first variant.
+
+The pool's wait policy (HYBRID_CPU_WAIT) is fixed per process, so `--waits passive,spin:100`
+runs each round once per wait policy in a child process of its own (order flipped every other
+round), with the given variants, and reports each wait's ratio to the first per round.  Each
+runner thread, and this thread when a variant computes here ('direct:', 'readcall', the read
+probe), leads its own OpenMP team of `threads` - 1 workers; with more libgomp threads than CPUs
+libgomp spins only 100 pauses, so give a child one team: runner variants with --no-read, or
+only 'direct:' / 'readcall' variants (--no-read too if they run fewer threads than the probe).
+--record FILE appends one JSON row per (wait, variant, threads, M) with machine, command, git sha.
 """
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -85,6 +96,10 @@ class Direct:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--waits", default=None, help="comma list of HYBRID_CPU_WAIT values, each in its own child "
+                                                  "process per round (see the module doc)")
+    ap.add_argument("--record", default=None, metavar="FILE", help="append the table's rows to this JSONL file")
+    ap.add_argument("--result-line", action="store_true", help=argparse.SUPPRESS)   # child: print RESULT json
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
     ap.add_argument("--ms", default="1,8", help="comma list of tokens per expert")
     ap.add_argument("--variants", default="phases,dataflow", help="comma list of runner schedules")
@@ -99,8 +114,11 @@ def main() -> None:
     ap.add_argument("--no-read", action="store_true",
                     help="skip the read probe (with spinning waiters its team would spin beside the runner's)")
     a = ap.parse_args()
+    if a.waits:
+        return by_wait(a)
     t0 = time.time()
-    print("pool wait:", set_pool_wait(), flush=True)
+    wait = set_pool_wait()
+    print("pool wait:", wait, flush=True)
     from hybrid.bench.cpu_kernels import SHAPES, TOPK, build_store, compute_scaling, copy_gbs, l3_bytes, ours_gbs, read_gbs
     from hybrid.checkpoint.formats import QType
 
@@ -145,13 +163,71 @@ def main() -> None:
         if t > 1:
             print(f"copy {t} threads {copy_gbs(t, 2 * l3_bytes(), a.reps):.2f} GB/s (read + write), "
                   f"compute x{t} {compute_scaling(t, 3):.2f}", flush=True)
-    print(f"variant threads M: best median | GB/s per round | ratio to {vs[0]} per round")
-    for (v, t, m), x in sorted(res.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
-        base = res.get((vs[0], t, m))
-        rat = "" if base is None else " ".join(f"{x[i] / base[i]:.2f}" for i in range(len(x)))
-        print(f"{v} {t} {m}: {max(x):.2f} {statistics.median(x):.2f} | {' '.join(f'{y:.2f}' for y in x)} | {rat}")
+    report(res, vs[0], a, {"": wait})
+    if a.result_line:
+        print("RESULT " + json.dumps([[list(k), x] for k, x in res.items()]), flush=True)
     for r in runners.values():
         r.close()
+    print(f"total {time.time() - t0:.1f} s")
+
+
+def report(res: dict, first: str, a, waits: dict, **extra) -> None:
+    """Print best / median / per round / ratio to `first` per round; --record appends JSON rows."""
+    print(f"variant threads M: best median | GB/s per round | ratio to {first} per round")
+    rows = []
+    for (v, t, m), x in sorted(res.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        base = res.get((first, t, m))
+        n = min(len(x), len(base or []))
+        rat = [] if base is None else [x[i] / base[i] for i in range(n)]
+        print(f"{v} {t} {m}: {max(x):.2f} {statistics.median(x):.2f} | {' '.join(f'{y:.2f}' for y in x)} | "
+              f"{' '.join(f'{r:.2f}' for r in rat)}")
+        rows.append(dict(extra, variant=v, threads=t, M=m, best_gbs=max(x), median_gbs=statistics.median(x), gbs=x,
+                         ratio_to=first, ratios=rat, ratio_median=statistics.median(rat) if rat else None))
+    if a.record:
+        from hybrid.baselines.report import append_jsonl, git_sha
+        from hybrid.bench.cpu_kernels import machine
+
+        info = dict(tool="tools/cpu_runner_ab.py", command="python " + " ".join(sys.argv), git=git_sha(dirty=False),
+                    time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), machine=machine(), pool_wait=waits)
+        append_jsonl(Path(a.record), [dict(info, **r) for r in rows])
+
+
+def by_wait(a) -> None:
+    """--waits: each round runs one child per wait policy (order flipped every other round)."""
+    t0 = time.time()
+    waits = [w.strip() for w in a.waits.split(",") if w.strip()]
+    argv, skip = [], False
+    for x in sys.argv[1:]:                       # the child's arguments: ours minus --waits/--rounds/--record
+        if skip:
+            skip = False
+        elif x in ("--waits", "--rounds", "--record", "--budget"):
+            skip = True
+        elif not x.startswith(("--waits=", "--rounds=", "--record=", "--budget=")):
+            argv.append(x)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    res: dict = {}
+    shown = {}
+    for r in range(a.rounds):
+        for w in (waits if r % 2 == 0 else waits[::-1]):
+            out = subprocess.run([sys.executable, __file__, *argv, "--rounds", "1", "--result-line"],
+                                 env=dict(env, HYBRID_CPU_WAIT=w), capture_output=True, text=True)
+            line = [x for x in out.stdout.splitlines() if x.startswith(("RESULT ", "pool wait:"))]
+            if out.returncode != 0 or not line or not line[-1].startswith("RESULT "):
+                print(out.stdout[-2000:], out.stderr[-2000:], file=sys.stderr)
+                raise SystemExit(f"child with HYBRID_CPU_WAIT={w} failed (rc {out.returncode})")
+            shown[w] = line[0][len("pool wait: "):] if line[0].startswith("pool wait:") else "?"
+            for k, x in json.loads(line[-1][len("RESULT "):]):
+                res.setdefault((f"{w}|{k[0]}", k[1], k[2]), []).extend(x)
+        print(f"round {r} done {time.time() - t0:.1f} s", flush=True)
+        if time.time() - t0 > a.budget:
+            break
+    for w, s in shown.items():
+        print(f"wait {w}: {s}")
+    first = waits[0]
+    for v in sorted({k[0].split("|", 1)[1] for k in res}):
+        print(f"--- {v}: ratio to {first}")   # rows here: variant = the wait policy
+        report({(f"{k[0].split('|', 1)[0]}", k[1], k[2]): x for k, x in res.items() if k[0].split("|", 1)[1] == v},
+               first, a, shown, kernel_variant=v)
     print(f"total {time.time() - t0:.1f} s")
 
 

@@ -13,7 +13,8 @@ The kernels release the GIL, so the thread that submitted keeps running Python/G
 and there is one dispatch per call (a pool of Python workers dispatching each phase under the GIL
 measured half the speed at 16 threads on the H200 host).  Each output element is computed by one
 unit in a fixed order, so the result does not depend on the thread count.  The pool's idle threads
-sleep rather than spin (set_pool_wait, HYBRID_CPU_WAIT=passive|spin).
+sleep rather than spin (set_pool_wait, HYBRID_CPU_WAIT=passive|spin|spin:<us>); with spin:<us> the
+workers and the lead thread stay awake <us> after each call, then sleep.
 
 Small calls (a decode step's few experts: at most `inline_bytes` of packed weights) skip the pool:
 submit only prepares them and sync runs both phases on the calling thread, as one part would
@@ -37,7 +38,7 @@ from numba import njit
 
 from hybrid.errors import HybridError
 from hybrid.hardware import physical_cores
-from cpu.dataflow import PF_NEXT, experts_dataflow
+from cpu.dataflow import LINE as LINE_I64, PF_NEXT, experts_dataflow, spin_while_equal
 from cpu.expert import experts_forward, experts_parallel
 from cpu.i16 import PREFETCH
 
@@ -68,27 +69,70 @@ def set_pool_wait(mode: str | None = None) -> str:
     """How the threads of Numba's OpenMP pool wait at the phase barrier and between calls; must run
     before the pool starts (GNU OpenMP reads it once, when Numba loads its libgomp at the first
     parallel launch; torch loads its own copy, which this leaves alone):
-        passive  sleep at once (OMP_WAIT_POLICY=PASSIVE); the default
-        spin     libgomp's default: spin GOMP_SPINCOUNT (300000) pause loops, then sleep
+        passive    sleep at once (OMP_WAIT_POLICY=PASSIVE); the default
+        spin       libgomp's default: spin GOMP_SPINCOUNT (300000) pause loops, then sleep
+        spin:<us>  spin about <us> microseconds, then sleep: GOMP_SPINCOUNT = <us> / the time of
+                   one `pause` on this CPU (measured here: ~30-45 ns on recent x86, ~3-10 ns on
+                   older), so a pool kept busy by back-to-back calls (a decode layer every ~100 us)
+                   finds its workers awake, and an idle one sleeps after <us>
     mode None: $HYBRID_CPU_WAIT, else passive.  OMP_WAIT_POLICY / GOMP_SPINCOUNT already in the
-    environment win.  Returns the setting that applies, in words.  Why: a spinning waiter takes the
-    CPU from the thread still working wherever cores are time-sliced or oversubscribed (the
-    runner's threads share the cores with the thread driving the GPUs); on the 2-vCPU dev VM
-    2-thread calls with spinning waiters fell to 0.15-0.6x one thread at times (results/cpu_kernels.md)."""
+    environment win.  Returns the setting that applies, in words.  libgomp spins only 100 pauses
+    (its throttled count) while it manages more threads than there are CPUs, e.g. two 16-thread
+    teams (two runners, or a runner and the caller's own parallel calls) on 16 CPUs.  Why passive
+    by default: a spinning waiter takes the CPU from the thread still working wherever cores are
+    time-sliced or oversubscribed (the runner's threads share the cores with the thread driving the
+    GPUs); on the 2-vCPU dev VM 2-thread calls with spinning waiters fell to 0.15-0.6x one thread
+    at times (results/cpu_kernels.md)."""
     import numba.np.ufunc.parallel as npar
 
     mode = (mode or os.environ.get(POOL_WAIT_ENV) or "passive").strip().lower()
-    if mode not in POOL_WAITS:
-        raise HybridError(f"{POOL_WAIT_ENV}={mode!r}: expected one of {', '.join(POOL_WAITS)}")
+    base, _, arg = mode.partition(":")
+    us = _spin_us(arg) if base == "spin" and arg else None
+    if base not in POOL_WAITS or (arg and (base != "spin" or us is None)):
+        raise HybridError(f"{POOL_WAIT_ENV}={mode!r}: expected one of {', '.join(POOL_WAITS)} or spin:<microseconds>")
     given = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ]
     if getattr(npar, "_is_initialized", False):
         return " ".join(given) or "libgomp default (Numba's pool started before the runner)"
     if given:
         return " ".join(given) + " (from the environment)"
+    if us is not None:
+        ns = pause_ns()
+        count = max(1, int(round(us * 1000 / ns)))
+        os.environ["GOMP_SPINCOUNT"] = str(count)
+        return f"GOMP_SPINCOUNT={count} (spin ~{us:g} us at {ns:.1f} ns per pause, then sleep)"
     if POOL_WAITS[mode] is None:
         return "libgomp default (spin, then sleep)"
     os.environ["OMP_WAIT_POLICY"] = POOL_WAITS[mode]
     return f"OMP_WAIT_POLICY={POOL_WAITS[mode]}"
+
+
+def spin_us_of(mode: str | None = None) -> float | None:
+    """Microseconds of spin:<us> in mode (None: $HYBRID_CPU_WAIT), else None."""
+    mode = (mode or os.environ.get(POOL_WAIT_ENV) or "passive").strip().lower()
+    base, _, arg = mode.partition(":")
+    return _spin_us(arg) if base == "spin" and arg else None
+
+
+def _spin_us(arg: str) -> float | None:
+    """'100' or '100us' -> 100.0 (microseconds, >= 0); anything else None."""
+    try:
+        v = float(arg[:-2] if arg.endswith("us") else arg)
+    except ValueError:
+        return None
+    return v if 0 <= v < 1e7 else None
+
+
+def pause_ns(n: int = 20000) -> float:
+    """ns per x86 `pause` on this CPU (the unit of libgomp's spin count), best of 5 loops of n."""
+    from cpu.dataflow import pause_loop
+
+    pause_loop(10)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        pause_loop(n)
+        best = min(best, time.perf_counter() - t0)
+    return max(best / n * 1e9, 0.1)
 
 
 @dataclass
@@ -137,6 +181,9 @@ class CpuExpertRunner:
         self._closed = False
         self.timing = {"calls": 0, "queue_s": 0.0, "kernel_s": 0.0}   # pooled calls: submit -> start, kernel
         self.wait = set_pool_wait(wait)
+        us = spin_us_of(wait)
+        self.spin_pauses = 0 if not us else max(1, int(us * 1000 / pause_ns()))
+        self._bell = np.zeros(LINE_I64, np.int64)     # submits so far (the lead thread spins on it)
         log.debug("cpu experts: %d threads, pool waiters: %s", self.threads, self.wait)
         self._warm_up()
         self._worker.start()
@@ -159,6 +206,7 @@ class CpuExpertRunner:
             work.done.set()
         else:
             self._queue.put(work)
+            self._bell[0] += 1            # after the put: a lead thread spinning on the bell finds the work
         return work
 
     def sync(self, handle: Work) -> np.ndarray:
@@ -207,7 +255,7 @@ class CpuExpertRunner:
 
         numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))  # this thread's team
         while True:
-            work = self._queue.get()
+            work = self._next()
             if work is None:
                 return
             t0 = time.perf_counter()
@@ -222,6 +270,18 @@ class CpuExpertRunner:
                 tm["queue_s"] += t0 - work.t_submit
                 tm["kernel_s"] += t1 - t0
                 work.done.set()
+
+    def _next(self):
+        """The next submitted call.  With spin:<us> this (lead) thread first spins up to <us> on
+        the submit counter, GIL released, like the pool's workers, so a call submitted soon after
+        the last one starts without waking a sleeping thread."""
+        if self.spin_pauses:
+            seen = int(self._bell[0])                # before the queue check: a later put changes it
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                spin_while_equal(self._bell, seen, self.spin_pauses)
+        return self._queue.get()
 
     def _run_parallel(self, work: Work) -> None:
         s = self.store
