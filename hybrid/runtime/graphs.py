@@ -25,6 +25,12 @@ graph serves 256 positions. The eager CUDA decode step runs these very kernels (
 graphs change the host time, not the numbers. Graphs are captured lazily per (segment, L) and dropped when the KV
 store or the residency changes. HYBRID_CUDA_GRAPHS=0 turns them off (the eager path, for before /
 after numbers). With capture=False the same pieces run eagerly (CPU tests of the static math).
+
+A step whose segments are all resident (runs_ahead) needs the host only to launch it: hybrid.generate's
+overlapped decode enqueues it with the sampled id still on the device (HybridModel.enqueue). The id is
+then embedded on the device from a copy of the embedding table in the model dtype on the first
+layer's card (made at the first such step: vocab x hidden x 2 bytes, which the planner already counts
+on that card; the host's table, indexed by host ids, serves the other steps).
 """
 from __future__ import annotations
 
@@ -132,10 +138,19 @@ class DecodeGraphs:
         self._plan: tuple | None = None
         self._pos: dict = {}
         self._kv_key = None
+        self._embed_table = None             # [V, H] model dtype on the first layer's card (_embed)
 
     def usable(self, ids: torch.Tensor, start: int) -> bool:
+        return self._usable(int(ids.shape[0]), start)
+
+    def runs_ahead(self, start: int) -> bool:
+        """Whether a one-token step at `start` runs with no host work between its launches: graphed,
+        and no segment ends at a layer that can miss (its ids may stay on the device)."""
+        return self._usable(1, start) and not any(s.host_last for s in self._segments())
+
+    def _usable(self, t: int, start: int) -> bool:
         m = self.model
-        if not self.enabled or self.error is not None or ids.shape[0] != 1 or m.on_route is not None:
+        if not self.enabled or self.error is not None or t != 1 or m.on_route is not None:
             return False
         if not isinstance(m.cache, KVCache) or start + 1 > m.cache.max_tokens:
             return False
@@ -155,7 +170,7 @@ class DecodeGraphs:
         segs = self._segments()
         for dev in {s.device for s in segs}:
             self._pos_buf(dev).fill_(start)
-        x, logits = m.embed_tokens(ids), None                                # [1, H]
+        x, logits = self._embed(ids), None                                   # [1, H]
         carry = None                          # a linked can-miss layer whose combine is still due
         for seg in segs:
             if seg.carry_in is None:
@@ -188,6 +203,18 @@ class DecodeGraphs:
             x = self.links[carry].combine(m, carry)
         cache.length = start + 1
         return logits if logits is not None else m.head(x)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [1] -> [1, H]: the model's own lookup for host ids; ids on a device are looked up in a
+        copy of the table on the first layer's card (no host sync; the same values: the model dtype's
+        rounding of each row, made once)."""
+        m = self.model
+        if ids.device == m.embed.device:
+            return m.embed_tokens(ids)
+        dev = m.layer_devices[0]
+        if self._embed_table is None:
+            self._embed_table = m.embed.to(dev, m.dtype)
+        return self._embed_table[ids.to(dev)]
 
     # ---- segments and runners ----------------------------------------------------------------
     def _segments(self) -> list[Segment]:

@@ -24,6 +24,15 @@ part in place: the lookup, the CPU's misses, their upload, the promotions. A pro
 evicts an expert the step uses (ExpertCache.evictable), so the hits still running on the card
 never read a slot that is being overwritten.
 
+A step run ahead (HybridModel.enqueue; every layer resident and graphed) only launches: begin_step(ahead=True)
+leaves the caches alone, stage_step copies its route buffers to pinned host memory behind the step (one
+async copy per block, an event per device) and hands its record back; resume_step(record) later waits for
+those events, starts the caches' step and makes it current again, and end_step settles it as usual, so
+the caches see begin, the step's lookups, end in the same order as without running ahead (the next step
+enqueued meanwhile touches no cache state). drop_step forgets a step that will not be used. A step's
+time (stats, trace) is from its start, or from the previous step's end if that came later: steps run
+ahead overlap, and their times tile the wall clock instead.
+
 Prefill offload (prefill_min > 0): in an eager prefill step of at least prefill_min tokens a layer's
 misses do not go to the CPU runner: they are streamed into the card's staging slots and run there
 by the same grouped kernel (hybrid.runtime.prefill_stream), after the hits. The cache's lookup,
@@ -102,11 +111,14 @@ class HybridExperts:
         self._step: dict | None = None
         self.version = 0                     # bumped when a layer's residency may have changed
         self._tok: dict = {}                 # (T, k, device) -> token index of each pair [T*k] int32
+        self._last_end = 0.0                 # perf_counter() at the last end_step
 
     # ---- step boundaries (HybridModel.forward) -----------------------------------------------
-    def begin_step(self, tokens: int, phase: str = "decode") -> None:
-        for c in self.cards:
-            c.cache.begin_step()
+    def begin_step(self, tokens: int, phase: str = "decode", ahead: bool = False) -> None:
+        """ahead: a step run ahead (module doc): the caches' step starts at resume_step."""
+        if not ahead:
+            for c in self.cards:
+                c.cache.begin_step()
         self._step = {"t0": time.perf_counter(), "tokens": tokens, "phase": phase, "ids": [None] * self.num_layers,
                       "weights": [None] * self.num_layers, "hits": [0] * self.num_layers,
                       "promotions": [0] * self.num_layers, "gpu": [], "cpu_s": 0.0, "pcie": 0,
@@ -117,7 +129,9 @@ class HybridExperts:
         st, self._step = self._step, None
         gpu_s = self._gpu_times(st["gpu"])
         phase = st["phase"]
-        seconds = time.perf_counter() - st["t0"]
+        now = time.perf_counter()
+        seconds = now - max(st["t0"], self._last_end)            # steps run ahead overlap: tile instead
+        self._last_end = now
         self.stats.add_step(phase, seconds, st["tokens"])
         if self.trace is not None:
             timings = {"step_ms": round(1e3 * seconds, 4), "gpu_expert_ms": round(1e3 * gpu_s, 4),
@@ -130,6 +144,42 @@ class HybridExperts:
     def abort_step(self) -> None:
         """Drop the step in progress (its forward raised)."""
         self._step = None
+
+    def stage_step(self) -> dict:
+        """The launched step run ahead: its route buffers to pinned host memory (async, behind it),
+        an event per device after them; -> its record for resume_step. Nothing is counted yet."""
+        st, self._step = self._step, None
+        staged, devs = [], set()
+        for item in st["deferred"]:
+            if item[0] != "block":
+                raise RuntimeError("a step run ahead has eager resident layers (graphed steps only)")
+            _, layers, buf = item
+            host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=buf.is_cuda)
+            host.copy_(buf, non_blocking=True)                                # [n, 1, 2k]
+            staged.append(("block", layers, host))
+            devs.add(buf.device)
+        st["deferred"], st["events"] = staged, []
+        for dev in devs:
+            if dev.type == "cuda":
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(dev))
+                st["events"].append(ev)
+        return st
+
+    def resume_step(self, st: dict) -> None:
+        """A staged step (stage_step) becomes the current one, its routing on the host; end_step next."""
+        if self._step is not None:
+            raise RuntimeError("resume_step while another step is in progress")
+        for ev in st.pop("events"):
+            ev.synchronize()
+        for c in self.cards:
+            c.cache.begin_step()
+        self._step = st
+
+    def drop_step(self, st: dict) -> None:
+        """Forget a staged step that will not be used (after its copies are done): nothing counted."""
+        for ev in st.pop("events", []):
+            ev.synchronize()
 
     def _settle(self, st: dict) -> None:
         """Cache lookups of the step's fully resident layers, from one host copy per device."""

@@ -1,12 +1,32 @@
 """HybridModel: the MoEModel as generate() sees it, with step boundaries for the expert executor
-and the --kv-resident limit. Everything else is the wrapped model's."""
+and the --kv-resident limit. Everything else is the wrapped model's.
+
+Steps run ahead (hybrid.generate's overlapped decode): enqueue() launches a decode step that needs no
+host work between its launches (can_run_ahead: graphed, every layer's experts resident) and returns at
+once; its routing goes to pinned host memory behind it (HybridExperts.stage_step). finish() later waits
+for that copy and does the step's bookkeeping as forward() would have at its end (cache lookups,
+counters, trace, stats, --stats-every); discard() drops a step that will not be used (its KV row is
+not committed, nothing of it is counted).
+"""
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
 from hybrid.errors import HybridError
+
+
+@dataclass
+class AheadStep:
+    """A decode step enqueued by HybridModel.enqueue. record: HybridExperts' staged step (None: it
+    ran synchronously, already committed)."""
+
+    start: int
+    logits: torch.Tensor                 # [1, V] fp32 on the device, being computed
+    record: dict | None = None
+    phase: str = "decode"
 
 
 class HybridModel:
@@ -40,21 +60,62 @@ class HybridModel:
     def forward(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
         """One step: ids [T] at positions start.. -> logits [T or 1, V] fp32."""
         t = int(ids.shape[0])
-        prefill = t > 1 if self.prompt_tokens is None else start < self.prompt_tokens
-        phase = "prefill" if prefill else "decode"
+        phase = self._phase(t, start)
         self.experts.begin_step(t, phase)
         try:
             logits = self._forward(ids, start, last_only, phase)
         except BaseException:
             self.experts.abort_step()
             raise
+        self._commit(t, phase)
+        return logits
+
+    def _phase(self, t: int, start: int) -> str:
+        prefill = t > 1 if self.prompt_tokens is None else start < self.prompt_tokens
+        return "prefill" if prefill else "decode"
+
+    def _commit(self, t: int, phase: str) -> None:
+        """The step's end: hop bytes, the experts' bookkeeping (end_step), the live stats."""
         if self._hops and self.model.layer_devices[0].type == "cuda":
-            n = self._hops * int(ids.shape[0]) * self.model.cfg.hidden_size * 2
-            self.experts.add_pcie("hops", n)
+            self.experts.add_pcie("hops", self._hops * t * self.model.cfg.hidden_size * 2)
         self.experts.end_step()
         if self.monitor is not None:
             self.monitor.after_step(phase)
-        return logits
+
+    # ---- steps run ahead (module doc) ----------------------------------------------------------
+    def can_run_ahead(self, start: int) -> bool:
+        """Whether the one-token step at `start` can be enqueued with no host work until finish()."""
+        g = self.graphs
+        return g is not None and self._phase(1, start) == "decode" and g.runs_ahead(start)
+
+    def enqueue(self, ids: torch.Tensor, start: int) -> AheadStep:
+        """ids [1] (on the device: the sampled id) at position start; returns once launched."""
+        self.experts.begin_step(1, "decode", ahead=True)
+        try:
+            logits = self.graphs.step(ids, start)
+        except Exception:
+            self.experts.abort_step()
+            if self.graphs.error is None:
+                raise
+            return AheadStep(start, self.forward(ids, start, last_only=True))   # _forward's fallback
+        return AheadStep(start, logits, self.experts.stage_step())
+
+    def finish(self, step: AheadStep) -> None:
+        """Wait for the step's routing on the host, then its bookkeeping (forward()'s end)."""
+        if step.record is None:
+            return
+        rec, step.record = step.record, None
+        self.experts.resume_step(rec)
+        self.experts.stats.graph_steps += 1
+        self._commit(1, step.phase)
+
+    def discard(self, step: AheadStep) -> None:
+        """Drop a step enqueued ahead that will not be used: nothing counted, its KV row uncommitted."""
+        if step.record is not None:
+            self.experts.drop_step(step.record)
+            step.record = None
+        if self.model.cache is not None:
+            self.model.cache.length = min(self.model.cache.length, step.start)
 
     def _forward(self, ids: torch.Tensor, start: int, last_only: bool, phase: str) -> torch.Tensor:
         g = self.graphs
