@@ -26,6 +26,7 @@ only 'direct:' / 'readcall' variants (--no-read too if they run fewer threads th
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -107,7 +108,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="sweeps per measurement (best kept)")
     ap.add_argument("--nohuge", action="store_true", help="also every variant on a 4 KiB-page store")
     ap.add_argument("--l3x", type=float, default=2.0, help="expert set size in last-level caches")
-    ap.add_argument("--budget", type=float, default=1e9, help="stop after the round that passes this many s")
+    ap.add_argument("--budget", type=float, default=1e9,
+                    help="stop after the round that passes this many s (--waits: before a round that would)")
     ap.add_argument("--cells", default=None, metavar="TxM,...",
                     help="measure only these (threads x tokens) cells, e.g. 16x1,16x8,1x1 (default: every pair)")
     ap.add_argument("--no-copy", action="store_true", help="skip copy and compute xN at the end")
@@ -207,20 +209,33 @@ def by_wait(a) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     res: dict = {}
     shown = {}
-    for r in range(a.rounds):
-        for w in (waits if r % 2 == 0 else waits[::-1]):
-            out = subprocess.run([sys.executable, __file__, *argv, "--rounds", "1", "--result-line"],
-                                 env=dict(env, HYBRID_CPU_WAIT=w), capture_output=True, text=True)
-            line = [x for x in out.stdout.splitlines() if x.startswith(("RESULT ", "pool wait:"))]
-            if out.returncode != 0 or not line or not line[-1].startswith("RESULT "):
-                print(out.stdout[-2000:], out.stderr[-2000:], file=sys.stderr)
-                raise SystemExit(f"child with HYBRID_CPU_WAIT={w} failed (rc {out.returncode})")
-            shown[w] = line[0][len("pool wait: "):] if line[0].startswith("pool wait:") else "?"
-            for k, x in json.loads(line[-1][len("RESULT "):]):
-                res.setdefault((f"{w}|{k[0]}", k[1], k[2]), []).extend(x)
-        print(f"round {r} done {time.time() - t0:.1f} s", flush=True)
-        if time.time() - t0 > a.budget:
-            break
+    longest = 0.0
+
+    def stop(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)          # `timeout`: report what was measured
+    try:
+        for r in range(a.rounds):
+            for w in (waits if r % 2 == 0 else waits[::-1]):
+                if r and time.time() - t0 + longest > a.budget:     # this child would pass the budget
+                    raise KeyboardInterrupt
+                tc = time.time()
+                out = subprocess.run([sys.executable, __file__, *argv, "--rounds", "1", "--result-line"],
+                                     env=dict(env, HYBRID_CPU_WAIT=w), capture_output=True, text=True)
+                line = [x for x in out.stdout.splitlines() if x.startswith(("RESULT ", "pool wait:"))]
+                if out.returncode != 0 or not line or not line[-1].startswith("RESULT "):
+                    print(out.stdout[-2000:], out.stderr[-2000:], file=sys.stderr)
+                    raise SystemExit(f"child with HYBRID_CPU_WAIT={w} failed (rc {out.returncode})")
+                shown[w] = line[0][len("pool wait: "):] if line[0].startswith("pool wait:") else "?"
+                for k, x in json.loads(line[-1][len("RESULT "):]):
+                    res.setdefault((f"{w}|{k[0]}", k[1], k[2]), []).extend(x)
+                if r:                                 # round 0 may hold the cold compile
+                    longest = max(longest, time.time() - tc)
+            print(f"round {r} done {time.time() - t0:.1f} s", flush=True)
+            if r == 0:
+                longest = (time.time() - t0) / len(waits) / 2
+    except KeyboardInterrupt:
+        print(f"stopped at {time.time() - t0:.1f} s", flush=True)
     for w, s in shown.items():
         print(f"wait {w}: {s}")
     first = waits[0]
