@@ -7,7 +7,7 @@
 //         NT tokens per block (the wgmma N: 64, 128 or 256), ST ring stages.
 //
 // y[M, N] = x[M, K] . W[N, K]^T, W packed in the QPN layout of cuda/qpn.cu (its header; the device
-// helpers dec_fp4, dec_fp8, dec_scale, hmul2_splat, store_y, store_part are copies of qpn.cu's),
+// helpers of the "qpn.cu's helpers" line below are qpn.cu's own, put in by sm90.source()),
 // never dequantized in memory: decoded in registers straight into wgmma A fragments.
 //
 // Block: 256 threads = 2 warpgroups, BR = 128 MW weight rows (MW 64-row A sets per warpgroup) x NT
@@ -49,12 +49,13 @@ struct __align__(16) f32x4 { float x, y, z, w; };
 
 #define THREADS 256
 
+// ---------------------------------------------------------------- qpn.cu's helpers
+// hybrid.kernels.sm90.source() puts qpn.cu's device functions named on the next line here (shared
+// memory addresses and loads, fp16 stores, the register decode of packed words and scales, the
+// epilogue's 8-output stores): one copy of each, in qpn.cu.
+// QPN_SHARED: smem_addr lds128 lds64 f_to_h dec_fp4 dec_fp8 dec_scale hmul2_splat store_y store_part
+
 // ---------------------------------------------------------------- memory
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  u32 a;
-  asm("{.reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;}" : "=r"(a) : "l"(p));
-  return a;
-}
 // bulk asynchronous copy global -> shared (the TMA engine, async proxy), completing on an mbarrier:
 // bytes a multiple of 16, both addresses 16-byte aligned
 __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 mbar) {
@@ -70,51 +71,6 @@ __device__ __forceinline__ void mbar_expect_arrive(u32 mbar, u32 bytes) {
 __device__ __forceinline__ void mbar_wait(u32 mbar, u32 parity) {
   asm volatile("{\n .reg .pred P1;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
                " @P1 bra DONE;\n bra WAIT;\n DONE:\n}" ::"r"(mbar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ u32x4 lds128(u32 a) {
-  u32x4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-  return v;
-}
-__device__ __forceinline__ u64 lds64(u32 a) {
-  u64 v;
-  asm volatile("ld.shared.u64 %0, [%1];" : "=l"(v) : "r"(a));
-  return v;
-}
-__device__ __forceinline__ u16 f_to_h(float f) {
-  u16 h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return h;
-}
-
-// ---------------------------------------------------------------- register decode (qpn.cu's)
-// 8 E2M1 codes -> 4 half2 (value * 2^-14): p0 (r,k0k1) p1 (r8,k0k1) p2 (r,k2k3) p3 (r8,k2k3)
-__device__ __forceinline__ void dec_fp4(u32 w, u32& p0, u32& p1, u32& p2, u32& p3) {
-  p0 = w & 0x8E008E00u;
-  p1 = (w << 3) & 0x8E008E00u;
-  p2 = ((w << 9) & 0x0E000E00u) | ((w << 2) & 0x80008000u);
-  p3 = ((w << 6) & 0x0E000E00u) | ((w << 1) & 0x80008000u);
-}
-// 4 e4m3 codes stored k0 k2 k1 k3 -> half2 (k0,k1), (k2,k3) (value * 2^-8)
-__device__ __forceinline__ void dec_fp8(u32 w, u32& k01, u32& k23) {
-  k01 = ((w << 8) & 0x80008000u) | ((w << 7) & 0x3F803F80u);
-  k23 = (w & 0x80008000u) | ((w >> 1) & 0x3F803F80u);
-}
-// scale word -> half2 (S(r), S(r+8)), S = scale * 2^7, of group j (odd picks the byte pair)
-__device__ __forceinline__ u32 dec_scale(u32 w, int odd) {
-  u32 h = (odd ? (w >> 1) : (w << 7)) & 0x3F803F80u, d;  // scale * 2^-8
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(h), "r"(0x78007800u));  // * 2^15
-  return d;
-}
-__device__ __forceinline__ u32 hmul2_splat(u32 a, u32 s, int hi) {
-  u32 d;
-  if (hi)
-    asm("{.reg .b16 l, h;\n .reg .b32 t;\n mov.b32 {l, h}, %2;\n mov.b32 t, {h, h};\n"
-        " mul.rn.f16x2 %0, %1, t;}" : "=r"(d) : "r"(a), "r"(s));
-  else
-    asm("{.reg .b16 l, h;\n .reg .b32 t;\n mov.b32 {l, h}, %2;\n mov.b32 t, {l, l};\n"
-        " mul.rn.f16x2 %0, %1, t;}" : "=r"(d) : "r"(a), "r"(s));
-  return d;
 }
 
 // ---------------------------------------------------------------- wgmma
@@ -199,33 +155,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[128], u32 a0, u32 a1, u32 a2
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
-}
-
-// ---------------------------------------------------------------- epilogue stores (qpn.cu's)
-// 8 consecutive outputs of row m at n..n+7 (fewer at the right edge)
-__device__ __forceinline__ void store_y(u16* out, const float* v, float gs, int n, int N) {
-  if ((N & 7) == 0 && n + 8 <= N) {
-    u32x4 o;
-    o.x = (u32)f_to_h(v[0] * gs) | ((u32)f_to_h(v[1] * gs) << 16);
-    o.y = (u32)f_to_h(v[2] * gs) | ((u32)f_to_h(v[3] * gs) << 16);
-    o.z = (u32)f_to_h(v[4] * gs) | ((u32)f_to_h(v[5] * gs) << 16);
-    o.w = (u32)f_to_h(v[6] * gs) | ((u32)f_to_h(v[7] * gs) << 16);
-    *reinterpret_cast<u32x4*>(out) = o;
-  } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      if (n + e < N) out[e] = f_to_h(v[e] * gs);
-  }
-}
-__device__ __forceinline__ void store_part(float* out, const float* v, int n, int N) {
-  if ((N & 7) == 0 && n + 8 <= N) {
-    reinterpret_cast<f32x4*>(out)[0] = f32x4{v[0], v[1], v[2], v[3]};
-    reinterpret_cast<f32x4*>(out)[1] = f32x4{v[4], v[5], v[6], v[7]};
-  } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      if (n + e < N) out[e] = v[e];
-  }
 }
 
 // ---------------------------------------------------------------- pre-pass

@@ -75,6 +75,23 @@ def test_stages_match_the_source():
     assert sorted(sm90.MIN_BLOCKS) == sorted(sm90.TILES)
 
 
+def test_source_shares_qpn_helpers():
+    """sm90.source() carries qpn.cu's device helpers, each once and as qpn.cu has them (no copy in
+    qpn_sm90.cu); a name qpn.cu lacks is a clear error."""
+    from hybrid.kernels import build
+
+    raw = Path(sm90.__file__).with_name(sm90.SOURCE_NAME).read_text()
+    names = re.search(r"^// QPN_SHARED: (.*)$", raw, re.M).group(1).split()
+    assert "dec_fp4" in names and "store_y" in names
+    src = sm90.source()
+    for name in names:
+        assert not re.search(r"__forceinline__ [\w ]+? " + name + r"\(", raw), f"{name}: copied into qpn_sm90.cu"
+        assert len(re.findall(r"__forceinline__ [\w ]+? " + name + r"\(", src)) == 1, name
+        assert build.device_functions([name]) in src
+    with pytest.raises(ValueError, match="no device function 'nope'"):
+        build.device_functions(["nope"])
+
+
 @pytest.mark.parametrize("fmt", [2, 8])
 @pytest.mark.parametrize("tile", sm90.TILES)
 def test_shared_memory_fits_the_h200(fmt, tile):
@@ -291,3 +308,33 @@ def test_qpn_linear_default_sm90(qtype):
                 assert torch.isfinite(y).all() and rel_err(y, x.double() @ wref.t()) < 2e-3, f"N={n} M={m} sm90={took}"
     finally:
         qpn.SM90_DEFAULT[0] = old
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@needs_sm90
+def test_wgmma_under_graph_capture(splits):
+    """The wgmma prefill (pre-pass, GEMM, split-K sum) captured in a CUDA graph: each replay equals an
+    eager call on the same input, bit for bit."""
+    from hybrid.kernels import QPNWeight
+
+    n, k, m = 1000, 2048, 64
+    qw = MAKE[QType.NVFP4](n, k, seed=11)
+    w = QPNWeight.from_qweight(qw, "cuda")
+    xs = torch.zeros(m, k, dtype=torch.float16, device="cuda")
+    ys = torch.empty(m, n, dtype=torch.float16, device="cuda")
+    sm90.linear(xs, w, ys, splits=splits)             # eager first: module load, shared-memory limits
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        sm90.linear(xs, w, ys, splits=splits)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        sm90.linear(xs, w, ys, splits=splits)
+    for _ in range(2):
+        x = fresh((m, k)).cuda()
+        xs.copy_(x)
+        g.replay()
+        eager = sm90.linear(x, w, torch.empty(m, n, dtype=torch.float16, device="cuda"), splits=splits)
+        torch.cuda.synchronize()
+        assert torch.equal(ys, eager), f"splits={splits}: graph replay differs from the eager call"

@@ -43,6 +43,21 @@ def source() -> str:
     return source_path().read_text()
 
 
+def device_functions(names: list[str], src: str | None = None) -> str:
+    """The text of qpn.cu's device functions `names` (each `__device__ __forceinline__ ... name(...)
+    {...}` through its closing brace at the start of a line, with a template line before it), in
+    that order: the helpers another kernel source shares instead of copying them."""
+    src = source() if src is None else src
+    out = []
+    for name in names:
+        m = re.search(r"(template <[^>]*>\n)?__device__ __forceinline__ [\w ]+? " + re.escape(name) + r"\(.*?\n\}\n",
+                      src, re.S)
+        if m is None:
+            raise ValueError(f"{SOURCE_NAME}: no device function {name!r}")
+        out.append(m.group(0))
+    return "".join(out)
+
+
 def cache_dir() -> Path:
     """$HYBRID_CACHE_DIR, else ~/.cache/hybrid/qpn (or under $XDG_CACHE_HOME)."""
     env = os.environ.get("HYBRID_CACHE_DIR")
