@@ -99,6 +99,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--waits", default=None, help="comma list of HYBRID_CPU_WAIT values, each in its own child "
                                                   "process per round (see the module doc)")
+    ap.add_argument("--envs", default=None, metavar="'K=V K=V;K=V'",
+                    help="like --waits, with each child's environment given as ';'-separated sets of K=V "
+                         "(e.g. 'NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=;' for the haswell build vs the host's)")
     ap.add_argument("--record", default=None, metavar="FILE", help="append the table's rows to this JSONL file")
     ap.add_argument("--result-line", action="store_true", help=argparse.SUPPRESS)   # child: print RESULT json
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
@@ -116,7 +119,7 @@ def main() -> None:
     ap.add_argument("--no-read", action="store_true",
                     help="skip the read probe (with spinning waiters its team would spin beside the runner's)")
     a = ap.parse_args()
-    if a.waits:
+    if a.waits or a.envs:
         return by_wait(a)
     t0 = time.time()
     wait = set_pool_wait()
@@ -185,6 +188,13 @@ def report(res: dict, first: str, a, waits: dict, **extra) -> None:
               f"{' '.join(f'{r:.2f}' for r in rat)}")
         rows.append(dict(extra, variant=v, threads=t, M=m, best_gbs=max(x), median_gbs=statistics.median(x), gbs=x,
                          ratio_to=first, ratios=rat, ratio_median=statistics.median(rat) if rat else None))
+    for (v, t, m), x in sorted(res.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        one = res.get((v, t, 1))
+        if m > 1 and one:                        # cost of one call at M over one at M = 1, per round
+            c = [one[i] / x[i] for i in range(min(len(x), len(one)))]
+            print(f"cost M={m} / M=1, {v} {t} threads: median {statistics.median(c):.2f} | "
+                  f"{' '.join(f'{y:.2f}' for y in c)}")
+            rows.append(dict(extra, variant=v, threads=t, M=m, cost_vs_m1=c, cost_vs_m1_median=statistics.median(c)))
     if a.record:
         from hybrid.baselines.report import append_jsonl, git_sha
         from hybrid.bench.cpu_kernels import machine
@@ -197,16 +207,23 @@ def report(res: dict, first: str, a, waits: dict, **extra) -> None:
 def by_wait(a) -> None:
     """--waits: each round runs one child per wait policy (order flipped every other round)."""
     t0 = time.time()
-    waits = [w.strip() for w in a.waits.split(",") if w.strip()]
+    if a.envs is not None:                       # name -> extra environment of the child
+        sets = {e.strip() or "(none)": dict(kv.split("=", 1) for kv in e.split()) for e in a.envs.split(";")}
+    else:
+        sets = {w.strip(): {"HYBRID_CPU_WAIT": w.strip()} for w in a.waits.split(",") if w.strip()}
+    waits = list(sets)
+    own = ("--waits", "--envs", "--rounds", "--record", "--budget")
     argv, skip = [], False
-    for x in sys.argv[1:]:                       # the child's arguments: ours minus --waits/--rounds/--record
+    for x in sys.argv[1:]:                       # the child's arguments: ours minus --waits/--envs/--rounds/...
         if skip:
             skip = False
-        elif x in ("--waits", "--rounds", "--record", "--budget"):
+        elif x in own:
             skip = True
-        elif not x.startswith(("--waits=", "--rounds=", "--record=", "--budget=")):
+        elif not x.startswith(tuple(o + "=" for o in own)):
             argv.append(x)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if a.envs is not None:                       # children keep this process's wait policy unless given
+        env = dict(os.environ)
     res: dict = {}
     shown = {}
     longest = 0.0
@@ -221,11 +238,11 @@ def by_wait(a) -> None:
                     raise KeyboardInterrupt
                 tc = time.time()
                 out = subprocess.run([sys.executable, __file__, *argv, "--rounds", "1", "--result-line"],
-                                     env=dict(env, HYBRID_CPU_WAIT=w), capture_output=True, text=True)
+                                     env=dict(env, **sets[w]), capture_output=True, text=True)
                 line = [x for x in out.stdout.splitlines() if x.startswith(("RESULT ", "pool wait:"))]
                 if out.returncode != 0 or not line or not line[-1].startswith("RESULT "):
                     print(out.stdout[-2000:], out.stderr[-2000:], file=sys.stderr)
-                    raise SystemExit(f"child with HYBRID_CPU_WAIT={w} failed (rc {out.returncode})")
+                    raise SystemExit(f"child with {w} failed (rc {out.returncode})")
                 shown[w] = line[0][len("pool wait: "):] if line[0].startswith("pool wait:") else "?"
                 for k, x in json.loads(line[-1][len("RESULT "):]):
                     res.setdefault((f"{w}|{k[0]}", k[1], k[2]), []).extend(x)
@@ -237,7 +254,7 @@ def by_wait(a) -> None:
     except KeyboardInterrupt:
         print(f"stopped at {time.time() - t0:.1f} s", flush=True)
     for w, s in shown.items():
-        print(f"wait {w}: {s}")
+        print(f"child {w}: pool wait {s}")
     first = waits[0]
     for v in sorted({k[0].split("|", 1)[1] for k in res}):
         print(f"--- {v}: ratio to {first}")   # rows here: variant = the wait policy
