@@ -292,6 +292,29 @@ def test_resident_layers_pay_no_sync(tiny_dir):
     assert _plan_with(d, mb, (16,)).token_us == pytest.approx(p.token_us + 4 * 100)
 
 
+def test_overlapped_decode_costs_the_larger_of_gpu_and_host(tiny_dir):
+    """req.overlap with every layer resident: token = max(GPU part, host part), not their sum; a plan
+    whose layers can miss (host work between a step's launches) is charged as before."""
+    from hybrid.planner.build import _hit_rates
+    from hybrid.planner.predict import predict
+
+    mb, d = ModelBytes.from_folder(tiny_dir), profile_dict()
+
+    def pred(slots, overlap):
+        prof = profile_from_dict(d)
+        req = PlanRequest(gpus=(0, 1), layer_split=(2,), cache_slots=slots, overlap=overlap)
+        plan = make_plan(mb, prof, req)
+        return predict(mb, prof, plan.cards, _hit_rates(mb, plan.cards, None), req)
+
+    plain, over = pred((16,), False), pred((16,), True)
+    gpu = plain.token_us - plain.host_us
+    assert over.token_us == pytest.approx(max(gpu, plain.host_us)) and over.token_us < plain.token_us
+    d["overheads"]["token_us"]["value"] = 50 * gpu                     # host-bound: the host part
+    plain, over = pred((16,), False), pred((16,), True)
+    assert over.token_us == pytest.approx(plain.host_us)
+    assert pred((8,), True).token_us == pytest.approx(pred((8,), False).token_us)
+
+
 def test_layers_that_can_miss_pay_sync_lookup_and_eager_ops(tiny_dir, monkeypatch):
     from hybrid.planner.step_shape import DECODE, MISS_GRAPH
 

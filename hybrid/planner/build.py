@@ -28,7 +28,10 @@ class PlanRequest:
     layer_split: card boundaries, None = auto; cache_slots: per card, None = auto (fill);
     vram_cap_gib: per card, None = the GPU's memory shared evenly among its logical cards;
     prefill_stage: experts per prefill staging group each card reserves room for (hybrid-run's
-    prefill offload; 0 = none reserved, planner.memory.prefill_stage_bytes), counted in workspace.
+    prefill offload; 0 = none reserved, planner.memory.prefill_stage_bytes), counted in workspace;
+    overlap: the decode loop runs a step whose layers are all resident ahead of the host's work for
+    the step before (hybrid.generate's overlapped decode): such a token costs max(GPU, host), not
+    their sum (planner.predict).
     """
 
     gpus: tuple[int, ...]
@@ -41,6 +44,7 @@ class PlanRequest:
     context: int = 1024
     prefill_chunk: int = 512
     prefill_stage: int = 0
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.gpus)

@@ -20,6 +20,8 @@ n_d / n_e = the step's dense / expert kernels per layer, n_o its eager ops (plan
               probability 1 - h (an approximation when routing is skewed).
 token = Σ layers + head ((final norm + lm_head) / B_gpu + n_head·κ) + hops (H·2 / B_link + λ
 per boundary between two physical GPUs; logical cards on one GPU share its device) + token_us.
+With the overlapped decode (req.overlap) and every layer resident, step t + 1 runs while the host
+does step t's work (reading the token, lookups, token_us), so token = max(GPU part, host part).
 On a CPU-only plan every byte goes through B_cpu, no syncs, no kernels counted.
 Promotion budget per token = pcie_frac × link × token time (the most promotions may use).
 """
@@ -74,6 +76,8 @@ def predict(mb: ModelBytes, prof: HardwareProfile, cards: tuple[CardPlan, ...], 
         cpu_bytes += head
     host_us = sum(x.host_us for x in layers) + prof.overheads.token_us.value
     token_us = sum(x.total_us for x in layers) + t_head + t_hops + prof.overheads.token_us.value
+    if getattr(req, "overlap", False) and cards and all(x.resident for x in layers):
+        token_us = max(token_us - host_us, host_us)
     return Prediction(
         context=ctx, tok_s=US / token_us, token_us=token_us,
         hit_rate=sum(hits) / len(hits), gpu_bytes=int(gpu_bytes), cpu_bytes=int(cpu_bytes),
