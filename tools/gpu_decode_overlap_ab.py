@@ -35,7 +35,7 @@ rc.OUT = tc.OUT = OUT = Path(os.environ.get("OUT", "scratch/out"))
 JSONL = "decode_overlap_ab.jsonl"
 record = rc.recorder("tools/gpu_decode_overlap_ab.py", JSONL,
                      ("overlap", "decode_tok_s", "ms_per_token", "ran_ahead", "ids_equal_first", "hit_rate",
-                      "skipped", "error", "seconds"))
+                      "skipped", "error", "seconds", "all_resident", "predicted_tok_s"))
 rc.record = tc.record = record
 SMALL = ["--layers", "4", "--experts", "16", "--hidden", "256", "--inter", "128", "--vocab", "1024", "--top-k", "4"]
 
@@ -67,6 +67,42 @@ def uniform_profile(path: Path) -> Path:
     out = OUT / "uniform.experts.json"
     out.write_text(json.dumps(profile_dict(path.name, cfg.model_type, counts, tokens, cfg.num_experts_per_tok,
                                            {"uniform": True})))
+    return out
+
+
+class NoCpuRunner:
+    """--no-cpu-runner: a session whose every expert is resident never calls the CPU runner; building
+    the real one (the expert store) only costs device time. Any call fails loudly."""
+
+    def submit(self, *a, **kw):
+        raise RuntimeError("--no-cpu-runner: a layer missed (the session is not all resident)")
+
+    sync = submit
+
+    def close(self) -> None:
+        pass
+
+
+def predictions(path: Path, a, kw: dict, eprof: Path, ctx: int) -> dict:
+    """The planner's decode tok/s for the configuration with the overlap off and on (PlanRequest.overlap)."""
+    from hybrid.model.config import ModelConfig
+    from hybrid.runtime import RuntimeOptions
+    from hybrid.runtime.session import _expert_profile, _hardware_profile, _plan
+
+    cfg, out, old = ModelConfig.from_folder(path), {}, os.environ.get("HYBRID_DECODE_OVERLAP")
+    opts = RuntimeOptions(device=a.device, profile=a.profile, expert_profile=str(eprof), **kw)
+    hw = _hardware_profile(opts)
+    ep, ep_path = _expert_profile(path, opts, cfg, strict=hw is not None)
+    try:
+        for mode in ("0", "1"):
+            os.environ["HYBRID_DECODE_OVERLAP"] = mode
+            plan = _plan(path, cfg, opts, hw, ep, ep_path, ctx)
+            out[mode] = None if plan is None else round(plan.prediction.tok_s, 2)
+    finally:
+        if old is None:
+            os.environ.pop("HYBRID_DECODE_OVERLAP", None)
+        else:
+            os.environ["HYBRID_DECODE_OVERLAP"] = old
     return out
 
 
@@ -140,15 +176,17 @@ def runs(path: Path, deadline: float, a) -> None:
             continue
         rc.log(f"session {label}: {kw}")
         t = time.perf_counter()
+        stub = a.no_cpu_runner and "vram_cap_gib" in kw
         s = open_session(path, RuntimeOptions(device=a.device, profile=a.profile, expert_profile=str(eprof), **kw),
-                         context=ctx, cpu=cpu)
-        if cpu is None:
+                         context=ctx, cpu=NoCpuRunner() if stub else cpu)
+        if cpu is None and not stub:
             cpu, s.owns_cpu = s.cpu, False
         try:
             hm = s.model
             hm.prompt_tokens = len(ids)
             resident = all(hm.experts.device_only(l) for l in range(cfg.num_hidden_layers))
             record({"check": f"{label}_open", "seconds": round(time.perf_counter() - t, 1), "all_resident": resident,
+                    "predicted_tok_s": predictions(path, a, kw, eprof, ctx),
                     "placement": s.placement.describe(), "load_s": {k: round(v, 2) for k, v in s.load_s.items()}})
             measure_one(s, tok, ids, a.warmup, True)                          # graphs, embed table, caches
             first = None
@@ -189,6 +227,8 @@ def main() -> int:
                    "synth_one_gpu_cap16,synth_one_gpu_slots<--miss-slots>)")
     p.add_argument("--modes", default="0,1,0,1", help="overlap off (0) / on (1), in order, per label")
     p.add_argument("--routed-profile", action="store_true", help="route a calibration text for the expert profile")
+    p.add_argument("--no-cpu-runner", action="store_true",
+                   help="no CPU runner (expert store) for the --vram-cap labels (all resident: never called)")
     p.add_argument("--host-profile", action="store_true", help="also cProfile one overlapped generation per label")
     a = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)

@@ -160,6 +160,7 @@ def _expert_profile(path: Path, opts: RuntimeOptions, cfg: ModelConfig, strict: 
 def _plan(path: Path, cfg: ModelConfig, opts: RuntimeOptions, prof, eprof: ExpertProfile | None,
           eprof_path, context: int):
     """A planner Plan when a hardware profile `prof` is known (_hardware_profile); else None."""
+    from hybrid.generate import overlap_enabled
     from hybrid.planner import ModelBytes, PlanRequest, Popularity, make_plan
     from hybrid.planner.memory import PREFILL_STAGE_GROUP
 
@@ -171,7 +172,8 @@ def _plan(path: Path, cfg: ModelConfig, opts: RuntimeOptions, prof, eprof: Exper
                       cache_slots=opts.cache_slots, vram_cap_gib=opts.vram_cap_gib,
                       pcie_frac=min(opts.pcie_frac, 0.9), context=context,
                       prefill_chunk=opts.prefill_chunk or 512,
-                      prefill_stage=PREFILL_STAGE_GROUP if opts.offload_min else 0)
+                      prefill_stage=PREFILL_STAGE_GROUP if opts.offload_min else 0,
+                      overlap=opts.device == "cuda" and overlap_enabled())   # what generate() does by default
     return make_plan(ModelBytes.from_folder(path), prof, req, pop, model=path.resolve().name,
                      experts_path=None if eprof_path is None else str(eprof_path))
 
