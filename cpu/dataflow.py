@@ -13,6 +13,9 @@ units one at a time from one shared counter, in this order:
 and the part that completes the last D unit of H-tile t adds the E partials of that tile into
 out, expert by expert in list order: out[rows[p], cols] += w[p] * scale_e * part[p, cols], the
 operations of `experts_down` in the same order.
+    experts_dataflow_on(..., n, pf, pfmode, dataflow_prepare(qkind, x, rows, ptr, H, I, R))
+runs the same on scratch prepared by the caller, so that another thread can join the call with
+dataflow_part(..., pf, pfmode, the same scratch) (the runner's sync() helping its pool).
 Why: two phases with a barrier between them (expert.py's `experts_parallel`) leave every part
 idle while the slowest finishes its last phase-1 unit, and phase 2's H-tiles (32 for Qwen3, each
 all E experts' rows) are too few and too long to share evenly among 16 threads; here phase 2 is
@@ -34,8 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu.atomic import fetch_add
-from cpu.expert import (FP8, NVFP4_I16, QUANT_PARALLEL_ROWS, _tile, experts_gate_up, gate_up_unit_i16,
-                        i16_buffers, tile_nbytes)
+from cpu.expert import FP8, NVFP4_I16, QUANT_PARALLEL_ROWS, _tile, experts_gate_up, gate_up_unit_i16, tile_nbytes
 from cpu.gemm import FP8_FACTOR, MB, NVFP4_FACTOR, scratch
 from cpu.i16 import I16_FACTOR, NO_LIMIT, nvfp4_i16_tile_pf, quantize_rows
 from cpu.layout import GROUP
@@ -101,16 +103,6 @@ def wait_count(state, i, want):
             k = 0
 
 
-@njit(nogil=True, cache=True)
-def dataflow_buffers(E, nth, P, R, hcols):
-    """state i64: [0] next unit (own cache line), [LINE + e] G units done of expert e,
-    [LINE + E + t] D units done of H-tile t, [LINE + E + nth] Q units done; part f32 [P, Hpad];
-    h f32 [P, hcols] (the fp32/FP8 phase-1 output; hcols 0 for NVFP4_I16).  A call, not inline
-    allocations: inside a parallel=True function Numba may turn those into parfors of their own."""
-    return (np.zeros(LINE + E + nth + 1, np.int64), np.empty((P, nth * R), np.float32),
-            np.empty((P, hcols), np.float32))
-
-
 @njit(**JIT)
 def down_part(qkind, arena, dn_off, hq, hs, h, ptr, e, t, part, I, R, pf, pf_lim, pf_jump):
     """D unit (e, t): part[ptr[e]:ptr[e+1], t*R:(t+1)*R] = unscaled down-projection of h's rows
@@ -152,50 +144,118 @@ def experts_dataflow(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H,
     NVFP4_I16 prefetch, pf bytes ahead; near a unit's end (G: its gate|up tile pair, D: its down
     tile) it goes, pfmode PF_ON: on into the bytes that follow (often another part's unit),
     PF_STOP: nowhere, PF_NEXT: into the part's next unit, claimed one unit ahead."""
-    T = x.shape[0]
-    E = len(ptr) - 1
-    P = rows.shape[0]
+    scr = dataflow_prepare(qkind, x, rows, ptr, H, I, R)
+    for k in prange(n):
+        dataflow_part(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, pf, pfmode, scr)
+
+
+@njit(parallel=True, nogil=True, fastmath=True, cache=True)
+def experts_dataflow_on(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, n, pf, pfmode, scr):
+    """experts_dataflow on scratch prepared by the caller (dataflow_prepare), so that other threads
+    may run parts of the same call beside the pool's n (dataflow_part on the same scratch)."""
+    for k in prange(n):
+        dataflow_part(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, pf, pfmode, scr)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _sizes(qkind, T, H, E, P, I, R):
+    """Byte offsets in one call's scratch: state i64 [LINE + E + nth + 1] (+ nq in its last word),
+    part f32 [P, Hpad], h f32 [P, hcols], xq i16 [T, H], xs f32 [T, H/16], hq i16 [P, Ipad],
+    hs f32 [P, Ipad/16] (int16 parts empty unless NVFP4_I16), each 64-byte aligned."""
     nti = (I + R - 1) // R
     nth = (H + R - 1) // R
     i16 = qkind == NVFP4_I16
-    nq = (T + QROWS - 1) // QROWS if i16 and T >= QUANT_PARALLEL_ROWS else 0
+    Pq = P if i16 else 0
+    Tq = T if i16 else 0
+    n = np.array([8 * (LINE + E + nth + 2), 4 * P * nth * R, 4 * P * (0 if i16 else nti * R), 2 * Tq * H,
+                  4 * Tq * (H // GROUP), 2 * Pq * nti * R, 4 * Pq * (nti * R // GROUP)], np.int64)
+    off = np.zeros(8, np.int64)
+    for i in range(7):
+        off[i + 1] = off[i] + (n[i] + 63) // 64 * 64
+    return off
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def dataflow_prepare(qkind, x, rows, ptr, H, I, R):
+    """-> scr u8: one call's counters (zeroed) and scratch in one array (_sizes), x already
+    quantized where the call has no Q units (T < QUANT_PARALLEL_ROWS)."""
+    T = x.shape[0]
+    E = len(ptr) - 1
+    off = _sizes(qkind, T, H, E, rows.shape[0], I, R)
+    scr = np.empty(off[7], np.uint8)
+    scr[:off[1]] = 0
+    nq = (T + QROWS - 1) // QROWS if qkind == NVFP4_I16 and T >= QUANT_PARALLEL_ROWS else 0
+    scr[:off[1]].view(np.int64)[LINE + E + (H + R - 1) // R + 1] = nq
+    if qkind == NVFP4_I16 and nq == 0:
+        b = _views(qkind, scr, T, H, E, rows.shape[0], I, R)
+        quantize_rows(x, 0, T, b[3], b[4])
+    return scr
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _views(qkind, scr, T, H, E, P, I, R):
+    """(state, part, h, xq, xs, hq, hs) views of scr (_sizes)."""
+    off = _sizes(qkind, T, H, E, P, I, R)
+    nti = (I + R - 1) // R
+    nth = (H + R - 1) // R
+    i16 = qkind == NVFP4_I16
+    Pq = P if i16 else 0
+    Tq = T if i16 else 0
+    hc = 0 if i16 else nti * R
+    state = scr[off[0]: off[0] + 8 * (LINE + E + nth + 2)].view(np.int64)
+    part = scr[off[1]: off[1] + 4 * P * nth * R].view(np.float32).reshape((P, nth * R))
+    h = scr[off[2]: off[2] + 4 * P * hc].view(np.float32).reshape((P, hc))
+    xq = scr[off[3]: off[3] + 2 * Tq * H].view(np.int16).reshape((Tq, H))
+    xs = scr[off[4]: off[4] + 4 * Tq * (H // GROUP)].view(np.float32).reshape((Tq, H // GROUP))
+    hq = scr[off[5]: off[5] + 2 * Pq * nti * R].view(np.int16).reshape((Pq, nti * R))
+    hs = scr[off[6]: off[6] + 4 * Pq * (nti * R // GROUP)].view(np.float32).reshape((Pq, nti * R // GROUP))
+    return state, part, h, xq, xs, hq, hs
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def dataflow_part(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, pf, pfmode, scr):
+    """One part: claims and runs units of the call until none is left (any number of parts, on
+    any threads, may run at once on the same prepared scratch; returns when every unit is claimed,
+    its own claimed units done; the call is complete when every part has returned)."""
+    E = len(ptr) - 1
+    state, part, h, xq, xs, hq, hs = _views(qkind, scr, x.shape[0], H, E, rows.shape[0], I, R)
+    nq = state[state.shape[0] - 1]
+    nti = (I + R - 1) // R
+    nth = (H + R - 1) // R
+    i16 = qkind == NVFP4_I16
+    T = x.shape[0]
     n1 = E * nti
     n2 = E * nth
     tb1, tb2 = tile_nbytes(qkind, H, R), tile_nbytes(qkind, I, R)
-    state, part, h = dataflow_buffers(E, nth, P, R, 0 if i16 else nti * R)
-    xq, xs, hq, hs = i16_buffers(x, P if i16 else 0, I, R)
-    if i16 and nq == 0:
-        quantize_rows(x, 0, T, xq, xs)
     qdone = LINE + E + nth
     total = nq + n1 + n2
-    for k in prange(n):
-        u = fetch_add(state, 0, 1)
-        while u < total:
-            v = fetch_add(state, 0, 1) if pfmode == PF_NEXT else total     # claimed one ahead
-            if u < nq:
-                quantize_rows(x, u * QROWS, min(T, (u + 1) * QROWS), xq, xs)
-                fetch_add(state, qdone, 1)
-            elif u < nq + n1:
-                g = u - nq
-                wait_count(state, qdone, nq)
-                if i16:
-                    end = _unit_start(gu_off, g, nti, tb1) + 2 * tb1
-                    lim, jump = _pf_bounds(pf, pfmode, 2 * tb1, end, v, gu_off, dn_off, nti, tb1, nq, n1, nth, tb2,
-                                           total)
-                    gate_up_unit_i16(arena, gu_off, scl, xq, xs, rows, ptr, g, hq, hs, H, I, R, pf, lim, jump)
-                else:
-                    experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, g, g + 1, h, H, I, R)
-                fetch_add(state, LINE + g // nti, 1)
+    u = fetch_add(state, 0, 1)
+    while u < total:
+        v = fetch_add(state, 0, 1) if pfmode == PF_NEXT else total     # claimed one ahead
+        if u < nq:
+            quantize_rows(x, u * QROWS, min(T, (u + 1) * QROWS), xq, xs)
+            fetch_add(state, qdone, 1)
+        elif u < nq + n1:
+            g = u - nq
+            wait_count(state, qdone, nq)
+            if i16:
+                end = _unit_start(gu_off, g, nti, tb1) + 2 * tb1
+                lim, jump = _pf_bounds(pf, pfmode, 2 * tb1, end, v, gu_off, dn_off, nti, tb1, nq, n1, nth, tb2,
+                                       total)
+                gate_up_unit_i16(arena, gu_off, scl, xq, xs, rows, ptr, g, hq, hs, H, I, R, pf, lim, jump)
             else:
-                d = u - nq - n1
-                e, t = d // nth, d % nth
-                wait_count(state, LINE + e, nti)
-                end = dn_off[e] + (t + 1) * tb2
-                lim, jump = _pf_bounds(pf, pfmode, tb2, end, v, gu_off, dn_off, nti, tb1, nq, n1, nth, tb2, total)
-                down_part(qkind, arena, dn_off, hq, hs, h, ptr, e, t, part, I, R, pf, lim, jump)
-                if fetch_add(state, LINE + E + t, 1) == E - 1:
-                    reduce_tile(qkind, scl, part, rows, ptr, w, t, out, H, R)
-            u = v if pfmode == PF_NEXT else fetch_add(state, 0, 1)
+                experts_gate_up(qkind, arena, gu_off, scl, x, rows, ptr, g, g + 1, h, H, I, R)
+            fetch_add(state, LINE + g // nti, 1)
+        else:
+            d = u - nq - n1
+            e, t = d // nth, d % nth
+            wait_count(state, LINE + e, nti)
+            end = dn_off[e] + (t + 1) * tb2
+            lim, jump = _pf_bounds(pf, pfmode, tb2, end, v, gu_off, dn_off, nti, tb1, nq, n1, nth, tb2, total)
+            down_part(qkind, arena, dn_off, hq, hs, h, ptr, e, t, part, I, R, pf, lim, jump)
+            if fetch_add(state, LINE + E + t, 1) == E - 1:
+                reduce_tile(qkind, scl, part, rows, ptr, w, t, out, H, R)
+        u = v if pfmode == PF_NEXT else fetch_add(state, 0, 1)
 
 
 @njit(nogil=True, cache=True)

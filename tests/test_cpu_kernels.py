@@ -278,9 +278,13 @@ def test_experts_parallel_same_result_on_any_thread_count(qtype):
 @pytest.mark.parametrize("qtype", ["nvfp4", "nvfp4-int16", "fp8"])
 def test_experts_dataflow_equals_experts_forward_on_any_part_count(qtype):
     """cpu/dataflow.py (one region, Q/G/D units, partials reduced per H-tile): bit-equal to the
-    serial experts_forward for 1..n parts; an H that is not a multiple of the tile included."""
+    serial experts_forward for 1..n parts, and with another thread joining the call on the same
+    prepared scratch (dataflow_part: the runner's helping sync); an H that is not a multiple of
+    the tile included."""
+    import threading
+
     import numba
-    from cpu.dataflow import experts_dataflow
+    from cpu.dataflow import dataflow_part, dataflow_prepare, experts_dataflow, experts_dataflow_on
     from cpu.expert import QUANT_PARALLEL_ROWS
     for T, H in ((1, 128), (5, 80), (QUANT_PARALLEL_ROWS + 3, 128)):
         I = 80
@@ -291,6 +295,14 @@ def test_experts_dataflow_equals_experts_forward_on_any_part_count(qtype):
             out = np.zeros((T, H), np.float32)
             experts_dataflow(*args, out, H, I, layout.R, n, 4096, n % 3)     # every prefetch mode
             assert np.array_equal(one, out), (T, H, n)
+        for n in (1, 2):                                 # the pool's n parts plus one joining thread
+            out = np.zeros((T, H), np.float32)
+            scr = dataflow_prepare(args[0], args[5], args[6], args[7], H, I, layout.R)
+            helper = threading.Thread(target=dataflow_part, args=(*args, out, H, I, layout.R, 4096, 2, scr))
+            helper.start()
+            experts_dataflow_on(*args, out, H, I, layout.R, n, 4096, 2, scr)
+            helper.join()
+            assert np.array_equal(one, out), (T, H, n, "joined")
         assert rel_err(one, ref) <= 1e-2                 # accuracy: the tests above and below
 
 

@@ -56,6 +56,11 @@ def test_thread_counts_give_the_same_result(store_and_weights):
                 outs.append(runner.sync(runner.submit(0, ids, rows, wts, x)))
     with CpuExpertRunner(s, threads=2) as runner:     # default: small calls inline
         outs.append(runner.sync(runner.submit(0, ids, rows, wts, x)))
+    for n in (1, 3):                                   # sync joins the pool as one more part
+        with CpuExpertRunner(s, threads=n, inline_bytes=0, join=True) as runner:
+            assert runner.join
+            for _ in range(3):
+                outs.append(runner.sync(runner.submit(0, ids, rows, wts, x)))
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
     with pytest.raises(HybridError, match="HYBRID_CPU_SCHEDULE"):
         CpuExpertRunner(s, threads=1, schedule="nope")

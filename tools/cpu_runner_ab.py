@@ -4,7 +4,7 @@
 
 Variants are runner schedules (hybrid/experts/cpu_runner.py SCHEDULES) with optional prefixes:
 'direct:' (the same kernel called from this thread without the runner: no submit/queue/sync
-hand-off), 'pf<N><o|s|n>:' (dataflow's prefetch distance N bytes; near a unit's end on into the
+hand-off), 'join:' (the runner's sync() joins the call as one more part: join=True), 'pf<N><o|s|n>:' (dataflow's prefetch distance N bytes; near a unit's end on into the
 bytes that follow / stop / into the part's next unit, claimed ahead: cpu/dataflow.py PF_*;
 a suffix t1 / t2 / nta picks that prefetch instruction instead of prefetcht0),
 and with --nohuge each again on a second store in 4 KiB pages ('4k:...').  'readcall' is no kernel:
@@ -147,7 +147,8 @@ def main() -> None:
     vs = [p + v for p in stores for v in a.variants.split(",")]
     store_of = {v: stores["4k:" if v.startswith("4k:") else ""] for v in vs}
     runners = {(v, t): ReadCall(store_of[v], t) if v.endswith("readcall") else
-               CpuExpertRunner(store_of[v], threads=t, schedule=v.split(":")[-1], prefetch=prefetch_of(v))
+               CpuExpertRunner(store_of[v], threads=t, schedule=v.split(":")[-1], prefetch=prefetch_of(v),
+                               join="join:" in v)
                if "direct:" not in v else Direct(store_of[v], t, v.split(":")[-1], prefetch_of(v))
                for v in vs for t in threads}
     print(f"runners ready {time.time() - t0:.1f} s", flush=True)

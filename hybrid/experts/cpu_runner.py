@@ -38,7 +38,8 @@ from numba import njit
 
 from hybrid.errors import HybridError
 from hybrid.hardware import physical_cores
-from cpu.dataflow import LINE as LINE_I64, PF_NEXT, experts_dataflow, spin_while_equal
+from cpu.dataflow import (LINE as LINE_I64, PF_NEXT, dataflow_part, dataflow_prepare, experts_dataflow_on,
+                          spin_while_equal)
 from cpu.expert import experts_forward, experts_parallel
 from cpu.i16 import PREFETCH
 
@@ -46,6 +47,7 @@ log = logging.getLogger("hybrid.experts")
 POOL_WAIT_ENV = "HYBRID_CPU_WAIT"
 POOL_WAITS = {"passive": "PASSIVE", "spin": None}     # -> OMP_WAIT_POLICY (None: libgomp's default)
 SCHEDULE_ENV = "HYBRID_CPU_SCHEDULE"
+JOIN_ENV = "HYBRID_CPU_JOIN"
 SCHEDULES = ("phases", "dataflow")                      # cpu/expert.py experts_parallel, cpu/dataflow.py
 DEFAULT_SCHEDULE = "dataflow"
 
@@ -56,13 +58,19 @@ def default_schedule() -> str:
 
 
 def schedule_kernel(schedule: str, prefetch: tuple[int, int] = (PREFETCH, PF_NEXT)):
-    """-> f(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, n) running a call on
-    Numba's pool.  prefetch (dataflow only): (bytes ahead, what to prefetch near a unit's end:
+    """-> f(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, n, scr=None) running a
+    call on Numba's pool (scr: dataflow's scratch from cpu/dataflow.py dataflow_prepare, made here
+    when None).  prefetch (dataflow only): (bytes ahead, what to prefetch near a unit's end:
     cpu/dataflow.py PF_ON | PF_STOP | PF_NEXT)."""
     if schedule == "phases":
-        return experts_parallel
+        return lambda *args, scr=None: experts_parallel(*args)
     dist, mode = int(prefetch[0]), int(prefetch[1])
-    return lambda *args: experts_dataflow(*args, dist, mode)
+
+    def run(qk, arena, gu, dn, scl, x, rows, ptr, w, out, H, I, R, n, scr=None):
+        if scr is None:
+            scr = dataflow_prepare(qk, x, rows, ptr, H, I, R)
+        experts_dataflow_on(qk, arena, gu, dn, scl, x, rows, ptr, w, out, H, I, R, n, dist, mode, scr)
+    return run
 
 
 def set_pool_wait(mode: str | None = None) -> str:
@@ -148,6 +156,7 @@ class Work:
     slots: tuple              # gate_up offsets [E], down offsets [E], scales [E, 3]
     parts: int = 1            # parts each phase is split into (the runner's threads)
     inline: bool = False      # run by sync() on the calling thread
+    scr: np.ndarray | None = None   # dataflow scratch prepared at submit (sync may join the call)
     t_submit: float = 0.0     # perf_counter at submit (hand-off timing: CpuExpertRunner.timing)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -163,16 +172,22 @@ class CpuExpertRunner:
     schedule: how a pooled call's units are run: 'phases' (two parallel regions, a barrier
     between gate|up and down) or 'dataflow' (one region, no barrier); default $HYBRID_CPU_SCHEDULE,
     else DEFAULT_SCHEDULE ('dataflow': 1.09-1.15x 'phases' at M = 1 and 0.93-1.12x at M = 8 with
-    16 threads on the H200 host, results/cpu_kernels_h200.md).  prefetch: see schedule_kernel."""
+    16 threads on the H200 host, results/cpu_kernels_h200.md).  prefetch: see schedule_kernel.
+    join: sync() runs the call's unclaimed units on the calling thread beside the pool (dataflow
+    only) instead of only waiting; default $HYBRID_CPU_JOIN (1/0), else off."""
 
     def __init__(self, store, threads: int | None = None, inline_bytes: int = INLINE_BYTES,
-                 wait: str | None = None, schedule: str | None = None, prefetch: tuple[int, int] = (PREFETCH, PF_NEXT)):
+                 wait: str | None = None, schedule: str | None = None, prefetch: tuple[int, int] = (PREFETCH, PF_NEXT),
+                 join: bool | None = None):
         self.store = store
+        self.prefetch = (int(prefetch[0]), int(prefetch[1]))
         self.schedule = (schedule or default_schedule()).strip().lower()
         if self.schedule not in SCHEDULES:
             raise HybridError(f"{SCHEDULE_ENV}={self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
         self._kernel = schedule_kernel(self.schedule, prefetch)
         self.inline_bytes = int(inline_bytes)
+        self.join = (os.environ.get(JOIN_ENV, "0").strip() not in ("", "0") if join is None else bool(join)) \
+            and self.schedule == "dataflow"
         self.threads = int(threads or physical_cores())
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -215,6 +230,8 @@ class CpuExpertRunner:
             handle.inline = False
             self._run_all(handle)
             handle.done.set()
+        if handle.scr is not None and not handle.done.is_set():
+            self._join(handle)
         handle.done.wait()
         if handle.error is not None:
             raise handle.error
@@ -237,8 +254,10 @@ class CpuExpertRunner:
     def _plan(self, layer, ids, rows, ptr, w, x) -> Work:
         s = self.store
         inline = bool(rows.shape[0]) and len(ids) * s.slot_nbytes <= self.inline_bytes
+        scr = (dataflow_prepare(s.qkind, x, rows, ptr, s.hidden, s.inter, s.R)
+               if self.join and not inline and rows.shape[0] else None)
         return Work(ids, rows, ptr, w, x, np.zeros_like(x), s.slots(layer, ids), parts=self.threads,
-                    inline=inline)
+                    inline=inline, scr=scr)
 
     def _warm_up(self) -> None:
         """Compile (or load from numba's cache) both paths for these argument types, on no work."""
@@ -248,6 +267,10 @@ class CpuExpertRunner:
         gu, dn, scl = s.slots(0, [])
         experts_forward(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R)
         self._kernel(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R, 1)
+        if self.join:
+            dataflow_part(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R,
+                          self.prefetch[0], self.prefetch[1],
+                          dataflow_prepare(s.qkind, x, rows, ptr, s.hidden, s.inter, s.R))
         _group_pairs(rows, rows, w, 1)
 
     def _loop(self) -> None:
@@ -287,7 +310,18 @@ class CpuExpertRunner:
         s = self.store
         gu, dn, scl = work.slots
         self._kernel(s.qkind, s.arena.array, gu, dn, scl, work.x, work.rows, work.ptr, work.w, work.out,
-                     s.hidden, s.inter, s.R, work.parts)
+                     s.hidden, s.inter, s.R, work.parts, scr=work.scr)
+
+    def _join(self, work: Work) -> None:
+        """This thread as one more part of a pooled dataflow call: claims its units until none is
+        left (all claimed: returns at once), GIL released; the pool finishes the rest."""
+        s = self.store
+        gu, dn, scl = work.slots
+        try:
+            dataflow_part(s.qkind, s.arena.array, gu, dn, scl, work.x, work.rows, work.ptr, work.w, work.out,
+                          s.hidden, s.inter, s.R, self.prefetch[0], self.prefetch[1], work.scr)
+        except BaseException as exc:            # noqa: BLE001 - as the pool's errors
+            work.error = exc
 
     def _run_all(self, work: Work) -> None:
         """Both phases of the whole call on this thread (one part: the numbers of any part count)."""
