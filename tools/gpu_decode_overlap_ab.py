@@ -8,7 +8,8 @@ synth_one_gpu_slots1024 = layers that can miss, which fall back to the plain ste
 warm-up generation, then the measured generations in the order of --modes (0 = off, 1 = on; default
 0,1,0,1 so a drifting VM hits both alike). Per generation: decode tok/s, ms per token, the steps that
 ran ahead (HybridModel.enqueue calls), hit rate, and whether the greedy ids equal the label's first
-generation's (all of them, not a head). The expert profile is uniform (every expert used equally:
+generation's (all of them, not a head). All-resident labels also get the device's own rate
+(gpu_bound: steps enqueued back to back, nothing read until the end), the floor of the overlapped loop. The expert profile is uniform (every expert used equally:
 the warm start fills every slot it is given, so --vram-cap 16 starts all resident) unless --routed-profile
 (an all-CPU session routes a calibration text first, as tools/gpu_miss_graph_ab.py does; slower).
 
@@ -35,7 +36,7 @@ rc.OUT = tc.OUT = OUT = Path(os.environ.get("OUT", "scratch/out"))
 JSONL = "decode_overlap_ab.jsonl"
 record = rc.recorder("tools/gpu_decode_overlap_ab.py", JSONL,
                      ("overlap", "decode_tok_s", "ms_per_token", "ran_ahead", "ids_equal_first", "hit_rate",
-                      "skipped", "error", "seconds", "all_resident", "predicted_tok_s"))
+                      "skipped", "error", "seconds", "all_resident", "predicted_tok_s", "gpu_bound"))
 rc.record = tc.record = record
 SMALL = ["--layers", "4", "--experts", "16", "--hidden", "256", "--inter", "128", "--vocab", "1024", "--top-k", "4"]
 
@@ -135,6 +136,34 @@ def measure_one(s, tok, ids: list[int], tokens: int, overlap: bool) -> dict:
             "generated_ids": res.generated_ids, **w}
 
 
+def gpu_bound(s, ids: list[int], steps: int) -> dict:
+    """`steps` steps enqueued back to back (HybridModel.enqueue + the device sampler, no token read, no
+    bookkeeping until the end): the device's own rate, the floor of the overlapped decode's ms per token."""
+    import torch
+
+    from hybrid.sampler import DeviceSampler, Sampler, SamplerConfig
+
+    hm = s.model
+    hm.new_cache(len(ids) + steps + 1)
+    logits = hm.forward(torch.tensor(ids), 0, last_only=True)
+    ds = DeviceSampler(Sampler(SamplerConfig()), ids, logits.shape[-1], logits.device)
+    tok, host = ds(logits[-1])
+    host.read()
+    pending, t0 = [], time.perf_counter()
+    for j in range(steps):
+        st = hm.enqueue(tok, len(ids) + j)
+        tok, host = ds(st.logits[-1])
+        pending.append(st)
+    t_enq = time.perf_counter()
+    host.read()
+    t1 = time.perf_counter()
+    for st in pending:
+        hm.finish(st)
+    return {"steps": steps, "ms_per_token": round((t1 - t0) / steps * 1e3, 3),
+            "host_enqueue_ms_per_step": round((t_enq - t0) / steps * 1e3, 3),
+            "bookkeeping_ms_per_step": round((time.perf_counter() - t1) / steps * 1e3, 3)}
+
+
 def host_profile(s, tok, ids: list[int], tokens: int, top: int = 20) -> dict:
     """cProfile of one overlapped generation: the host's own time per token by function."""
     import cProfile
@@ -199,6 +228,8 @@ def runs(path: Path, deadline: float, a) -> None:
                 rec["ids_equal_first"] = rec["generated_ids"] == first
                 rec["generated_ids"] = rec["generated_ids"][:16]
                 record({"check": f"{label}_overlap{mode}", "flags": kw, **rec, **rc.graph_info(s)})
+            if resident and a.device == "cuda" and time.perf_counter() < deadline:
+                record({"check": f"{label}_gpu_bound", "gpu_bound": gpu_bound(s, ids, a.tokens)})
             if a.host_profile and time.perf_counter() < deadline:
                 record({"check": f"{label}_host_profile", "host_profile": host_profile(s, tok, ids, a.tokens)})
         finally:
