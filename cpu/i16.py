@@ -6,6 +6,7 @@ G groups of one 8-row block (layout: cpu/layout.py, NVFP4 int16 tile).  Per grou
     L = vpshufb(T, V & 0x0F)            H = vpshufb(T, (V >> 4) & 0x0F)      T[code] = 2 * E2M1
     P1 = L << 8   P2 = L & 0xFF00   P3 = H << 8   P4 = H & 0xFF00   (16-bit lanes: 512 * E2M1, exact)
     isum[m] += vpmaddwd(Pq, broadcast(xq pair q of token m))                   (8 int32 lanes = rows)
+               (one vpdpwssd per product where the target has VNNI and MT >= 2, cpu/isa.py)
 plus one software prefetch PREFETCH bytes ahead (one core's DRAM stream needs it),
 then per group and token one int32 -> fp32 convert and one FMA with (row's e4m3 scale x token's block
 scale).  |512 * 6 * 32767 * 16| < 2^31: a group's integer dot cannot overflow.  The activation
@@ -26,7 +27,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu.isa import HAS_AVX2
+from cpu.isa import HAS_AVX2, HAS_VNNI
 
 E2M1X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)   # 2 * E2M1[code] (int8)
 PERM = np.array([0, 4, 2, 6, 1, 5, 3, 7], np.int64)   # xq[8h + p] = x[8h + PERM[p]]
@@ -78,6 +79,12 @@ def _pmaddwd(builder, a, b):
     return builder.add(builder.shuffle_vector(p, p, even), builder.shuffle_vector(p, p, odd))
 
 
+def _dpwssd(builder, acc, a, b):
+    """acc + vpmaddwd(a, b) as one vpdpwssd (AVX-VNNI / AVX512-VNNI; the same int32 sums)."""
+    fn = _declare(builder.module, "llvm.x86.avx512.vpdpwssd.256", _V8I32, [_V8I32, _V8I32, _V8I32])
+    return builder.call(fn, [acc, builder.bitcast(a, _V8I32), builder.bitcast(b, _V8I32)])
+
+
 def _broadcast(builder, scalar, vty):
     v = builder.insert_element(ir.Constant(vty, None), scalar, ir.Constant(_I32, 0))
     return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
@@ -109,6 +116,8 @@ def _weights(builder, v):
 
 
 def _make_block(MT: int):
+    vnni = HAS_VNNI and MT >= 2        # M = 1: LLVM already fuses most pairs where it pays (its choice)
+
     @intrinsic
     def block(typingctx, tile, off, G, xq, xs, rows, p0, acc, a0, col, pf, pf_lim, pf_jump):
         """acc[a0 + m, col:col + 8] = Σ_g isum * scale (m < MT, token row rows[p0 + m]); see module doc.
@@ -170,6 +179,9 @@ def _make_block(MT: int):
                         at = builder.add(xoff, ir.Constant(_I64, 4 * q))
                         pair = builder.load(_at(builder, xq_rows[m], at, _I32), align=2)
                         xv = builder.bitcast(_broadcast(builder, pair, _V8I32), _V16I16)
+                        if vnni and isum is not None:
+                            isum = _dpwssd(builder, isum, ops[q], xv)
+                            continue
                         prod = _pmaddwd(builder, ops[q], xv)
                         isum = prod if isum is None else builder.add(isum, prod)
                     f = builder.sitofp(isum, _V8F32)

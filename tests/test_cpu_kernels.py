@@ -405,6 +405,75 @@ def test_kernels_vectorize_for_haswell_avx2(tmp_path):
     assert s["pshufb"] >= 4 * 8 and s["pmaddwd"] >= 8 * 36 and s["cvt"] >= 8, s
 
 
+VNNI_PROBE = r"""
+import json, re
+import numpy as np
+from numba import njit
+from cpu import i16, isa
+out = {"has_vnni": isa.HAS_VNNI}
+for MT in (1, 8):
+    blk = getattr(i16, f"block_m{MT}")
+    @njit(nogil=True, fastmath=True)
+    def one(tile, G, xq, xs, rows, acc):
+        blk(tile, 0, G, xq, xs, rows, 0, acc, 0, 0, 8192, 1 << 62, 0)
+    one.compile("(u1[::1], i8, i2[:, ::1], f4[:, ::1], i8[::1], f4[:, ::1])")
+    asm = list(one.inspect_asm().values())[0]
+    out[MT] = {k: len(re.findall(k + r"\s[^\n]*%ymm", asm)) for k in ("vpdpwssd", "vpmaddwd", "vpaddd")}
+print(json.dumps(out))
+"""
+VNNI_FEATURES = "+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+avx512f,+avx512vl,+avx512bw,+avx512dq,+avx512vnni,+avxvnni"
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_vnni_kernels_fuse_every_product_where_asked(tmp_path, on):
+    """Compile only (this host may lack VNNI), for an Emerald Rapids target: with HYBRID_CPU_VNNI=1
+    and LLVM's fast-dpwssd tuning (what cpu/isa.py vnni_tuning adds on such a host) the M = 8 kernel
+    adds each int16 product with vpdpwssd (no vpaddd); without either the M = 8 kernel is today's
+    vpmaddwd + vpaddd (LLVM splits the chains).  (The tuning alone already lets LLVM fuse them.)"""
+    env = dict(os.environ, NUMBA_CPU_NAME="emeraldrapids", NUMBA_CPU_FEATURES=VNNI_FEATURES + (",+fast-dpwssd" if on else ""),
+               NUMBA_CACHE_DIR=str(tmp_path), HYBRID_CPU_VNNI="1" if on else "0")
+    res = subprocess.run([sys.executable, "-c", VNNI_PROBE], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+    st = json.loads(res.stdout.strip().splitlines()[-1])
+    assert st["has_vnni"] is on
+    if on:
+        assert st["8"]["vpdpwssd"] >= 56 and st["8"]["vpaddd"] == 0, st
+    else:
+        assert st["8"]["vpdpwssd"] == 0 and st["8"]["vpmaddwd"] >= 64, st
+
+
+def test_vnni_tuning_applies_only_when_asked_on_a_vnni_host():
+    """cpu/isa.py vnni_tuning: with HYBRID_CPU_VNNI=1 on a host whose features list VNNI (faked
+    here), Numba's features become the host's + fast-dpwssd; not without the variable, not on a
+    host without VNNI, not when NUMBA_CPU_FEATURES is given."""
+    script = (
+        "import llvmlite.binding as ll, sys\n"
+        "class F:\n"
+        "    def flatten(self): return sys.argv[1]\n"
+        "ll.get_host_cpu_features = lambda: F()\n"
+        "from numba.core import config\n"
+        "from cpu import isa\n"
+        "print(isa.VNNI_TUNED, config.CPU_FEATURES)\n")
+    root = os.path.dirname(os.path.dirname(__file__))
+    got = []
+    for feats, var, given in (("+avx2,+avxvnni", "1", None), ("+avx2,+avx512vnni,+avx512vl", "1", None),
+                              ("+avx2,+avxvnni", "0", None), ("+avx2,-avxvnni", "1", None),
+                              ("+avx2,+avxvnni", "1", "+avx2")):
+        env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")}
+        env["HYBRID_CPU_VNNI"] = var
+        if given:
+            env["NUMBA_CPU_FEATURES"] = given
+        res = subprocess.run([sys.executable, "-c", script, feats], env=env, capture_output=True, text=True,
+                             timeout=300, cwd=root)
+        assert res.returncode == 0, res.stderr[-2000:]
+        got.append(res.stdout.split())
+    assert got[0] == ["True", "+avx2,+avxvnni,+fast-dpwssd"]
+    assert got[1] == ["True", "+avx2,+avx512vnni,+avx512vl,+fast-dpwssd"]
+    assert got[2] == ["False", "None"] and got[3] == ["False", "None"] and got[4] == ["False", "+avx2"]
+
+
 NO_AVX2_PROBE = r"""
 import numpy as np, json
 from cpu import isa, layout

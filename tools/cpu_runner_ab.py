@@ -103,6 +103,7 @@ def main() -> None:
                     help="like --waits, with each child's environment given as ';'-separated sets of K=V "
                          "(e.g. 'NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=;' for the haswell build vs the host's)")
     ap.add_argument("--record", default=None, metavar="FILE", help="append the table's rows to this JSONL file")
+    ap.add_argument("--child-rounds", type=int, default=1, help="--waits/--envs: rounds inside each child")
     ap.add_argument("--result-line", action="store_true", help=argparse.SUPPRESS)   # child: print RESULT json
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
     ap.add_argument("--ms", default="1,8", help="comma list of tokens per expert")
@@ -116,6 +117,8 @@ def main() -> None:
     ap.add_argument("--cells", default=None, metavar="TxM,...",
                     help="measure only these (threads x tokens) cells, e.g. 16x1,16x8,1x1 (default: every pair)")
     ap.add_argument("--no-copy", action="store_true", help="skip copy and compute xN at the end")
+    ap.add_argument("--check", action="store_true",
+                    help="first: the int16 kernel (this build) against float64 at M = 1..8; stop if any error > 1e-3")
     ap.add_argument("--no-read", action="store_true",
                     help="skip the read probe (with spinning waiters its team would spin beside the runner's)")
     a = ap.parse_args()
@@ -124,6 +127,15 @@ def main() -> None:
     t0 = time.time()
     wait = set_pool_wait()
     print("pool wait:", wait, flush=True)
+    if a.check:
+        from cpu.isa import HAS_VNNI
+        from hybrid.bench.cpu_kernels import int16_kernel_errors
+
+        errs = int16_kernel_errors()
+        print(f"check (vnni {HAS_VNNI}): int16 kernel rel. error vs float64, M = 1..8: "
+              + " ".join(f"{e:.2e}" for e in errs.values()), flush=True)
+        if max(errs.values()) > 1e-3:
+            raise SystemExit("check failed: error above 1e-3")
     from hybrid.bench.cpu_kernels import SHAPES, TOPK, build_store, compute_scaling, copy_gbs, l3_bytes, ours_gbs, read_gbs
     from hybrid.checkpoint.formats import QType
 
@@ -148,7 +160,7 @@ def main() -> None:
     store_of = {v: stores["4k:" if v.startswith("4k:") else ""] for v in vs}
     runners = {(v, t): ReadCall(store_of[v], t) if v.endswith("readcall") else
                CpuExpertRunner(store_of[v], threads=t, schedule=v.split(":")[-1], prefetch=prefetch_of(v),
-                               join="join:" in v)
+                               join="join:" in v, inline_bytes=0)     # calls here are 8 experts: never inline
                if "direct:" not in v else Direct(store_of[v], t, v.split(":")[-1], prefetch_of(v))
                for v in vs for t in threads}
     print(f"runners ready {time.time() - t0:.1f} s", flush=True)
@@ -213,7 +225,7 @@ def by_wait(a) -> None:
     else:
         sets = {w.strip(): {"HYBRID_CPU_WAIT": w.strip()} for w in a.waits.split(",") if w.strip()}
     waits = list(sets)
-    own = ("--waits", "--envs", "--rounds", "--record", "--budget")
+    own = ("--waits", "--envs", "--rounds", "--record", "--budget", "--child-rounds")
     argv, skip = [], False
     for x in sys.argv[1:]:                       # the child's arguments: ours minus --waits/--envs/--rounds/...
         if skip:
@@ -238,13 +250,16 @@ def by_wait(a) -> None:
                 if r and time.time() - t0 + longest > a.budget:     # this child would pass the budget
                     raise KeyboardInterrupt
                 tc = time.time()
-                out = subprocess.run([sys.executable, __file__, *argv, "--rounds", "1", "--result-line"],
+                out = subprocess.run([sys.executable, __file__, *argv, "--rounds", str(a.child_rounds), "--result-line"],
                                      env=dict(env, **sets[w]), capture_output=True, text=True)
                 line = [x for x in out.stdout.splitlines() if x.startswith(("RESULT ", "pool wait:"))]
                 if out.returncode != 0 or not line or not line[-1].startswith("RESULT "):
                     print(out.stdout[-2000:], out.stderr[-2000:], file=sys.stderr)
                     raise SystemExit(f"child with {w} failed (rc {out.returncode})")
                 shown[w] = line[0][len("pool wait: "):] if line[0].startswith("pool wait:") else "?"
+                for x in out.stdout.splitlines():
+                    if x.startswith("check") and r == 0:
+                        print(f"child {w}: {x}", flush=True)
                 for k, x in json.loads(line[-1][len("RESULT "):]):
                     res.setdefault((f"{w}|{k[0]}", k[1], k[2]), []).extend(x)
                 if r:                                 # round 0 may hold the cold compile

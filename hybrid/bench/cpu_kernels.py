@@ -101,8 +101,10 @@ def machine() -> dict:
     import llvmlite.binding as ll
     import numba
 
+    from cpu.isa import HAS_VNNI
+
     cpu = detect_cpu()
-    return dict(cpu=cpu.model, physical_cores=physical_cores(), logical_cpus=os.cpu_count(),
+    return dict(cpu=cpu.model, vnni_kernels=HAS_VNNI, physical_cores=physical_cores(), logical_cpus=os.cpu_count(),
                 llvm_cpu=ll.get_host_cpu_name(), avx2=cpu.avx2, avx512=cpu.avx512,
                 l3_bytes=l3_bytes(), thp=thp_mode(), numba=numba.__version__, numpy=np.__version__)
 
@@ -402,6 +404,24 @@ def activation_format_errors(H: int = 2048, I: int = 768, M: int = 8) -> dict:
     err = lambda a: float((np.linalg.norm(a - ref, axis=1) / np.linalg.norm(ref, axis=1)).max())  # noqa: E731
     return {**{k: err(y) for k, y in ys.items()}, **{f"int{bits}_block{blk}": err(quantized(x, bits, blk) @ W.T)
                                                       for bits, blk in ((8, 32), (8, 16), (16, 16))}}
+
+
+def int16_kernel_errors(H: int = 2048, I: int = 768, ms=tuple(range(1, 9))) -> dict:
+    """M -> relative error (L2 per token, max) of the int16 NVFP4 kernel (cpu/i16.py, as this
+    process compiles it: host, haswell or VNNI build) against float64, one Qwen3 gate projection."""
+    rng = np.random.default_rng(5)
+    w = random_qweight(I, H, QType.NVFP4, rng)
+    W = (E2M1_TABLE.astype(np.float64)[np.stack([w.data.numpy() & 15, w.data.numpy() >> 4], -1).reshape(I, H)]
+         * np.repeat(E4M3_TABLE.astype(np.float64)[w.scale.view(torch.uint8).numpy()], 16, axis=1))
+    tiles = layout.pack_nvfp4(w.data.numpy(), w.scale.view(torch.uint8).numpy(), int16=True)
+    out = {}
+    for M in ms:
+        x = rng.standard_normal((M, H)).astype(np.float32)
+        ref = x.astype(np.float64) @ W.T
+        y = np.zeros((M, I), np.float32)
+        nvfp4_i16_gemm(tiles, x, np.float32(1.0), y, 0, layout.num_tiles(I))
+        out[M] = float((np.linalg.norm(y - ref, axis=1) / np.linalg.norm(ref, axis=1)).max())
+    return out
 
 
 def quantized(x: np.ndarray, bits: int, block: int) -> np.ndarray:

@@ -265,7 +265,8 @@ class CpuExpertRunner:
         x = np.zeros((1, s.hidden), np.float32)
         rows, ptr, w = np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.float32)
         gu, dn, scl = s.slots(0, [])
-        experts_forward(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R)
+        if self.inline_bytes > 0:                    # the inline path (else compiled at a first use, if any)
+            experts_forward(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R)
         self._kernel(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R, 1)
         if self.join:
             dataflow_part(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R,
