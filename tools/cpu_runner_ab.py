@@ -128,11 +128,14 @@ def main() -> None:
     wait = set_pool_wait()
     print("pool wait:", wait, flush=True)
     if a.check:
-        from cpu.isa import HAS_VNNI
+        import llvmlite.binding as ll
+
+        from cpu.isa import HAS_VNNI, VNNI_TUNED
         from hybrid.bench.cpu_kernels import int16_kernel_errors
 
         errs = int16_kernel_errors()
-        print(f"check (vnni {HAS_VNNI}): int16 kernel rel. error vs float64, M = 1..8: "
+        print(f"check (vnni {HAS_VNNI}, fast-dpwssd {VNNI_TUNED}, LLVM {'.'.join(map(str, ll.llvm_version_info))}): "
+              "int16 kernel rel. error vs float64, M = 1..8: "
               + " ".join(f"{e:.2e}" for e in errs.values()), flush=True)
         if max(errs.values()) > 1e-3:
             raise SystemExit("check failed: error above 1e-3")
