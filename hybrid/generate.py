@@ -1,16 +1,17 @@
 """The generation loop: prefill the prompt, then decode token by token with a sampler.
 
-Overlapped decode (models with `enqueue`, i.e. hybrid.runtime.HybridModel, with logits on CUDA, when
-HYBRID_DECODE_OVERLAP=1 (off until measured on a GPU) or generate(overlap=True)): the next id is sampled on the
-device (hybrid.sampler.DeviceSampler) and fed from there into the next step, so step t+1 is
-enqueued before the host reads token t; the host then reads token t through a pinned buffer and
-an event while the device runs step t+1, and does the detokenization, the stop checks and step t's
-bookkeeping (model.finish: deferred cache lookups, trace, stats) in that shadow. Only steps that
-need no host work between their launches run ahead (model.can_run_ahead: graphed, every expert
-resident); any other step runs as before (model.forward, after the host has read its input id),
-after the pending step's bookkeeping, so the caches see the same order of lookups. On EOS or a stop string
-the step enqueued ahead is discarded (model.discard: its KV row is not committed, nothing of it is
-counted); max_tokens never starts one. Greedy ids are the same with and without the overlap.
+Overlapped decode (on CUDA by default, for models with `enqueue`, i.e. hybrid.runtime.HybridModel;
+HYBRID_DECODE_OVERLAP=0 or generate(overlap=False) turns it off, overlap=True forces it): the next id
+is sampled on the device (hybrid.sampler.DeviceSampler) and fed from there into the next step, so
+step t+1 is enqueued before the host reads token t; the host then reads token t through a pinned
+buffer and an event while the device runs step t+1, and does the detokenization, the stop checks
+and step t's bookkeeping (model.finish: deferred cache lookups, trace, stats) in that shadow. Only
+steps that need no host work between their launches run ahead (model.can_run_ahead: graphed, every
+expert resident); any other step runs as before (model.forward, after the host has read its input
+id), after the pending step's bookkeeping, so the caches see the same order of lookups. On EOS or a
+stop string the step enqueued ahead is discarded (model.discard: its KV row is not committed,
+nothing of it is counted); max_tokens never starts one. Greedy ids are the same with and without
+the overlap (H200: 352 vs 198-204 tok/s all resident, results/runtime.md section 17).
 """
 from __future__ import annotations
 
@@ -46,16 +47,16 @@ class GenerationResult:
 
 
 def overlap_enabled() -> bool:
-    """HYBRID_DECODE_OVERLAP=1: overlapped decode on CUDA (module doc); 0 (the default for now): the
-    host samples each step, then launches the next."""
-    return os.environ.get("HYBRID_DECODE_OVERLAP", "0") not in ("0", "off", "false", "no")
+    """Overlapped decode on CUDA (module doc) unless HYBRID_DECODE_OVERLAP=0: then the host samples
+    each step, then launches the next (the loop before overlap, for A/B runs)."""
+    return os.environ.get("HYBRID_DECODE_OVERLAP", "1") not in ("0", "off", "false", "no")
 
 
 def generate(model, tok: Tokenizer, prompt_ids: list[int], max_tokens: int, sampler: Sampler,
              stop: list[str] | None = None, on_text: Callable[[str], None] | None = None,
              prefill_chunk: int = 0, overlap: bool | None = None) -> GenerationResult:
     """Greedy/sampled generation; on_text receives text pieces as they complete. overlap: None = on
-    for a model that supports it with logits on CUDA when HYBRID_DECODE_OVERLAP=1 (module doc)."""
+    for a model that supports it with logits on CUDA unless HYBRID_DECODE_OVERLAP=0 (module doc)."""
     if not prompt_ids:
         raise ValueError("empty prompt")
     res = GenerationResult(list(prompt_ids))
