@@ -688,8 +688,8 @@ def markdown(info: dict, rows: list[Row]) -> str:
         "OpenMP's waiting threads spin (GOMP_SPINCOUNT, 300000 pauses) on a CPU that the last "
         "working thread, or the caller, may need, which where cores are time-sliced or "
         "oversubscribed can make N threads slower than one; the runner makes them sleep "
-        "(OMP_WAIT_POLICY=PASSIVE; HYBRID_CPU_WAIT=spin keeps libgomp's default; `pool waiters` in "
-        "the header).",
+        "(OMP_WAIT_POLICY=PASSIVE; HYBRID_CPU_WAIT=spin keeps libgomp's default, spin:<us> spins "
+        "about <us> after each call, then sleeps; `pool waiters` in the header).",
         "- ggml with more than one thread busy-waits at every node; on this shared, oversubscribed "
         "VM its multi-thread rows collapse, so compare ggml per thread (the 1-thread rows).", "",
     ]
