@@ -14,7 +14,8 @@ and there is one dispatch per call (a pool of Python workers dispatching each ph
 measured half the speed at 16 threads on the H200 host).  Each output element is computed by one
 unit in a fixed order, so the result does not depend on the thread count.  The pool's idle threads
 sleep rather than spin (set_pool_wait, HYBRID_CPU_WAIT=passive|spin|spin:<us>); with spin:<us> the
-workers and the lead thread stay awake <us> after each call, then sleep.
+workers and the lead thread stay awake <us> after each call, then sleep.  With join (HYBRID_CPU_JOIN=1)
+sync() runs the call's still unclaimed dataflow units on the calling thread before it waits.
 
 Small calls (a decode step's few experts: at most `inline_bytes` of packed weights) skip the pool:
 submit only prepares them and sync runs both phases on the calling thread, as one part would
