@@ -21,8 +21,10 @@ from tests.quant_layouts import to_nvfp4
 LAYERS, EXPERTS, TOPK, TOKENS = 4, 16, 4, 10
 PROMPT = "def fibonacci(n):\n    if n < 2:"
 PLACES = {"all_resident": ((LAYERS * EXPERTS,), {}),
+          "two_cards_resident": ((2 * EXPERTS,), dict(gpus=(0, 0), layer_split=(2,))),
           "mixed": ((2 * EXPERTS, 20), dict(gpus=(0, 0), layer_split=(2,))),
           "all_cpu": ((0,), {})}
+RESIDENT = ("all_resident", "two_cards_resident")
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +107,17 @@ def test_overlap_matches_plain_loop(model_dir, warm, place, tmp_path):
     same_run(off, on)
     assert len(on["ids"]) == TOKENS and on["steps"]["decode"] == TOKENS - 1
     assert off["count"].enqueued == 0
-    assert on["count"].enqueued == (TOKENS - 1 if place == "all_resident" else 0)
+    assert on["count"].enqueued == (TOKENS - 1 if place in RESIDENT else 0)
     assert on["count"].discarded == 0
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_overlap_short_generations(model_dir, warm, tokens, tmp_path):
+    """max_tokens 1 (no decode step) and 2 (one, never a speculative one): as the plain loop."""
+    off = run(model_dir, warm, "all_resident", False, tmp_path, tokens=tokens)
+    on = run(model_dir, warm, "all_resident", True, tmp_path, tokens=tokens)
+    same_run(off, on)
+    assert len(on["ids"]) == tokens and on["count"].enqueued == tokens - 1 and on["count"].discarded == 0
 
 
 @pytest.mark.parametrize("end", ["eos", "stop"])
@@ -120,6 +131,15 @@ def test_discarded_step_counts_nothing(model_dir, warm, end, tmp_path):
     same_run(off, on)
     assert on["stop"] == end and on["count"].discarded == 1
     assert on["steps"]["decode"] < TOKENS - 1
+
+
+def test_eos_first_token(model_dir, warm, tmp_path):
+    """EOS as the first token (from the prefill): nothing was enqueued ahead, nothing decoded."""
+    ref = run(model_dir, warm, "all_resident", False, tmp_path, tokens=3)
+    off = run(model_dir, warm, "all_resident", False, tmp_path, eos=ref["ids"][0])
+    on = run(model_dir, warm, "all_resident", True, tmp_path, eos=ref["ids"][0])
+    same_run(off, on)
+    assert on["ids"] == [] and on["stop"] == "eos" and on["count"].enqueued == on["count"].discarded == 0
 
 
 def _piece_at(model_dir, ids, i):
