@@ -97,7 +97,8 @@ class HybridModel:
             self.experts.abort_step()
             if self.graphs.error is None:
                 raise
-            return AheadStep(start, self.forward(ids, start, last_only=True))   # _forward's fallback
+            print(f"hybrid: CUDA graphs off ({self.graphs.error}); running eagerly", file=sys.stderr)
+            return AheadStep(start, self.forward(ids, start, last_only=True))   # eager from now on
         return AheadStep(start, logits, self.experts.stage_step())
 
     def finish(self, step: AheadStep) -> None:
