@@ -15,6 +15,7 @@
     cache.py   drops Numba's cached code of cpu/ when any cpu/*.py changed (cross-file inlining)
 Threads and hand-off live in hybrid/experts/cpu_runner.py.
 """
+from cpu import isa  # noqa: F401  first: HYBRID_CPU_VNNI's tuning must precede any Numba dispatcher (isa.vnni_tuning)
 from cpu.cache import drop_stale
 
 drop_stale()

@@ -59,7 +59,9 @@ def vnni_tuning() -> bool:
     chain of vpdpwssd back into vpmaddwd + vpaddd on Intel server CPUs (Ice Lake-SP .. Emerald
     Rapids: a shorter dependency chain, one more uop per product); the int16 kernels are
     throughput-bound, so at M = 8 that costs 56 vpaddd per 64 products.  Returns whether it applied.
-    The features are part of Numba's cache key, so such a process keeps its own cached code."""
+    The features are part of Numba's cache key, so such a process keeps its own cached code.
+    Runs when `cpu` is imported (cpu/__init__.py imports this module first): creating any Numba
+    dispatcher (@njit) starts the code generator with its features, after which this cannot apply."""
     from numba.core import config
     from numba.core.registry import cpu_target
     import llvmlite.binding as ll

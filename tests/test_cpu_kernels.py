@@ -454,6 +454,7 @@ def test_vnni_tuning_applies_only_when_asked_on_a_vnni_host():
         "    def flatten(self): return sys.argv[1]\n"
         "ll.get_host_cpu_features = lambda: F()\n"
         "from numba.core import config\n"
+        "import hybrid.experts.cpu_runner\n"          # the runner's import order: cpu.dataflow's @njit first
         "from cpu import isa\n"
         "print(isa.VNNI_TUNED, config.CPU_FEATURES)\n")
     root = os.path.dirname(os.path.dirname(__file__))
