@@ -39,8 +39,8 @@ from numba import njit
 
 from hybrid.errors import HybridError
 from hybrid.hardware import physical_cores
-from cpu.dataflow import (LINE as LINE_I64, PF_NEXT, dataflow_part, dataflow_prepare, experts_dataflow_on,
-                          spin_while_equal)
+from cpu.dataflow import (LINE as LINE_I64, PF_NEXT, dataflow_part, dataflow_prepare, experts_dataflow,
+                          experts_dataflow_on, spin_while_equal)
 from cpu.expert import experts_forward, experts_parallel
 from cpu.i16 import PREFETCH
 
@@ -60,17 +60,18 @@ def default_schedule() -> str:
 
 def schedule_kernel(schedule: str, prefetch: tuple[int, int] = (PREFETCH, PF_NEXT)):
     """-> f(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out, H, I, R, n, scr=None) running a
-    call on Numba's pool (scr: dataflow's scratch from cpu/dataflow.py dataflow_prepare, made here
-    when None).  prefetch (dataflow only): (bytes ahead, what to prefetch near a unit's end:
+    call on Numba's pool (scr: dataflow's scratch from cpu/dataflow.py dataflow_prepare, for a
+    call that another thread joins; None: experts_dataflow makes it inside the region).  prefetch (dataflow only): (bytes ahead, what to prefetch near a unit's end:
     cpu/dataflow.py PF_ON | PF_STOP | PF_NEXT)."""
     if schedule == "phases":
         return lambda *args, scr=None: experts_parallel(*args)
     dist, mode = int(prefetch[0]), int(prefetch[1])
 
     def run(qk, arena, gu, dn, scl, x, rows, ptr, w, out, H, I, R, n, scr=None):
-        if scr is None:
-            scr = dataflow_prepare(qk, x, rows, ptr, H, I, R)
-        experts_dataflow_on(qk, arena, gu, dn, scl, x, rows, ptr, w, out, H, I, R, n, dist, mode, scr)
+        if scr is None:                       # the call's scratch made inside the region (as measured before join)
+            experts_dataflow(qk, arena, gu, dn, scl, x, rows, ptr, w, out, H, I, R, n, dist, mode)
+        else:
+            experts_dataflow_on(qk, arena, gu, dn, scl, x, rows, ptr, w, out, H, I, R, n, dist, mode, scr)
     return run
 
 
@@ -269,10 +270,11 @@ class CpuExpertRunner:
         if self.inline_bytes > 0:                    # the inline path (else compiled at a first use, if any)
             experts_forward(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R)
         self._kernel(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R, 1)
-        if self.join:
+        if self.join:                                 # the joining path: prepared scratch, pool + caller
+            scr = dataflow_prepare(s.qkind, x, rows, ptr, s.hidden, s.inter, s.R)
+            self._kernel(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R, 1, scr=scr)
             dataflow_part(s.qkind, s.arena.array, gu, dn, scl, x, rows, ptr, w, x, s.hidden, s.inter, s.R,
-                          self.prefetch[0], self.prefetch[1],
-                          dataflow_prepare(s.qkind, x, rows, ptr, s.hidden, s.inter, s.R))
+                          self.prefetch[0], self.prefetch[1], scr)
         _group_pairs(rows, rows, w, 1)
 
     def _loop(self) -> None:
