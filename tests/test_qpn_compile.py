@@ -25,3 +25,26 @@ def test_cli_compile_only_exit_code(capsys):
     assert main(["cuda-kernels", "--compile-only", "--arch", "sm_70"]) == 0
     out = capsys.readouterr().out
     assert "qpn2_linear_mt1" in out and "OK: no spills" in out
+
+
+def test_prebuilt_ptx_fallback_plain_or_gzipped(tmp_path, monkeypatch):
+    """Where NVRTC cannot build (e.g. NVRTC 13 for sm_70), the prebuilt PTX of this exact source is loaded,
+    as written or gzipped (`.ptx.gz`); with neither, the NVRTC error stands."""
+    import gzip
+
+    from hybrid.kernels import build
+    from hybrid.kernels.nvrtc import NvrtcError
+
+    def no_nvrtc(*_a, **_k):
+        raise NvrtcError("no NVRTC for sm_70 here")
+
+    monkeypatch.setattr(build, "load_nvrtc", no_nvrtc)
+    monkeypatch.setenv("HYBRID_CACHE_DIR", str(tmp_path))
+    ptx = b"// PTX stand-in\n.version 7.0\n"
+    with pytest.raises(NvrtcError, match="no NVRTC"):
+        build._image_for(70, True)
+    pre = build.prebuilt_path(70)
+    pre.with_name(pre.name + ".gz").write_bytes(gzip.compress(ptx))
+    assert build._image_for(70, True) == ptx
+    pre.write_bytes(ptx + b"// plain\n")
+    assert build._image_for(70, True) == ptx + b"// plain\n"

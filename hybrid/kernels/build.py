@@ -7,6 +7,7 @@ Also the CPU-only check: compile every kernel for compute_XX, run ptxas -v, repo
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import os
 import re
@@ -141,7 +142,8 @@ def module(device: torch.device, force_ptx_sm: int | None = None):
 
 def _image_for(sm: int, force_ptx: bool, src: str | None = None, prebuilt=None) -> bytes:
     """Native CUBIN (or PTX) from NVRTC; if NVRTC is missing or cannot target sm, a PTX file
-    prebuilt for this exact source (`hybrid-bench cuda-kernels --compile-only --emit DIR`).
+    prebuilt for this exact source (`hybrid-bench cuda-kernels --compile-only --emit DIR`), as written
+    or gzipped beside it (`<name>.gz`: a fifth of the bytes, for trees that travel under a size limit).
     src/prebuilt: another kernel source and its prebuilt_path(sm) function (default: qpn.cu's)."""
     try:
         nv = load_nvrtc(12 if sm < 75 else None)
@@ -150,6 +152,9 @@ def _image_for(sm: int, force_ptx: bool, src: str | None = None, prebuilt=None) 
         pre = (prebuilt or prebuilt_path)(sm)
         if pre.exists():
             return pre.read_bytes()
+        packed = pre.with_name(pre.name + ".gz")
+        if packed.exists():
+            return gzip.decompress(packed.read_bytes())
         raise
 
 
