@@ -62,18 +62,26 @@ class Sampler:
             x[seen] = vals - c.presence_penalty
         if c.temperature == 0:
             return int(torch.argmax(x))
-        x = x / c.temperature
-        if c.top_k:
-            kth = torch.topk(x, min(c.top_k, x.numel())).values[-1]
-            x[x < kth] = float("-inf")
-        probs = torch.softmax(x, dim=-1)
-        if c.min_p > 0:
-            probs[probs < c.min_p * probs.max()] = 0
-        if c.top_p < 1.0:
-            sp, si = torch.sort(probs, descending=True)
-            keep = (sp.cumsum(0) - sp) < c.top_p            # always keeps the first
-            probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
+        probs = _probs(x, c, c.temperature)
         return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
+
+
+def _probs(x: torch.Tensor, c: SamplerConfig, temp) -> torch.Tensor:
+    """Temperature, top-k, softmax, min-p, top-p: the distribution Sampler and DeviceSampler draw
+    from (unnormalised after top-p). temp: the divisor as each passes it (a host scalar; on a device,
+    a tensor: see the module doc)."""
+    x = x / temp
+    if c.top_k:
+        kth = torch.topk(x, min(c.top_k, x.numel())).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if c.min_p > 0:
+        probs = probs.masked_fill(probs < c.min_p * probs.max(), 0)
+    if c.top_p < 1.0:
+        sp, si = torch.sort(probs, descending=True)
+        keep = (sp.cumsum(0) - sp) < c.top_p            # always keeps the first
+        probs = torch.zeros_like(probs).scatter(0, si, torch.where(keep, sp, 0))
+    return probs
 
 
 class HostToken:
@@ -125,17 +133,7 @@ class DeviceSampler:
             x = torch.where(self.seen, pen - c.presence_penalty, x)
         if c.temperature == 0:
             return torch.argmax(x).view(1)
-        x = x / self._temp
-        if c.top_k:
-            kth = torch.topk(x, min(c.top_k, x.numel())).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        if c.min_p > 0:
-            probs = probs.masked_fill(probs < c.min_p * probs.max(), 0)
-        if c.top_p < 1.0:
-            sp, si = torch.sort(probs, descending=True)
-            keep = (sp.cumsum(0) - sp) < c.top_p            # always keeps the first
-            probs = torch.zeros_like(probs).scatter(0, si, torch.where(keep, sp, 0))
+        probs = _probs(x, c, self._temp)
         q = torch.empty(x.numel(), dtype=torch.float32, pin_memory=self.cuda).exponential_(1, generator=self.gen)
         q = q.to(self.device, non_blocking=True)
         return torch.argmax((probs / probs.sum()) / q).view(1)      # torch.multinomial's one-sample draw
