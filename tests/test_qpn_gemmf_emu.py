@@ -5,7 +5,6 @@ layout of the PTX ISA across the warp -- against the torch reference. Catches th
 activation layout, the fragment / lane indexing, the ring's stage and slot logic, the FP8 half
 stage, the epilogue and split-K without a GPU; timing and the real tensor cores are checked on a
 GPU (tests/test_qpn_cuda.py)."""
-import re
 
 import pytest
 import torch
@@ -53,17 +52,11 @@ TILE_NAMES = [f"{bm}x{bn}" for bm, bn in GEMMF_TILES]
 RULE = "// " + "-" * 64 + " "
 
 
-def _function(src: str, name: str) -> str:
-    m = re.search(r"(template <[^>]*>\n)?__device__ __forceinline__ void " + name + r"\(.*?\n\}\n", src, re.S)
-    assert m, name
-    return m.group(0)
-
-
 def emu_source() -> str:
     src = build.source()
     head = src[src.index("typedef unsigned int u32;"): src.index(RULE + "loads, conversions")]
-    helpers = "".join(_function(src, f) for f in ("dec_fp4", "dec_fp8", "tile_ptrs", "store_y", "store_part",
-                                                   "add_part", "sum_parts"))
+    helpers = build.device_functions(["dec_fp4", "dec_fp8", "tile_ptrs", "store_y", "store_part", "add_part",
+                                      "sum_parts"], src)
     gemmf = src[src.index(RULE + "prefill GEMM, sm_80+"): src.index(RULE + "MoE routing")]
     assert "asm" not in gemmf + helpers, "an inline-PTX helper the shim does not replace"
     part4 = "inline f32x4 ld_part4(const float* p) { f32x4 v; memcpy(&v, p, 16); return v; }\n"
