@@ -76,7 +76,7 @@ def predict(mb: ModelBytes, prof: HardwareProfile, cards: tuple[CardPlan, ...], 
         cpu_bytes += head
     host_us = sum(x.host_us for x in layers) + prof.overheads.token_us.value
     token_us = sum(x.total_us for x in layers) + t_head + t_hops + prof.overheads.token_us.value
-    if getattr(req, "overlap", False) and cards and all(x.resident for x in layers):
+    if req.overlap and cards and all(x.resident for x in layers):
         token_us = max(token_us - host_us, host_us)
     return Prediction(
         context=ctx, tok_s=US / token_us, token_us=token_us,
