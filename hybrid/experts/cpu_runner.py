@@ -27,6 +27,7 @@ Legend: T tokens, H hidden, I intermediate, E listed experts, P = Σ_e rows of e
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -97,7 +98,7 @@ def set_pool_wait(mode: str | None = None) -> str:
 
     mode = (mode or os.environ.get(POOL_WAIT_ENV) or "passive").strip().lower()
     base, _, arg = mode.partition(":")
-    us = _spin_us(arg) if base == "spin" and arg else None
+    us = spin_us_of(mode)
     if base not in POOL_WAITS or (arg and (base != "spin" or us is None)):
         raise HybridError(f"{POOL_WAIT_ENV}={mode!r}: expected one of {', '.join(POOL_WAITS)} or spin:<microseconds>")
     given = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ]
@@ -132,8 +133,10 @@ def _spin_us(arg: str) -> float | None:
     return v if 0 <= v < 1e7 else None
 
 
+@functools.cache
 def pause_ns(n: int = 20000) -> float:
-    """ns per x86 `pause` on this CPU (the unit of libgomp's spin count), best of 5 loops of n."""
+    """ns per x86 `pause` on this CPU (the unit of libgomp's spin count), best of 5 loops of n;
+    measured once per process."""
     from cpu.dataflow import pause_loop
 
     pause_loop(10)
