@@ -159,7 +159,7 @@ def experts_dataflow_on(qkind, arena, gu_off, dn_off, scl, x, rows, ptr, w, out,
 
 @njit(nogil=True, fastmath=True, cache=True)
 def _sizes(qkind, T, H, E, P, I, R):
-    """Byte offsets in one call's scratch: state i64 [LINE + E + nth + 1] (+ nq in its last word),
+    """(byte offsets, byte sizes) of the parts of one call's scratch: state i64 [LINE + E + nth + 1] (+ nq in its last word),
     part f32 [P, Hpad], h f32 [P, hcols], xq i16 [T, H], xs f32 [T, H/16], hq i16 [P, Ipad],
     hs f32 [P, Ipad/16] (int16 parts empty unless NVFP4_I16), each 64-byte aligned."""
     nti = (I + R - 1) // R
@@ -172,7 +172,7 @@ def _sizes(qkind, T, H, E, P, I, R):
     off = np.zeros(8, np.int64)
     for i in range(7):
         off[i + 1] = off[i] + (n[i] + 63) // 64 * 64
-    return off
+    return off, n
 
 
 @njit(nogil=True, fastmath=True, cache=True)
@@ -181,7 +181,7 @@ def dataflow_prepare(qkind, x, rows, ptr, H, I, R):
     quantized where the call has no Q units (T < QUANT_PARALLEL_ROWS)."""
     T = x.shape[0]
     E = len(ptr) - 1
-    off = _sizes(qkind, T, H, E, rows.shape[0], I, R)
+    off = _sizes(qkind, T, H, E, rows.shape[0], I, R)[0]
     scr = np.empty(off[7], np.uint8)
     scr[:off[1]] = 0
     nq = (T + QROWS - 1) // QROWS if qkind == NVFP4_I16 and T >= QUANT_PARALLEL_ROWS else 0
@@ -195,20 +195,20 @@ def dataflow_prepare(qkind, x, rows, ptr, H, I, R):
 @njit(nogil=True, fastmath=True, cache=True)
 def _views(qkind, scr, T, H, E, P, I, R):
     """(state, part, h, xq, xs, hq, hs) views of scr (_sizes)."""
-    off = _sizes(qkind, T, H, E, P, I, R)
+    off, n = _sizes(qkind, T, H, E, P, I, R)
     nti = (I + R - 1) // R
     nth = (H + R - 1) // R
     i16 = qkind == NVFP4_I16
     Pq = P if i16 else 0
     Tq = T if i16 else 0
     hc = 0 if i16 else nti * R
-    state = scr[off[0]: off[0] + 8 * (LINE + E + nth + 2)].view(np.int64)
-    part = scr[off[1]: off[1] + 4 * P * nth * R].view(np.float32).reshape((P, nth * R))
-    h = scr[off[2]: off[2] + 4 * P * hc].view(np.float32).reshape((P, hc))
-    xq = scr[off[3]: off[3] + 2 * Tq * H].view(np.int16).reshape((Tq, H))
-    xs = scr[off[4]: off[4] + 4 * Tq * (H // GROUP)].view(np.float32).reshape((Tq, H // GROUP))
-    hq = scr[off[5]: off[5] + 2 * Pq * nti * R].view(np.int16).reshape((Pq, nti * R))
-    hs = scr[off[6]: off[6] + 4 * Pq * (nti * R // GROUP)].view(np.float32).reshape((Pq, nti * R // GROUP))
+    state = scr[off[0]: off[0] + n[0]].view(np.int64)
+    part = scr[off[1]: off[1] + n[1]].view(np.float32).reshape((P, nth * R))
+    h = scr[off[2]: off[2] + n[2]].view(np.float32).reshape((P, hc))
+    xq = scr[off[3]: off[3] + n[3]].view(np.int16).reshape((Tq, H))
+    xs = scr[off[4]: off[4] + n[4]].view(np.float32).reshape((Tq, H // GROUP))
+    hq = scr[off[5]: off[5] + n[5]].view(np.int16).reshape((Pq, nti * R))
+    hs = scr[off[6]: off[6] + n[6]].view(np.float32).reshape((Pq, nti * R // GROUP))
     return state, part, h, xq, xs, hq, hs
 
 
