@@ -66,6 +66,29 @@ def test_thread_counts_give_the_same_result(store_and_weights):
         CpuExpertRunner(s, threads=1, schedule="nope")
 
 
+def test_run_on_the_caller_matches_the_pool(store_and_weights):
+    """run(): the call on the calling thread's own Numba team, no hand-off; the same numbers as
+    submit/sync at every thread count, inline and pooled sizes; the pool's counters untouched."""
+    s, _ = store_and_weights
+    rng = np.random.default_rng(17)
+    for T in (1, 6):
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        ids, rows, wts = routing(T, rng)
+        with CpuExpertRunner(s, threads=2, inline_bytes=0) as runner:
+            want = runner.sync(runner.submit(0, ids, rows, wts, x))
+        for n in (1, 2, 3):
+            for inline in (0, 1 << 30):
+                with CpuExpertRunner(s, threads=n, inline_bytes=inline) as runner:
+                    got = [runner.run(0, ids, rows, wts, x) for _ in range(2)]
+                    assert runner.timing["calls"] == 0
+                    assert runner.timing["direct_calls"] == (2 if inline == 0 else 0)
+                assert all(np.array_equal(want, g) for g in got), (T, n, inline)
+    with CpuExpertRunner(s, threads=2) as runner:
+        assert not runner.run(1, [], [], [], np.ones((2, H), np.float32)).any()
+        with pytest.raises(ValueError, match="token rows"):
+            runner.run(0, [1], [np.array([2])], [np.array([1.0])], np.zeros((2, H), np.float32))
+
+
 def test_timing_counts_pooled_calls_only(store_and_weights):
     s, _ = store_and_weights
     rng = np.random.default_rng(3)

@@ -54,6 +54,29 @@ def _session(path, tmp_path, name, miss_graph, place, **kw):
     return s
 
 
+@pytest.mark.parametrize("place", ["no_slots", "two_cards"])
+def test_cpu_direct_matches_the_pool(models, tmp_path, monkeypatch, place):
+    """HYBRID_CPU_DIRECT (default on): a linked layer runs its misses on the calling thread
+    (runner.run) instead of submit + sync through the pool's thread; the same logits bit for bit,
+    each path's counters show it ran (every call pooled-sized: inline_bytes 0)."""
+    ids = tokenizer_for(models["nvfp4"]).encode(PROMPT)
+    runs = []
+    for direct in ("0", "1"):
+        monkeypatch.setenv("HYBRID_CPU_DIRECT", direct)
+        s = _session(models["nvfp4"], tmp_path, f"d{direct}", True, place)
+        try:
+            runner = s.model.experts.cpu.runner
+            runner.inline_bytes = 0
+            assert s.model.experts.cpu_direct == (direct == "1")
+            runs.append((greedy_logits(s.model, ids, STEPS), dict(runner.timing)))
+        finally:
+            s.close()
+    ((ids0, l0), tm0), ((ids1, l1), tm1) = runs
+    assert ids0 == ids1 and torch.equal(l0, l1)
+    assert tm0["direct_calls"] == 0 and tm1["direct_calls"] > 0
+    assert tm0["calls"] > tm1["calls"]            # the prompt's step still goes through the pool
+
+
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("place", sorted(PLACES))
 def test_graph_hits_match_the_old_path(models, tmp_path, kind, place):

@@ -199,7 +199,9 @@ class CpuExpertRunner:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._loop, daemon=True, name="cpu-experts")
         self._closed = False
-        self.timing = {"calls": 0, "queue_s": 0.0, "kernel_s": 0.0}   # pooled calls: submit -> start, kernel
+        self.timing = {"calls": 0, "queue_s": 0.0, "kernel_s": 0.0,     # pooled calls: submit -> start, kernel
+                       "direct_calls": 0, "direct_s": 0.0}                # run(): calls on the caller, their time
+        self._teams: set[int] = set()                 # threads whose Numba team is sized (_own_team)
         self.wait = set_pool_wait(wait)
         us = spin_us_of(wait)
         self.spin_pauses = 0 if not us else max(1, int(us * 1000 / pause_ns()))
@@ -212,13 +214,7 @@ class CpuExpertRunner:
     def submit(self, layer: int, expert_ids, token_rows, route_weights, x: np.ndarray) -> Work:
         """expert_ids list[int] [E], token_rows list of int arrays, route_weights list of f32 arrays,
         x [T, H] f32 -> handle.  (Also accepted: flat [A] arrays of (expert, token, weight) pairs.)"""
-        if self._closed:
-            raise RuntimeError("CpuExpertRunner is closed")
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim != 2 or x.shape[1] != self.store.hidden:
-            raise ValueError(f"x must be [T, {self.store.hidden}] f32, got {x.shape}")
-        ids, rows, ptr, w = _group(expert_ids, token_rows, route_weights, x.shape[0])
-        work = self._plan(layer, ids, rows, ptr, w, x)
+        work = self._prepare(layer, expert_ids, token_rows, route_weights, x, self.join)
         work.t_submit = time.perf_counter()
         if work.inline:
             return work
@@ -228,6 +224,24 @@ class CpuExpertRunner:
             self._queue.put(work)
             self._bell[0] += 1            # after the put: a lead thread spinning on the bell finds the work
         return work
+
+    def run(self, layer: int, expert_ids, token_rows, route_weights, x: np.ndarray) -> np.ndarray:
+        """submit + sync with no hand-off: the call runs on the calling thread's own Numba team
+        (`threads` parts; GIL released), for a caller that would only wait (a graphed can-miss
+        layer: its hits already run on the card). Saves the two thread wake-ups of a pooled call
+        (worker, then caller); the same numbers as submit/sync -> out [T, H] f32."""
+        work = self._prepare(layer, expert_ids, token_rows, route_weights, x, False)
+        if work.inline:
+            self._run_all(work)
+            if work.error is not None:
+                raise work.error
+        elif work.rows.shape[0]:
+            self._own_team()
+            t0 = time.perf_counter()
+            self._run_parallel(work)
+            self.timing["direct_calls"] += 1
+            self.timing["direct_s"] += time.perf_counter() - t0
+        return work.out
 
     def sync(self, handle: Work) -> np.ndarray:
         """Wait for a submitted call -> out [T, H] f32."""
@@ -256,11 +270,20 @@ class CpuExpertRunner:
         self.close()
 
     # --------------------------------------------------------------------- internals
-    def _plan(self, layer, ids, rows, ptr, w, x) -> Work:
+    def _prepare(self, layer, expert_ids, token_rows, route_weights, x, join: bool) -> Work:
+        if self._closed:
+            raise RuntimeError("CpuExpertRunner is closed")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.store.hidden:
+            raise ValueError(f"x must be [T, {self.store.hidden}] f32, got {x.shape}")
+        ids, rows, ptr, w = _group(expert_ids, token_rows, route_weights, x.shape[0])
+        return self._plan(layer, ids, rows, ptr, w, x, join)
+
+    def _plan(self, layer, ids, rows, ptr, w, x, join: bool) -> Work:
         s = self.store
         inline = bool(rows.shape[0]) and len(ids) * s.slot_nbytes <= self.inline_bytes
         scr = (dataflow_prepare(s.qkind, x, rows, ptr, s.hidden, s.inter, s.R)
-               if self.join and not inline and rows.shape[0] else None)
+               if join and not inline and rows.shape[0] else None)
         return Work(ids, rows, ptr, w, x, np.zeros_like(x), s.slots(layer, ids), parts=self.threads,
                     inline=inline, scr=scr)
 
@@ -280,10 +303,19 @@ class CpuExpertRunner:
                           self.prefetch[0], self.prefetch[1], scr)
         _group_pairs(rows, rows, w, 1)
 
-    def _loop(self) -> None:
-        import numba
+    def _own_team(self) -> None:
+        """Size the calling thread's Numba team (a per-thread setting) for this runner's parts, once
+        per thread. A second OpenMP team beside the pool's: its threads sleep (passive) while the
+        pool runs, and the pool's while it runs."""
+        me = threading.get_ident()
+        if me not in self._teams:
+            import numba
 
-        numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))  # this thread's team
+            numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+            self._teams.add(me)
+
+    def _loop(self) -> None:
+        self._own_team()
         while True:
             work = self._next()
             if work is None:

@@ -63,6 +63,10 @@ class TorchCpuRunner:
         return _Deferred((layer, np.asarray(expert_ids), np.asarray(token_rows),
                           np.asarray(route_weights, dtype=np.float32), x))
 
+    def run(self, layer: int, expert_ids, token_rows, route_weights, x: np.ndarray) -> np.ndarray:
+        """submit + sync in one call (the calls run on the calling thread anyway)."""
+        return self.sync(self.submit(layer, expert_ids, token_rows, route_weights, x))
+
     def sync(self, handle: _Deferred) -> np.ndarray:
         layer, expert_ids = handle.args[:2]
         if not self.threads or self._small(layer, expert_ids):
@@ -103,16 +107,23 @@ class NumbaCpuRunner:
         self.runner = CpuExpertRunner(self.store, threads=threads)
 
     def submit(self, layer, expert_ids, token_rows, route_weights, x):
-        return self.runner.submit(layer, np.ascontiguousarray(expert_ids, dtype=np.int32),
-                                  np.ascontiguousarray(token_rows, dtype=np.int32),
-                                  np.ascontiguousarray(route_weights, dtype=np.float32),
-                                  np.ascontiguousarray(x, dtype=np.float32))
+        return self.runner.submit(layer, *_pairs(expert_ids, token_rows, route_weights, x))
+
+    def run(self, layer, expert_ids, token_rows, route_weights, x) -> np.ndarray:
+        """submit + sync on the calling thread (CpuExpertRunner.run: no hand-off to the pool's thread)."""
+        return self.runner.run(layer, *_pairs(expert_ids, token_rows, route_weights, x))
 
     def sync(self, handle) -> np.ndarray:
         return self.runner.sync(handle)
 
     def close(self) -> None:
         self.runner.close()
+
+
+def _pairs(expert_ids, token_rows, route_weights, x) -> tuple:
+    """Flat (expert, token row, weight) pairs and x as the Numba runner takes them."""
+    return (np.ascontiguousarray(expert_ids, dtype=np.int32), np.ascontiguousarray(token_rows, dtype=np.int32),
+            np.ascontiguousarray(route_weights, dtype=np.float32), np.ascontiguousarray(x, dtype=np.float32))
 
 
 def numba_available() -> bool:

@@ -41,6 +41,7 @@ stored bytes count as PCIe kind "prefill_stream". Decode steps and `linked` neve
 """
 from __future__ import annotations
 
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -53,6 +54,12 @@ from hybrid.runtime.placement import CardSpec
 from hybrid.runtime.prefill_stream import PrefillStream
 from hybrid.runtime.slots import CardSlots
 from hybrid.runtime.stats import RuntimeStats
+
+def cpu_direct_enabled() -> bool:
+    """HYBRID_CPU_DIRECT=0: a graphed can-miss layer hands its misses to the CPU runner's pool thread
+    and waits (submit + sync) instead of running them on the calling thread (runner.run)."""
+    return os.environ.get("HYBRID_CPU_DIRECT", "1") not in ("0", "off", "false", "no")
+
 
 ACT_WITH_IDS = 8    # up to this many tokens, a layer that may miss copies x with its routed ids
 
@@ -104,6 +111,7 @@ class HybridExperts:
     def __init__(self, cards: list[CardRuntime], cpu, get_expert, num_layers: int, stats: RuntimeStats,
                  trace=None, prefill_min: int = 0):
         self.cards, self.cpu, self.get_expert = cards, cpu, get_expert
+        self.cpu_direct = cpu_direct_enabled() and hasattr(cpu, "run")   # linked(): runner.run
         self.card_of = {l: c for c in cards for l in c.spec.layer_ids}
         self.num_layers, self.stats, self.trace = num_layers, stats, trace
         self.prefill_min = int(prefill_min)  # prefill steps of >= this many tokens stream misses (0: off)
@@ -339,9 +347,11 @@ class HybridExperts:
             self.add_pcie("act_d2h", x_h.size * 4)
         y = None
         if len(mt):
-            handle = self.cpu.submit(layer, ids_h[mt, mj], mt, w_h[mt, mj], x_h)
             t_sub = time.perf_counter()
-            y = self.cpu.sync(handle)                                         # [1, H] f32
+            if self.cpu_direct:                   # nothing to do meanwhile: no hand-off to a worker
+                y = self.cpu.run(layer, ids_h[mt, mj], mt, w_h[mt, mj], x_h)  # [1, H] f32
+            else:
+                y = self.cpu.sync(self.cpu.submit(layer, ids_h[mt, mj], mt, w_h[mt, mj], x_h))
             t_done = time.perf_counter()
             self.stats.cpu_wait_s[layer] += t_done - t_sub
             self.stats.cpu_expert_s[layer] += t_done - t_sub
