@@ -150,6 +150,15 @@ def test_bad_inputs_raise(store_and_weights):
             runner.submit(0, [1], [np.array([2])], [np.array([1.0])], x)
         with pytest.raises(IndexError):
             runner.submit(0, [E], [np.array([0])], [np.array([1.0])], x)
+        flat = lambda e, r: (np.array(e, np.int32), np.array(r, np.int32), np.ones(len(e), np.float32))  # noqa: E731
+        with pytest.raises(ValueError, match="token rows"):
+            runner.submit(0, *flat([1, 2], [0, 2]), x)
+        with pytest.raises(IndexError, match="out of range"):
+            runner.run(0, *flat([1, E], [0, 1]), x)
+        with pytest.raises(IndexError, match="out of range"):
+            runner.submit(L, *flat([1], [0]), x)
+        with pytest.raises(ValueError, match="one entry per pair"):
+            runner.submit(0, np.array([1, 2]), np.array([0], np.int32), np.ones(2, np.float32), x)
         with pytest.raises(ValueError, match=r"\[T, 192\]"):
             runner.submit(0, [1], [np.array([0])], [np.array([1.0])], np.zeros((2, 7), np.float32))
 
