@@ -9,10 +9,12 @@ The layers are cut into segments, each one graph on one device:
     a layer that can miss ends its segment (HYBRID_MISS_GRAPH=1, the default): the graph runs its
         dense part, its router (its card's expert -> slot table, -1 where not in a slot), copies the
         routed row to pinned host memory, records an event, then runs the grouped kernel over the
-        hits (-1 pairs dropped). The host waits for the event only, looks the row up (cache
-        counters, policy, trace), runs the misses on the CPU runner while the card runs the hits,
-        uploads their sum, and replays the next segment, which opens with xm + round(hits + CPU)
-        (hybrid.runtime.miss_link): 3 host operations per such layer (MISS_LAYER_HOST_OPS). Before
+        hits (-1 pairs dropped). The host waits for the event only, runs the misses (the table's
+        -1 pairs) on the CPU runner while the card runs the hits, uploads their sum, and replays the
+        next segment, which opens with xm + round(hits + CPU) (hybrid.runtime.miss_link): 3 host
+        operations per such layer (MISS_LAYER_HOST_OPS). The layer's cache side (lookup, checked
+        against the table; counters, policy, promotions, trace) runs after that launch, while the
+        segment runs (HybridExperts.settle_linked), before the next layer's lookup. Before
         a device change the host adds it (eager) and hops. Only where a captured graph can hold the
         hits (QPN slot storage, or no slots); the hits' GPU time is no longer timed (inside the
         graph, like the resident layers'). HYBRID_MISS_GRAPH=0, or the torch reference storage:
@@ -186,6 +188,7 @@ class DecodeGraphs:
             r.run()
             if seg.resident:
                 self.experts.note_device(seg.resident, r.route_buf)
+            self.experts.settle_linked()     # the last linked layer's cache side, while this segment runs
             if seg.linked:
                 carry = seg.layers[-1]
                 link = self.links[carry]

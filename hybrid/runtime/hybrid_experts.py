@@ -120,6 +120,7 @@ class HybridExperts:
         self.version = 0                     # bumped when a layer's residency may have changed
         self._tok: dict = {}                 # (T, k, device) -> token index of each pair [T*k] int32
         self._last_end = 0.0                 # perf_counter() at the last end_step
+        self._unsettled: tuple | None = None  # a linked layer whose cache side is still due (settle_linked)
 
     # ---- step boundaries (HybridModel.forward) -----------------------------------------------
     def begin_step(self, tokens: int, phase: str = "decode", ahead: bool = False) -> None:
@@ -133,6 +134,7 @@ class HybridExperts:
                       "deferred": [], "streamed": 0}
 
     def end_step(self) -> None:
+        self.settle_linked()
         self._settle(self._step)
         st, self._step = self._step, None
         gpu_s = self._gpu_times(st["gpu"])
@@ -151,7 +153,7 @@ class HybridExperts:
 
     def abort_step(self) -> None:
         """Drop the step in progress (its forward raised)."""
-        self._step = None
+        self._step, self._unsettled = None, None
 
     def stage_step(self) -> dict:
         """The launched step run ahead: its route buffers to pinned host memory (async, behind it),
@@ -326,25 +328,20 @@ class HybridExperts:
 
     def linked(self, layer: int, link) -> None:
         """The host's part of a can-miss layer whose hits ran inside its decode graph
-        (hybrid.runtime.graphs, MissLink): wait for the routed row, look it up (the counters, policy
-        and trace see what __call__ would), run the misses on the CPU while the card runs the hits,
-        upload their sum for the next graph, promote. The lookup must find the hits the graph's
-        slot table found: a difference is a bug (an expert summed twice or never), so it raises."""
-        card, st = self.card_of[layer], self._step
-        if st is None:
+        (hybrid.runtime.graphs, MissLink): wait for the routed row, run the misses (the pairs the
+        graph's slot table marked absent) on the CPU while the card runs the hits, upload their sum
+        for the next graph. The cache's side (lookup, promotions, accounting) waits for
+        settle_linked(), which the graphs call once the next segment is launched: it then runs in
+        the card's shadow instead of between the CPU's sum and the next launch, in the same order of
+        cache operations (before the next layer's lookup). The lookup must find the hits the
+        graph's slot table found: a difference is a bug (an expert summed twice or never), so it raises."""
+        if self._step is None:
             raise RuntimeError("HybridExperts called outside a step (use HybridModel.forward)")
+        self.settle_linked()
         t0 = time.perf_counter()
         ids_h, w_h, local, x_h = link.fetch()                                 # [1, k] x3, [1, H]
-        lk = card.cache.lookup(layer, ids_h)
-        hit = lk.slots >= 0                                                   # [1, k]
-        want = np.where(hit, lk.slots - card.slots.layer_slots[layer][0], -1)
-        if not np.array_equal(want, local):
-            raise RuntimeError(f"layer {layer}: the device slot table {local.tolist()} disagrees with "
-                               f"the expert cache {want.tolist()} for experts {ids_h.tolist()}")
-        mt, mj = np.nonzero(~hit)                                             # miss pairs [A_m]
+        mt, mj = np.nonzero(local < 0)                                        # miss pairs [A_m]
         self.stats.route_sync_s[layer] += time.perf_counter() - t0
-        if link.cuda:
-            self.add_pcie("act_d2h", x_h.size * 4)
         y = None
         if len(mt):
             t_sub = time.perf_counter()
@@ -355,10 +352,29 @@ class HybridExperts:
             t_done = time.perf_counter()
             self.stats.cpu_wait_s[layer] += t_done - t_sub
             self.stats.cpu_expert_s[layer] += t_done - t_sub
-            st["cpu_s"] += t_done - t_sub
+            self._step["cpu_s"] += t_done - t_sub
         link.put(y)
+        self._unsettled = (layer, ids_h, w_h, local, len(mt), x_h.size, link.cuda)
+
+    def settle_linked(self) -> None:
+        """The cache's side of the last linked layer (see linked): its lookup, checked against the
+        graph's slot table, promotions and accounting; nothing pending: returns."""
+        u, self._unsettled = self._unsettled, None
+        if u is None:
+            return
+        layer, ids_h, w_h, local, misses, x_elems, cuda = u
+        card = self.card_of[layer]
+        t0 = time.perf_counter()
+        lk = card.cache.lookup(layer, ids_h)
+        want = np.where(lk.slots >= 0, lk.slots - card.slots.layer_slots[layer][0], -1)
+        if not np.array_equal(want, local):
+            raise RuntimeError(f"layer {layer}: the device slot table {local.tolist()} disagrees with "
+                               f"the expert cache {want.tolist()} for experts {ids_h.tolist()}")
+        self.stats.route_sync_s[layer] += time.perf_counter() - t0
+        if cuda:
+            self.add_pcie("act_d2h", x_elems * 4)
         self._promote(card, layer, lk)
-        self._account(layer, link.cuda, ids_h, w_h, len(lk.hits), len(mt), x_h.size, act_counted=True)
+        self._account(layer, cuda, ids_h, w_h, len(lk.hits), misses, x_elems, act_counted=True)
 
     def has_slots(self, layer: int) -> bool:
         """Whether the layer has slot storage on its card (a layer given 0 slots has none)."""
