@@ -345,8 +345,8 @@ def _launch_us(i: int, reps: int, per: int) -> float:
 
 LINK_HOW = ("one graphed can-miss layer's host round trip (hybrid.runtime.miss_link.MissLink, k 8, "
             "H 2048): replay of a graph holding the next layer's add and the routed row's copy to "
-            "pinned memory + its external event, wait for the event, read the row, upload a [1, H] "
-            "fp32 CPU sum; mean over a loop, GPU 0")
+            "pinned memory + its external event and the copy up of the last [1, H] fp32 CPU sum, wait "
+            "for the event, read the row, write the next sum to pinned memory; mean over a loop, GPU 0")
 
 
 def _keep_link(base: HardwareProfile | None) -> Figure | None:
@@ -369,7 +369,8 @@ def _link_us(i: int, reps: int) -> float:
         y = np.ones((1, 2048), np.float32)
 
         def body():
-            link.yh.add_(link.yc)                       # the next graph's combine reads the upload
+            link.yc.copy_(link.stage, non_blocking=True)   # the next graph's combine: put()'s sum up
+            link.yh.add_(link.yc)
             link.send(h, slots)
 
         graph = _captured(dev, body)

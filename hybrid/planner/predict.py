@@ -14,8 +14,9 @@ n_d / n_e = the step's dense / expert kernels per layer, n_o its eager ops (plan
               (activations fp16 down, the combined expert output fp16 up)
     layer   = dense + layer_sync + lookup + n_o·λ + E_m[max(gpu(m), cpu(m))]
   with its hits inside the decode graph (step shape miss_nodes > 0) and a profile that measured
-  the path's host round trip (overheads.link_us: replay, wait for the routed row, upload the CPU's
-  sum), layer_sync + n_o·λ become link_us, and the path's extra graph nodes cost miss_nodes·κ.
+  the path's host round trip (overheads.link_us: replay, wait for the routed row, the CPU's sum to
+  pinned memory), layer_sync + n_o·λ become link_us, the lookup runs while the next segment runs
+  (it costs max(0, lookup - dense)), and the path's extra graph nodes cost miss_nodes·κ.
               m ~ Binomial(k, 1 - h): each of the token's k choices misses independently with
               probability 1 - h (an approximation when routing is skewed).
 token = Σ layers + head ((final norm + lm_head) / B_gpu + n_head·κ) + hops (H·2 / B_link + λ
@@ -108,8 +109,8 @@ def _card_layer(mb: ModelBytes, prof: HardwareProfile, c: CardPlan, layer: int, 
     t_gpu = sum(p * gpu_t(m) for m, p in enumerate(probs))
     t_cpu = sum(p * cpu_t(m) for m, p in enumerate(probs))
     t_both = sum(p * max(gpu_t(m), cpu_t(m)) for m, p in enumerate(probs))
-    if shape.miss_nodes and oh.link_us is not None:   # hits in the graph: one measured round trip
-        host = oh.link_us.value + oh.lookup_us.value
+    if shape.miss_nodes and oh.link_us is not None:   # hits in the graph: one measured round trip; the
+        host = oh.link_us.value + max(0.0, oh.lookup_us.value - t_dense)   # lookup hides behind the next dense part
     else:
         host = oh.layer_sync_us.value + oh.lookup_us.value + shape.eager_ops * gpu.launch_us.value
     nodes = shape.miss_nodes * kus                       # the linked path's extra graph nodes

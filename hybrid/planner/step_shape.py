@@ -17,10 +17,11 @@ hardware; the profile gives what one kernel or one op costs (gpus[].graph_kernel
                     graph packed the row and the host made the hit list: 4 casts/concat, a weight
                     gather + cast, a slot offset and two int casts fewer)
     miss_nodes      with the hits inside the decode graph (HYBRID_MISS_GRAPH, the default) such a
-                    layer's eager ops become 3 host operations (replay, event wait, CPU result up:
-                    hybrid.runtime.graphs.MISS_LAYER_HOST_OPS) and ~13 graph nodes: 2 row copies, the
+                    layer's eager ops become 2 host operations (replay, event wait:
+                    hybrid.runtime.graphs.MISS_LAYER_HOST_OPS) and ~14 graph nodes: 2 row copies, the
                     copy to pinned memory, the event, the grouped kernel's 4 launches, 2 saves and the
-                    next graph's add / cast / add. Measured on the H200 (1024 slots, 30B-A3B shape):
+                    next graph's CPU-sum copy up / add / cast / add (3 host operations and 13 nodes
+                    before the copy up moved into the graph). Measured on the H200 (1024 slots, 30B-A3B shape):
                     CUDA calls per step 699 -> 178, decode 25.4-32.4 -> 93.8-108.1 tok/s.
 The counts were estimated from the code; tools/gpu_runtime_check.py counts the kernels of one
 eager step on the device (results/runtime.md) to check them.
@@ -54,7 +55,7 @@ DECODE = StepShape()
 
 
 FUSED_SAVES = {"rope": 9, "route": 4, "norm": 4, "attn": 4}
-MISS_GRAPH = {"eager_ops": 3, "miss_nodes": 13}   # a can-miss layer with its hits in the graph
+MISS_GRAPH = {"eager_ops": 2, "miss_nodes": 14}   # a can-miss layer with its hits in the graph
 
 
 def decode_shape() -> StepShape:

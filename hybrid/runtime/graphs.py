@@ -11,8 +11,8 @@ The layers are cut into segments, each one graph on one device:
         routed row to pinned host memory, records an event, then runs the grouped kernel over the
         hits (-1 pairs dropped). The host waits for the event only, runs the misses (the table's
         -1 pairs) on the CPU runner while the card runs the hits, uploads their sum, and replays the
-        next segment, which opens with xm + round(hits + CPU) (hybrid.runtime.miss_link): 3 host
-        operations per such layer (MISS_LAYER_HOST_OPS). The layer's cache side (lookup, checked
+        next segment, which opens with the sum's copy up and xm + round(hits + CPU)
+        (hybrid.runtime.miss_link): 2 host operations per such layer (MISS_LAYER_HOST_OPS). The layer's cache side (lookup, checked
         against the table; counters, policy, promotions, trace) runs after that launch, while the
         segment runs (HybridExperts.settle_linked), before the next layer's lookup. Before
         a device change the host adds it (eager) and hops. Only where a captured graph can hold the
@@ -57,8 +57,8 @@ def miss_graph_enabled() -> bool:
 
 # Host operations per can-miss layer with misses in a graphed decode step (tests/test_miss_graph.py
 # counts the graph path's): the eager path's ~14 (planner.step_shape.eager_ops) become the segment's
-# replay, the wait for its event and the CPU result's upload.
-MISS_LAYER_HOST_OPS = 3
+# replay and the wait for its event (the CPU result's upload is the next graph's first node).
+MISS_LAYER_HOST_OPS = 2
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,11 @@ between its card's slots and the CPU runner, the segment graph (hybrid.runtime.g
     keep(x, y_hits): x after attention -> `xm`, the grouped kernel's sum over the hits -> `yh`.
 
 The host then reads the row (fetch), runs the misses on the CPU while the card runs the hits, and
-put()s the CPU's sum into `yc` (one upload; a zero fill only after a layer with misses had none).
-The next graph starts with combine(): xm + moe_out(fp16(yh + yc)), the eager path's very ops in its
-order (hits + CPU in fp32, one rounding, the residual), so the numbers do not change.
+put()s the CPU's sum into the pinned `stage` (a host write: no launch; zeros after a layer with
+misses had none). The next graph starts with combine(): `stage` -> `yc` (a copy node of that graph:
+it reads what put() left there when it replays), then xm + moe_out(fp16(yh + yc)), the eager path's
+very ops in its order (hits + CPU in fp32, one rounding, the residual), so the numbers do not change.
+The host writes `stage` again only after the next step's event of this layer, behind that copy.
 
 pack / host row [1, 3k + H] fp32: ids (as floats, exact below 2^24) | weights | the card's local
 slot of each routed expert (-1: not in a slot; the host checks them against its cache lookup) | h.
@@ -48,7 +50,7 @@ class MissLink:
         self.stage = torch.zeros(1, hidden, pin_memory=self.cuda, **f32)
         self.event, self.external = _event(device)
         self._host_np, self._stage_np = self.host.numpy(), self.stage.numpy()   # views, made once
-        self.dirty = False                                                      # yc != 0
+        self.dirty = False                                                      # stage != 0
 
     @property
     def row(self) -> torch.Tensor:
@@ -73,6 +75,7 @@ class MissLink:
 
     def combine(self, model, layer: int) -> torch.Tensor:
         """The layer's output x [1, H]: xm + moe_out(round(yh + yc)), as the eager path adds them."""
+        self.yc.copy_(self.stage, non_blocking=self.cuda)                       # put()'s sum, at replay
         y = (self.yh + self.yc).to(self.xm.dtype)                               # hits + CPU, fp32
         h = None
         if model.layers[layer].shared is not None:                              # its shared expert reads h
@@ -95,12 +98,12 @@ class MissLink:
                 row[:, 3 * k:])
 
     def put(self, y: np.ndarray | None) -> None:
-        """The CPU's sum of the misses [1, H] f32 into yc (None: no misses, yc must read 0)."""
+        """The CPU's sum of the misses [1, H] f32 into the pinned stage, which the next graph copies
+        up (combine); None: no misses, the stage must read 0."""
         if y is None:
             if self.dirty:
-                self.yc.zero_()
+                self._stage_np[...] = 0
                 self.dirty = False
             return
-        self._stage_np[...] = y                             # free: the last upload from it is done
-        self.yc.copy_(self.stage, non_blocking=self.cuda)
+        self._stage_np[...] = y
         self.dirty = True
