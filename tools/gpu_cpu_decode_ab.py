@@ -1,5 +1,5 @@
-"""Where an all-CPU decode token's time goes (every expert on the CPU runner, the layers graphed and
-linked: hybrid.runtime.graphs / miss_link), and A/B of how a linked layer hands its misses to the
+"""Where an all-CPU decode token's time goes (every expert on the CPU runner, or --slots of them cached
+on the card; the layers graphed and linked: hybrid.runtime.graphs / miss_link), and A/B of how a linked layer hands its misses to the
 runner, in one session on the Qwen3-30B-A3B-shaped synthetic NVFP4 checkpoint. Writes
 $OUT/cpu_decode_ab.jsonl + gpu_check.log.
 
@@ -109,9 +109,9 @@ def runs(path: Path, deadline: float, a) -> None:
     tok = Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     eprof = oa.uniform_profile(path)
     ids = prompt_ids(tok, 32)
-    opts = RuntimeOptions(device=a.device, gpus=(0,), cache_slots=(0,), profile=a.profile if a.device == "cuda" else None,
+    opts = RuntimeOptions(device=a.device, gpus=(0,), cache_slots=(a.slots,), profile=a.profile if a.device == "cuda" else None,
                           expert_profile=str(eprof), cpu_threads=a.threads)
-    rc.log(f"session: every expert on the CPU runner ({opts})")
+    rc.log(f"session: {a.slots} expert slots, the rest on the CPU runner ({opts})")
     s = open_session(path, opts, context=len(ids) + a.tokens + a.warmup + 8)
     timer = PhaseTimer()
     try:
@@ -120,7 +120,7 @@ def runs(path: Path, deadline: float, a) -> None:
         if a.device == "cpu":                 # smoke: the graphed path's pieces run eagerly, every call pooled
             s.model.graphs = DecodeGraphs(s.model.model, s.model.experts, capture=False, enabled=True)
             runner.inline_bytes = 0
-        record({"check": "session", "threads": threads0, "pool_wait": runner.wait, "schedule": runner.schedule,
+        record({"check": "session", "slots": a.slots, "threads": threads0, "pool_wait": runner.wait, "schedule": runner.schedule,
                 "load_s": {k: round(v, 2) for k, v in s.load_s.items()}, "placement": s.placement.describe()})
         for cls, name, phase in ((_Runner, "run", "replay"), (MissLink, "fetch", "fetch"),
                                  (ExpertCache, "lookup", "lookup"), (MissLink, "put", "put"),
@@ -154,7 +154,7 @@ def runs(path: Path, deadline: float, a) -> None:
                          "kernel_ms_per_token": round(tm["kernel_s"] / n * 1e3, 3),
                          "direct_calls": tm["direct_calls"], "direct_ms_per_token": round(tm["direct_s"] / n * 1e3, 3)}
             first = first or res.generated_ids
-            record({"check": f"variant_{v}", "variant": v, "parts": runner.threads, "decode_steps": steps,
+            record({"check": f"variant_{v}", "variant": v, "slots": a.slots, "parts": runner.threads, "decode_steps": steps,
                     "decode_tok_s": round(res.decode_tok_s, 3), "ms_per_token": round(ms, 3) if ms else None,
                     "phases_ms_per_token": phases, "runner": runner_ms,
                     "ids_equal_first": res.generated_ids == first, **window(s, snap, snapshot(s), steps)})
@@ -173,6 +173,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--profile", default="h200")
     p.add_argument("--threads", type=int, default=None, help="--cpu-threads of the session (default: physical cores)")
+    p.add_argument("--slots", type=int, default=0, help="expert cache slots on the card (uniform profile: "
+                   "a warm start fills them; 0 = every expert on the CPU)")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--warmup", type=int, default=16)
     p.add_argument("--variants", default="pool,direct,pool,direct")
