@@ -306,7 +306,7 @@ def _gpu_run(path, ids, gpus, place, graphs: str, miss_graph: str, monkeypatch, 
         out = greedy_logits(s.model, ids, n)
         g = s.model.graphs
         info = dict(steps=s.stats.graph_steps, error=g.error, links=sorted(g.links),
-                    promotions=int(sum(c.promotions.sum() for c in s.caches)))
+                    promotions=int(sum(c.promotions.sum() for c in s.caches)), cache=_cache_state(s))
     finally:
         s.close()
     return out, info
@@ -333,6 +333,9 @@ def test_miss_graph_matches_old_path_on_cuda(models, place, gpus, monkeypatch):
     assert old_info["links"] == [] and new_info["links"]
     assert new_info["promotions"] > 0
     assert new[0] == old[0] == eager[0]
+    for a, b in zip(old_info["cache"], new_info["cache"]):     # the same lookups, promotions, evictions
+        for k in a:
+            assert np.array_equal(a[k], b[k]), k
     torch.testing.assert_close(new[1], old[1], atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(new[1], eager[1], atol=1e-2, rtol=1e-2)
 

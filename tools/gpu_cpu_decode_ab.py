@@ -129,6 +129,7 @@ def runs(path: Path, deadline: float, a) -> None:
             timer.wrap(cls, name, phase)
         for name in ("run", "sync", "submit"):
             timer.wrap(type(s.model.experts.cpu), name, "cpu")
+        predicted = round(s.plan.prediction.tok_s, 2) if s.plan is not None else None
         greedy = Sampler(SamplerConfig())
         s.model.prompt_tokens = len(ids)
         generate(s.model, tok, ids, a.warmup, greedy, prefill_chunk=s.prefill_chunk)        # graphs, compiles
@@ -154,10 +155,13 @@ def runs(path: Path, deadline: float, a) -> None:
                          "kernel_ms_per_token": round(tm["kernel_s"] / n * 1e3, 3),
                          "direct_calls": tm["direct_calls"], "direct_ms_per_token": round(tm["direct_s"] / n * 1e3, 3)}
             first = first or res.generated_ids
+            diff = next((i for i, (x, y) in enumerate(zip(first, res.generated_ids)) if x != y), None)
             record({"check": f"variant_{v}", "variant": v, "slots": a.slots, "parts": runner.threads, "decode_steps": steps,
                     "decode_tok_s": round(res.decode_tok_s, 3), "ms_per_token": round(ms, 3) if ms else None,
                     "phases_ms_per_token": phases, "runner": runner_ms,
-                    "ids_equal_first": res.generated_ids == first, **window(s, snap, snapshot(s), steps)})
+                    "ids_equal_first": res.generated_ids == first, "first_diff": diff,
+                    "generated_ids": res.generated_ids, "predicted_tok_s": predicted,
+                    **window(s, snap, snapshot(s), steps)})
         apply(s, "direct", None, threads0)
     finally:
         timer.close()
