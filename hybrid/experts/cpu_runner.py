@@ -33,7 +33,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
@@ -163,7 +163,7 @@ class Work:
     inline: bool = False      # run by sync() on the calling thread
     scr: np.ndarray | None = None   # dataflow scratch prepared at submit (sync may join the call)
     t_submit: float = 0.0     # perf_counter at submit (hand-off timing: CpuExpertRunner.timing)
-    done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event | None = None   # set by submit (run() needs none)
     error: BaseException | None = None
 
 
@@ -215,6 +215,7 @@ class CpuExpertRunner:
         """expert_ids list[int] [E], token_rows list of int arrays, route_weights list of f32 arrays,
         x [T, H] f32 -> handle.  (Also accepted: flat [A] arrays of (expert, token, weight) pairs.)"""
         work = self._prepare(layer, expert_ids, token_rows, route_weights, x, self.join)
+        work.done = threading.Event()
         work.t_submit = time.perf_counter()
         if work.inline:
             return work

@@ -122,7 +122,7 @@ class NumbaCpuRunner:
 
 def _pairs(expert_ids, token_rows, route_weights, x) -> tuple:
     """Flat (expert, token row, weight) pairs and x as the Numba runner takes them."""
-    return (np.ascontiguousarray(expert_ids, dtype=np.int32), np.ascontiguousarray(token_rows, dtype=np.int32),
+    return (np.ascontiguousarray(expert_ids, dtype=np.int64), np.ascontiguousarray(token_rows, dtype=np.int64),
             np.ascontiguousarray(route_weights, dtype=np.float32), np.ascontiguousarray(x, dtype=np.float32))
 
 
