@@ -340,6 +340,79 @@ def test_miss_graph_matches_old_path_on_cuda(models, place, gpus, monkeypatch):
     torch.testing.assert_close(new[1], eager[1], atol=1e-2, rtol=1e-2)
 
 
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("place", ["no_slots", "one_card", "two_cards"])
+def test_launch_ahead_matches_on_cuda(models, place, monkeypatch):
+    """HYBRID_PRELAUNCH (default on): the segment after a linked layer launched before its CPU
+    call, its combine waiting on the card (link_wait) for put(): the same greedy ids, cache counters
+    and close logits as launching it after the CPU call; it did launch ahead."""
+    path = models["nvfp4"]
+    ids = tokenizer_for(path).encode(PROMPT)
+    kw = {"no_slots": dict(cache_slots=(0,)), **GPU_PLACES}[place]
+    runs, ahead = [], []
+    for pre in ("0", "1"):
+        monkeypatch.setenv("HYBRID_PRELAUNCH", pre)
+        s = open_session(path, RuntimeOptions(device="cuda", gpus=(0, 0), pcie_frac=1.0, **kw), context=len(ids) + STEPS + 2)
+        try:
+            calls = []
+            launch = DecodeGraphs._launch_ahead
+            monkeypatch.setattr(DecodeGraphs, "_launch_ahead", lambda self, *a: (calls.append(1), launch(self, *a)))
+            runs.append((greedy_logits(s.model, ids, STEPS), _cache_state(s)))
+            links = list(s.model.graphs.links.values())
+            assert s.model.graphs.error is None and links
+            assert all(link.waits == (pre == "1") and link.released == link.consumers for link in links)
+            ahead.append(len(calls))
+        finally:
+            s.close()
+    ((ids0, l0), c0), ((ids1, l1), c1) = runs
+    assert ahead[0] == 0 and ahead[1] > 0
+    assert ids0 == ids1
+    for a, b in zip(c0, c1):
+        for k in a:
+            assert np.array_equal(a[k], b[k]), k
+    torch.testing.assert_close(l1, l0, atol=1e-2, rtol=1e-2)
+
+
+@cuda
+@pytest.mark.cuda
+def test_launch_ahead_survives_a_failing_cpu_call(models, monkeypatch):
+    """A CPU call that raises after the next segment was launched ahead releases it (no hang): the
+    error reaches the caller, and the session's next generation equals a fresh session's."""
+    path = models["nvfp4"]
+    ids = tokenizer_for(path).encode(PROMPT)
+    monkeypatch.setenv("HYBRID_PRELAUNCH", "1")
+    opts = RuntimeOptions(device="cuda", cache_slots=(0,))
+    s = open_session(path, opts, context=len(ids) + STEPS + 2)
+    try:
+        greedy_logits(s.model, ids, 3)                             # graphs captured: later steps launch ahead
+        cpu, n = s.model.experts.cpu, {"calls": 0}
+        run = cpu.run
+
+        def failing(*a, **kw):
+            n["calls"] += 1
+            if n["calls"] == 5:
+                raise RuntimeError("CPU call failed on purpose")
+            return run(*a, **kw)
+
+        monkeypatch.setattr(cpu, "run", failing)
+        with pytest.raises(RuntimeError, match="on purpose"):
+            greedy_logits(s.model, ids, STEPS)
+        torch.cuda.synchronize()                                   # returns: nothing waits for good
+        monkeypatch.setattr(cpu, "run", run)
+        got = greedy_logits(s.model, ids, STEPS)
+        assert all(link.released == link.consumers for link in s.model.graphs.links.values())
+    finally:
+        s.close()
+    s = open_session(path, opts, context=len(ids) + STEPS + 2)
+    try:
+        want = greedy_logits(s.model, ids, STEPS)
+    finally:
+        s.close()
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], atol=1e-2, rtol=1e-2)
+
+
 CUDA_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaMemcpyAsync",
               "cudaMemsetAsync", "cudaGraphLaunch", "cudaEventRecord", "cudaEventRecordWithFlags",
               "cudaStreamWaitEvent", "cudaEventSynchronize", "cudaStreamSynchronize", "cudaMemcpy")
@@ -403,6 +476,79 @@ def test_miss_link_row_and_cpu_sum():
     assert link.yc.tolist() == [[0.25, 0.0, -0.5]]
     link.put(None)                                                    # no misses: the CPU part reads 0
     assert not link.dirty and link.combine(model, 0).tolist() == [[1.5, 1.5, 1.5]] and not link.yc.any()
+
+
+def test_miss_link_release_protocol():
+    """waits=True (on a CPU the reference link_wait runs at once): every put() releases, a combine
+    takes one release and fails loudly without one (a GPU would wait for good); drop_stale()
+    withdraws a release no combine took; the counters balance."""
+    link = MissLink(k=1, hidden=2, dtype=torch.float16, device=torch.device("cpu"), waits=True)
+    model = type("M", (), {"layers": [type("L", (), {"shared": None})()],
+                           "moe_out": staticmethod(lambda layer, h, y: y)})()
+    with pytest.raises(RuntimeError, match="link_wait"):
+        link.combine(model, 0)                                    # nothing released yet
+    link.put(np.array([[1.0, 2.0]], np.float32))
+    assert link.flag.item() == 1 and link.released == 1
+    assert link.combine(model, 0).tolist() == [[1.0, 2.0]]
+    assert link.flag.item() == 0 and link.consumers == 1
+    link.put(None)                                                # a stopped step: released, not taken
+    link.drop_stale()
+    assert link.flag.item() == 0 and link.released == link.consumers == 1
+    link.release()
+    link.combine(model, 0)
+    assert link.released == link.consumers == 2
+    link.drop_stale()                                             # nothing stale: unchanged
+    assert link.released == link.consumers == 2
+
+
+def test_links_that_wait_match(models, tmp_path):
+    """Every link waiting for put()'s release (the reference link_wait, eager body): the same logits
+    bit for bit, and each step's combines took exactly the releases put() made."""
+    path = models["nvfp4"]
+    ids = tokenizer_for(path).encode(PROMPT)
+    out = []
+    for waits in (False, True):
+        s = _session(path, tmp_path, f"w{int(waits)}", True, "two_cards")
+        try:
+            g = s.model.graphs
+            step = DecodeGraphs.step
+
+            def stepped(self, *a, **kw):                           # links exist after the first step
+                for link in self.links.values():
+                    if waits and not link.waits:
+                        link.waits, link.released, link.consumers = True, 0, 0
+                return step(self, *a, **kw)
+
+            g.step = stepped.__get__(g)
+            out.append(greedy_logits(s.model, ids, STEPS))
+            links = list(g.links.values())
+            assert all(link.waits == waits for link in links) and links
+            assert all(link.released == link.consumers for link in links)
+            assert (sum(link.released for link in links) > 0) == waits
+        finally:
+            s.close()
+    assert out[0][0] == out[1][0] and torch.equal(out[0][1], out[1][1])
+
+
+def test_launch_ahead_only_a_captured_next_segment():
+    """_ahead: the next segment is launched ahead only when it opens with this linked layer's
+    combine, on the same device, is captured, and the link waits."""
+    cpu = torch.device("cpu")
+    segs = plan_segments([cpu] * 3, lambda i: False, cpu, lambda i: True)
+    g = DecodeGraphs.__new__(DecodeGraphs)
+    g.prelaunch, g._runners = True, {}
+    g.links = {i: MissLink(k=1, hidden=2, dtype=torch.float16, device=cpu, waits=True) for i in range(3)}
+    assert segs[1].carry_in == 0 and segs[0].linked
+    assert g._ahead(segs, 0, 8) is None                           # not captured yet
+    g._runners[(segs[1], 8)] = _Runner(torch.zeros(1), torch.zeros(1), fn=lambda: None)
+    assert g._ahead(segs, 0, 8) is None                           # an eager body would run at once
+    r = g._runners[(segs[1], 8)] = _Runner(torch.zeros(1), torch.zeros(1), graph=object())
+    assert g._ahead(segs, 0, 8) == (segs[1], r)
+    assert g._ahead(segs, 0, 16) is None                          # another bucket
+    g.links[0].waits = False
+    assert g._ahead(segs, 0, 8) is None
+    g.links[0].waits, g.prelaunch = True, False
+    assert g._ahead(segs, 0, 8) is None
 
 
 def test_graph_safe_slot_storage(models):
