@@ -353,8 +353,7 @@ def test_launch_ahead_matches_on_cuda(models, place, monkeypatch):
     runs, ahead = [], []
     for pre in ("0", "1"):
         monkeypatch.setenv("HYBRID_PRELAUNCH", pre)
-        gpus = (0, 0) if "layer_split" in kw else (0,)
-        s = open_session(path, RuntimeOptions(device="cuda", gpus=gpus, pcie_frac=1.0, **kw), context=len(ids) + STEPS + 2)
+        s = open_session(path, RuntimeOptions(device="cuda", gpus=(0, 0), pcie_frac=1.0, **kw), context=len(ids) + STEPS + 2)
         try:
             calls = []
             launch = DecodeGraphs._launch_ahead
