@@ -1433,18 +1433,3 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
   }
   attn_split<true>(sm, a, kq, vq, n, writer ? (int)p : -1, SU);
 }
-
-// ---------------------------------------------------------------------------------------------
-// link_wait: the head of the segment after a graphed can-miss layer (hybrid.runtime.miss_link)
-// when the host launches that segment before its CPU call: block the stream until the host
-// writes a non-zero word to `flag` (pinned host memory: under unified addressing the host pointer
-// is the device's), then zero it for the next step. The host writes the CPU's sum first, the word
-// after it (x86 keeps the order), so the copy of the sum that follows this kernel sees it.
-extern "C" __global__ void __launch_bounds__(32)
-link_wait(volatile unsigned int* flag) {
-  if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  while (*flag == 0u) {
-  }
-  *flag = 0u;
-  __threadfence_system();
-}

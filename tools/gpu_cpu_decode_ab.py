@@ -8,10 +8,8 @@ Variants (applied to the one session's runner between generations, in the order 
     direct    runner.run on the calling thread (the default)
     join      pool, and sync() runs unclaimed units on the calling thread (HYBRID_CPU_JOIN=1)
     <v>@<n>   the same with n parts per call (runner.threads), e.g. direct@15
-    <v>+noahead  the segment after a linked layer launched after its CPU call, not ahead of it
-              (DecodeGraphs.prelaunch off; the links still wait for put(), as in the default)
 Per generation: decode tok/s, ms per token, and per token the wall time of each host phase of the
-linked layers (timers around the functions, same in every variant): replay (segment graph launch; ahead: the ones launched before a CPU call),
+linked layers (timers around the functions, same in every variant): replay (segment graph launch),
 fetch (the wait for the routed row's event + its read), lookup (expert cache), cpu (the runner call),
 put (the CPU sum's upload), book (promote + account), the whole DecodeGraphs.step, and the rest of
 the loop (head, sampling, detokenization); with the runner's own counters (pool: queue and kernel
@@ -74,19 +72,15 @@ class PhaseTimer:
             setattr(cls, name, f)
 
 
-def parse_variant(v: str) -> tuple[str, int | None, bool]:
-    """-> (hand-off, parts or None, launch ahead)."""
-    head, _, n = v.partition("@")
-    base, _, mod = head.partition("+")
-    if base not in VARIANTS or (n and not n.isdigit()) or mod not in ("", "noahead"):
-        raise SystemExit(f"--variants: {v!r}: expected one of {', '.join(VARIANTS)}, optionally +noahead "
-                         "and @<parts>")
-    return base, int(n) if n else None, mod != "noahead"
+def parse_variant(v: str) -> tuple[str, int | None]:
+    base, _, n = v.partition("@")
+    if base not in VARIANTS or (n and not n.isdigit()):
+        raise SystemExit(f"--variants: {v!r}: expected one of {', '.join(VARIANTS)}, optionally @<parts>")
+    return base, int(n) if n else None
 
 
-def apply(s, base: str, parts: int | None, threads0: int, ahead: bool = True) -> None:
+def apply(s, base: str, parts: int | None, threads0: int) -> None:
     """Set the session's hand-off variant (see the module doc)."""
-    s.model.graphs.prelaunch = ahead
     ex = s.model.experts
     runner = ex.cpu.runner
     ex.cpu_direct = base == "direct"
@@ -131,8 +125,7 @@ def runs(path: Path, deadline: float, a) -> None:
         for cls, name, phase in ((_Runner, "run", "replay"), (MissLink, "fetch", "fetch"),
                                  (ExpertCache, "lookup", "lookup"), (MissLink, "put", "put"),
                                  (HybridExperts, "_promote", "book"), (HybridExperts, "_account", "book"),
-                                 (DecodeGraphs, "step", "step"), (HybridExperts, "linked", "linked"),
-                                 (DecodeGraphs, "_launch_ahead", "ahead")):
+                                 (DecodeGraphs, "step", "step"), (HybridExperts, "linked", "linked")):
             timer.wrap(cls, name, phase)
         for name in ("run", "sync", "submit"):
             timer.wrap(type(s.model.experts.cpu), name, "cpu")
@@ -145,8 +138,8 @@ def runs(path: Path, deadline: float, a) -> None:
             if time.perf_counter() > deadline:
                 record({"check": f"variant_{v}", "variant": v, "skipped": "device-time deadline"})
                 continue
-            base, parts, ahead = parse_variant(v)
-            apply(s, base, parts, threads0, ahead)
+            base, parts = parse_variant(v)
+            apply(s, base, parts, threads0)
             tm0, n0, snap = dict(runner.timing), s.stats.steps["decode"], snapshot(s)
             timer.reset()
             res = generate(s.model, tok, ids, a.tokens, greedy, prefill_chunk=s.prefill_chunk)
@@ -163,9 +156,7 @@ def runs(path: Path, deadline: float, a) -> None:
                          "direct_calls": tm["direct_calls"], "direct_ms_per_token": round(tm["direct_s"] / n * 1e3, 3)}
             first = first or res.generated_ids
             diff = next((i for i, (x, y) in enumerate(zip(first, res.generated_ids)) if x != y), None)
-            links = s.model.graphs.links.values()
-            record({"check": f"variant_{v}", "variant": v, "slots": a.slots, "parts": runner.threads,
-                    "ahead": ahead, "links_wait": sum(link.waits for link in links), "decode_steps": steps,
+            record({"check": f"variant_{v}", "variant": v, "slots": a.slots, "parts": runner.threads, "decode_steps": steps,
                     "decode_tok_s": round(res.decode_tok_s, 3), "ms_per_token": round(ms, 3) if ms else None,
                     "phases_ms_per_token": phases, "runner": runner_ms,
                     "ids_equal_first": res.generated_ids == first, "first_diff": diff,

@@ -10,7 +10,6 @@ k experts per token, R rows of the RoPE table, C rows of the KV store, L keys at
     x2, h, ids, weights = add_norm_router(x, w, eps, router, k, renorm, delta)   # all of it (T <= 8)
     out = decode_attn(q, k_store, v_store, keys, pos=pos)   # one token, keys 0..pos
     out = rope_attn(qkv, q_norm, k_norm, table, k_store, v_store, Hq, Hkv, D, eps, keys, pos=pos)  # both
-    link_wait(flag, device)    # the stream waits until the host sets a pinned word (then zeroes it)
 
 Each replaces several torch ops of the CUDA decode step with one launch on torch's current stream
 (graph-capturable). On CPU tensors the reference functions (ref_*) run, which are the torch ops of
@@ -520,30 +519,6 @@ def rope_attn(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
         ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps), ctypes.c_float(d ** -0.5 * _LOG2E),
         ctypes.c_int(keys), ctypes.c_int(rk), ctypes.c_int(rounds), ctypes.c_int(cpl)])
     return out
-
-
-
-# ---------------------------------------------------------------------------- host hand-off
-def ref_link_wait(flag: torch.Tensor) -> None:
-    """What link_wait does, run here and now: a zero word would block the stream for good."""
-    if int(flag[0]) == 0:
-        raise RuntimeError("link_wait: the flag is 0 (the host has not released the CPU's sum): "
-                           "on a GPU this launch would wait for good")
-    flag.zero_()
-
-
-def link_wait(flag: torch.Tensor, device: torch.device) -> None:
-    """flag int32 [1] in pinned host memory: `device`'s current stream waits (one thread polls it
-    over PCIe) until the host writes a non-zero value, then the kernel zeroes it. On a CPU `device`
-    the reference runs at once (it raises where a GPU would wait for good)."""
-    device = _dev(torch.device(device))
-    _check(flag, "flag", (torch.int32,), (1,))
-    if device.type != "cuda":
-        ref_link_wait(flag)
-        return
-    if flag.device.type != "cpu" or not flag.is_pinned():
-        raise ValueError("flag: expected pinned host memory (the card polls it)")
-    _module(device).launch("link_wait", (1, 1, 1), 32, [_p(flag)])
 
 
 if __name__ == "__main__":                  # the build tool's entry: --emit DIR (see fused_build)

@@ -14,10 +14,7 @@ The layers are cut into segments, each one graph on one device:
         next segment, which opens with the sum's copy up and xm + round(hits + CPU)
         (hybrid.runtime.miss_link): 2 host operations per such layer (MISS_LAYER_HOST_OPS). The layer's cache side (lookup, checked
         against the table; counters, policy, promotions, trace) runs after that launch, while the
-        segment runs (HybridExperts.settle_linked), before the next layer's lookup. Once captured,
-        that next segment is launched ahead (HYBRID_PRELAUNCH, the default on CUDA): right after
-        the row is read, before the CPU call; its combine waits on the card for put()'s release
-        (miss_link's link_wait), so the launch leaves the critical path. Before
+        segment runs (HybridExperts.settle_linked), before the next layer's lookup. Before
         a device change the host adds it (eager) and hops. Only where a captured graph can hold the
         hits (QPN slot storage, or no slots); the hits' GPU time is no longer timed (inside the
         graph, like the resident layers'). HYBRID_MISS_GRAPH=0, or the torch reference storage:
@@ -46,7 +43,7 @@ import torch
 
 from hybrid.model.layers import BUCKET, KVCache, attn_keys
 from hybrid.runtime.hybrid_experts import pack_route
-from hybrid.runtime.miss_link import MissLink, prelaunch_enabled
+from hybrid.runtime.miss_link import MissLink
 
 
 def graphs_enabled() -> bool:
@@ -131,12 +128,11 @@ class DecodeGraphs:
     """Runs HybridModel's T = 1 steps through graphs (see the module doc)."""
 
     def __init__(self, model, experts, capture: bool = True, enabled: bool | None = None,
-                 bucket: int = BUCKET, miss_graph: bool | None = None, prelaunch: bool | None = None):
+                 bucket: int = BUCKET, miss_graph: bool | None = None):
         self.model, self.experts = model, experts
         self.capture, self.bucket = capture, bucket
         self.enabled = graphs_enabled() if enabled is None else enabled
         self.miss_graph = miss_graph_enabled() if miss_graph is None else miss_graph
-        self.prelaunch = prelaunch_enabled() if prelaunch is None else prelaunch   # see miss_link
         self.links: dict[int, MissLink] = {}         # can-miss layer -> its MissLink (miss_graph)
         self.error: str | None = None
         self.captures = 0
@@ -178,8 +174,7 @@ class DecodeGraphs:
             self._pos_buf(dev).fill_(start)
         x, logits = self._embed(ids), None                                   # [1, H]
         carry = None                          # a linked can-miss layer whose combine is still due
-        ahead = None                          # the segment a linked layer launched before its CPU call
-        for j, seg in enumerate(segs):
+        for seg in segs:
             if seg.carry_in is None:
                 if carry is not None:         # the next segment is on another device: combine here
                     x = self.links[carry].combine(m, carry)
@@ -189,9 +184,8 @@ class DecodeGraphs:
             r = self._runner(seg, keys, x)
             if seg.carry_in is None:
                 r.x_in.copy_(x)
-            if ahead is not seg:
-                self._launch(seg, r)
-            ahead = None
+            self.experts.prepare_device(self._device_layers(seg))
+            r.run()
             if seg.resident:
                 self.experts.note_device(seg.resident, r.route_buf)
             self.experts.settle_linked()     # the last linked layer's cache side, while this segment runs
@@ -199,10 +193,7 @@ class DecodeGraphs:
                 carry = seg.layers[-1]
                 link = self.links[carry]
                 link.after_replay()
-                nxt = self._ahead(segs, j, keys)
-                if nxt is not None:           # launched ahead: its combine waits on the card for put()
-                    ahead = nxt[0]
-                self.experts.linked(carry, link, None if nxt is None else lambda: self._launch_ahead(link, *nxt))
+                self.experts.linked(carry, link)
             elif seg.host_last:
                 xm, h, rid, rw, packed = r.out
                 i = seg.layers[-1]
@@ -215,32 +206,6 @@ class DecodeGraphs:
             x = self.links[carry].combine(m, carry)
         cache.length = start + 1
         return logits if logits is not None else m.head(x)
-
-    def _launch(self, seg: Segment, r: _Runner) -> None:
-        """Run a segment (its pending promotions landed first); a graph replay that opens with a
-        waiting combine counts as that link's consumer (an eager body counts itself)."""
-        self.experts.prepare_device(self._device_layers(seg))
-        if r.graph is not None and seg.carry_in is not None:
-            link = self.links[seg.carry_in]
-            if link.waits:
-                link.consumers += 1
-        r.run()
-
-    def _launch_ahead(self, link: MissLink, seg: Segment, r: _Runner) -> None:
-        """The segment after a linked layer, launched once the layer's row is read (its event passed,
-        so no earlier combine of this link is in flight) and before its CPU call."""
-        link.drop_stale()
-        self._launch(seg, r)
-
-    def _ahead(self, segs: list[Segment], j: int, keys: int):
-        """(segment, runner) to launch ahead of segs[j]'s linked layer's CPU call, or None: only the
-        next segment on the same device, opening with that layer's combine, already captured (a
-        capture runs its body once, eagerly: that combine must find put()'s release)."""
-        link = self.links[segs[j].layers[-1]]
-        if not (self.prelaunch and link.waits) or j + 1 >= len(segs) or segs[j + 1].carry_in != segs[j].layers[-1]:
-            return None
-        r = self._runners.get((segs[j + 1], keys))
-        return None if r is None or r.graph is None else (segs[j + 1], r)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [1] -> [1, H]: the model's own lookup for host ids; ids on a device are looked up in a
@@ -285,8 +250,7 @@ class DecodeGraphs:
         link = self.links.get(layer)
         if link is None:
             m = self.model
-            link = self.links[layer] = MissLink(m.cfg.num_experts_per_tok, m.cfg.hidden_size, m.dtype, dev,
-                                                waits=self.prelaunch and dev.type == "cuda" and self.capture)
+            link = self.links[layer] = MissLink(m.cfg.num_experts_per_tok, m.cfg.hidden_size, m.dtype, dev)
         return link
 
     def _runner(self, seg: Segment, keys: int, x: torch.Tensor) -> _Runner:
@@ -357,8 +321,5 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):   # its default stream is made once, on
             out = body()                                             # the first device it met
-        if seg.carry_in is not None and self.links[seg.carry_in].waits:
-            side.synchronize()                       # the warm-up's combine has taken put()'s release:
-            self.links[seg.carry_in].release()       # one more for the replay (never two in one word)
         self.captures += 1
         return _Runner(x_in, route_buf, graph=graph, out=out)

@@ -20,9 +20,7 @@ copy of the step's deferred ids. Lookups of different layers touch disjoint stat
 without misses promotes nothing, so the bookkeeping (and an offline replay of the trace) is the
 same as if the lookup had run in place. In a graphed decode step a layer that can miss runs its
 hits in the graph too (through its table; hybrid.runtime.miss_link) and `linked` does the host's
-part: the CPU's misses (the pairs the table marked absent) and their sum to pinned memory, the next
-segment launched ahead of the CPU call where the graphs can; the lookup, its check against the
-table and the promotions follow in settle_linked, after the next segment's launch. A promotion never
+part in place: the lookup, the CPU's misses, their upload, the promotions. A promotion never
 evicts an expert the step uses (ExpertCache.evictable), so the hits still running on the card
 never read a slot that is being overwritten.
 
@@ -328,7 +326,7 @@ class HybridExperts:
                 tot["staging_bytes"] += c.prefill.nbytes
         return tot
 
-    def linked(self, layer: int, link, launch=None) -> None:
+    def linked(self, layer: int, link) -> None:
         """The host's part of a can-miss layer whose hits ran inside its decode graph
         (hybrid.runtime.graphs, MissLink): wait for the routed row, run the misses (the pairs the
         graph's slot table marked absent) on the CPU while the card runs the hits, upload their sum
@@ -336,9 +334,7 @@ class HybridExperts:
         settle_linked(), which the graphs call once the next segment is launched: it then runs in
         the card's shadow instead of between the CPU's sum and the next launch, in the same order of
         cache operations (before the next layer's lookup). The lookup must find the hits the
-        graph's slot table found: a difference is a bug (an expert summed twice or never), so it raises.
-        launch: launches the next segment, whose combine waits on the card for put() (MissLink,
-        launched ahead); called once the row is read, before the CPU call."""
+        graph's slot table found: a difference is a bug (an expert summed twice or never), so it raises."""
         if self._step is None:
             raise RuntimeError("HybridExperts called outside a step (use HybridModel.forward)")
         self.settle_linked()
@@ -346,20 +342,13 @@ class HybridExperts:
         ids_h, w_h, local, x_h = link.fetch()                                 # [1, k] x3, [1, H]
         mt, mj = np.nonzero(local < 0)                                        # miss pairs [A_m]
         self.stats.route_sync_s[layer] += time.perf_counter() - t0
-        if launch is not None:
-            launch()
         y = None
         if len(mt):
             t_sub = time.perf_counter()
-            try:
-                if self.cpu_direct:               # nothing to do meanwhile: no hand-off to a worker
-                    y = self.cpu.run(layer, ids_h[mt, mj], mt, w_h[mt, mj], x_h)  # [1, H] f32
-                else:
-                    y = self.cpu.sync(self.cpu.submit(layer, ids_h[mt, mj], mt, w_h[mt, mj], x_h))
-            except BaseException:
-                if launch is not None:            # the launched segment must not wait for good; the
-                    link.release()                # step is dropped with its result
-                raise
+            if self.cpu_direct:                   # nothing to do meanwhile: no hand-off to a worker
+                y = self.cpu.run(layer, ids_h[mt, mj], mt, w_h[mt, mj], x_h)  # [1, H] f32
+            else:
+                y = self.cpu.sync(self.cpu.submit(layer, ids_h[mt, mj], mt, w_h[mt, mj], x_h))
             t_done = time.perf_counter()
             self.stats.cpu_wait_s[layer] += t_done - t_sub
             self.stats.cpu_expert_s[layer] += t_done - t_sub

@@ -15,29 +15,13 @@ it reads what put() left there when it replays), then xm + moe_out(fp16(yh + yc)
 very ops in its order (hits + CPU in fp32, one rounding, the residual), so the numbers do not change.
 The host writes `stage` again only after the next step's event of this layer, behind that copy.
 
-Launched ahead (waits=True: CUDA and HYBRID_PRELAUNCH, the default): the host may launch the next
-graph right after fetch(), before its CPU call, so the card starts it the moment the CPU's sum is
-there instead of after a host launch. combine() then opens with link_wait (cuda/fused.cu): the
-stream waits until put() has written the sum and then a non-zero word to the pinned `flag` (x86
-keeps the two stores in order), and the kernel zeroes the word. Every put() releases; every
-launched combine consumes one release (`released` / `consumers` count them on the host: a release
-that no combine took, from a step stopped between put() and its next graph, is withdrawn by
-drop_stale() before a combine is launched ahead of its put()).
-
 pack / host row [1, 3k + H] fp32: ids (as floats, exact below 2^24) | weights | the card's local
 slot of each routed expert (-1: not in a slot; the host checks them against its cache lookup) | h.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
-
-
-def prelaunch_enabled() -> bool:
-    """HYBRID_PRELAUNCH=0: the graph after a linked layer is launched after its CPU call (no link_wait)."""
-    return os.environ.get("HYBRID_PRELAUNCH", "1") not in ("0", "off", "false", "no")
 
 
 def _event(device: torch.device):
@@ -54,15 +38,9 @@ def _event(device: torch.device):
 class MissLink:
     """One can-miss layer's link (see the module doc); buffers are graph-static, made once."""
 
-    def __init__(self, k: int, hidden: int, dtype: torch.dtype, device: torch.device, waits: bool | None = None):
-        """waits: combine() waits on the card for put()'s release (None: CUDA and prelaunch_enabled();
-        True on a CPU runs fused.ref_link_wait, which raises where a GPU would wait for good)."""
+    def __init__(self, k: int, hidden: int, dtype: torch.dtype, device: torch.device):
         device = torch.device(device)
         self.k, self.cuda = k, device.type == "cuda"
-        self.waits = (self.cuda and prelaunch_enabled()) if waits is None else bool(waits)
-        self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)       # link_wait's word
-        self._flag_np = self.flag.numpy()
-        self.released = self.consumers = 0                                      # see the module doc
         f32 = dict(dtype=torch.float32)
         self.pack = torch.zeros(1, 3 * k + hidden, device=device, **f32)        # [1, 3k + H]
         self.host = torch.zeros(1, 3 * k + hidden, pin_memory=self.cuda, **f32)
@@ -97,12 +75,6 @@ class MissLink:
 
     def combine(self, model, layer: int) -> torch.Tensor:
         """The layer's output x [1, H]: xm + moe_out(round(yh + yc)), as the eager path adds them."""
-        if self.waits:
-            from hybrid.kernels.fused import link_wait
-
-            link_wait(self.flag, self.xm.device)                                # until put() released
-            if not (self.cuda and torch.cuda.is_current_stream_capturing()):
-                self.consumers += 1                                             # run now (replays: graphs)
         self.yc.copy_(self.stage, non_blocking=self.cuda)                       # put()'s sum, at replay
         y = (self.yh + self.yc).to(self.xm.dtype)                               # hits + CPU, fp32
         h = None
@@ -127,25 +99,11 @@ class MissLink:
 
     def put(self, y: np.ndarray | None) -> None:
         """The CPU's sum of the misses [1, H] f32 into the pinned stage, which the next graph copies
-        up (combine); None: no misses, the stage must read 0. Then the release (waits)."""
-        if y is not None:
-            self._stage_np[...] = y
-            self.dirty = True
-        elif self.dirty:
-            self._stage_np[...] = 0
-            self.dirty = False
-        if self.waits:
-            self.release()
-
-    def release(self) -> None:
-        """Let one waiting combine go on (the stage holds what it should read, or the step is dropped)."""
-        self._flag_np[0] = 1
-        self.released += 1
-
-    def drop_stale(self) -> None:
-        """Before a combine is launched ahead of its put(): withdraw a release no combine took, so the
-        new one waits for this step's sum. No combine of this link is in flight then (the caller
-        waited for this layer's event, which the stream reaches after any earlier combine), so the
-        word must read 0: write it."""
-        self._flag_np[0] = 0
-        self.released = self.consumers
+        up (combine); None: no misses, the stage must read 0."""
+        if y is None:
+            if self.dirty:
+                self._stage_np[...] = 0
+                self.dirty = False
+            return
+        self._stage_np[...] = y
+        self.dirty = True
