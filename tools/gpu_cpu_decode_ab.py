@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_decode_overlap_ab as oa  # noqa: E402  - make_synth, uniform_profile
+import gpu_decode_overlap_ab as oa  # noqa: E402  - synth_args / synth_parts, uniform_profile
 import gpu_runtime_check as rc  # noqa: E402  - log / recorder / run_parts
 
 rc.OUT = oa.OUT = OUT = Path(os.environ.get("OUT", "scratch/out"))
@@ -170,11 +170,8 @@ def runs(path: Path, deadline: float, a) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
-    p.add_argument("--skew", type=float, default=0.25)
-    p.add_argument("--small", action="store_true", help="a 4-layer toy checkpoint (smoke test)")
-    p.add_argument("--reuse", action="store_true", help="keep a checkpoint already at --synth (an earlier run's)")
-    p.add_argument("--device", default="cuda")
+    oa.synth_args(p)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the tool here")
     p.add_argument("--profile", default="h200")
     p.add_argument("--threads", type=int, default=None, help="--cpu-threads of the session (default: physical cores)")
     p.add_argument("--slots", type=int, default=0, help="expert cache slots on the card (uniform profile: "
@@ -188,9 +185,7 @@ def main() -> int:
         parse_variant(v)
     OUT.mkdir(parents=True, exist_ok=True)
     deadline = rc.T0 + a.budget_s
-    reuse = a.reuse and (a.synth / "config.json").exists()
-    parts = [] if reuse else [("synth_write", lambda: oa.make_synth(a.synth, a.skew, a.small, None))]
-    parts.append(("ab_runs", lambda: runs(a.synth, deadline, a)))
+    parts = oa.synth_parts(a) + [("ab_runs", lambda: runs(a.synth, deadline, a))]
     rc.run_parts(parts, deadline, record, rc.log)
     rc.log("done")
     return 0

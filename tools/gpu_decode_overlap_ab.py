@@ -54,6 +54,22 @@ def make_synth(path: Path, skew: float, small: bool, layers: int | None) -> None
             "gib": round(sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30, 2)})
 
 
+def synth_args(p: argparse.ArgumentParser) -> None:
+    """The synthetic checkpoint's flags, shared by the decode A/B tools."""
+    p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
+    p.add_argument("--skew", type=float, default=0.25)
+    p.add_argument("--small", action="store_true", help="a 4-layer toy checkpoint (smoke test)")
+    p.add_argument("--layers", type=int, default=None, help="layers of the synthetic checkpoint (default 48)")
+    p.add_argument("--reuse", action="store_true", help="use --synth as it is when it holds a checkpoint")
+
+
+def synth_parts(a) -> list:
+    """run_parts' part that writes the checkpoint, unless --reuse finds one at --synth."""
+    if a.reuse and (a.synth / "config.json").exists():
+        return []
+    return [("synth_write", lambda: make_synth(a.synth, a.skew, a.small, a.layers))]
+
+
 def uniform_profile(path: Path) -> Path:
     """An expert profile with every expert used equally (a warm start fills every slot it is given)."""
     import numpy as np
@@ -243,12 +259,8 @@ def runs(path: Path, deadline: float, a) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
-    p.add_argument("--skew", type=float, default=0.25)
-    p.add_argument("--small", action="store_true", help="a 4-layer toy checkpoint (smoke test)")
+    synth_args(p)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the tool here")
-    p.add_argument("--layers", type=int, default=None, help="layers of the synthetic checkpoint (default 48)")
-    p.add_argument("--reuse", action="store_true", help="use --synth as it is when it exists")
     p.add_argument("--tokens", type=int, default=64, help="measured tokens per generation")
     p.add_argument("--warmup", type=int, default=16, help="tokens of the session's warm-up generation")
     p.add_argument("--budget-s", type=float, default=110, help="stop starting new generations after this")
@@ -269,9 +281,7 @@ def main() -> int:
         return 2
     a.order = a.order or f"synth_one_gpu_cap16,synth_one_gpu_slots{a.miss_slots}"
     deadline = rc.T0 + a.budget_s
-    parts = [] if a.reuse and a.synth.exists() else [("synth_write", lambda: make_synth(a.synth, a.skew, a.small,
-                                                                                        a.layers))]
-    parts.append(("ab_runs", lambda: runs(a.synth, deadline, a)))
+    parts = synth_parts(a) + [("ab_runs", lambda: runs(a.synth, deadline, a))]
     rc.run_parts(parts, deadline, record, rc.log)
     rc.log("done")
     return 0
