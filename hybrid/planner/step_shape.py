@@ -21,8 +21,8 @@ hardware; the profile gives what one kernel or one op costs (gpus[].graph_kernel
                     hybrid.runtime.graphs.MISS_LAYER_HOST_OPS) and ~14 graph nodes: 2 row copies, the
                     copy to pinned memory, the event, the grouped kernel's 4 launches, 2 saves and the
                     next graph's CPU-sum copy up / add / cast / add (3 host operations and 13 nodes
-                    before the copy up moved into the graph). Measured on the H200 (1024 slots, 30B-A3B shape):
-                    CUDA calls per step 699 -> 178, decode 25.4-32.4 -> 93.8-108.1 tok/s.
+                    before the copy up moved into the graph). Measured on the H200 (1024 slots,
+                    30B-A3B shape): CUDA calls per step 699 -> 178, decode 25.4-32.4 -> 93.8-108.1 tok/s.
 The counts were estimated from the code; tools/gpu_runtime_check.py counts the kernels of one
 eager step on the device (results/runtime.md) to check them.
 

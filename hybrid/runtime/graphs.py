@@ -10,11 +10,12 @@ The layers are cut into segments, each one graph on one device:
         dense part, its router (its card's expert -> slot table, -1 where not in a slot), copies the
         routed row to pinned host memory, records an event, then runs the grouped kernel over the
         hits (-1 pairs dropped). The host waits for the event only, runs the misses (the table's
-        -1 pairs) on the CPU runner while the card runs the hits, uploads their sum, and replays the
-        next segment, which opens with the sum's copy up and xm + round(hits + CPU)
-        (hybrid.runtime.miss_link): 2 host operations per such layer (MISS_LAYER_HOST_OPS). The layer's cache side (lookup, checked
-        against the table; counters, policy, promotions, trace) runs after that launch, while the
-        segment runs (HybridExperts.settle_linked), before the next layer's lookup. Before
+        -1 pairs) on the CPU runner while the card runs the hits, writes their sum to pinned
+        memory, and replays the next segment, which opens with the sum's copy up and
+        xm + round(hits + CPU) (hybrid.runtime.miss_link): 2 host operations per such layer
+        (MISS_LAYER_HOST_OPS). The layer's cache side (lookup, checked against the table; counters,
+        policy, promotions, trace) runs after that launch, while the segment runs
+        (HybridExperts.settle_linked), before the next layer's lookup. Before
         a device change the host adds it (eager) and hops. Only where a captured graph can hold the
         hits (QPN slot storage, or no slots); the hits' GPU time is no longer timed (inside the
         graph, like the resident layers'). HYBRID_MISS_GRAPH=0, or the torch reference storage:

@@ -20,7 +20,9 @@ copy of the step's deferred ids. Lookups of different layers touch disjoint stat
 without misses promotes nothing, so the bookkeeping (and an offline replay of the trace) is the
 same as if the lookup had run in place. In a graphed decode step a layer that can miss runs its
 hits in the graph too (through its table; hybrid.runtime.miss_link) and `linked` does the host's
-part in place: the lookup, the CPU's misses, their upload, the promotions. A promotion never
+part: the CPU's misses (the pairs the table marked absent) and their sum to pinned memory; the
+lookup, its check against the table and the promotions follow in settle_linked, once the next
+segment is launched. A promotion never
 evicts an expert the step uses (ExpertCache.evictable), so the hits still running on the card
 never read a slot that is being overwritten.
 
@@ -54,6 +56,7 @@ from hybrid.runtime.placement import CardSpec
 from hybrid.runtime.prefill_stream import PrefillStream
 from hybrid.runtime.slots import CardSlots
 from hybrid.runtime.stats import RuntimeStats
+
 
 def cpu_direct_enabled() -> bool:
     """HYBRID_CPU_DIRECT=0: a graphed can-miss layer hands its misses to the CPU runner's pool thread
@@ -329,8 +332,8 @@ class HybridExperts:
     def linked(self, layer: int, link) -> None:
         """The host's part of a can-miss layer whose hits ran inside its decode graph
         (hybrid.runtime.graphs, MissLink): wait for the routed row, run the misses (the pairs the
-        graph's slot table marked absent) on the CPU while the card runs the hits, upload their sum
-        for the next graph. The cache's side (lookup, promotions, accounting) waits for
+        graph's slot table marked absent) on the CPU while the card runs the hits, write their sum to
+        pinned memory for the next graph. The cache's side (lookup, promotions, accounting) waits for
         settle_linked(), which the graphs call once the next segment is launched: it then runs in
         the card's shadow instead of between the CPU's sum and the next launch, in the same order of
         cache operations (before the next layer's lookup). The lookup must find the hits the
