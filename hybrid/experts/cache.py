@@ -245,6 +245,8 @@ class ExpertCache:
     def promote_misses(self, layer: int, lookup: Lookup) -> list[Promotion]:
         """Promote what the policy admits among lookup.misses, within this step's PCIe budget."""
         done, i, cands = [], self._row_of(layer), None
+        if not lookup.misses or not (self._free[i] or self._res[i]):
+            return done                                # nothing missed, or a layer with no slots
         for e in self.policy.rank(layer, lookup.misses):
             if not self.affordable():
                 break
