@@ -1,7 +1,7 @@
 """Where an all-CPU decode token's time goes (every expert on the CPU runner, or --slots of them cached
-on the card; the layers graphed and linked: hybrid.runtime.graphs / miss_link), and A/B of how a linked layer hands its misses to the
-runner, in one session on the Qwen3-30B-A3B-shaped synthetic NVFP4 checkpoint. Writes
-$OUT/cpu_decode_ab.jsonl + gpu_check.log.
+on the card; the layers graphed and linked: hybrid.runtime.graphs / miss_link), and A/B of how a
+linked layer hands its misses to the runner, in one session on the Qwen3-30B-A3B-shaped synthetic
+NVFP4 checkpoint. Writes $OUT/cpu_decode_ab.jsonl + gpu_check.log.
 
 Variants (applied to the one session's runner between generations, in the order given, repeats allowed):
     pool      submit + sync through the runner's pool thread (HYBRID_CPU_DIRECT=0)
@@ -10,8 +10,9 @@ Variants (applied to the one session's runner between generations, in the order 
     <v>@<n>   the same with n parts per call (runner.threads), e.g. direct@15
 Per generation: decode tok/s, ms per token, and per token the wall time of each host phase of the
 linked layers (timers around the functions, same in every variant): replay (segment graph launch),
-fetch (the wait for the routed row's event + its read), lookup (expert cache), cpu (the runner call),
-put (the CPU sum's upload), book (promote + account), the whole DecodeGraphs.step, and the rest of
+fetch (the wait for the routed row's event + its read), lookup (expert cache), cpu (the runner call;
+the prompt step's pooled calls are spread over the decode steps), put (the CPU sum to pinned memory),
+book (promote + account), the whole DecodeGraphs.step, and the rest of
 the loop (head, sampling, detokenization); with the runner's own counters (pool: queue and kernel
 time; direct: the call's time).
 
