@@ -250,3 +250,25 @@ def test_flat_pairs_grouping_matches_numpy():
             assert a.dtype == b.dtype and np.array_equal(a, b)
     with pytest.raises(ValueError, match="one entry per pair"):
         _group(np.array([1, 2]), np.array([0]), np.array([1.0, 1.0]), 4)
+
+
+def test_flat_plan_matches_grouping_and_store_slots(store_and_weights):
+    """A call of flat pairs is planned in one compiled pass (_plan_pairs): the same grouping and the
+    same gate_up / down offsets and scales as _group + ExpertStore.slots, on every layer."""
+    from hybrid.experts.cpu_runner import _group
+
+    s, _ = store_and_weights
+    rng = np.random.default_rng(21)
+    with CpuExpertRunner(s, threads=1, inline_bytes=0) as runner:
+        for layer in range(L):
+            for n in (1, 8, 40):
+                e = rng.integers(0, E, n)
+                r = rng.integers(0, 5, n)
+                w = rng.random(n).astype(np.float32)
+                x = rng.standard_normal((5, H)).astype(np.float32)
+                work = runner._prepare(layer, e, r, w, x, False)
+                ids, rows, ptr, wt = _group(e, r, w, 5)
+                for a, b in zip((work.ids, work.rows, work.ptr, work.w), (ids, rows, ptr, wt)):
+                    assert a.dtype == b.dtype and np.array_equal(a, b)
+                for a, b in zip(work.slots, s.slots(layer, ids)):
+                    assert a.dtype == b.dtype and np.array_equal(a, b)
