@@ -279,13 +279,8 @@ class CpuExpertRunner:
             raise ValueError(f"x must be [T, {self.store.hidden}] f32, got {x.shape}")
         s, T = self.store, x.shape[0]
         if _is_flat(token_rows) and 0 <= layer < s.num_layers:   # one compiled pass (a decode layer's call)
-            e = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
-            w = np.asarray(route_weights, dtype=np.float32).reshape(-1)
-            if not e.shape == token_rows.shape == w.shape:
-                raise ValueError("flat expert_ids, token_rows and route_weights must have one entry per pair, "
-                                 f"got {e.shape[0]}, {token_rows.shape[0]}, {w.shape[0]}")
-            ids, rows, ptr, w, gu, dn, scl, bad = _plan_pairs(e, token_rows.astype(np.int64, copy=False), w, T,
-                                                              s.offsets[layer], s.scales[layer])
+            e, r, w = _flat_pairs(expert_ids, token_rows, route_weights)
+            ids, rows, ptr, w, gu, dn, scl, bad = _plan_pairs(e, r, w, T, s.offsets[layer], s.scales[layer])
             if bad == 1:
                 raise ValueError(f"token rows must lie in [0, {T})")
             if bad == 2:
@@ -395,15 +390,20 @@ def _is_flat(token_rows) -> bool:
     return isinstance(token_rows, np.ndarray) and token_rows.ndim == 1 and token_rows.dtype.kind in "iu"
 
 
+def _flat_pairs(expert_ids, token_rows, route_weights):
+    """Flat pairs (_is_flat) -> e i64 [A], rows i64 [A], w f32 [A]; one entry per pair or ValueError."""
+    e = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
+    w = np.asarray(route_weights, dtype=np.float32).reshape(-1)
+    if not e.shape == token_rows.shape == w.shape:
+        raise ValueError("flat expert_ids, token_rows and route_weights must have one entry per pair, "
+                         f"got {e.shape[0]}, {token_rows.shape[0]}, {w.shape[0]}")
+    return e, token_rows.astype(np.int64, copy=False), w
+
+
 def _group(expert_ids, token_rows, route_weights, T: int):
     """-> ids i64 [E], rows i64 [P], ptr i64 [E + 1], w f32 [P] (rows of entry e: ptr[e]:ptr[e+1])."""
     if _is_flat(token_rows):                                    # [A] pairs -> grouped by expert id, ascending
-        e = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
-        w = np.asarray(route_weights, dtype=np.float32).reshape(-1)
-        if not e.shape == token_rows.shape == w.shape:
-            raise ValueError("flat expert_ids, token_rows and route_weights must have one entry per pair, "
-                             f"got {e.shape[0]}, {token_rows.shape[0]}, {w.shape[0]}")
-        ids, rows, ptr, w, ok = _group_pairs(e, np.asarray(token_rows, dtype=np.int64), w, T)
+        ids, rows, ptr, w, ok = _group_pairs(*_flat_pairs(expert_ids, token_rows, route_weights), T)
         if not ok:
             raise ValueError(f"token rows must lie in [0, {T})")
         return ids, rows, ptr, w
