@@ -387,40 +387,49 @@ def ggml_graphs(gg: Ggml, H: int, I: int, n: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- activation format
+def _gate_projection(H: int, I: int, rng):
+    """A random NVFP4 [I, H] weight -> (its data u8, its scales u8, its float64 dequantization)."""
+    w = random_qweight(I, H, QType.NVFP4, rng)
+    data, scale = w.data.numpy(), w.scale.view(torch.uint8).numpy()
+    W = (E2M1_TABLE.astype(np.float64)[np.stack([data & 15, data >> 4], -1).reshape(I, H)]
+         * np.repeat(E4M3_TABLE.astype(np.float64)[scale], 16, axis=1))
+    return data, scale, W
+
+
+def _worst_rel_err(y: np.ndarray, ref: np.ndarray) -> float:
+    """Relative error, L2 per token (row), the largest."""
+    return float((np.linalg.norm(y - ref, axis=1) / np.linalg.norm(ref, axis=1)).max())
+
+
 def activation_format_errors(H: int = 2048, I: int = 768, M: int = 8) -> dict:
     """Relative error (L2, per token, max) vs float64: both kernel families, and activations
     rounded per block to int8 / int16 (float64 products, the rounding alone)."""
     rng = np.random.default_rng(5)
-    w = random_qweight(I, H, QType.NVFP4, rng)
-    W = (E2M1_TABLE.astype(np.float64)[np.stack([w.data.numpy() & 15, w.data.numpy() >> 4], -1).reshape(I, H)]
-         * np.repeat(E4M3_TABLE.astype(np.float64)[w.scale.view(torch.uint8).numpy()], 16, axis=1))
+    data, scale, W = _gate_projection(H, I, rng)
     x = rng.standard_normal((M, H)).astype(np.float32)
     ref = x.astype(np.float64) @ W.T
     ys = {}
     for name, i16, gemm in (("fp32", False, nvfp4_gemm), ("int16_kernel", True, nvfp4_i16_gemm)):
         ys[name] = np.zeros((M, I), np.float32)
-        tiles = layout.pack_nvfp4(w.data.numpy(), w.scale.view(torch.uint8).numpy(), int16=i16)
+        tiles = layout.pack_nvfp4(data, scale, int16=i16)
         gemm(tiles, x, np.float32(1.0), ys[name], 0, layout.num_tiles(I))
-    err = lambda a: float((np.linalg.norm(a - ref, axis=1) / np.linalg.norm(ref, axis=1)).max())  # noqa: E731
-    return {**{k: err(y) for k, y in ys.items()}, **{f"int{bits}_block{blk}": err(quantized(x, bits, blk) @ W.T)
-                                                      for bits, blk in ((8, 32), (8, 16), (16, 16))}}
+    return {**{k: _worst_rel_err(y, ref) for k, y in ys.items()},
+            **{f"int{bits}_block{blk}": _worst_rel_err(quantized(x, bits, blk) @ W.T, ref)
+               for bits, blk in ((8, 32), (8, 16), (16, 16))}}
 
 
 def int16_kernel_errors(H: int = 2048, I: int = 768, ms=tuple(range(1, 9))) -> dict:
     """M -> relative error (L2 per token, max) of the int16 NVFP4 kernel (cpu/i16.py, as this
     process compiles it: host, haswell or VNNI build) against float64, one Qwen3 gate projection."""
     rng = np.random.default_rng(5)
-    w = random_qweight(I, H, QType.NVFP4, rng)
-    W = (E2M1_TABLE.astype(np.float64)[np.stack([w.data.numpy() & 15, w.data.numpy() >> 4], -1).reshape(I, H)]
-         * np.repeat(E4M3_TABLE.astype(np.float64)[w.scale.view(torch.uint8).numpy()], 16, axis=1))
-    tiles = layout.pack_nvfp4(w.data.numpy(), w.scale.view(torch.uint8).numpy(), int16=True)
+    data, scale, W = _gate_projection(H, I, rng)
+    tiles = layout.pack_nvfp4(data, scale, int16=True)
     out = {}
     for M in ms:
         x = rng.standard_normal((M, H)).astype(np.float32)
-        ref = x.astype(np.float64) @ W.T
         y = np.zeros((M, I), np.float32)
         nvfp4_i16_gemm(tiles, x, np.float32(1.0), y, 0, layout.num_tiles(I))
-        out[M] = float((np.linalg.norm(y - ref, axis=1) / np.linalg.norm(ref, axis=1)).max())
+        out[M] = _worst_rel_err(y, x.astype(np.float64) @ W.T)
     return out
 
 
