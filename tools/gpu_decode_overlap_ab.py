@@ -183,7 +183,6 @@ def gpu_bound(s, ids: list[int], steps: int) -> dict:
 def host_profile(s, tok, ids: list[int], tokens: int, top: int = 20) -> dict:
     """cProfile of one overlapped generation: the host's own time per token by function."""
     import cProfile
-    import pstats
 
     from hybrid.generate import generate
     from hybrid.sampler import Sampler, SamplerConfig
@@ -193,10 +192,7 @@ def host_profile(s, tok, ids: list[int], tokens: int, top: int = 20) -> dict:
     res = generate(s.model, tok, ids, tokens, Sampler(SamplerConfig()), prefill_chunk=s.prefill_chunk, overlap=True)
     prof.disable()
     n = max(len(res.generated_ids), 1)
-    st = pstats.Stats(prof).stats
-    rows = sorted(((f"{Path(f).name}:{line}({name})", tt, nc) for (f, line, name), (_, nc, tt, _, _) in st.items()),
-                  key=lambda r: -r[1])
-    return {"tokens": n, "top": [[name, round(tt / n * 1e6, 1), round(nc / n, 2)] for name, tt, nc in rows[:top]]}
+    return {"tokens": n, "top": rc.top_functions(prof, n, top)}
 
 
 def runs(path: Path, deadline: float, a) -> None:

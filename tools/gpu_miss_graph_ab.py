@@ -77,7 +77,6 @@ def host_profile(session, steps: int = 32, top: int = 30) -> dict:
     hybrid.generate's loop body: forward, argmax, token): wall ms per step and the `top`
     functions by own time as [file:line(name), us per step, calls per step]."""
     import cProfile
-    import pstats
 
     import torch
 
@@ -91,11 +90,7 @@ def host_profile(session, steps: int = 32, top: int = 30) -> dict:
     prof.disable()
     wall = time.perf_counter() - t0
     hm.prompt_tokens = None
-    st = pstats.Stats(prof).stats
-    rows = sorted(((f"{Path(f).name}:{line}({name})", tt, nc) for (f, line, name), (_, nc, tt, _, _) in st.items()),
-                  key=lambda r: -r[1])
-    return {"wall_ms_per_step": round(wall / steps * 1e3, 3),
-            "top": [[n, round(tt / steps * 1e6, 1), round(nc / steps, 2)] for n, tt, nc in rows[:top]]}
+    return {"wall_ms_per_step": round(wall / steps * 1e3, 3), "top": rc.top_functions(prof, steps, top)}
 
 
 def kernel_times(avg, steps: int, top: int = 25) -> dict:

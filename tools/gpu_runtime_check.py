@@ -79,6 +79,17 @@ record = recorder("tools/gpu_runtime_check.py", "runtime_gpu.jsonl",
                   ("ok", "decode_tok_s", "measured_over_predicted", "match", "skipped", "error"))
 
 
+def top_functions(prof, per: int, top: int) -> list:
+    """A cProfile.Profile's `top` functions by own time: [file:line(name), us per unit, calls per unit]
+    over `per` units (steps, tokens)."""
+    import pstats
+
+    st = pstats.Stats(prof).stats
+    rows = sorted(((f"{Path(f).name}:{line}({name})", tt, nc) for (f, line, name), (_, nc, tt, _, _) in st.items()),
+                  key=lambda r: -r[1])
+    return [[name, round(tt / per * 1e6, 1), round(nc / per, 2)] for name, tt, nc in rows[:top]]
+
+
 def run_cli(args: list[str]) -> dict:
     from hybrid.cli.run import main
 
