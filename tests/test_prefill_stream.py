@@ -201,7 +201,7 @@ def test_planner_reserves_staging(tiny):
     p0 = make_plan(mb, prof, PlanRequest(**base))
     p1 = make_plan(mb, prof, PlanRequest(**base, prefill_stage=PREFILL_STAGE_GROUP))
     extra = p1.cards[0].workspace_bytes - p0.cards[0].workspace_bytes
-    assert extra == prefill_stage_bytes(mb.slot_bytes) == 5 * PREFILL_STAGE_GROUP * mb.slot_bytes
+    assert extra == prefill_stage_bytes(mb.slot_bytes) == 6 * PREFILL_STAGE_GROUP * mb.slot_bytes
     s_on = open_session(tiny["nvfp4"], RuntimeOptions(profile="v100x2-e5v4", cache_slots=(8,),
                                                       prefill_offload_min=MIN))
     s_off = open_session(tiny["nvfp4"], RuntimeOptions(profile="v100x2-e5v4", cache_slots=(8,),

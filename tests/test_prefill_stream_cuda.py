@@ -1,8 +1,8 @@
 """Prefill offload on a GPU: the batched staging pack equals QPNExpertSlots.load on the device bit for bit,
 a staged layer equals the same experts run from cache slots, and on the tiny model (NVFP4) greedy ids
 are the same with offload on and off (cache at 0% and 50%, a second generation with hits and streamed
-misses in one layer), with the streamed bytes counted as PCIe; prefill tok/s both ways is printed
-(`pytest -s`)."""
+misses in one layer), with the streamed bytes counted as PCIe, streamed from the pinned CPU store and
+from the checkpoint (HYBRID_PREFILL_SOURCE); prefill tok/s both ways is printed (`pytest -s`)."""
 import pytest
 import torch
 
@@ -14,6 +14,8 @@ from hybrid.model.config import ModelConfig
 from hybrid.runtime import RuntimeOptions, open_session
 from hybrid.runtime.prefill_stream import PrefillStream, _fill, _raw_shapes
 from hybrid.runtime.stage_pack import pack_group
+from hybrid.runtime.store_stage import SOURCE_ENV, StoreSource
+from hybrid.experts.store import ExpertStore
 from hybrid.sampler import Sampler, SamplerConfig
 from hybrid.tokenizer import Tokenizer
 from tests.quant_layouts import to_nvfp4
@@ -81,6 +83,36 @@ def test_staged_layer_equals_cache_slots():
                           "layers": 1}
 
 
+def test_staged_from_pinned_store_equals_checkpoint(monkeypatch):
+    """The same layer streamed from the pinned CPU store and from the checkpoint: equal outputs (the
+    grouped kernel's fp32 atomics aside), the same bytes counted; the arena is pinned for torch."""
+    gen = torch.Generator().manual_seed(4)
+    e_n, h, i, t, k, dev = 40, 256, 128, 96, 4, torch.device("cuda")
+    rand = lambda n, k: _rand_nvfp4(gen, n, k, scales=(0x20, 0x39))      # noqa: E731 - no fp16 overflow
+    experts = [(rand(i, h), rand(i, h), rand(h, i)) for _ in range(e_n)]
+    store = ExpertStore.build(1, e_n, h, i, lambda l, e: experts[e], QType.NVFP4, progress=False)
+    src = StoreSource.pin(store)
+    try:
+        assert src is not None
+        x = (torch.randn(t, h, generator=gen) * 0.1).half().to(dev)
+        ids = torch.stack([torch.randperm(e_n, generator=gen)[:k] for _ in range(t)]).reshape(-1).numpy()
+        w = torch.rand(t * k, generator=gen).numpy()
+        tok = torch.arange(t).repeat_interleave(k).numpy()
+        out, stats = {}, {}
+        for mode in ("store", "checkpoint", "store"):
+            monkeypatch.setenv(SOURCE_ENV, mode)
+            ps = PrefillStream(dev, source=src)
+            out[mode] = ps.run(0, x, ids, tok, w, lambda l, e: experts[e])
+            stats[mode] = ps.stats()
+        torch.testing.assert_close(out["store"], out["checkpoint"], rtol=1e-4, atol=1e-5)   # fp32 atomics
+        assert stats["store"] == stats["checkpoint"], stats              # slots + global scales = stored bytes
+        assert src.arena.is_pinned()                # torch sees the registered arena as page-locked
+    finally:
+        if src is not None:
+            src.close()
+        store.close()
+
+
 def _generate(path, slots, offload, ids, times=2, n=8):
     s = open_session(path, RuntimeOptions(device="cuda", cache_slots=(slots,), prefill_offload_min=offload))
     try:
@@ -90,18 +122,21 @@ def _generate(path, slots, offload, ids, times=2, n=8):
     return res, s
 
 
+@pytest.mark.parametrize("source", ["store", "checkpoint"])
 @pytest.mark.parametrize("slots", [0, 64])
-def test_greedy_ids_offload_on_off_and_prefill_speed(nvfp4, slots):
+def test_greedy_ids_offload_on_off_and_prefill_speed(nvfp4, slots, source, monkeypatch):
+    monkeypatch.setenv(SOURCE_ENV, source)
     ids = _ids(nvfp4)
     off, s_off = _generate(nvfp4, slots, 0, ids)
     on, s_on = _generate(nvfp4, slots, 32, ids)
+    assert s_on.model.experts.store_source is not None                  # the Numba runner's store, pinned
     assert [r.generated_ids for r in on] == [r.generated_ids for r in off]
     st = s_on.model.experts.prefill_stream_stats()
     rep = s_on.report()
     assert st["experts"] > 0 and rep["pcie_bytes"]["prefill_stream"] == st["bytes"]
-    assert st["bytes"] == st["experts"] * s_on.caches[0].bytes_per_expert and st["staging_bytes"] > 0
+    assert st["bytes"] == st["experts"] * s_on.caches[0].bytes_per_expert and st["staging_bytes"] > 0  # no padding
     assert s_off.model.experts.prefill_stream_stats()["experts"] == 0
     assert rep["pcie_bytes"]["act_d2h"] < s_off.report()["pcie_bytes"]["act_d2h"]   # no prefill activations down
-    print(f"\ntiny NVFP4, {PROMPT}-token prompt, --cache-slots {slots}: prefill tok/s offload off "
+    print(f"\ntiny NVFP4, {PROMPT}-token prompt, --cache-slots {slots}, from the {source}: prefill tok/s offload off "
           f"{off[-1].prefill_tok_s:.1f}, on {on[-1].prefill_tok_s:.1f} (second generation of each session; "
           f"{st['experts']} experts streamed, {st['bytes'] / 2**20:.1f} MiB)")

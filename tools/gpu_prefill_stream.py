@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_runtime_check as rc  # noqa: E402  - log / make_synth / run_pytest / run_parts / gpu_name
 import gpu_two_cards as tc  # noqa: E402  - expert_profile_session
 
+from hybrid.runtime.store_stage import SOURCE_ENV, SOURCES  # noqa: E402
+
 rc.OUT = tc.OUT = OUT = Path(os.environ.get("OUT", "scratch/out"))
 JSONL = "prefill_stream.jsonl"
 
@@ -58,18 +60,27 @@ def runs(path: Path, deadline: float, a) -> None:
             rc.log(f"session {check}: {kw}")
             s = open_session(path, RuntimeOptions(**kw), context=ctx, cpu=cpu)
             try:
-                rec = measure(s, tok, a.prompt_tokens, 1, a.tokens)
-                rep = s.report()
-                rec.update({"cache_slots": slots, "prefill_offload_min": m,
-                            "prefill_step_ms": round(1e3 * s.stats.step_s["prefill"][-1], 2),
-                            "prefill_steps": s.stats.steps["prefill"],
-                            "streamed": s.model.experts.prefill_stream_stats(),
-                            "pcie_bytes": rep["pcie_bytes"], "hit_rate": rep["hit_rate"],
-                            "cpu_expert_ms": rep["cpu_expert_ms"], "gpu_expert_ms": rep["gpu_expert_ms"],
-                            "max_memory_allocated_gib": round(_peak() / 2**30, 2)})
-                head = rec["generated_ids_head"]
-                rec["ids_equal_first"] = first.setdefault(slots, head) == head
-                record({"check": check, **rec})
+                for src in a.sources:                   # alternated inside one session (same machine state)
+                    os.environ[SOURCE_ENV] = src
+                    st0 = s.model.experts.prefill_stream_stats()
+                    rec = measure(s, tok, a.prompt_tokens, 1, a.tokens)
+                    rep = s.report()
+                    st1 = s.model.experts.prefill_stream_stats()
+                    rec.update({"cache_slots": slots, "prefill_offload_min": m, "prefill_source": src,
+                                "store_pinned": s.model.experts.store_source is not None,
+                                "prefill_step_ms": round(1e3 * s.stats.step_s["prefill"][-1], 2),
+                                "prefill_steps": s.stats.steps["prefill"],
+                                "streamed": {k: st1[k] - st0.get(k, 0) for k in st1},
+                                "pcie_bytes": rep["pcie_bytes"], "hit_rate": rep["hit_rate"],
+                                "cpu_expert_ms": rep["cpu_expert_ms"], "gpu_expert_ms": rep["gpu_expert_ms"],
+                                "max_memory_allocated_gib": round(_peak() / 2**30, 2)})
+                    head = rec["generated_ids_head"]
+                    rec["ids_equal_first"] = first.setdefault(slots, head) == head
+                    record({"check": f"{check}_{src}" if len(a.sources) > 1 else check, **rec})
+                if a.profile_prefill and m:
+                    for src in dict.fromkeys(a.sources):
+                        os.environ[SOURCE_ENV] = src
+                        profile_prefill(s, tok, a.prompt_tokens, OUT / f"prefill_profile_s{slots}_{src}.txt")
             finally:
                 s.close()
                 del s
@@ -77,6 +88,29 @@ def runs(path: Path, deadline: float, a) -> None:
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
     cpu.close()
+
+
+def profile_prefill(s, tok, n_prompt: int, path: Path) -> None:
+    """One more prefill (and its first token) under torch.profiler: the GPU time per kernel / copy,
+    summed, to `path` (top 25 by device time), its first lines and the wall time to the log."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from hybrid.bench.decode import prompt_ids
+    from hybrid.generate import generate
+    from hybrid.sampler import Sampler, SamplerConfig
+
+    ids = prompt_ids(tok, n_prompt)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        generate(s.model, tok, ids, 1, Sampler(SamplerConfig()), prefill_chunk=s.prefill_chunk)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
+    path.write_text(f"{path.stem}: wall {wall * 1e3:.1f} ms (prefill {n_prompt} tokens + 1 token, profiled)\n{table}\n")
+    rc.log(f"{path.name}: wall {wall * 1e3:.1f} ms\n" + "\n".join(table.splitlines()[:16]))
 
 
 def _peak() -> int:
@@ -108,8 +142,16 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the sessions")
     p.add_argument("--small", action="store_true", help="a 4-layer, 16-expert synthetic model (smoke runs)")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: pytest")
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="after each offload session's runs, one prefill per source under torch.profiler")
+    p.add_argument("--sources", default="store",
+                   help="comma list of HYBRID_PREFILL_SOURCE values (store, checkpoint), measured in turn in each session")
     a = p.parse_args()
     a.slots, a.modes = _ints("--slots", a.slots), _ints("--modes", a.modes)
+    a.sources = [x.strip() for x in a.sources.split(",") if x.strip()]
+    if not a.sources or any(x not in SOURCES for x in a.sources):
+        print(f"error: --sources {','.join(a.sources)}: expected a comma list of {', '.join(SOURCES)}", file=sys.stderr)
+        return 2
     if a.prompt_tokens < 1:
         print(f"error: --prompt-tokens {a.prompt_tokens}: expected >= 1", file=sys.stderr)
         return 2

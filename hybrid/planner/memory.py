@@ -15,9 +15,11 @@ C = prefill chunk tokens:
 
 Prefill staging (per card, when prefill offload is on; hybrid.runtime.prefill_stream), with
 G = PREFILL_STAGE_GROUP experts per group and S = one expert slot's bytes:
-    staging     = 5 · G · S        two buffers of G slots (2GS), the device copy of one group as
-                                   stored (~GS), the NVFP4 pack's transients (two int32 copies of
-                                   a quarter of the group's gate/up bytes: ~1.2GS; 2GS kept)
+    staging     = 6 · G · S        two buffers of G slots (2GS), the device copy of one group as
+                                   stored (~GS), the group's CPU-store slots as uploaded (~GS, when
+                                   streamed from the pinned store), the NVFP4 pack's transients (two
+                                   int32 copies of a quarter of the group's gate/up bytes: ~1.2GS;
+                                   2GS kept)
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def workspace_bytes(cfg: ModelConfig, chunk: int, context_bytes: int, holds_head
 
 def prefill_stage_bytes(slot_bytes: int, group: int = PREFILL_STAGE_GROUP) -> int:
     """Bytes a card reserves for prefill staging (formula above; group 0 = offload off)."""
-    return 5 * group * slot_bytes
+    return 6 * group * slot_bytes
 
 
 def gib(n: float) -> str:

@@ -105,6 +105,17 @@ class NumbaCpuRunner:
                                        hugepages=hugepages, progress=progress)
         self.build_s = time.perf_counter() - t0
         self.runner = CpuExpertRunner(self.store, threads=threads)
+        self._source, self._source_tried = None, False
+
+    def store_source(self):
+        """The store pinned for the cards' DMA (hybrid.runtime.store_stage.StoreSource: prefill offload
+        streams from it), registered on the first call and kept until close; None where CUDA refuses."""
+        if not self._source_tried:
+            from hybrid.runtime.store_stage import StoreSource
+
+            self._source_tried = True
+            self._source = StoreSource.pin(self.store)
+        return self._source
 
     def submit(self, layer, expert_ids, token_rows, route_weights, x):
         return self.runner.submit(layer, *_pairs(expert_ids, token_rows, route_weights, x))
@@ -118,6 +129,9 @@ class NumbaCpuRunner:
 
     def close(self) -> None:
         self.runner.close()
+        if self._source is not None:
+            self._source.close()                 # unregistered before the store's memory goes
+            self._source = None
 
 
 def _pairs(expert_ids, token_rows, route_weights, x) -> tuple:

@@ -112,12 +112,13 @@ class HybridExperts:
     """ExpertExecutor over cards + a CPU runner. get_expert(layer, e) -> (gate, up, down) QWeight."""
 
     def __init__(self, cards: list[CardRuntime], cpu, get_expert, num_layers: int, stats: RuntimeStats,
-                 trace=None, prefill_min: int = 0):
+                 trace=None, prefill_min: int = 0, store_source=None):
         self.cards, self.cpu, self.get_expert = cards, cpu, get_expert
         self.cpu_direct = cpu_direct_enabled() and hasattr(cpu, "run")   # linked(): runner.run
         self.card_of = {l: c for c in cards for l in c.spec.layer_ids}
         self.num_layers, self.stats, self.trace = num_layers, stats, trace
         self.prefill_min = int(prefill_min)  # prefill steps of >= this many tokens stream misses (0: off)
+        self.store_source = store_source     # hybrid.runtime.store_stage.StoreSource: streamed from there
         stats.pcie.setdefault("prefill_stream", 0)
         self._step: dict | None = None
         self.version = 0                     # bumped when a layer's residency may have changed
@@ -302,7 +303,7 @@ class HybridExperts:
         """The layer's missed pairs [A] through the card's staging slots (prefill offload) -> [T, H]
         fp32; timed like the hits (CUDA events on the GPU, so the wait for uploads is in it)."""
         if card.prefill is None:
-            card.prefill = PrefillStream(card.device, card.stream)
+            card.prefill = PrefillStream(card.device, card.stream, source=self.store_source)
         ps, n0, b0 = card.prefill, card.prefill.experts, card.prefill.bytes
         if x.is_cuda:
             cur = torch.cuda.current_stream(x.device)

@@ -9,16 +9,24 @@ NVFP4 is ~340 MB: ~28 ms over PCIe 3) and running them in the grouped kernel, as
 large batches. Per layer (HybridExperts.__call__, eager prefill steps only):
 
     for each group of G missed experts (ascending ids), staging buffer b = group % 2:
+        from the CPU expert store (default where the CPU runner has one pinned for the cards,
+        hybrid.runtime.store_stage):
+        copy stream: wait until the previous group's store slots were unpacked, DMA this group's
+               slots as stored from the pinned store to the card (no host copy)
+        side stream (the card's promotion stream): wait until the kernel that last read b's slots
+               is done (`free`) and the DMA, unpack into the checkpoint's byte layout, pack into
+               b's QPN slots (hybrid.runtime.stage_pack), record `ready` (the next group's DMA
+               runs during this pack)
+        else (from the checkpoint, HYBRID_PREFILL_SOURCE=checkpoint or no pinned store):
         host:  wait until b's pinned buffer was copied out (its `uploaded` event), then copy the
                group's stored bytes (get_expert: mmap-backed, pageable, so they cannot be DMA'd
                directly) into it, FILL_THREADS numpy memcpys at a time
-        side stream (the card's promotion stream): wait until the kernel that last read b's slots
-               is done (`free`), copy pinned -> device (one copy per array), record `uploaded`,
-               pack into b's QPN slots (hybrid.runtime.stage_pack), record `ready`
+        side stream: wait `free`, copy pinned -> device (one copy per array), record `uploaded`,
+               pack into b's QPN slots, record `ready`
         compute stream: wait `ready`, grouped kernel over the group's pairs, record `free`
 so the next group's copy and pack run while this group's kernel does. The staging area (2 x G
-slots, one device buffer of G stored experts, pinned host 2 x G) is made on first use and kept;
-the planner reserves its bytes (hybrid.planner.memory.prefill_stage_bytes).
+slots, one device buffer of G stored experts (+ one of G store slots), pinned host 2 x G) is made
+on first use and kept; the planner reserves its bytes (hybrid.planner.memory.prefill_stage_bytes).
 
 CPU mode (a card that is the CPU) runs the same groups through the same slot storage types as the
 cache (the QPN reference / torch reference), loading each expert with the storage's load(); only
@@ -38,6 +46,7 @@ from hybrid.kernels import layout
 from hybrid.planner.memory import PREFILL_STAGE_GROUP
 from hybrid.runtime.slots import HoldBudget, QPNSlots, make_store
 from hybrid.runtime.stage_pack import pack_group
+from hybrid.runtime.store_stage import source_mode
 
 FILL_THREADS = min(4, os.cpu_count() or 1)   # threads copying a group's stored bytes into pinned memory
 _POOL: list = []
@@ -58,6 +67,9 @@ class _Area:
 
     bufs: list
     raw: dict = field(default_factory=dict)        # name -> device tensor [G, ...] (CUDA QPN)
+    slots_raw: object = None                       # device u8 [G, S]: store slots as uploaded
+    uploaded: object = None                        # cuda Event: slots_raw holds the next group
+    unpacked: object = None                        # cuda Event: slots_raw was read (may be refilled)
 
     @property
     def packed(self) -> bool:
@@ -67,12 +79,15 @@ class _Area:
 class PrefillStream:
     """One card's staging slots for prefill offload; counters of what it streamed."""
 
-    def __init__(self, device: torch.device, stream=None, group: int = PREFILL_STAGE_GROUP):
+    def __init__(self, device: torch.device, stream=None, group: int = PREFILL_STAGE_GROUP, source=None):
+        """source: a StoreSource (hybrid.runtime.store_stage) to stream from instead of the checkpoint."""
         if group < 1:
             raise ValueError(f"staging group must be >= 1 expert, got {group}")
         self.device, self.group = torch.device(device), int(group)
         self.cuda = self.device.type == "cuda"
         self.stream = stream if stream is not None or not self.cuda else torch.cuda.Stream(self.device)
+        self.source = source
+        self.copy_stream = None     # the store's DMA (made on first use)
         self._areas: dict = {}
         self._weights: dict = {}    # (layer, e) -> get_expert's (gate, up, down), read once
         self.experts = 0            # experts streamed (summed over layers and steps)
@@ -121,6 +136,9 @@ class PrefillStream:
     # ---- staging -----------------------------------------------------------------------------
     def _stage(self, area: _Area, buf: _Buffer, layer: int, group: list[int], get_expert) -> None:
         """The group's experts into buf's slots 0..len(group)-1 (see the module doc)."""
+        if area.packed and self.source is not None and source_mode() == "store":
+            self._stage_store(area, buf, layer, group)
+            return
         ws = [self._expert(layer, e, get_expert) for e in group]
         self.bytes += sum(q.nbytes for w in ws for q in w)
         if not area.packed:
@@ -136,6 +154,31 @@ class PrefillStream:
             for name, dst in area.raw.items():
                 dst[:n].copy_(buf.pinned[name][:n], non_blocking=True)
             buf.uploaded.record(self.stream)
+            pack_group(buf.store.slots, n, area.raw)
+            buf.ready.record(self.stream)
+
+    def _stage_store(self, area: _Area, buf: _Buffer, layer: int, group: list[int]) -> None:
+        """The group's slots from the pinned CPU store. Copy stream: wait until the previous group's
+        slots were unpacked (`unpacked`), DMA this group's into area.slots_raw, record `uploaded`; side
+        stream: wait `free` and `uploaded`, unpack into area.raw, record `unpacked`, pack, record `ready`.
+        So a group's DMA runs while the previous one is packed; area.raw is reused in side-stream order."""
+        src, n = self.source, len(group)
+        if area.slots_raw is None:
+            area.slots_raw = torch.empty(self.group, src.S, dtype=torch.uint8, device=self.device)
+            area.uploaded, area.unpacked = torch.cuda.Event(), torch.cuda.Event()
+            self.copy_stream = torch.cuda.Stream(self.device)
+            self.copy_stream.wait_stream(self._compute())          # slots_raw exists
+        gs = src.global_scales(layer, group)
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(area.unpacked)
+            self.bytes += src.upload(layer, group, area.slots_raw) + gs.numel() * gs.element_size()
+            area.uploaded.record(self.copy_stream)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(buf.free)
+            self.stream.wait_event(area.uploaded)
+            src.unpack(area.slots_raw, area.raw, n)
+            area.unpacked.record(self.stream)
+            area.raw["gs"][:n].copy_(gs, non_blocking=True)     # pageable: staged by the driver at once
             pack_group(buf.store.slots, n, area.raw)
             buf.ready.record(self.stream)
 

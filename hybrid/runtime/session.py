@@ -110,10 +110,14 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
         cpu = make_cpu_runner(cfg, get_expert, qtypes[0], opts.cpu_engine, opts.cpu_threads,
                               opts.hugepages, progress)
     t4 = time.perf_counter()
+    source = None
+    if opts.offload_min and hasattr(cpu, "store_source") and any(c.device.startswith("cuda") for c in placement.cards):
+        source = cpu.store_source()           # prefill offload streams from the pinned store
+    t5 = time.perf_counter()
     stats = RuntimeStats(cfg.num_hidden_layers)
     trace = _trace(opts, path, cfg, cards, placement, meta)
     experts = HybridExperts(cards, cpu, get_expert, cfg.num_hidden_layers, stats, trace,
-                            prefill_min=opts.offload_min)
+                            prefill_min=opts.offload_min, store_source=source)
     model.experts = experts
     graphs = None
     if placement.cards[0].device.startswith("cuda"):
@@ -123,7 +127,7 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
         graphs = DecodeGraphs(model, experts)
     hm = HybridModel(model, experts, opts.kv_resident, opts.kv_dtype, graphs)
     return Session(hm, placement, plan, cards, cpu, stats, opts, trace, eprof,
-                   {"plan": t1 - t0, "dense": t2 - t1, "expert_cache": t3 - t2, "cpu_store": t4 - t3},
+                   {"plan": t1 - t0, "dense": t2 - t1, "expert_cache": t3 - t2, "cpu_store": t4 - t3, "pin_store": t5 - t4},
                    owns_cpu, held)
 
 
