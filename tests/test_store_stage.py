@@ -11,6 +11,7 @@ import torch
 from cpu import layout as cpu_layout
 from cpu.expert import NVFP4_F32, NVFP4_I16
 from hybrid.checkpoint.formats import QType
+from hybrid.errors import HybridError
 from hybrid.experts.store import ExpertStore
 from hybrid.runtime.prefill_stream import _fill, _raw_shapes
 from hybrid.runtime.store_stage import SOURCE_ENV, StoreSource, _weight, source_mode
@@ -68,7 +69,7 @@ def test_source_mode(monkeypatch):
     monkeypatch.setenv(SOURCE_ENV, "Checkpoint")
     assert source_mode() == "checkpoint"
     monkeypatch.setenv(SOURCE_ENV, "disk")
-    with pytest.raises(ValueError, match=f"{SOURCE_ENV}='disk': expected one of store, checkpoint"):
+    with pytest.raises(HybridError, match=f"{SOURCE_ENV}='disk': expected one of store, checkpoint"):
         source_mode()
 
 

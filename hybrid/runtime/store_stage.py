@@ -33,6 +33,7 @@ import torch
 
 from cpu import layout as cpu_layout
 from cpu.expert import FP8, NVFP4_F32, NVFP4_I16
+from hybrid.errors import HybridError
 from hybrid.kernels.layout import FOLD
 
 log = logging.getLogger("hybrid.runtime")
@@ -43,10 +44,11 @@ _INV_RECODE: dict = {}
 
 
 def source_mode() -> str:
-    """HYBRID_PREFILL_SOURCE (module doc); ValueError naming the variable on anything else."""
+    """HYBRID_PREFILL_SOURCE (module doc); HybridError naming the variable on anything else (checked
+    when a CUDA session opens, so a bad value is a one-line error before any work)."""
     mode = os.environ.get(SOURCE_ENV, "").strip().lower() or "store"
     if mode not in SOURCES:
-        raise ValueError(f"{SOURCE_ENV}={mode!r}: expected one of {', '.join(SOURCES)}")
+        raise HybridError(f"{SOURCE_ENV}={mode!r}: expected one of {', '.join(SOURCES)}")
     return mode
 
 
