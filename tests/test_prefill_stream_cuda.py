@@ -130,6 +130,7 @@ def test_greedy_ids_offload_on_off_and_prefill_speed(nvfp4, slots, source, monke
     off, s_off = _generate(nvfp4, slots, 0, ids)
     on, s_on = _generate(nvfp4, slots, 32, ids)
     assert s_on.model.experts.store_source is not None                  # the Numba runner's store, pinned
+    assert s_on.report()["prefill_stream"]["source"] == source
     assert [r.generated_ids for r in on] == [r.generated_ids for r in off]
     st = s_on.model.experts.prefill_stream_stats()
     rep = s_on.report()

@@ -60,13 +60,22 @@ class Session:
         d["load_s"] = {k: round(v, 3) for k, v in self.load_s.items()}
         d["cpu_dense_held_bytes"] = self.dense_held
         d["prefill_stream"] = self.model.experts.prefill_stream_stats()
+        d["prefill_stream"]["source"] = self._prefill_source()
         return d
+
+    def _prefill_source(self) -> str | None:
+        """Where prefill offload reads streamed experts: 'store' (the pinned CPU store), 'checkpoint',
+        or None when the session does not stream (offload off, or no CUDA card)."""
+        ex = self.model.experts
+        if not ex.prefill_min or not any(c.device.type == "cuda" for c in self.cards):
+            return None
+        return source_mode() if ex.store_source is not None else "checkpoint"
 
     def summary(self, measured_tok_s: float | None = None) -> list[str]:
         rep = self.report(measured_tok_s)
         ps = rep["prefill_stream"]
-        extra = [f"prefill offload: {ps['experts']} experts streamed to the cards ({ps['bytes'] / 2**20:.1f} MiB, "
-                 f"{ps['groups']} groups, {ps['layers']} layer passes)"] if ps["experts"] else []
+        extra = [f"prefill offload: {ps['experts']} experts streamed to the cards from the {ps['source'] or 'checkpoint'} "
+                 f"({ps['bytes'] / 2**20:.1f} MiB, {ps['groups']} groups, {ps['layers']} layer passes)"] if ps["experts"] else []
         return [self.placement.describe()] + summary_lines(rep) + extra
 
     def close(self) -> None:
