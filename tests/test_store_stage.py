@@ -79,3 +79,59 @@ def test_pin_without_cuda_is_none():
         pytest.skip("a CUDA machine pins for real (tests/test_prefill_stream_cuda.py)")
     store = SimpleNamespace(arena=SimpleNamespace(array=np.zeros(4096, np.uint8)))
     assert StoreSource.pin(store) is None
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+def test_load_slot_packs_what_a_slot_load_packs(qtype):
+    """StoreSource.load_slot into slot 2 of 4 (QPN storage tensors on the CPU): the words, scales and
+    folded global scales QPNExpertSlots.load packs from the checkpoint's tensors; other slots untouched."""
+    from hybrid.kernels import QPNExpertSlots, layout
+
+    gen = torch.Generator().manual_seed(11)
+    L, E, H, I = 2, 5, 128, 64
+    rand = (lambda n, k: _rand_nvfp4(gen, n, k)) if qtype is QType.NVFP4 else (lambda n, k: _rand_fp8(gen, n, k))
+    ws = {(l, e): (rand(I, H), rand(I, H), rand(H, I)) for l in range(L) for e in range(E)}
+    store = ExpertStore.build(L, E, H, I, lambda l, e: ws[l, e], qtype, hugepages="off", progress=False)
+    try:
+        src = StoreSource(store)
+        slots = QPNExpertSlots(4, H, I, qtype, torch.device("cpu"))
+        slots._alloc()                                        # the CUDA storage's tensors, on the CPU
+        src.load_slot(slots, 2, 1, 3)
+        gate, up, down = ws[1, 3]
+        if qtype is QType.NVFP4:
+            (wg, sg), (wu, su), (wd, sd) = (layout.pack_nvfp4(q) for q in (gate, up, down))
+            assert torch.equal(slots.s13[2], torch.cat([sg, su])) and torch.equal(slots.s2[2], sd)
+            assert not slots.s13[[0, 1, 3]].any()
+        else:
+            wg, wu, wd = (layout.pack_fp8(q) for q in (gate, up, down))
+        assert torch.equal(slots.w13[2], torch.cat([wg, wu])) and torch.equal(slots.w2[2], wd)
+        assert slots.gs[2].tolist() == [np.float32(layout.global_scale(q)) for q in (gate, up, down)]
+        assert not slots.w13[[0, 1, 3]].any() and not slots.gs[[0, 1, 3]].any()
+        assert slots.host == [None, None, True, None]
+    finally:
+        store.close()
+
+
+def test_promote_mode_and_target(monkeypatch):
+    """Promotions read the store only with HYBRID_PROMOTE_SOURCE=store, a pinned source and packed
+    slot storage of the store's weight type; the default is the checkpoint."""
+    from hybrid.runtime.hybrid_experts import HybridExperts
+    from hybrid.runtime.store_stage import PROMOTE_ENV, promote_mode
+
+    monkeypatch.delenv(PROMOTE_ENV, raising=False)
+    assert promote_mode() == "checkpoint"
+    packed = SimpleNamespace(qtype=QType.NVFP4)
+    card = SimpleNamespace(slots=SimpleNamespace(packed=lambda layer: packed if layer == 0 else None))
+    ex = HybridExperts.__new__(HybridExperts)
+    ex.store_source = SimpleNamespace(store=SimpleNamespace(qtype=QType.NVFP4))
+    assert ex._promote_target(card, 0) is None                       # default: checkpoint
+    monkeypatch.setenv(PROMOTE_ENV, "store")
+    assert ex._promote_target(card, 0) is packed
+    assert ex._promote_target(card, 1) is None                       # reference storage (CPU card)
+    packed.qtype = QType.FP8
+    assert ex._promote_target(card, 0) is None                       # not the store's weight type
+    ex.store_source = None
+    assert ex._promote_target(card, 0) is None                       # nothing pinned
+    monkeypatch.setenv(PROMOTE_ENV, "disk")
+    with pytest.raises(HybridError, match=f"{PROMOTE_ENV}='disk'"):
+        promote_mode()

@@ -54,6 +54,7 @@ import torch
 from hybrid.experts.cache import ExpertCache
 from hybrid.runtime.placement import CardSpec
 from hybrid.runtime.prefill_stream import PrefillStream
+from hybrid.runtime.store_stage import promote_mode
 from hybrid.runtime.slots import CardSlots
 from hybrid.runtime.stats import RuntimeStats
 
@@ -489,8 +490,12 @@ class HybridExperts:
 
     def _promote(self, card: CardRuntime, layer: int, lk) -> None:
         done = card.cache.promote_misses(layer, lk)
+        packed = self._promote_target(card, layer) if done else None
         for p in done:
-            card.slots.load(layer, p.slot, self.get_expert(layer, p.expert), stream=card.stream)
+            if packed is not None:                # from the pinned CPU store: no checkpoint read, no host sync
+                self.store_source.load_slot(packed, card.slots.local(layer, p.slot), layer, p.expert, card.stream)
+            else:
+                card.slots.load(layer, p.slot, self.get_expert(layer, p.expert), stream=card.stream)
         if done:
             card.refresh(layer)
             self.version += 1
@@ -501,6 +506,15 @@ class HybridExperts:
         self._step["promotions"][layer] = len(done)
         if done and card.device.type == "cuda":
             self.add_pcie("promotions", len(done) * card.cache.bytes_per_expert)
+
+    def _promote_target(self, card: CardRuntime, layer: int):
+        """The layer's packed slot storage when its promotions read the pinned CPU store
+        (HYBRID_PROMOTE_SOURCE=store, a store of the layer's weight type), else None (checkpoint)."""
+        src = self.store_source
+        if src is None or promote_mode() != "store":
+            return None
+        packed = card.slots.packed(layer)
+        return packed if packed is not None and packed.qtype is src.store.qtype else None
 
     def _account(self, layer: int, cuda: bool, ids_h, w_h, hits: int, misses: int, x_elems: int,
                  act_counted: bool = False) -> None:

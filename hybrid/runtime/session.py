@@ -17,7 +17,7 @@ from hybrid.experts.trace import TraceHeader, TraceWriter
 from hybrid.model.config import ModelConfig
 from hybrid.runtime.cpu_card import hold_dense
 from hybrid.runtime.cpu_side import make_cpu_runner
-from hybrid.runtime.store_stage import source_mode
+from hybrid.runtime.store_stage import promote_mode, source_mode
 from hybrid.runtime.hybrid_experts import CardRuntime, HybridExperts
 from hybrid.runtime.hybrid_model import HybridModel
 from hybrid.runtime.options import RuntimeOptions
@@ -121,10 +121,11 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
                               opts.hugepages, progress)
     t4 = time.perf_counter()
     source = None
-    if opts.offload_min and any(c.device.startswith("cuda") for c in placement.cards):
-        source_mode()                         # a bad HYBRID_PREFILL_SOURCE: one line, now
-        if hasattr(cpu, "store_source"):
-            source = cpu.store_source()       # prefill offload streams from the pinned store
+    if any(c.device.startswith("cuda") for c in placement.cards):
+        source_mode()                         # a bad HYBRID_PREFILL_SOURCE / _PROMOTE_SOURCE: one line, now
+        from_store = promote_mode() == "store"
+        if hasattr(cpu, "store_source") and (opts.offload_min or from_store):
+            source = cpu.store_source()       # prefill offload / promotions read the pinned store
     t5 = time.perf_counter()
     stats = RuntimeStats(cfg.num_hidden_layers)
     trace = _trace(opts, path, cfg, cards, placement, meta)

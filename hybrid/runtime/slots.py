@@ -215,6 +215,16 @@ class CardSlots:
     def load(self, layer: int, slot: int, weights: Sequence[QWeight], stream=None) -> None:
         self._store[layer].load(int(slot) - self.layer_slots[layer][0], *weights, stream=stream)
 
+    def packed(self, layer: int):
+        """The layer's QPNExpertSlots when they are packed storage on the card (what a load from the
+        CPU store can write: hybrid.runtime.store_stage.StoreSource.load_slot), else None."""
+        st = self._store.get(layer)
+        return st.slots if isinstance(st, QPNSlots) and st.host is None else None
+
+    def local(self, layer: int, slot: int) -> int:
+        """A card-global slot id -> its index in the layer's storage."""
+        return int(slot) - self.layer_slots[layer][0]
+
     def moe(self, layer: int, x: torch.Tensor, slot_ids: torch.Tensor, token_idx: torch.Tensor,
             route_w: torch.Tensor) -> torch.Tensor:
         """Hits of one layer: x [T, H], global slot_ids/token_idx/route_w [A] -> [T, H] fp32."""

@@ -79,19 +79,19 @@ def pack_fp8_rows(data: torch.Tensor, words: torch.Tensor) -> None:
     words.view(-1).copy_(layout.pack_fp8(qw).view(-1))
 
 
-def pack_group(slots, g: int, raw: dict) -> None:
-    """The first g slots of QPNExpertSlots `slots` from the group's stored bytes on its device:
+def pack_group(slots, g: int, raw: dict, first: int = 0) -> None:
+    """Slots first..first+g-1 of QPNExpertSlots `slots` from the group's stored bytes on its device:
     raw = {'d13': u8 [G, 2I, H/2 or H], 'd2': u8 [G, H, I/2 or I], 'gs': f32 [G, 3]} (+ 's13' u8
     [G, 2I, H/16], 's2' u8 [G, H, I/16] for NVFP4); rows of gate then up, as the slot holds them."""
-    h, i = slots.hidden, slots.inter
+    h, i, end = slots.hidden, slots.inter, first + g
     if slots.qtype is QType.NVFP4:
         pack_nvfp4_rows(raw["d13"][:g].reshape(g * 2 * i, h // 2), raw["s13"][:g].reshape(g * 2 * i, h // 16),
-                        slots.w13[:g], slots.s13[:g])
+                        slots.w13[first:end], slots.s13[first:end])
         pack_nvfp4_rows(raw["d2"][:g].reshape(g * h, i // 2), raw["s2"][:g].reshape(g * h, i // 16),
-                        slots.w2[:g], slots.s2[:g])
+                        slots.w2[first:end], slots.s2[first:end])
     else:
-        pack_fp8_rows(raw["d13"][:g].reshape(g * 2 * i, h), slots.w13[:g])
-        pack_fp8_rows(raw["d2"][:g].reshape(g * h, i), slots.w2[:g])
-    slots.gs[:g].copy_(raw["gs"][:g])
-    for j in range(g):
+        pack_fp8_rows(raw["d13"][:g].reshape(g * 2 * i, h), slots.w13[first:end])
+        pack_fp8_rows(raw["d2"][:g].reshape(g * h, i), slots.w2[first:end])
+    slots.gs[first:end].copy_(raw["gs"][:g])
+    for j in range(first, end):
         slots.host[j] = True

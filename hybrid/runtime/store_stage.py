@@ -21,12 +21,16 @@ The global scales come from the store's `scales`, folded as hybrid.kernels.layou
 
     HYBRID_PREFILL_SOURCE=store|checkpoint   where streamed experts come from (default store, when
                                              the CPU runner has a pinned store); read at each layer
+    HYBRID_PROMOTE_SOURCE=checkpoint|store   where an expert-cache promotion reads its expert (default
+                                             checkpoint: the store path, asynchronous on the promotion
+                                             stream, awaits its first GPU check); read at each promotion
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -35,21 +39,28 @@ from cpu import layout as cpu_layout
 from cpu.expert import FP8, NVFP4_F32, NVFP4_I16
 from hybrid.errors import HybridError
 from hybrid.kernels.layout import FOLD
+from hybrid.runtime.stage_pack import pack_group
 
 log = logging.getLogger("hybrid.runtime")
 
 SOURCE_ENV = "HYBRID_PREFILL_SOURCE"
+PROMOTE_ENV = "HYBRID_PROMOTE_SOURCE"
 SOURCES = ("store", "checkpoint")
 _INV_RECODE: dict = {}
 
 
-def source_mode() -> str:
-    """HYBRID_PREFILL_SOURCE (module doc); HybridError naming the variable on anything else (checked
-    when a CUDA session opens, so a bad value is a one-line error before any work)."""
-    mode = os.environ.get(SOURCE_ENV, "").strip().lower() or "store"
+def source_mode(env: str = SOURCE_ENV, default: str = "store") -> str:
+    """HYBRID_PREFILL_SOURCE (or `env`, module doc); HybridError naming the variable on anything else
+    (checked when a CUDA session opens, so a bad value is a one-line error before any work)."""
+    mode = os.environ.get(env, "").strip().lower() or default
     if mode not in SOURCES:
-        raise HybridError(f"{SOURCE_ENV}={mode!r}: expected one of {', '.join(SOURCES)}")
+        raise HybridError(f"{env}={mode!r}: expected one of {', '.join(SOURCES)}")
     return mode
+
+
+def promote_mode() -> str:
+    """HYBRID_PROMOTE_SOURCE (module doc): 'checkpoint' (default) or 'store'."""
+    return source_mode(PROMOTE_ENV, "checkpoint")
 
 
 class StoreSource:
@@ -63,6 +74,7 @@ class StoreSource:
         self.kind, self.S = store.qkind, store.slot_nbytes
         self.H, self.I, self.R = store.hidden, store.inter, store.R
         self.fold = FOLD[store.qtype]
+        self._scratches: dict = {}
 
     @classmethod
     def pin(cls, store) -> "StoreSource | None":
@@ -112,6 +124,31 @@ class StoreSource:
         """f32 [n, 3] (gate, up, down) as the QPN kernels take them (layout.global_scale)."""
         s = self.store.scales[layer, experts].astype(np.float64) * self.fold
         return torch.from_numpy(s.astype(np.float32))
+
+    def load_slot(self, slots, slot: int, layer: int, e: int, stream=None) -> None:
+        """Expert e of `layer` into `slot` of QPNExpertSlots `slots` (packed storage on its device)
+        from the store: upload, unpack, pack, all queued on `stream` (the card's promotion stream)
+        through this source's scratch for that device; bit for bit what slots.load packs from the
+        checkpoint's tensors (tests/test_store_stage.py)."""
+        raw, up = self._scratch(slots, stream)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            self.upload(layer, [e], up)
+            self.unpack(up, raw, 1)
+            raw["gs"][:1].copy_(self.global_scales(layer, [e]), non_blocking=True)
+            pack_group(slots, 1, raw, first=slot)
+
+    def _scratch(self, slots, stream) -> tuple[dict, torch.Tensor]:
+        """(stored-bytes dict of one expert, u8 [1, S]) on slots' device for `stream`, made on first use
+        and kept: reused in that stream's order (two logical cards on one GPU have two streams)."""
+        key = (str(slots.device), slots.qtype, id(stream))
+        scr = self._scratches.get(key)
+        if scr is None:
+            from hybrid.runtime.prefill_stream import _raw_shapes
+
+            raw = {k: torch.empty(sh, dtype=dt, device=slots.device)
+                   for k, (sh, dt) in _raw_shapes(slots.qtype, 1, self.H, self.I).items()}
+            scr = self._scratches[key] = (raw, torch.empty(1, self.S, dtype=torch.uint8, device=slots.device))
+        return scr
 
     def unpack(self, slots: torch.Tensor, raw: dict, n: int) -> None:
         """slots u8 [n, S] (as uploaded) -> raw['d13'] [n, 2I, ...], raw['d2'] [n, H, ...] (+ 's13',
