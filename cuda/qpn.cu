@@ -1485,3 +1485,63 @@ MOE(8, 4, , 0, 0)
 // sm_80+ only: cp.async rings (gate+up: 3 stages of two tiles; down: 6 stages)
 MOE(2, 1, _as, 3, 6)
 MOE(8, 1, _as, 3, 6)
+
+// ---------------------------------------------------------------- stage pack (CPU store slots -> QPN2)
+// Prefill offload / promotions from the pinned CPU expert store (hybrid/runtime/store_stage.py): n
+// experts' slots as the store holds them (cpu/layout.py NVFP4 int16 tiles: R = 64 rows per tile, 8-row
+// blocks of [G*64 code bytes | G*8 scale bytes], gate|up tile pairs then down tiles), already on the
+// card, -> their QPN2 words and scales (the layout above) in one launch: bit for bit what
+// hybrid.runtime.stage_pack.pack_group packs from the checkpoint's bytes. One thread per QPN2 word
+// (codes k0..k3 of rows r and r+8: two bytes of each row, its group scale's sign folded into the
+// codes); the thread of group j = 0 at lane q = 0 also writes the chunk's 8 scale bytes of its rows.
+// src: slot 0 of the group (S bytes each); w13/s13/w2/s2: the first destination slot's storage.
+// grid (ceil((W13 + W2) / 256), n), W13 = 2I/16 * H/64 * 128 words, W2 = H/16 * I/64 * 128.
+__device__ __forceinline__ long long store_block(int row, int I, int H, bool gu, int& ii) {
+  // byte offset in the slot of the 8-row block holding `row` (gate rows 0..I-1, up rows I..2I-1 when
+  // gu; else a down row); ii = the row's index in its block
+  const int rr = gu ? row % I : row;
+  const long long blkB = 72LL * ((gu ? H : I) / 16), tileB = 8 * blkB;   // R / 8 = 8 blocks per tile
+  ii = rr & 7;
+  if (gu) return (long long)(rr >> 6) * 2 * tileB + (row / I) * tileB + ((rr & 63) >> 3) * blkB;
+  const long long down0 = 2LL * ((I + 63) >> 6) * 8 * 72 * (H / 16);     // gate|up pairs' bytes
+  return down0 + (long long)(rr >> 6) * tileB + ((rr & 63) >> 3) * blkB;
+}
+
+__device__ __forceinline__ u32 fp4_place(u32 e, int ms, int ss) { return ((e & 7u) << ms) | ((e >> 3) << ss); }
+
+extern "C" __global__ void qpn2_stage_pack(const unsigned char* __restrict__ src, long long S, int H, int I,
+                                           u32* __restrict__ w13, unsigned char* __restrict__ s13,
+                                           u32* __restrict__ w2, unsigned char* __restrict__ s2) {
+  const long long W13 = (long long)(2 * I / 16) * (H / 64) * 128, W2 = (long long)(H / 16) * (I / 64) * 128;
+  const long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (w >= W13 + W2) return;
+  const bool gu = w < W13;
+  const long long wi = gu ? w : w - W13;
+  const int G = (gu ? H : I) / 16, C = G / 4;
+  const int j = (int)(wi & 3), lane = (int)((wi >> 2) & 31), r = lane >> 2, q = lane & 3;
+  const long long tc = wi >> 7;                                     // t16 * C + c
+  const int c = (int)(tc % C), t16 = (int)(tc / C), g = 4 * c + j;
+  const unsigned char* s = src + (long long)blockIdx.y * S;
+  u32 word = 0;
+  for (int half = 0; half < 2; ++half) {
+    int ii;
+    const long long blk = store_block(16 * t16 + r + 8 * half, I, H, gu, ii);
+    const unsigned char* d = s + blk + 64 * g + 32 * (q >> 1) + 4 * ii + 2 * (q & 1);  // elements 4q .. 4q+3
+    const u32 flip = (s[blk + 64 * G + 8 * g + ii] >> 7) ? 0x88u : 0u;
+    const u32 b0 = d[0] ^ flip, b1 = d[1] ^ flip;
+    word |= half == 0 ? fp4_place(b0 & 15, 9, 15) | fp4_place(b0 >> 4, 25, 31) | fp4_place(b1 & 15, 0, 13) |
+                            fp4_place(b1 >> 4, 16, 29)
+                      : fp4_place(b0 & 15, 6, 12) | fp4_place(b0 >> 4, 22, 28) | fp4_place(b1 & 15, 3, 14) |
+                            fp4_place(b1 >> 4, 19, 30);
+  }
+  (gu ? w13 + blockIdx.y * W13 : w2 + blockIdx.y * W2)[wi] = word;
+  if (j == 0 && q == 0) {   // bytes [s(r,g0) s(r,g1) s(r+8,g0) s(r+8,g1) s(r,g2) s(r,g3) s(r+8,g2) s(r+8,g3)]
+    unsigned char* so = (gu ? s13 + blockIdx.y * (W13 / 2) : s2 + blockIdx.y * (W2 / 2)) + (tc * 8 + r) * 8;
+    for (int half = 0; half < 2; ++half) {
+      int ii;
+      const long long blk = store_block(16 * t16 + r + 8 * half, I, H, gu, ii);
+      for (int x = 0; x < 4; ++x)
+        so[(x >> 1) * 4 + half * 2 + (x & 1)] = s[blk + 64 * G + 8 * (4 * c + x) + ii] & 0x7F;
+    }
+  }
+}

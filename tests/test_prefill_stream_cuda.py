@@ -14,7 +14,7 @@ from hybrid.model.config import ModelConfig
 from hybrid.runtime import RuntimeOptions, open_session
 from hybrid.runtime.prefill_stream import PrefillStream, _fill, _raw_shapes
 from hybrid.runtime.stage_pack import pack_group
-from hybrid.runtime.store_stage import SOURCE_ENV, StoreSource
+from hybrid.runtime.store_stage import SOURCE_ENV, STAGE_KERNEL_ENV, StoreSource
 from hybrid.experts.store import ExpertStore
 from hybrid.sampler import Sampler, SamplerConfig
 from hybrid.tokenizer import Tokenizer
@@ -99,17 +99,54 @@ def test_staged_from_pinned_store_equals_checkpoint(monkeypatch):
         w = torch.rand(t * k, generator=gen).numpy()
         tok = torch.arange(t).repeat_interleave(k).numpy()
         out, stats = {}, {}
-        for mode in ("store", "checkpoint", "store"):
-            monkeypatch.setenv(SOURCE_ENV, mode)
+        for mode in ("store", "checkpoint", "store", "store+kernel"):
+            monkeypatch.setenv(SOURCE_ENV, mode.split("+")[0])
+            monkeypatch.setenv(STAGE_KERNEL_ENV, "1" if mode.endswith("kernel") else "0")
             ps = PrefillStream(dev, source=src)
             out[mode] = ps.run(0, x, ids, tok, w, lambda l, e: experts[e])
             stats[mode] = ps.stats()
-        torch.testing.assert_close(out["store"], out["checkpoint"], rtol=1e-4, atol=1e-5)   # fp32 atomics
-        assert stats["store"] == stats["checkpoint"], stats              # slots + global scales = stored bytes
+        for mode in ("store", "store+kernel"):
+            torch.testing.assert_close(out[mode], out["checkpoint"], rtol=1e-4, atol=1e-5)   # fp32 atomics
+            assert stats[mode] == stats["checkpoint"], stats             # slots + global scales = stored bytes
         assert src.arena.is_pinned()                # torch sees the registered arena as page-locked
     finally:
         if src is not None:
             src.close()
+        store.close()
+
+
+def test_stage_pack_kernel_equals_pack_group():
+    """qpn2_stage_pack on the card (store slots -> QPN2) against the torch unpack + pack, bit for bit,
+    into slots 2..4 of 6 (the others stay as they were)."""
+    from hybrid.kernels.qpn import stage_pack_store
+    from hybrid.runtime.prefill_stream import _raw_shapes as shapes
+
+    gen = torch.Generator().manual_seed(5)
+    e_n, h, i, dev = 6, 256, 128, torch.device("cuda")
+    experts = [(_rand_nvfp4(gen, i, h), _rand_nvfp4(gen, i, h), _rand_nvfp4(gen, h, i)) for _ in range(e_n)]
+    store = ExpertStore.build(1, e_n, h, i, lambda l, e: experts[e], QType.NVFP4, progress=False)
+    try:
+        src = StoreSource(store)
+        if src.kind != 2:
+            pytest.skip("the stage-pack kernel reads the int16 NVFP4 tile family (an AVX2 host's store)")
+        group = [5, 1, 3]
+        up = torch.empty(3, src.S, dtype=torch.uint8, device=dev)
+        src.upload(0, group, up)
+        want = QPNExpertSlots(6, h, i, QType.NVFP4, dev)
+        raw = {k: torch.empty(sh, dtype=dt, device=dev) for k, (sh, dt) in shapes(QType.NVFP4, 3, h, i).items()}
+        src.unpack(up, raw, 3)
+        raw["gs"][:3].copy_(src.global_scales(0, group))
+        pack_group(want, 3, raw, first=2)
+        got = QPNExpertSlots(6, h, i, QType.NVFP4, dev)
+        for t in (got.w13, got.w2, got.s13, got.s2):
+            t.fill_(7)
+        stage_pack_store(up, got, 2, 3)
+        torch.cuda.synchronize()
+        for name in ("w13", "s13", "w2", "s2"):
+            g, w = getattr(got, name), getattr(want, name)
+            assert torch.equal(g[2:5], w[2:5]), name
+            assert (g[:2] == 7).all() and (g[5:] == 7).all(), name
+    finally:
         store.close()
 
 

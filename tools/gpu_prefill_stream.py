@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_runtime_check as rc  # noqa: E402  - log / make_synth / run_pytest / run_parts / gpu_name
 import gpu_two_cards as tc  # noqa: E402  - expert_profile_session
 
-from hybrid.runtime.store_stage import SOURCE_ENV, SOURCES  # noqa: E402
+from hybrid.runtime.store_stage import SOURCE_ENV, SOURCES, STAGE_KERNEL_ENV  # noqa: E402
 
 rc.OUT = tc.OUT = OUT = Path(os.environ.get("OUT", "scratch/out"))
 JSONL = "prefill_stream.jsonl"
@@ -61,7 +61,7 @@ def runs(path: Path, deadline: float, a) -> None:
             s = open_session(path, RuntimeOptions(**kw), context=ctx, cpu=cpu)
             try:
                 for src in a.sources:                   # alternated inside one session (same machine state)
-                    os.environ[SOURCE_ENV] = src
+                    _set_source(src)
                     st0 = s.model.experts.prefill_stream_stats()
                     rec = measure(s, tok, a.prompt_tokens, 1, a.tokens)
                     rep = s.report()
@@ -79,7 +79,7 @@ def runs(path: Path, deadline: float, a) -> None:
                     record({"check": f"{check}_{src}" if len(a.sources) > 1 else check, **rec})
                 if a.profile_prefill and m:
                     for src in dict.fromkeys(a.sources):
-                        os.environ[SOURCE_ENV] = src
+                        _set_source(src)
                         profile_prefill(s, tok, a.prompt_tokens, OUT / f"prefill_profile_s{slots}_{src}.txt")
             finally:
                 s.close()
@@ -88,6 +88,13 @@ def runs(path: Path, deadline: float, a) -> None:
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
     cpu.close()
+
+
+def _set_source(src: str) -> None:
+    """--sources item: store | checkpoint, or store+kernel (HYBRID_STAGE_KERNEL=1: the stage-pack kernel)."""
+    base, _, kernel = src.partition("+")
+    os.environ[SOURCE_ENV] = base
+    os.environ[STAGE_KERNEL_ENV] = "1" if kernel else "0"
 
 
 def profile_prefill(s, tok, n_prompt: int, path: Path) -> None:
@@ -145,12 +152,14 @@ def main() -> int:
     p.add_argument("--profile-prefill", action="store_true",
                    help="after each offload session's runs, one prefill per source under torch.profiler")
     p.add_argument("--sources", default="store",
-                   help="comma list of HYBRID_PREFILL_SOURCE values (store, checkpoint), measured in turn in each session")
+                   help="comma list of HYBRID_PREFILL_SOURCE values (store, checkpoint; store+kernel: with "
+                        "HYBRID_STAGE_KERNEL=1), measured in turn in each session")
     a = p.parse_args()
     a.slots, a.modes = _ints("--slots", a.slots), _ints("--modes", a.modes)
     a.sources = [x.strip() for x in a.sources.split(",") if x.strip()]
-    if not a.sources or any(x not in SOURCES for x in a.sources):
-        print(f"error: --sources {','.join(a.sources)}: expected a comma list of {', '.join(SOURCES)}", file=sys.stderr)
+    if not a.sources or any(x not in SOURCES + ("store+kernel",) for x in a.sources):
+        print(f"error: --sources {','.join(a.sources)}: expected a comma list of {', '.join(SOURCES)}, store+kernel",
+              file=sys.stderr)
         return 2
     if a.prompt_tokens < 1:
         print(f"error: --prompt-tokens {a.prompt_tokens}: expected >= 1", file=sys.stderr)

@@ -715,3 +715,25 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
                 ctypes.c_longlong(ss2), _p(hbuf), _p(token_idx), _p(route_w), _p(offsets),
                 _p(perm), _p(slot_list), _p(y), ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)])
     return y
+
+
+def stage_pack_store(src: torch.Tensor, slots: QPNExpertSlots, first: int, n: int) -> None:
+    """n experts' slots as the CPU expert store holds them (cpu/layout.py NVFP4 int16 tiles; src u8
+    [>= n, S] on the card) -> the QPN2 words and scales of `slots` first..first+n-1, one launch of
+    qpn2_stage_pack on the current stream (the caller writes the folded global scales)."""
+    h, i = slots.hidden, slots.inter
+    if slots.qtype is not QType.NVFP4 or slots.device.type != "cuda":
+        raise ValueError(f"stage pack: NVFP4 slots on a CUDA card, got {slots.qtype.value} on {slots.device}")
+    if not (src.is_cuda and src.device == slots.device and src.dtype == torch.uint8 and src.dim() == 2
+            and src.is_contiguous() and src.shape[0] >= n):
+        raise ValueError(f"stage pack: store slots must be contiguous u8 [>= {n}, S] on {slots.device}, "
+                         f"got {src.dtype} {tuple(src.shape)} on {src.device}")
+    if not (0 <= first and first + n <= slots.num_slots):
+        raise ValueError(f"stage pack: slots {first}..{first + n - 1} outside 0..{slots.num_slots - 1}")
+    if n == 0:
+        return
+    words = (2 * i // 16) * (h // 64) * 128 + (h // 16) * (i // 64) * 128
+    _module(src.device).launch("qpn2_stage_pack", (-(-words // THREADS), n, 1), THREADS,
+                               [_p(src), ctypes.c_longlong(src.shape[1]), ctypes.c_int(h), ctypes.c_int(i),
+                                _p(slots.w13[first]), _p(slots.s13[first]), _p(slots.w2[first]),
+                                _p(slots.s2[first])])

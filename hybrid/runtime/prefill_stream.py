@@ -168,18 +168,14 @@ class PrefillStream:
             area.uploaded, area.unpacked = torch.cuda.Event(), torch.cuda.Event()
             self.copy_stream = torch.cuda.Stream(self.device)
             self.copy_stream.wait_stream(self._compute())          # slots_raw exists
-        gs = src.global_scales(layer, group)
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(area.unpacked)
-            self.bytes += src.upload(layer, group, area.slots_raw) + gs.numel() * gs.element_size()
+            self.bytes += src.upload(layer, group, area.slots_raw) + 12 * n      # + the fp32 global scales
             area.uploaded.record(self.copy_stream)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(buf.free)
             self.stream.wait_event(area.uploaded)
-            src.unpack(area.slots_raw, area.raw, n)
-            area.unpacked.record(self.stream)
-            area.raw["gs"][:n].copy_(gs, non_blocking=True)     # pageable: staged by the driver at once
-            pack_group(buf.store.slots, n, area.raw)
+            src.pack_into(buf.store.slots, 0, area.slots_raw, area.raw, layer, group, read_done=area.unpacked)
             buf.ready.record(self.stream)
 
     def _expert(self, layer: int, e: int, get_expert) -> tuple:

@@ -24,6 +24,8 @@ The global scales come from the store's `scales`, folded as hybrid.kernels.layou
     HYBRID_PROMOTE_SOURCE=checkpoint|store   where an expert-cache promotion reads its expert (default
                                              checkpoint: the store path, asynchronous on the promotion
                                              stream, awaits its first GPU check); read at each promotion
+    HYBRID_STAGE_KERNEL=1                    store slots -> QPN slots in one kernel launch (off until
+                                             measured on a GPU; see stage_kernel_enabled)
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ log = logging.getLogger("hybrid.runtime")
 
 SOURCE_ENV = "HYBRID_PREFILL_SOURCE"
 PROMOTE_ENV = "HYBRID_PROMOTE_SOURCE"
+STAGE_KERNEL_ENV = "HYBRID_STAGE_KERNEL"
 SOURCES = ("store", "checkpoint")
 _INV_RECODE: dict = {}
 
@@ -56,6 +59,13 @@ def source_mode(env: str = SOURCE_ENV, default: str = "store") -> str:
     if mode not in SOURCES:
         raise HybridError(f"{env}={mode!r}: expected one of {', '.join(SOURCES)}")
     return mode
+
+
+def stage_kernel_enabled() -> bool:
+    """HYBRID_STAGE_KERNEL=1: store slots become QPN slots through cuda/qpn.cu's qpn2_stage_pack (one
+    launch per group) instead of unpack + the table-driven torch pack (~40 launches). Off by default
+    until measured on a GPU (its CPU emulation is bit-exact: tests/test_stage_pack_emu.py)."""
+    return os.environ.get(STAGE_KERNEL_ENV, "").strip() == "1"
 
 
 def promote_mode() -> str:
@@ -133,9 +143,31 @@ class StoreSource:
         raw, up = self._scratch(slots, stream)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             self.upload(layer, [e], up)
-            self.unpack(up, raw, 1)
-            raw["gs"][:1].copy_(self.global_scales(layer, [e]), non_blocking=True)
-            pack_group(slots, 1, raw, first=slot)
+            self.pack_into(slots, slot, up, raw, layer, [e])
+
+    def pack_into(self, slots, first: int, up: torch.Tensor, raw: dict, layer: int, group: list[int],
+                  read_done=None) -> None:
+        """The group's uploaded slots `up` [>= n, S] -> slots first..first+n-1 of QPNExpertSlots `slots`,
+        on the current stream: the stage-pack kernel (HYBRID_STAGE_KERNEL=1, the int16 NVFP4 tile family
+        on a card: one launch) or unpack into `raw` + the table-driven pack. read_done (a cuda Event) is
+        recorded once `up` has been read (the next group's DMA may then overwrite it)."""
+        n = len(group)
+        gs = self.global_scales(layer, group)
+        if stage_kernel_enabled() and self.kind == NVFP4_I16 and up.is_cuda:
+            from hybrid.kernels.qpn import stage_pack_store
+
+            stage_pack_store(up, slots, first, n)
+            if read_done is not None:
+                read_done.record()
+            slots.gs[first:first + n].copy_(gs, non_blocking=True)   # pageable: staged by the driver at once
+            for j in range(first, first + n):
+                slots.host[j] = True
+            return
+        self.unpack(up, raw, n)
+        if read_done is not None:
+            read_done.record()
+        raw["gs"][:n].copy_(gs, non_blocking=True)
+        pack_group(slots, n, raw, first=first)
 
     def _scratch(self, slots, stream) -> tuple[dict, torch.Tensor]:
         """(stored-bytes dict of one expert, u8 [1, S]) on slots' device for `stream`, made on first use
