@@ -18,6 +18,14 @@ from hybrid.runtime.store_stage import SOURCE_ENV, StoreSource, _weight, source_
 from tests.test_prefill_stream import _rand_fp8, _rand_nvfp4
 
 
+def _store(qtype, L, E, H, I, seed):
+    """Random experts {(layer, e): (gate, up, down)} and the ExpertStore built from them (4 KiB pages)."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = (lambda n, k: _rand_nvfp4(gen, n, k)) if qtype is QType.NVFP4 else (lambda n, k: _rand_fp8(gen, n, k))
+    ws = {(l, e): (rand(I, H), rand(I, H), rand(H, I)) for l in range(L) for e in range(E)}
+    return ws, ExpertStore.build(L, E, H, I, lambda l, e: ws[l, e], qtype, hugepages="off", progress=False)
+
+
 @pytest.mark.parametrize("int16", [True, False])
 @pytest.mark.parametrize("n,k", [(64, 128), (80, 64), (8, 256)])
 def test_nvfp4_tile_families_invert(int16, n, k):
@@ -34,11 +42,8 @@ def test_nvfp4_tile_families_invert(int16, n, k):
 @pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
 def test_uploaded_slots_unpack_to_checkpoint_bytes(qtype):
     """Two layers of 6 experts, I = 80 (padded tiles); experts [1, 2, 3] go up in one copy, [5, 0] in two."""
-    gen = torch.Generator().manual_seed(7)
     L, E, H, I = 2, 6, 128, 80
-    rand = (lambda n, k: _rand_nvfp4(gen, n, k)) if qtype is QType.NVFP4 else (lambda n, k: _rand_fp8(gen, n, k))
-    ws = {(l, e): (rand(I, H), rand(I, H), rand(H, I)) for l in range(L) for e in range(E)}
-    store = ExpertStore.build(L, E, H, I, lambda l, e: ws[l, e], qtype, hugepages="off", progress=False)
+    ws, store = _store(qtype, L, E, H, I, seed=7)
     try:
         src = StoreSource(store)
         meta = SimpleNamespace(qtype=qtype, hidden=H, inter=I)
@@ -87,11 +92,8 @@ def test_load_slot_packs_what_a_slot_load_packs(qtype):
     folded global scales QPNExpertSlots.load packs from the checkpoint's tensors; other slots untouched."""
     from hybrid.kernels import QPNExpertSlots, layout
 
-    gen = torch.Generator().manual_seed(11)
-    L, E, H, I = 2, 5, 128, 64
-    rand = (lambda n, k: _rand_nvfp4(gen, n, k)) if qtype is QType.NVFP4 else (lambda n, k: _rand_fp8(gen, n, k))
-    ws = {(l, e): (rand(I, H), rand(I, H), rand(H, I)) for l in range(L) for e in range(E)}
-    store = ExpertStore.build(L, E, H, I, lambda l, e: ws[l, e], qtype, hugepages="off", progress=False)
+    H, I = 128, 64
+    ws, store = _store(qtype, 2, 5, H, I, seed=11)
     try:
         src = StoreSource(store)
         slots = QPNExpertSlots(4, H, I, qtype, torch.device("cpu"))
