@@ -89,20 +89,20 @@ class StoreSource:
     @classmethod
     def pin(cls, store) -> "StoreSource | None":
         """Register the store's arena with CUDA (portable: all cards); None, with one log line, where
-        that fails (no CUDA, a locked-memory limit): prefill offload then reads the checkpoint."""
+        that fails (no CUDA, a locked-memory limit): prefill offload and promotions then read the checkpoint."""
         arr = store.arena.array
         t0 = time.perf_counter()
         try:
             cudart = torch.cuda.cudart()
             err = cudart.cudaHostRegister(arr.ctypes.data, arr.nbytes, 1)   # cudaHostRegisterPortable
         except (AssertionError, AttributeError, RuntimeError) as exc:
-            log.info("expert store not pinned for prefill offload (%s): streamed experts come from the checkpoint", exc)
+            log.info("expert store not pinned for the cards (%s): streamed experts come from the checkpoint", exc)
             return None
         if int(err) != 0:
-            log.info("expert store not pinned for prefill offload (cudaHostRegister error %d): streamed "
+            log.info("expert store not pinned for the cards (cudaHostRegister error %d): streamed "
                      "experts come from the checkpoint", int(err))
             return None
-        log.info("expert store pinned for prefill offload: %.2f GiB in %.1f s",
+        log.info("expert store pinned for the cards' DMA (prefill offload, promotions): %.2f GiB in %.1f s",
                  arr.nbytes / 2**30, time.perf_counter() - t0)
         return cls(store, pinned=True)
 
