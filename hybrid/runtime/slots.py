@@ -213,7 +213,7 @@ class CardSlots:
         return st is None or (isinstance(st, QPNSlots) and st.host is None)
 
     def load(self, layer: int, slot: int, weights: Sequence[QWeight], stream=None) -> None:
-        self._store[layer].load(int(slot) - self.layer_slots[layer][0], *weights, stream=stream)
+        self._store[layer].load(self.local(layer, slot), *weights, stream=stream)
 
     def packed(self, layer: int):
         """The layer's QPNExpertSlots when they are packed storage on the card (what a load from the

@@ -92,6 +92,12 @@ def pack_group(slots, g: int, raw: dict, first: int = 0) -> None:
     else:
         pack_fp8_rows(raw["d13"][:g].reshape(g * 2 * i, h), slots.w13[first:end])
         pack_fp8_rows(raw["d2"][:g].reshape(g * h, i), slots.w2[first:end])
-    slots.gs[first:end].copy_(raw["gs"][:g])
-    for j in range(first, end):
+    finish_group(slots, first, raw["gs"][:g])
+
+
+def finish_group(slots, first: int, gs: torch.Tensor) -> None:
+    """A packed group's folded global scales gs [g, 3] into slots first..first+g-1, which are then
+    marked loaded (a host gs is copied up without waiting: staged by the driver at once)."""
+    slots.gs[first:first + gs.shape[0]].copy_(gs, non_blocking=True)
+    for j in range(first, first + gs.shape[0]):
         slots.host[j] = True

@@ -41,7 +41,7 @@ from cpu import layout as cpu_layout
 from cpu.expert import FP8, NVFP4_F32, NVFP4_I16
 from hybrid.errors import HybridError
 from hybrid.kernels.layout import FOLD
-from hybrid.runtime.stage_pack import pack_group
+from hybrid.runtime.stage_pack import finish_group, pack_group
 
 log = logging.getLogger("hybrid.runtime")
 
@@ -159,9 +159,7 @@ class StoreSource:
             stage_pack_store(up, slots, first, n)
             if read_done is not None:
                 read_done.record()
-            slots.gs[first:first + n].copy_(gs, non_blocking=True)   # pageable: staged by the driver at once
-            for j in range(first, first + n):
-                slots.host[j] = True
+            finish_group(slots, first, gs)
             return
         self.unpack(up, raw, n)
         if read_done is not None:
