@@ -107,7 +107,7 @@ class PrefillStream:
         g = self.group
         bounds = np.searchsorted(pos, np.arange(0, len(experts) + g, g))      # pair range per group
         sel = _selection(pos % g, tok, w, bounds, x.device)                   # one copy up
-        area = self._area(layer, experts[0], get_expert)
+        area = self._area(*self._weight_type(layer, int(experts[0]), get_expert))
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)   # [T, H]
         for gi in range(-(-len(experts) // g)):
             buf = area.bufs[gi % 2]
@@ -199,16 +199,23 @@ class PrefillStream:
                 buf.store.load(j, *w, stream=self.stream)
             buf.ready.record(self.stream)
 
-    def _area(self, layer: int, e: int, get_expert) -> _Area:
-        """The staging area for this layer's expert type, made on first use and kept."""
-        gate, up, down = self._expert(layer, int(e), get_expert)
-        key = (gate.qtype, tuple(gate.shape), tuple(down.shape))
+    def _weight_type(self, layer: int, e: int, get_expert) -> tuple:
+        """(qtype, hidden, inter) of the layer's experts: the pinned store's when streaming from it
+        (no checkpoint read at all), else expert e's as get_expert gives it."""
+        if self.cuda and self.source is not None and source_mode() == "store":
+            st = self.source.store
+            return st.qtype, st.hidden, st.inter
+        gate = self._expert(layer, e, get_expert)[0]
+        return gate.qtype, gate.shape[1], gate.shape[0]
+
+    def _area(self, qtype, hidden: int, inter: int) -> _Area:
+        """The staging area for one expert weight type, made on first use and kept."""
+        key = (qtype, hidden, inter)
         area = self._areas.get(key)
         if area is not None:
             return area
-        inter, hidden = gate.shape
         hold = HoldBudget()
-        bufs = [_Buffer(make_store(self.group, hidden, inter, gate.qtype, self.device, True, hold))
+        bufs = [_Buffer(make_store(self.group, hidden, inter, qtype, self.device, True, hold))
                 for _ in range(2)]
         area = _Area(bufs)
         if self.cuda:
@@ -216,7 +223,7 @@ class PrefillStream:
                 b.uploaded, b.ready, b.free = torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event()
                 b.free.record(self._compute())           # nothing reads it yet
             if isinstance(bufs[0].store, QPNSlots) and bufs[0].store.host is None:
-                shapes = _raw_shapes(gate.qtype, self.group, hidden, inter)
+                shapes = _raw_shapes(qtype, self.group, hidden, inter)
                 area.raw = {k: torch.empty(s, dtype=dt, device=self.device) for k, (s, dt) in shapes.items()}
                 for b in bufs:
                     b.pinned = {k: torch.empty(s, dtype=dt, pin_memory=True) for k, (s, dt) in shapes.items()}
