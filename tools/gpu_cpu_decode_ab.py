@@ -8,6 +8,8 @@ Variants (applied to the one session's runner between generations, in the order 
     direct    runner.run on the calling thread (the default)
     join      pool, and sync() runs unclaimed units on the calling thread (HYBRID_CPU_JOIN=1)
     <v>@<n>   the same with n parts per call (runner.threads), e.g. direct@15
+    <v>+store the same with expert-cache promotions read from the pinned CPU store
+              (HYBRID_PROMOTE_SOURCE=store; without the suffix: checkpoint), e.g. direct+store
 Per generation: decode tok/s, ms per token, and per token the wall time of each host phase of the
 linked layers (timers around the functions, same in every variant): replay (segment graph launch),
 fetch (the wait for the routed row's event + its read), lookup (expert cache), cpu (the runner call;
@@ -33,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_decode_overlap_ab as oa  # noqa: E402  - synth_args / synth_parts, uniform_profile
 import gpu_runtime_check as rc  # noqa: E402  - log / recorder / run_parts
+from hybrid.runtime.store_stage import PROMOTE_ENV  # noqa: E402
 
 rc.OUT = oa.OUT = OUT = Path(os.environ.get("OUT", "scratch/out"))
 JSONL = "cpu_decode_ab.jsonl"
@@ -73,15 +76,18 @@ class PhaseTimer:
             setattr(cls, name, f)
 
 
-def parse_variant(v: str) -> tuple[str, int | None]:
-    base, _, n = v.partition("@")
-    if base not in VARIANTS or (n and not n.isdigit()):
-        raise SystemExit(f"--variants: {v!r}: expected one of {', '.join(VARIANTS)}, optionally @<parts>")
-    return base, int(n) if n else None
+def parse_variant(v: str) -> tuple[str, int | None, str]:
+    """'<base>[@<parts>][+store]' -> (base, parts or None, promotion source)."""
+    rest, plus, src = v.partition("+")
+    base, _, n = rest.partition("@")
+    if base not in VARIANTS or (n and not n.isdigit()) or (plus and src != "store"):
+        raise SystemExit(f"--variants: {v!r}: expected one of {', '.join(VARIANTS)}, optionally @<parts> and +store")
+    return base, int(n) if n else None, "store" if plus else "checkpoint"
 
 
-def apply(s, base: str, parts: int | None, threads0: int) -> None:
-    """Set the session's hand-off variant (see the module doc)."""
+def apply(s, base: str, parts: int | None, threads0: int, promote: str = "checkpoint") -> None:
+    """Set the session's hand-off variant and promotion source (see the module doc)."""
+    os.environ[PROMOTE_ENV] = promote
     ex = s.model.experts
     runner = ex.cpu.runner
     ex.cpu_direct = base == "direct"
@@ -139,8 +145,8 @@ def runs(path: Path, deadline: float, a) -> None:
             if time.perf_counter() > deadline:
                 record({"check": f"variant_{v}", "variant": v, "skipped": "device-time deadline"})
                 continue
-            base, parts = parse_variant(v)
-            apply(s, base, parts, threads0)
+            base, parts, promote = parse_variant(v)
+            apply(s, base, parts, threads0, promote)
             tm0, n0, snap = dict(runner.timing), s.stats.steps["decode"], snapshot(s)
             timer.reset()
             res = generate(s.model, tok, ids, a.tokens, greedy, prefill_chunk=s.prefill_chunk)
@@ -158,6 +164,7 @@ def runs(path: Path, deadline: float, a) -> None:
             first = first or res.generated_ids
             diff = next((i for i, (x, y) in enumerate(zip(first, res.generated_ids)) if x != y), None)
             record({"check": f"variant_{v}", "variant": v, "slots": a.slots, "parts": runner.threads, "decode_steps": steps,
+                    "promote_source": promote,
                     "decode_tok_s": round(res.decode_tok_s, 3), "ms_per_token": round(ms, 3) if ms else None,
                     "phases_ms_per_token": phases, "runner": runner_ms,
                     "ids_equal_first": res.generated_ids == first, "first_diff": diff,
