@@ -14,7 +14,8 @@ from hybrid.checkpoint.formats import QType
 from hybrid.errors import HybridError
 from hybrid.experts.store import ExpertStore
 from hybrid.runtime.prefill_stream import _fill, _raw_shapes
-from hybrid.runtime.store_stage import SOURCE_ENV, StoreSource, _weight, source_mode
+from hybrid.runtime.store_stage import (SOURCE_ENV, STAGE_KERNEL_ENV, StoreSource, _weight, source_mode,
+                                        stage_kernel_enabled)
 from tests.test_prefill_stream import _rand_fp8, _rand_nvfp4
 
 
@@ -76,6 +77,16 @@ def test_source_mode(monkeypatch):
     monkeypatch.setenv(SOURCE_ENV, "disk")
     with pytest.raises(HybridError, match=f"{SOURCE_ENV}='disk': expected one of store, checkpoint"):
         source_mode()
+
+
+def test_stage_kernel_env(monkeypatch):
+    monkeypatch.delenv(STAGE_KERNEL_ENV, raising=False)
+    assert stage_kernel_enabled()
+    monkeypatch.setenv(STAGE_KERNEL_ENV, "0")
+    assert not stage_kernel_enabled()
+    monkeypatch.setenv(STAGE_KERNEL_ENV, "yes")
+    with pytest.raises(HybridError, match=f"{STAGE_KERNEL_ENV}='yes': expected 1"):
+        stage_kernel_enabled()
 
 
 def test_pin_without_cuda_is_none():

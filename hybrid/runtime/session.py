@@ -17,7 +17,7 @@ from hybrid.experts.trace import TraceHeader, TraceWriter
 from hybrid.model.config import ModelConfig
 from hybrid.runtime.cpu_card import hold_dense
 from hybrid.runtime.cpu_side import make_cpu_runner
-from hybrid.runtime.store_stage import promote_mode, source_mode
+from hybrid.runtime.store_stage import promote_mode, source_mode, stage_kernel_enabled
 from hybrid.runtime.hybrid_experts import CardRuntime, HybridExperts
 from hybrid.runtime.hybrid_model import HybridModel
 from hybrid.runtime.options import RuntimeOptions
@@ -122,7 +122,8 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     t4 = time.perf_counter()
     source = None
     if any(c.device.startswith("cuda") for c in placement.cards):
-        source_mode()                         # a bad HYBRID_PREFILL_SOURCE / _PROMOTE_SOURCE: one line, now
+        source_mode()                         # a bad HYBRID_PREFILL_SOURCE / _PROMOTE_SOURCE /
+        stage_kernel_enabled()                # _STAGE_KERNEL: one line, now
         from_store = promote_mode() == "store"
         if hasattr(cpu, "store_source") and (opts.offload_min or from_store):
             source = cpu.store_source()       # prefill offload / promotions read the pinned store

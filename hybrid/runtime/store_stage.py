@@ -24,8 +24,8 @@ The global scales come from the store's `scales`, folded as hybrid.kernels.layou
     HYBRID_PROMOTE_SOURCE=checkpoint|store   where an expert-cache promotion reads its expert (default
                                              checkpoint: the store path, asynchronous on the promotion
                                              stream, awaits its first GPU check); read at each promotion
-    HYBRID_STAGE_KERNEL=1                    store slots -> QPN slots in one kernel launch (off until
-                                             measured on a GPU; see stage_kernel_enabled)
+    HYBRID_STAGE_KERNEL=1|0                  store slots -> QPN slots in one kernel launch (default 1;
+                                             0: unpack + the torch pack; see stage_kernel_enabled)
 """
 from __future__ import annotations
 
@@ -62,10 +62,15 @@ def source_mode(env: str = SOURCE_ENV, default: str = "store") -> str:
 
 
 def stage_kernel_enabled() -> bool:
-    """HYBRID_STAGE_KERNEL=1: store slots become QPN slots through cuda/qpn.cu's qpn2_stage_pack (one
-    launch per group) instead of unpack + the table-driven torch pack (~40 launches). Off by default
-    until measured on a GPU (its CPU emulation is bit-exact: tests/test_stage_pack_emu.py)."""
-    return os.environ.get(STAGE_KERNEL_ENV, "").strip() == "1"
+    """HYBRID_STAGE_KERNEL (default 1): store slots of the int16 NVFP4 tile family become QPN slots through
+    cuda/qpn.cu's qpn2_stage_pack (one launch per group) instead of unpack + the table-driven torch pack
+    (~40 launches); 0 restores the latter. Bit-exact (tests/test_stage_pack_emu.py, the CUDA tests);
+    H200, 512-token prompt, every expert on the CPU: 3210-3558 vs 2448-2478 tok/s (results/runtime.md
+    §20). HybridError naming the variable on anything but 0 or 1 (checked when a CUDA session opens)."""
+    v = os.environ.get(STAGE_KERNEL_ENV, "").strip() or "1"
+    if v not in ("0", "1"):
+        raise HybridError(f"{STAGE_KERNEL_ENV}={v!r}: expected 1 (the stage-pack kernel) or 0 (unpack + torch pack)")
+    return v == "1"
 
 
 def promote_mode() -> str:
