@@ -114,10 +114,10 @@ def runs(path: Path, deadline: float, a) -> None:
 
     cfg = ModelConfig.from_folder(path)
     tok = Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-    eprof = oa.uniform_profile(path)
+    eprof = None if a.even_slots else oa.uniform_profile(path)
     ids = prompt_ids(tok, 32)
     opts = RuntimeOptions(device=a.device, gpus=(0,), cache_slots=(a.slots,), profile=a.profile if a.device == "cuda" else None,
-                          expert_profile=str(eprof), cpu_threads=a.threads)
+                          expert_profile=eprof and str(eprof), cpu_threads=a.threads)
     rc.log(f"session: {a.slots} expert slots, the rest on the CPU runner ({opts})")
     s = open_session(path, opts, context=len(ids) + a.tokens + a.warmup + 8)
     timer = PhaseTimer()
@@ -184,6 +184,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="--cpu-threads of the session (default: physical cores)")
     p.add_argument("--slots", type=int, default=0, help="expert cache slots on the card (uniform profile: "
                    "a warm start fills them; 0 = every expert on the CPU)")
+    p.add_argument("--even-slots", action="store_true", help="no expert profile: the slots spread evenly over the "
+                   "layers, filled by promotions during decode (a cache that promotes; with the uniform profile "
+                   "whole layers are resident and nothing promotes)")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--warmup", type=int, default=16)
     p.add_argument("--variants", default="pool,direct,pool,direct")

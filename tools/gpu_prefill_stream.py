@@ -6,8 +6,8 @@ in one process. Writes $OUT/prefill_stream.jsonl + gpu_check.log.
    and routes a calibration text into an expert profile (gpu_two_cards.expert_profile_session).
 3. For each cache size (--slots, default 0 = every expert on the CPU runner, and 1024 warm-started from the
    profile) and each --prefill-offload-min of --modes (default 0 = off, then 32 = on): one session,
-   hybrid.bench.decode.measure with a --prompt-tokens prompt (default 512: one prefill chunk) after a
-   warm-up generation of the same prompt; per session prefill tok/s, the measured prefill step's ms, what
+   hybrid.bench.decode.measure with each --prompt-tokens prompt (default 512: one prefill chunk; a comma
+   list is measured in turn: the offload crossover) after a warm-up generation of the same prompt; per session prefill tok/s, the measured prefill step's ms, what
    was streamed (experts, bytes, groups, staging bytes), PCIe bytes by kind, the first greedy ids.
 
     HYBRID_CACHE_DIR=.qpncache HYBRID_GIT_SHA=<sha> PYTHONPATH=. python3 tools/gpu_prefill_stream.py \\
@@ -46,11 +46,11 @@ def runs(path: Path, deadline: float, a) -> None:
     from hybrid.runtime import RuntimeOptions, open_session
 
     cfg, tok, _, cpu, eprof = tc.expert_profile_session(path, a.profile, a.tokens, a.device)
-    ctx = a.prompt_tokens + max(a.tokens, 1) + 8
+    ctx = max(a.prompt_tokens) + max(a.tokens, 1) + 8
     first: dict = {}
     for slots in a.slots:
         for m in a.modes:
-            check = f"synth_slots{slots}_offload{m}_prompt{a.prompt_tokens}"
+            check = f"synth_slots{slots}_offload{m}"
             if time.perf_counter() > deadline:
                 record({"check": check, "skipped": "device-time deadline"})
                 continue
@@ -60,10 +60,10 @@ def runs(path: Path, deadline: float, a) -> None:
             rc.log(f"session {check}: {kw}")
             s = open_session(path, RuntimeOptions(**kw), context=ctx, cpu=cpu)
             try:
-                for src in a.sources:                   # alternated inside one session (same machine state)
-                    _set_source(src)
+                for src, n in [(src, n) for src in a.sources for n in a.prompt_tokens]:   # alternated inside one
+                    _set_source(src)                                                     # session (same machine state)
                     st0 = s.model.experts.prefill_stream_stats()
-                    rec = measure(s, tok, a.prompt_tokens, 1, a.tokens)
+                    rec = measure(s, tok, n, 1, a.tokens)
                     rep = s.report()
                     st1 = s.model.experts.prefill_stream_stats()
                     rec.update({"cache_slots": slots, "prefill_offload_min": m, "prefill_source": src,
@@ -75,12 +75,12 @@ def runs(path: Path, deadline: float, a) -> None:
                                 "cpu_expert_ms": rep["cpu_expert_ms"], "gpu_expert_ms": rep["gpu_expert_ms"],
                                 "max_memory_allocated_gib": round(_peak() / 2**30, 2)})
                     head = rec["generated_ids_head"]
-                    rec["ids_equal_first"] = first.setdefault(slots, head) == head
-                    record({"check": f"{check}_{src}" if len(a.sources) > 1 else check, **rec})
-                if a.profile_prefill and m:
-                    for src in dict.fromkeys(a.sources):
+                    rec["ids_equal_first"] = first.setdefault((slots, n), head) == head
+                    record({"check": f"{check}_prompt{n}" + (f"_{src}" if len(a.sources) > 1 else ""), **rec})
+                if a.profile_prefill:
+                    for src, n in [(src, n) for src in dict.fromkeys(a.sources) for n in a.prompt_tokens]:
                         _set_source(src)
-                        profile_prefill(s, tok, a.prompt_tokens, OUT / f"prefill_profile_s{slots}_{src}.txt")
+                        profile_prefill(s, tok, n, OUT / f"prefill_profile_s{slots}_m{m}_p{n}_{src}.txt")
             finally:
                 s.close()
                 del s
@@ -91,7 +91,8 @@ def runs(path: Path, deadline: float, a) -> None:
 
 
 def _set_source(src: str) -> None:
-    """--sources item: store | checkpoint, or store+kernel (HYBRID_STAGE_KERNEL=1: the stage-pack kernel)."""
+    """--sources item: store (unpack + torch pack, HYBRID_STAGE_KERNEL=0) | checkpoint, or store+kernel (the
+    stage-pack kernel, HYBRID_STAGE_KERNEL=1: the default since the eleventh session)."""
     base, _, kernel = src.partition("+")
     os.environ[SOURCE_ENV] = base
     os.environ[STAGE_KERNEL_ENV] = "1" if kernel else "0"
@@ -140,7 +141,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
     p.add_argument("--skew", type=float, default=0.25)
-    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length of the measured prefills")
+    p.add_argument("--prompt-tokens", default="512", help="prompt lengths of the measured prefills (comma list, "
+                   "each measured in turn in each session)")
     p.add_argument("--tokens", type=int, default=4, help="tokens decoded after each prefill")
     p.add_argument("--slots", default="0,1024", help="--cache-slots of the sessions, in order")
     p.add_argument("--modes", default="0,32", help="--prefill-offload-min values per cache size, in order (0 = off)")
@@ -161,7 +163,8 @@ def main() -> int:
         print(f"error: --sources {','.join(a.sources)}: expected a comma list of {', '.join(SOURCES)}, store+kernel",
               file=sys.stderr)
         return 2
-    if a.prompt_tokens < 1:
+    a.prompt_tokens = _ints("--prompt-tokens", a.prompt_tokens)
+    if min(a.prompt_tokens) < 1:
         print(f"error: --prompt-tokens {a.prompt_tokens}: expected >= 1", file=sys.stderr)
         return 2
     OUT.mkdir(parents=True, exist_ok=True)

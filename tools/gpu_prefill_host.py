@@ -1,0 +1,158 @@
+"""Where a short prompt's prefill goes, every expert resident on the card (no CPU runner), on the
+Qwen3-30B-A3B-shaped synthetic NVFP4 checkpoint. Writes $OUT/prefill_host.jsonl + gpu_check.log.
+
+Per --prompt-tokens size: the eager prefill forward (HybridModel.forward of the whole prompt into a fresh
+KV cache, last row's logits, then a device sync) timed over --repeats runs after a warm-up: wall ms
+(median, min), and the host's own share: the wall time of the forward call before its sync (the host
+enqueueing) and the sync's wait. For the sizes in --profile-sizes, one more forward under cProfile (host
+functions by own time, per forward) and one under torch.profiler (kernel launches and GPU busy time
+summed over the kernels and copies, the top GPU kernels). A forward whose host enqueue time is close
+to its wall time is host-bound: the GPU idles between launches.
+
+    HYBRID_CACHE_DIR=.qpncache HYBRID_GIT_SHA=<sha> PYTHONPATH=. python3 tools/gpu_prefill_host.py \\
+        --prompt-tokens 8,16,32,64,128,512 --profile-sizes 32 --budget-s 150
+
+--small: a 4-layer toy checkpoint; --device cpu: the same on a machine without a GPU (smoke).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_decode_overlap_ab as oa  # noqa: E402  - synth_args / synth_parts / uniform_profile / NoCpuRunner
+import gpu_runtime_check as rc  # noqa: E402  - log / recorder / run_parts / top_functions
+
+rc.OUT = oa.OUT = OUT = Path(os.environ.get("OUT", "scratch/out"))
+JSONL = "prefill_host.jsonl"
+record = rc.recorder("tools/gpu_prefill_host.py", JSONL,
+                     ("prompt_tokens", "wall_ms", "host_ms", "prefill_tok_s", "launches", "gpu_busy_ms",
+                      "skipped", "error"))
+rc.record = oa.record = record
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def forward_once(hm, ids, dev) -> tuple[float, float]:
+    """One eager prefill of ids into a fresh cache -> (wall s, host enqueue s)."""
+    import torch
+
+    hm.new_cache(len(ids) + 8)
+    x = torch.tensor(ids)
+    _sync(dev)
+    t0 = time.perf_counter()
+    hm.forward(x, 0, last_only=True)
+    t1 = time.perf_counter()
+    _sync(dev)
+    return time.perf_counter() - t0, t1 - t0
+
+
+def gpu_profile(hm, ids, dev, top: int = 12) -> dict:
+    """One forward under torch.profiler: launches, GPU busy ms (kernels + copies), the top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        forward_once(hm, ids, dev)
+    launches, busy, kernels = 0, 0.0, []
+    for e in prof.key_averages():
+        if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"):
+            launches += e.count
+        dt = getattr(e, "self_device_time_total", 0.0) or 0.0
+        if dt and e.device_type == torch.autograd.DeviceType.CUDA:
+            busy += dt
+            kernels.append((e.key[:60], round(dt / 1e3, 3), e.count))
+    kernels.sort(key=lambda r: -r[1])
+    return {"launches": launches, "gpu_busy_ms": round(busy / 1e3, 3), "top_gpu": kernels[:top]}
+
+
+def runs(path: Path, deadline: float, a) -> None:
+    import cProfile
+
+    import torch
+
+    from hybrid.bench.decode import prompt_ids
+    from hybrid.model.config import ModelConfig
+    from hybrid.runtime import RuntimeOptions, open_session
+    from hybrid.tokenizer import Tokenizer
+
+    cfg = ModelConfig.from_folder(path)
+    tok = Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    slots = cfg.num_hidden_layers * cfg.num_experts
+    opts = RuntimeOptions(device=a.device, gpus=(0,), cache_slots=(slots,), expert_profile=str(oa.uniform_profile(path)),
+                          profile=a.profile if a.device == "cuda" else None, prefill_offload_min=0)
+    s = open_session(path, opts, context=max(a.prompt_tokens) + 16, cpu=oa.NoCpuRunner())
+    try:
+        hm, dev = s.model, s.placement.cards[0].device
+        dev = torch.device(dev)
+        record({"check": "session", "slots": slots, "load_s": {k: round(v, 2) for k, v in s.load_s.items()},
+                "placement": s.placement.describe()})
+        for n in a.prompt_tokens:
+            if time.perf_counter() > deadline:
+                record({"check": f"prefill_{n}", "prompt_tokens": n, "skipped": "device-time deadline"})
+                continue
+            ids = prompt_ids(tok, n)
+            for _ in range(2):
+                forward_once(hm, ids, dev)                       # warm-up: compiles, allocator
+            walls, hosts = zip(*(forward_once(hm, ids, dev) for _ in range(a.repeats)))
+            wall, host = statistics.median(walls), statistics.median(hosts)
+            rec = {"check": f"prefill_{n}", "prompt_tokens": len(ids), "repeats": a.repeats,
+                   "wall_ms": round(wall * 1e3, 3), "wall_min_ms": round(min(walls) * 1e3, 3),
+                   "host_ms": round(host * 1e3, 3), "prefill_tok_s": round(len(ids) / wall, 1),
+                   "per_layer_wall_us": round(wall / cfg.num_hidden_layers * 1e6, 1)}
+            if n in a.profile_sizes:
+                prof = cProfile.Profile()
+                prof.enable()
+                forward_once(hm, ids, dev)
+                prof.disable()
+                rec["host_top"] = rc.top_functions(prof, 1, 25)
+                rec.update(gpu_profile(hm, ids, dev))
+            record(rec)
+    finally:
+        s.close()
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise SystemExit(f"error: {flag} {text}: expected a comma-separated list of integers >= 1")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    oa.synth_args(p)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the tool here")
+    p.add_argument("--profile", default="h200")
+    p.add_argument("--prompt-tokens", default="8,16,32,64,128,512")
+    p.add_argument("--profile-sizes", default="32", help="sizes also run under cProfile and torch.profiler")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--budget-s", type=float, default=150, help="stop starting new sizes after this")
+    a = p.parse_args()
+    a.prompt_tokens = _ints("--prompt-tokens", a.prompt_tokens)
+    a.profile_sizes = set(_ints("--profile-sizes", a.profile_sizes))
+    if a.repeats < 1:
+        raise SystemExit(f"error: --repeats {a.repeats}: expected >= 1")
+    OUT.mkdir(parents=True, exist_ok=True)
+    deadline = rc.T0 + a.budget_s
+    parts = oa.synth_parts(a) + [("prefill_runs", lambda: runs(a.synth, deadline, a))]
+    rc.run_parts(parts, deadline, record, rc.log)
+    rc.log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
