@@ -103,6 +103,9 @@ def test_calibrate_writes_a_loadable_profile(tmp_path, capsys):
     assert prof.overheads.cpu_dispatch_us.source == "measured"
     assert prof.overheads.token_us == load_profile("v100x2-e5v4").overheads.token_us   # from --base
     assert "git " in prof.cpu.stream_copy_gbs.note
+    r8 = prof.cpu.nvfp4_m8_ratio                   # measured with the M = 1 hook, or the default
+    assert r8 is not None and r8.value > 0
+    assert r8.source == ("measured" if prof.cpu.nvfp4_kernel_gbs.source == "measured" else "assumed")
     import torch
 
     assert len(prof.gpus) == torch.cuda.device_count()

@@ -525,21 +525,32 @@ def test_cli_json(tiny_dir, tmp_path, capsys):
 
 
 def test_cli_reserves_prefill_offload_staging_as_run_does(tiny_dir, tmp_path, capsys):
-    """hybrid-plan's default reserves what hybrid-run's prefill offload (on by default on CUDA) adds to
-    each card's workspace; --prefill-offload-min 0 reserves nothing; a negative value is refused."""
+    """--prefill-offload-min N > 0 reserves what hybrid-run's prefill offload adds to each card's
+    workspace; 0 reserves nothing; auto (the default) reserves it exactly when the plan's cost model
+    streams at some step size (here every layer is resident: nothing to stream, nothing reserved);
+    a negative or non-numeric value is refused in one line."""
     from hybrid.planner.memory import PREFILL_STAGE_GROUP, prefill_stage_bytes
 
     pfile = tmp_path / "rig.json"
     pfile.write_text(json.dumps(profile_dict()))
     base = ["--model", str(tiny_dir), "--profile", str(pfile), "--layer-split", "2", "--json"]
-    ws = []
-    for extra in ([], ["--prefill-offload-min", "0"]):
+    ws, pre = [], []
+    for extra in (["--prefill-offload-min", "16"], ["--prefill-offload-min", "0"], []):
         assert plan_main(base + extra) == 0
-        ws.append([c["workspace_bytes"] for c in json.loads(capsys.readouterr().out)["cards"]])
+        d = json.loads(capsys.readouterr().out)
+        ws.append([c["workspace_bytes"] for c in d["cards"]])
+        pre.append(d["prefill"])
     slot = ModelBytes.from_folder(tiny_dir).slot_bytes
-    assert [a - b for a, b in zip(*ws)] == [prefill_stage_bytes(slot, PREFILL_STAGE_GROUP)] * 2
-    assert plan_main(base + ["--prefill-offload-min", "-1"]) == 2
-    assert "--prefill-offload-min -1: expected >= 0" in capsys.readouterr().err
+    stage = prefill_stage_bytes(slot, PREFILL_STAGE_GROUP)
+    assert [a - b for a, b in zip(ws[0], ws[1])] == [stage] * 2
+    assert pre[0]["offload_min"] == 16 and pre[0]["forced"] and pre[1]["offload_min"] == 0
+    auto = pre[2]
+    assert not auto["forced"] and auto["layers"] == 0 and auto["offload_min"] == 0   # all resident
+    assert ws[2] == ws[1]
+    for bad in ("-1", "lots"):
+        assert plan_main(base + ["--prefill-offload-min", bad]) == 2
+        err = capsys.readouterr().err
+        assert f"--prefill-offload-min {bad}: expected auto or a token count >= 0" in err and err.count("\n") == 1
 
 
 def test_cli_table(tiny_dir, tmp_path, capsys):

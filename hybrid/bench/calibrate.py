@@ -6,7 +6,8 @@ inside a CUDA graph (a captured chain of tiny kernels, replayed) and the host ti
 eager op; on the CPU: a STREAM-like copy with all physical cores, a thread hand-off, the expert
 cache's lookup of one layer's routed ids (hybrid.experts.cache.ExpertCache, 48 layers x 128
 experts, top-8), and the NVFP4 expert kernel's GB/s through the real CpuExpertRunner on
-Qwen3-30B-A3B expert shapes (cpu/bench.py) if the cpu/ package provides it. Figures it cannot measure come from --base (a profile) or defaults, marked "assumed".
+Qwen3-30B-A3B expert shapes (cpu/bench.py) if the cpu/ package provides it, at M = 1 and at M = 8
+rows per expert (their ratio: how the CPU's cost grows with a prefill step's rows). Figures it cannot measure come from --base (a profile) or defaults, marked "assumed".
 Without a GPU it writes a CPU-only profile (gpus = []).
 """
 from __future__ import annotations
@@ -34,6 +35,9 @@ DEFAULTS = {  # used when neither a measurement nor --base gives the figure
     "graph_kernel_us": (3.0, "default: ~3 us per small kernel inside a CUDA graph (H200: results/runtime.md "
                              "section 7.5)"),
     "launch_us": (8.0, "default: host time of one eager torch op + launch on a current x86 host"),
+    "nvfp4_m8_ratio": (2.62, "default: time of an M = 8 call over an M = 1 call of the cpu/ NVFP4 kernels "
+                             "measured on the lent H200 host, 16 threads (results/cpu_kernels_h200.md, tenth "
+                             "session); the cpu/ benchmark hook could not measure it here"),
     "token_us": (1000, "default per-token host work outside the layers (embed, graph replays, sampler, "
                        "Python): ~1.0 ms measured on the H200 host (results/runtime.md section 7.3)"),
 }
@@ -416,8 +420,15 @@ def _cpu_profile(hw, base, args, measured) -> CPUProfile:
     nvfp4 = measured(kernel, "cpu/ NVFP4 expert kernel, M = 1, all physical cores") if kernel else \
         Figure(round(copy * 0.5, 3), "assumed", "half the measured STREAM copy: the cpu/ NVFP4 kernel "
                                                  "benchmark hook was not importable")
+    m8 = _cpu_kernel_gbs(hw.cpu.physical_cores, M=8) if kernel else None
+    ratio = measured(kernel / m8, "time of an M = 8 call over an M = 1 call: cpu/ NVFP4 expert kernel "
+                                  "GB/s at M = 1 / at M = 8 (8 rows to each of a call's top-8 experts), "
+                                  "all physical cores") if m8 else \
+        (base and base.cpu.nvfp4_m8_ratio) or Figure(*DEFAULTS["nvfp4_m8_ratio"][:1], "assumed",
+                                                     DEFAULTS["nvfp4_m8_ratio"][1])
     return CPUProfile(model=hw.cpu.model, physical_cores=hw.cpu.physical_cores, avx2=hw.cpu.avx2,
-                      avx512=hw.cpu.avx512, stream_copy_gbs=stream, nvfp4_kernel_gbs=nvfp4)
+                      avx512=hw.cpu.avx512, stream_copy_gbs=stream, nvfp4_kernel_gbs=nvfp4,
+                      nvfp4_m8_ratio=ratio)
 
 
 def _cpu_copy_gbs(nbytes: int, reps: int, threads: int) -> float:
@@ -439,17 +450,23 @@ def _cpu_copy_gbs(nbytes: int, reps: int, threads: int) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
-def _cpu_kernel_gbs(threads: int) -> float | None:
-    """GB/s of packed NVFP4 expert bytes from cpu/'s benchmark hook, if present.
+def _cpu_kernel_gbs(threads: int, M: int = 1) -> float | None:
+    """GB/s of packed NVFP4 expert bytes from cpu/'s benchmark hook at M rows per expert, if present.
 
-    Expected hook (written with the CPU engine): `cpu.bench.nvfp4_expert_gbs(threads=N) -> float`.
+    Expected hook (written with the CPU engine): `cpu.bench.nvfp4_expert_gbs(threads=N, M=1) -> float`
+    (a hook without M gives None for M > 1).
     """
     try:
         from cpu import bench as cpu_bench   # noqa: PLC0415 - optional, lazily imported
         fn = cpu_bench.nvfp4_expert_gbs
     except (ImportError, AttributeError):
         return None
-    return float(fn(threads=threads))
+    if M == 1:
+        return float(fn(threads=threads))
+    try:
+        return float(fn(threads=threads, M=M))
+    except TypeError:                        # an older hook: M = 1 only
+        return None
 
 
 def _lookup_us(tokens: int = 200, layers: int = 48, experts: int = 128, k: int = 8) -> float:
@@ -506,7 +523,9 @@ def summary(prof: HardwareProfile) -> list[str]:
     c = prof.cpu
     lines.append(f"  cpu {c.model}, {c.physical_cores} cores, avx2={c.avx2} avx512={c.avx512}: "
                  f"copy {c.stream_copy_gbs.value:.1f} GB/s, NVFP4 kernel {c.nvfp4_kernel_gbs.value:.1f} GB/s "
-                 f"({c.nvfp4_kernel_gbs.source})")
+                 f"({c.nvfp4_kernel_gbs.source})"
+                 + (f", M = 8 call {c.nvfp4_m8_ratio.value:.2f}x an M = 1 call ({c.nvfp4_m8_ratio.source})"
+                    if c.nvfp4_m8_ratio else ""))
     o = prof.overheads
     lines.append(f"  overheads: layer sync {o.layer_sync_us.value:.1f} us ({o.layer_sync_us.source}), "
                  f"cpu dispatch {o.cpu_dispatch_us.value:.1f} us, lookup {o.lookup_us.value:.1f} us, "

@@ -14,8 +14,8 @@ from hybrid.errors import HybridError, PlanError
 from hybrid.planner import (ModelBytes, Plan, PlanRequest, find_popularity, load_popularity, load_profile,
                             make_plan)
 from hybrid.planner.memory import KV_DTYPES, PREFILL_STAGE_GROUP
-from hybrid.runtime.options import PREFILL_OFFLOAD_MIN
 from hybrid.planner.model_bytes import ASSUMED_QUANTS
+from hybrid.planner.prefill import prefill_lines
 from hybrid.planner.render import render
 
 
@@ -52,10 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(p)
     p.add_argument("--assume-quant", default="nvfp4", choices=ASSUMED_QUANTS,
                    help="quantization assumed when the folder has only config.json (default nvfp4)")
-    p.add_argument("--prefill-offload-min", type=int, default=PREFILL_OFFLOAD_MIN, metavar="N",
-                   help="as hybrid-run on CUDA: > 0 reserves each card's prefill-offload staging "
-                        f"(5 x {PREFILL_STAGE_GROUP} expert slots); 0 = offload off, nothing reserved "
-                        f"(default {PREFILL_OFFLOAD_MIN}, hybrid-run's on CUDA)")
+    p.add_argument("--prefill-offload-min", default="auto", metavar="N|auto",
+                   help="as hybrid-run on CUDA: prefill steps of >= N tokens stream the experts their card "
+                        "misses instead of running them on the CPU; auto (default) = the cost model's "
+                        "threshold from the hardware profile (hybrid.planner.prefill); N > 0 or auto "
+                        f"reserves each card's staging (6 x {PREFILL_STAGE_GROUP} expert slots) unless the "
+                        "model says streaming never pays; 0 = offload off, nothing reserved")
     p.add_argument("--per-layer", action="store_true", help="also print the per-layer prediction")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_debug_flag(p)
@@ -90,13 +92,25 @@ def request_from_args(args, num_gpus: int) -> PlanRequest:
     if split is not None and len(gpus) < 2:
         raise PlanError(f"--layer-split {args.layer_split}: needs two or more cards in --gpus "
                         f"(e.g. --gpus 0,0 for two logical cards on one GPU)")
-    offload = getattr(args, "prefill_offload_min", 0)
-    if offload < 0:
-        raise HybridError(f"--prefill-offload-min {offload}: expected >= 0 tokens (0 = off)")
+    offload = parse_offload_min(getattr(args, "prefill_offload_min", "0"))
     return PlanRequest(gpus=gpus, layer_split=split, kv_tokens=args.kv_resident, kv_dtype=args.kv_dtype,
                        cache_slots=slots, vram_cap_gib=cap, pcie_frac=args.pcie_frac,
                        context=args.context, prefill_chunk=args.prefill_chunk,
-                       prefill_stage=PREFILL_STAGE_GROUP if offload else 0)
+                       prefill_stage=PREFILL_STAGE_GROUP if offload is None or offload else 0,
+                       prefill_offload_min=offload)
+
+
+def parse_offload_min(text) -> int | None:
+    """--prefill-offload-min: 'auto' -> None (the cost model's), else a token count >= 0 (0 = off)."""
+    if text is None or str(text).strip().lower() == "auto":
+        return None
+    try:
+        n = int(str(text).strip())
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise HybridError(f"--prefill-offload-min {text}: expected auto or a token count >= 0 (0 = off)")
+    return n
 
 
 def plan_from_args(args) -> Plan:
@@ -117,7 +131,8 @@ def plan_from_args(args) -> Plan:
 
 def body(args) -> int:
     plan = plan_from_args(args)
-    print(plan.to_json() if args.json else render(plan, per_layer=args.per_layer))
+    print(plan.to_json() if args.json else "\n".join([render(plan, per_layer=args.per_layer),
+                                                      *prefill_lines(plan.prefill)]))
     return 0
 
 

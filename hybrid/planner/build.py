@@ -2,11 +2,14 @@
 
 Layers [0, s1) go to card 0, [s1, s2) to card 1, ... (s = the layer split). A plan that does not
 fit raises PlanError naming the card (or the host), what it holds and by how much it overflows.
+The plan's prefill offload threshold (hybrid.planner.prefill) is worked out once, for the plan
+returned: not for each split that --layer-split auto tries.
 """
 from __future__ import annotations
 
+import contextvars
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybrid.errors import PlanError
 from hybrid.planner.memory import GIB, KV_DTYPES, MIB, gib, kv_bytes, prefill_stage_bytes, workspace_bytes
@@ -14,10 +17,12 @@ from hybrid.planner.model_bytes import ModelBytes
 from hybrid.planner.plan import CardPlan, HostPlan, Plan, PlanInputs
 from hybrid.planner.popularity import Popularity, allot_slots
 from hybrid.planner.predict import predict
+from hybrid.planner.prefill import prefill_prediction
 from hybrid.planner.profile import HardwareProfile
 
 HUGEPAGE = 2 * MIB
 MAX_PCIE_FRAC = 0.9
+_SEARCHING = contextvars.ContextVar("planner_searching", default=False)   # inside best_plan's candidates
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,9 @@ class PlanRequest:
     vram_cap_gib: per card, None = the GPU's memory shared evenly among its logical cards;
     prefill_stage: experts per prefill staging group each card reserves room for (hybrid-run's
     prefill offload; 0 = none reserved, planner.memory.prefill_stage_bytes), counted in workspace;
+    prefill_offload_min: prefill steps of >= this many tokens stream their misses (0 = never); None =
+    auto: the cost model's threshold (hybrid.planner.prefill), and then prefill_stage is reserved
+    only where the model streams at all (a plan whose model says never gives the room to slots);
     overlap: the decode loop runs a step whose layers are all resident ahead of the host's work for
     the step before (hybrid.generate's overlapped decode): such a token costs max(GPU, host), not
     their sum (planner.predict).
@@ -44,6 +52,7 @@ class PlanRequest:
     context: int = 1024
     prefill_chunk: int = 512
     prefill_stage: int = 0
+    prefill_offload_min: int | None = None
     overlap: bool = False
 
     def __post_init__(self) -> None:
@@ -52,6 +61,9 @@ class PlanRequest:
             raise PlanError(f"--kv-dtype {self.kv_dtype}: expected one of {', '.join(KV_DTYPES)}")
         if self.prefill_stage < 0:
             raise PlanError(f"prefill staging group must be >= 0 experts, got {self.prefill_stage}")
+        m = self.prefill_offload_min
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
+            raise PlanError(f"--prefill-offload-min {m}: expected auto or a token count >= 0 (0 = off)")
         if self.kv_tokens < 0 or self.context < 0 or self.prefill_chunk <= 0:
             raise PlanError("--kv-resident and --context must be >= 0, --prefill-chunk > 0")
         if not 0.0 <= self.pcie_frac <= MAX_PCIE_FRAC:
@@ -77,10 +89,42 @@ class PlanRequest:
 
 def make_plan(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, pop: Popularity | None = None,
               model: str = "", experts_path: str | None = None) -> Plan:
-    """The plan for req.layer_split (which must be set; see search.best_plan for auto)."""
+    """The plan for req.layer_split (None: the best split, search.best_plan), with its prefill
+    offload threshold."""
+    if _SEARCHING.get():                      # one of best_plan's candidates: placement only
+        return _placement(mb, prof, req, pop, model, experts_path)
     if req.layer_split is None:
         from hybrid.planner.search import best_plan
-        return best_plan(mb, prof, req, pop, model, experts_path)
+
+        token = _SEARCHING.set(True)
+        try:
+            plan = best_plan(mb, prof, req, pop, model, experts_path)
+        finally:
+            _SEARCHING.reset(token)
+        req = replace(req, layer_split=plan.inputs.layer_split)
+    else:
+        plan = _placement(mb, prof, req, pop, model, experts_path)
+    return _with_prefill(plan, mb, prof, req, pop, model, experts_path)
+
+
+def _with_prefill(plan: Plan, mb: ModelBytes, prof: HardwareProfile, req: PlanRequest,
+                  pop: Popularity | None, model: str, experts_path: str | None) -> Plan:
+    """plan with its prefill offload threshold; auto with a model that never streams: the staging
+    reservation goes back to the cache slots (placed again without it)."""
+    if not plan.cards:
+        return plan                           # CPU only: no card to stream to
+    pre = prefill_prediction(mb, prof, plan.cards, req.prefill_chunk, pop, req.prefill_offload_min)
+    if req.prefill_offload_min is None and pre.offload_min == 0 and req.prefill_stage:
+        bare = _placement(mb, prof, replace(req, prefill_stage=0), pop, model, experts_path)
+        again = prefill_prediction(mb, prof, bare.cards, req.prefill_chunk, pop, None)
+        if again.offload_min == 0:            # (more slots streaming after all: keep the room, unused)
+            plan, pre = bare, again
+    return replace(plan, prefill=pre)
+
+
+def _placement(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, pop: Popularity | None = None,
+               model: str = "", experts_path: str | None = None) -> Plan:
+    """Cards, host and decode prediction for req.layer_split (set)."""
     cfg = mb.config
     ranges = layer_ranges(cfg.num_hidden_layers, req.layer_split, len(req.gpus))
     caps = card_caps(prof, req)

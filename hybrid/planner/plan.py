@@ -93,6 +93,25 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class PrefillPrediction:
+    """Prefill offload (hybrid.runtime.prefill_stream): steps of >= offload_min tokens stream the
+    experts their card misses instead of running them on the CPU (0 = never). The cost model's
+    threshold and why (hybrid.planner.prefill): per layer that can miss, mean, at at_tokens (the
+    threshold, or the chunk when streaming never wins up to it)."""
+
+    offload_min: int          # what the session uses: model_min, or --prefill-offload-min N (forced)
+    model_min: int            # the cost model's threshold; 0 = streaming never wins up to the chunk
+    forced: bool              # offload_min was given, not the model's
+    at_tokens: int
+    stream_us: float          # streaming the layer's misses at at_tokens
+    cpu_us: float             # the same misses on the CPU runner
+    chunk: int                # the prefill chunk: the largest step
+    layers: int               # layers that can miss (0: every layer resident, nothing to stream)
+    m8_ratio: float           # the CPU's M = 8 call over an M = 1 call the model used
+    m8_source: str            # measured | assumed (the profile's) | default (an older profile)
+
+
+@dataclass(frozen=True)
 class PlanInputs:
     model: str
     profile: str
@@ -116,6 +135,7 @@ class Plan:
     host: HostPlan
     prediction: Prediction
     warnings: tuple[str, ...] = ()
+    prefill: PrefillPrediction | None = None    # None: a CPU-only plan (no card to stream to), older plans
 
     def card_of_layer(self, layer: int) -> CardPlan | None:
         for c in self.cards:
@@ -142,6 +162,7 @@ class Plan:
             host=_make(HostPlan, d["host"]),
             prediction=_make(Prediction, {**p, "layers": tuple(_make(LayerPrediction, x) for x in p["layers"])}),
             warnings=tuple(d.get("warnings", ())),
+            prefill=_make(PrefillPrediction, d["prefill"]) if d.get("prefill") else None,
         )
 
 

@@ -87,7 +87,10 @@ class GPUProfile:
 @dataclass(frozen=True)
 class CPUProfile:
     """stream_copy_gbs: STREAM-like copy, read+write counted, all cores;
-    nvfp4_kernel_gbs: packed expert bytes (+ scales) the CPU kernels consume per second at M = 1."""
+    nvfp4_kernel_gbs: packed expert bytes (+ scales) the CPU kernels consume per second at M = 1;
+    nvfp4_m8_ratio: time of one call with M = 8 rows per expert over one with M = 1, same experts,
+    all cores (how the CPU's cost grows with a prefill step's rows: hybrid.planner.prefill); absent
+    in older profiles (the planner then uses prefill.DEFAULT_M8_RATIO)."""
 
     model: str
     physical_cores: int
@@ -95,6 +98,7 @@ class CPUProfile:
     avx512: bool | None
     stream_copy_gbs: Figure
     nvfp4_kernel_gbs: Figure
+    nvfp4_m8_ratio: Figure | None = None
 
     def __post_init__(self) -> None:
         if self.physical_cores <= 0:
@@ -150,8 +154,9 @@ class HardwareProfile:
         d = asdict(self)
         d.pop("path")
         d["gpus"] = list(d["gpus"])
-        if d["overheads"]["link_us"] is None:        # older profiles: leave the key out
-            del d["overheads"]["link_us"]
+        for section, key in (("overheads", "link_us"), ("cpu", "nvfp4_m8_ratio")):
+            if d[section][key] is None:                # older profiles: leave the key out
+                del d[section][key]
         return {"schema": SCHEMA, **d}
 
     def to_json(self) -> str:

@@ -8,8 +8,9 @@ from hybrid.errors import HybridError
 KV_DTYPES = ("fp16", "int8")
 HUGEPAGES = ("auto", "on", "off")
 CPU_ENGINES = ("auto", "numba", "torch")
-PREFILL_OFFLOAD_MIN = 128   # CUDA cards: prefill steps of >= this many tokens stream their missed experts
-                            # to the card (hybrid.runtime.prefill_stream); see the hybrid-run flag's help
+PREFILL_OFFLOAD_MIN = 128   # CUDA cards without a plan (no hardware profile known): prefill steps of >= this
+                            # many tokens stream their missed experts to the card (hybrid.runtime.prefill_stream);
+                            # with a plan the threshold is the planner's (hybrid.planner.prefill)
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class RuntimeOptions:
     layer_split: card boundaries (len(gpus) - 1 of them); cache_slots: slots per card (one value
     or one per card); vram_cap_gib: per card; kv_resident: KV tokens each card holds;
     prefill_offload_min: prefill steps of at least this many tokens stream their missed experts to
-    the card (0 = never; None: see offload_min).
+    the card (0 = never; None = auto: see offload_min_for).
     """
 
     device: str = "cpu"
@@ -77,9 +78,20 @@ class RuntimeOptions:
 
     @property
     def offload_min(self) -> int:
-        """Prefill steps of at least this many tokens stream their misses to the card; 0 = never.
-        Unset: PREFILL_OFFLOAD_MIN on CUDA; never in CPU mode (the "card" is the CPU, so streaming
-        only swaps the Numba kernels for the torch reference: tests ask for it explicitly)."""
+        """Before a plan exists: whether prefill offload may be on (> 0: the planner reserves its
+        staging; with auto it gives the room back where its cost model never streams). The flag's
+        value; unset: PREFILL_OFFLOAD_MIN on CUDA, never in CPU mode (the "card" is the CPU, so
+        streaming only swaps the Numba kernels for the torch reference: tests ask for it explicitly)."""
         if self.prefill_offload_min is not None:
             return self.prefill_offload_min
         return PREFILL_OFFLOAD_MIN if self.device == "cuda" else 0
+
+    def offload_min_for(self, plan) -> int:
+        """The threshold the session uses: prefill steps of at least this many tokens stream their
+        misses to the card; 0 = never. --prefill-offload-min N if given; else, on CUDA, the plan's
+        (hybrid.planner.prefill: from the hardware profile), or PREFILL_OFFLOAD_MIN without a plan;
+        never in CPU mode (see offload_min)."""
+        if self.prefill_offload_min is not None or self.device != "cuda":
+            return self.offload_min
+        pre = getattr(plan, "prefill", None)
+        return pre.offload_min if pre is not None else PREFILL_OFFLOAD_MIN
