@@ -1,7 +1,8 @@
 """Where a short prompt's prefill goes, every expert resident on the card (no CPU runner), on the
 Qwen3-30B-A3B-shaped synthetic NVFP4 checkpoint. Writes $OUT/prefill_host.jsonl + gpu_check.log.
 
-Per --prompt-tokens size: the eager prefill forward (HybridModel.forward of the whole prompt into a fresh
+Per --prompt-tokens size and --modes item (eager: HybridModel's eager prefill; graph: the prefill graphs
+of hybrid.runtime.prefill_graphs, where the prompt fits a bucket): the prefill forward (HybridModel.forward of the whole prompt into a fresh
 KV cache, last row's logits, then a device sync) timed over --repeats runs after a warm-up: wall ms
 (median, min), and the host's own share: the wall time of the forward call before its sync (the host
 enqueueing) and the sync's wait. For the sizes in --profile-sizes, one more forward under cProfile (host
@@ -10,7 +11,7 @@ summed over the kernels and copies, the top GPU kernels). A forward whose host e
 to its wall time is host-bound: the GPU idles between launches.
 
     HYBRID_CACHE_DIR=.qpncache HYBRID_GIT_SHA=<sha> PYTHONPATH=. python3 tools/gpu_prefill_host.py \\
-        --prompt-tokens 8,16,32,64,128,512 --profile-sizes 32 --budget-s 150
+        --prompt-tokens 8,16,32,64,128,512 --modes eager,graph --profile-sizes 32 --budget-s 150
 
 --small: a 4-layer toy checkpoint; --device cpu: the same on a machine without a GPU (smoke).
 """
@@ -97,16 +98,24 @@ def runs(path: Path, deadline: float, a) -> None:
         dev = torch.device(dev)
         record({"check": "session", "slots": slots, "load_s": {k: round(v, 2) for k, v in s.load_s.items()},
                 "placement": s.placement.describe()})
-        for n in a.prompt_tokens:
+        pg = hm.prefill_graphs
+        for n, mode in [(n, mode) for n in a.prompt_tokens for mode in a.modes]:
+            check = f"prefill_{n}_{mode}"
             if time.perf_counter() > deadline:
-                record({"check": f"prefill_{n}", "prompt_tokens": n, "skipped": "device-time deadline"})
+                record({"check": check, "prompt_tokens": n, "skipped": "device-time deadline"})
                 continue
+            if pg is not None:
+                pg.enabled = mode == "graph"
             ids = prompt_ids(tok, n)
+            steps0 = pg.steps if pg is not None else 0
             for _ in range(2):
                 forward_once(hm, ids, dev)                       # warm-up: compiles, allocator
             walls, hosts = zip(*(forward_once(hm, ids, dev) for _ in range(a.repeats)))
             wall, host = statistics.median(walls), statistics.median(hosts)
-            rec = {"check": f"prefill_{n}", "prompt_tokens": len(ids), "repeats": a.repeats,
+            rec = {"check": check, "mode": mode, "prompt_tokens": len(ids), "repeats": a.repeats,
+                   "graphed_steps": (pg.steps - steps0) if pg is not None else 0,
+                   "captures": pg.captures if pg is not None else 0,
+                   "graph_error": pg.error if pg is not None else None,
                    "wall_ms": round(wall * 1e3, 3), "wall_min_ms": round(min(walls) * 1e3, 3),
                    "host_ms": round(host * 1e3, 3), "prefill_tok_s": round(len(ids) / wall, 1),
                    "per_layer_wall_us": round(wall / cfg.num_hidden_layers * 1e6, 1)}
@@ -138,12 +147,16 @@ def main() -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the tool here")
     p.add_argument("--profile", default="h200")
     p.add_argument("--prompt-tokens", default="8,16,32,64,128,512")
+    p.add_argument("--modes", default="eager,graph", help="comma list of eager | graph, measured in turn per size")
     p.add_argument("--profile-sizes", default="32", help="sizes also run under cProfile and torch.profiler")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--budget-s", type=float, default=150, help="stop starting new sizes after this")
     a = p.parse_args()
     a.prompt_tokens = _ints("--prompt-tokens", a.prompt_tokens)
     a.profile_sizes = set(_ints("--profile-sizes", a.profile_sizes))
+    a.modes = [x.strip() for x in a.modes.split(",") if x.strip()]
+    if not a.modes or any(x not in ("eager", "graph") for x in a.modes):
+        raise SystemExit(f"error: --modes {','.join(a.modes)}: expected a comma list of eager, graph")
     if a.repeats < 1:
         raise SystemExit(f"error: --repeats {a.repeats}: expected >= 1")
     OUT.mkdir(parents=True, exist_ok=True)

@@ -31,13 +31,14 @@ class AheadStep:
 
 class HybridModel:
     def __init__(self, model, experts, kv_resident: int | None = None, kv_dtype: str = "fp16",
-                 graphs=None):
+                 graphs=None, prefill_graphs=None):
         self.model, self.experts = model, experts
         self.kv_resident, self.kv_dtype = kv_resident, kv_dtype
         self.prompt_tokens: int | None = None   # set before generate(): positions below are prefill
         devs = model.layer_devices
         self._hops = sum(1 for a, b in zip(devs, devs[1:]) if a != b)
         self.graphs = graphs                    # hybrid.runtime.graphs.DecodeGraphs (CUDA) or None
+        self.prefill_graphs = prefill_graphs    # hybrid.runtime.prefill_graphs.PrefillGraphs (CUDA) or None
         self.monitor = None                     # hybrid.runtime.monitor.LiveStats (--stats-every) or None
 
     def __getattr__(self, name):
@@ -119,6 +120,9 @@ class HybridModel:
             self.model.cache.length = min(self.model.cache.length, step.start)
 
     def _forward(self, ids: torch.Tensor, start: int, last_only: bool, phase: str) -> torch.Tensor:
+        pg = self.prefill_graphs
+        if pg is not None and last_only and pg.usable(int(ids.shape[0]), start):
+            return self._prefill_graphed(pg, ids, start, phase)
         g = self.graphs
         if g is None or not g.usable(ids, start):
             return self.model.forward(ids, start, last_only)
@@ -134,6 +138,18 @@ class HybridModel:
             return self.model.forward(ids, start, last_only)
         self.experts.stats.graph_steps += 1
         return logits
+
+    def _prefill_graphed(self, pg, ids: torch.Tensor, start: int, phase: str) -> torch.Tensor:
+        """A prompt from position 0 through hybrid.runtime.prefill_graphs (its last token's logits)."""
+        try:
+            return pg.step(ids, start)
+        except Exception:
+            if pg.error is None:
+                raise
+            print(f"hybrid: prefill graphs off ({pg.error}); prefill runs eagerly", file=sys.stderr)
+            self.experts.abort_step()
+            self.experts.begin_step(int(ids.shape[0]), phase)
+            return self.model.forward(ids, start, True)
 
     def forward_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits with a fresh cache: ids [T] -> [T, V] fp32."""

@@ -133,13 +133,16 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     experts = HybridExperts(cards, cpu, get_expert, cfg.num_hidden_layers, stats, trace,
                             prefill_min=opts.offload_min, store_source=source)
     model.experts = experts
-    graphs = None
+    graphs = prefill_graphs = None
     if placement.cards[0].device.startswith("cuda"):
         from hybrid.runtime.graphs import DecodeGraphs
 
         model.kv_reserve = opts.kv_resident or context     # one KV store for every generation
+        from hybrid.runtime.prefill_graphs import PrefillGraphs
+
         graphs = DecodeGraphs(model, experts)
-    hm = HybridModel(model, experts, opts.kv_resident, opts.kv_dtype, graphs)
+        prefill_graphs = PrefillGraphs(model, experts)
+    hm = HybridModel(model, experts, opts.kv_resident, opts.kv_dtype, graphs, prefill_graphs)
     return Session(hm, placement, plan, cards, cpu, stats, opts, trace, eprof,
                    {"plan": t1 - t0, "dense": t2 - t1, "expert_cache": t3 - t2, "cpu_store": t4 - t3, "pin_store": t5 - t4},
                    owns_cpu, held)

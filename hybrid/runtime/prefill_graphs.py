@@ -1,0 +1,188 @@
+"""CUDA graphs of a short prompt's prefill: the host replays one graph per device segment instead of
+launching ~20 kernels per layer from Python.
+
+Legend: T prompt tokens, B the bucket (T padded up), H hidden, k experts per token, n layers in a segment.
+
+An eager prefill of a few dozen tokens is host-bound: every expert resident on an H200, a 32-token
+prompt takes ~35 ms of host time for ~1000 launches while the card is busy ~7 ms (tools/gpu_prefill_host.py,
+results/runtime.md §20). A prefill step from position 0 whose layers are all fully resident (the same
+condition as a decode step that runs ahead, HybridExperts.device_only) instead runs a graph captured
+for its bucket B (16, 32, ..., PREFILL_GRAPH_MAX tokens, the smallest that holds T; B must also fit
+the KV cache's max_tokens). The prompt's embedded rows are copied into the segment's static input
+[B, H]; the B - T rows past the prompt repeat its last row. Padding is harmless: attention is causal
+(the prompt's rows never see the rows after them), every other op is row-wise (norms, projections,
+the router, the grouped expert kernel's rows), and the padded KV rows [T, B) are past the cache's
+length: the decode steps overwrite them before any query attends to them. Only the prompt's routing
+[n, T, 2k] is settled (cache counters, trace: HybridExperts.note_device, as the decode graphs do),
+and the head runs on row T - 1 only (its index is a device buffer set before the replay).
+
+The segment's body is the eager forward's CUDA path (Attention._cuda at start 0: fused RoPE + KV
+write, SDPA causal; add+norm, the router, the grouped QPN kernel), so the graph changes host time,
+not the math; the one difference is that the kernels see B rows instead of T. Graphs are captured
+lazily per (segment, B) into one memory pool and dropped when the KV store or the residency changes.
+HYBRID_PREFILL_GRAPHS=0 turns them off (the eager path). With capture=False the same bodies run
+eagerly (the CPU tests of the padding and the settled routing).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hybrid.model.layers import KVCache, rms_norm
+from hybrid.runtime.graphs import Segment, _Runner, plan_segments
+
+PREFILL_GRAPH_MIN = 16      # the smallest bucket (prompts of 2..16 tokens share it)
+PREFILL_GRAPH_MAX = 256     # longer prefill steps run eagerly (the card, not the host, sets their time)
+
+
+def prefill_graphs_enabled() -> bool:
+    return os.environ.get("HYBRID_PREFILL_GRAPHS", "1") not in ("0", "off", "false", "no")
+
+
+def bucket_for(t: int, lo: int = PREFILL_GRAPH_MIN, hi: int = PREFILL_GRAPH_MAX) -> int | None:
+    """The bucket of a T-token prefill: the smallest power of two >= max(T, lo); None past hi."""
+    b = lo
+    while b < t:
+        b *= 2
+    return b if b <= hi else None
+
+
+class PrefillGraphs:
+    """Runs HybridModel's prefill steps from position 0 through graphs (see the module doc)."""
+
+    def __init__(self, model, experts, capture: bool = True, enabled: bool | None = None,
+                 lo: int = PREFILL_GRAPH_MIN, hi: int = PREFILL_GRAPH_MAX):
+        self.model, self.experts = model, experts
+        self.capture, self.lo, self.hi = capture, lo, hi
+        self.enabled = prefill_graphs_enabled() if enabled is None else enabled
+        self.error: str | None = None
+        self.captures = 0
+        self.steps = 0                       # prefill steps that replayed graphs
+        self._runners: dict = {}
+        self._plan: tuple | None = None
+        self._kv_key = None
+        self._last: dict = {}                # device -> [1] int64: the prompt's last row (head input)
+        self._pool = None
+
+    def usable(self, t: int, start: int) -> bool:
+        m = self.model
+        if not self.enabled or self.error is not None or start != 0 or t < 2 or m.on_route is not None:
+            return False
+        b = bucket_for(t, self.lo, self.hi)
+        if b is None or not isinstance(m.cache, KVCache) or b > m.cache.max_tokens:
+            return False
+        if any(s.host_last for s in self._segments()):
+            return False                     # a layer that can miss needs the host mid-step
+        devs = set(m.layer_devices) | {m.lm_head.device}
+        return not self.capture or all(d.type == "cuda" for d in devs)
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """The prompt ids [T] from position 0 -> logits of its last token [1, V] fp32."""
+        m, cache = self.model, self.model.cache
+        m.prepare()
+        kv_key = (cache.k_store[0].data_ptr(), cache.capacity)
+        if kv_key != self._kv_key:
+            self._runners.clear()
+            self._kv_key = kv_key
+        t = int(ids.shape[0])
+        b = bucket_for(t, self.lo, self.hi)
+        x, logits = m.embed_tokens(ids), None                               # [T, H]
+        for seg in self._segments():
+            if x.device != seg.device:
+                x = x.to(seg.device)                                         # layer-split hop
+            r = self._runner(seg, b)
+            if x.shape[0] == b:
+                r.x_in.copy_(x)
+            else:                                                            # the prompt, then its last row
+                r.x_in[:t].copy_(x[:t])
+                r.x_in[t:].copy_(x[t - 1:t].expand(b - t, -1))
+            if seg.head:
+                self._last_buf(seg.device).fill_(t - 1)
+            self.experts.prepare_device(seg.layers)
+            r.run()
+            if seg.layers:
+                self.experts.note_device(seg.layers, r.route_buf[:, :t])
+            if seg.head:
+                logits = r.out.clone()                                       # rewritten by the next replay
+            else:
+                x = r.out
+        cache.length = start + t
+        self.steps += 1
+        return logits if logits is not None else m.head(x[t - 1:t])
+
+    # ---- segments and runners ------------------------------------------------------------------
+    def _segments(self) -> list[Segment]:
+        v = self.experts.version
+        if self._plan is None or self._plan[0] != v:
+            m = self.model
+            segs = plan_segments(list(m.layer_devices), self.experts.device_only, m.lm_head.device)
+            keep = set(segs)
+            self._runners = {key: r for key, r in self._runners.items() if key[0] in keep}
+            self._plan = (v, segs)
+        return self._plan[1]
+
+    def _last_buf(self, dev: torch.device) -> torch.Tensor:
+        p = self._last.get(dev)
+        if p is None:
+            p = self._last[dev] = torch.zeros(1, dtype=torch.int64, device=dev)
+        return p
+
+    def _runner(self, seg: Segment, b: int) -> _Runner:
+        r = self._runners.get((seg, b))
+        if r is None:
+            r = self._runners[(seg, b)] = self._make(seg, b)
+        return r
+
+    def _body(self, seg: Segment, x: torch.Tensor, route_buf: torch.Tensor):
+        """The eager forward's layers for B rows at position 0 (module doc) -> x [B, H], or the head's
+        logits [1, V] of row _last_buf."""
+        m, cache, eps = self.model, self.model.cache, self.model.cfg.rms_norm_eps
+        b = x.shape[0]
+        for j, i in enumerate(seg.layers):
+            layer = m.layers[i]
+            if seg.device.type == "cuda":
+                cos, sin = m.rope_table(seg.device), None                    # Attention's CUDA path
+            else:
+                cos, sin = m.rotary.cos_sin(torch.arange(b), seg.device)
+            h = rms_norm(x, layer.input_norm, eps)
+            out = self.experts.route_out(i, b, route_buf[j])                # slot ids + routing rows
+            x, h, routed = m._post_attn(i, x, layer.attn(h, i, 0, cache, cos, sin), out)
+            _, weights = m.route(i, h, out) if routed is None else routed
+            y = self.experts.moe_slots(i, h, out.slots, weights).to(x.dtype)  # [B, H], as the eager path
+            x = x + m.moe_out(i, h, y)
+        if seg.head:
+            return m.head(x.index_select(0, self._last_buf(seg.device)))    # [1, V] fp32
+        return x
+
+    def _make(self, seg: Segment, b: int) -> _Runner:
+        m, dev, k = self.model, seg.device, self.model.cfg.num_experts_per_tok
+        x_in = torch.zeros(b, m.cfg.hidden_size, dtype=m.dtype, device=dev)
+        route_buf = torch.zeros(max(len(seg.layers), 1), b, 2 * k, dtype=torch.float32, device=dev)
+        self._last_buf(dev)
+        body = lambda: self._body(seg, x_in, route_buf)  # noqa: E731
+        if not self.capture:
+            return _Runner(x_in, route_buf, fn=body)
+        try:
+            with torch.cuda.device(dev):
+                return self._capture(dev, body, x_in, route_buf, seg)
+        except Exception as exc:  # noqa: BLE001 - the eager prefill from now on
+            self.error = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def _capture(self, dev, body, x_in, route_buf, seg) -> _Runner:
+        self.experts.prepare_device(seg.layers)
+        cur = torch.cuda.current_stream(dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            body()                          # warm-up: library handles, lazy packing (same values)
+        cur.wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()   # one pool: the buckets never run at once
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=torch.cuda.Stream(dev)):
+            out = body()
+        self.captures += 1
+        return _Runner(x_in, route_buf, graph=graph, out=out)

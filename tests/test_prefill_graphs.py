@@ -1,0 +1,104 @@
+"""Prefill graphs (hybrid.runtime.prefill_graphs) checked on the CPU: the graph bodies run eagerly
+(capture=False) on a prompt padded to its bucket must give the eager prefill's last-token logits, the
+same greedy continuation (the padded KV rows are never attended), and the same cache counters (only
+the prompt's rows are settled); a layer that can miss keeps the eager path."""
+import numpy as np
+import pytest
+import torch
+
+from hybrid.runtime import RuntimeOptions, open_session
+from hybrid.runtime.prefill_graphs import PREFILL_GRAPH_MAX, PrefillGraphs, bucket_for
+from hybrid.testing import greedy_logits, tokenizer_for
+from tests.test_decode_graphs import EXPERTS, LAYERS, models, warm  # noqa: F401 - fixtures
+
+PROMPT = "def fibonacci(n):\n    if n < 2:"            # 11+ tokens: padded to the 16-row bucket
+PLACES = {"all_resident": ((LAYERS * EXPERTS,), {}, True),
+          "split_resident": ((2 * EXPERTS, 2 * EXPERTS), dict(gpus=(0, 0), layer_split=(2,)), True),
+          "mixed": ((2 * EXPERTS, 20), dict(gpus=(0, 0), layer_split=(2,)), False)}
+
+
+def test_bucket_for():
+    assert [bucket_for(t) for t in (1, 2, 16, 17, 33, 200, 256)] == [16, 16, 16, 32, 64, 256, 256]
+    assert bucket_for(PREFILL_GRAPH_MAX + 1) is None
+    assert bucket_for(5, lo=4, hi=8) == 8 and bucket_for(9, lo=4, hi=8) is None
+
+
+def _run(model_dir, warm, slots, extra, graphed: bool):
+    ids = tokenizer_for(model_dir).encode(PROMPT)
+    s = open_session(model_dir, RuntimeOptions(cache_slots=slots, expert_profile=warm, pcie_frac=0.0, **extra))
+    try:
+        pg = None
+        if graphed:
+            pg = s.model.prefill_graphs = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True)
+        s.model.prompt_tokens = len(ids)
+        first = {}
+        forward = s.model.forward
+
+        def spy(x, start, last_only=False):              # the prefill's own logits
+            out = forward(x, start, last_only)
+            first.setdefault("logits", out[-1].clone())
+            first.setdefault("length", s.model.cache.length)
+            return out
+
+        s.model.forward = spy
+        ex, routed = s.model.experts, []
+        account = ex._account
+
+        def spy_account(layer, cuda, ids_h, w_h, *a, **kw):   # every layer's routed ids, as counted
+            routed.append((layer, ids_h.copy(), np.asarray(w_h).copy()))
+            return account(layer, cuda, ids_h, w_h, *a, **kw)
+
+        ex._account = spy_account
+        got_ids, rows = greedy_logits(s.model, ids, 6)
+        counters = ([c.hits.copy() for c in s.caches], [c.misses.copy() for c in s.caches])
+        prompt_routing = sorted((r for r in routed if len(r[1]) > 1), key=lambda r: r[0])
+        return len(ids), got_ids, first, rows, (counters, prompt_routing), pg.steps if pg else 0
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("place", sorted(PLACES))
+def test_prefill_graph_body_matches_eager(models, warm, kind, place):  # noqa: F811 - fixtures
+    slots, extra, usable = PLACES[place]
+    n, ids0, first0, rows0, cnt0, _ = _run(models[kind], warm, slots, extra, graphed=False)
+    n1, ids1, first1, rows1, cnt1, steps = _run(models[kind], warm, slots, extra, graphed=True)
+    assert n == n1 and 2 <= n < bucket_for(n)              # the prompt was padded
+    assert steps == (1 if usable else 0)
+    assert first1["length"] == first0["length"] == n       # the padded rows are not committed
+    tol = 1e-4 if kind == "bf16" else 1e-2
+    torch.testing.assert_close(first1["logits"], first0["logits"], atol=tol, rtol=tol)
+    assert ids1 == ids0
+    torch.testing.assert_close(rows1, rows0, atol=tol, rtol=tol)
+    (c0, r0), (c1, r1) = cnt0, cnt1
+    for a, b in zip(c0[0] + c0[1], c1[0] + c1[1]):
+        assert np.array_equal(a, b)
+    assert [r[0] for r in r1] == list(range(LAYERS))       # only the prompt's rows were counted:
+    for (_, i0, w0), (_, i1, w1) in zip(r0, r1):           # [T, k] per layer, the eager ids
+        assert i1.shape == i0.shape == (n, i0.shape[1]) and np.array_equal(i0, i1)
+        np.testing.assert_allclose(w1, w0, atol=1e-4, rtol=1e-3)   # M = B vs T rows: last bits
+
+
+def test_not_usable_cases(models, warm):  # noqa: F811 - fixtures
+    s = open_session(models["nvfp4"], RuntimeOptions(cache_slots=(LAYERS * EXPERTS,), expert_profile=warm))
+    try:
+        pg = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True)
+        s.model.new_cache(20)
+        assert pg.usable(12, 0)
+        assert not pg.usable(12, 3)                        # a later chunk: not from position 0
+        assert not pg.usable(1, 0)                         # one token: the decode graphs' job
+        assert not pg.usable(17, 0)                        # bucket 32 > the cache's 20 rows
+        assert not PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=False).usable(12, 0)
+        s.model.new_cache(PREFILL_GRAPH_MAX + 8)
+        assert not pg.usable(PREFILL_GRAPH_MAX + 1, 0)     # past the largest bucket: eager
+    finally:
+        s.close()
+
+
+def test_env_off(monkeypatch, models, warm):  # noqa: F811 - fixtures
+    from hybrid.runtime.prefill_graphs import prefill_graphs_enabled
+
+    monkeypatch.setenv("HYBRID_PREFILL_GRAPHS", "0")
+    assert not prefill_graphs_enabled()
+    monkeypatch.delenv("HYBRID_PREFILL_GRAPHS")
+    assert prefill_graphs_enabled()

@@ -1,0 +1,64 @@
+"""Prefill graphs (hybrid.runtime.prefill_graphs) on a GPU: the tiny model in NVFP4, every expert resident.
+Short prompts' prefill replays captured graphs (one capture per bucket, reused by prompts of the same
+bucket) and gives the eager prefill's logits (1e-2: the kernels see the padded rows) and greedy ids;
+with a layer that can miss, the prefill stays eager."""
+import pytest
+import torch
+
+from hybrid.generate import generate
+from hybrid.model import resolve_model_path
+from hybrid.model.config import ModelConfig
+from hybrid.runtime import RuntimeOptions, open_session
+from hybrid.sampler import Sampler, SamplerConfig
+from tests.quant_layouts import to_nvfp4
+from tests.test_prefill_stream_cuda import _ids, _tok
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.cuda]
+
+
+@pytest.fixture(scope="module")
+def nvfp4(tmp_path_factory):
+    return to_nvfp4(resolve_model_path("tiny"), tmp_path_factory.mktemp("pgraph") / "nvfp4")
+
+
+def _gen(path, prompts, env, monkeypatch, slots=None):
+    monkeypatch.setenv("HYBRID_PREFILL_GRAPHS", env)
+    cfg = ModelConfig.from_folder(path)
+    slots = cfg.num_hidden_layers * cfg.num_experts if slots is None else slots
+    s = open_session(path, RuntimeOptions(device="cuda", cache_slots=(slots,)))
+    try:
+        out, first = [], []
+        forward = s.model.forward
+
+        def spy(x, start, last_only=False):
+            y = forward(x, start, last_only)
+            if start == 0:
+                first.append(y[-1].float().cpu())
+            return y
+
+        s.model.forward = spy
+        for ids in prompts:
+            s.model.prompt_tokens = len(ids)
+            out.append(generate(s.model, _tok(path), ids, 8, Sampler(SamplerConfig())).generated_ids)
+        pg = s.model.prefill_graphs
+        return out, first, (pg.captures, pg.steps, pg.error)
+    finally:
+        s.close()
+
+
+def test_prefill_graphs_match_eager(nvfp4, monkeypatch):
+    ids = _ids(nvfp4, 40)
+    prompts = [ids[:12], ids[:14], ids[:40], ids[:16]]     # buckets 16, 16, 64, 16
+    want, want_first, (c0, s0, _) = _gen(nvfp4, prompts, "0", monkeypatch)
+    got, got_first, (captures, steps, error) = _gen(nvfp4, prompts, "1", monkeypatch)
+    assert (c0, s0) == (0, 0)
+    assert error is None and steps == len(prompts) and captures == 2   # one graph per bucket, reused
+    for a, b in zip(got_first, want_first):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        assert int(a.argmax()) == int(b.argmax())
+    assert got == want
+
+
+def test_prefill_stays_eager_when_a_layer_can_miss(nvfp4, monkeypatch):
+    _, _, (captures, steps, error) = _gen(nvfp4, [_ids(nvfp4, 12)], "1", monkeypatch, slots=8)
+    assert (captures, steps, error) == (0, 0, None)
