@@ -2,6 +2,9 @@
 Short prompts' prefill replays captured graphs (one capture per bucket, reused by prompts of the same
 bucket) and gives the eager prefill's logits (1e-2: the kernels see the padded rows) and greedy ids;
 with a layer that can miss, the prefill stays eager."""
+import json
+
+import numpy as np
 import pytest
 import torch
 
@@ -21,11 +24,26 @@ def nvfp4(tmp_path_factory):
     return to_nvfp4(resolve_model_path("tiny"), tmp_path_factory.mktemp("pgraph") / "nvfp4")
 
 
-def _gen(path, prompts, env, monkeypatch, slots=None):
+@pytest.fixture(scope="module")
+def uniform(nvfp4, tmp_path_factory):
+    """An expert profile using every expert alike: the warm start fills every slot (all resident)."""
+    from hybrid.cli.profile import profile_dict
+
+    cfg = ModelConfig.from_folder(nvfp4)
+    tokens = cfg.num_experts * 4
+    counts = np.full((cfg.num_hidden_layers, cfg.num_experts), tokens * cfg.num_experts_per_tok // cfg.num_experts,
+                     dtype=np.int64)
+    path = tmp_path_factory.mktemp("pgraph_prof") / "uniform.experts.json"
+    path.write_text(json.dumps(profile_dict(nvfp4.name, cfg.model_type, counts, tokens, cfg.num_experts_per_tok,
+                                            {"uniform": True})))
+    return str(path)
+
+
+def _gen(path, prompts, env, monkeypatch, profile, slots=None):
     monkeypatch.setenv("HYBRID_PREFILL_GRAPHS", env)
     cfg = ModelConfig.from_folder(path)
     slots = cfg.num_hidden_layers * cfg.num_experts if slots is None else slots
-    s = open_session(path, RuntimeOptions(device="cuda", cache_slots=(slots,)))
+    s = open_session(path, RuntimeOptions(device="cuda", cache_slots=(slots,), expert_profile=profile))
     try:
         out, first = [], []
         forward = s.model.forward
@@ -41,16 +59,18 @@ def _gen(path, prompts, env, monkeypatch, slots=None):
             s.model.prompt_tokens = len(ids)
             out.append(generate(s.model, _tok(path), ids, 8, Sampler(SamplerConfig())).generated_ids)
         pg = s.model.prefill_graphs
+        resident = all(s.model.experts.device_only(i) for i in range(cfg.num_hidden_layers))
+        assert resident == (slots >= cfg.num_hidden_layers * cfg.num_experts)
         return out, first, (pg.captures, pg.steps, pg.error)
     finally:
         s.close()
 
 
-def test_prefill_graphs_match_eager(nvfp4, monkeypatch):
+def test_prefill_graphs_match_eager(nvfp4, uniform, monkeypatch):
     ids = _ids(nvfp4, 40)
     prompts = [ids[:12], ids[:14], ids[:40], ids[:16]]     # buckets 16, 16, 64, 16
-    want, want_first, (c0, s0, _) = _gen(nvfp4, prompts, "0", monkeypatch)
-    got, got_first, (captures, steps, error) = _gen(nvfp4, prompts, "1", monkeypatch)
+    want, want_first, (c0, s0, _) = _gen(nvfp4, prompts, "0", monkeypatch, uniform)
+    got, got_first, (captures, steps, error) = _gen(nvfp4, prompts, "1", monkeypatch, uniform)
     assert (c0, s0) == (0, 0)
     assert error is None and steps == len(prompts) and captures == 2   # one graph per bucket, reused
     for a, b in zip(got_first, want_first):
@@ -59,6 +79,6 @@ def test_prefill_graphs_match_eager(nvfp4, monkeypatch):
     assert got == want
 
 
-def test_prefill_stays_eager_when_a_layer_can_miss(nvfp4, monkeypatch):
-    _, _, (captures, steps, error) = _gen(nvfp4, [_ids(nvfp4, 12)], "1", monkeypatch, slots=8)
+def test_prefill_stays_eager_when_a_layer_can_miss(nvfp4, uniform, monkeypatch):
+    _, _, (captures, steps, error) = _gen(nvfp4, [_ids(nvfp4, 12)], "1", monkeypatch, uniform, slots=8)
     assert (captures, steps, error) == (0, 0, None)

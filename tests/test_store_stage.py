@@ -126,18 +126,21 @@ def test_load_slot_packs_what_a_slot_load_packs(qtype):
 
 
 def test_promote_mode_and_target(monkeypatch):
-    """Promotions read the store only with HYBRID_PROMOTE_SOURCE=store, a pinned source and packed
-    slot storage of the store's weight type; the default is the checkpoint."""
+    """Promotions read the store (the default, or HYBRID_PROMOTE_SOURCE=store) only with a pinned source
+    and packed slot storage of the store's weight type; HYBRID_PROMOTE_SOURCE=checkpoint reads the
+    checkpoint."""
     from hybrid.runtime.hybrid_experts import HybridExperts
     from hybrid.runtime.store_stage import PROMOTE_ENV, promote_mode
 
     monkeypatch.delenv(PROMOTE_ENV, raising=False)
-    assert promote_mode() == "checkpoint"
+    assert promote_mode() == "store"
     packed = SimpleNamespace(qtype=QType.NVFP4)
     card = SimpleNamespace(slots=SimpleNamespace(packed=lambda layer: packed if layer == 0 else None))
     ex = HybridExperts.__new__(HybridExperts)
     ex.store_source = SimpleNamespace(store=SimpleNamespace(qtype=QType.NVFP4))
-    assert ex._promote_target(card, 0) is None                       # default: checkpoint
+    assert ex._promote_target(card, 0) is packed                     # default: the store
+    monkeypatch.setenv(PROMOTE_ENV, "checkpoint")
+    assert ex._promote_target(card, 0) is None
     monkeypatch.setenv(PROMOTE_ENV, "store")
     assert ex._promote_target(card, 0) is packed
     assert ex._promote_target(card, 1) is None                       # reference storage (CPU card)
