@@ -1,4 +1,5 @@
-"""Expert-cache promotions from the pinned CPU store (HYBRID_PROMOTE_SOURCE=store) on a GPU: on the tiny
+"""Expert-cache promotions and the warm start's slot fill from the pinned CPU store (HYBRID_PROMOTE_SOURCE=store,
+the default) on a GPU: on the tiny
 model (NVFP4) with a small cache, the same greedy ids, promotions and slot contents as promotions read from
 the checkpoint."""
 import pytest

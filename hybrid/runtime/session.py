@@ -112,22 +112,24 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     qtypes = {l: w[0].qtype for l, w in enumerate(first)}
     bytes_per_expert = max(sum(q.nbytes for q in w) for w in first)
     budget = plan.prediction.promotion_budget_bytes if plan is not None else None
-    cards = [_card(spec, cfg, opts, eprof, qtypes, bytes_per_expert, budget, get_expert)
-             for spec in placement.cards]
     t3 = time.perf_counter()
     owns_cpu = cpu is None
-    if owns_cpu:
+    if owns_cpu:                              # before the cards: their slots can be filled from its store
         cpu = make_cpu_runner(cfg, get_expert, qtypes[0], opts.cpu_engine, opts.cpu_threads,
                               opts.hugepages, progress)
     t4 = time.perf_counter()
-    source = None
+    source = fill_from = None
     if any(c.device.startswith("cuda") for c in placement.cards):
         source_mode()                         # a bad HYBRID_PREFILL_SOURCE / _PROMOTE_SOURCE /
         stage_kernel_enabled()                # _STAGE_KERNEL: one line, now
         from_store = promote_mode() == "store"
         if hasattr(cpu, "store_source") and (opts.offload_min or from_store):
             source = cpu.store_source()       # prefill offload / promotions read the pinned store
+        fill_from = source if from_store else None
     t5 = time.perf_counter()
+    cards = [_card(spec, cfg, opts, eprof, qtypes, bytes_per_expert, budget, get_expert, fill_from)
+             for spec in placement.cards]
+    t6 = time.perf_counter()
     stats = RuntimeStats(cfg.num_hidden_layers)
     trace = _trace(opts, path, cfg, cards, placement, meta)
     experts = HybridExperts(cards, cpu, get_expert, cfg.num_hidden_layers, stats, trace,
@@ -144,7 +146,7 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
         prefill_graphs = PrefillGraphs(model, experts)
     hm = HybridModel(model, experts, opts.kv_resident, opts.kv_dtype, graphs, prefill_graphs)
     return Session(hm, placement, plan, cards, cpu, stats, opts, trace, eprof,
-                   {"plan": t1 - t0, "dense": t2 - t1, "expert_cache": t3 - t2, "cpu_store": t4 - t3, "pin_store": t5 - t4},
+                   {"plan": t1 - t0, "dense": t2 - t1, "cpu_store": t4 - t3, "pin_store": t5 - t4, "expert_cache": t6 - t5},
                    owns_cpu, held)
 
 
@@ -218,7 +220,10 @@ def _hardware_profile(opts: RuntimeOptions):
     return None
 
 
-def _card(spec, cfg, opts, eprof, qtypes, bytes_per_expert, budget, get_expert) -> CardRuntime:
+def _card(spec, cfg, opts, eprof, qtypes, bytes_per_expert, budget, get_expert, source=None) -> CardRuntime:
+    """One card's expert cache and slots, its warm-start residents loaded: from the pinned CPU store
+    (source: what promotions read too; no checkpoint read, no host copy) where the layer's slots are
+    packed storage of the store's weight type, else from the checkpoint."""
     policy = make_policy(opts.policy, profile=eprof)
     cache = ExpertCache(list(spec.layer_ids), list(spec.slots_per_layer), cfg.num_experts, policy,
                         bytes_per_expert=bytes_per_expert, budget_bytes=budget)
@@ -228,8 +233,14 @@ def _card(spec, cfg, opts, eprof, qtypes, bytes_per_expert, budget, get_expert) 
     slots = CardSlots(torch.device(spec.device), layer_slots, {l: qtypes[l] for l in spec.layer_ids},
                       cfg.hidden_size, cfg.moe_intermediate_size)
     for l in spec.layer_ids:
+        packed = slots.packed(l) if source is not None else None
+        if packed is not None and packed.qtype is not source.store.qtype:
+            packed = None
         for e, s in cache.residents(l).items():
-            slots.load(l, s, get_expert(l, e))
+            if packed is not None:
+                source.load_slot(packed, slots.local(l, s), l, e)
+            else:
+                slots.load(l, s, get_expert(l, e))
     dev = torch.device(spec.device)
     stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     card = CardRuntime(spec, cache, slots, stream)
