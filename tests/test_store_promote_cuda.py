@@ -1,7 +1,10 @@
 """Expert-cache promotions and the warm start's slot fill from the pinned CPU store (HYBRID_PROMOTE_SOURCE=store,
-the default) on a GPU: on the tiny
-model (NVFP4) with a small cache, the same greedy ids, promotions and slot contents as promotions read from
-the checkpoint."""
+the default) on a GPU: on the tiny model (NVFP4) with a small cache warm-started from a skewed expert
+profile (slots in several layers, none of them full), the same greedy ids, promotions and slot contents as
+both read from the checkpoint."""
+import json
+
+import numpy as np
 import pytest
 import torch
 
@@ -21,10 +24,28 @@ def nvfp4(tmp_path_factory):
     return to_nvfp4(resolve_model_path("tiny"), tmp_path_factory.mktemp("promo") / "nvfp4")
 
 
-def _session(path, ids, source, monkeypatch):
+@pytest.fixture(scope="module")
+def skewed(nvfp4, tmp_path_factory):
+    """A seeded random expert profile: the warm start's 32 slots land in several layers."""
+    from hybrid.cli.profile import profile_dict
+    from hybrid.model.config import ModelConfig
+
+    cfg = ModelConfig.from_folder(nvfp4)
+    rng = np.random.default_rng(7)
+    tokens, k = 256, cfg.num_experts_per_tok
+    counts = np.stack([rng.multinomial(tokens * k, rng.dirichlet(np.full(cfg.num_experts, 0.3)))
+                       for _ in range(cfg.num_hidden_layers)])
+    path = tmp_path_factory.mktemp("promo_prof") / "skewed.experts.json"
+    path.write_text(json.dumps(profile_dict(nvfp4.name, cfg.model_type, counts, tokens, k, {"test": True})))
+    return str(path)
+
+
+def _session(path, ids, source, monkeypatch, profile):
     monkeypatch.setenv(PROMOTE_ENV, source)
-    s = open_session(path, RuntimeOptions(device="cuda", cache_slots=(32,), prefill_offload_min=0))
+    s = open_session(path, RuntimeOptions(device="cuda", cache_slots=(32,), prefill_offload_min=0,
+                                          expert_profile=profile))
     try:
+        warm = [len(c.residents(l)) for c in s.caches for l in c.layers]   # filled at load
         out = [generate(s.model, _tok(path), ids, 12, Sampler(SamplerConfig())).generated_ids for _ in range(2)]
         torch.cuda.synchronize()
         proms = [c.stats().promotions.tolist() for c in s.caches]
@@ -33,14 +54,15 @@ def _session(path, ids, source, monkeypatch):
         used = s.model.experts._promote_target(s.cards[0], next(iter(s.cards[0].slots._store))) is not None
     finally:
         s.close()
-    return out, proms, slots, used
+    return out, proms, slots, used, warm
 
 
-def test_promotions_from_store_equal_checkpoint(nvfp4, monkeypatch):
+def test_promotions_from_store_equal_checkpoint(nvfp4, skewed, monkeypatch):
     ids = _ids(nvfp4, 64)
-    a, pa, sa, used_a = _session(nvfp4, ids, "checkpoint", monkeypatch)
-    b, pb, sb, used_b = _session(nvfp4, ids, "store", monkeypatch)
+    a, pa, sa, used_a, warm = _session(nvfp4, ids, "checkpoint", monkeypatch, skewed)
+    b, pb, sb, used_b, _ = _session(nvfp4, ids, "store", monkeypatch, skewed)
     assert not used_a and used_b
+    assert sum(n > 0 for n in warm) >= 2                                # slots filled at load in several layers
     assert sum(sum(map(sum, p)) for p in pb) > 0 and pa == pb             # [cache][layer][expert]
     assert a == b
     for k in sa:
