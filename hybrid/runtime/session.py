@@ -61,6 +61,9 @@ class Session:
         d["cpu_dense_held_bytes"] = self.dense_held
         d["prefill_stream"] = self.model.experts.prefill_stream_stats()
         d["prefill_stream"]["source"] = self._prefill_source()
+        d["prefill_stream"]["offload_min"] = self.model.experts.prefill_min
+        d["prefill_graphs"] = ({"steps": pg.steps, "captures": pg.captures, "error": pg.error}
+                               if (pg := self.model.prefill_graphs) is not None else None)
         return d
 
     def _prefill_source(self) -> str | None:
@@ -74,8 +77,12 @@ class Session:
     def summary(self, measured_tok_s: float | None = None) -> list[str]:
         rep = self.report(measured_tok_s)
         ps = rep["prefill_stream"]
-        extra = [f"prefill offload: {ps['experts']} experts streamed to the cards from the {ps['source'] or 'checkpoint'} "
-                 f"({ps['bytes'] / 2**20:.1f} MiB, {ps['groups']} groups, {ps['layers']} layer passes)"] if ps["experts"] else []
+        extra = [f"prefill offload (steps of >= {ps['offload_min']} tokens): {ps['experts']} experts streamed to the "
+                 f"cards from the {ps['source'] or 'checkpoint'} ({ps['bytes'] / 2**20:.1f} MiB, {ps['groups']} groups, "
+                 f"{ps['layers']} layer passes)"] if ps["experts"] else []
+        pg = rep["prefill_graphs"]
+        if pg and pg["steps"]:
+            extra.append(f"prefill graphs: {pg['steps']} prompt(s) replayed, {pg['captures']} bucket(s) captured")
         return [self.placement.describe()] + summary_lines(rep) + extra
 
     def close(self) -> None:
@@ -119,11 +126,12 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
                               opts.hugepages, progress)
     t4 = time.perf_counter()
     source = fill_from = None
+    offload_min = opts.offload_min_for(plan)  # the flag, the plan's cost model, or the default
     if any(c.device.startswith("cuda") for c in placement.cards):
         source_mode()                         # a bad HYBRID_PREFILL_SOURCE / _PROMOTE_SOURCE /
         stage_kernel_enabled()                # _STAGE_KERNEL: one line, now
         from_store = promote_mode() == "store"
-        if hasattr(cpu, "store_source") and (opts.offload_min or from_store):
+        if hasattr(cpu, "store_source") and (offload_min or from_store):
             source = cpu.store_source()       # prefill offload / promotions read the pinned store
         fill_from = source if from_store else None
     t5 = time.perf_counter()
@@ -133,7 +141,7 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     stats = RuntimeStats(cfg.num_hidden_layers)
     trace = _trace(opts, path, cfg, cards, placement, meta)
     experts = HybridExperts(cards, cpu, get_expert, cfg.num_hidden_layers, stats, trace,
-                            prefill_min=opts.offload_min, store_source=source)
+                            prefill_min=offload_min, store_source=source)
     model.experts = experts
     graphs = prefill_graphs = None
     if placement.cards[0].device.startswith("cuda"):
@@ -196,6 +204,7 @@ def _plan(path: Path, cfg: ModelConfig, opts: RuntimeOptions, prof, eprof: Exper
                       pcie_frac=min(opts.pcie_frac, 0.9), context=context,
                       prefill_chunk=opts.prefill_chunk or 512,
                       prefill_stage=PREFILL_STAGE_GROUP if opts.offload_min else 0,
+                      prefill_offload_min=opts.prefill_offload_min,          # None: the cost model's
                       overlap=opts.device == "cuda" and overlap_enabled())   # what generate() does by default
     return make_plan(ModelBytes.from_folder(path), prof, req, pop, model=path.resolve().name,
                      experts_path=None if eprof_path is None else str(eprof_path))
