@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hybrid.runtime import RuntimeOptions, open_session
-from hybrid.runtime.prefill_graphs import PREFILL_GRAPH_MAX, PrefillGraphs, bucket_for
+from hybrid.model.layers import KVCache
+from hybrid.runtime.prefill_graphs import PREFILL_GRAPH_MAX, PrefillGraphs, bucket_for, rows_for
 from hybrid.testing import greedy_logits, tokenizer_for
 from tests.test_decode_graphs import EXPERTS, LAYERS, models, warm  # noqa: F401 - fixtures
 
@@ -87,7 +88,7 @@ def test_not_usable_cases(models, warm):  # noqa: F811 - fixtures
         assert pg.usable(12, 0)
         assert not pg.usable(12, 3)                        # a later chunk: not from position 0
         assert not pg.usable(1, 0)                         # one token: the decode graphs' job
-        assert not pg.usable(17, 0)                        # bucket 32 > the cache's 20 rows
+        assert not pg.usable(17, 0)                        # bucket 32 > the KV store's 20 rows
         assert not PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=False).usable(12, 0)
         s.model.new_cache(PREFILL_GRAPH_MAX + 8)
         assert not pg.usable(PREFILL_GRAPH_MAX + 1, 0)     # past the largest bucket: eager
@@ -102,3 +103,21 @@ def test_env_off(monkeypatch, models, warm):  # noqa: F811 - fixtures
     assert not prefill_graphs_enabled()
     monkeypatch.delenv("HYBRID_PREFILL_GRAPHS")
     assert prefill_graphs_enabled()
+
+
+def test_rows_for_widens_views_then_restores():
+    """A bucket past the request's max_tokens runs on the store's rows (CUDA stores hold the session's
+    context), the views and max_tokens as they were afterwards; past the store: an error."""
+    big = KVCache(2, 64, 2, 4, torch.float32, [torch.device("cpu")] * 2)
+    cache = KVCache(2, 20, 2, 4, torch.float32, [torch.device("cpu")] * 2, (big.k_store, big.v_store))
+    k0 = cache.k
+    with rows_for(cache, 32):
+        assert cache.max_tokens == 32 and cache.k[1].shape[0] == 32 and cache.v[0].shape[0] == 32
+        cache.write(1, 0, torch.ones(32, 2, 4), torch.ones(32, 2, 4))     # the padded rows fit
+    assert cache.max_tokens == 20 and cache.k is k0 and cache.k[1].shape[0] == 20
+    assert float(big.k_store[1][31].sum()) == 8.0                         # written into the shared store
+    with rows_for(cache, 16):
+        assert cache.max_tokens == 20                                     # fits: nothing changed
+    with pytest.raises(ValueError, match="64"):
+        with rows_for(cache, 128):
+            pass

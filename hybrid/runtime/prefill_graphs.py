@@ -12,7 +12,9 @@ the KV cache's max_tokens). The prompt's embedded rows are copied into the segme
 [B, H]; the B - T rows past the prompt repeat its last row. Padding is harmless: attention is causal
 (the prompt's rows never see the rows after them), every other op is row-wise (norms, projections,
 the router, the grouped expert kernel's rows), and the padded KV rows [T, B) are past the cache's
-length: the decode steps overwrite them before any query attends to them. Only the prompt's routing
+length: the decode steps overwrite them before any query attends to them. B may pass the request's
+max_tokens (prompt + new tokens) as long as the KV store holds B rows (on CUDA it holds the session's
+context): the cache's views are widened to B rows while the step runs (rows_for). Only the prompt's routing
 [n, T, 2k] is settled (cache counters, trace: HybridExperts.note_device, as the decode graphs do),
 and the head runs on row T - 1 only (its index is a device buffer set before the replay).
 
@@ -26,6 +28,7 @@ eagerly (the CPU tests of the padding and the settled routing).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -46,6 +49,24 @@ def bucket_for(t: int, lo: int = PREFILL_GRAPH_MIN, hi: int = PREFILL_GRAPH_MAX)
     while b < t:
         b *= 2
     return b if b <= hi else None
+
+
+@contextmanager
+def rows_for(cache: KVCache, b: int):
+    """The cache's k/v views (and max_tokens) widened to b rows of its stores while a padded prompt
+    runs (module doc); as they were afterwards. Nothing past the prompt is committed."""
+    if b <= cache.max_tokens:
+        yield
+        return
+    if b > cache.capacity:
+        raise ValueError(f"prefill bucket of {b} rows > the KV store's {cache.capacity}")
+    saved = cache.max_tokens, cache.k, cache.v
+    cache.max_tokens = b
+    cache.k, cache.v = [s[:b] for s in cache.k_store], [s[:b] for s in cache.v_store]
+    try:
+        yield
+    finally:
+        cache.max_tokens, cache.k, cache.v = saved
 
 
 class PrefillGraphs:
@@ -70,7 +91,7 @@ class PrefillGraphs:
         if not self.enabled or self.error is not None or start != 0 or t < 2 or m.on_route is not None:
             return False
         b = bucket_for(t, self.lo, self.hi)
-        if b is None or not isinstance(m.cache, KVCache) or b > m.cache.max_tokens:
+        if b is None or not isinstance(m.cache, KVCache) or b > m.cache.capacity:
             return False
         if any(s.host_last for s in self._segments()):
             return False                     # a layer that can miss needs the host mid-step
@@ -88,7 +109,16 @@ class PrefillGraphs:
             self._kv_key = kv_key
         t = int(ids.shape[0])
         b = bucket_for(t, self.lo, self.hi)
-        x, logits = m.embed_tokens(ids), None                               # [T, H]
+        x = m.embed_tokens(ids)                                             # [T, H]
+        with rows_for(cache, b):
+            x, logits = self._run(x, t, b)
+        cache.length = start + t
+        self.steps += 1
+        return logits if logits is not None else m.head(x[t - 1:t])
+
+    def _run(self, x: torch.Tensor, t: int, b: int):
+        """The segments' graphs on the prompt's rows x [T, H] -> (x [B, H], logits [1, V] or None)."""
+        logits = None
         for seg in self._segments():
             if x.device != seg.device:
                 x = x.to(seg.device)                                         # layer-split hop
@@ -108,9 +138,7 @@ class PrefillGraphs:
                 logits = r.out.clone()                                       # rewritten by the next replay
             else:
                 x = r.out
-        cache.length = start + t
-        self.steps += 1
-        return logits if logits is not None else m.head(x[t - 1:t])
+        return x, logits
 
     # ---- segments and runners ------------------------------------------------------------------
     def _segments(self) -> list[Segment]:
