@@ -211,12 +211,18 @@ def test_planner_reserves_staging(tiny):
     assert s_on.plan.cards[0].workspace_bytes - s_off.plan.cards[0].workspace_bytes == extra
 
 
-@pytest.mark.parametrize("value,needle", [("x", "expected a token count"), ("-3", "must be a token count >= 0"),
-                                          ("1.5", "expected a token count")])
+@pytest.mark.parametrize("value,needle", [("x", "expected auto or a token count"), ("-3", "must be a token count >= 0"),
+                                          ("1.5", "expected auto or a token count")])
 def test_bad_flag_one_line(value, needle, capsys):
     rc = main(["--prefill-offload-min", value, "-n", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and err.startswith("error: --prefill-offload-min") and needle in err
+
+
+def test_flag_auto_is_the_cost_model():
+    from hybrid.cli.run import _tokens
+
+    assert _tokens("auto") is None and _tokens("Auto") is None and _tokens("0") == 0 and _tokens("48") == 48
 
 
 def test_bad_option_value():

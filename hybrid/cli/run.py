@@ -74,9 +74,10 @@ def _runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="back the CPU expert store with 2 MiB hugepages (default auto)")
     r.add_argument("--prefill-chunk", default=None, metavar="N|auto",
                    help="prompt tokens per forward pass (default auto: the plan's chunk, else the whole prompt)")
-    r.add_argument("--prefill-offload-min", default=None, metavar="N",
+    r.add_argument("--prefill-offload-min", default=None, metavar="N|auto",
                    help="prefill steps of at least N tokens copy the experts they miss to the card and run "
-                        "them there instead of on the CPU (0 = never; default 128 on CUDA, never with --device cpu)")
+                        "them there instead of on the CPU (0 = never; default auto: the planner's cost model from "
+                        "the hardware profile, 128 on CUDA without one, never with --device cpu)")
     r.add_argument("--pcie-frac", type=float, default=None, metavar="F",
                    help="fraction of the PCIe link expert promotions may use per step (default 0.1)")
     r.add_argument("--profile", default=None, metavar="NAME|FILE",
@@ -229,13 +230,15 @@ def options_from_args(args, num_layers: int):
 
 
 def _tokens(text: str) -> int:
-    """--prefill-offload-min's value (RuntimeOptions checks the range)."""
+    """--prefill-offload-min's value: None for auto (RuntimeOptions checks the range)."""
     from hybrid.errors import HybridError
 
+    if text.strip().lower() == "auto":
+        return None
     try:
         return int(text)
     except ValueError:
-        raise HybridError(f"--prefill-offload-min {text}: expected a token count >= 0 (0 = off)") from None
+        raise HybridError(f"--prefill-offload-min {text}: expected auto or a token count >= 0 (0 = off)") from None
 
 
 def _default_gpus(args, cards: int) -> tuple[int, ...]:
