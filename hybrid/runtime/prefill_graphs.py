@@ -21,8 +21,8 @@ and the head runs on row T - 1 only (its index is a device buffer set before the
 The segment's body is the eager forward's CUDA path (Attention._cuda at start 0: fused RoPE + KV
 write, SDPA causal; add+norm, the router, the grouped QPN kernel), so the graph changes host time,
 not the math; the one difference is that the kernels see B rows instead of T. Graphs are captured
-lazily per (segment, B) into one memory pool and dropped when the KV store or the residency changes.
-HYBRID_PREFILL_GRAPHS=0 turns them off (the eager path). With capture=False the same bodies run
+lazily per (segment, B) into one memory pool per device and dropped when the KV store or the
+residency changes. HYBRID_PREFILL_GRAPHS=0 turns them off (the eager path). With capture=False the same bodies run
 eagerly (the CPU tests of the padding and the settled routing).
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ class PrefillGraphs:
         self._plan: tuple | None = None
         self._kv_key = None
         self._last: dict = {}                # device -> [1] int64: the prompt's last row (head input)
-        self._pool = None
+        self._pools: dict = {}               # device -> graph memory pool (the buckets never run at once)
 
     def usable(self, t: int, start: int) -> bool:
         m = self.model
@@ -207,10 +207,11 @@ class PrefillGraphs:
         with torch.cuda.stream(side):
             body()                          # warm-up: library handles, lazy packing (same values)
         cur.wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()   # one pool: the buckets never run at once
+        pool = self._pools.get(dev)
+        if pool is None:
+            pool = self._pools[dev] = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=torch.cuda.Stream(dev)):
+        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(dev)):
             out = body()
         self.captures += 1
         return _Runner(x_in, route_buf, graph=graph, out=out)
