@@ -2,8 +2,6 @@
 Short prompts' prefill replays captured graphs (one capture per bucket, reused by prompts of the same
 bucket) and gives the eager prefill's logits (1e-2: the kernels see the padded rows) and greedy ids;
 with a layer that can miss, the prefill stays eager."""
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -13,6 +11,7 @@ from hybrid.model import resolve_model_path
 from hybrid.model.config import ModelConfig
 from hybrid.runtime import RuntimeOptions, open_session
 from hybrid.sampler import Sampler, SamplerConfig
+from hybrid.testing import write_expert_profile
 from tests.quant_layouts import to_nvfp4
 from tests.test_prefill_stream_cuda import _ids, _tok
 
@@ -27,16 +26,11 @@ def nvfp4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def uniform(nvfp4, tmp_path_factory):
     """An expert profile using every expert alike: the warm start fills every slot (all resident)."""
-    from hybrid.cli.profile import profile_dict
-
     cfg = ModelConfig.from_folder(nvfp4)
     tokens = cfg.num_experts * 4
     counts = np.full((cfg.num_hidden_layers, cfg.num_experts), tokens * cfg.num_experts_per_tok // cfg.num_experts,
                      dtype=np.int64)
-    path = tmp_path_factory.mktemp("pgraph_prof") / "uniform.experts.json"
-    path.write_text(json.dumps(profile_dict(nvfp4.name, cfg.model_type, counts, tokens, cfg.num_experts_per_tok,
-                                            {"uniform": True})))
-    return str(path)
+    return write_expert_profile(nvfp4, counts, tokens, tmp_path_factory.mktemp("pgraph_prof") / "uniform.experts.json")
 
 
 def _gen(path, prompts, env, monkeypatch, profile, slots=None):

@@ -2,8 +2,6 @@
 the default) on a GPU: on the tiny model (NVFP4) with a small cache warm-started from a skewed expert
 profile (slots in several layers, none of them full), the same greedy ids, promotions and slot contents as
 both read from the checkpoint."""
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -13,6 +11,7 @@ from hybrid.model import resolve_model_path
 from hybrid.runtime import RuntimeOptions, open_session
 from hybrid.runtime.store_stage import PROMOTE_ENV
 from hybrid.sampler import Sampler, SamplerConfig
+from hybrid.testing import write_expert_profile
 from tests.quant_layouts import to_nvfp4
 from tests.test_prefill_stream_cuda import _ids, _tok
 
@@ -27,7 +26,6 @@ def nvfp4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def skewed(nvfp4, tmp_path_factory):
     """A seeded random expert profile: the warm start's 32 slots land in several layers."""
-    from hybrid.cli.profile import profile_dict
     from hybrid.model.config import ModelConfig
 
     cfg = ModelConfig.from_folder(nvfp4)
@@ -35,9 +33,7 @@ def skewed(nvfp4, tmp_path_factory):
     tokens, k = 256, cfg.num_experts_per_tok
     counts = np.stack([rng.multinomial(tokens * k, rng.dirichlet(np.full(cfg.num_experts, 0.3)))
                        for _ in range(cfg.num_hidden_layers)])
-    path = tmp_path_factory.mktemp("promo_prof") / "skewed.experts.json"
-    path.write_text(json.dumps(profile_dict(nvfp4.name, cfg.model_type, counts, tokens, k, {"test": True})))
-    return str(path)
+    return write_expert_profile(nvfp4, counts, tokens, tmp_path_factory.mktemp("promo_prof") / "skewed.experts.json")
 
 
 def _session(path, ids, source, monkeypatch, profile):

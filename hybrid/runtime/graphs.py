@@ -313,14 +313,21 @@ class DecodeGraphs:
 
     def _capture(self, dev, body, x_in, route_buf, seg) -> _Runner:
         self.experts.prepare_device(self._device_layers(seg))
-        cur = torch.cuda.current_stream(dev)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            body()                          # warm-up: lazy packing, library handles (same values)
-        cur.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):   # its default stream is made once, on
-            out = body()                                             # the first device it met
+        r = capture_runner(dev, body, x_in, route_buf)
         self.captures += 1
-        return _Runner(x_in, route_buf, graph=graph, out=out)
+        return r
+
+
+def capture_runner(dev: torch.device, body, x_in: torch.Tensor, route_buf: torch.Tensor, pool=None) -> _Runner:
+    """body() once on a side stream (warm-up: lazy packing, library handles; the same values), then
+    captured into a graph (in `pool`, else its own) -> the _Runner replaying it, body's outputs in out."""
+    cur = torch.cuda.current_stream(dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        body()
+    cur.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(dev)):   # its default stream is made
+        out = body()                                                       # once, on the first device it met
+    return _Runner(x_in, route_buf, graph=graph, out=out)

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import torch
 
 from hybrid.model.layers import KVCache, rms_norm
-from hybrid.runtime.graphs import Segment, _Runner, plan_segments
+from hybrid.runtime.graphs import Segment, _Runner, capture_runner, plan_segments
 
 PREFILL_GRAPH_MIN = 16      # the smallest bucket (prompts of 2..16 tokens share it)
 PREFILL_GRAPH_MAX = 256     # longer prefill steps run eagerly (the card, not the host, sets their time)
@@ -201,17 +201,9 @@ class PrefillGraphs:
 
     def _capture(self, dev, body, x_in, route_buf, seg) -> _Runner:
         self.experts.prepare_device(seg.layers)
-        cur = torch.cuda.current_stream(dev)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            body()                          # warm-up: library handles, lazy packing (same values)
-        cur.wait_stream(side)
         pool = self._pools.get(dev)
         if pool is None:
             pool = self._pools[dev] = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(dev)):
-            out = body()
+        r = capture_runner(dev, body, x_in, route_buf, pool)
         self.captures += 1
-        return _Runner(x_in, route_buf, graph=graph, out=out)
+        return r
