@@ -99,10 +99,13 @@ def test_not_usable_cases(models, warm):  # noqa: F811 - fixtures
 def test_env_off(monkeypatch, models, warm):  # noqa: F811 - fixtures
     from hybrid.runtime.prefill_graphs import prefill_graphs_enabled
 
+    monkeypatch.delenv("HYBRID_CUDA_GRAPHS", raising=False)
     monkeypatch.setenv("HYBRID_PREFILL_GRAPHS", "0")
     assert not prefill_graphs_enabled()
     monkeypatch.delenv("HYBRID_PREFILL_GRAPHS")
     assert prefill_graphs_enabled()
+    monkeypatch.setenv("HYBRID_CUDA_GRAPHS", "0")                      # no graph at all
+    assert not prefill_graphs_enabled()
 
 
 def test_rows_for_widens_views_then_restores():

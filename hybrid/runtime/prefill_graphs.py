@@ -22,7 +22,8 @@ The segment's body is the eager forward's CUDA path (Attention._cuda at start 0:
 write, SDPA causal; add+norm, the router, the grouped QPN kernel), so the graph changes host time,
 not the math; the one difference is that the kernels see B rows instead of T. Graphs are captured
 lazily per (segment, B) into one memory pool per device and dropped when the KV store or the
-residency changes. HYBRID_PREFILL_GRAPHS=0 turns them off (the eager path). With capture=False the same bodies run
+residency changes. HYBRID_PREFILL_GRAPHS=0 turns them off (the eager path), as HYBRID_CUDA_GRAPHS=0 does
+with every graph. With capture=False the same bodies run
 eagerly (the CPU tests of the padding and the settled routing).
 """
 from __future__ import annotations
@@ -33,14 +34,15 @@ from contextlib import contextmanager
 import torch
 
 from hybrid.model.layers import KVCache, rms_norm
-from hybrid.runtime.graphs import Segment, _Runner, capture_runner, plan_segments
+from hybrid.runtime.graphs import Segment, _Runner, capture_runner, graphs_enabled, plan_segments
 
 PREFILL_GRAPH_MIN = 16      # the smallest bucket (prompts of 2..16 tokens share it)
 PREFILL_GRAPH_MAX = 256     # longer prefill steps run eagerly (the card, not the host, sets their time)
 
 
 def prefill_graphs_enabled() -> bool:
-    return os.environ.get("HYBRID_PREFILL_GRAPHS", "1") not in ("0", "off", "false", "no")
+    """HYBRID_PREFILL_GRAPHS=0 turns the prefill graphs off; HYBRID_CUDA_GRAPHS=0 turns off every graph."""
+    return graphs_enabled() and os.environ.get("HYBRID_PREFILL_GRAPHS", "1") not in ("0", "off", "false", "no")
 
 
 def bucket_for(t: int, lo: int = PREFILL_GRAPH_MIN, hi: int = PREFILL_GRAPH_MAX) -> int | None:

@@ -146,10 +146,9 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     graphs = prefill_graphs = None
     if placement.cards[0].device.startswith("cuda"):
         from hybrid.runtime.graphs import DecodeGraphs
-
-        model.kv_reserve = opts.kv_resident or context     # one KV store for every generation
         from hybrid.runtime.prefill_graphs import PrefillGraphs
 
+        model.kv_reserve = opts.kv_resident or context     # one KV store for every generation
         graphs = DecodeGraphs(model, experts)
         prefill_graphs = PrefillGraphs(model, experts)
     hm = HybridModel(model, experts, opts.kv_resident, opts.kv_dtype, graphs, prefill_graphs)
