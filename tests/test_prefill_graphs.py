@@ -30,7 +30,8 @@ def _run(model_dir, warm, slots, extra, graphed: bool):
     try:
         pg = None
         if graphed:
-            pg = s.model.prefill_graphs = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True)
+            pg = s.model.prefill_graphs = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True,
+                                                        after=0)
         s.model.prompt_tokens = len(ids)
         first = {}
         forward = s.model.forward
@@ -83,13 +84,13 @@ def test_prefill_graph_body_matches_eager(models, warm, kind, place):  # noqa: F
 def test_not_usable_cases(models, warm):  # noqa: F811 - fixtures
     s = open_session(models["nvfp4"], RuntimeOptions(cache_slots=(LAYERS * EXPERTS,), expert_profile=warm))
     try:
-        pg = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True)
+        pg = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True, after=0)
         s.model.new_cache(20)
         assert pg.usable(12, 0)
         assert not pg.usable(12, 3)                        # a later chunk: not from position 0
         assert not pg.usable(1, 0)                         # one token: the decode graphs' job
         assert not pg.usable(17, 0)                        # bucket 32 > the KV store's 20 rows
-        assert not PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=False).usable(12, 0)
+        assert not PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=False, after=0).usable(12, 0)
         s.model.new_cache(PREFILL_GRAPH_MAX + 8)
         assert not pg.usable(PREFILL_GRAPH_MAX + 1, 0)     # past the largest bucket: eager
     finally:
@@ -124,3 +125,28 @@ def test_rows_for_widens_views_then_restores():
     with pytest.raises(ValueError, match="64"):
         with rows_for(cache, 128):
             pass
+
+
+def test_a_bucket_runs_eagerly_at_its_first_prompt(models, warm):  # noqa: F811 - fixtures
+    """PREFILL_GRAPH_AFTER = 1: the first prompt of a bucket runs eagerly (a capture costs about two eager
+    prefills), the next ones through the graph; a bucket with a runner needs no count; a dropped one
+    (residency or KV store changed) captures again at its next prompt."""
+    from hybrid.runtime.prefill_graphs import PREFILL_GRAPH_AFTER
+
+    assert PREFILL_GRAPH_AFTER == 1
+    ids = tokenizer_for(models["nvfp4"]).encode(PROMPT * 3)
+    assert len(ids) >= 20
+    s = open_session(models["nvfp4"], RuntimeOptions(cache_slots=(LAYERS * EXPERTS,), expert_profile=warm))
+    try:
+        pg = s.model.prefill_graphs = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True)
+        steps = []
+        for n in (12, 13, 20, 14):                                        # buckets 16, 16, 32, 16
+            s.model.prompt_tokens = n
+            greedy_logits(s.model, ids[:n], 16)                           # a cache of >= 29 rows (CPU: the store)
+            steps.append(pg.steps)
+        assert steps == [0, 1, 1, 2]
+        pg._runners.clear()                                               # as after a residency change
+        s.model.new_cache(40)
+        assert pg.usable(12, 0) and pg.usable(20, 0)                      # both buckets seen before
+    finally:
+        s.close()

@@ -21,8 +21,9 @@ and the head runs on row T - 1 only (its index is a device buffer set before the
 The segment's body is the eager forward's CUDA path (Attention._cuda at start 0: fused RoPE + KV
 write, SDPA causal; add+norm, the router, the grouped QPN kernel), so the graph changes host time,
 not the math; the one difference is that the kernels see B rows instead of T. Graphs are captured
-lazily per (segment, B) into one memory pool per device and dropped when the KV store or the
-residency changes. HYBRID_PREFILL_GRAPHS=0 turns them off (the eager path), as HYBRID_CUDA_GRAPHS=0 does
+lazily per (segment, B) into one memory pool per device, at the bucket's second prompt (a capture costs
+about two eager prefills, so a bucket used once runs eagerly: PREFILL_GRAPH_AFTER), and dropped when
+the KV store or the residency changes (the next prompt of the bucket captures again). HYBRID_PREFILL_GRAPHS=0 turns them off (the eager path), as HYBRID_CUDA_GRAPHS=0 does
 with every graph. With capture=False the same bodies run
 eagerly (the CPU tests of the padding and the settled routing).
 """
@@ -38,6 +39,8 @@ from hybrid.runtime.graphs import Segment, _Runner, capture_runner, graphs_enabl
 
 PREFILL_GRAPH_MIN = 16      # the smallest bucket (prompts of 2..16 tokens share it)
 PREFILL_GRAPH_MAX = 256     # longer prefill steps run eagerly (the card, not the host, sets their time)
+PREFILL_GRAPH_AFTER = 1     # prompts of a bucket that run eagerly before it is captured (capture costs ~2
+                            # eager prefills: a one-prompt run would only pay it)
 
 
 def prefill_graphs_enabled() -> bool:
@@ -75,9 +78,10 @@ class PrefillGraphs:
     """Runs HybridModel's prefill steps from position 0 through graphs (see the module doc)."""
 
     def __init__(self, model, experts, capture: bool = True, enabled: bool | None = None,
-                 lo: int = PREFILL_GRAPH_MIN, hi: int = PREFILL_GRAPH_MAX):
+                 lo: int = PREFILL_GRAPH_MIN, hi: int = PREFILL_GRAPH_MAX, after: int = PREFILL_GRAPH_AFTER):
         self.model, self.experts = model, experts
-        self.capture, self.lo, self.hi = capture, lo, hi
+        self.capture, self.lo, self.hi, self.after = capture, lo, hi, after
+        self._seen: dict[int, int] = {}      # bucket -> prompts that asked for it (the `after` rule)
         self.enabled = prefill_graphs_enabled() if enabled is None else enabled
         self.error: str | None = None
         self.captures = 0
@@ -89,6 +93,8 @@ class PrefillGraphs:
         self._pools: dict = {}               # device -> graph memory pool (the buckets never run at once)
 
     def usable(self, t: int, start: int) -> bool:
+        """Whether this prefill step runs through the graphs; called once per step (it counts the
+        bucket's prompts: the first `after` of them run eagerly, module doc)."""
         m = self.model
         if not self.enabled or self.error is not None or start != 0 or t < 2 or m.on_route is not None:
             return False
@@ -98,7 +104,12 @@ class PrefillGraphs:
         if any(s.host_last for s in self._segments()):
             return False                     # a layer that can miss needs the host mid-step
         devs = set(m.layer_devices) | {m.lm_head.device}
-        return not self.capture or all(d.type == "cuda" for d in devs)
+        if self.capture and not all(d.type == "cuda" for d in devs):
+            return False
+        if any(key[1] == b for key in self._runners):
+            return True
+        self._seen[b] = self._seen.get(b, 0) + 1
+        return self._seen[b] > self.after
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
