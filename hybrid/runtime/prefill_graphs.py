@@ -7,25 +7,26 @@ An eager prefill of a few dozen tokens is host-bound: every expert resident on a
 prompt takes ~35 ms of host time for ~1000 launches while the card is busy ~7 ms (tools/gpu_prefill_host.py,
 results/runtime.md §20). A prefill step from position 0 whose layers are all fully resident (the same
 condition as a decode step that runs ahead, HybridExperts.device_only) instead runs a graph captured
-for its bucket B (16, 32, ..., PREFILL_GRAPH_MAX tokens, the smallest that holds T; B must also fit
-the KV cache's max_tokens). The prompt's embedded rows are copied into the segment's static input
-[B, H]; the B - T rows past the prompt repeat its last row. Padding is harmless: attention is causal
-(the prompt's rows never see the rows after them), every other op is row-wise (norms, projections,
-the router, the grouped expert kernel's rows), and the padded KV rows [T, B) are past the cache's
-length: the decode steps overwrite them before any query attends to them. B may pass the request's
-max_tokens (prompt + new tokens) as long as the KV store holds B rows (on CUDA it holds the session's
-context): the cache's views are widened to B rows while the step runs (rows_for). Only the prompt's routing
-[n, T, 2k] is settled (cache counters, trace: HybridExperts.note_device, as the decode graphs do),
-and the head runs on row T - 1 only (its index is a device buffer set before the replay).
+for its bucket B (16, 32, ..., PREFILL_GRAPH_MAX tokens, the smallest that holds T). The prompt's
+embedded rows are copied into the segment's static input [B, H]; the B - T rows past the prompt repeat
+its last row. Padding is harmless: attention is causal (the prompt's rows never see the rows after
+them), every other op is row-wise (norms, projections, the router, the grouped expert kernel's rows),
+and the padded KV rows [T, B) are past the cache's length: the decode steps overwrite them before any
+query attends to them. B may pass the request's max_tokens (prompt + new tokens) as long as the KV
+store holds B rows (on CUDA it holds the session's context): the cache's views are widened to B rows
+while the step runs (rows_for). Only the prompt's routing [n, T, 2k] is settled (cache counters,
+trace: HybridExperts.note_device, as the decode graphs do), and the head runs on row T - 1 only (its
+index is a device buffer set before the replay).
 
 The segment's body is the eager forward's CUDA path (Attention._cuda at start 0: fused RoPE + KV
 write, SDPA causal; add+norm, the router, the grouped QPN kernel), so the graph changes host time,
 not the math; the one difference is that the kernels see B rows instead of T. Graphs are captured
-lazily per (segment, B) into one memory pool per device, at the bucket's second prompt (a capture costs
-about two eager prefills, so a bucket used once runs eagerly: PREFILL_GRAPH_AFTER), and dropped when
-the KV store or the residency changes (the next prompt of the bucket captures again). HYBRID_PREFILL_GRAPHS=0 turns them off (the eager path), as HYBRID_CUDA_GRAPHS=0 does
-with every graph. With capture=False the same bodies run
-eagerly (the CPU tests of the padding and the settled routing).
+lazily per (segment, B) into one memory pool per device, at the bucket's second prompt (a capture
+costs about two eager prefills, so a bucket used once runs eagerly: PREFILL_GRAPH_AFTER), and dropped
+when the KV store or the residency changes (the next prompt of the bucket captures again).
+HYBRID_PREFILL_GRAPHS=0 turns them off (the eager path), as HYBRID_CUDA_GRAPHS=0 does with every
+graph. With capture=False the same bodies run eagerly (the CPU tests of the padding, the settled
+routing and the capture rule).
 """
 from __future__ import annotations
 
