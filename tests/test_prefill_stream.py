@@ -162,6 +162,9 @@ def test_greedy_identical_and_streamed_what_routing_says(tiny, kind, slots, tmp_
     # CPU mode moves nothing over PCIe; the trace's prefill step says how many experts streamed
     assert s_on.report()["pcie_bytes"]["prefill_stream"] == 0
     assert s_on.report()["prefill_stream"]["source"] is None          # no CUDA card: nothing pinned or DMA'd
+    assert s_on.report()["prefill_stream"]["offload_min"] == MIN and s_off.report()["prefill_stream"]["offload_min"] == 0
+    assert any(f"prefill offload (steps of >= {MIN} tokens): {want} experts" in line for line in s_on.summary())
+    assert s_on.report()["prefill_graphs"] is None                    # CPU mode: no graphs
     per_step = [sum(len(np.unique(i[sl < 0])) for ph, _, i, sl in look_on[n:n + 4] if ph == "prefill")
                 for n in range(0, len(look_on), 4)]                   # 4 layers, one lookup each per step
     steps = read_trace(tmp_path / "t.jsonl").steps
