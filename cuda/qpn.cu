@@ -1486,6 +1486,185 @@ MOE(8, 4, , 0, 0)
 MOE(2, 1, _as, 3, 6)
 MOE(8, 1, _as, 3, 6)
 
+// ---------------------------------------------------------------- MoE prefill: grouped tiled GEMM
+// The prefill GEMM's machinery (TileLoads, tile_store, mma_stage: weights decoded once per block
+// tile into double-buffered fp16 shared memory, WMMA over BM rows; sm_70+) run per expert slot, for
+// many rows per expert (long prompts) where the mt{1,4} kernels above decode every packed weight again
+// per 8 or 32 rows. grid (N tiles, min(A, S)): block (bx, by) serves slot active[by] (none if -1 or
+// no rows) and loops over its rows [offsets[s], offsets[s + 1]) (the host cannot know them without
+// a sync) in M tiles of BM; no split-K (a layer's slots give the grid enough blocks).
+//   gate+up: A rows gathered through perm / token_idx from x [T, H] fp16; B = the slot's w13 tiles,
+//     BN / 32 gate tiles and the matching up tiles interleaved in the block's weight tile (warp wn's
+//     two 16-column fragments are gate and up of the same 16 intermediate columns), so SiLU(gate) *
+//     up is formed in registers on the accumulator fragments (both fragments share one element
+//     layout) and stored fp16 into h [A, I] in perm order (what the down kernels read); BN = 128
+//     (FN = 2) only.
+//   down: A = h rows of the slot (contiguous in perm order); B = the slot's w2;
+//     y[token_idx[perm[r]]] += route_w[perm[r]] * out (fp32 atomicAdd, as down_body).
+// Rows past the slot's count and weight tiles past I (or H) are not loaded: their stale registers
+// reach only outputs that are never written.
+
+// set kt (k = 64 kt ..) of this block's weight tiles (tile-in-block t -> packed tile tmap(t)) and of
+// its gathered activation rows xp[v] (row xrow(v) of the M tile; nullptr past the slot's rows)
+template <int FMT, int BM, int BN, bool GU>
+__device__ __forceinline__ void moe_tile_load(TileLoads<FMT, BM, BN>& r, const u32x4* __restrict__ w,
+                                              const u64* __restrict__ s,
+                                              const u16* const (&xp)[TileLoads<FMT, BM, BN>::XV], int kt,
+                                              int nk, int t0, int tiles, int C, int K) {
+  typedef TileLoads<FMT, BM, BN> L;
+  if (kt >= nk) return;
+#pragma unroll
+  for (int v = 0; v < L::WV; ++v) {
+    const int i = threadIdx.x + THREADS * v, l = i & 31, t = (i >> 5) % (BN / 16), cc = (i >> 5) / (BN / 16);
+    const int c = kt * L::CPT + cc;
+    // gate+up: t = 2 j + u -> gate (u = 0) or up (u = 1) tile t0 + j; down: tile t0 + t
+    const int tt = GU ? t0 + (t >> 1) : t0 + t;
+    if (cc < L::CPT && tt < tiles && c < C) {
+      const size_t tc = (size_t)(GU && (t & 1) ? tiles + tt : tt) * C + c;
+      r.w[v] = ld_stream(w + tc * 32 + l);
+      r.s[v] = FMT == 2 ? ld_stream64(s + tc * 8 + (l >> 2)) : 0ull;
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < L::XV; ++v) {
+    const int k = kt * PBK + SBK * L::xstage(v) + 8 * (threadIdx.x & 3);
+    if (xp[v] != nullptr && k < K) r.x[v] = ld_x16(xp[v] + k);
+  }
+}
+
+template <int FMT, int BM, int BN, int PF, bool GU>
+__device__ __forceinline__ void moe_gemm_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                              const float* __restrict__ gs, long long wstride,
+                                              long long sstride, const u16* __restrict__ x,
+                                              const int* __restrict__ token_idx,
+                                              const float* __restrict__ route_w,
+                                              const int* __restrict__ offsets,
+                                              const int* __restrict__ perm,
+                                              const int* __restrict__ active, u16* __restrict__ h,
+                                              float* __restrict__ y, int H, int I) {
+  typedef TileLoads<FMT, BM, BN> L;
+  constexpr int FM = BM / 32, FN = BN / 64;
+  constexpr int ST = (BM + BN) * PLD;
+  static_assert(FM >= 1 && FN >= 1 && (BM * (PBK / 8)) % THREADS == 0, "tile shape");
+  static_assert(!GU || FN == 2, "gate+up pairs one gate and one up fragment per warp: BN = 128");
+  __shared__ __align__(128) u16 sm[2 * ST];
+  const int slot = active[blockIdx.y];
+  if (slot < 0) return;
+  const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
+  if (cnt <= 0) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
+  const int K = GU ? H : I, N = GU ? I : H;  // N: output columns (gate+up: I, half the weight rows)
+  const int C = K / (FMT == 2 ? 64 : 32), tiles = N >> 4, nk = (K + PBK - 1) / PBK, ns = K / SBK;
+  const int t0 = blockIdx.x * (GU ? BN / 32 : BN / 16);
+  const u32x4* ws = w + slot * wstride;
+  const u64* ss = s + slot * sstride;
+  const float g0 = gs[slot * 3 + (GU ? 0 : 2)], g1 = gs[slot * 3 + 1];
+  const u32 xa = smem_addr(sm) + (wm * (BM / 2) * PLD) * 2, wa = xa + (BM * PLD + (wn * (BN / 4) - wm * (BM / 2)) * PLD) * 2;
+  float* stg = reinterpret_cast<float*>(sm) + warp * 256;
+  const int fr = lane >> 1, fc = 8 * (lane & 1);
+  for (int m0 = 0; m0 < cnt; m0 += BM) {
+    const u16* xp[L::XV];
+#pragma unroll
+    for (int v = 0; v < L::XV; ++v) {
+      const int i = m0 + L::xrow(v);
+      xp[v] = i >= cnt ? nullptr : GU ? x + (size_t)token_idx[perm[beg + i]] * K : x + (size_t)(beg + i) * K;
+    }
+    float acc[FM][FN][8];
+#pragma unroll
+    for (int i = 0; i < FM; ++i)
+#pragma unroll
+      for (int j = 0; j < FN; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[i][j][e] = 0.f;
+    TileLoads<FMT, BM, BN> r[PF];
+#pragma unroll
+    for (int p = 0; p < PF; ++p) moe_tile_load<FMT, BM, BN, GU>(r[p], ws, ss, xp, p, nk, t0, tiles, C, K);
+    tile_store<FMT, BM, BN, 0>(r[0], sm, sm + BM * PLD);
+    __syncthreads();
+    for (int kt0 = 0; kt0 < nk; kt0 += PF) {
+#pragma unroll
+      for (int p = 0; p < PF; ++p) {
+        const int kt = kt0 + p;
+        if (kt < nk) {
+          const bool two = FMT == 2 || 2 * kt + 1 < ns;  // FP8: K may end half-way through the last set
+          if (two) tile_store<FMT, BM, BN, 1>(r[p], sm + ST, sm + ST + BM * PLD);
+          moe_tile_load<FMT, BM, BN, GU>(r[p], ws, ss, xp, kt + PF, nk, t0, tiles, C, K);
+          mma_stage<FM, FN>(acc, xa, wa);
+          __syncthreads();
+          if (two) {
+            mma_stage<FM, FN>(acc, xa + ST * 2, wa + ST * 2);
+            if (kt + 1 < nk) tile_store<FMT, BM, BN, 0>(r[(p + 1) % PF], sm, sm + BM * PLD);
+            __syncthreads();
+          }
+        }
+      }
+    }
+    // epilogue: one 16x16 fp32 fragment at a time through the warp's 1 KB of shared memory
+#pragma unroll
+    for (int i = 0; i < FM; ++i) {
+      const int m = m0 + wm * (BM / 2) + 16 * i + fr;
+      if (GU) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float a = acc[i][0][e] * g0, b = acc[i][1][e] * g1;
+          acc[i][0][e] = a / (1.f + __expf(-a)) * b;
+        }
+        wmma_st(smem_addr(stg), acc[i][0]);
+        __syncwarp();
+        const int n = blockIdx.x * (BN / 2) + wn * 16 + fc;
+        if (m < cnt) store_y(h + (size_t)(beg + m) * I + n, stg + fr * 16 + fc, 1.f, n, I);
+        __syncwarp();
+      } else {
+        const int a = m < cnt ? perm[beg + m] : 0;
+        const float rw = m < cnt ? route_w[a] * g0 : 0.f;
+        float* yr = y + (size_t)(m < cnt ? token_idx[a] : 0) * H;
+#pragma unroll
+        for (int j = 0; j < FN; ++j) {
+          wmma_st(smem_addr(stg), acc[i][j]);
+          __syncwarp();
+          const int n = blockIdx.x * BN + wn * (BN / 4) + 16 * j + fc;
+          if (m < cnt) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+              if (n + e < H) atomicAdd(yr + n + e, rw * stg[fr * 16 + fc + e]);
+          }
+          __syncwarp();
+        }
+      }
+    }
+    __syncthreads();  // the next M tile's first stage overwrites the staging areas
+  }
+}
+
+// qpn{2,8}_moe_gemm_gateup_<BM>x<BN>: the moe_gateup kernels' arguments less KS; grid
+// (ceil(I / (BN / 2)), min(A, S)). qpn{2,8}_moe_gemm_down_<BM>x<BN>: the moe_down kernels' arguments
+// less KS; grid (ceil(H / BN), min(A, S)); y zeroed first. blockDim 256.
+#define MOE_GEMM(FMT, BM, BN, PF)                                                                  \
+  extern "C" __global__ void __launch_bounds__(THREADS, 2) qpn##FMT##_moe_gemm_gateup_##BM##x##BN(  \
+      const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
+      long long wstride, long long sstride, const u16* __restrict__ x,                             \
+      const int* __restrict__ token_idx, const int* __restrict__ offsets,                          \
+      const int* __restrict__ perm, const int* __restrict__ active, u16* __restrict__ h, int H,    \
+      int I) {                                                                                     \
+    moe_gemm_body<FMT, BM, BN, PF, true>(w13, s13, gs, wstride, sstride, x, token_idx, nullptr,    \
+                                         offsets, perm, active, h, nullptr, H, I);                 \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS, 2) qpn##FMT##_moe_gemm_down_##BM##x##BN(    \
+      const u32x4* __restrict__ w2, const u64* __restrict__ s2, const float* __restrict__ gs,      \
+      long long wstride, long long sstride, const u16* __restrict__ h,                             \
+      const int* __restrict__ token_idx, const float* __restrict__ route_w,                        \
+      const int* __restrict__ offsets, const int* __restrict__ perm,                               \
+      const int* __restrict__ active, float* __restrict__ y, int H, int I) {                       \
+    moe_gemm_body<FMT, BM, BN, PF, false>(w2, s2, gs, wstride, sstride, h, token_idx, route_w,     \
+                                          offsets, perm, active, nullptr, y, H, I);                \
+  }
+// PF: NVFP4 as the prefill GEMM's tiles of the same BM (64: 3 sets in flight, 32: 4); FP8 (two
+// weight chunks per set) one set fewer: with the gathered row pointers, 3 and 4 spill on sm_70
+MOE_GEMM(2, 64, 128, 3)
+MOE_GEMM(2, 32, 128, 4)
+MOE_GEMM(8, 64, 128, 2)
+MOE_GEMM(8, 32, 128, 3)
+
 // ---------------------------------------------------------------- stage pack (CPU store slots -> QPN2)
 // Prefill offload / promotions from the pinned CPU expert store (hybrid/runtime/store_stage.py): n
 // experts' slots as the store holds them (cpu/layout.py NVFP4 int16 tiles: R = 64 rows per tile, 8-row

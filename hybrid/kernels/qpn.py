@@ -50,6 +50,7 @@ PREFILL_MIN = 16
 SM90_DEFAULT = [os.environ.get("HYBRID_QPN_SM90", "1") != "0"]
 SM90_MARGIN = 0.8
 GEMM_TILES = ((128, 128), (64, 128), (64, 64), (32, 64))  # (BM rows of x, BN rows of W), largest first
+MOE_GEMM_TILES = ((64, 128), (32, 128))  # the MoE prefill grouped GEMM's tiles (qpn_moe; see MOE_GEMM)
 
 
 def variant(choice: str | None, sm: int) -> str:
@@ -661,6 +662,26 @@ MOE_DOWN_MIN_CHUNKS = 6
 # qpn_moe: outputs of at most this many fp32 values are zeroed by the route kernel (one block) instead
 # of a separate memset (8 decode tokens x hidden 4096 = 32768)
 ROUTE_ZERO_MAX = 32768
+# MoE prefill: the grouped tiled GEMM (qpn{2,8}_moe_gemm_{gateup,down}_<BM>x128, WMMA, sm_70+: each
+# slot's weights decoded once per BM rows instead of once per 8 or 32) instead of the mt4 kernels,
+# when on ($HYBRID_MOE_GEMM=1; default off until timed on a GPU) and the average rows per block row,
+# A / min(A, S), is at least MOE_GEMM_MIN_ROWS (a 512-token prompt x 8 of 128 experts: 32). The tile:
+# BM = 64 from MOE_GEMM_BM64_ROWS average rows on, else 32. Both constants are unmeasured guesses (a
+# slot's last M tile is partly idle: 32 rows waste less at ~32 rows per slot).
+MOE_GEMM = [os.environ.get("HYBRID_MOE_GEMM", "0") == "1"]
+MOE_GEMM_MIN_ROWS = 16
+MOE_GEMM_BM64_ROWS = 64
+
+
+def moe_gemm_tile(a: int, s: int) -> tuple[int, int] | None:
+    """(BM, BN) of the MoE grouped GEMM for A assignments over S slots, or None for the mt{1,4}
+    kernels (MOE_GEMM off, or fewer than MOE_GEMM_MIN_ROWS average rows per block row)."""
+    if not MOE_GEMM[0] or a == 0:
+        return None
+    avg = a / min(a, s)
+    if avg < MOE_GEMM_MIN_ROWS:
+        return None
+    return (64, 128) if avg >= MOE_GEMM_BM64_ROWS else (32, 128)
 
 
 def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, token_idx: torch.Tensor,
@@ -699,10 +720,22 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
     sfx = variant(MOE_VARIANT[0], mod.sm) if mt == 1 else ""
     fmt, ck, sms = _fmt(slots.qtype), layout.CHUNK[slots.qtype], _sms(dev)
     active = min(a, s)
-    ks = _pick_ks(i // 16 * active, h // ck, sms)
     ws13, ws2 = slots.w13[0].numel() // 4, slots.w2[0].numel() // 4
     ss13 = slots.s13[0].numel() // 8 if slots.s13.dim() > 1 else 0
     ss2 = slots.s2[0].numel() // 8 if slots.s2.dim() > 1 else 0
+    tile = moe_gemm_tile(a, s)
+    if tile is not None:
+        bm, bn = tile
+        mod.launch(f"qpn{fmt}_moe_gemm_gateup_{bm}x{bn}", (-(-i // (bn // 2)), rows, 1), THREADS,
+                   [_p(slots.w13), _p(slots.s13), _p(slots.gs), ctypes.c_longlong(ws13),
+                    ctypes.c_longlong(ss13), _p(x), _p(token_idx), _p(offsets), _p(perm), _p(slot_list),
+                    _p(hbuf), ctypes.c_int(h), ctypes.c_int(i)])
+        mod.launch(f"qpn{fmt}_moe_gemm_down_{bm}x{bn}", (-(-h // bn), rows, 1), THREADS,
+                   [_p(slots.w2), _p(slots.s2), _p(slots.gs), ctypes.c_longlong(ws2),
+                    ctypes.c_longlong(ss2), _p(hbuf), _p(token_idx), _p(route_w), _p(offsets),
+                    _p(perm), _p(slot_list), _p(y), ctypes.c_int(h), ctypes.c_int(i)])
+        return y
+    ks = _pick_ks(i // 16 * active, h // ck, sms)
     mod.launch(f"qpn{fmt}_moe_gateup_mt{mt}{sfx}", (-(-(i // 16) // (WARPS // ks)), rows, 1), THREADS,
                [_p(slots.w13), _p(slots.s13), _p(slots.gs), ctypes.c_longlong(ws13),
                 ctypes.c_longlong(ss13), _p(x), _p(token_idx), _p(offsets), _p(perm), _p(slot_list), _p(hbuf),
