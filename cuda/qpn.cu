@@ -68,6 +68,9 @@
 //   qpn{2,8}_moe_gateup_mt{1,4} grid (I/16 / TG, min(A, S)): h[A, I] fp16 = silu(gate x) * up x  (sorted rows)
 //   qpn{2,8}_moe_down_mt{1,4}   grid (H/16 / TG, min(A, S)): y[T, H] fp32 += route_w * down h (atomicAdd)
 //   qpn{2,8}_moe_{gateup,down}_mt1_as  sm_80+: the same with cp.async rings
+//   qpn{2,8}_moe_gemm_{gateup,down}_<BM>x128  MoE prefill (many rows per expert): the tiled WMMA GEMM
+//                              per active slot, grid (N tiles, min(A, S)), rows gathered through perm
+//   qpn{2,8}_moe_gemmf_{gateup_<BM>x256,down_<BM>x128}  sm_80+: the same on gemmf's machinery
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -1664,6 +1667,199 @@ MOE_GEMM(2, 64, 128, 3)
 MOE_GEMM(2, 32, 128, 4)
 MOE_GEMM(8, 64, 128, 2)
 MOE_GEMM(8, 32, 128, 3)
+
+// ---------------------------------------------------------------- MoE prefill: grouped GEMM, sm_80+
+// qpn{2,8}_moe_gemmf_{gateup,down}_<BM>x<BN>: the grouped GEMM above with gemmf_body's machinery
+// (packed words decoded straight into m16n8k16 A fragments in registers, activations through an
+// ST-stage cp.async ring, permuted). grid (N tiles, min(A, S)); each block loops over its slot's rows
+// in M tiles of BM; per M tile the gathered rows' indices (token_idx[perm[r]] for gate+up, the h row
+// for down; -1 past the slot's rows: never loaded) sit in shared memory for the ring's loads.
+//   gate+up: NT = 2, warp w owns intermediate tile t = 8 bx + w: its gate tile t and up tile I/16 + t
+//     (BN = 256 weight rows, 128 h columns per block); SiLU(gate) * up is formed on the accumulators
+//     (the same fragment layout) and written fp16 to h in perm order.
+//   down: NT = 1 (BN = 128); y[token_idx[perm[r]]] += route_w[perm[r]] * out (fp32 atomicAdd).
+
+// stage (k0 = 64 kt ..) of the gathered activation rows into the ring slot at dst
+template <int BM>
+__device__ __forceinline__ void moe_gemmf_load_x(u32 dst, const u16* __restrict__ x, const int* rows, int K,
+                                                 int k0) {
+#if QPN_MMA >= 2
+#pragma unroll
+  for (int v = 0; v < BM * 16 / THREADS; ++v) {
+    const int i = threadIdx.x + THREADS * v, r = i >> 4, u = i & 15, k = k0 + 4 * u;
+    const int row = rows[r];
+    if (row >= 0 && k < K) cp_async8(dst + (r * FXS + 16 * (u & 3) + 4 * (u >> 2)) * 2, x + (size_t)row * K + k);
+  }
+#endif
+}
+
+template <int FMT, int BM, int NT, int ST, bool GU>
+__device__ __forceinline__ void moe_gemmf_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                               const float* __restrict__ gs, long long wstride,
+                                               long long sstride, const u16* __restrict__ x,
+                                               const int* __restrict__ token_idx,
+                                               const float* __restrict__ route_w,
+                                               const int* __restrict__ offsets,
+                                               const int* __restrict__ perm,
+                                               const int* __restrict__ active, u16* __restrict__ h,
+                                               float* __restrict__ y, int H, int I) {
+#if QPN_MMA >= 2
+  constexpr int MJ = BM / 8, CPS = FMT == 2 ? 1 : 2;
+  constexpr int XB = BM * FXS * 2;  // bytes per ring slot
+  constexpr int SW = 16 + 4;        // epilogue staging row (floats): 16 outputs per warp
+  static_assert(ST >= 2 && WARPS * 8 * SW * 4 <= ST * XB && (BM * 16) % THREADS == 0, "gemmf shape");
+  static_assert(!GU || NT == 2, "gate+up: one gate and one up tile per warp");
+  __shared__ __align__(128) unsigned char sm[ST * XB];
+  __shared__ int rows[BM];
+  const int slot = active[blockIdx.y];
+  if (slot < 0) return;
+  const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
+  if (cnt <= 0) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int K = GU ? H : I, N = GU ? I : H;  // N: output columns
+  const int C = K / (FMT == 2 ? 64 : 32), tiles = N >> 4, nk = (K + 63) / 64;
+  const int t = blockIdx.x * WARPS + warp;   // this warp's output tile
+  const u32x4* ws = w + slot * wstride;
+  const u64* ss = s + slot * sstride;
+  const u32x4* wt[NT];
+  const u64* st[NT];
+  {
+    const int tc = t < tiles ? t : tiles - 1;  // past N: a valid tile whose outputs are never written
+    wt[0] = ws + (size_t)tc * C * 32, st[0] = ss + (size_t)tc * C * 8;
+  }
+  if (GU) {
+    wt[NT - 1] = wt[0] + (size_t)tiles * C * 32;  // the up tile: I/16 tiles after the gate tile
+    st[NT - 1] = st[0] + (size_t)tiles * C * 8;
+  }
+  const u32x4* wl[NT];
+  const u64* sl[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) wl[nt] = wt[nt] + lane, sl[nt] = st[nt] + (lane >> 2);
+  const float g0 = gs[slot * 3 + (GU ? 0 : 2)], g1 = gs[slot * 3 + 1];
+  const u32 ring = smem_addr(sm);
+  const u32 xl = ((lane >> 2) * FXS + 16 * (lane & 3)) * 2;
+  float* stg = reinterpret_cast<float*>(sm) + warp * 8 * SW;
+  const int tt = lane >> 1, seg = lane & 1, r = lane >> 2, q = lane & 3;
+  const int nw = 16 * t + 8 * seg;
+  for (int m0 = 0; m0 < cnt; m0 += BM) {
+    __syncthreads();  // the previous M tile's epilogue is done with the ring and the row indices
+    for (int i = threadIdx.x; i < BM; i += THREADS)
+      rows[i] = m0 + i >= cnt ? -1 : GU ? token_idx[perm[beg + m0 + i]] : beg + m0 + i;
+    __syncthreads();
+    float acc[NT][MJ][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int j = 0; j < MJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][j][e] = 0.f;
+#pragma unroll
+    for (int p = 0; p < ST - 1; ++p) {
+      if (p < nk) moe_gemmf_load_x<BM>(ring + p * XB, x, rows, K, 64 * p);
+      cp_commit();
+    }
+    u32x4 wv[CPS][NT];
+    u64 sv[NT];
+    gemmf_load_w<FMT, NT, CPS>(wv, sv, wl, sl, 0, C);
+#pragma unroll
+    for (int p = 1; p < GEMMF_PD; ++p)
+      if (p < nk) gemmf_prefetch<FMT, NT, CPS>(wl, sl, p, C, lane);
+    int rs = 0;
+    for (int kt = 0; kt < nk; ++kt) {
+      cp_wait<ST - 2>();
+      __syncthreads();  // stage kt has landed for every thread; every warp is done with stage kt - 1
+      {
+        const int nx = kt + ST - 1, ns = rs == 0 ? ST - 1 : rs - 1;  // the slot of stage kt - 1
+        if (nx < nk) moe_gemmf_load_x<BM>(ring + ns * XB, x, rows, K, 64 * nx);
+        cp_commit();
+      }
+      if (kt + GEMMF_PD < nk) gemmf_prefetch<FMT, NT, CPS>(wl, sl, kt + GEMMF_PD, C, lane);
+      const u32 xa = ring + rs * XB + xl;
+#pragma unroll
+      for (int gp = 0; gp < 2; ++gp) {
+        if (FMT == 8 && gp == 1 && 2 * kt + 1 >= C) break;  // K ends half-way (the last k-step)
+        u32 a[NT][2][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) gemmf_decode<FMT, NT, CPS>(a[nt], wv, sv, nt, gp);
+        if (gp == 1 && kt + 1 < nk) gemmf_load_w<FMT, NT, CPS>(wv, sv, wl, sl, kt + 1, C);
+#pragma unroll
+        for (int j = 0; j < MJ; ++j) {
+          const u32x4 b = lds128(xa + (j * 8 * FXS + 8 * gp) * 2);  // groups 2 gp, 2 gp + 1
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            mma_tile(acc[nt][j], a[nt][0][0], a[nt][0][1], a[nt][0][2], a[nt][0][3], b.x, b.y);
+            mma_tile(acc[nt][j], a[nt][1][0], a[nt][1][1], a[nt][1][2], a[nt][1][3], b.z, b.w);
+          }
+        }
+      }
+      rs = rs == ST - 1 ? 0 : rs + 1;
+    }
+    cp_wait<0>();
+    __syncthreads();  // the ring becomes the epilogue's staging area
+    // acc[nt][j]: rows (features) 16 t + l / 4 (+ 8), columns (tokens) 8 j + 2 (l % 4) (+ 1)
+#pragma unroll
+    for (int j = 0; j < MJ; ++j) {
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (GU) {
+          const float a = acc[0][j][e] * g0, b = acc[NT - 1][j][e] * g1;
+          v[e] = a / (1.f + __expf(-a)) * b;
+        } else {
+          v[e] = acc[0][j][e] * g0;
+        }
+      }
+      stg[2 * q * SW + r] = v[0];
+      stg[(2 * q + 1) * SW + r] = v[1];
+      stg[2 * q * SW + r + 8] = v[2];
+      stg[(2 * q + 1) * SW + r + 8] = v[3];
+      __syncwarp();
+      const int m = m0 + 8 * j + tt;
+      if (lane < 16 && m < cnt && nw < N) {
+        if (GU) {
+          store_y(h + (size_t)(beg + m) * I + nw, stg + tt * SW + 8 * seg, 1.f, nw, I);
+        } else {
+          const int a = perm[beg + m];
+          const float rw = route_w[a];
+          float* yr = y + (size_t)token_idx[a] * H + nw;
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            if (nw + e < H) atomicAdd(yr + e, rw * stg[tt * SW + 8 * seg + e]);
+        }
+      }
+      __syncwarp();
+    }
+  }
+#else
+  __trap();  // never launched below sm_80 (qpn_moe picks these kernels on sm_80+ only)
+#endif
+}
+
+// qpn{2,8}_moe_gemmf_gateup_<BM>x256, qpn{2,8}_moe_gemmf_down_<BM>x128: the moe_gemm kernels'
+// arguments; grid (ceil(I / 128), min(A, S)) and (ceil(H / 128), min(A, S)); blockDim 256.
+#define MOE_GEMMF(FMT, BM, ST, MINB1, MINB2)                                                       \
+  extern "C" __global__ void __launch_bounds__(THREADS, MINB1) qpn##FMT##_moe_gemmf_gateup_##BM##x256( \
+      const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
+      long long wstride, long long sstride, const u16* __restrict__ x,                             \
+      const int* __restrict__ token_idx, const int* __restrict__ offsets,                          \
+      const int* __restrict__ perm, const int* __restrict__ active, u16* __restrict__ h, int H,    \
+      int I) {                                                                                     \
+    moe_gemmf_body<FMT, BM, 2, ST, true>(w13, s13, gs, wstride, sstride, x, token_idx, nullptr,    \
+                                         offsets, perm, active, h, nullptr, H, I);                 \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS, MINB2) qpn##FMT##_moe_gemmf_down_##BM##x128( \
+      const u32x4* __restrict__ w2, const u64* __restrict__ s2, const float* __restrict__ gs,      \
+      long long wstride, long long sstride, const u16* __restrict__ h,                             \
+      const int* __restrict__ token_idx, const float* __restrict__ route_w,                        \
+      const int* __restrict__ offsets, const int* __restrict__ perm,                               \
+      const int* __restrict__ active, float* __restrict__ y, int H, int I) {                       \
+    moe_gemmf_body<FMT, BM, 1, ST, false>(w2, s2, gs, wstride, sstride, h, token_idx, route_w,     \
+                                          offsets, perm, active, nullptr, y, H, I);                \
+  }
+MOE_GEMMF(2, 64, 4, 1, 2)
+MOE_GEMMF(2, 32, 4, 2, 2)
+MOE_GEMMF(8, 64, 4, 1, 2)
+MOE_GEMMF(8, 32, 4, 2, 2)
 
 // ---------------------------------------------------------------- stage pack (CPU store slots -> QPN2)
 // Prefill offload / promotions from the pinned CPU expert store (hybrid/runtime/store_stage.py): n

@@ -1,9 +1,11 @@
-"""The MoE prefill grouped GEMM of cuda/qpn.cu (qpn{2,8}_moe_gemm_{gateup,down}_<BM>x<BN>) run on the
-CPU under tests/cuda_emu.py (the WMMA GEMM's shim of tests/test_qpn_gemm_emu.py: a block's threads as
-OS threads, WMMA with the shim's own fragment layout) against the torch reference: NVFP4 and FP8
-slots with uneven row counts (0, 1, BM - 1, BM + 3, 2 BM + 2), tokens in odd orders within a slot,
-dropped assignments, an empty slot listed active, outputs poisoned where nothing may be written.
-The real WMMA fragments are checked on a GPU (tests/test_qpn_moe_gemm_cuda.py)."""
+"""The MoE prefill grouped GEMMs of cuda/qpn.cu run on the CPU against the torch reference: the WMMA
+family qpn{2,8}_moe_gemm_{gateup,down}_<BM>x128 under the shim of tests/test_qpn_gemm_emu.py (a
+block's threads as OS threads, WMMA with the shim's own fragment layout) and the sm_80+ family
+qpn{2,8}_moe_gemmf_{gateup_<BM>x256,down_<BM>x128} under that of tests/test_qpn_gemmf_emu.py (mma.sync
+m16n8k16 with the PTX ISA's fragment layout, cp.async as a copy). NVFP4 and FP8 slots with uneven row
+counts (0, 1, BM - 1, BM + 3, 2 BM + 2), tokens in odd orders within a slot, dropped assignments, an
+empty slot listed active, outputs poisoned where nothing may be written. The real tensor cores are
+checked on a GPU (tests/test_qpn_moe_gemm_cuda.py)."""
 import ctypes
 
 import pytest
@@ -11,10 +13,11 @@ import torch
 
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build, layout
-from hybrid.kernels.qpn import MOE_GEMM_TILES
+from hybrid.kernels.qpn import MOE_GEMM_TILES, MOE_GEMMF_TILES
 from hybrid.kernels.reference import ref_moe
 from tests.cuda_emu import compile_emu
 from tests.test_qpn_gemm_emu import emu_source as gemm_emu_source
+from tests.test_qpn_gemmf_emu import emu_source as gemmf_emu_source
 from tests.test_qpn_layout import fp8, nvfp4
 
 RULE = "// " + "-" * 64 + " "
@@ -22,30 +25,37 @@ EXTRA = r"""
 inline float __expf(float v) { return expf(v); }
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 """
-TILES = [f"{bm}x{bn}" for bm, bn in MOE_GEMM_TILES]
+# family -> (the kernel source's section, its base emulation, kernel names by BM, h columns per gate+up block)
+FAMILIES = {
+    "wmma": ("MoE prefill: grouped tiled GEMM", gemm_emu_source,
+             {bm: (f"moe_gemm_gateup_{bm}x{bn}", f"moe_gemm_down_{bm}x{bn}") for bm, bn in MOE_GEMM_TILES}, 64),
+    "gemmf": ("MoE prefill: grouped GEMM, sm_80+", gemmf_emu_source,
+              {bm: (f"moe_gemmf_gateup_{bm}x256", f"moe_gemmf_down_{bm}x128") for bm in MOE_GEMMF_TILES}, 128),
+}
+ARGS_GU = ("const u32x4* w, const u64* s, const float* gs, long long ws, long long ss, const u16* x, "
+           "const int* tok, const int* off, const int* perm, const int* act, u16* h, int H, int I")
+ARGS_DN = ("const u32x4* w, const u64* s, const float* gs, long long ws, long long ss, const u16* h, "
+           "const int* tok, const float* rw, const int* off, const int* perm, const int* act, float* y, int H, int I")
 
 
-def emu_source() -> str:
+def emu_source(family: str) -> str:
+    title, base, names, _ = FAMILIES[family]
     src = build.source()
-    moe = src[src.index(RULE + "MoE prefill: grouped tiled GEMM"): src.index(RULE + "stage pack")]
-    assert "asm" not in moe, "an inline-PTX helper the shim does not replace"
-    args_gu = ("const u32x4* w, const u64* s, const float* gs, long long ws, long long ss, const u16* x, "
-               "const int* tok, const int* off, const int* perm, const int* act, u16* h, int H, int I")
-    args_dn = ("const u32x4* w, const u64* s, const float* gs, long long ws, long long ss, const u16* h, "
-               "const int* tok, const float* rw, const int* off, const int* perm, const int* act, float* y, "
-               "int H, int I")
+    start = src.index(RULE + title)
+    sec = src[start: src.index(RULE, start + len(RULE))]
+    assert "asm" not in sec, "an inline-PTX helper the shim does not replace"
     entry = "".join(
-        f'extern "C" void emu_gateup_{f}_{t}(int gx, int gy, {args_gu}) {{ run_grid(gx, gy, THREADS, [&] {{ '
-        f'qpn{f}_moe_gemm_gateup_{t}(w, s, gs, ws, ss, x, tok, off, perm, act, h, H, I); }}); }}\n'
-        f'extern "C" void emu_down_{f}_{t}(int gx, int gy, {args_dn}) {{ run_grid(gx, gy, THREADS, [&] {{ '
-        f'qpn{f}_moe_gemm_down_{t}(w, s, gs, ws, ss, h, tok, rw, off, perm, act, y, H, I); }}); }}\n'
-        for f in (2, 8) for t in TILES)
-    return gemm_emu_source() + EXTRA + moe + entry
+        f'extern "C" void emu_gateup_{f}_{bm}(int gx, int gy, {ARGS_GU}) {{ run_grid(gx, gy, THREADS, [&] {{ '
+        f'qpn{f}_{gu}(w, s, gs, ws, ss, x, tok, off, perm, act, h, H, I); }}); }}\n'
+        f'extern "C" void emu_down_{f}_{bm}(int gx, int gy, {ARGS_DN}) {{ run_grid(gx, gy, THREADS, [&] {{ '
+        f'qpn{f}_{dn}(w, s, gs, ws, ss, h, tok, rw, off, perm, act, y, H, I); }}); }}\n'
+        for f in (2, 8) for bm, (gu, dn) in names.items())
+    return base() + EXTRA + sec + entry
 
 
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    return compile_emu(tmp_path_factory, "qpn_moe_gemm_emu", emu_source())
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def emu(request, tmp_path_factory):
+    return request.param, compile_emu(tmp_path_factory, f"qpn_moe_{request.param}_emu", emu_source(request.param))
 
 
 def pack_slots(experts, qtype):
@@ -64,8 +74,8 @@ def pack_slots(experts, qtype):
 
 
 def route(slot_ids, s, g):
-    """offsets [S+1], perm [A] (grouped by slot, shuffled within a slot), active [min(A, S)]: what
-    qpn_moe_route produces (its within-slot order is arbitrary too)."""
+    """offsets [S+1], perm [A] (grouped by slot, shuffled within a slot; -1 past the routed ones), the
+    active slots and per-slot counts: what qpn_moe_route produces (its within-slot order is arbitrary)."""
     ids = slot_ids.long()
     valid = (ids >= 0) & (ids < s)
     cnt = torch.bincount(ids[valid], minlength=s)
@@ -76,16 +86,15 @@ def route(slot_ids, s, g):
         sel = (ids == j).nonzero().flatten()
         perm.append(sel[torch.randperm(len(sel), generator=g)])
     perm = torch.cat(perm).int()
-    a = len(slot_ids)
-    perm = torch.cat([perm, torch.full((a - len(perm),), -1, dtype=torch.int32)])
-    act = [j for j in range(s) if cnt[j] > 0]
-    return offsets, perm, act, cnt
+    perm = torch.cat([perm, torch.full((len(slot_ids) - len(perm),), -1, dtype=torch.int32)])
+    return offsets, perm, [j for j in range(s) if cnt[j] > 0], cnt
 
 
 @pytest.mark.parametrize("qtype,h,i", [(QType.NVFP4, 192, 128), (QType.FP8, 160, 96)])
-@pytest.mark.parametrize("tile", TILES)
-def test_emulated_moe_gemm(emu, qtype, h, i, tile):
-    bm = int(tile.split("x")[0])
+@pytest.mark.parametrize("bm", [32, 64])
+def test_emulated_moe_gemm(emu, qtype, h, i, bm):
+    family, lib = emu
+    hcols = FAMILIES[family][3]
     make = {QType.NVFP4: nvfp4, QType.FP8: fp8}[qtype]
     counts = [bm + 3, 0, 1, bm - 1, 2 * bm + 2, 5]          # rows per slot; slot 1 empty
     s, t = len(counts), 3 * bm
@@ -95,8 +104,7 @@ def test_emulated_moe_gemm(emu, qtype, h, i, tile):
     slot_ids = torch.cat([torch.full((c,), j, dtype=torch.int32) for j, c in enumerate(counts)]
                          + [torch.tensor([-1, s, 7 * s], dtype=torch.int32)])   # dropped by the route
     a = len(slot_ids)
-    order = torch.randperm(a, generator=g)
-    slot_ids = slot_ids[order].contiguous()
+    slot_ids = slot_ids[torch.randperm(a, generator=g)].contiguous()
     token_idx = torch.randint(0, t - 3, (a,), generator=g).int()   # the last 3 tokens: never routed
     route_w = torch.rand(a, generator=g)
     x = torch.randn(t, h, generator=g).half() * 4
@@ -112,15 +120,12 @@ def test_emulated_moe_gemm(emu, qtype, h, i, tile):
     y = torch.zeros(t, h)
     p, ci, ll = (lambda v: ctypes.c_void_p(v.data_ptr())), ctypes.c_int, ctypes.c_longlong
     fmt = 2 if qtype is QType.NVFP4 else 8
-    bn = int(tile.split("x")[1])
-    getattr(emu, f"emu_gateup_{fmt}_{tile}")(ci(-(-i // (bn // 2))), ci(rows), p(w13), p(s13), p(gs), ll(ws13),
-                                             ll(ss13), p(x), p(token_idx), p(offsets), p(perm), p(active),
-                                             p(hbuf), ci(h), ci(i))
+    getattr(lib, f"emu_gateup_{fmt}_{bm}")(ci(-(-i // hcols)), ci(rows), p(w13), p(s13), p(gs), ll(ws13), ll(ss13),
+                                           p(x), p(token_idx), p(offsets), p(perm), p(active), p(hbuf), ci(h), ci(i))
     nv = int(offsets[s])
     assert torch.isnan(hbuf[nv:]).all(), "h written past the routed rows"
     assert not torch.isnan(hbuf[:nv]).any(), "unwritten h rows"
-    # gate+up against the dequantized weights, per routed row in perm order
-    for j in range(s):
+    for j in range(s):   # gate+up against the dequantized weights, per routed row in perm order
         if not cnt[j]:
             continue
         sel = perm[offsets[j]: offsets[j + 1]].long()
@@ -129,28 +134,43 @@ def test_emulated_moe_gemm(emu, qtype, h, i, tile):
         ref = torch.nn.functional.silu(gate) * up
         got = hbuf[offsets[j]: offsets[j + 1]].double()
         err = ((got - ref).norm() / ref.norm()).item()
-        assert err < 2e-3, f"slot {j} gate+up: relative error {err:.2e}"
-    getattr(emu, f"emu_down_{fmt}_{tile}")(ci(-(-h // bn)), ci(rows), p(w2), p(s2), p(gs), ll(ws2), ll(ss2),
-                                           p(hbuf), p(token_idx), p(route_w), p(offsets), p(perm), p(active),
-                                           p(y), ci(h), ci(i))
+        assert err < 2e-3, f"{family} slot {j} gate+up: relative error {err:.2e}"
+    getattr(lib, f"emu_down_{fmt}_{bm}")(ci(-(-h // 128)), ci(rows), p(w2), p(s2), p(gs), ll(ws2), ll(ss2),
+                                         p(hbuf), p(token_idx), p(route_w), p(offsets), p(perm), p(active),
+                                         p(y), ci(h), ci(i))
     assert torch.isfinite(y).all()
     assert (y[t - 3:] == 0).all(), "unrouted tokens written"
     keep = (slot_ids >= 0) & (slot_ids < s)
     ref = ref_moe(x, experts, slot_ids[keep], token_idx[keep], route_w[keep]).double()
     err = ((y.double() - ref).norm() / ref.norm()).item()
-    assert err < 3e-3, f"{qtype.value} {tile}: relative error {err:.2e}"
+    assert err < 3e-3, f"{family} {qtype.value} BM={bm}: relative error {err:.2e}"
 
 
 def test_launcher_rule(monkeypatch):
-    """qpn_moe takes the grouped GEMM only when on and from MOE_GEMM_MIN_ROWS average rows per block
-    row (A / min(A, S)); BM = 64 from MOE_GEMM_BM64_ROWS."""
+    """qpn_moe takes a grouped GEMM only when on (MOE_GEMM "1": WMMA; "f": gemmf on sm_80+) and from
+    MOE_GEMM_MIN_ROWS average rows per block row (A / min(A, S)); BM = 64 from MOE_GEMM_BM64_ROWS."""
     from hybrid.kernels import qpn
 
-    monkeypatch.setattr(qpn, "MOE_GEMM", [False])
-    assert qpn.moe_gemm_tile(4096, 128) is None                      # off by default
-    monkeypatch.setattr(qpn, "MOE_GEMM", [True])
-    assert qpn.moe_gemm_tile(4096, 128) == (32, 128)                 # 512 tokens x top-8 of 128: 32 rows
-    assert qpn.moe_gemm_tile(8 * 1024, 128) == (64, 128)             # 1024 tokens: 64 rows
-    assert qpn.moe_gemm_tile(1024, 128) is None                      # 128 tokens: 8 rows, the mt4 kernels
-    assert qpn.moe_gemm_tile(8, 128) is None and qpn.moe_gemm_tile(0, 128) is None
-    assert all(t in qpn.MOE_GEMM_TILES for t in ((32, 128), (64, 128)))
+    plan = qpn.moe_gemm_plan
+    for off in (None, "0"):
+        monkeypatch.setattr(qpn, "MOE_GEMM", [off])
+        assert plan(4096, 128, 2, 70, 2048, 768) is None                 # off by default
+    monkeypatch.setattr(qpn, "MOE_GEMM", ["1"])
+    # 512 tokens x top-8 of 128 experts: 32 rows per slot
+    assert plan(4096, 128, 2, 70, 2048, 768) == ("qpn2_moe_gemm_gateup_32x128", 12, "qpn2_moe_gemm_down_32x128", 16)
+    assert plan(8192, 128, 8, 90, 2048, 768)[::2] == ("qpn8_moe_gemm_gateup_64x128", "qpn8_moe_gemm_down_64x128")
+    assert plan(1024, 128, 2, 70, 2048, 768) is None                     # 128 tokens: 8 rows, the mt4 kernels
+    assert plan(8, 128, 2, 70, 2048, 768) is None and plan(0, 128, 2, 70, 2048, 768) is None
+    monkeypatch.setattr(qpn, "MOE_GEMM", ["f"])
+    assert plan(4096, 128, 2, 90, 2048, 768) == ("qpn2_moe_gemmf_gateup_32x256", 6, "qpn2_moe_gemmf_down_32x128", 16)
+    assert plan(4096, 128, 2, 70, 2048, 768)[0] == "qpn2_moe_gemm_gateup_32x128"   # Volta: the WMMA family
+    monkeypatch.setattr(qpn, "MOE_GEMM", ["yes"])
+    with pytest.raises(ValueError, match="HYBRID_MOE_GEMM"):
+        plan(4096, 128, 2, 90, 2048, 768)
+    names = set(build.KERNELS)
+    for choice, sm in (("1", 70), ("f", 90)):
+        monkeypatch.setattr(qpn, "MOE_GEMM", [choice])
+        for a in (4096, 8192):
+            for fmt in (2, 8):
+                gu, _, dn, _ = plan(a, 128, fmt, sm, 2048, 768)
+                assert {gu, dn} <= names, "a kernel the compile check does not list"

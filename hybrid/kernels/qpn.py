@@ -50,7 +50,7 @@ PREFILL_MIN = 16
 SM90_DEFAULT = [os.environ.get("HYBRID_QPN_SM90", "1") != "0"]
 SM90_MARGIN = 0.8
 GEMM_TILES = ((128, 128), (64, 128), (64, 64), (32, 64))  # (BM rows of x, BN rows of W), largest first
-MOE_GEMM_TILES = ((64, 128), (32, 128))  # the MoE prefill grouped GEMM's tiles (qpn_moe; see MOE_GEMM)
+MOE_GEMM_TILES = ((64, 128), (32, 128))  # (BM, BN) of the MoE prefill WMMA grouped GEMM (qpn_moe; see MOE_GEMM)
 
 
 def variant(choice: str | None, sm: int) -> str:
@@ -662,26 +662,37 @@ MOE_DOWN_MIN_CHUNKS = 6
 # qpn_moe: outputs of at most this many fp32 values are zeroed by the route kernel (one block) instead
 # of a separate memset (8 decode tokens x hidden 4096 = 32768)
 ROUTE_ZERO_MAX = 32768
-# MoE prefill: the grouped tiled GEMM (qpn{2,8}_moe_gemm_{gateup,down}_<BM>x128, WMMA, sm_70+: each
-# slot's weights decoded once per BM rows instead of once per 8 or 32) instead of the mt4 kernels,
-# when on ($HYBRID_MOE_GEMM=1; default off until timed on a GPU) and the average rows per block row,
-# A / min(A, S), is at least MOE_GEMM_MIN_ROWS (a 512-token prompt x 8 of 128 experts: 32). The tile:
-# BM = 64 from MOE_GEMM_BM64_ROWS average rows on, else 32. Both constants are unmeasured guesses (a
-# slot's last M tile is partly idle: 32 rows waste less at ~32 rows per slot).
-MOE_GEMM = [os.environ.get("HYBRID_MOE_GEMM", "0") == "1"]
+# MoE prefill: a grouped GEMM per expert slot instead of the mt4 kernels (each slot's packed weights
+# decoded once per BM rows instead of once per 32), when on and the average rows per block row,
+# A / min(A, S), is at least MOE_GEMM_MIN_ROWS (a 512-token prompt x 8 of 128 experts: 32). MOE_GEMM
+# (initial value from $HYBRID_MOE_GEMM; default off until timed on a GPU): None / "0" off; "1" the WMMA
+# family qpn{2,8}_moe_gemm_{gateup,down}_<BM>x128 (sm_70+, the Volta path); "f" on sm_80+ the
+# register-fragment family qpn{2,8}_moe_gemmf_{gateup_<BM>x256,down_<BM>x128} (below sm_80: the WMMA
+# family). BM = 64 from MOE_GEMM_BM64_ROWS average rows on, else 32. Both constants are unmeasured
+# guesses (a slot's last M tile is partly idle: 32 rows waste less at ~32 rows per slot).
+MOE_GEMM: list[str | None] = [os.environ.get("HYBRID_MOE_GEMM") or None]
 MOE_GEMM_MIN_ROWS = 16
 MOE_GEMM_BM64_ROWS = 64
+MOE_GEMMF_TILES = (64, 32)  # BM of the gemmf family (gate+up BN = 256, down BN = 128)
 
 
-def moe_gemm_tile(a: int, s: int) -> tuple[int, int] | None:
-    """(BM, BN) of the MoE grouped GEMM for A assignments over S slots, or None for the mt{1,4}
-    kernels (MOE_GEMM off, or fewer than MOE_GEMM_MIN_ROWS average rows per block row)."""
-    if not MOE_GEMM[0] or a == 0:
+def moe_gemm_plan(a: int, s: int, fmt: int, sm: int, h: int, i: int) -> tuple[str, int, str, int] | None:
+    """(gate+up kernel, its grid.x, down kernel, its grid.x) of the MoE grouped GEMM for A assignments
+    over S slots on an sm_<sm> device, or None for the mt{1,4} kernels (MOE_GEMM off, or fewer than
+    MOE_GEMM_MIN_ROWS average rows per block row). grid.y: min(A, S) (qpn_moe_route's active slots)."""
+    choice = MOE_GEMM[0]
+    if choice in (None, "0") or a == 0:
         return None
+    if choice not in ("1", "f"):
+        raise ValueError(f"HYBRID_MOE_GEMM: expected 0, 1 (WMMA) or f (sm_80+ gemmf), got {choice!r}")
     avg = a / min(a, s)
     if avg < MOE_GEMM_MIN_ROWS:
         return None
-    return (64, 128) if avg >= MOE_GEMM_BM64_ROWS else (32, 128)
+    bm = 64 if avg >= MOE_GEMM_BM64_ROWS else 32
+    if choice == "f" and sm >= 80:
+        return (f"qpn{fmt}_moe_gemmf_gateup_{bm}x256", -(-i // 128), f"qpn{fmt}_moe_gemmf_down_{bm}x128",
+                -(-h // 128))
+    return f"qpn{fmt}_moe_gemm_gateup_{bm}x128", -(-i // 64), f"qpn{fmt}_moe_gemm_down_{bm}x128", -(-h // 128)
 
 
 def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, token_idx: torch.Tensor,
@@ -723,14 +734,13 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
     ws13, ws2 = slots.w13[0].numel() // 4, slots.w2[0].numel() // 4
     ss13 = slots.s13[0].numel() // 8 if slots.s13.dim() > 1 else 0
     ss2 = slots.s2[0].numel() // 8 if slots.s2.dim() > 1 else 0
-    tile = moe_gemm_tile(a, s)
-    if tile is not None:
-        bm, bn = tile
-        mod.launch(f"qpn{fmt}_moe_gemm_gateup_{bm}x{bn}", (-(-i // (bn // 2)), rows, 1), THREADS,
+    plan = moe_gemm_plan(a, s, fmt, mod.sm, h, i)
+    if plan is not None:
+        mod.launch(plan[0], (plan[1], rows, 1), THREADS,
                    [_p(slots.w13), _p(slots.s13), _p(slots.gs), ctypes.c_longlong(ws13),
                     ctypes.c_longlong(ss13), _p(x), _p(token_idx), _p(offsets), _p(perm), _p(slot_list),
                     _p(hbuf), ctypes.c_int(h), ctypes.c_int(i)])
-        mod.launch(f"qpn{fmt}_moe_gemm_down_{bm}x{bn}", (-(-h // bn), rows, 1), THREADS,
+        mod.launch(plan[2], (plan[3], rows, 1), THREADS,
                    [_p(slots.w2), _p(slots.s2), _p(slots.gs), ctypes.c_longlong(ws2),
                     ctypes.c_longlong(ss2), _p(hbuf), _p(token_idx), _p(route_w), _p(offsets),
                     _p(perm), _p(slot_list), _p(y), ctypes.c_int(h), ctypes.c_int(i)])
