@@ -165,7 +165,9 @@ def test_launcher_rule(monkeypatch):
     assert plan(4096, 128, 2, 90, 2048, 768) == ("qpn2_moe_gemmf_gateup_32x256", 6, "qpn2_moe_gemmf_down_32x128", 16)
     assert plan(4096, 128, 2, 70, 2048, 768)[0] == "qpn2_moe_gemm_gateup_32x128"   # Volta: the WMMA family
     monkeypatch.setattr(qpn, "MOE_GEMM", ["yes"])
-    with pytest.raises(ValueError, match="HYBRID_MOE_GEMM"):
+    from hybrid.errors import HybridError
+
+    with pytest.raises(HybridError, match="HYBRID_MOE_GEMM='yes': expected 0, 1"):
         plan(4096, 128, 2, 90, 2048, 768)
     names = set(build.KERNELS)
     for choice, sm in (("1", 70), ("f", 90)):

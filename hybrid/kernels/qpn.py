@@ -676,15 +676,26 @@ MOE_GEMM_BM64_ROWS = 64
 MOE_GEMMF_TILES = (64, 32)  # BM of the gemmf family (gate+up BN = 256, down BN = 128)
 
 
+def moe_gemm_mode() -> str | None:
+    """MOE_GEMM[0] checked: None (off), "1" or "f"; HybridError naming HYBRID_MOE_GEMM on anything else
+    (a CUDA session checks it when it opens, so a bad value is a one-line error before any work)."""
+    choice = MOE_GEMM[0]
+    if choice in (None, "0"):
+        return None
+    if choice not in ("1", "f"):
+        from hybrid.errors import HybridError
+
+        raise HybridError(f"HYBRID_MOE_GEMM={choice!r}: expected 0, 1 (WMMA) or f (sm_80+ gemmf)")
+    return choice
+
+
 def moe_gemm_plan(a: int, s: int, fmt: int, sm: int, h: int, i: int) -> tuple[str, int, str, int] | None:
     """(gate+up kernel, its grid.x, down kernel, its grid.x) of the MoE grouped GEMM for A assignments
     over S slots on an sm_<sm> device, or None for the mt{1,4} kernels (MOE_GEMM off, or fewer than
     MOE_GEMM_MIN_ROWS average rows per block row). grid.y: min(A, S) (qpn_moe_route's active slots)."""
-    choice = MOE_GEMM[0]
-    if choice in (None, "0") or a == 0:
+    choice = moe_gemm_mode()
+    if choice is None or a == 0:
         return None
-    if choice not in ("1", "f"):
-        raise ValueError(f"HYBRID_MOE_GEMM: expected 0, 1 (WMMA) or f (sm_80+ gemmf), got {choice!r}")
     avg = a / min(a, s)
     if avg < MOE_GEMM_MIN_ROWS:
         return None
