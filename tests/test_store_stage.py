@@ -137,7 +137,8 @@ def test_promote_mode_and_target(monkeypatch):
     packed = SimpleNamespace(qtype=QType.NVFP4)
     card = SimpleNamespace(slots=SimpleNamespace(packed=lambda layer: packed if layer == 0 else None))
     ex = HybridExperts.__new__(HybridExperts)
-    ex.store_source = SimpleNamespace(store=SimpleNamespace(qtype=QType.NVFP4))
+    ex.store_source = StoreSource.__new__(StoreSource)                # only its store's weight type matters
+    ex.store_source.store = SimpleNamespace(qtype=QType.NVFP4)
     assert ex._promote_target(card, 0) is packed                     # default: the store
     monkeypatch.setenv(PROMOTE_ENV, "checkpoint")
     assert ex._promote_target(card, 0) is None

@@ -511,10 +511,7 @@ class HybridExperts:
         """The layer's packed slot storage when its promotions read the pinned CPU store
         (HYBRID_PROMOTE_SOURCE=store, a store of the layer's weight type), else None (checkpoint)."""
         src = self.store_source
-        if src is None or promote_mode() != "store":
-            return None
-        packed = card.slots.packed(layer)
-        return packed if packed is not None and packed.qtype is src.store.qtype else None
+        return src.target(card.slots, layer) if src is not None and promote_mode() == "store" else None
 
     def _account(self, layer: int, cuda: bool, ids_h, w_h, hits: int, misses: int, x_elems: int,
                  act_counted: bool = False) -> None:

@@ -136,7 +136,7 @@ class PrefillStream:
     # ---- staging -----------------------------------------------------------------------------
     def _stage(self, area: _Area, buf: _Buffer, layer: int, group: list[int], get_expert) -> None:
         """The group's experts into buf's slots 0..len(group)-1 (see the module doc)."""
-        if area.packed and self.source is not None and source_mode() == "store":
+        if area.packed and self._from_store():
             self._stage_store(area, buf, layer, group)
             return
         ws = [self._expert(layer, e, get_expert) for e in group]
@@ -156,6 +156,10 @@ class PrefillStream:
             buf.uploaded.record(self.stream)
             pack_group(buf.store.slots, n, area.raw)
             buf.ready.record(self.stream)
+
+    def _from_store(self) -> bool:
+        """Whether streamed experts come from the pinned store (HYBRID_PREFILL_SOURCE, read per layer)."""
+        return self.source is not None and source_mode() == "store"
 
     def _stage_store(self, area: _Area, buf: _Buffer, layer: int, group: list[int]) -> None:
         """The group's slots from the pinned CPU store. Copy stream: wait until the previous group's
@@ -202,7 +206,7 @@ class PrefillStream:
     def _weight_type(self, layer: int, e: int, get_expert) -> tuple:
         """(qtype, hidden, inter) of the layer's experts: the pinned store's when streaming from it
         (no checkpoint read at all), else expert e's as get_expert gives it."""
-        if self.cuda and self.source is not None and source_mode() == "store":
+        if self.cuda and self._from_store():
             st = self.source.store
             return st.qtype, st.hidden, st.inter
         gate = self._expert(layer, e, get_expert)[0]

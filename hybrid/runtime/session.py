@@ -243,9 +243,7 @@ def _card(spec, cfg, opts, eprof, qtypes, bytes_per_expert, budget, get_expert, 
     slots = CardSlots(torch.device(spec.device), layer_slots, {l: qtypes[l] for l in spec.layer_ids},
                       cfg.hidden_size, cfg.moe_intermediate_size)
     for l in spec.layer_ids:
-        packed = slots.packed(l) if source is not None else None
-        if packed is not None and packed.qtype is not source.store.qtype:
-            packed = None
+        packed = source.target(slots, l) if source is not None else None
         for e, s in cache.residents(l).items():
             if packed is not None:
                 source.load_slot(packed, slots.local(l, s), l, e)

@@ -142,6 +142,12 @@ class StoreSource:
         s = self.store.scales[layer, experts].astype(np.float64) * self.fold
         return torch.from_numpy(s.astype(np.float32))
 
+    def target(self, card_slots, layer: int):
+        """The layer's packed slot storage on a card (CardSlots.packed) when this store can fill it (the
+        same weight type), else None: the layer loads from the checkpoint."""
+        packed = card_slots.packed(layer)
+        return packed if packed is not None and packed.qtype is self.store.qtype else None
+
     def load_slot(self, slots, slot: int, layer: int, e: int, stream=None) -> None:
         """Expert e of `layer` into `slot` of QPNExpertSlots `slots` (packed storage on its device)
         from the store: upload, unpack, pack, all queued on `stream` (the card's promotion stream)
