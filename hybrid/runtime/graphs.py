@@ -125,22 +125,65 @@ class _Runner:
             self.out = self.fn()
 
 
-class DecodeGraphs:
-    """Runs HybridModel's T = 1 steps through graphs (see the module doc)."""
+class SegmentGraphs:
+    """What the decode and prefill graphs share: the segments of the current residency, their runners
+    keyed (segment, shape), dropped with their segment or with the KV store they were captured on."""
 
-    def __init__(self, model, experts, capture: bool = True, enabled: bool | None = None,
-                 bucket: int = BUCKET, miss_graph: bool | None = None):
+    def __init__(self, model, experts, capture: bool, enabled: bool):
         self.model, self.experts = model, experts
-        self.capture, self.bucket = capture, bucket
-        self.enabled = graphs_enabled() if enabled is None else enabled
-        self.miss_graph = miss_graph_enabled() if miss_graph is None else miss_graph
-        self.links: dict[int, MissLink] = {}         # can-miss layer -> its MissLink (miss_graph)
+        self.capture, self.enabled = capture, enabled
         self.error: str | None = None
         self.captures = 0
         self._runners: dict = {}
         self._plan: tuple | None = None
-        self._pos: dict = {}
         self._kv_key = None
+
+    def _linked_rule(self):
+        """plan_segments' `linked` argument (None: a can-miss layer's hits never run in a graph)."""
+        return None
+
+    def _segments(self) -> list[Segment]:
+        v = self.experts.version
+        if self._plan is None or self._plan[0] != v:
+            m = self.model
+            segs = plan_segments(list(m.layer_devices), self.experts.device_only, m.lm_head.device,
+                                 self._linked_rule())
+            keep = set(segs)                         # residency changed: drop graphs of old segments
+            self._runners = {key: r for key, r in self._runners.items() if key[0] in keep}
+            self._plan = (v, segs)
+        return self._plan[1]
+
+    def _on_cards(self) -> bool:
+        """Capturing needs every layer and the head on CUDA (capture=False runs the bodies anywhere)."""
+        m = self.model
+        return not self.capture or all(d.type == "cuda" for d in set(m.layer_devices) | {m.lm_head.device})
+
+    def _check_kv(self, cache) -> None:
+        """A new KV store: the graphs captured on the old one die."""
+        kv_key = (cache.k_store[0].data_ptr(), cache.capacity)
+        if kv_key != self._kv_key:
+            self._runners.clear()
+            self._kv_key = kv_key
+
+
+def device_scalar(bufs: dict, dev: torch.device) -> torch.Tensor:
+    """bufs[dev]: an int64 [1] on dev that a graph reads (made zero on first use, then refilled)."""
+    p = bufs.get(dev)
+    if p is None:
+        p = bufs[dev] = torch.zeros(1, dtype=torch.int64, device=dev)
+    return p
+
+
+class DecodeGraphs(SegmentGraphs):
+    """Runs HybridModel's T = 1 steps through graphs (see the module doc)."""
+
+    def __init__(self, model, experts, capture: bool = True, enabled: bool | None = None,
+                 bucket: int = BUCKET, miss_graph: bool | None = None):
+        super().__init__(model, experts, capture, graphs_enabled() if enabled is None else enabled)
+        self.bucket = bucket
+        self.miss_graph = miss_graph_enabled() if miss_graph is None else miss_graph
+        self.links: dict[int, MissLink] = {}         # can-miss layer -> its MissLink (miss_graph)
+        self._pos: dict = {}
         self._embed_table = None             # [V, H] model dtype on the first layer's card (_embed)
 
     def usable(self, ids: torch.Tensor, start: int) -> bool:
@@ -157,18 +200,14 @@ class DecodeGraphs:
             return False
         if not isinstance(m.cache, KVCache) or start + 1 > m.cache.max_tokens:
             return False
-        devs = set(m.layer_devices) | {m.lm_head.device}
-        return not self.capture or all(d.type == "cuda" for d in devs)
+        return self._on_cards()
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """One token at position start -> logits [1, V] fp32 (the cache holds [0, start))."""
         m, cache = self.model, self.model.cache
         m.prepare()
-        kv_key = (cache.k_store[0].data_ptr(), cache.capacity)
-        if kv_key != self._kv_key:                   # a new KV store: graphs captured on the old die
-            self._runners.clear()
-            self._kv_key = kv_key
+        self._check_kv(cache)
         keys = attn_keys(start, cache.capacity, self.bucket)
         segs = self._segments()
         for dev in {s.device for s in segs}:
@@ -221,22 +260,11 @@ class DecodeGraphs:
         return self._embed_table[ids.to(dev)]
 
     # ---- segments and runners ----------------------------------------------------------------
-    def _segments(self) -> list[Segment]:
-        v = self.experts.version
-        if self._plan is None or self._plan[0] != v:
-            m = self.model
-            segs = plan_segments(list(m.layer_devices), self.experts.device_only, m.lm_head.device,
-                                 self._linkable if self.miss_graph else None)
-            keep = set(segs)                         # residency changed: drop graphs of old segments
-            self._runners = {key: r for key, r in self._runners.items() if key[0] in keep}
-            self._plan = (v, segs)
-        return self._plan[1]
+    def _linked_rule(self):
+        return self._linkable if self.miss_graph else None
 
     def _pos_buf(self, dev: torch.device) -> torch.Tensor:
-        p = self._pos.get(dev)
-        if p is None:
-            p = self._pos[dev] = torch.zeros(1, dtype=torch.int64, device=dev)
-        return p
+        return device_scalar(self._pos, dev)
 
     def _device_layers(self, seg: Segment) -> tuple[int, ...]:
         """Layers whose slots the segment's graph reads (their pending promotions must land first)."""

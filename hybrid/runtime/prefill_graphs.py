@@ -36,7 +36,7 @@ from contextlib import contextmanager
 import torch
 
 from hybrid.model.layers import KVCache, rms_norm
-from hybrid.runtime.graphs import Segment, _Runner, capture_runner, graphs_enabled, plan_segments
+from hybrid.runtime.graphs import Segment, SegmentGraphs, _Runner, capture_runner, device_scalar, graphs_enabled
 
 PREFILL_GRAPH_MIN = 16      # the smallest bucket (prompts of 2..16 tokens share it)
 PREFILL_GRAPH_MAX = 256     # longer prefill steps run eagerly (the card, not the host, sets their time)
@@ -75,21 +75,15 @@ def rows_for(cache: KVCache, b: int):
         cache.max_tokens, cache.k, cache.v = saved
 
 
-class PrefillGraphs:
+class PrefillGraphs(SegmentGraphs):
     """Runs HybridModel's prefill steps from position 0 through graphs (see the module doc)."""
 
     def __init__(self, model, experts, capture: bool = True, enabled: bool | None = None,
                  lo: int = PREFILL_GRAPH_MIN, hi: int = PREFILL_GRAPH_MAX, after: int = PREFILL_GRAPH_AFTER):
-        self.model, self.experts = model, experts
-        self.capture, self.lo, self.hi, self.after = capture, lo, hi, after
+        super().__init__(model, experts, capture, prefill_graphs_enabled() if enabled is None else enabled)
+        self.lo, self.hi, self.after = lo, hi, after
         self._seen: dict[int, int] = {}      # bucket -> prompts that asked for it (the `after` rule)
-        self.enabled = prefill_graphs_enabled() if enabled is None else enabled
-        self.error: str | None = None
-        self.captures = 0
         self.steps = 0                       # prefill steps that replayed graphs
-        self._runners: dict = {}
-        self._plan: tuple | None = None
-        self._kv_key = None
         self._last: dict = {}                # device -> [1] int64: the prompt's last row (head input)
         self._pools: dict = {}               # device -> graph memory pool (the buckets never run at once)
 
@@ -104,8 +98,7 @@ class PrefillGraphs:
             return False
         if any(s.host_last for s in self._segments()):
             return False                     # a layer that can miss needs the host mid-step
-        devs = set(m.layer_devices) | {m.lm_head.device}
-        if self.capture and not all(d.type == "cuda" for d in devs):
+        if not self._on_cards():
             return False
         if any(key[1] == b for key in self._runners):
             return True
@@ -117,10 +110,7 @@ class PrefillGraphs:
         """The prompt ids [T] from position 0 -> logits of its last token [1, V] fp32."""
         m, cache = self.model, self.model.cache
         m.prepare()
-        kv_key = (cache.k_store[0].data_ptr(), cache.capacity)
-        if kv_key != self._kv_key:
-            self._runners.clear()
-            self._kv_key = kv_key
+        self._check_kv(cache)
         t = int(ids.shape[0])
         b = bucket_for(t, self.lo, self.hi)
         x = m.embed_tokens(ids)                                             # [T, H]
@@ -155,21 +145,8 @@ class PrefillGraphs:
         return x, logits
 
     # ---- segments and runners ------------------------------------------------------------------
-    def _segments(self) -> list[Segment]:
-        v = self.experts.version
-        if self._plan is None or self._plan[0] != v:
-            m = self.model
-            segs = plan_segments(list(m.layer_devices), self.experts.device_only, m.lm_head.device)
-            keep = set(segs)
-            self._runners = {key: r for key, r in self._runners.items() if key[0] in keep}
-            self._plan = (v, segs)
-        return self._plan[1]
-
     def _last_buf(self, dev: torch.device) -> torch.Tensor:
-        p = self._last.get(dev)
-        if p is None:
-            p = self._last[dev] = torch.zeros(1, dtype=torch.int64, device=dev)
-        return p
+        return device_scalar(self._last, dev)
 
     def _runner(self, seg: Segment, b: int) -> _Runner:
         r = self._runners.get((seg, b))
