@@ -7,24 +7,17 @@ import pytest
 import torch
 
 from hybrid.generate import generate
-from hybrid.model import resolve_model_path
 from hybrid.model.config import ModelConfig
 from hybrid.runtime import RuntimeOptions, open_session
 from hybrid.sampler import Sampler, SamplerConfig
 from hybrid.testing import write_expert_profile
-from tests.quant_layouts import to_nvfp4
-from tests.test_prefill_stream_cuda import _ids, _tok
+from tests.test_prefill_stream_cuda import _ids, _tok, nvfp4  # noqa: F401 - the tiny model in NVFP4 (fixture)
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.cuda]
 
 
 @pytest.fixture(scope="module")
-def nvfp4(tmp_path_factory):
-    return to_nvfp4(resolve_model_path("tiny"), tmp_path_factory.mktemp("pgraph") / "nvfp4")
-
-
-@pytest.fixture(scope="module")
-def uniform(nvfp4, tmp_path_factory):
+def uniform(nvfp4, tmp_path_factory):  # noqa: F811 - fixture
     """An expert profile using every expert alike: the warm start fills every slot (all resident)."""
     cfg = ModelConfig.from_folder(nvfp4)
     tokens = cfg.num_experts * 4
@@ -60,7 +53,7 @@ def _gen(path, prompts, env, monkeypatch, profile, slots=None):
         s.close()
 
 
-def test_prefill_graphs_match_eager(nvfp4, uniform, monkeypatch):
+def test_prefill_graphs_match_eager(nvfp4, uniform, monkeypatch):  # noqa: F811 - fixture
     ids = _ids(nvfp4, 40)
     prompts = [ids[:12], ids[:14], ids[:40], ids[:16], ids[:40]]   # buckets 16, 16, 64, 16, 64
     want, want_first, (c0, s0, _) = _gen(nvfp4, prompts, "0", monkeypatch, uniform)
@@ -74,6 +67,6 @@ def test_prefill_graphs_match_eager(nvfp4, uniform, monkeypatch):
     assert got == want
 
 
-def test_prefill_stays_eager_when_a_layer_can_miss(nvfp4, uniform, monkeypatch):
+def test_prefill_stays_eager_when_a_layer_can_miss(nvfp4, uniform, monkeypatch):  # noqa: F811 - fixture
     _, _, (captures, steps, error) = _gen(nvfp4, [_ids(nvfp4, 12)], "1", monkeypatch, uniform, slots=8)
     assert (captures, steps, error) == (0, 0, None)

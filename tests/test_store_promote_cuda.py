@@ -7,24 +7,17 @@ import pytest
 import torch
 
 from hybrid.generate import generate
-from hybrid.model import resolve_model_path
 from hybrid.runtime import RuntimeOptions, open_session
 from hybrid.runtime.store_stage import PROMOTE_ENV
 from hybrid.sampler import Sampler, SamplerConfig
 from hybrid.testing import write_expert_profile
-from tests.quant_layouts import to_nvfp4
-from tests.test_prefill_stream_cuda import _ids, _tok
+from tests.test_prefill_stream_cuda import _ids, _tok, nvfp4  # noqa: F401 - the tiny model in NVFP4 (fixture)
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.cuda]
 
 
 @pytest.fixture(scope="module")
-def nvfp4(tmp_path_factory):
-    return to_nvfp4(resolve_model_path("tiny"), tmp_path_factory.mktemp("promo") / "nvfp4")
-
-
-@pytest.fixture(scope="module")
-def skewed(nvfp4, tmp_path_factory):
+def skewed(nvfp4, tmp_path_factory):  # noqa: F811 - fixture
     """A seeded random expert profile: the warm start's 32 slots land in several layers."""
     from hybrid.model.config import ModelConfig
 
@@ -53,7 +46,7 @@ def _session(path, ids, source, monkeypatch, profile):
     return out, proms, slots, used, warm
 
 
-def test_promotions_from_store_equal_checkpoint(nvfp4, skewed, monkeypatch):
+def test_promotions_from_store_equal_checkpoint(nvfp4, skewed, monkeypatch):  # noqa: F811 - fixture
     ids = _ids(nvfp4, 64)
     a, pa, sa, used_a, warm = _session(nvfp4, ids, "checkpoint", monkeypatch, skewed)
     b, pb, sb, used_b, _ = _session(nvfp4, ids, "store", monkeypatch, skewed)
