@@ -132,7 +132,7 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
         source_mode()                         # a bad HYBRID_PREFILL_SOURCE / _PROMOTE_SOURCE /
         stage_kernel_enabled()                # _STAGE_KERNEL / HYBRID_MOE_GEMM: one line, now
         moe_gemm_mode()
-        from_store = promote_mode() == "store"
+        from_store = promote_mode() == "store" and any(c.slots for c in placement.cards)   # slots to fill
         if hasattr(cpu, "store_source") and (offload_min or from_store):
             source = cpu.store_source()       # prefill offload / promotions read the pinned store
         fill_from = source if from_store else None
