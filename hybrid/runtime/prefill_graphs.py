@@ -159,12 +159,12 @@ class PrefillGraphs(SegmentGraphs):
         logits [1, V] of row _last_buf."""
         m, cache, eps = self.model, self.model.cache, self.model.cfg.rms_norm_eps
         b = x.shape[0]
+        if seg.device.type == "cuda":
+            cos, sin = m.rope_table(seg.device), None                        # Attention's CUDA path
+        else:
+            cos, sin = m.rotary.cos_sin(torch.arange(b), seg.device)
         for j, i in enumerate(seg.layers):
             layer = m.layers[i]
-            if seg.device.type == "cuda":
-                cos, sin = m.rope_table(seg.device), None                    # Attention's CUDA path
-            else:
-                cos, sin = m.rotary.cos_sin(torch.arange(b), seg.device)
             h = rms_norm(x, layer.input_norm, eps)
             out = self.experts.route_out(i, b, route_buf[j])                # slot ids + routing rows
             x, h, routed = m._post_attn(i, x, layer.attn(h, i, 0, cache, cos, sin), out)
