@@ -83,6 +83,7 @@ def runs(path: Path, deadline: float, a) -> None:
     import torch
 
     from hybrid.bench.decode import prompt_ids
+    from hybrid.kernels import qpn
     from hybrid.model.config import ModelConfig
     from hybrid.runtime import RuntimeOptions, open_session
     from hybrid.tokenizer import Tokenizer
@@ -99,20 +100,24 @@ def runs(path: Path, deadline: float, a) -> None:
         record({"check": "session", "slots": slots, "load_s": {k: round(v, 2) for k, v in s.load_s.items()},
                 "placement": s.placement.describe()})
         pg = hm.prefill_graphs
-        for n, mode in [(n, mode) for n in a.prompt_tokens for mode in a.modes]:
-            check = f"prefill_{n}_{mode}"
+        combos = [(mode, g) for mode in a.modes for g in a.moe_gemm]
+        for n, mode, g, pas in [(n, mode, g, pas) for n in a.prompt_tokens for pas in range(a.passes)
+                                for mode, g in (combos if pas % 2 == 0 else combos[::-1])]:
+            check = f"prefill_{n}_{mode}" + (f"_moegemm{g}" if len(a.moe_gemm) > 1 or g != "0" else "")
             if time.perf_counter() > deadline:
                 record({"check": check, "prompt_tokens": n, "skipped": "device-time deadline"})
                 continue
             if pg is not None:
                 pg.enabled = mode == "graph"
+            qpn.MOE_GEMM[0] = None if g == "0" else g
             ids = prompt_ids(tok, n)
             steps0 = pg.steps if pg is not None else 0
             for _ in range(2):
                 forward_once(hm, ids, dev)                       # warm-up: compiles, allocator
             walls, hosts = zip(*(forward_once(hm, ids, dev) for _ in range(a.repeats)))
             wall, host = statistics.median(walls), statistics.median(hosts)
-            rec = {"check": check, "mode": mode, "prompt_tokens": len(ids), "repeats": a.repeats,
+            rec = {"check": check, "mode": mode, "moe_gemm": g, "pass": pas, "prompt_tokens": len(ids),
+                   "repeats": a.repeats,
                    "graphed_steps": (pg.steps - steps0) if pg is not None else 0,
                    "captures": pg.captures if pg is not None else 0,
                    "graph_error": pg.error if pg is not None else None,
@@ -148,6 +153,10 @@ def main() -> int:
     p.add_argument("--profile", default="h200")
     p.add_argument("--prompt-tokens", default="8,16,32,64,128,512")
     p.add_argument("--modes", default="eager,graph", help="comma list of eager | graph, measured in turn per size")
+    p.add_argument("--moe-gemm", default="0", help="comma list of HYBRID_MOE_GEMM values (0, 1, f) alternated "
+                   "per size in one session")
+    p.add_argument("--passes", type=int, default=1, help="run the mode x moe-gemm list this many times, "
+                   "every second pass in reverse order")
     p.add_argument("--profile-sizes", default="32", help="sizes also run under cProfile and torch.profiler")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--budget-s", type=float, default=150, help="stop starting new sizes after this")
@@ -157,6 +166,11 @@ def main() -> int:
     a.modes = [x.strip() for x in a.modes.split(",") if x.strip()]
     if not a.modes or any(x not in ("eager", "graph") for x in a.modes):
         raise SystemExit(f"error: --modes {','.join(a.modes)}: expected a comma list of eager, graph")
+    a.moe_gemm = [x.strip() for x in a.moe_gemm.split(",") if x.strip()]
+    if not a.moe_gemm or any(x not in ("0", "1", "f") for x in a.moe_gemm):
+        raise SystemExit(f"error: --moe-gemm {','.join(a.moe_gemm)}: expected a comma list of 0, 1, f")
+    if a.passes < 1:
+        raise SystemExit(f"error: --passes {a.passes}: expected >= 1")
     if a.repeats < 1:
         raise SystemExit(f"error: --repeats {a.repeats}: expected >= 1")
     OUT.mkdir(parents=True, exist_ok=True)

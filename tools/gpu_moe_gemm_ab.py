@@ -1,0 +1,150 @@
+"""Kernel-level A/B of the MoE prefill paths of qpn_moe on one layer of Qwen3-30B-A3B shape (hidden 2048,
+moe_intermediate 768, 128 experts all resident, top-8 routing): the mt4 grouped kernels (HYBRID_MOE_GEMM=0)
+against the WMMA grouped GEMM ("1") and the sm_80+ register-fragment GEMM ("f"), per prompt size, NVFP4 and
+FP8. The modes are alternated inside each round (same slots, same routing), each timed by CUDA events over
+--reps calls; the median of --rounds rounds is reported with the spread. Writes $OUT/moe_gemm_ab.jsonl.
+
+    HYBRID_CACHE_DIR=.qpncache HYBRID_GIT_SHA=<sha> PYTHONPATH=. python3 tools/gpu_moe_gemm_ab.py \\
+        --tokens 32,64,128,256,512,1024,2048 --rounds 7
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def git_sha() -> str:
+    sha = os.environ.get("HYBRID_GIT_SHA")
+    if sha:
+        return sha
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def random_slots(qtype, s, h, i, dev, gen):
+    """Slots filled with random packed words; scales in a sane e4m3 range (the timing reads every byte)."""
+    import torch
+    from hybrid.kernels import QPNExpertSlots
+
+    slots = QPNExpertSlots(s, h, i, qtype, dev)
+    for name in ("w13", "w2"):
+        t = getattr(slots, name)
+        t.copy_(torch.randint(-2**31, 2**31 - 1, t.shape, dtype=torch.int32, device=dev, generator=gen))
+    for name in ("s13", "s2"):
+        t = getattr(slots, name)
+        if t.dim() > 1:
+            t.copy_(torch.randint(0x28, 0x38, t.shape, dtype=torch.uint8, device=dev, generator=gen))
+    slots.gs.fill_(0.01)
+    return slots
+
+
+def routing(t, s, topk, skew, dev, gen):
+    """top-k distinct slots per token from a Zipf-like popularity (skew 0 = uniform)."""
+    import torch
+
+    p = torch.arange(1, s + 1, dtype=torch.float32, device=dev).pow(-skew)
+    ids = torch.multinomial(p.expand(t, s), topk, replacement=False, generator=gen).flatten().int()
+    tok = torch.arange(t, dtype=torch.int32, device=dev).repeat_interleave(topk)
+    rw = torch.rand(t * topk, device=dev, generator=gen)
+    return ids, tok, rw
+
+
+def time_mode(mode, x, slots, ids, tok, rw, reps):
+    import torch
+    from hybrid.kernels import qpn
+
+    qpn.MOE_GEMM[0] = mode
+    qpn.qpn_moe(x, slots, ids, tok, rw)      # warm (module build, first launch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        qpn.qpn_moe(x, slots, ids, tok, rw)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps * 1000.0   # us per call
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default="32,64,128,256,512,1024,2048")
+    p.add_argument("--modes", default="0,1,f")
+    p.add_argument("--qtypes", default="nvfp4,fp8")
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--skew", type=float, default=0.25)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=120)
+    a = p.parse_args(argv)
+
+    import torch
+    from hybrid.checkpoint.formats import QType
+    from hybrid.kernels import qpn
+
+    out = Path(os.environ.get("OUT", "scratch/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(0)
+    modes = [None if m == "0" else m for m in a.modes.split(",")]
+    meta = {"tool": "tools/gpu_moe_gemm_ab.py", "git_sha": git_sha(), "gpu": torch.cuda.get_device_name(dev),
+            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv)}
+    deadline = time.monotonic() + a.budget_s
+    old = qpn.MOE_GEMM[0]
+    with open(out / "moe_gemm_ab.jsonl", "a") as f:
+        for qname in a.qtypes.split(","):
+            qtype = QType.NVFP4 if qname == "nvfp4" else QType.FP8
+            slots = random_slots(qtype, a.experts, a.hidden, a.inter, dev, gen)
+            for t in [int(v) for v in a.tokens.split(",")]:
+                if time.monotonic() > deadline:
+                    print(f"budget spent: {qname} T={t} and after not run", flush=True)
+                    break
+                ids, tok, rw = routing(t, a.experts, a.topk, a.skew, dev, gen)
+                x = (torch.randn(t, a.hidden, device=dev, generator=gen) * 0.5).half()
+                per = {m: [] for m in modes}
+                ys = {}
+                for r in range(a.rounds):
+                    order = modes if r % 2 == 0 else modes[::-1]
+                    for m in order:
+                        per[m].append(time_mode(m, x, slots, ids, tok, rw, a.reps))
+                for m in modes:
+                    qpn.MOE_GEMM[0] = m
+                    ys[m] = qpn.qpn_moe(x, slots, ids, tok, rw).double()
+                plan = {}
+                for m in modes:
+                    qpn.MOE_GEMM[0] = m
+                    plan[str(m)] = qpn.moe_gemm_plan(len(ids), a.experts, 2 if qtype is QType.NVFP4 else 8,
+                                                     qpn._module(dev).sm, a.hidden, a.inter)
+                qpn.MOE_GEMM[0] = old
+                ref = ys[modes[0]]
+                for m in modes:
+                    us = per[m]
+                    rel = ((ys[m] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                    # weight bytes read once per active expert (packed words + scales), for a GB/s figure
+                    active = int(torch.unique(ids).numel())
+                    rec = dict(meta, qtype=qname, tokens=t, mode=str(m or "0"), kernel=(plan[str(m)] or ["mt4"])[0],
+                               us_median=round(statistics.median(us), 1), us_min=round(min(us), 1),
+                               us_max=round(max(us), 1), rounds=a.rounds, reps=a.reps, active_experts=active,
+                               weight_gbs=round(active * slots.nbytes_per_slot / (statistics.median(us) * 1e3), 1),
+                               rel_vs_mode0=rel)
+                    f.write(json.dumps(rec) + "\n")
+                    f.flush()
+                    print(f"{qname:5s} T={t:5d} mode={rec['mode']} {rec['kernel']:32s} "
+                          f"{rec['us_median']:9.1f} us (min {rec['us_min']}, max {rec['us_max']}) "
+                          f"{rec['weight_gbs']:7.1f} GB/s  rel {rel:.1e}", flush=True)
+            del slots
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
