@@ -10,6 +10,7 @@ from hybrid.kernels import QPNExpertSlots, qpn_moe
 from hybrid.kernels import qpn
 from hybrid.kernels.qpn import force_ptx
 from hybrid.kernels.reference import ref_moe
+from tests.test_qpn_cuda import skip_without_ptx70
 from tests.test_qpn_layout import fp8, nvfp4
 
 pytestmark = [pytest.mark.cuda,
@@ -22,6 +23,8 @@ MAKE = {QType.NVFP4: nvfp4, QType.FP8: fp8}
 def path(request):
     choice, backend = request.param
     dev = torch.device("cuda", torch.cuda.current_device())
+    if backend == "ptx70":
+        skip_without_ptx70()
     force_ptx(dev, 70 if backend == "ptx70" else None)
     yield choice, backend
     force_ptx(dev, None)

@@ -147,14 +147,23 @@ def test_emulated_moe_gemm(emu, qtype, h, i, bm):
 
 
 def test_launcher_rule(monkeypatch):
-    """qpn_moe takes a grouped GEMM only when on (MOE_GEMM "1": WMMA; "f": gemmf on sm_80+) and from
-    MOE_GEMM_MIN_ROWS average rows per block row (A / min(A, S)); BM = 64 from MOE_GEMM_BM64_ROWS."""
+    """qpn_moe takes a grouped GEMM unless off (MOE_GEMM None / "0"): "auto" (the default) gemmf on sm_80+
+    from MOE_GEMM_MIN_ROWS average rows per block row (A / min(A, S)), WMMA below sm_80 from
+    MOE_GEMM_WMMA_MIN_ROWS; "1" WMMA / "f" gemmf (sm_80+) forced from MOE_GEMM_MIN_ROWS; BM = 64 from
+    MOE_GEMM_BM64_ROWS."""
     from hybrid.kernels import qpn
 
     plan = qpn.moe_gemm_plan
     for off in (None, "0"):
         monkeypatch.setattr(qpn, "MOE_GEMM", [off])
-        assert plan(4096, 128, 2, 70, 2048, 768) is None                 # off by default
+        assert plan(4096, 128, 2, 70, 2048, 768) is None
+    monkeypatch.setattr(qpn, "MOE_GEMM", ["auto"])
+    # 256 tokens x top-8 of 128 experts: 16 rows per slot -> gemmf on the H200, mt4 on Volta; 512: WMMA there
+    assert plan(2048, 128, 2, 90, 2048, 768) == ("qpn2_moe_gemmf_gateup_32x256", 6, "qpn2_moe_gemmf_down_32x128", 16)
+    assert plan(2048, 128, 2, 70, 2048, 768) is None
+    assert plan(4096, 128, 8, 70, 2048, 768)[::2] == ("qpn8_moe_gemm_gateup_32x128", "qpn8_moe_gemm_down_32x128")
+    assert plan(8192, 128, 2, 90, 2048, 768)[::2] == ("qpn2_moe_gemmf_gateup_64x256", "qpn2_moe_gemmf_down_64x128")
+    assert plan(1024, 128, 2, 90, 2048, 768) is None                     # 128 tokens: 8 rows, the mt4 kernels
     monkeypatch.setattr(qpn, "MOE_GEMM", ["1"])
     # 512 tokens x top-8 of 128 experts: 32 rows per slot
     assert plan(4096, 128, 2, 70, 2048, 768) == ("qpn2_moe_gemm_gateup_32x128", 12, "qpn2_moe_gemm_down_32x128", 16)
@@ -167,10 +176,10 @@ def test_launcher_rule(monkeypatch):
     monkeypatch.setattr(qpn, "MOE_GEMM", ["yes"])
     from hybrid.errors import HybridError
 
-    with pytest.raises(HybridError, match="HYBRID_MOE_GEMM='yes': expected 0, 1"):
+    with pytest.raises(HybridError, match="HYBRID_MOE_GEMM='yes': expected auto, 0"):
         plan(4096, 128, 2, 90, 2048, 768)
     names = set(build.KERNELS)
-    for choice, sm in (("1", 70), ("f", 90)):
+    for choice, sm in (("1", 70), ("f", 90), ("auto", 70), ("auto", 90)):
         monkeypatch.setattr(qpn, "MOE_GEMM", [choice])
         for a in (4096, 8192):
             for fmt in (2, 8):

@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=120)
+    p.add_argument("--min-rows", type=int, default=None, help="override qpn.MOE_GEMM_MIN_ROWS (and the WMMA one)")
+    p.add_argument("--bm64-rows", type=int, default=None, help="override qpn.MOE_GEMM_BM64_ROWS")
     a = p.parse_args(argv)
 
     import torch
@@ -101,6 +103,11 @@ def main(argv=None) -> int:
             "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv)}
     deadline = time.monotonic() + a.budget_s
     old = qpn.MOE_GEMM[0]
+    if a.min_rows is not None:
+        qpn.MOE_GEMM_MIN_ROWS = qpn.MOE_GEMM_WMMA_MIN_ROWS = a.min_rows
+    if a.bm64_rows is not None:
+        qpn.MOE_GEMM_BM64_ROWS = a.bm64_rows
+    meta.update(min_rows=qpn.MOE_GEMM_MIN_ROWS, bm64_rows=qpn.MOE_GEMM_BM64_ROWS)
     with open(out / "moe_gemm_ab.jsonl", "a") as f:
         for qname in a.qtypes.split(","):
             qtype = QType.NVFP4 if qname == "nvfp4" else QType.FP8

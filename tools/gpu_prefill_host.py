@@ -103,13 +103,13 @@ def runs(path: Path, deadline: float, a) -> None:
         combos = [(mode, g) for mode in a.modes for g in a.moe_gemm]
         for n, mode, g, pas in [(n, mode, g, pas) for n in a.prompt_tokens for pas in range(a.passes)
                                 for mode, g in (combos if pas % 2 == 0 else combos[::-1])]:
-            check = f"prefill_{n}_{mode}" + (f"_moegemm{g}" if len(a.moe_gemm) > 1 or g != "0" else "")
+            check = f"prefill_{n}_{mode}" + (f"_moegemm{g}" if len(a.moe_gemm) > 1 else "")
             if time.perf_counter() > deadline:
                 record({"check": check, "prompt_tokens": n, "skipped": "device-time deadline"})
                 continue
             if pg is not None:
                 pg.enabled = mode == "graph"
-            qpn.MOE_GEMM[0] = None if g == "0" else g
+            qpn.MOE_GEMM[0] = g
             ids = prompt_ids(tok, n)
             steps0 = pg.steps if pg is not None else 0
             for _ in range(2):
@@ -153,7 +153,7 @@ def main() -> int:
     p.add_argument("--profile", default="h200")
     p.add_argument("--prompt-tokens", default="8,16,32,64,128,512")
     p.add_argument("--modes", default="eager,graph", help="comma list of eager | graph, measured in turn per size")
-    p.add_argument("--moe-gemm", default="0", help="comma list of HYBRID_MOE_GEMM values (0, 1, f) alternated "
+    p.add_argument("--moe-gemm", default="auto", help="comma list of HYBRID_MOE_GEMM values (auto, 0, 1, f) alternated "
                    "per size in one session")
     p.add_argument("--passes", type=int, default=1, help="run the mode x moe-gemm list this many times, "
                    "every second pass in reverse order")
@@ -167,8 +167,8 @@ def main() -> int:
     if not a.modes or any(x not in ("eager", "graph") for x in a.modes):
         raise SystemExit(f"error: --modes {','.join(a.modes)}: expected a comma list of eager, graph")
     a.moe_gemm = [x.strip() for x in a.moe_gemm.split(",") if x.strip()]
-    if not a.moe_gemm or any(x not in ("0", "1", "f") for x in a.moe_gemm):
-        raise SystemExit(f"error: --moe-gemm {','.join(a.moe_gemm)}: expected a comma list of 0, 1, f")
+    if not a.moe_gemm or any(x not in ("auto", "0", "1", "f") for x in a.moe_gemm):
+        raise SystemExit(f"error: --moe-gemm {','.join(a.moe_gemm)}: expected a comma list of auto, 0, 1, f")
     if a.passes < 1:
         raise SystemExit(f"error: --passes {a.passes}: expected >= 1")
     if a.repeats < 1:

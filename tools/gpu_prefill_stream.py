@@ -43,6 +43,7 @@ def runs(path: Path, deadline: float, a) -> None:
     import torch
 
     from hybrid.bench.decode import measure
+    from hybrid.kernels import qpn
     from hybrid.runtime import RuntimeOptions, open_session
 
     cfg, tok, _, cpu, eprof = tc.expert_profile_session(path, a.profile, a.tokens, a.device)
@@ -60,13 +61,15 @@ def runs(path: Path, deadline: float, a) -> None:
             rc.log(f"session {check}: {kw}")
             s = open_session(path, RuntimeOptions(**kw), context=ctx, cpu=cpu)
             try:
-                for src, n in [(src, n) for src in a.sources for n in a.prompt_tokens]:   # alternated inside one
-                    _set_source(src)                                                     # session (same machine state)
+                for src, g, n in [(src, g, n) for src in a.sources for g in a.moe_gemm     # alternated inside one
+                                  for n in a.prompt_tokens]:                               # session (same machine state)
+                    _set_source(src)
+                    qpn.MOE_GEMM[0] = g
                     st0 = s.model.experts.prefill_stream_stats()
                     rec = measure(s, tok, n, 1, a.tokens)
                     rep = s.report()
                     st1 = s.model.experts.prefill_stream_stats()
-                    rec.update({"cache_slots": slots, "prefill_offload_min": m, "prefill_source": src,
+                    rec.update({"cache_slots": slots, "prefill_offload_min": m, "prefill_source": src, "moe_gemm": g,
                                 "store_pinned": s.model.experts.store_source is not None,
                                 "prefill_step_ms": round(1e3 * s.stats.step_s["prefill"][-1], 2),
                                 "prefill_steps": s.stats.steps["prefill"],
@@ -76,7 +79,8 @@ def runs(path: Path, deadline: float, a) -> None:
                                 "max_memory_allocated_gib": round(_peak() / 2**30, 2)})
                     head = rec["generated_ids_head"]
                     rec["ids_equal_first"] = first.setdefault((slots, n), head) == head
-                    record({"check": f"{check}_prompt{n}" + (f"_{src}" if len(a.sources) > 1 else ""), **rec})
+                    record({"check": f"{check}_prompt{n}" + (f"_{src}" if len(a.sources) > 1 else "")
+                            + (f"_moegemm{g}" if len(a.moe_gemm) > 1 else ""), **rec})
                 if a.profile_prefill:
                     for src, n in [(src, n) for src in dict.fromkeys(a.sources) for n in a.prompt_tokens]:
                         _set_source(src)
@@ -150,13 +154,20 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=270, help="stop starting new parts/sessions after this")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the sessions")
     p.add_argument("--small", action="store_true", help="a 4-layer, 16-expert synthetic model (smoke runs)")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: pytest")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: pytest, synth (reuse "
+                   "--synth when it holds a checkpoint)")
     p.add_argument("--profile-prefill", action="store_true",
                    help="after each offload session's runs, one prefill per source under torch.profiler")
     p.add_argument("--sources", default="store",
                    help="comma list of HYBRID_PREFILL_SOURCE values (store, checkpoint; store+kernel: with "
                         "HYBRID_STAGE_KERNEL=1), measured in turn in each session")
+    p.add_argument("--moe-gemm", default="auto", help="comma list of HYBRID_MOE_GEMM values (auto, 0, 1, f), "
+                   "measured in turn in each session")
     a = p.parse_args()
+    a.moe_gemm = [x.strip() for x in a.moe_gemm.split(",") if x.strip()]
+    if not a.moe_gemm or any(x not in ("auto", "0", "1", "f") for x in a.moe_gemm):
+        print(f"error: --moe-gemm {','.join(a.moe_gemm)}: expected a comma list of auto, 0, 1, f", file=sys.stderr)
+        return 2
     a.slots, a.modes = _ints("--slots", a.slots), _ints("--modes", a.modes)
     a.sources = [x.strip() for x in a.sources.split(",") if x.strip()]
     if not a.sources or any(x not in SOURCES + ("store+kernel",) for x in a.sources):
@@ -171,8 +182,9 @@ def main() -> int:
     deadline = rc.T0 + a.budget_s
     skip = set(a.skip.split(","))
     parts = [] if "pytest" in skip else [("pytest", lambda: rc.run_pytest(["tests/test_prefill_stream_cuda.py", "-s"]))]
-    parts += [("synth_write", lambda: rc.make_synth(a.synth, a.skew, a.small)),
-              ("ab_runs", lambda: runs(a.synth, deadline, a))]
+    if not ("synth" in skip and (a.synth / "config.json").exists()):
+        parts.append(("synth_write", lambda: rc.make_synth(a.synth, a.skew, a.small)))
+    parts += [("ab_runs", lambda: runs(a.synth, deadline, a))]
     rc.run_parts(parts, deadline, record, rc.log)
     rc.log("done")
     return 0
