@@ -56,8 +56,10 @@ def make_slots(qtype, s, h, i, seed):
 
 @pytest.mark.parametrize("qtype,h,i", [(QType.NVFP4, 256, 192), (QType.FP8, 288, 160)])
 @pytest.mark.parametrize("t,bm", [(128, 32), (320, 64)])
-def test_moe_gemm_matches_mt4_and_reference(path, qtype, h, i, t, bm):
+def test_moe_gemm_matches_mt4_and_reference(path, qtype, h, i, t, bm, monkeypatch):
     choice, backend = path
+    # both tile heights of each family, whatever MOE_GEMM_RULES picks on this card: BM 64 from 64 rows
+    monkeypatch.setattr(qpn, "MOE_GEMM_RULES", {key: (1, 64) for key in qpn.MOE_GEMM_RULES})
     s, topk = 16, 4
     slots, experts = make_slots(qtype, s, h, i, t)
     g = torch.Generator().manual_seed(t + h)
@@ -86,9 +88,10 @@ def test_moe_gemm_matches_mt4_and_reference(path, qtype, h, i, t, bm):
 
 
 @pytest.mark.parametrize("choice", ["1", "f"])
-def test_moe_gemm_in_cuda_graph(choice):
+def test_moe_gemm_in_cuda_graph(choice, monkeypatch):
     """The grouped GEMM path needs no host sync: it captures and replays in a CUDA graph."""
     s, h, i, t, topk = 8, 256, 128, 64, 4
+    monkeypatch.setattr(qpn, "MOE_GEMM_RULES", {key: (1, 64) for key in qpn.MOE_GEMM_RULES})
     slots, experts = make_slots(QType.NVFP4, s, h, i, 0)
     g = torch.Generator().manual_seed(5)
     ids = torch.stack([torch.randperm(s, generator=g)[:topk] for _ in range(t)]).flatten().int()

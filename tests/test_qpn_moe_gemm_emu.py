@@ -147,10 +147,9 @@ def test_emulated_moe_gemm(emu, qtype, h, i, bm):
 
 
 def test_launcher_rule(monkeypatch):
-    """qpn_moe takes a grouped GEMM unless off (MOE_GEMM None / "0"): "auto" (the default) gemmf on sm_80+
-    from MOE_GEMM_MIN_ROWS average rows per block row (A / min(A, S)), WMMA below sm_80 from
-    MOE_GEMM_WMMA_MIN_ROWS; "1" WMMA / "f" gemmf (sm_80+) forced from MOE_GEMM_MIN_ROWS; BM = 64 from
-    MOE_GEMM_BM64_ROWS."""
+    """qpn_moe takes a grouped GEMM unless off (MOE_GEMM None / "0"): "auto" (the default) the gemmf family on
+    sm_80+, WMMA below; "f" / "1" pick the family (f below sm_80: WMMA); from MOE_GEMM_RULES' fewest average
+    rows per block row (A / min(A, S)), BM = 64 from its BM-64 rows."""
     from hybrid.kernels import qpn
 
     plan = qpn.moe_gemm_plan
@@ -158,21 +157,21 @@ def test_launcher_rule(monkeypatch):
         monkeypatch.setattr(qpn, "MOE_GEMM", [off])
         assert plan(4096, 128, 2, 70, 2048, 768) is None
     monkeypatch.setattr(qpn, "MOE_GEMM", ["auto"])
-    # 256 tokens x top-8 of 128 experts: 16 rows per slot -> gemmf on the H200, mt4 on Volta; 512: WMMA there
-    assert plan(2048, 128, 2, 90, 2048, 768) == ("qpn2_moe_gemmf_gateup_32x256", 6, "qpn2_moe_gemmf_down_32x128", 16)
-    assert plan(2048, 128, 2, 70, 2048, 768) is None
+    # top-8 of 128 experts: 32 tokens = 2 rows per slot -> gemmf on the H200; Volta NVFP4: WMMA from 64 rows
+    assert plan(256, 128, 2, 90, 2048, 768) == ("qpn2_moe_gemmf_gateup_32x256", 6, "qpn2_moe_gemmf_down_32x128", 16)
+    assert plan(192, 128, 2, 90, 2048, 768) is None                     # 24 tokens: 1.5 rows, the mt4 kernels
+    assert plan(16384, 128, 2, 90, 2048, 768)[0] == "qpn2_moe_gemmf_gateup_32x256"   # NVFP4 gemmf: BM 32 always
+    assert plan(8192, 128, 8, 90, 2048, 768)[::2] == ("qpn8_moe_gemmf_gateup_64x256", "qpn8_moe_gemmf_down_64x128")
+    assert plan(4096, 128, 8, 90, 2048, 768)[0] == "qpn8_moe_gemmf_gateup_32x256"
+    assert plan(4096, 128, 2, 70, 2048, 768) is None                     # 512 tokens on Volta, NVFP4: mt4
+    assert plan(8192, 128, 2, 70, 2048, 768) == ("qpn2_moe_gemm_gateup_64x128", 12, "qpn2_moe_gemm_down_64x128", 16)
     assert plan(4096, 128, 8, 70, 2048, 768)[::2] == ("qpn8_moe_gemm_gateup_32x128", "qpn8_moe_gemm_down_32x128")
-    assert plan(8192, 128, 2, 90, 2048, 768)[::2] == ("qpn2_moe_gemmf_gateup_64x256", "qpn2_moe_gemmf_down_64x128")
-    assert plan(1024, 128, 2, 90, 2048, 768) is None                     # 128 tokens: 8 rows, the mt4 kernels
     monkeypatch.setattr(qpn, "MOE_GEMM", ["1"])
-    # 512 tokens x top-8 of 128 experts: 32 rows per slot
-    assert plan(4096, 128, 2, 70, 2048, 768) == ("qpn2_moe_gemm_gateup_32x128", 12, "qpn2_moe_gemm_down_32x128", 16)
     assert plan(8192, 128, 8, 90, 2048, 768)[::2] == ("qpn8_moe_gemm_gateup_64x128", "qpn8_moe_gemm_down_64x128")
-    assert plan(1024, 128, 2, 70, 2048, 768) is None                     # 128 tokens: 8 rows, the mt4 kernels
     assert plan(8, 128, 2, 70, 2048, 768) is None and plan(0, 128, 2, 70, 2048, 768) is None
     monkeypatch.setattr(qpn, "MOE_GEMM", ["f"])
-    assert plan(4096, 128, 2, 90, 2048, 768) == ("qpn2_moe_gemmf_gateup_32x256", 6, "qpn2_moe_gemmf_down_32x128", 16)
-    assert plan(4096, 128, 2, 70, 2048, 768)[0] == "qpn2_moe_gemm_gateup_32x128"   # Volta: the WMMA family
+    assert plan(512, 128, 2, 70, 2048, 768) is None                      # Volta: the WMMA family's rule
+    assert plan(8192, 128, 2, 70, 2048, 768)[0] == "qpn2_moe_gemm_gateup_64x128"
     monkeypatch.setattr(qpn, "MOE_GEMM", ["yes"])
     from hybrid.errors import HybridError
 
@@ -181,7 +180,7 @@ def test_launcher_rule(monkeypatch):
     names = set(build.KERNELS)
     for choice, sm in (("1", 70), ("f", 90), ("auto", 70), ("auto", 90)):
         monkeypatch.setattr(qpn, "MOE_GEMM", [choice])
-        for a in (4096, 8192):
+        for a in (8192, 16384):
             for fmt in (2, 8):
                 gu, _, dn, _ = plan(a, 128, fmt, sm, 2048, 768)
                 assert {gu, dn} <= names, "a kernel the compile check does not list"

@@ -86,8 +86,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=120)
-    p.add_argument("--min-rows", type=int, default=None, help="override qpn.MOE_GEMM_MIN_ROWS (and the WMMA one)")
-    p.add_argument("--bm64-rows", type=int, default=None, help="override qpn.MOE_GEMM_BM64_ROWS")
+    p.add_argument("--min-rows", type=int, default=None, help="override the fewest rows of every qpn.MOE_GEMM_RULES")
+    p.add_argument("--bm64-rows", type=int, default=None, help="override the BM = 64 rows of every MOE_GEMM_RULES "
+                   "(0: never BM 64)")
     a = p.parse_args(argv)
 
     import torch
@@ -103,11 +104,10 @@ def main(argv=None) -> int:
             "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv)}
     deadline = time.monotonic() + a.budget_s
     old = qpn.MOE_GEMM[0]
-    if a.min_rows is not None:
-        qpn.MOE_GEMM_MIN_ROWS = qpn.MOE_GEMM_WMMA_MIN_ROWS = a.min_rows
-    if a.bm64_rows is not None:
-        qpn.MOE_GEMM_BM64_ROWS = a.bm64_rows
-    meta.update(min_rows=qpn.MOE_GEMM_MIN_ROWS, bm64_rows=qpn.MOE_GEMM_BM64_ROWS)
+    for key, (least, bm64) in list(qpn.MOE_GEMM_RULES.items()):
+        qpn.MOE_GEMM_RULES[key] = (least if a.min_rows is None else a.min_rows,
+                                   bm64 if a.bm64_rows is None else (a.bm64_rows or None))
+    meta["rules"] = {f"{k[0]}{k[1]}": v for k, v in qpn.MOE_GEMM_RULES.items()}
     with open(out / "moe_gemm_ab.jsonl", "a") as f:
         for qname in a.qtypes.split(","):
             qtype = QType.NVFP4 if qname == "nvfp4" else QType.FP8

@@ -100,6 +100,8 @@ def runs(path: Path, deadline: float, a) -> None:
         record({"check": "session", "slots": slots, "load_s": {k: round(v, 2) for k, v in s.load_s.items()},
                 "placement": s.placement.describe()})
         pg = hm.prefill_graphs
+        if pg is not None and a.graph_max:
+            pg.hi = a.graph_max
         combos = [(mode, g) for mode in a.modes for g in a.moe_gemm]
         for n, mode, g, pas in [(n, mode, g, pas) for n in a.prompt_tokens for pas in range(a.passes)
                                 for mode, g in (combos if pas % 2 == 0 else combos[::-1])]:
@@ -155,6 +157,8 @@ def main() -> int:
     p.add_argument("--modes", default="eager,graph", help="comma list of eager | graph, measured in turn per size")
     p.add_argument("--moe-gemm", default="auto", help="comma list of HYBRID_MOE_GEMM values (auto, 0, 1, f) alternated "
                    "per size in one session")
+    p.add_argument("--graph-max", type=int, default=0, help="the largest prefill-graph bucket (default: "
+                   "hybrid.runtime.prefill_graphs.PREFILL_GRAPH_MAX)")
     p.add_argument("--passes", type=int, default=1, help="run the mode x moe-gemm list this many times, "
                    "every second pass in reverse order")
     p.add_argument("--profile-sizes", default="32", help="sizes also run under cProfile and torch.profiler")

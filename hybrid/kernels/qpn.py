@@ -663,20 +663,19 @@ MOE_DOWN_MIN_CHUNKS = 6
 # of a separate memset (8 decode tokens x hidden 4096 = 32768)
 ROUTE_ZERO_MAX = 32768
 # MoE prefill: a grouped GEMM per expert slot instead of the mt4 kernels (each slot's packed weights
-# decoded once per BM rows instead of once per 4), where the average rows per block row, A / min(A, S),
-# reach the family's minimum. MOE_GEMM (initial value from $HYBRID_MOE_GEMM): "auto" (the default) the
-# register-fragment family qpn{2,8}_moe_gemmf_{gateup_<BM>x256,down_<BM>x128} on sm_80+ from
-# MOE_GEMM_MIN_ROWS rows, below sm_80 the WMMA family qpn{2,8}_moe_gemm_{gateup,down}_<BM>x128 (the Volta
-# path) from MOE_GEMM_WMMA_MIN_ROWS; "f" / "1" force that family (f below sm_80: WMMA) from
-# MOE_GEMM_MIN_ROWS; None / "0" off (the mt4 kernels). BM = 64 from MOE_GEMM_BM64_ROWS average rows on,
-# else 32. Measured on the H200 (tools/gpu_moe_gemm_ab.py, one 30B-A3B layer, 128 experts, top-8, twelfth
-# session): gemmf vs mt4 NVFP4 226 / 334 us at 256 tokens (16 rows), 318 / 492 at 512, 614 / 903 at 1024,
-# 1128 / 1732 at 2048; FP8 0.72-0.86x mt4 from 256 tokens; WMMA NVFP4 363 / 334 at 16 rows, 499 / 492 at
-# 32, 0.70-0.75x from 64; FP8 0.58-0.88x from 16 rows.
+# decoded once per BM rows instead of once per 4 tokens), where the average rows per block row,
+# A / min(A, S), reach the family's minimum. MOE_GEMM (initial value from $HYBRID_MOE_GEMM): "auto" (the
+# default) the register-fragment family qpn{2,8}_moe_gemmf_{gateup_<BM>x256,down_<BM>x128} on sm_80+,
+# below sm_80 the WMMA family qpn{2,8}_moe_gemm_{gateup,down}_<BM>x128 (the Volta path); "f" / "1" pick
+# that family (f below sm_80: WMMA); None / "0" off (the mt4 kernels). MOE_GEMM_RULES per (family,
+# format): the fewest average rows that take the GEMM, and the rows from which BM = 64 (else 32).
+# Measured on the H200 (tools/gpu_moe_gemm_ab.py, one 30B-A3B layer, 128 experts resident, top-8,
+# twelfth session, results/runtime.md §21): gemmf NVFP4 0.70x mt4 at 2 rows per slot (32 tokens), 0.68x
+# at 16, 0.65x at 32, 0.62-0.65x at 64-256 with BM 32 (BM 64: 5% slower); gemmf FP8 0.74-0.76x at 2-16,
+# 0.62-0.68x at 64-256 with BM 64 (BM 32: 5-10% slower); WMMA NVFP4 1.09-1.17x mt4 up to 32 rows,
+# 0.70-0.75x from 64 with BM 64 (BM 32: 1.0x); WMMA FP8 0.88-0.93x from 2 rows, 0.58-0.63x from 64 (BM 64).
 MOE_GEMM: list[str | None] = [os.environ.get("HYBRID_MOE_GEMM") or "auto"]
-MOE_GEMM_MIN_ROWS = 16
-MOE_GEMM_WMMA_MIN_ROWS = 32
-MOE_GEMM_BM64_ROWS = 64
+MOE_GEMM_RULES = {("f", 2): (2, None), ("f", 8): (2, 64), ("1", 2): (64, 64), ("1", 8): (2, 64)}
 MOE_GEMMF_TILES = (64, 32)  # BM of the gemmf family (gate+up BN = 256, down BN = 128)
 
 
@@ -696,17 +695,17 @@ def moe_gemm_mode() -> str | None:
 def moe_gemm_plan(a: int, s: int, fmt: int, sm: int, h: int, i: int) -> tuple[str, int, str, int] | None:
     """(gate+up kernel, its grid.x, down kernel, its grid.x) of the MoE grouped GEMM for A assignments
     over S slots on an sm_<sm> device, or None for the mt{1,4} kernels (MOE_GEMM off, or fewer average rows
-    per block row than the family's minimum). grid.y: min(A, S) (qpn_moe_route's active slots)."""
+    per block row than MOE_GEMM_RULES asks). grid.y: min(A, S) (qpn_moe_route's active slots)."""
     choice = moe_gemm_mode()
     if choice is None or a == 0:
         return None
-    gemmf = choice in ("f", "auto") and sm >= 80
-    least = MOE_GEMM_WMMA_MIN_ROWS if choice == "auto" and not gemmf else MOE_GEMM_MIN_ROWS
+    family = "f" if choice in ("f", "auto") and sm >= 80 else "1"
+    least, bm64 = MOE_GEMM_RULES[(family, fmt)]
     avg = a / min(a, s)
     if avg < least:
         return None
-    bm = 64 if avg >= MOE_GEMM_BM64_ROWS else 32
-    if gemmf:
+    bm = 64 if bm64 is not None and avg >= bm64 else 32
+    if family == "f":
         return (f"qpn{fmt}_moe_gemmf_gateup_{bm}x256", -(-i // 128), f"qpn{fmt}_moe_gemmf_down_{bm}x128",
                 -(-h // 128))
     return f"qpn{fmt}_moe_gemm_gateup_{bm}x128", -(-i // 64), f"qpn{fmt}_moe_gemm_down_{bm}x128", -(-h // 128)
