@@ -157,15 +157,16 @@ def test_launcher_rule(monkeypatch):
         monkeypatch.setattr(qpn, "MOE_GEMM", [off])
         assert plan(4096, 128, 2, 70, 2048, 768) is None
     monkeypatch.setattr(qpn, "MOE_GEMM", ["auto"])
-    # top-8 of 128 experts: 32 tokens = 2 rows per slot -> gemmf on the H200; Volta NVFP4: WMMA from 64 rows
+    # top-8 of 128 experts: 32 tokens = 2 rows per slot -> gemmf on sm_80+; Volta NVFP4: WMMA from 64 rows
     assert plan(256, 128, 2, 90, 2048, 768) == ("qpn2_moe_gemmf_gateup_32x256", 6, "qpn2_moe_gemmf_down_32x128", 16)
-    assert plan(192, 128, 2, 90, 2048, 768) is None                     # 24 tokens: 1.5 rows, the mt4 kernels
+    assert plan(72, 128, 2, 90, 2048, 768)[0] == "qpn2_moe_gemmf_gateup_32x256"   # 9 tokens (qpn_moe: t > 8)
     assert plan(16384, 128, 2, 90, 2048, 768)[0] == "qpn2_moe_gemmf_gateup_32x256"   # NVFP4 gemmf: BM 32 always
     assert plan(8192, 128, 8, 90, 2048, 768)[::2] == ("qpn8_moe_gemmf_gateup_64x256", "qpn8_moe_gemmf_down_64x128")
     assert plan(4096, 128, 8, 90, 2048, 768)[0] == "qpn8_moe_gemmf_gateup_32x256"
     assert plan(4096, 128, 2, 70, 2048, 768) is None                     # 512 tokens on Volta, NVFP4: mt4
     assert plan(8192, 128, 2, 70, 2048, 768) == ("qpn2_moe_gemm_gateup_64x128", 12, "qpn2_moe_gemm_down_64x128", 16)
     assert plan(4096, 128, 8, 70, 2048, 768)[::2] == ("qpn8_moe_gemm_gateup_32x128", "qpn8_moe_gemm_down_32x128")
+    assert plan(128, 128, 8, 70, 2048, 768) is None                      # Volta FP8: WMMA from 2 rows
     monkeypatch.setattr(qpn, "MOE_GEMM", ["1"])
     assert plan(8192, 128, 8, 90, 2048, 768)[::2] == ("qpn8_moe_gemm_gateup_64x128", "qpn8_moe_gemm_down_64x128")
     assert plan(8, 128, 2, 70, 2048, 768) is None and plan(0, 128, 2, 70, 2048, 768) is None

@@ -226,7 +226,9 @@ class ExpertCache:
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
             raise ValueError(f"layers {list(layers)}: routed ids outside 0..{self.num_experts - 1}")
         e_n = self.num_experts
-        keys = np.unique(np.arange(len(layers))[:, None] * e_n + ids)                 # sorted (j, e)
+        mark = np.zeros(len(layers) * e_n, dtype=bool)          # sorted unique (j, e) keys by a mark per
+        mark[(np.arange(len(layers))[:, None] * e_n + ids).ravel()] = True            # pair: np.unique
+        keys = np.flatnonzero(mark)                             # took ~25 ms at 48 layers x 2048 tokens
         j, e = np.divmod(keys, e_n)
         r = rows[j]
         missed = self.table[r, e] < 0

@@ -663,19 +663,20 @@ MOE_DOWN_MIN_CHUNKS = 6
 # of a separate memset (8 decode tokens x hidden 4096 = 32768)
 ROUTE_ZERO_MAX = 32768
 # MoE prefill: a grouped GEMM per expert slot instead of the mt4 kernels (each slot's packed weights
-# decoded once per BM rows instead of once per 4 tokens), where the average rows per block row,
+# decoded once per BM rows instead of once per 4 tokens) for steps of more than 8 tokens (decode and
+# verify steps keep the mt1 kernels), where the average rows per block row,
 # A / min(A, S), reach the family's minimum. MOE_GEMM (initial value from $HYBRID_MOE_GEMM): "auto" (the
 # default) the register-fragment family qpn{2,8}_moe_gemmf_{gateup_<BM>x256,down_<BM>x128} on sm_80+,
 # below sm_80 the WMMA family qpn{2,8}_moe_gemm_{gateup,down}_<BM>x128 (the Volta path); "f" / "1" pick
 # that family (f below sm_80: WMMA); None / "0" off (the mt4 kernels). MOE_GEMM_RULES per (family,
 # format): the fewest average rows that take the GEMM, and the rows from which BM = 64 (else 32).
 # Measured on the H200 (tools/gpu_moe_gemm_ab.py, one 30B-A3B layer, 128 experts resident, top-8,
-# twelfth session, results/runtime.md §21): gemmf NVFP4 0.70x mt4 at 2 rows per slot (32 tokens), 0.68x
-# at 16, 0.65x at 32, 0.62-0.65x at 64-256 with BM 32 (BM 64: 5% slower); gemmf FP8 0.74-0.76x at 2-16,
-# 0.62-0.68x at 64-256 with BM 64 (BM 32: 5-10% slower); WMMA NVFP4 1.09-1.17x mt4 up to 32 rows,
+# twelfth session, results/runtime.md §21): gemmf NVFP4 0.70-0.75x mt4 from 9 tokens (0.56 rows per slot)
+# to 32 (2 rows), 0.68x at 16 rows, 0.65x at 32, 0.62-0.65x at 64-256 with BM 32 (BM 64: 5% slower); gemmf
+# FP8 0.74-0.85x from 9 tokens to 16 rows, 0.62-0.68x at 64-256 with BM 64 (BM 32: 5-10% slower); WMMA NVFP4 1.09-1.17x mt4 up to 32 rows,
 # 0.70-0.75x from 64 with BM 64 (BM 32: 1.0x); WMMA FP8 0.88-0.93x from 2 rows, 0.58-0.63x from 64 (BM 64).
 MOE_GEMM: list[str | None] = [os.environ.get("HYBRID_MOE_GEMM") or "auto"]
-MOE_GEMM_RULES = {("f", 2): (2, None), ("f", 8): (2, 64), ("1", 2): (64, 64), ("1", 8): (2, 64)}
+MOE_GEMM_RULES = {("f", 2): (0, None), ("f", 8): (0, 64), ("1", 2): (64, 64), ("1", 8): (2, 64)}
 MOE_GEMMF_TILES = (64, 32)  # BM of the gemmf family (gate+up BN = 256, down BN = 128)
 
 
@@ -750,7 +751,7 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
     ws13, ws2 = slots.w13[0].numel() // 4, slots.w2[0].numel() // 4
     ss13 = slots.s13[0].numel() // 8 if slots.s13.dim() > 1 else 0
     ss2 = slots.s2[0].numel() // 8 if slots.s2.dim() > 1 else 0
-    plan = moe_gemm_plan(a, s, fmt, mod.sm, h, i)
+    plan = moe_gemm_plan(a, s, fmt, mod.sm, h, i) if mt == 4 else None
     if plan is not None:
         mod.launch(plan[0], (plan[1], rows, 1), THREADS,
                    [_p(slots.w13), _p(slots.s13), _p(slots.gs), ctypes.c_longlong(ws13),

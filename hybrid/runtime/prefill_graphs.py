@@ -39,7 +39,9 @@ from hybrid.model.layers import KVCache, rms_norm
 from hybrid.runtime.graphs import Segment, SegmentGraphs, _Runner, capture_runner, device_scalar, graphs_enabled
 
 PREFILL_GRAPH_MIN = 16      # the smallest bucket (prompts of 2..16 tokens share it)
-PREFILL_GRAPH_MAX = 256     # longer prefill steps run eagerly (the card, not the host, sets their time)
+PREFILL_GRAPH_MAX = 512     # longer prefill steps run eagerly: the card, not the host, sets their time
+                            # (H200, 30B-A3B, all resident: 512 tokens graph 48 vs eager 53-55 ms, 1024
+                            # tokens 101-102 vs 102-105; results/runtime.md §21)
 PREFILL_GRAPH_AFTER = 1     # prompts of a bucket that run eagerly before it is captured (capture costs ~2
                             # eager prefills: a one-prompt run would only pay it)
 
