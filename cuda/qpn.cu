@@ -1554,7 +1554,7 @@ __device__ __forceinline__ void moe_gemm_body(const u32x4* __restrict__ w, const
   const int slot = active[blockIdx.y];
   if (slot < 0) return;
   const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
-  if (cnt <= 0) return;
+  if (cnt <= (int)blockIdx.z * BM) return;  // no M tile for this split
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
   const int K = GU ? H : I, N = GU ? I : H;  // N: output columns (gate+up: I, half the weight rows)
   const int C = K / (FMT == 2 ? 64 : 32), tiles = N >> 4, nk = (K + PBK - 1) / PBK, ns = K / SBK;
@@ -1565,7 +1565,7 @@ __device__ __forceinline__ void moe_gemm_body(const u32x4* __restrict__ w, const
   const u32 xa = smem_addr(sm) + (wm * (BM / 2) * PLD) * 2, wa = xa + (BM * PLD + (wn * (BN / 4) - wm * (BM / 2)) * PLD) * 2;
   float* stg = reinterpret_cast<float*>(sm) + warp * 256;
   const int fr = lane >> 1, fc = 8 * (lane & 1);
-  for (int m0 = 0; m0 < cnt; m0 += BM) {
+  for (int m0 = blockIdx.z * BM; m0 < cnt; m0 += gridDim.z * BM) {  // split z of gridDim.z
     const u16* xp[L::XV];
 #pragma unroll
     for (int v = 0; v < L::XV; ++v) {
@@ -1640,8 +1640,10 @@ __device__ __forceinline__ void moe_gemm_body(const u32x4* __restrict__ w, const
 }
 
 // qpn{2,8}_moe_gemm_gateup_<BM>x<BN>: the moe_gateup kernels' arguments less KS; grid
-// (ceil(I / (BN / 2)), min(A, S)). qpn{2,8}_moe_gemm_down_<BM>x<BN>: the moe_down kernels' arguments
-// less KS; grid (ceil(H / BN), min(A, S)); y zeroed first. blockDim 256.
+// (ceil(I / (BN / 2)), min(A, S), Z). qpn{2,8}_moe_gemm_down_<BM>x<BN>: the moe_down kernels' arguments
+// less KS; grid (ceil(H / BN), min(A, S), Z); y zeroed first. blockDim 256. Split z of Z takes the
+// slot's M tiles z, z + Z, ...: a slot that many rows route to (one busy expert) is spread over Z
+// blocks instead of one block looping over all its tiles while the others idle.
 #define MOE_GEMM(FMT, BM, BN, PF)                                                                  \
   extern "C" __global__ void __launch_bounds__(THREADS, 2) qpn##FMT##_moe_gemm_gateup_##BM##x##BN(  \
       const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
@@ -1671,9 +1673,10 @@ MOE_GEMM(8, 32, 128, 3)
 // ---------------------------------------------------------------- MoE prefill: grouped GEMM, sm_80+
 // qpn{2,8}_moe_gemmf_{gateup,down}_<BM>x<BN>: the grouped GEMM above with gemmf_body's machinery
 // (packed words decoded straight into m16n8k16 A fragments in registers, activations through an
-// ST-stage cp.async ring, permuted). grid (N tiles, min(A, S)); each block loops over its slot's rows
-// in M tiles of BM; per M tile the gathered rows' indices (token_idx[perm[r]] for gate+up, the h row
-// for down; -1 past the slot's rows: never loaded) sit in shared memory for the ring's loads.
+// ST-stage cp.async ring, permuted). grid (N tiles, min(A, S), Z); block z takes its slot's M tiles
+// (BM rows) z, z + Z, ... (as the WMMA family); per M tile the gathered rows' indices
+// (token_idx[perm[r]] for gate+up, the h row for down; -1 past the slot's rows: never loaded) sit in
+// shared memory for the ring's loads.
 //   gate+up: NT = 2, warp w owns intermediate tile t = 8 bx + w: its gate tile t and up tile I/16 + t
 //     (BN = 256 weight rows, 128 h columns per block); SiLU(gate) * up is formed on the accumulators
 //     (the same fragment layout) and written fp16 to h in perm order.
@@ -1714,7 +1717,7 @@ __device__ __forceinline__ void moe_gemmf_body(const u32x4* __restrict__ w, cons
   const int slot = active[blockIdx.y];
   if (slot < 0) return;
   const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
-  if (cnt <= 0) return;
+  if (cnt <= (int)blockIdx.z * BM) return;  // no M tile for this split
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int K = GU ? H : I, N = GU ? I : H;  // N: output columns
   const int C = K / (FMT == 2 ? 64 : 32), tiles = N >> 4, nk = (K + 63) / 64;
@@ -1741,7 +1744,7 @@ __device__ __forceinline__ void moe_gemmf_body(const u32x4* __restrict__ w, cons
   float* stg = reinterpret_cast<float*>(sm) + warp * 8 * SW;
   const int tt = lane >> 1, seg = lane & 1, r = lane >> 2, q = lane & 3;
   const int nw = 16 * t + 8 * seg;
-  for (int m0 = 0; m0 < cnt; m0 += BM) {
+  for (int m0 = blockIdx.z * BM; m0 < cnt; m0 += gridDim.z * BM) {  // split z of gridDim.z
     __syncthreads();  // the previous M tile's epilogue is done with the ring and the row indices
     for (int i = threadIdx.x; i < BM; i += THREADS)
       rows[i] = m0 + i >= cnt ? -1 : GU ? token_idx[perm[beg + m0 + i]] : beg + m0 + i;
@@ -1836,7 +1839,7 @@ __device__ __forceinline__ void moe_gemmf_body(const u32x4* __restrict__ w, cons
 }
 
 // qpn{2,8}_moe_gemmf_gateup_<BM>x256, qpn{2,8}_moe_gemmf_down_<BM>x128: the moe_gemm kernels'
-// arguments; grid (ceil(I / 128), min(A, S)) and (ceil(H / 128), min(A, S)); blockDim 256.
+// arguments; grid (ceil(I / 128), min(A, S), Z) and (ceil(H / 128), min(A, S), Z); blockDim 256.
 #define MOE_GEMMF(FMT, BM, ST, MINB1, MINB2)                                                       \
   extern "C" __global__ void __launch_bounds__(THREADS, MINB1) qpn##FMT##_moe_gemmf_gateup_##BM##x256( \
       const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \

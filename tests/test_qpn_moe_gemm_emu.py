@@ -45,10 +45,10 @@ def emu_source(family: str) -> str:
     sec = src[start: src.index(RULE, start + len(RULE))]
     assert "asm" not in sec, "an inline-PTX helper the shim does not replace"
     entry = "".join(
-        f'extern "C" void emu_gateup_{f}_{bm}(int gx, int gy, {ARGS_GU}) {{ run_grid(gx, gy, THREADS, [&] {{ '
-        f'qpn{f}_{gu}(w, s, gs, ws, ss, x, tok, off, perm, act, h, H, I); }}); }}\n'
-        f'extern "C" void emu_down_{f}_{bm}(int gx, int gy, {ARGS_DN}) {{ run_grid(gx, gy, THREADS, [&] {{ '
-        f'qpn{f}_{dn}(w, s, gs, ws, ss, h, tok, rw, off, perm, act, y, H, I); }}); }}\n'
+        f'extern "C" void emu_gateup_{f}_{bm}(int gx, int gy, int gz, {ARGS_GU}) {{ run_grid(gx, gy, THREADS, [&] {{ '
+        f'qpn{f}_{gu}(w, s, gs, ws, ss, x, tok, off, perm, act, h, H, I); }}, gz); }}\n'
+        f'extern "C" void emu_down_{f}_{bm}(int gx, int gy, int gz, {ARGS_DN}) {{ run_grid(gx, gy, THREADS, [&] {{ '
+        f'qpn{f}_{dn}(w, s, gs, ws, ss, h, tok, rw, off, perm, act, y, H, I); }}, gz); }}\n'
         for f in (2, 8) for bm, (gu, dn) in names.items())
     return base() + EXTRA + sec + entry
 
@@ -92,7 +92,8 @@ def route(slot_ids, s, g):
 
 @pytest.mark.parametrize("qtype,h,i", [(QType.NVFP4, 192, 128), (QType.FP8, 160, 96)])
 @pytest.mark.parametrize("bm", [32, 64])
-def test_emulated_moe_gemm(emu, qtype, h, i, bm):
+@pytest.mark.parametrize("gz", [1, 2], ids=["z1", "z2"])
+def test_emulated_moe_gemm(emu, qtype, h, i, bm, gz):
     family, lib = emu
     hcols = FAMILIES[family][3]
     make = {QType.NVFP4: nvfp4, QType.FP8: fp8}[qtype]
@@ -120,8 +121,8 @@ def test_emulated_moe_gemm(emu, qtype, h, i, bm):
     y = torch.zeros(t, h)
     p, ci, ll = (lambda v: ctypes.c_void_p(v.data_ptr())), ctypes.c_int, ctypes.c_longlong
     fmt = 2 if qtype is QType.NVFP4 else 8
-    getattr(lib, f"emu_gateup_{fmt}_{bm}")(ci(-(-i // hcols)), ci(rows), p(w13), p(s13), p(gs), ll(ws13), ll(ss13),
-                                           p(x), p(token_idx), p(offsets), p(perm), p(active), p(hbuf), ci(h), ci(i))
+    getattr(lib, f"emu_gateup_{fmt}_{bm}")(ci(-(-i // hcols)), ci(rows), ci(gz), p(w13), p(s13), p(gs), ll(ws13),
+                                           ll(ss13), p(x), p(token_idx), p(offsets), p(perm), p(active), p(hbuf), ci(h), ci(i))
     nv = int(offsets[s])
     assert torch.isnan(hbuf[nv:]).all(), "h written past the routed rows"
     assert not torch.isnan(hbuf[:nv]).any(), "unwritten h rows"
@@ -135,7 +136,7 @@ def test_emulated_moe_gemm(emu, qtype, h, i, bm):
         got = hbuf[offsets[j]: offsets[j + 1]].double()
         err = ((got - ref).norm() / ref.norm()).item()
         assert err < 2e-3, f"{family} slot {j} gate+up: relative error {err:.2e}"
-    getattr(lib, f"emu_down_{fmt}_{bm}")(ci(-(-h // 128)), ci(rows), p(w2), p(s2), p(gs), ll(ws2), ll(ss2),
+    getattr(lib, f"emu_down_{fmt}_{bm}")(ci(-(-h // 128)), ci(rows), ci(gz), p(w2), p(s2), p(gs), ll(ws2), ll(ss2),
                                          p(hbuf), p(token_idx), p(route_w), p(offsets), p(perm), p(active),
                                          p(y), ci(h), ci(i))
     assert torch.isfinite(y).all()
@@ -158,17 +159,17 @@ def test_launcher_rule(monkeypatch):
         assert plan(4096, 128, 2, 70, 2048, 768) is None
     monkeypatch.setattr(qpn, "MOE_GEMM", ["auto"])
     # top-8 of 128 experts: 32 tokens = 2 rows per slot -> gemmf on sm_80+; Volta NVFP4: WMMA from 64 rows
-    assert plan(256, 128, 2, 90, 2048, 768) == ("qpn2_moe_gemmf_gateup_32x256", 6, "qpn2_moe_gemmf_down_32x128", 16)
+    assert plan(256, 128, 2, 90, 2048, 768) == ("qpn2_moe_gemmf_gateup_32x256", 6, "qpn2_moe_gemmf_down_32x128", 16, 32)
     assert plan(72, 128, 2, 90, 2048, 768)[0] == "qpn2_moe_gemmf_gateup_32x256"   # 9 tokens (qpn_moe: t > 8)
     assert plan(16384, 128, 2, 90, 2048, 768)[0] == "qpn2_moe_gemmf_gateup_32x256"   # NVFP4 gemmf: BM 32 always
-    assert plan(8192, 128, 8, 90, 2048, 768)[::2] == ("qpn8_moe_gemmf_gateup_64x256", "qpn8_moe_gemmf_down_64x128")
+    assert plan(8192, 128, 8, 90, 2048, 768)[0:3:2] == ("qpn8_moe_gemmf_gateup_64x256", "qpn8_moe_gemmf_down_64x128")
     assert plan(4096, 128, 8, 90, 2048, 768)[0] == "qpn8_moe_gemmf_gateup_32x256"
     assert plan(4096, 128, 2, 70, 2048, 768) is None                     # 512 tokens on Volta, NVFP4: mt4
-    assert plan(8192, 128, 2, 70, 2048, 768) == ("qpn2_moe_gemm_gateup_64x128", 12, "qpn2_moe_gemm_down_64x128", 16)
-    assert plan(4096, 128, 8, 70, 2048, 768)[::2] == ("qpn8_moe_gemm_gateup_32x128", "qpn8_moe_gemm_down_32x128")
+    assert plan(8192, 128, 2, 70, 2048, 768) == ("qpn2_moe_gemm_gateup_64x128", 12, "qpn2_moe_gemm_down_64x128", 16, 64)
+    assert plan(4096, 128, 8, 70, 2048, 768)[0:3:2] == ("qpn8_moe_gemm_gateup_32x128", "qpn8_moe_gemm_down_32x128")
     assert plan(128, 128, 8, 70, 2048, 768) is None                      # Volta FP8: WMMA from 2 rows
     monkeypatch.setattr(qpn, "MOE_GEMM", ["1"])
-    assert plan(8192, 128, 8, 90, 2048, 768)[::2] == ("qpn8_moe_gemm_gateup_64x128", "qpn8_moe_gemm_down_64x128")
+    assert plan(8192, 128, 8, 90, 2048, 768)[0:3:2] == ("qpn8_moe_gemm_gateup_64x128", "qpn8_moe_gemm_down_64x128")
     assert plan(8, 128, 2, 70, 2048, 768) is None and plan(0, 128, 2, 70, 2048, 768) is None
     monkeypatch.setattr(qpn, "MOE_GEMM", ["f"])
     assert plan(512, 128, 2, 70, 2048, 768) is None                      # Volta: the WMMA family's rule
@@ -183,5 +184,5 @@ def test_launcher_rule(monkeypatch):
         monkeypatch.setattr(qpn, "MOE_GEMM", [choice])
         for a in (8192, 16384):
             for fmt in (2, 8):
-                gu, _, dn, _ = plan(a, 128, fmt, sm, 2048, 768)
+                gu, _, dn, _, _ = plan(a, 128, fmt, sm, 2048, 768)
                 assert {gu, dn} <= names, "a kernel the compile check does not list"

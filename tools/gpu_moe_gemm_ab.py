@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=768)
-    p.add_argument("--skew", type=float, default=0.25)
+    p.add_argument("--skew", default="0.25", help="comma list of Zipf exponents of the experts' popularity")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=120)
@@ -112,11 +112,12 @@ def main(argv=None) -> int:
         for qname in a.qtypes.split(","):
             qtype = QType.NVFP4 if qname == "nvfp4" else QType.FP8
             slots = random_slots(qtype, a.experts, a.hidden, a.inter, dev, gen)
-            for t in [int(v) for v in a.tokens.split(",")]:
+            for t, skew in [(int(v), float(k)) for v in a.tokens.split(",") for k in a.skew.split(",")]:
                 if time.monotonic() > deadline:
                     print(f"budget spent: {qname} T={t} and after not run", flush=True)
                     break
-                ids, tok, rw = routing(t, a.experts, a.topk, a.skew, dev, gen)
+                ids, tok, rw = routing(t, a.experts, a.topk, skew, dev, gen)
+                busiest = int(torch.bincount(ids.long(), minlength=a.experts).max())
                 x = (torch.randn(t, a.hidden, device=dev, generator=gen) * 0.5).half()
                 per = {m: [] for m in modes}
                 ys = {}
@@ -139,14 +140,15 @@ def main(argv=None) -> int:
                     rel = ((ys[m] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     # weight bytes read once per active expert (packed words + scales), for a GB/s figure
                     active = int(torch.unique(ids).numel())
-                    rec = dict(meta, qtype=qname, tokens=t, mode=str(m or "0"), kernel=(plan[str(m)] or ["mt4"])[0],
+                    rec = dict(meta, qtype=qname, tokens=t, skew=skew, rows_busiest=busiest,
+                               rows_mean=len(ids) / a.experts, mode=str(m or "0"), kernel=(plan[str(m)] or ["mt4"])[0],
                                us_median=round(statistics.median(us), 1), us_min=round(min(us), 1),
                                us_max=round(max(us), 1), rounds=a.rounds, reps=a.reps, active_experts=active,
                                weight_gbs=round(active * slots.nbytes_per_slot / (statistics.median(us) * 1e3), 1),
                                rel_vs_mode0=rel)
                     f.write(json.dumps(rec) + "\n")
                     f.flush()
-                    print(f"{qname:5s} T={t:5d} mode={rec['mode']} {rec['kernel']:32s} "
+                    print(f"{qname:5s} T={t:5d} skew {skew} busiest {busiest:5d} mode={rec['mode']} {rec['kernel']:32s} "
                           f"{rec['us_median']:9.1f} us (min {rec['us_min']}, max {rec['us_max']}) "
                           f"{rec['weight_gbs']:7.1f} GB/s  rel {rel:.1e}", flush=True)
             del slots

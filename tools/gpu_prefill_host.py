@@ -77,6 +77,28 @@ def gpu_profile(hm, ids, dev, top: int = 12) -> dict:
     return {"launches": launches, "gpu_busy_ms": round(busy / 1e3, 3), "top_gpu": kernels[:top]}
 
 
+def route_stats(hm, ids, dev, cfg) -> None:
+    """One eager prefill with the router observed: how evenly the prompt's rows fall on the experts (the
+    grouped MoE kernels' block rows are experts: the busiest one sets a layer's time)."""
+    import numpy as np
+
+    counts = np.zeros((cfg.num_hidden_layers, cfg.num_experts), dtype=np.int64)
+    inner = hm.model
+    inner.on_route = lambda l, r, w: np.add.at(counts[l], r.cpu().numpy().ravel(), 1)
+    try:
+        forward_once(hm, ids, dev)
+    finally:
+        inner.on_route = None
+    mean = len(ids) * cfg.num_experts_per_tok / cfg.num_experts
+    top = counts.max(axis=1)
+    record({"check": f"route_{len(ids)}", "prompt_tokens": len(ids), "rows_mean": round(mean, 2),
+            "rows_max_median": float(np.median(top)), "rows_max_max": int(top.max()),
+            "rows_max_over_mean": round(float(np.median(top)) / mean, 2),
+            "active_experts_median": float(np.median((counts > 0).sum(axis=1))),
+            "top8_share_median": round(float(np.median(np.sort(counts, axis=1)[:, -8:].sum(axis=1)
+                                                        / counts.sum(axis=1))), 3)})
+
+
 def runs(path: Path, deadline: float, a) -> None:
     import cProfile
 
@@ -102,6 +124,10 @@ def runs(path: Path, deadline: float, a) -> None:
         pg = hm.prefill_graphs
         if pg is not None and a.graph_max:
             pg.hi = a.graph_max
+        rules = dict(qpn.MOE_GEMM_RULES)
+        if a.route_stats:
+            for n in a.prompt_tokens:
+                route_stats(hm, prompt_ids(tok, n), dev, cfg)
         combos = [(mode, g) for mode in a.modes for g in a.moe_gemm]
         for n, mode, g, pas in [(n, mode, g, pas) for n in a.prompt_tokens for pas in range(a.passes)
                                 for mode, g in (combos if pas % 2 == 0 else combos[::-1])]:
@@ -111,7 +137,9 @@ def runs(path: Path, deadline: float, a) -> None:
                 continue
             if pg is not None:
                 pg.enabled = mode == "graph"
-            qpn.MOE_GEMM[0] = g
+            qpn.MOE_GEMM[0], _, bm64 = g.partition("@")
+            qpn.MOE_GEMM_RULES.update({key: (least, int(bm64) if bm64 else default)
+                                       for key, (least, default) in rules.items()})
             ids = prompt_ids(tok, n)
             steps0 = pg.steps if pg is not None else 0
             for _ in range(2):
@@ -155,8 +183,11 @@ def main() -> int:
     p.add_argument("--profile", default="h200")
     p.add_argument("--prompt-tokens", default="8,16,32,64,128,512")
     p.add_argument("--modes", default="eager,graph", help="comma list of eager | graph, measured in turn per size")
-    p.add_argument("--moe-gemm", default="auto", help="comma list of HYBRID_MOE_GEMM values (auto, 0, 1, f) alternated "
+    p.add_argument("--moe-gemm", default="auto", help="comma list of HYBRID_MOE_GEMM values (auto, 0, 1, f; "
+                   "'auto@64': BM 64 from 64 rows in every family) alternated "
                    "per size in one session")
+    p.add_argument("--route-stats", action="store_true", help="per size, one prefill with the routing counted "
+                   "(rows per expert: mean, busiest)")
     p.add_argument("--graph-max", type=int, default=0, help="the largest prefill-graph bucket (default: "
                    "hybrid.runtime.prefill_graphs.PREFILL_GRAPH_MAX)")
     p.add_argument("--passes", type=int, default=1, help="run the mode x moe-gemm list this many times, "
@@ -171,7 +202,7 @@ def main() -> int:
     if not a.modes or any(x not in ("eager", "graph") for x in a.modes):
         raise SystemExit(f"error: --modes {','.join(a.modes)}: expected a comma list of eager, graph")
     a.moe_gemm = [x.strip() for x in a.moe_gemm.split(",") if x.strip()]
-    if not a.moe_gemm or any(x not in ("auto", "0", "1", "f") for x in a.moe_gemm):
+    if not a.moe_gemm or any(x.partition("@")[0] not in ("auto", "0", "1", "f") for x in a.moe_gemm):
         raise SystemExit(f"error: --moe-gemm {','.join(a.moe_gemm)}: expected a comma list of auto, 0, 1, f")
     if a.passes < 1:
         raise SystemExit(f"error: --passes {a.passes}: expected >= 1")

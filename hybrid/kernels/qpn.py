@@ -678,6 +678,7 @@ ROUTE_ZERO_MAX = 32768
 MOE_GEMM: list[str | None] = [os.environ.get("HYBRID_MOE_GEMM") or "auto"]
 MOE_GEMM_RULES = {("f", 2): (0, None), ("f", 8): (0, 64), ("1", 2): (64, 64), ("1", 8): (2, 64)}
 MOE_GEMMF_TILES = (64, 32)  # BM of the gemmf family (gate+up BN = 256, down BN = 128)
+MOE_GEMM_SPLIT = 16         # the most blocks (grid.z) that share one slot's M tiles (moe_gemm_splits)
 
 
 def moe_gemm_mode() -> str | None:
@@ -694,9 +695,10 @@ def moe_gemm_mode() -> str | None:
 
 
 def moe_gemm_plan(a: int, s: int, fmt: int, sm: int, h: int, i: int) -> tuple[str, int, str, int] | None:
-    """(gate+up kernel, its grid.x, down kernel, its grid.x) of the MoE grouped GEMM for A assignments
+    """(gate+up kernel, its grid.x, down kernel, its grid.x, BM) of the MoE grouped GEMM for A assignments
     over S slots on an sm_<sm> device, or None for the mt{1,4} kernels (MOE_GEMM off, or fewer average rows
-    per block row than MOE_GEMM_RULES asks). grid.y: min(A, S) (qpn_moe_route's active slots)."""
+    per block row than MOE_GEMM_RULES asks). grid.y: min(A, S) (qpn_moe_route's active slots); grid.z:
+    moe_gemm_splits."""
     choice = moe_gemm_mode()
     if choice is None or a == 0:
         return None
@@ -708,8 +710,17 @@ def moe_gemm_plan(a: int, s: int, fmt: int, sm: int, h: int, i: int) -> tuple[st
     bm = 64 if bm64 is not None and avg >= bm64 else 32
     if family == "f":
         return (f"qpn{fmt}_moe_gemmf_gateup_{bm}x256", -(-i // 128), f"qpn{fmt}_moe_gemmf_down_{bm}x128",
-                -(-h // 128))
-    return f"qpn{fmt}_moe_gemm_gateup_{bm}x128", -(-i // 64), f"qpn{fmt}_moe_gemm_down_{bm}x128", -(-h // 128)
+                -(-h // 128), bm)
+    return (f"qpn{fmt}_moe_gemm_gateup_{bm}x128", -(-i // 64), f"qpn{fmt}_moe_gemm_down_{bm}x128", -(-h // 128),
+            bm)
+
+
+def moe_gemm_splits(t: int, a: int, bm: int) -> int:
+    """grid.z of the MoE grouped GEMM: the blocks that share one slot's M tiles. A slot holds at most
+    min(T, A) rows (a token routes to an expert once), i.e. ceil(min(T, A) / BM) tiles; up to
+    MOE_GEMM_SPLIT of them run side by side, so one expert that most of a prompt routes to does not
+    serialize the layer (splits past a slot's tiles exit at once)."""
+    return max(1, min(MOE_GEMM_SPLIT, -(-min(t, a) // bm)))
 
 
 def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, token_idx: torch.Tensor,
@@ -753,11 +764,12 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
     ss2 = slots.s2[0].numel() // 8 if slots.s2.dim() > 1 else 0
     plan = moe_gemm_plan(a, s, fmt, mod.sm, h, i) if mt == 4 else None
     if plan is not None:
-        mod.launch(plan[0], (plan[1], rows, 1), THREADS,
+        z = moe_gemm_splits(t, a, plan[4])
+        mod.launch(plan[0], (plan[1], rows, z), THREADS,
                    [_p(slots.w13), _p(slots.s13), _p(slots.gs), ctypes.c_longlong(ws13),
                     ctypes.c_longlong(ss13), _p(x), _p(token_idx), _p(offsets), _p(perm), _p(slot_list),
                     _p(hbuf), ctypes.c_int(h), ctypes.c_int(i)])
-        mod.launch(plan[2], (plan[3], rows, 1), THREADS,
+        mod.launch(plan[2], (plan[3], rows, z), THREADS,
                    [_p(slots.w2), _p(slots.s2), _p(slots.gs), ctypes.c_longlong(ws2),
                     ctypes.c_longlong(ss2), _p(hbuf), _p(token_idx), _p(route_w), _p(offsets),
                     _p(perm), _p(slot_list), _p(y), ctypes.c_int(h), ctypes.c_int(i)])
