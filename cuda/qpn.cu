@@ -1160,30 +1160,18 @@ __device__ __forceinline__ void gemmf_decode(u32 (&a)[2][4], const u32x4 (&wv)[C
   }
 }
 
-template <int FMT, int BM, int NT, int ST>
-__device__ __forceinline__ void gemmf_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
-                                           float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                           int M, int N, int K, int KS, float* part, int* cnt) {
+// The K loop of the gemmf family (the dense GEMM and the MoE grouped GEMM): k-steps kb .. ke - 1 into
+// acc (zeroed here), the activations through the ST-slot cp.async ring at `ring` (load_x(dst, kt) stages
+// k-step kt into the slot at dst), the NT weight tiles' packed words (wl, sl: this lane's) loaded into
+// registers one k-step ahead, L2-prefetched GEMMF_PD ahead and decoded straight into A fragments. xl:
+// this lane's row (token l / 4 of 8-token tile 0) and k-slice l % 4 in a ring slot. Ends with the ring
+// drained and the block synced (the ring becomes the epilogue's staging area).
+template <int FMT, int MJ, int NT, int ST, int XB, class LoadX>
+__device__ __forceinline__ void gemmf_k_loop(float (&acc)[NT][MJ][4], const u32x4* const (&wl)[NT],
+                                             const u64* const (&sl)[NT], u32 ring, u32 xl, int kb, int ke,
+                                             int C, int lane, LoadX load_x) {
 #if QPN_MMA >= 2
-  constexpr int BN = WARPS * 16 * NT, MJ = BM / 8, CPS = FMT == 2 ? 1 : 2;
-  constexpr int XB = BM * FXS * 2;                      // bytes per ring slot
-  constexpr int SW = 16 * NT + 4;                       // epilogue staging row (floats)
-  static_assert(ST >= 2 && WARPS * 8 * SW * 4 <= ST * XB && (BM * 16) % THREADS == 0, "gemmf shape");
-  __shared__ __align__(128) unsigned char sm[ST * XB];
-  __shared__ int last;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
-  const int C = K / (FMT == 2 ? 64 : 32), tiles = (N + 15) >> 4, nk = (K + 63) / 64;
-  const int kb = blockIdx.z * KS, ke = kb + KS < nk ? kb + KS : nk;
-  const u32 ring = smem_addr(sm);
-  const u32x4* wt[NT];
-  const u64* st[NT];
-  tile_ptrs<NT>(wt, st, w, s, (n0 >> 4) + warp * NT, tiles, C);
-  const u32x4* wl[NT];
-  const u64* sl[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) wl[nt] = wt[nt] + lane, sl[nt] = st[nt] + (lane >> 2);
-  float acc[NT][MJ][4];
+  constexpr int CPS = FMT == 2 ? 1 : 2;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -1192,7 +1180,7 @@ __device__ __forceinline__ void gemmf_body(const u32x4* __restrict__ w, const u6
       for (int e = 0; e < 4; ++e) acc[nt][j][e] = 0.f;
 #pragma unroll
   for (int p = 0; p < ST - 1; ++p) {
-    if (kb + p < ke) gemmf_load_x<BM>(ring + p * XB, x, m0, M, K, 64 * (kb + p));
+    if (kb + p < ke) load_x(ring + p * XB, kb + p);
     cp_commit();
   }
   u32x4 wv[CPS][NT];
@@ -1201,15 +1189,13 @@ __device__ __forceinline__ void gemmf_body(const u32x4* __restrict__ w, const u6
 #pragma unroll
   for (int p = 1; p < GEMMF_PD; ++p)
     if (kb + p < ke) gemmf_prefetch<FMT, NT, CPS>(wl, sl, kb + p, C, lane);
-  // this lane's row (token l / 4 of 8-token tile 0) and k-slice q = l % 4 in a ring slot
-  const u32 xl = ((lane >> 2) * FXS + 16 * (lane & 3)) * 2;
   int slot = 0;
   for (int kt = kb; kt < ke; ++kt) {
     cp_wait<ST - 2>();
     __syncthreads();  // stage kt has landed for every thread; every warp is done with stage kt - 1
     {
       const int nx = kt + ST - 1, ns = slot == 0 ? ST - 1 : slot - 1;  // the slot of stage kt - 1
-      if (nx < ke) gemmf_load_x<BM>(ring + ns * XB, x, m0, M, K, 64 * nx);
+      if (nx < ke) load_x(ring + ns * XB, nx);
       cp_commit();
     }
     if (kt + GEMMF_PD < ke) gemmf_prefetch<FMT, NT, CPS>(wl, sl, kt + GEMMF_PD, C, lane);
@@ -1236,7 +1222,38 @@ __device__ __forceinline__ void gemmf_body(const u32x4* __restrict__ w, const u6
     slot = slot == ST - 1 ? 0 : slot + 1;
   }
   cp_wait<0>();
-  __syncthreads();  // the ring becomes the epilogue's staging area
+  __syncthreads();
+#endif
+}
+
+template <int FMT, int BM, int NT, int ST>
+__device__ __forceinline__ void gemmf_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                           float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                           int M, int N, int K, int KS, float* part, int* cnt) {
+#if QPN_MMA >= 2
+  constexpr int BN = WARPS * 16 * NT, MJ = BM / 8;
+  constexpr int XB = BM * FXS * 2;                      // bytes per ring slot
+  constexpr int SW = 16 * NT + 4;                       // epilogue staging row (floats)
+  static_assert(ST >= 2 && WARPS * 8 * SW * 4 <= ST * XB && (BM * 16) % THREADS == 0, "gemmf shape");
+  __shared__ __align__(128) unsigned char sm[ST * XB];
+  __shared__ int last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+  const int C = K / (FMT == 2 ? 64 : 32), tiles = (N + 15) >> 4, nk = (K + 63) / 64;
+  const int kb = blockIdx.z * KS, ke = kb + KS < nk ? kb + KS : nk;
+  const u32 ring = smem_addr(sm);
+  const u32x4* wt[NT];
+  const u64* st[NT];
+  tile_ptrs<NT>(wt, st, w, s, (n0 >> 4) + warp * NT, tiles, C);
+  const u32x4* wl[NT];
+  const u64* sl[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) wl[nt] = wt[nt] + lane, sl[nt] = st[nt] + (lane >> 2);
+  float acc[NT][MJ][4];
+  const u32 xl = ((lane >> 2) * FXS + 16 * (lane & 3)) * 2;
+  gemmf_k_loop<FMT, MJ, NT, ST, XB>(acc, wl, sl, ring, xl, kb, ke, C, lane, [&](u32 dst, int kt) {
+    gemmf_load_x<BM>(dst, x, m0, M, K, 64 * kt);
+  });
   // acc[nt][j]: rows (features) 16 nt + l / 4 (+ 8), columns (tokens) 8 j + 2 (l % 4) (+ 1)
   float* stg = reinterpret_cast<float*>(sm) + warp * 8 * SW;
   const int tt = lane / (2 * NT), seg = lane % (2 * NT), r = lane >> 2, q = lane & 3;
@@ -1707,7 +1724,7 @@ __device__ __forceinline__ void moe_gemmf_body(const u32x4* __restrict__ w, cons
                                                const int* __restrict__ active, u16* __restrict__ h,
                                                float* __restrict__ y, int H, int I) {
 #if QPN_MMA >= 2
-  constexpr int MJ = BM / 8, CPS = FMT == 2 ? 1 : 2;
+  constexpr int MJ = BM / 8;
   constexpr int XB = BM * FXS * 2;  // bytes per ring slot
   constexpr int SW = 16 + 4;        // epilogue staging row (floats): 16 outputs per warp
   static_assert(ST >= 2 && WARPS * 8 * SW * 4 <= ST * XB && (BM * 16) % THREADS == 0, "gemmf shape");
@@ -1750,55 +1767,9 @@ __device__ __forceinline__ void moe_gemmf_body(const u32x4* __restrict__ w, cons
       rows[i] = m0 + i >= cnt ? -1 : GU ? token_idx[perm[beg + m0 + i]] : beg + m0 + i;
     __syncthreads();
     float acc[NT][MJ][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int j = 0; j < MJ; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][j][e] = 0.f;
-#pragma unroll
-    for (int p = 0; p < ST - 1; ++p) {
-      if (p < nk) moe_gemmf_load_x<BM>(ring + p * XB, x, rows, K, 64 * p);
-      cp_commit();
-    }
-    u32x4 wv[CPS][NT];
-    u64 sv[NT];
-    gemmf_load_w<FMT, NT, CPS>(wv, sv, wl, sl, 0, C);
-#pragma unroll
-    for (int p = 1; p < GEMMF_PD; ++p)
-      if (p < nk) gemmf_prefetch<FMT, NT, CPS>(wl, sl, p, C, lane);
-    int rs = 0;
-    for (int kt = 0; kt < nk; ++kt) {
-      cp_wait<ST - 2>();
-      __syncthreads();  // stage kt has landed for every thread; every warp is done with stage kt - 1
-      {
-        const int nx = kt + ST - 1, ns = rs == 0 ? ST - 1 : rs - 1;  // the slot of stage kt - 1
-        if (nx < nk) moe_gemmf_load_x<BM>(ring + ns * XB, x, rows, K, 64 * nx);
-        cp_commit();
-      }
-      if (kt + GEMMF_PD < nk) gemmf_prefetch<FMT, NT, CPS>(wl, sl, kt + GEMMF_PD, C, lane);
-      const u32 xa = ring + rs * XB + xl;
-#pragma unroll
-      for (int gp = 0; gp < 2; ++gp) {
-        if (FMT == 8 && gp == 1 && 2 * kt + 1 >= C) break;  // K ends half-way (the last k-step)
-        u32 a[NT][2][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) gemmf_decode<FMT, NT, CPS>(a[nt], wv, sv, nt, gp);
-        if (gp == 1 && kt + 1 < nk) gemmf_load_w<FMT, NT, CPS>(wv, sv, wl, sl, kt + 1, C);
-#pragma unroll
-        for (int j = 0; j < MJ; ++j) {
-          const u32x4 b = lds128(xa + (j * 8 * FXS + 8 * gp) * 2);  // groups 2 gp, 2 gp + 1
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            mma_tile(acc[nt][j], a[nt][0][0], a[nt][0][1], a[nt][0][2], a[nt][0][3], b.x, b.y);
-            mma_tile(acc[nt][j], a[nt][1][0], a[nt][1][1], a[nt][1][2], a[nt][1][3], b.z, b.w);
-          }
-        }
-      }
-      rs = rs == ST - 1 ? 0 : rs + 1;
-    }
-    cp_wait<0>();
-    __syncthreads();  // the ring becomes the epilogue's staging area
+    gemmf_k_loop<FMT, MJ, NT, ST, XB>(acc, wl, sl, ring, xl, 0, nk, C, lane, [&](u32 dst, int kt) {
+      moe_gemmf_load_x<BM>(dst, x, rows, K, 64 * kt);
+    });
     // acc[nt][j]: rows (features) 16 t + l / 4 (+ 8), columns (tokens) 8 j + 2 (l % 4) (+ 1)
 #pragma unroll
     for (int j = 0; j < MJ; ++j) {
