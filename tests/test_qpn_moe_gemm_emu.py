@@ -186,3 +186,18 @@ def test_launcher_rule(monkeypatch):
             for fmt in (2, 8):
                 gu, _, dn, _, _ = plan(a, 128, fmt, sm, 2048, 768)
                 assert {gu, dn} <= names, "a kernel the compile check does not list"
+
+
+@pytest.mark.parametrize("env,mode", [(None, "auto"), ("0", None), ("f", "f"), ("", "auto")])
+def test_env_default(env, mode):
+    """$HYBRID_MOE_GEMM sets the initial choice: unset (or empty) is auto, 0 is off."""
+    import os
+    import subprocess
+    import sys
+
+    e = {k: v for k, v in os.environ.items() if k != "HYBRID_MOE_GEMM"}
+    if env is not None:
+        e["HYBRID_MOE_GEMM"] = env
+    out = subprocess.run([sys.executable, "-c", "from hybrid.kernels import qpn; print(qpn.moe_gemm_mode())"],
+                         env=e, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(mode)
