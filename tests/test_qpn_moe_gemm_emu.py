@@ -122,7 +122,8 @@ def test_emulated_moe_gemm(emu, qtype, h, i, bm, gz):
     p, ci, ll = (lambda v: ctypes.c_void_p(v.data_ptr())), ctypes.c_int, ctypes.c_longlong
     fmt = 2 if qtype is QType.NVFP4 else 8
     getattr(lib, f"emu_gateup_{fmt}_{bm}")(ci(-(-i // hcols)), ci(rows), ci(gz), p(w13), p(s13), p(gs), ll(ws13),
-                                           ll(ss13), p(x), p(token_idx), p(offsets), p(perm), p(active), p(hbuf), ci(h), ci(i))
+                                           ll(ss13), p(x), p(token_idx), p(offsets), p(perm), p(active), p(hbuf),
+                                           ci(h), ci(i))
     nv = int(offsets[s])
     assert torch.isnan(hbuf[nv:]).all(), "h written past the routed rows"
     assert not torch.isnan(hbuf[:nv]).any(), "unwritten h rows"

@@ -148,7 +148,8 @@ def main(argv=None) -> int:
                                rel_vs_mode0=rel)
                     f.write(json.dumps(rec) + "\n")
                     f.flush()
-                    print(f"{qname:5s} T={t:5d} skew {skew} busiest {busiest:5d} mode={rec['mode']} {rec['kernel']:32s} "
+                    print(f"{qname:5s} T={t:5d} skew {skew} busiest {busiest:5d} mode={rec['mode']} "
+                          f"{rec['kernel']:32s} "
                           f"{rec['us_median']:9.1f} us (min {rec['us_min']}, max {rec['us_max']}) "
                           f"{rec['weight_gbs']:7.1f} GB/s  rel {rel:.1e}", flush=True)
             del slots

@@ -61,8 +61,8 @@ def runs(path: Path, deadline: float, a) -> None:
             rc.log(f"session {check}: {kw}")
             s = open_session(path, RuntimeOptions(**kw), context=ctx, cpu=cpu)
             try:
-                for src, g, n in [(src, g, n) for src in a.sources for g in a.moe_gemm     # alternated inside one
-                                  for n in a.prompt_tokens]:                               # session (same machine state)
+                # alternated inside one session (same machine state)
+                for src, g, n in [(src, g, n) for src in a.sources for g in a.moe_gemm for n in a.prompt_tokens]:
                     _set_source(src)
                     qpn.MOE_GEMM[0] = g
                     st0 = s.model.experts.prefill_stream_stats()

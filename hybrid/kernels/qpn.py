@@ -664,17 +664,18 @@ MOE_DOWN_MIN_CHUNKS = 6
 ROUTE_ZERO_MAX = 32768
 # MoE prefill: a grouped GEMM per expert slot instead of the mt4 kernels (each slot's packed weights
 # decoded once per BM rows instead of once per 4 tokens) for steps of more than 8 tokens (decode and
-# verify steps keep the mt1 kernels), where the average rows per block row,
-# A / min(A, S), reach the family's minimum. MOE_GEMM (initial value from $HYBRID_MOE_GEMM): "auto" (the
+# verify steps keep the mt1 kernels), where the average rows per block row, A / min(A, S), reach the
+# family's minimum. MOE_GEMM (initial value from $HYBRID_MOE_GEMM): "auto" (the
 # default) the register-fragment family qpn{2,8}_moe_gemmf_{gateup_<BM>x256,down_<BM>x128} on sm_80+,
 # below sm_80 the WMMA family qpn{2,8}_moe_gemm_{gateup,down}_<BM>x128 (the Volta path); "f" / "1" pick
 # that family (f below sm_80: WMMA); None / "0" off (the mt4 kernels). MOE_GEMM_RULES per (family,
 # format): the fewest average rows that take the GEMM, and the rows from which BM = 64 (else 32).
 # Measured on the H200 (tools/gpu_moe_gemm_ab.py, one 30B-A3B layer, 128 experts resident, top-8,
-# twelfth session, results/runtime.md §21): gemmf NVFP4 0.70-0.75x mt4 from 9 tokens (0.56 rows per slot)
-# to 32 (2 rows), 0.68x at 16 rows, 0.65x at 32, 0.62-0.65x at 64-256 with BM 32 (BM 64: 5% slower); gemmf
-# FP8 0.74-0.85x from 9 tokens to 16 rows, 0.62-0.68x at 64-256 with BM 64 (BM 32: 5-10% slower); WMMA NVFP4 1.09-1.17x mt4 up to 32 rows,
-# 0.70-0.75x from 64 with BM 64 (BM 32: 1.0x); WMMA FP8 0.88-0.93x from 2 rows, 0.58-0.63x from 64 (BM 64).
+# twelfth session, results/runtime.md §21.1), time against mt4: gemmf NVFP4 0.70-0.75x from 9 tokens
+# (0.56 rows per slot) to 32 (2 rows), 0.68x at 16 rows, 0.65x at 32, 0.62-0.65x at 64-128 with BM 32
+# (BM 64: 5% slower); gemmf FP8 0.72-0.85x from 9 tokens to 16 rows, 0.62-0.68x at 64-128 with BM 64
+# (BM 32: 5-10% slower); WMMA NVFP4 1.01-1.17x up to 32 rows, 0.71-0.75x at 64-128 with BM 64 (BM 32:
+# 0.96-1.0x); WMMA FP8 0.87-0.94x from 2 to 32 rows, 0.58-0.63x at 64-128 (BM 64).
 MOE_GEMM: list[str | None] = [os.environ.get("HYBRID_MOE_GEMM") or "auto"]
 MOE_GEMM_RULES = {("f", 2): (0, None), ("f", 8): (0, 64), ("1", 2): (64, 64), ("1", 8): (2, 64)}
 MOE_GEMMF_TILES = (64, 32)  # BM of the gemmf family (gate+up BN = 256, down BN = 128)
@@ -694,7 +695,7 @@ def moe_gemm_mode() -> str | None:
     return choice
 
 
-def moe_gemm_plan(a: int, s: int, fmt: int, sm: int, h: int, i: int) -> tuple[str, int, str, int] | None:
+def moe_gemm_plan(a: int, s: int, fmt: int, sm: int, h: int, i: int) -> tuple[str, int, str, int, int] | None:
     """(gate+up kernel, its grid.x, down kernel, its grid.x, BM) of the MoE grouped GEMM for A assignments
     over S slots on an sm_<sm> device, or None for the mt{1,4} kernels (MOE_GEMM off, or fewer average rows
     per block row than MOE_GEMM_RULES asks). grid.y: min(A, S) (qpn_moe_route's active slots); grid.z:
