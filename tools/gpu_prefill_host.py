@@ -184,8 +184,8 @@ def main() -> int:
     p.add_argument("--prompt-tokens", default="8,16,32,64,128,512")
     p.add_argument("--modes", default="eager,graph", help="comma list of eager | graph, measured in turn per size")
     p.add_argument("--moe-gemm", default="auto", help="comma list of HYBRID_MOE_GEMM values (auto, 0, 1, f; "
-                   "'auto@64': BM 64 from 64 rows in every family) alternated "
-                   "per size in one session")
+                   "'auto@64': BM 64 from 64 rows in every family) alternated per size in one session; a graphed "
+                   "bucket keeps the kernels of its capture, so compare them in eager mode")
     p.add_argument("--route-stats", action="store_true", help="per size, one prefill with the routing counted "
                    "(rows per expert: mean, busiest)")
     p.add_argument("--graph-max", type=int, default=0, help="the largest prefill-graph bucket (default: "
@@ -202,8 +202,9 @@ def main() -> int:
     if not a.modes or any(x not in ("eager", "graph") for x in a.modes):
         raise SystemExit(f"error: --modes {','.join(a.modes)}: expected a comma list of eager, graph")
     a.moe_gemm = [x.strip() for x in a.moe_gemm.split(",") if x.strip()]
-    if not a.moe_gemm or any(x.partition("@")[0] not in ("auto", "0", "1", "f") for x in a.moe_gemm):
-        raise SystemExit(f"error: --moe-gemm {','.join(a.moe_gemm)}: expected a comma list of auto, 0, 1, f")
+    if not a.moe_gemm or any(x.partition("@")[0] not in ("auto", "0", "1", "f")
+                             or not (x.partition("@")[2] or "0").isdigit() for x in a.moe_gemm):
+        raise SystemExit(f"error: --moe-gemm {','.join(a.moe_gemm)}: expected a comma list of auto, 0, 1, f (auto@N: BM 64 from N rows)")
     if a.passes < 1:
         raise SystemExit(f"error: --passes {a.passes}: expected >= 1")
     if a.repeats < 1:
