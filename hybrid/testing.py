@@ -148,10 +148,13 @@ def tokenizer_for(path: str | Path):
     return Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
 
 
-def greedy_logits(model, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """Prefill ids, then n greedy decode steps -> (the n ids, [n, V] logits of the decode steps)."""
+def greedy_logits(model, ids: list[int], n: int, chunk: int = 0) -> tuple[list[int], torch.Tensor]:
+    """Prefill ids (in chunks of `chunk` tokens; 0: at once), then n greedy decode steps -> (the n ids, [n, V]
+    logits of the decode steps)."""
     model.new_cache(len(ids) + n + 1)
-    logits = model.forward(torch.tensor(ids), 0, last_only=True)
+    step = chunk or len(ids)
+    for a in range(0, len(ids), step):
+        logits = model.forward(torch.tensor(ids[a:a + step]), a, last_only=True)
     out, rows = [], []
     for step in range(n):
         out.append(int(logits[-1].argmax()))

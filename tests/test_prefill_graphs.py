@@ -91,6 +91,9 @@ def test_not_usable_cases(models, warm):  # noqa: F811 - fixtures
         assert not pg.usable(1, 0)                         # one token: the decode graphs' job
         assert not pg.usable(17, 0)                        # bucket 32 > the KV store's 20 rows
         assert not PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=False, after=0).usable(12, 0)
+        chunks = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True, after=0, chunks=True)
+        assert chunks.usable(12, 3)                        # later chunks on: bucket 16 from row 3 fits 20 rows
+        assert not chunks.usable(12, 5)                    # rows 5 .. 20 past the store's 20
         s.model.new_cache(PREFILL_GRAPH_MAX + 8)
         assert not pg.usable(PREFILL_GRAPH_MAX + 1, 0)     # past the largest bucket: eager
     finally:
@@ -98,7 +101,12 @@ def test_not_usable_cases(models, warm):  # noqa: F811 - fixtures
 
 
 def test_env_off(monkeypatch, models, warm):  # noqa: F811 - fixtures
-    from hybrid.runtime.prefill_graphs import prefill_graphs_enabled
+    from hybrid.runtime.prefill_graphs import prefill_chunk_graphs_enabled, prefill_graphs_enabled
+
+    monkeypatch.delenv("HYBRID_PREFILL_GRAPH_CHUNKS", raising=False)
+    assert not prefill_chunk_graphs_enabled()                         # later chunks: opt-in
+    monkeypatch.setenv("HYBRID_PREFILL_GRAPH_CHUNKS", "1")
+    assert prefill_chunk_graphs_enabled()
 
     monkeypatch.delenv("HYBRID_CUDA_GRAPHS", raising=False)
     monkeypatch.setenv("HYBRID_PREFILL_GRAPHS", "0")
@@ -150,3 +158,46 @@ def test_a_bucket_runs_eagerly_at_its_first_prompt(models, warm):  # noqa: F811 
         assert pg.usable(12, 0) and pg.usable(20, 0)                      # both buckets seen before
     finally:
         s.close()
+
+
+def _chunked(model_dir, warm, ids, chunk, graphed, cap=None):
+    s = open_session(model_dir, RuntimeOptions(cache_slots=(LAYERS * EXPERTS,), expert_profile=warm, pcie_frac=0.0))
+    try:
+        pg = None
+        if graphed:
+            pg = s.model.prefill_graphs = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True,
+                                                        after=0, chunks=True)
+        s.model.prompt_tokens = len(ids)
+        out, rows = greedy_logits(s.model, ids, 8, chunk=chunk)
+        hits = [c.hits.copy() for c in s.caches]
+        keys = sorted(k[1:] for k in pg._runners) if pg else []
+        return out, rows, hits, (pg.steps if pg else 0), keys
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+def test_later_chunks_through_graphs(models, warm, kind):  # noqa: F811 - fixtures
+    """HYBRID_PREFILL_GRAPH_CHUNKS: a 40-token prompt in chunks of 16 runs its three steps through graph bodies
+    at starts 0, 16 and 32 (the last padded 8 -> 16 rows, its padded KV rows past the prompt never attended):
+    the same greedy continuation, decode logits and cache counters as the eager chunked prefill."""
+    ids = (tokenizer_for(models[kind]).encode(PROMPT) * 4)[:40]
+    assert len(ids) == 40
+    out0, rows0, hits0, _, _ = _chunked(models[kind], warm, ids, 16, graphed=False)
+    out1, rows1, hits1, steps, keys = _chunked(models[kind], warm, ids, 16, graphed=True)
+    assert steps == 3 and keys == [(16, 0), (16, 16), (16, 32)]
+    assert out1 == out0
+    tol = 1e-4 if kind == "bf16" else 1e-2
+    torch.testing.assert_close(rows1, rows0, atol=tol, rtol=tol)
+    for a, b in zip(hits0, hits1):
+        assert np.array_equal(a, b)
+
+
+def test_later_chunk_graphs_capped(monkeypatch, models, warm):  # noqa: F811 - fixtures
+    """Past PREFILL_CHUNK_GRAPHS_MAX (bucket, start) pairs of later chunks, the next ones run eagerly."""
+    from hybrid.runtime import prefill_graphs
+
+    monkeypatch.setattr(prefill_graphs, "PREFILL_CHUNK_GRAPHS_MAX", 1)
+    ids = (tokenizer_for(models["nvfp4"]).encode(PROMPT) * 4)[:40]
+    _, _, _, steps, keys = _chunked(models["nvfp4"], warm, ids, 16, graphed=True)
+    assert steps == 2 and keys == [(16, 0), (16, 16)]                 # the chunk at 32 ran eagerly

@@ -26,8 +26,9 @@ def uniform(nvfp4, tmp_path_factory):  # noqa: F811 - fixture
     return write_expert_profile(nvfp4, counts, tokens, tmp_path_factory.mktemp("pgraph_prof") / "uniform.experts.json")
 
 
-def _gen(path, prompts, env, monkeypatch, profile, slots=None):
+def _gen(path, prompts, env, monkeypatch, profile, slots=None, chunk=0):
     monkeypatch.setenv("HYBRID_PREFILL_GRAPHS", env)
+    monkeypatch.setenv("HYBRID_PREFILL_GRAPH_CHUNKS", "1" if chunk else "0")
     cfg = ModelConfig.from_folder(path)
     slots = cfg.num_hidden_layers * cfg.num_experts if slots is None else slots
     s = open_session(path, RuntimeOptions(device="cuda", cache_slots=(slots,), expert_profile=profile))
@@ -44,7 +45,8 @@ def _gen(path, prompts, env, monkeypatch, profile, slots=None):
         s.model.forward = spy
         for ids in prompts:
             s.model.prompt_tokens = len(ids)
-            out.append(generate(s.model, _tok(path), ids, 8, Sampler(SamplerConfig())).generated_ids)
+            out.append(generate(s.model, _tok(path), ids, 8, Sampler(SamplerConfig()),
+                                prefill_chunk=chunk).generated_ids)
         pg = s.model.prefill_graphs
         resident = all(s.model.experts.device_only(i) for i in range(cfg.num_hidden_layers))
         assert resident == (slots >= cfg.num_hidden_layers * cfg.num_experts)
@@ -70,3 +72,15 @@ def test_prefill_graphs_match_eager(nvfp4, uniform, monkeypatch):  # noqa: F811 
 def test_prefill_stays_eager_when_a_layer_can_miss(nvfp4, uniform, monkeypatch):  # noqa: F811 - fixture
     _, _, (captures, steps, error) = _gen(nvfp4, [_ids(nvfp4, 12)], "1", monkeypatch, uniform, slots=8)
     assert (captures, steps, error) == (0, 0, None)
+
+
+def test_later_chunks_through_graphs(nvfp4, uniform, monkeypatch):  # noqa: F811 - fixture
+    """HYBRID_PREFILL_GRAPH_CHUNKS=1: a 40-token prompt in chunks of 16 (starts 0, 16, 32; the last padded to
+    16 rows): the first prompt runs eagerly, the second captures one graph per (bucket, start), the third
+    replays them; the same greedy ids as the eager chunked prefill."""
+    ids = _ids(nvfp4, 40)
+    prompts = [ids, ids[:39] + ids[:1], ids]
+    want, _, _ = _gen(nvfp4, prompts, "0", monkeypatch, uniform, chunk=16)
+    got, _, (captures, steps, error) = _gen(nvfp4, prompts, "1", monkeypatch, uniform, chunk=16)
+    assert error is None and captures == 3 and steps == 6
+    assert got == want

@@ -18,15 +18,24 @@ while the step runs (rows_for). Only the prompt's routing [n, T, 2k] is settled 
 trace: HybridExperts.note_device, as the decode graphs do), and the head runs on row T - 1 only (its
 index is a device buffer set before the replay).
 
-The segment's body is the eager forward's CUDA path (Attention._cuda at start 0: fused RoPE + KV
-write, SDPA causal; add+norm, the router, the grouped QPN kernel), so the graph changes host time,
+The segment's body is the eager forward's CUDA path (Attention._cuda: fused RoPE + KV write, SDPA
+causal, or masked at start > 0; add+norm, the router, the grouped QPN kernel), so the graph changes host time,
 not the math; the one difference is that the kernels see B rows instead of T. Graphs are captured
 lazily per (segment, B) into one memory pool per device, at the bucket's second prompt (a capture
 costs about two eager prefills, so a bucket used once runs eagerly: PREFILL_GRAPH_AFTER), and dropped
 when the KV store or the residency changes (the next prompt of the bucket captures again).
 HYBRID_PREFILL_GRAPHS=0 turns them off (the eager path), as HYBRID_CUDA_GRAPHS=0 does with every
-graph. With capture=False the same bodies run eagerly (the CPU tests of the padding, the settled
-routing and the capture rule).
+graph.
+
+Later chunks (opt-in, HYBRID_PREFILL_GRAPH_CHUNKS=1, off until it has run on a GPU): a long prompt's
+prefill steps from a position start > 0 (the prefill chunks after the first) run through graphs too, one
+per (bucket, start), at most PREFILL_CHUNK_GRAPHS_MAX of them (chunk starts repeat from prompt to prompt:
+0, C, 2C, ...). Such a graph has its positions start .. start + B - 1 and KV rows fixed; its attention reads
+the cache's rows 0 .. start + B - 1 under the causal mask, so the padded rows still see nothing of the
+prompt's future and are overwritten by the next chunk or the decode steps.
+
+With capture=False the same bodies run eagerly (the CPU tests of the padding, the settled routing and the
+capture rule).
 """
 from __future__ import annotations
 
@@ -44,11 +53,18 @@ PREFILL_GRAPH_MAX = 512     # longer prefill steps run eagerly: the card, not th
                             # tokens 101-102 vs 102-105; results/runtime.md §21)
 PREFILL_GRAPH_AFTER = 1     # prompts of a bucket that run eagerly before it is captured (capture costs ~2
                             # eager prefills: a one-prompt run would only pay it)
+PREFILL_CHUNK_GRAPHS_MAX = 32   # later chunks: the most (bucket, start) pairs with graphs (then eager)
 
 
 def prefill_graphs_enabled() -> bool:
     """HYBRID_PREFILL_GRAPHS=0 turns the prefill graphs off; HYBRID_CUDA_GRAPHS=0 turns off every graph."""
     return graphs_enabled() and os.environ.get("HYBRID_PREFILL_GRAPHS", "1") not in ("0", "off", "false", "no")
+
+
+def prefill_chunk_graphs_enabled() -> bool:
+    """HYBRID_PREFILL_GRAPH_CHUNKS=1: a long prompt's later chunks (start > 0) run through graphs too, one per
+    (bucket, start) — off by default until it has run on a GPU."""
+    return os.environ.get("HYBRID_PREFILL_GRAPH_CHUNKS", "0") in ("1", "on", "true", "yes")
 
 
 def bucket_for(t: int, lo: int = PREFILL_GRAPH_MIN, hi: int = PREFILL_GRAPH_MAX) -> int | None:
@@ -81,10 +97,12 @@ class PrefillGraphs(SegmentGraphs):
     """Runs HybridModel's prefill steps from position 0 through graphs (see the module doc)."""
 
     def __init__(self, model, experts, capture: bool = True, enabled: bool | None = None,
-                 lo: int = PREFILL_GRAPH_MIN, hi: int = PREFILL_GRAPH_MAX, after: int = PREFILL_GRAPH_AFTER):
+                 lo: int = PREFILL_GRAPH_MIN, hi: int = PREFILL_GRAPH_MAX, after: int = PREFILL_GRAPH_AFTER,
+                 chunks: bool | None = None):
         super().__init__(model, experts, capture, prefill_graphs_enabled() if enabled is None else enabled)
         self.lo, self.hi, self.after = lo, hi, after
-        self._seen: dict[int, int] = {}      # bucket -> prompts that asked for it (the `after` rule)
+        self.chunks = prefill_chunk_graphs_enabled() if chunks is None else chunks   # later chunks too
+        self._seen: dict[tuple[int, int], int] = {}   # (bucket, start) -> steps that asked (the `after` rule)
         self.steps = 0                       # prefill steps that replayed graphs
         self._last: dict = {}                # device -> [1] int64: the prompt's last row (head input)
         self._pools: dict = {}               # device -> graph memory pool (the buckets never run at once)
@@ -93,42 +111,47 @@ class PrefillGraphs(SegmentGraphs):
         """Whether this prefill step runs through the graphs; called once per step (it counts the
         bucket's prompts: the first `after` of them run eagerly, module doc)."""
         m = self.model
-        if not self.enabled or self.error is not None or start != 0 or t < 2 or m.on_route is not None:
+        if not self.enabled or self.error is not None or t < 2 or m.on_route is not None:
+            return False
+        if start != 0 and not self.chunks:
             return False
         b = bucket_for(t, self.lo, self.hi)
-        if b is None or not isinstance(m.cache, KVCache) or b > m.cache.capacity:
+        if b is None or not isinstance(m.cache, KVCache) or start + b > m.cache.capacity:
             return False
         if any(s.host_last for s in self._segments()):
             return False                     # a layer that can miss needs the host mid-step
         if not self._on_cards():
             return False
-        if any(key[1] == b for key in self._runners):
+        key = (b, start)
+        if any(k[1:] == key for k in self._runners):
             return True
-        self._seen[b] = self._seen.get(b, 0) + 1
-        return self._seen[b] > self.after
+        if start and len({k[1:] for k in self._runners if k[2]}) >= PREFILL_CHUNK_GRAPHS_MAX:
+            return False                     # enough later-chunk graphs held: the rest run eagerly
+        self._seen[key] = self._seen.get(key, 0) + 1
+        return self._seen[key] > self.after
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
-        """The prompt ids [T] from position 0 -> logits of its last token [1, V] fp32."""
+        """The prompt's ids [T] from position start -> logits of its last token [1, V] fp32."""
         m, cache = self.model, self.model.cache
         m.prepare()
         self._check_kv(cache)
         t = int(ids.shape[0])
         b = bucket_for(t, self.lo, self.hi)
         x = m.embed_tokens(ids)                                             # [T, H]
-        with rows_for(cache, b):
-            x, logits = self._run(x, t, b)
+        with rows_for(cache, start + b):
+            x, logits = self._run(x, t, b, start)
         cache.length = start + t
         self.steps += 1
         return logits if logits is not None else m.head(x[t - 1:t])
 
-    def _run(self, x: torch.Tensor, t: int, b: int):
+    def _run(self, x: torch.Tensor, t: int, b: int, start: int):
         """The segments' graphs on the prompt's rows x [T, H] -> (x [B, H], logits [1, V] or None)."""
         logits = None
         for seg in self._segments():
             if x.device != seg.device:
                 x = x.to(seg.device)                                         # layer-split hop
-            r = self._runner(seg, b)
+            r = self._runner(seg, b, start)
             if x.shape[0] == b:
                 r.x_in.copy_(x)
             else:                                                            # the prompt, then its last row
@@ -150,26 +173,26 @@ class PrefillGraphs(SegmentGraphs):
     def _last_buf(self, dev: torch.device) -> torch.Tensor:
         return device_scalar(self._last, dev)
 
-    def _runner(self, seg: Segment, b: int) -> _Runner:
-        r = self._runners.get((seg, b))
+    def _runner(self, seg: Segment, b: int, start: int) -> _Runner:
+        r = self._runners.get((seg, b, start))
         if r is None:
-            r = self._runners[(seg, b)] = self._make(seg, b)
+            r = self._runners[(seg, b, start)] = self._make(seg, b, start)
         return r
 
-    def _body(self, seg: Segment, x: torch.Tensor, route_buf: torch.Tensor):
-        """The eager forward's layers for B rows at position 0 (module doc) -> x [B, H], or the head's
-        logits [1, V] of row _last_buf."""
+    def _body(self, seg: Segment, x: torch.Tensor, route_buf: torch.Tensor, start: int):
+        """The eager forward's layers for B rows at positions start .. start + B - 1 (module doc) -> x [B, H],
+        or the head's logits [1, V] of row _last_buf."""
         m, cache, eps = self.model, self.model.cache, self.model.cfg.rms_norm_eps
         b = x.shape[0]
         if seg.device.type == "cuda":
             cos, sin = m.rope_table(seg.device), None                        # Attention's CUDA path
         else:
-            cos, sin = m.rotary.cos_sin(torch.arange(b), seg.device)
+            cos, sin = m.rotary.cos_sin(torch.arange(start, start + b), seg.device)
         for j, i in enumerate(seg.layers):
             layer = m.layers[i]
             h = rms_norm(x, layer.input_norm, eps)
             out = self.experts.route_out(i, b, route_buf[j])                # slot ids + routing rows
-            x, h, routed = m._post_attn(i, x, layer.attn(h, i, 0, cache, cos, sin), out)
+            x, h, routed = m._post_attn(i, x, layer.attn(h, i, start, cache, cos, sin), out)
             _, weights = m.route(i, h, out) if routed is None else routed
             y = self.experts.moe_slots(i, h, out.slots, weights).to(x.dtype)  # [B, H], as the eager path
             x = x + m.moe_out(i, h, y)
@@ -177,12 +200,12 @@ class PrefillGraphs(SegmentGraphs):
             return m.head(x.index_select(0, self._last_buf(seg.device)))    # [1, V] fp32
         return x
 
-    def _make(self, seg: Segment, b: int) -> _Runner:
+    def _make(self, seg: Segment, b: int, start: int) -> _Runner:
         m, dev, k = self.model, seg.device, self.model.cfg.num_experts_per_tok
         x_in = torch.zeros(b, m.cfg.hidden_size, dtype=m.dtype, device=dev)
         route_buf = torch.zeros(max(len(seg.layers), 1), b, 2 * k, dtype=torch.float32, device=dev)
         self._last_buf(dev)
-        body = lambda: self._body(seg, x_in, route_buf)  # noqa: E731
+        body = lambda: self._body(seg, x_in, route_buf, start)  # noqa: E731
         if not self.capture:
             return _Runner(x_in, route_buf, fn=body)
         try:
