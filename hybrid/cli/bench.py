@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != modname:
                 raise
             continue
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        p = sub.add_parser(name, help=mod.HELP.replace("%", "%%"), description=mod.HELP)  # argparse %-formats help
         mod.add_arguments(p)
         add_debug_flag(p)
         p.set_defaults(_run=mod.run)
