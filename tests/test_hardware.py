@@ -114,8 +114,11 @@ def test_calibrate_writes_a_loadable_profile(tmp_path, capsys):
 
 
 def test_calibrate_bad_flag(tmp_path, capsys):
-    assert bench_main(["calibrate", "--out", str(tmp_path / "x.json"), "--repeats", "0"]) == 2
-    assert "error: --repeats" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["calibrate", "--out", str(tmp_path / "x.json"), "--repeats", "0"])
+    assert exc.value.code == 2
+    assert "error: argument --repeats: expected an integer >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.parametrize("text", ["", "garbage without colon\n"])

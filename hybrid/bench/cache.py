@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from hybrid.cli.common import int_at_least
 from hybrid.errors import HybridError
 from hybrid.experts.policy import OURS
 from hybrid.experts.popularity import load_profile
@@ -30,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="slots per layer to try (default: top_k, 2x, 4x, ... up to the expert count)")
     p.add_argument("--profile", metavar="FILE", help="expert-popularity profile (<model>.experts.json) "
                    "for the static row and the warm start of ours")
-    p.add_argument("--budget-experts", type=int, default=None, metavar="N",
+    p.add_argument("--budget-experts", type=int_at_least(0), default=None, metavar="N",
                    help="promotions allowed per step over all layers (default: unbounded)")
     p.add_argument("--half-life", type=float, default=OURS["half_life"],
                    help="ours: score half-life in steps (default %(default)s)")

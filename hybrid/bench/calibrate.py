@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hybrid.baselines.report import git_sha
-from hybrid.errors import HybridError
+from hybrid.cli.common import int_at_least
 from hybrid.hardware import detect
 from hybrid.planner.profile import (SCHEMA, CPUProfile, Figure, GPUProfile, HardwareProfile, HostProfile,
                                     Overheads, load_profile, profile_from_dict)
@@ -48,17 +48,15 @@ def add_arguments(p) -> None:
     p.add_argument("--name", default=None, help="profile name (default: the file name without .json)")
     p.add_argument("--base", default=None, metavar="NAME|FILE",
                    help="profile to take unmeasured figures from (e.g. kernel_efficiency)")
-    p.add_argument("--gpu-mib", type=int, default=1024, help="GPU buffer size, MiB (default 1024)")
-    p.add_argument("--pcie-mib", type=int, default=256, help="PCIe transfer size, MiB (default 256)")
-    p.add_argument("--cpu-mib", type=int, default=512, help="CPU copy buffer size, MiB (default 512)")
-    p.add_argument("--repeats", type=int, default=10, help="timed repetitions; the median is kept (default 10)")
+    p.add_argument("--gpu-mib", type=int_at_least(1), default=1024, help="GPU buffer size, MiB (default 1024)")
+    p.add_argument("--pcie-mib", type=int_at_least(1), default=256, help="PCIe transfer size, MiB (default 256)")
+    p.add_argument("--cpu-mib", type=int_at_least(1), default=512, help="CPU copy buffer size, MiB (default 512)")
+    p.add_argument("--repeats", type=int_at_least(1), default=10, help="timed repetitions; the median is kept (default 10)")
     p.add_argument("--ram-usable-gib", type=float, default=None,
                    help="RAM hybrid may use (default: MemAvailable)")
 
 
 def run(args) -> int:
-    if args.repeats < 1 or min(args.gpu_mib, args.pcie_mib, args.cpu_mib) < 1:
-        raise HybridError("--repeats and the buffer sizes must be >= 1")
     out = Path(args.out)
     name = args.name or out.name.removesuffix(".json")
     base = load_profile(args.base) if args.base else None

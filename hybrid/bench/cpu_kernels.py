@@ -40,6 +40,7 @@ from cpu.isa import NVFP4_INT16
 from hybrid.baselines.report import append_jsonl, git_sha
 from hybrid.checkpoint.formats import E2M1_TABLE, E4M3_TABLE, QType
 from hybrid.checkpoint.qweight import QWeight
+from hybrid.cli.common import int_at_least
 
 HELP = "CPU expert kernels: GB/s vs copy bandwidth, numpy and ggml NVFP4, host and haswell builds"
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "fixture": (256, 256)}
@@ -50,7 +51,7 @@ GGML_NVFP4 = 40
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON records instead of a table")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
+    p.add_argument("--threads", type=int_at_least(1), default=None, metavar="N",
                    help="'all threads' count (default: physical cores)")
     p.add_argument("--quick", action="store_true", help="smaller expert sets, fewer repeats")
     p.add_argument("--record", metavar="DIR", default=None,

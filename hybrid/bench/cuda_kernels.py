@@ -17,6 +17,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from hybrid.cli.common import int_at_least
+
 HELP = "QPN CUDA kernels: --compile-only register/spill check (no GPU), or timing vs cuBLAS FP16"
 
 # Qwen3-30B-A3B (hidden 2048, 32 q heads x 128, 4 kv heads x 128, expert 768) and a dense 32B class.
@@ -41,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", default="nvfp4,fp8", help="timing: comma list of nvfp4, fp8")
     p.add_argument("--m", default=",".join(map(str, MS)), help="timing: comma list of M values")
     p.add_argument("--shapes", default="all", help="timing: comma list of shape names or 'all'")
-    p.add_argument("--reps", type=int, default=40, help="timed launches per measurement")
+    p.add_argument("--reps", type=int_at_least(1), default=40, help="timed launches per measurement")
     p.add_argument("--prefill-variants", default="",
                    help="timing: comma list of prefill kernel choices (qpn.PREFILL_VARIANT: wmma, mt, "
                         "<BM>x<BN>, f<BM>x<BN>) also timed, forced, on the selected shapes at the "

@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from hybrid.cli.common import int_at_least
+
 HELP = "decode tok/s of the hybrid runtime vs the planner's prediction (optionally llama.cpp beside it)"
 CALIBRATION = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
 
@@ -19,9 +21,9 @@ def add_arguments(p) -> None:
 
     p.add_argument("--model", "-m", default=None, help="model folder or 'tiny' (default)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (default 32)")
-    p.add_argument("--warmup", type=int, default=16, help="tokens generated first to warm the caches (default 16)")
-    p.add_argument("--tokens", type=int, default=32, help="tokens in the measured generation (default 32)")
+    p.add_argument("--prompt-tokens", type=int_at_least(1), default=32, help="prompt length (default 32)")
+    p.add_argument("--warmup", type=int_at_least(0), default=16, help="tokens generated first to warm the caches (default 16)")
+    p.add_argument("--tokens", type=int_at_least(1), default=32, help="tokens in the measured generation (default 32)")
     p.add_argument("--label", default="", help="free text stored with the record")
     p.add_argument("--llama-gguf", default=None, metavar="FILE", help="also time llama.cpp on this GGUF")
     p.add_argument("--out", default="results", help="folder for runtime.jsonl (default results/)")

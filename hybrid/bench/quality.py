@@ -14,6 +14,7 @@ import numpy as np
 
 from hybrid.baselines import candidates as qc
 from hybrid.bench.prompts import all_texts, heldout
+from hybrid.cli.common import int_at_least
 from hybrid.errors import HybridError
 from hybrid.metrics.kl import BaseLogProbs, KLAccumulator, chunk_tokens, score_rows, scored_rows
 
@@ -31,13 +32,13 @@ def add_arguments(p) -> None:
                         "gguf-<recipe> = hybrid's weights exported to GGUF, run by llama.cpp; llama.cpp "
                         f"types (Q8_0, Q4_K_M, IQ4_XS, IQ3_S, MXFP4_MOE, ...). Default: {DEFAULT_AGAINST}")
     p.add_argument("--quick", action="store_true", help="CI size: n_ctx 64, one chunk per prompt class")
-    p.add_argument("--n-ctx", type=int, default=None, help="tokens per chunk (default 128, quick 64; "
+    p.add_argument("--n-ctx", type=int_at_least(2), default=None, help="tokens per chunk (default 128, quick 64; "
                    "capped at the model's context)")
     p.add_argument("--out", default="results", help="folder for quality.md/.jsonl/.png (default results/)")
     p.add_argument("--no-write", action="store_true", help="print the table only")
     p.add_argument("--work", default=None, help="folder for GGUFs and quantized checkpoints "
                    "(reused when present; default: a temporary folder)")
-    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: its own)")
+    p.add_argument("--threads", type=int_at_least(1), default=None, help="llama.cpp threads (default: its own)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="hybrid runtime device (default cpu)")
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hybrid.cli.common import int_at_least
 from hybrid.errors import HybridError
 
 HELP = "prefill tok/s over a context ladder and median decode tok/s per prompt class, hybrid vs llama.cpp"
@@ -28,10 +29,10 @@ def add_arguments(p) -> None:
                    help=f"candidates as in `hybrid-bench quality` (default {DEFAULT_AGAINST})")
     p.add_argument("--ladder", default=None, help="prefill context lengths, comma list (default 32,64,128,256,512; "
                    "quick 16,64)")
-    p.add_argument("--new-tokens", type=int, default=None, help="decode steps per prompt (default 32, quick 8)")
-    p.add_argument("--repeats", type=int, default=None, help="prefill repetitions, median kept (default 3, quick 1)")
-    p.add_argument("--threads", type=int, default=None, help="threads for both engines (default: all cores)")
-    p.add_argument("--torch-threads", type=int, default=None,
+    p.add_argument("--new-tokens", type=int_at_least(1), default=None, help="decode steps per prompt (default 32, quick 8)")
+    p.add_argument("--repeats", type=int_at_least(1), default=None, help="prefill repetitions, median kept (default 3, quick 1)")
+    p.add_argument("--threads", type=int_at_least(1), default=None, help="threads for both engines (default: all cores)")
+    p.add_argument("--torch-threads", type=int_at_least(1), default=None,
                    help="torch intra-op threads of hybrid's dense path (default: as hybrid-run sets them, "
                         "1 per 1024 of hidden size, at most --threads; hybrid's CPU expert runner gets --threads)")
     p.add_argument("--quick", action="store_true", help="CI size")

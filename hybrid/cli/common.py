@@ -19,6 +19,20 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(EXIT_USER_ERROR)
 
 
+def int_at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= least, else the one-line flag error (`argument --x: expected ...`)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}")
+        return value
+
+    return parse
+
+
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
 

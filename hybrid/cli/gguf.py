@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
+from hybrid.cli.common import OneLineParser, add_debug_flag, int_at_least, run_cli
 from hybrid.errors import HybridError
 
 MIB = 2**20
@@ -41,15 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--type", dest="qtype", required=True, metavar="TYPE",
                    help="one of: " + ", ".join(TYPES))
     q.add_argument("--pure", action="store_true", help="every tensor in TYPE (no k-quant mixture)")
-    q.add_argument("--threads", type=int, default=0, help="quantizer threads (default: all)")
+    q.add_argument("--threads", type=int_at_least(0), default=0, help="quantizer threads (default: all)")
     q.add_argument("--imatrix", default=None, metavar="FILE.npz", help="importance matrix from `hybrid-gguf imatrix`")
     q.add_argument("--verbose", action="store_true", help="show llama.cpp's quantize log")
     add_debug_flag(q)
     m = sub.add_parser("imatrix", help="importance matrix (mean squared matmul inputs) from hybrid's forward")
     m.add_argument("model", metavar="MODEL_DIR", help="model folder, or 'tiny'")
     m.add_argument("out", metavar="OUT.npz")
-    m.add_argument("--n-ctx", type=int, default=128, help="tokens per calibration chunk (default 128)")
-    m.add_argument("--chunks", type=int, default=16, help="calibration chunks (default 16)")
+    m.add_argument("--n-ctx", type=int_at_least(2), default=128, help="tokens per calibration chunk (default 128)")
+    m.add_argument("--chunks", type=int_at_least(1), default=16, help="calibration chunks (default 16)")
     add_debug_flag(m)
     return p
 
