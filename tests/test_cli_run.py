@@ -138,3 +138,22 @@ def test_every_console_script_reports_a_bad_flag_in_one_line(module, argv, needl
         importlib.import_module(module).main(argv)
     err = capsys.readouterr().err
     assert ei.value.code == 2 and needle in err and err.count("\n") == 1 and err.endswith("(see --help)\n")
+
+
+def test_cpu_default_names_itself_where_a_gpu_is_visible(monkeypatch, capsys):
+    """hybrid-run runs on the CPU unless --device cuda; where torch sees a GPU it says so in one line."""
+    import argparse
+
+    import torch
+
+    from hybrid.cli.run import _check_args
+
+    for visible, hint in ((False, False), (True, True)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda v=visible: v)
+        args = argparse.Namespace(max_tokens=4, stats_every=None, device=None)
+        _check_args(args)
+        err = capsys.readouterr().err
+        assert args.device == "cpu" and ("--device cuda" in err) == hint
+    args = argparse.Namespace(max_tokens=4, stats_every=None, device="cpu")
+    _check_args(args)
+    assert capsys.readouterr().err == ""                  # asked for the CPU: nothing to say

@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="cpu (default) or cuda")
     p.add_argument("--torch-threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads for the dense path in CPU mode (default: 1 per 1024 of "
                         "hidden size, at most the physical cores; small ops only lose time to more threads)")
@@ -102,11 +102,15 @@ def _check_args(args) -> None:
         raise HybridError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if getattr(args, "stats_every", None) is not None and args.stats_every < 1:
         raise HybridError(f"--stats-every must be >= 1 (tokens between reports), got {args.stats_every}")
-    if args.device == "cuda":
-        import torch
+    import torch
 
-        if not torch.cuda.is_available():
-            raise HybridError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise HybridError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
+    if args.device is None:                  # CPU mode unless asked: say so where a GPU would have served
+        args.device = "cpu"
+        if torch.cuda.is_available():
+            print("hybrid: running on the CPU (the default); add --device cuda to run on the GPU",
+                  file=sys.stderr)
 
 
 def uses_runtime(args) -> bool:
