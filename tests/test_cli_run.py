@@ -141,19 +141,20 @@ def test_every_console_script_reports_a_bad_flag_in_one_line(module, argv, needl
 
 
 def test_cpu_default_names_itself_where_a_gpu_is_visible(monkeypatch, capsys):
-    """hybrid-run runs on the CPU unless --device cuda; where torch sees a GPU it says so in one line."""
+    """hybrid-run runs on the CPU unless --device cuda; where torch sees a GPU, a line after the run's summary
+    says so (not before: a user error stays one line)."""
     import argparse
 
     import torch
 
-    from hybrid.cli.run import _check_args
+    from hybrid.cli.run import _check_args, _print
+    from hybrid.generate import GenerationResult
 
-    for visible, hint in ((False, False), (True, True)):
+    res = GenerationResult(prompt_ids=[1], generated_ids=[2], text="x", prefill_s=1.0, decode_s=1.0)
+    for device, visible, hint in ((None, False, False), (None, True, True), ("cpu", True, False)):
         monkeypatch.setattr(torch.cuda, "is_available", lambda v=visible: v)
-        args = argparse.Namespace(max_tokens=4, stats_every=None, device=None)
+        args = argparse.Namespace(max_tokens=4, stats_every=None, device=device, json=False, stats=False)
         _check_args(args)
-        err = capsys.readouterr().err
-        assert args.device == "cpu" and ("--device cuda" in err) == hint
-    args = argparse.Namespace(max_tokens=4, stats_every=None, device="cpu")
-    _check_args(args)
-    assert capsys.readouterr().err == ""                  # asked for the CPU: nothing to say
+        assert args.device == "cpu" and capsys.readouterr().err == ""
+        _print(args, "tiny", res, None, None)
+        assert ("--device cuda" in capsys.readouterr().err) == hint

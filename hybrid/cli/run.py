@@ -106,11 +106,11 @@ def _check_args(args) -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise HybridError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
-    if args.device is None:                  # CPU mode unless asked: say so where a GPU would have served
+    # CPU mode unless asked; where a GPU would have served, _print says so after the run (a user error
+    # stays one line)
+    args.cpu_by_default = args.device is None and torch.cuda.is_available()
+    if args.device is None:
         args.device = "cpu"
-        if torch.cuda.is_available():
-            print("hybrid: running on the CPU (the default); add --device cuda to run on the GPU",
-                  file=sys.stderr)
 
 
 def uses_runtime(args) -> bool:
@@ -270,6 +270,8 @@ def _print(args, path, res, session, report) -> None:
     if session is not None and args.stats:
         for line in session.summary(res.decode_tok_s):
             print(line, file=sys.stderr)
+    if getattr(args, "cpu_by_default", False):
+        print("hybrid: ran on the CPU (the default); add --device cuda to run on the GPU", file=sys.stderr)
 
 
 def main(argv=None) -> int:
