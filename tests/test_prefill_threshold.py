@@ -113,21 +113,13 @@ def test_threshold_is_the_first_step_size_that_streams(mb):
 
 # ---------------------------------------------------------------- direction of each figure
 
-def test_faster_link_lowers_the_threshold(mb):
+@pytest.mark.parametrize("figure,values", [("h2d", (8, 12, 25, 50)), ("cpu_gbs", (60, 35, 20, 10)),
+                                           ("r8", (1.25, 1.6, 2.6, 4.0))],
+                         ids=["faster_link", "slower_cpu", "costlier_rows"])
+def test_each_figure_lowers_the_threshold(mb, figure, values):
+    """A faster link, a slower CPU, costlier extra rows: each, alone, streams from fewer tokens."""
     prof = load_profile("v100x2-e5v4")
-    ts = [never_is_big(threshold(mb, tuned(prof, h2d=h))) for h in (8, 12, 25, 50)]
-    assert ts == sorted(ts, reverse=True) and ts[0] > ts[-1]
-
-
-def test_slower_cpu_lowers_the_threshold(mb):
-    prof = load_profile("v100x2-e5v4")
-    ts = [never_is_big(threshold(mb, tuned(prof, cpu_gbs=c))) for c in (60, 35, 20, 10)]
-    assert ts == sorted(ts, reverse=True) and ts[0] > ts[-1]
-
-
-def test_costlier_rows_lower_the_threshold(mb):
-    prof = load_profile("v100x2-e5v4")
-    ts = [never_is_big(threshold(mb, tuned(prof, r8=r))) for r in (1.25, 1.6, 2.6, 4.0)]
+    ts = [never_is_big(threshold(mb, tuned(prof, **{figure: v}))) for v in values]
     assert ts == sorted(ts, reverse=True) and ts[0] > ts[-1]
 
 

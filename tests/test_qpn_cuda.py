@@ -220,17 +220,23 @@ def test_prepack_on_gpu_equals_cpu(qtype):
         assert torch.equal(layout.pack_fp8(qw), layout.pack_fp8(qw.to("cuda")).cpu())
 
 
+def make_slots(qtype, s, h, i, seed, stride=7):
+    """S random experts (gate, up, down; seeds stride * j + 0..2 + seed) loaded into CUDA slots 0..S-1."""
+    slots = QPNExpertSlots(s, h, i, qtype, "cuda")
+    experts = []
+    for j in range(s):
+        e = (MAKE[qtype](i, h, seed=stride * j + seed), MAKE[qtype](i, h, seed=stride * j + 1 + seed),
+             MAKE[qtype](h, i, seed=stride * j + 2 + seed))
+        slots.load(j, *e)
+        experts.append(e)
+    return slots, experts
+
+
 @pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
 @pytest.mark.parametrize("t", [1, 3, 8, 20])
 def test_moe_matches_reference(backend, moe_variant, qtype, t):
     s, h, i, topk = 6, 256, 128, 4
-    slots = QPNExpertSlots(s, h, i, qtype, "cuda")
-    experts = []
-    for j in range(s):
-        e = (MAKE[qtype](i, h, seed=10 * j + t), MAKE[qtype](i, h, seed=10 * j + 1 + t),
-             MAKE[qtype](h, i, seed=10 * j + 2 + t))
-        slots.load(j, *e)
-        experts.append(e)
+    slots, experts = make_slots(qtype, s, h, i, t, stride=10)
     g = torch.Generator().manual_seed(t)
     ids = torch.stack([torch.randperm(s, generator=g)[:topk] for _ in range(t)]).flatten().int()
     tok = torch.arange(t, dtype=torch.int32).repeat_interleave(topk)

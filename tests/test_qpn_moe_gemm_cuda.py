@@ -6,17 +6,14 @@ import pytest
 import torch
 
 from hybrid.checkpoint.formats import QType
-from hybrid.kernels import QPNExpertSlots, qpn_moe
+from hybrid.kernels import qpn_moe
 from hybrid.kernels import qpn
 from hybrid.kernels.qpn import force_ptx
 from hybrid.kernels.reference import ref_moe
-from tests.test_qpn_cuda import skip_without_ptx70
-from tests.test_qpn_layout import fp8, nvfp4
+from tests.test_qpn_cuda import make_slots, skip_without_ptx70
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-MAKE = {QType.NVFP4: nvfp4, QType.FP8: fp8}
 
 
 @pytest.fixture(params=[("1", "native"), ("1", "ptx70"), ("f", "native")], ids=lambda p: "-".join(p))
@@ -41,17 +38,6 @@ def run(x, slots, ids, tok, rw, choice):
         return qpn_moe(x.cuda(), slots, ids.cuda(), tok.cuda(), rw.cuda()).cpu()
     finally:
         qpn.MOE_GEMM[0] = old
-
-
-def make_slots(qtype, s, h, i, seed):
-    slots = QPNExpertSlots(s, h, i, qtype, "cuda")
-    experts = []
-    for j in range(s):
-        e = (MAKE[qtype](i, h, seed=7 * j + seed), MAKE[qtype](i, h, seed=7 * j + 1 + seed),
-             MAKE[qtype](h, i, seed=7 * j + 2 + seed))
-        slots.load(j, *e)
-        experts.append(e)
-    return slots, experts
 
 
 @pytest.mark.parametrize("qtype,h,i", [(QType.NVFP4, 256, 192), (QType.FP8, 288, 160)])
