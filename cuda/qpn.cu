@@ -120,6 +120,16 @@ __device__ __forceinline__ u16 f_to_h(float f) {
   return h;
 }
 
+// p[0..3] += (a, b, c, d) in fp32, p 16-byte aligned in global memory: one vector reduction on sm_90
+// (red.global.add.v4.f32: one L2 atomic request where four scalar ones were), else four atomicAdds
+__device__ __forceinline__ void red_add4(float* p, float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+#else
+  atomicAdd(p, a), atomicAdd(p + 1, b), atomicAdd(p + 2, c), atomicAdd(p + 3, d);
+#endif
+}
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {  // a shared-memory address as 32 bits
   u32 a;
   asm("{.reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;}" : "=r"(a) : "l"(p));
@@ -1697,7 +1707,8 @@ MOE_GEMM(8, 32, 128, 3)
 //   gate+up: NT = 2, warp w owns intermediate tile t = 8 bx + w: its gate tile t and up tile I/16 + t
 //     (BN = 256 weight rows, 128 h columns per block); SiLU(gate) * up is formed on the accumulators
 //     (the same fragment layout) and written fp16 to h in perm order.
-//   down: NT = 1 (BN = 128); y[token_idx[perm[r]]] += route_w[perm[r]] * out (fp32 atomicAdd).
+//   down: NT = 1 (BN = 128); y[token_idx[perm[r]]] += route_w[perm[r]] * out (fp32 reductions: red_add4,
+//     four columns per lane, the whole warp).
 
 // stage (k0 = 64 kt ..) of the gathered activation rows into the ring slot at dst
 template <int BM>
@@ -1788,17 +1799,16 @@ __device__ __forceinline__ void moe_gemmf_body(const u32x4* __restrict__ w, cons
       stg[2 * q * SW + r + 8] = v[2];
       stg[(2 * q + 1) * SW + r + 8] = v[3];
       __syncwarp();
-      const int m = m0 + 8 * j + tt;
-      if (lane < 16 && m < cnt && nw < N) {
-        if (GU) {
-          store_y(h + (size_t)(beg + m) * I + nw, stg + tt * SW + 8 * seg, 1.f, nw, I);
-        } else {
+      if (GU) {  // lanes 0-15: 8 tokens x two 8-column halves, one 16-byte store each
+        const int m = m0 + 8 * j + tt;
+        if (lane < 16 && m < cnt && nw < N) store_y(h + (size_t)(beg + m) * I + nw, stg + tt * SW + 8 * seg, 1.f, nw, I);
+      } else {   // every lane: 8 tokens x four 4-column quarters, one vector reduction each (N = H, H % 16 == 0)
+        const int m = m0 + 8 * j + (lane >> 2), c4 = 4 * (lane & 3);
+        if (m < cnt && t < tiles) {
           const int a = perm[beg + m];
           const float rw = route_w[a];
-          float* yr = y + (size_t)token_idx[a] * H + nw;
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            if (nw + e < H) atomicAdd(yr + e, rw * stg[tt * SW + 8 * seg + e]);
+          const float* v = stg + (lane >> 2) * SW + c4;
+          red_add4(y + (size_t)token_idx[a] * H + 16 * t + c4, rw * v[0], rw * v[1], rw * v[2], rw * v[3]);
         }
       }
       __syncwarp();

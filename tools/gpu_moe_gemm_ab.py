@@ -58,11 +58,28 @@ def routing(t, s, topk, skew, dev, gen):
     return ids, tok, rw
 
 
+MODULES: dict = {}   # "" -> the tree's kernel module, "alt" -> one built from --alt-src (a mode's "+alt")
+
+
+def use_module(mode, dev):
+    """Put the module a mode runs on in hybrid.kernels.build's cache -> the mode without its "+alt"."""
+    from hybrid.kernels import build
+
+    name, _, alt = (mode or "0").partition("+")
+    key = (dev.index, None)
+    if not MODULES:
+        MODULES[""] = build.module(dev)
+    if alt and alt not in MODULES:
+        raise SystemExit(f"error: mode {mode!r} needs --alt-src")
+    build._MODULES[key] = MODULES[alt]
+    return None if name == "0" else name
+
+
 def time_mode(mode, x, slots, ids, tok, rw, reps):
     import torch
     from hybrid.kernels import qpn
 
-    qpn.MOE_GEMM[0] = mode
+    qpn.MOE_GEMM[0] = use_module(mode, x.device)
     qpn.qpn_moe(x, slots, ids, tok, rw)      # warm (module build, first launch)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -76,7 +93,9 @@ def time_mode(mode, x, slots, ids, tok, rw, reps):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="32,64,128,256,512,1024,2048")
-    p.add_argument("--modes", default="0,1,f")
+    p.add_argument("--modes", default="0,1,f", help="comma list of HYBRID_MOE_GEMM values (0, 1, f, auto); "
+                   "a value + \"+alt\" runs it on the kernels of --alt-src")
+    p.add_argument("--alt-src", default=None, help="another qpn.cu (e.g. the previous commit's) for the +alt modes")
     p.add_argument("--qtypes", default="nvfp4,fp8")
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--topk", type=int, default=8)
@@ -99,7 +118,14 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=dev).manual_seed(0)
-    modes = [None if m == "0" else m for m in a.modes.split(",")]
+    modes = a.modes.split(",")
+    if a.alt_src:
+        from hybrid.kernels import build
+        from hybrid.kernels.driver import Module
+
+        MODULES[""] = build.module(dev)
+        MODULES["alt"] = Module(build._image_for(MODULES[""].sm, False, src=Path(a.alt_src).read_text()), dev)
+        MODULES["alt"].sm = MODULES[""].sm
     meta = {"tool": "tools/gpu_moe_gemm_ab.py", "git_sha": git_sha(), "gpu": torch.cuda.get_device_name(dev),
             "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv)}
     deadline = time.monotonic() + a.budget_s
@@ -126,14 +152,15 @@ def main(argv=None) -> int:
                     for m in order:
                         per[m].append(time_mode(m, x, slots, ids, tok, rw, a.reps))
                 for m in modes:
-                    qpn.MOE_GEMM[0] = m
+                    qpn.MOE_GEMM[0] = use_module(m, dev)
                     ys[m] = qpn.qpn_moe(x, slots, ids, tok, rw).double()
                 plan = {}
                 for m in modes:
-                    qpn.MOE_GEMM[0] = m
+                    qpn.MOE_GEMM[0] = use_module(m, dev)
                     plan[str(m)] = qpn.moe_gemm_plan(len(ids), a.experts, 2 if qtype is QType.NVFP4 else 8,
                                                      qpn._module(dev).sm, a.hidden, a.inter)
                 qpn.MOE_GEMM[0] = old
+                use_module("0", dev)
                 ref = ys[modes[0]]
                 for m in modes:
                     us = per[m]
@@ -141,7 +168,7 @@ def main(argv=None) -> int:
                     # weight bytes read once per active expert (packed words + scales), for a GB/s figure
                     active = int(torch.unique(ids).numel())
                     rec = dict(meta, qtype=qname, tokens=t, skew=skew, rows_busiest=busiest,
-                               rows_mean=len(ids) / a.experts, mode=str(m or "0"), kernel=(plan[str(m)] or ["mt4"])[0],
+                               rows_mean=len(ids) / a.experts, mode=m, kernel=(plan[str(m)] or ["mt4"])[0],
                                us_median=round(statistics.median(us), 1), us_min=round(min(us), 1),
                                us_max=round(max(us), 1), rounds=a.rounds, reps=a.reps, active_experts=active,
                                weight_gbs=round(active * slots.nbytes_per_slot / (statistics.median(us) * 1e3), 1),

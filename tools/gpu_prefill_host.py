@@ -43,28 +43,31 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def forward_once(hm, ids, dev) -> tuple[float, float]:
-    """One eager prefill of ids into a fresh cache -> (wall s, host enqueue s)."""
+def forward_once(hm, ids, dev, chunk: int = 0) -> tuple[float, float]:
+    """One prefill of ids into a fresh cache, in steps of `chunk` tokens (0: one step) as generate() runs a
+    long prompt -> (wall s, host enqueue s)."""
     import torch
 
     hm.new_cache(len(ids) + 8)
     x = torch.tensor(ids)
+    step = chunk or len(ids)
     _sync(dev)
     t0 = time.perf_counter()
-    hm.forward(x, 0, last_only=True)
+    for s in range(0, len(ids), step):
+        hm.forward(x[s:s + step], s, last_only=True)
     t1 = time.perf_counter()
     _sync(dev)
     return time.perf_counter() - t0, t1 - t0
 
 
-def gpu_profile(hm, ids, dev, top: int = 12) -> dict:
+def gpu_profile(hm, ids, dev, top: int = 12, chunk: int = 0) -> dict:
     """One forward under torch.profiler: launches, GPU busy ms (kernels + copies), the top kernels."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        forward_once(hm, ids, dev)
+        forward_once(hm, ids, dev, chunk)
     launches, busy, kernels = 0, 0.0, []
     for e in prof.key_averages():
         if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"):
@@ -136,17 +139,18 @@ def runs(path: Path, deadline: float, a) -> None:
                 record({"check": check, "prompt_tokens": n, "skipped": "device-time deadline"})
                 continue
             if pg is not None:
-                pg.enabled = mode == "graph"
+                pg.enabled, pg.chunks = mode != "eager", mode == "graphc"
             qpn.MOE_GEMM[0], _, bm64 = g.partition("@")
             qpn.MOE_GEMM_RULES.update({key: (least, int(bm64) if bm64 else default)
                                        for key, (least, default) in rules.items()})
             ids = prompt_ids(tok, n)
             steps0 = pg.steps if pg is not None else 0
             for _ in range(2):
-                forward_once(hm, ids, dev)                       # warm-up: compiles, allocator
-            walls, hosts = zip(*(forward_once(hm, ids, dev) for _ in range(a.repeats)))
+                forward_once(hm, ids, dev, a.chunk)              # warm-up: compiles, allocator, captures
+            walls, hosts = zip(*(forward_once(hm, ids, dev, a.chunk) for _ in range(a.repeats)))
             wall, host = statistics.median(walls), statistics.median(hosts)
             rec = {"check": check, "mode": mode, "moe_gemm": g, "pass": pas, "prompt_tokens": len(ids),
+                   "chunk": a.chunk,
                    "repeats": a.repeats,
                    "graphed_steps": (pg.steps - steps0) if pg is not None else 0,
                    "captures": pg.captures if pg is not None else 0,
@@ -157,10 +161,10 @@ def runs(path: Path, deadline: float, a) -> None:
             if n in a.profile_sizes:
                 prof = cProfile.Profile()
                 prof.enable()
-                forward_once(hm, ids, dev)
+                forward_once(hm, ids, dev, a.chunk)
                 prof.disable()
                 rec["host_top"] = rc.top_functions(prof, 1, 25)
-                rec.update(gpu_profile(hm, ids, dev))
+                rec.update(gpu_profile(hm, ids, dev, chunk=a.chunk))
             record(rec)
     finally:
         s.close()
@@ -182,7 +186,10 @@ def main() -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the tool here")
     p.add_argument("--profile", default="h200")
     p.add_argument("--prompt-tokens", default="8,16,32,64,128,512")
-    p.add_argument("--modes", default="eager,graph", help="comma list of eager | graph, measured in turn per size")
+    p.add_argument("--modes", default="eager,graph", help="comma list of eager | graph | graphc (graph, and a "
+                   "chunked prompt's later chunks through graphs too: HYBRID_PREFILL_GRAPH_CHUNKS), measured in turn per size")
+    p.add_argument("--chunk", type=int, default=0, help="prefill a prompt in steps of this many tokens, as "
+                   "hybrid-run's --prefill-chunk (default 0: one step)")
     p.add_argument("--moe-gemm", default="auto", help="comma list of HYBRID_MOE_GEMM values (auto, 0, 1, f; "
                    "'auto@64': BM 64 from 64 rows in every family) alternated per size in one session; a graphed "
                    "bucket keeps the kernels of its capture, so compare them in eager mode")
@@ -199,8 +206,10 @@ def main() -> int:
     a.prompt_tokens = _ints("--prompt-tokens", a.prompt_tokens)
     a.profile_sizes = set(_ints("--profile-sizes", a.profile_sizes))
     a.modes = [x.strip() for x in a.modes.split(",") if x.strip()]
-    if not a.modes or any(x not in ("eager", "graph") for x in a.modes):
-        raise SystemExit(f"error: --modes {','.join(a.modes)}: expected a comma list of eager, graph")
+    if not a.modes or any(x not in ("eager", "graph", "graphc") for x in a.modes):
+        raise SystemExit(f"error: --modes {','.join(a.modes)}: expected a comma list of eager, graph, graphc")
+    if a.chunk < 0:
+        raise SystemExit(f"error: --chunk {a.chunk}: expected >= 0")
     a.moe_gemm = [x.strip() for x in a.moe_gemm.split(",") if x.strip()]
     if not a.moe_gemm or any(x.partition("@")[0] not in ("auto", "0", "1", "f")
                              or not (x.partition("@")[2] or "0").isdigit() for x in a.moe_gemm):
