@@ -84,10 +84,10 @@ def test_prefill_graph_body_matches_eager(models, warm, kind, place):  # noqa: F
 def test_not_usable_cases(models, warm):  # noqa: F811 - fixtures
     s = open_session(models["nvfp4"], RuntimeOptions(cache_slots=(LAYERS * EXPERTS,), expert_profile=warm))
     try:
-        pg = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True, after=0)
+        pg = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True, after=0, chunks=False)
         s.model.new_cache(20)
         assert pg.usable(12, 0)
-        assert not pg.usable(12, 3)                        # a later chunk: not from position 0
+        assert not pg.usable(12, 3)                        # chunks off: a later chunk runs eagerly
         assert not pg.usable(1, 0)                         # one token: the decode graphs' job
         assert not pg.usable(17, 0)                        # bucket 32 > the KV store's 20 rows
         assert not PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=False, after=0).usable(12, 0)
@@ -104,7 +104,9 @@ def test_env_off(monkeypatch, models, warm):  # noqa: F811 - fixtures
     from hybrid.runtime.prefill_graphs import prefill_chunk_graphs_enabled, prefill_graphs_enabled
 
     monkeypatch.delenv("HYBRID_PREFILL_GRAPH_CHUNKS", raising=False)
-    assert not prefill_chunk_graphs_enabled()                         # later chunks: opt-in
+    assert prefill_chunk_graphs_enabled()                             # later chunks: on by default
+    monkeypatch.setenv("HYBRID_PREFILL_GRAPH_CHUNKS", "0")
+    assert not prefill_chunk_graphs_enabled()
     monkeypatch.setenv("HYBRID_PREFILL_GRAPH_CHUNKS", "1")
     assert prefill_chunk_graphs_enabled()
 

@@ -158,6 +158,10 @@ def runs(path: Path, deadline: float, a) -> None:
                    "wall_ms": round(wall * 1e3, 3), "wall_min_ms": round(min(walls) * 1e3, 3),
                    "host_ms": round(host * 1e3, 3), "prefill_tok_s": round(len(ids) / wall, 1),
                    "per_layer_wall_us": round(wall / cfg.num_hidden_layers * 1e6, 1)}
+            if dev.type == "cuda":   # the graphs' pools show in the allocator's reserve and the card's use
+                free, total = torch.cuda.mem_get_info(dev)
+                rec.update(reserved_mib=round(torch.cuda.memory_reserved(dev) / 2**20, 1),
+                           card_used_mib=round((total - free) / 2**20, 1))
             if n in a.profile_sizes:
                 prof = cProfile.Profile()
                 prof.enable()
