@@ -341,9 +341,10 @@ def test_bad_profiles_are_user_errors(tmp_path):
 
 @pytest.mark.parametrize("policy", ["lfu-decay", "lru", "static"])
 def test_lookup_resident_equals_one_lookup_per_layer(policy):
-    """The batched lookup of fully resident layers leaves counters, policy state and the step's
-    used sets exactly as one lookup per layer would: seeded scores, skipped steps (decay gaps),
-    prefill-like steps whose tokens route to the same expert twice."""
+    """The batched lookup of fully resident layers (by ids, and by each layer's marked set of experts:
+    lookup_used) leaves counters, policy state and the step's used sets exactly as one lookup per layer
+    would: seeded scores, skipped steps (decay gaps), prefill-like steps whose tokens route to the same
+    expert twice."""
     e, layers, rng = 16, [2, 5, 7, 9], np.random.default_rng(3)
     prof = profile_of(rng.integers(0, 50, size=(10, e)))
 
@@ -353,9 +354,9 @@ def test_lookup_resident_equals_one_lookup_per_layer(policy):
         c.warm_start({l: list(range(e)) for l in layers})
         return c
 
-    a, b = make(), make()
+    a, b, c = make(), make(), make()
     for step in range(40):
-        a.begin_step(), b.begin_step()
+        a.begin_step(), b.begin_step(), c.begin_step()
         if step % 6 == 5:
             continue
         t = 1 if step % 3 else 5
@@ -363,12 +364,17 @@ def test_lookup_resident_equals_one_lookup_per_layer(policy):
         per = [a.lookup(l, ids[j]) for j, l in enumerate(layers)]
         used = b.lookup_resident(layers, ids)
         assert used == [list(lk.hits) for lk in per]
-    assert np.array_equal(a.hits, b.hits) and not b.misses.any() and a._used == b._used
-    if policy == "lfu-decay":
-        assert all(np.array_equal(a.policy.scores[l], b.policy.scores[l]) for l in layers)   # bit for bit
-        assert a.policy.last == b.policy.last
-    if policy == "lru":
-        assert all(np.array_equal(a.policy.last_use[l], b.policy.last_use[l]) for l in layers)
+        mark = np.zeros((len(layers), e), dtype=bool)
+        for j in range(len(layers)):
+            mark[j, ids[j].ravel()] = True
+        assert c.lookup_used(layers, mark) == used
+    for x in (b, c):
+        assert np.array_equal(a.hits, x.hits) and not x.misses.any() and a._used == x._used
+        if policy == "lfu-decay":
+            assert all(np.array_equal(a.policy.scores[l], x.policy.scores[l]) for l in layers)   # bit for bit
+            assert a.policy.last == x.policy.last
+        if policy == "lru":
+            assert all(np.array_equal(a.policy.last_use[l], x.policy.last_use[l]) for l in layers)
 
 
 def test_lookup_resident_refuses_a_miss_and_bad_input():
@@ -384,5 +390,7 @@ def test_lookup_resident_refuses_a_miss_and_bad_input():
         c.lookup_resident([0, 1], np.array([[[1, 8]], [[2, 3]]]))
     with pytest.raises(ValueError, match="distinct"):
         c.lookup_resident([1, 1], np.zeros((2, 1, 2)))
+    with pytest.raises(ValueError, match=r"lookup_used: \(2, 4\) marks for 2 layers of 8 experts"):
+        c.lookup_used([0, 1], np.zeros((2, 4), dtype=bool))
     assert c.lookup_resident([1, 0], np.array([[[7, 7]], [[3, 0]]])) == [[7], [0, 3]]
     assert c.hits[1, 7] == 1 and c.hits[0, [0, 3]].tolist() == [1, 1]

@@ -24,7 +24,9 @@ def test_bucket_for():
     assert bucket_for(5, lo=4, hi=8) == 8 and bucket_for(9, lo=4, hi=8) is None
 
 
-def _run(model_dir, warm, slots, extra, graphed: bool):
+def _run(model_dir, warm, slots, extra, graphed: bool, marks: bool = False):
+    """marks: a prefill's resident layers settle as marked expert sets (the default without a trace); else
+    as ids, which the spy below records per layer."""
     ids = tokenizer_for(model_dir).encode(PROMPT)
     s = open_session(model_dir, RuntimeOptions(cache_slots=slots, expert_profile=warm, pcie_frac=0.0, **extra))
     try:
@@ -45,9 +47,12 @@ def _run(model_dir, warm, slots, extra, graphed: bool):
         s.model.forward = spy
         ex, routed = s.model.experts, []
         account = ex._account
+        if not marks:
+            ex._marks_only = lambda pairs: False
 
         def spy_account(layer, cuda, ids_h, w_h, *a, **kw):   # every layer's routed ids, as counted
-            routed.append((layer, ids_h.copy(), np.asarray(w_h).copy()))
+            if ids_h is not None:
+                routed.append((layer, ids_h.copy(), np.asarray(w_h).copy()))
             return account(layer, cuda, ids_h, w_h, *a, **kw)
 
         ex._account = spy_account
@@ -79,6 +84,20 @@ def test_prefill_graph_body_matches_eager(models, warm, kind, place):  # noqa: F
     for (_, i0, w0), (_, i1, w1) in zip(r0, r1):           # [T, k] per layer, the eager ids
         assert i1.shape == i0.shape == (n, i0.shape[1]) and np.array_equal(i0, i1)
         np.testing.assert_allclose(w1, w0, atol=1e-4, rtol=1e-3)   # M = B vs T rows: last bits
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
+def test_prefill_settles_as_marks(models, warm, graphed):  # noqa: F811 - fixtures
+    """A prefill's resident layers settle from their marked expert sets (no trace: the default) to the same
+    hit counters, greedy ids and logits as from their ids; only decode steps' ids are seen then."""
+    slots, extra, _ = PLACES["all_resident"]
+    n, ids0, _, rows0, (cnt0, routed0), _ = _run(models["nvfp4"], warm, slots, extra, graphed, marks=False)
+    n1, ids1, _, rows1, (cnt1, routed1), _ = _run(models["nvfp4"], warm, slots, extra, graphed, marks=True)
+    assert ids1 == ids0 and routed0 and not routed1        # the prompt's ids were not copied as ids
+    torch.testing.assert_close(rows1, rows0)
+    for a, b in zip(cnt0[0] + cnt0[1], cnt1[0] + cnt1[1]):
+        assert np.array_equal(a, b)
+    assert sum(int(h.sum()) for h in cnt1[0]) > 0
 
 
 def test_not_usable_cases(models, warm):  # noqa: F811 - fixtures

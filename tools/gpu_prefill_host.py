@@ -131,10 +131,13 @@ def runs(path: Path, deadline: float, a) -> None:
         if a.route_stats:
             for n in a.prompt_tokens:
                 route_stats(hm, prompt_ids(tok, n), dev, cfg)
-        combos = [(mode, g) for mode in a.modes for g in a.moe_gemm]
-        for n, mode, g, pas in [(n, mode, g, pas) for n in a.prompt_tokens for pas in range(a.passes)
-                                for mode, g in (combos if pas % 2 == 0 else combos[::-1])]:
-            check = f"prefill_{n}_{mode}" + (f"_moegemm{g}" if len(a.moe_gemm) > 1 else "")
+        combos = [(mode, g, st) for mode in a.modes for g in a.moe_gemm for st in a.settle]
+        ex, marks_only = hm.experts, hm.experts._marks_only
+        for n, mode, g, st, pas in [(n, mode, g, st, pas) for n in a.prompt_tokens for pas in range(a.passes)
+                                    for mode, g, st in (combos if pas % 2 == 0 else combos[::-1])]:
+            check = (f"prefill_{n}_{mode}" + (f"_moegemm{g}" if len(a.moe_gemm) > 1 else "")
+                     + (f"_settle{st}" if len(a.settle) > 1 else ""))
+            ex._marks_only = marks_only if st == "marks" else (lambda pairs: False)
             if time.perf_counter() > deadline:
                 record({"check": check, "prompt_tokens": n, "skipped": "device-time deadline"})
                 continue
@@ -149,7 +152,7 @@ def runs(path: Path, deadline: float, a) -> None:
                 forward_once(hm, ids, dev, a.chunk)              # warm-up: compiles, allocator, captures
             walls, hosts = zip(*(forward_once(hm, ids, dev, a.chunk) for _ in range(a.repeats)))
             wall, host = statistics.median(walls), statistics.median(hosts)
-            rec = {"check": check, "mode": mode, "moe_gemm": g, "pass": pas, "prompt_tokens": len(ids),
+            rec = {"check": check, "mode": mode, "moe_gemm": g, "settle": st, "pass": pas, "prompt_tokens": len(ids),
                    "chunk": a.chunk,
                    "repeats": a.repeats,
                    "graphed_steps": (pg.steps - steps0) if pg is not None else 0,
@@ -197,6 +200,9 @@ def main() -> int:
     p.add_argument("--moe-gemm", default="auto", help="comma list of HYBRID_MOE_GEMM values (auto, 0, 1, f; "
                    "'auto@64': BM 64 from 64 rows in every family) alternated per size in one session; a graphed "
                    "bucket keeps the kernels of its capture, so compare them in eager mode")
+    p.add_argument("--settle", default="marks", help="comma list of marks | ids: how a step's resident layers' "
+                   "routing reaches the cache's counters (marks: the default, a prefill's expert sets marked on the "
+                   "card; ids: every routed id copied)")
     p.add_argument("--route-stats", action="store_true", help="per size, one prefill with the routing counted "
                    "(rows per expert: mean, busiest)")
     p.add_argument("--graph-max", type=int, default=0, help="the largest prefill-graph bucket (default: "
@@ -218,6 +224,9 @@ def main() -> int:
     if not a.moe_gemm or any(x.partition("@")[0] not in ("auto", "0", "1", "f")
                              or not (x.partition("@")[2] or "0").isdigit() for x in a.moe_gemm):
         raise SystemExit(f"error: --moe-gemm {','.join(a.moe_gemm)}: expected a comma list of auto, 0, 1, f (auto@N: BM 64 from N rows)")
+    a.settle = [x.strip() for x in a.settle.split(",") if x.strip()]
+    if not a.settle or any(x not in ("marks", "ids") for x in a.settle):
+        raise SystemExit(f"error: --settle {','.join(a.settle)}: expected a comma list of marks, ids")
     if a.passes < 1:
         raise SystemExit(f"error: --passes {a.passes}: expected >= 1")
     if a.repeats < 1:

@@ -215,21 +215,25 @@ class ExpertCache:
         counters and the policy end as those lookups leave them, in a few numpy calls instead of a
         few per layer. ids [n, T, k] (or [n, k]). -> the unique hit experts per layer; raises if
         any routed expert is not resident (nothing is counted then)."""
-        if self.step < 0:
-            raise RuntimeError("ExpertCache.lookup_resident before begin_step")
+        self._check_resident_call(layers)
         if not len(layers):
             return []
-        if len(set(layers)) != len(layers):
-            raise ValueError(f"lookup_resident: layers {list(layers)} must be distinct")
-        rows = np.array([self._row_of(l) for l in layers], dtype=np.int64)            # [n]
         ids = np.asarray(ids, dtype=np.int64).reshape(len(layers), -1)                 # [n, T*k]
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
             raise ValueError(f"layers {list(layers)}: routed ids outside 0..{self.num_experts - 1}")
-        e_n = self.num_experts
-        mark = np.zeros(len(layers) * e_n, dtype=bool)          # sorted unique (j, e) keys by a mark per
-        mark[(np.arange(len(layers))[:, None] * e_n + ids).ravel()] = True            # pair: np.unique
-        keys = np.flatnonzero(mark)                             # took ~25 ms at 48 layers x 2048 tokens
-        j, e = np.divmod(keys, e_n)
+        mark = np.zeros((len(layers), self.num_experts), dtype=bool)   # the unique (j, e) pairs by a mark
+        mark[np.arange(len(layers))[:, None], ids] = True              # (np.unique took ~25 ms at 48 layers
+        return self.lookup_used(layers, mark)                          # x 2048 tokens)
+
+    def lookup_used(self, layers: Sequence[int], used) -> list[int]:
+        """lookup_resident from each layer's set of routed experts instead of its ids: used [n, E] bool
+        (what a prefill step's device can reduce its [n, T, k] ids to before they cross to the host)."""
+        self._check_resident_call(layers)
+        used = np.asarray(used, dtype=bool)
+        if used.shape != (len(layers), self.num_experts):
+            raise ValueError(f"lookup_used: {used.shape} marks for {len(layers)} layers of {self.num_experts} experts")
+        rows = np.array([self._row_of(l) for l in layers], dtype=np.int64)            # [n]
+        j, e = np.divmod(np.flatnonzero(used), self.num_experts)                      # (j, e) ascending
         r = rows[j]
         missed = self.table[r, e] < 0
         if missed.any():
@@ -238,11 +242,17 @@ class ExpertCache:
         self.hits[r, e] += 1                                                           # (r, e) unique
         bounds = [0, *np.searchsorted(j, np.arange(1, len(layers))).tolist(), len(e)]
         el = e.tolist()
-        used = [el[a:b] for a, b in zip(bounds, bounds[1:])]                           # ascending
-        self.policy.touch_many(list(layers), used, self.step, pairs=(j, e))
-        for layer, u in zip(layers, used):
+        out = [el[a:b] for a, b in zip(bounds, bounds[1:])]                            # ascending
+        self.policy.touch_many(list(layers), out, self.step, pairs=(j, e))
+        for layer, u in zip(layers, out):
             self._used.setdefault(layer, set()).update(u)
-        return used
+        return out
+
+    def _check_resident_call(self, layers: Sequence[int]) -> None:
+        if self.step < 0:
+            raise RuntimeError("ExpertCache.lookup_resident before begin_step")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"lookup_resident: layers {list(layers)} must be distinct")
 
     def promote_misses(self, layer: int, lookup: Lookup) -> list[Promotion]:
         """Promote what the policy admits among lookup.misses, within this step's PCIe budget."""

@@ -197,34 +197,54 @@ class HybridExperts:
             ev.synchronize()
 
     def _settle(self, st: dict) -> None:
-        """Cache lookups of the step's fully resident layers, from one host copy per device."""
+        """Cache lookups of the step's fully resident layers, from one host copy per block. Without a trace,
+        a layer routing more (token, expert) pairs than it has experts (a prefill step) crosses as its set of
+        routed experts, marked on its device ([n, E + 1] bytes instead of [n, T, 2k] floats)."""
         if not st["deferred"]:
             return
         t0 = time.perf_counter()
         blocks, by_dev = [], {}
         for item in st["deferred"]:
             if item[0] == "block":                                            # graphed: [n, T, 2k] buffer
-                blocks.append((item[1], item[2]))
+                _, layers, buf = item
+                k = buf.shape[2] // 2
+                blocks.append((layers, buf[..., :k], None) if self._marks_only(buf.shape[1] * k) else (layers, buf, k))
             else:
                 by_dev.setdefault(item[1].device, []).append(item)
         for items in by_dev.values():
-            both = torch.stack([torch.cat([i.float(), w.float()], 1) for _, i, w in items])
-            blocks.append(([layer for layer, _, _ in items], both))
-        host = [(layers, buf.cpu().numpy()) for layers, buf in blocks]        # one copy per block
-        by_card: dict[int, list] = {}                                         # card -> [(layer, ids, w)]
-        for layers, both in host:
-            k = both.shape[2] // 2
-            for layer, b in zip(layers, both):                                # b [T, 2k]
-                by_card.setdefault(id(self.card_of[layer]), []).append(
+            layers, k = [layer for layer, _, _ in items], items[0][1].shape[1]
+            if self._marks_only(items[0][1].numel()):
+                blocks.append((layers, torch.stack([i for _, i, _ in items]), None))
+            else:
+                blocks.append((layers, torch.stack([torch.cat([i.float(), w.float()], 1) for _, i, w in items]), k))
+        by_card: dict[int, tuple[list, list]] = {}   # card -> ([(layer, ids, w)], [(layer, marks)])
+        e = self.cards[0].cache.num_experts
+        for layers, buf, k in blocks:
+            if k is None:                                                     # ids [n, T, k] -> marks
+                marks = used_marks(buf, e)
+                if buf.is_cuda:
+                    self.add_pcie("ids_d2h", marks.nbytes)
+                for layer, m in zip(layers, marks):
+                    by_card.setdefault(id(self.card_of[layer]), ([], []))[1].append((layer, m))
+                continue
+            for layer, b in zip(layers, buf.cpu().numpy()):                   # one copy per block; b [T, 2k]
+                by_card.setdefault(id(self.card_of[layer]), ([], []))[0].append(
                     (layer, b[:, :k].astype(np.int64), b[:, k:]))
         n = 0
-        for items in by_card.values():
-            n += len(items)
-            self._settle_card(self.card_of[items[0][0]], items)
+        for rows, marked in by_card.values():
+            n += len(rows) + len(marked)
+            if rows:
+                self._settle_card(self.card_of[rows[0][0]], rows)
+            if marked:
+                self._settle_marks(self.card_of[marked[0][0]], marked, e)
         dt = (time.perf_counter() - t0) / max(n, 1)
-        for items in by_card.values():
-            for layer, _, _ in items:
-                self.stats.route_sync_s[layer] += dt
+        for rows, marked in by_card.values():
+            for item in rows + marked:
+                self.stats.route_sync_s[item[0]] += dt
+
+    def _marks_only(self, pairs: int) -> bool:
+        """Whether a layer's routing of `pairs` (token, expert) pairs settles as marks (_settle)."""
+        return self.trace is None and pairs > self.cards[0].cache.num_experts
 
     def _settle_card(self, card: CardRuntime, items: list) -> None:
         """One card's deferred lookups in one batched call (ExpertCache.lookup_resident: what one
@@ -237,6 +257,19 @@ class HybridExperts:
         cuda = card.device.type == "cuda"
         for (layer, ids_h, w_h), u in zip(items, used):
             self._account(layer, cuda, ids_h, w_h, len(u), 0, 0)
+
+    def _settle_marks(self, card: CardRuntime, items: list, e: int) -> None:
+        """_settle_card from each layer's marked experts ([E + 1] bool; the last: an id out of range)."""
+        layers, marks = [layer for layer, _ in items], np.stack([m for _, m in items])
+        if marks[:, e].any():
+            raise ValueError(f"layers {layers}: routed ids outside 0..{e - 1}")
+        try:
+            used = card.cache.lookup_used(layers, marks[:, :e])
+        except RuntimeError as exc:
+            raise RuntimeError(f"a fully resident layer missed: {exc}") from None
+        cuda = card.device.type == "cuda"
+        for layer, u in zip(layers, used):
+            self._account(layer, cuda, None, None, len(u), 0, 0)
 
     def _gpu_times(self, pending: list) -> float:
         """Resolve the step's (layer, start, end) CUDA events into seconds (events are done by now)."""
@@ -519,7 +552,7 @@ class HybridExperts:
         crossed PCIe (f32 activations; act_counted: x already went down with the ids)."""
         st = self._step
         st["ids"][layer], st["weights"][layer], st["hits"][layer] = ids_h, w_h, hits
-        if cuda:
+        if cuda and ids_h is not None:                       # (marks: counted per block by _settle)
             self.add_pcie("ids_d2h", ids_h.size * 8)
             if misses:
                 if not act_counted:
@@ -538,6 +571,15 @@ def _to_host(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor | None = 
         x_h = None if x is None else x.float().numpy()
         return ids.numpy().astype(np.int64, copy=False), weights.float().numpy(), x_h
     return _split(pack_route(ids, weights, x).cpu().numpy(), ids.shape[1], x is not None)
+
+
+def used_marks(ids: torch.Tensor, e: int) -> np.ndarray:
+    """ids [n, T, k] (any dtype holding the expert ids exactly) -> [n, e + 1] bool on the host: row j marks the
+    experts layer j routes to; column e, any id outside 0..e-1. Reduced on the ids' device, one small copy."""
+    idx = ids.reshape(ids.shape[0], -1).long()
+    idx = torch.where((idx >= 0) & (idx < e), idx, e)
+    marks = torch.zeros(ids.shape[0], e + 1, dtype=torch.bool, device=ids.device)
+    return marks.scatter_(1, idx, True).cpu().numpy()
 
 
 def pack_route(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
