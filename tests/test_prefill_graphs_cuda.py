@@ -84,3 +84,18 @@ def test_later_chunks_through_graphs(nvfp4, uniform, monkeypatch):  # noqa: F811
     got, _, (captures, steps, error) = _gen(nvfp4, prompts, "1", monkeypatch, uniform, chunk=16)
     assert error is None and captures == 3 and steps == 6
     assert got == want
+
+
+def test_later_chunks_keep_free_memory(nvfp4, uniform, monkeypatch):  # noqa: F811 - fixture
+    """No later-chunk graph is captured while a card has less than PREFILL_CHUNK_GRAPH_FREE_MIB free: the
+    prompt's first chunk still replays its graph, the later ones run eagerly, the same greedy ids."""
+    from hybrid.runtime import prefill_graphs
+
+    ids = _ids(nvfp4, 40)
+    prompts = [ids, ids[:39] + ids[:1], ids]
+    want, _, _ = _gen(nvfp4, prompts, "0", monkeypatch, uniform, chunk=16)
+    free = torch.cuda.mem_get_info()[0] // 2**20
+    monkeypatch.setattr(prefill_graphs, "PREFILL_CHUNK_GRAPH_FREE_MIB", free + 1024)
+    got, _, (captures, steps, error) = _gen(nvfp4, prompts, "1", monkeypatch, uniform, chunk=16)
+    assert error is None and captures == 1 and steps == 2
+    assert got == want

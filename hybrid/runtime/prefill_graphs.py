@@ -27,12 +27,13 @@ when the KV store or the residency changes (the next prompt of the bucket captur
 HYBRID_PREFILL_GRAPHS=0 turns them off (the eager path), as HYBRID_CUDA_GRAPHS=0 does with every
 graph.
 
-Later chunks (on by default; HYBRID_PREFILL_GRAPH_CHUNKS=0 runs them eagerly): a long prompt's
-prefill steps from a position start > 0 (the prefill chunks after the first) run through graphs too, one
-per (bucket, start), at most PREFILL_CHUNK_GRAPHS_MAX of them (chunk starts repeat from prompt to prompt:
-0, C, 2C, ...). Such a graph has its positions start .. start + B - 1 and KV rows fixed; its attention reads
-the cache's rows 0 .. start + B - 1 under the causal mask, so the padded rows still see nothing of the
-prompt's future and are overwritten by the next chunk or the decode steps.
+Later chunks (on by default; HYBRID_PREFILL_GRAPH_CHUNKS=0 runs them eagerly): a long prompt's prefill
+steps from a position start > 0 (the prefill chunks after the first) run through graphs too, one per
+(bucket, start), at most PREFILL_CHUNK_GRAPHS_MAX of them, and new ones only while every card keeps
+PREFILL_CHUNK_GRAPH_FREE_MIB free (a graph's pool keeps what an eager chunk gives back; chunk starts repeat
+from prompt to prompt: 0, C, 2C, ...). Such a graph has its positions start .. start + B - 1 and KV rows
+fixed; its attention reads the cache's rows 0 .. start + B - 1 under the causal mask, so the padded rows
+still see nothing of the prompt's future and are overwritten by the next chunk or the decode steps.
 
 With capture=False the same bodies run eagerly (the CPU tests of the padding, the settled routing and the
 capture rule).
@@ -54,6 +55,8 @@ PREFILL_GRAPH_MAX = 512     # longer prefill steps run eagerly: the card, not th
 PREFILL_GRAPH_AFTER = 1     # prompts of a bucket that run eagerly before it is captured (capture costs ~2
                             # eager prefills: a one-prompt run would only pay it)
 PREFILL_CHUNK_GRAPHS_MAX = 32   # later chunks: the most (bucket, start) pairs with graphs (then eager)
+PREFILL_CHUNK_GRAPH_FREE_MIB = 1024   # later chunks: a new graph is captured only while every card has this
+                                      # much memory free (their pools hold memory an eager chunk would return)
 
 
 def prefill_graphs_enabled() -> bool:
@@ -128,7 +131,15 @@ class PrefillGraphs(SegmentGraphs):
         if start and len({k[1:] for k in self._runners if k[2]}) >= PREFILL_CHUNK_GRAPHS_MAX:
             return False                     # enough later-chunk graphs held: the rest run eagerly
         self._seen[key] = self._seen.get(key, 0) + 1
-        return self._seen[key] > self.after
+        if self._seen[key] <= self.after:
+            return False
+        return not (start and self.capture and not self._room())
+
+    def _room(self) -> bool:
+        """Whether every card of the model has PREFILL_CHUNK_GRAPH_FREE_MIB free for another later-chunk graph."""
+        m = self.model
+        devs = {d for d in set(m.layer_devices) | {m.lm_head.device} if d.type == "cuda"}
+        return all(torch.cuda.mem_get_info(d)[0] >= PREFILL_CHUNK_GRAPH_FREE_MIB * 2**20 for d in devs)
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
