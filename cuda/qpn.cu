@@ -1801,7 +1801,8 @@ __device__ __forceinline__ void moe_gemmf_body(const u32x4* __restrict__ w, cons
       __syncwarp();
       if (GU) {  // lanes 0-15: 8 tokens x two 8-column halves, one 16-byte store each
         const int m = m0 + 8 * j + tt;
-        if (lane < 16 && m < cnt && nw < N) store_y(h + (size_t)(beg + m) * I + nw, stg + tt * SW + 8 * seg, 1.f, nw, I);
+        if (lane < 16 && m < cnt && nw < N)
+          store_y(h + (size_t)(beg + m) * I + nw, stg + tt * SW + 8 * seg, 1.f, nw, I);
       } else {   // every lane: 8 tokens x four 4-column quarters, one vector reduction each (N = H, H % 16 == 0)
         const int m = m0 + 8 * j + (lane >> 2), c4 = 4 * (lane & 3);
         if (m < cnt && t < tiles) {

@@ -24,7 +24,9 @@ RULE = "// " + "-" * 64 + " "
 EXTRA = r"""
 inline float __expf(float v) { return expf(v); }
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
-inline void red_add4(float* p, float a, float b, float c, float d) { atomicAdd(p, a), atomicAdd(p + 1, b), atomicAdd(p + 2, c), atomicAdd(p + 3, d); }
+inline void red_add4(float* p, float a, float b, float c, float d) {
+  atomicAdd(p, a), atomicAdd(p + 1, b), atomicAdd(p + 2, c), atomicAdd(p + 3, d);
+}
 """
 # family -> (the kernel source's section, its base emulation, kernel names by BM, h columns per gate+up block)
 FAMILIES = {

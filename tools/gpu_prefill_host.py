@@ -194,7 +194,8 @@ def main() -> int:
     p.add_argument("--profile", default="h200")
     p.add_argument("--prompt-tokens", default="8,16,32,64,128,512")
     p.add_argument("--modes", default="eager,graph", help="comma list of eager | graph | graphc (graph, and a "
-                   "chunked prompt's later chunks through graphs too: HYBRID_PREFILL_GRAPH_CHUNKS), measured in turn per size")
+                   "chunked prompt's later chunks through graphs too: HYBRID_PREFILL_GRAPH_CHUNKS), measured in "
+                   "turn per size")
     p.add_argument("--chunk", type=int, default=0, help="prefill a prompt in steps of this many tokens, as "
                    "hybrid-run's --prefill-chunk (default 0: one step)")
     p.add_argument("--moe-gemm", default="auto", help="comma list of HYBRID_MOE_GEMM values (auto, 0, 1, f; "

@@ -208,7 +208,8 @@ class HybridExperts:
             if item[0] == "block":                                            # graphed: [n, T, 2k] buffer
                 _, layers, buf = item
                 k = buf.shape[2] // 2
-                blocks.append((layers, buf[..., :k], None) if self._marks_only(buf.shape[1] * k) else (layers, buf, k))
+                marks = self._marks_only(buf.shape[1] * k)
+                blocks.append((layers, buf[..., :k], None) if marks else (layers, buf, k))
             else:
                 by_dev.setdefault(item[1].device, []).append(item)
         for items in by_dev.values():
