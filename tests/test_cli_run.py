@@ -140,21 +140,26 @@ def test_every_console_script_reports_a_bad_flag_in_one_line(module, argv, needl
     assert ei.value.code == 2 and needle in err and err.count("\n") == 1 and err.endswith("(see --help)\n")
 
 
-def test_cpu_default_names_itself_where_a_gpu_is_visible(monkeypatch, capsys):
-    """hybrid-run runs on the CPU unless --device cuda; where torch sees a GPU, a line after the run's summary
-    says so (not before: a user error stays one line)."""
+def test_device_auto_takes_a_volta_or_newer_gpu(monkeypatch, capsys):
+    """hybrid-run's --device auto (the default) runs on CUDA where torch sees a GPU of sm_70 or newer, else on
+    the CPU; an older GPU is named in one line after the run's summary (not before: a user error stays one
+    line); --device cpu stays on the CPU."""
     import argparse
 
     import torch
 
-    from hybrid.cli.run import _check_args, _print
+    from hybrid.cli.run import _check_args, _print, build_parser
     from hybrid.generate import GenerationResult
 
+    assert build_parser().parse_args([]).device == "auto"
     res = GenerationResult(prompt_ids=[1], generated_ids=[2], text="x", prefill_s=1.0, decode_s=1.0)
-    for device, visible, hint in ((None, False, False), (None, True, True), ("cpu", True, False)):
+    for device, visible, cap, want, note in (("auto", False, None, "cpu", False), ("auto", True, (7, 0), "cuda", False),
+                                             ("auto", True, (9, 0), "cuda", False), ("auto", True, (6, 1), "cpu", True),
+                                             ("cpu", True, (9, 0), "cpu", False), (None, True, (8, 6), "cuda", False)):
         monkeypatch.setattr(torch.cuda, "is_available", lambda v=visible: v)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0, c=cap: c)
         args = argparse.Namespace(max_tokens=4, stats_every=None, device=device, json=False, stats=False)
         _check_args(args)
-        assert args.device == "cpu" and capsys.readouterr().err == ""
+        assert args.device == want and capsys.readouterr().err == ""
         _print(args, "tiny", res, None, None)
-        assert ("--device cuda" in capsys.readouterr().err) == hint
+        assert ("sm_61" in capsys.readouterr().err) == note

@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="cpu (default) or cuda")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto (default: cuda where torch sees a GPU of sm_70 or newer, else cpu), cpu or cuda")
     p.add_argument("--torch-threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads for the dense path in CPU mode (default: 1 per 1024 of "
                         "hidden size, at most the physical cores; small ops only lose time to more threads)")
@@ -106,11 +107,15 @@ def _check_args(args) -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise HybridError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
-    # CPU mode unless asked; where a GPU would have served, _print says so after the run (a user error
-    # stays one line)
-    args.cpu_by_default = args.device is None and torch.cuda.is_available()
-    if args.device is None:
+    args.old_gpu = None          # auto on a GPU older than Volta: the CPU, and _print says why after the run
+    if args.device in (None, "auto"):
         args.device = "cpu"
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(0)
+            if (major, minor) >= (7, 0):
+                args.device = "cuda"
+            else:
+                args.old_gpu = f"sm_{major}{minor}"
 
 
 def uses_runtime(args) -> bool:
@@ -270,8 +275,9 @@ def _print(args, path, res, session, report) -> None:
     if session is not None and args.stats:
         for line in session.summary(res.decode_tok_s):
             print(line, file=sys.stderr)
-    if getattr(args, "cpu_by_default", False):
-        print("hybrid: ran on the CPU (the default); add --device cuda to run on the GPU", file=sys.stderr)
+    if getattr(args, "old_gpu", None):
+        print(f"hybrid: ran on the CPU: the GPU is {args.old_gpu}, the QPN kernels need sm_70 (Volta) or newer",
+              file=sys.stderr)
 
 
 def main(argv=None) -> int:
