@@ -346,20 +346,11 @@ class DecodeGraphs(SegmentGraphs):
         return r
 
 
-_WARM_STREAMS: dict = {}   # device index -> the side stream every capture's warm-up runs on
-
-
 def capture_runner(dev: torch.device, body, x_in: torch.Tensor, route_buf: torch.Tensor, pool=None) -> _Runner:
     """body() once on a side stream (warm-up: lazy packing, library handles; the same values), then
-    captured into a graph (in `pool`, else its own) -> the _Runner replaying it, body's outputs in out.
-    The warm-up stream is one per device: torch keeps a cuBLAS workspace per stream that used it, for good,
-    so a new stream per capture kept one more each time. The capture stream stays new per graph (a
-    workspace cached for a capture stream lives in that graph's pool and would dangle once it is dropped)."""
+    captured into a graph (in `pool`, else its own) -> the _Runner replaying it, body's outputs in out."""
     cur = torch.cuda.current_stream(dev)
-    key = dev.index if dev.index is not None else torch.cuda.current_device()
-    side = _WARM_STREAMS.get(key)
-    if side is None:
-        side = _WARM_STREAMS[key] = torch.cuda.Stream(dev)
+    side = torch.cuda.Stream(dev)
     side.wait_stream(cur)
     with torch.cuda.stream(side):
         body()
