@@ -163,3 +163,41 @@ def test_device_auto_takes_a_volta_or_newer_gpu(monkeypatch, capsys):
         assert args.device == want and capsys.readouterr().err == ""
         _print(args, "tiny", res, None, None)
         assert ("sm_61" in capsys.readouterr().err) == note
+
+
+@pytest.mark.parametrize("free_gib,runtime", [(0.5, True), (64.0, False)])
+def test_device_auto_runs_the_runtime_when_the_checkpoint_does_not_fit(monkeypatch, capsys, free_gib, runtime):
+    """--device auto on a GPU, no runtime flag: a checkpoint that does not fit the GPU's free memory (plus
+    FIT_MARGIN) runs on the hybrid runtime (as --hybrid) with one line saying why; one that fits takes the
+    reference path. An explicit --device cuda keeps the reference path (the user asked for it)."""
+    import torch
+
+    from hybrid.cli import run
+    from hybrid.model import resolve_model_path
+
+    class Stop(Exception):
+        pass
+
+    def stop(kind):
+        def f(*a, **k):
+            raise Stop(kind)
+        return f
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (int(free_gib * 2**30), 80 * 2**30))
+    monkeypatch.setattr(run, "_open", stop("runtime"))
+    monkeypatch.setattr(run, "_reference_model", stop("reference"))
+    need = run.checkpoint_bytes(resolve_model_path(None))
+    assert need > 0 and run.fits_one_gpu(need, need + run.FIT_MARGIN) and not run.fits_one_gpu(need, need)
+    monkeypatch.setattr(run, "FIT_MARGIN", 2**30 - need)   # the tiny model "needs" 1 GiB
+    args = run.build_parser().parse_args(["--max-tokens", "2"])
+    with pytest.raises(Stop) as ei:
+        run.body(args)
+    assert ei.value.args[0] == ("runtime" if runtime else "reference") and args.device == "cuda"
+    err = capsys.readouterr().err
+    assert ("does not fit cuda:0" in err) == runtime and err.count("\n") == int(runtime)
+    args = run.build_parser().parse_args(["--max-tokens", "2", "--device", "cuda"])
+    with pytest.raises(Stop) as ei:
+        run.body(args)
+    assert ei.value.args[0] == "reference"

@@ -4,7 +4,8 @@ Without runtime flags the model runs on one device through the reference path. A
 runtime flags (--gpus, --layer-split, --cache-slots, --profile, --stats, --trace, ...) runs it on
 the hybrid runtime: layers split over logical cards, hot experts in per-card caches, the rest on
 the CPU expert runner (DESIGN §1). On --device cpu the same orchestration runs with torch on the
-CPU standing in for the GPUs.
+CPU standing in for the GPUs. --device auto (the default) takes the GPU where there is one of sm_70
+or newer, and there a checkpoint that does not fit the GPU without runtime flags runs on the runtime.
 """
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def _check_args(args) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise HybridError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
     args.old_gpu = None          # auto on a GPU older than Volta: the CPU, and _print says why after the run
-    if args.device in (None, "auto"):
+    args.auto_device = args.device in (None, "auto")
+    if args.auto_device:
         args.device = "cpu"
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability(0)
@@ -116,6 +118,21 @@ def _check_args(args) -> None:
                 args.device = "cuda"
             else:
                 args.old_gpu = f"sm_{major}{minor}"
+
+
+FIT_MARGIN = 2**30   # bytes a reference-path run needs beside its weights (KV cache, activations, allocator)
+
+
+def checkpoint_bytes(path) -> int:
+    """Bytes of a model folder's safetensors files (its weights as the GPU would hold them, about)."""
+    from pathlib import Path
+
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+def fits_one_gpu(need: int, free: int) -> bool:
+    """Whether a checkpoint of `need` bytes runs on one GPU with `free` bytes free through the reference path."""
+    return need + FIT_MARGIN <= free
 
 
 def uses_runtime(args) -> bool:
@@ -133,6 +150,14 @@ def body(args) -> int:
                                     args.presence_penalty, args.repetition_penalty, args.seed))
     path = resolve_model_path(args.model)
     cfg = ModelConfig.from_folder(path)
+    if getattr(args, "auto_device", False) and args.device == "cuda" and not uses_runtime(args):
+        import torch
+
+        need, free = checkpoint_bytes(path), torch.cuda.mem_get_info(0)[0]
+        if not fits_one_gpu(need, free):   # the reference path would not fit: the hybrid runtime plans it
+            args.hybrid = True
+            print(f"hybrid: the checkpoint ({need / 2**30:.1f} GiB) does not fit cuda:0 ({free / 2**30:.1f} GiB "
+                  f"free): running the hybrid runtime (--hybrid)", file=sys.stderr)
     _set_torch_threads(args, cfg)
     tok = Tokenizer(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     prompt = tok.apply_chat(args.prompt, args.system) if args.chat else args.prompt
