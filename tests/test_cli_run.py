@@ -172,6 +172,7 @@ def test_device_auto_runs_the_runtime_when_the_checkpoint_does_not_fit(monkeypat
     reference path. An explicit --device cuda keeps the reference path (the user asked for it)."""
     import torch
 
+    from hybrid.baselines.report import folder_bytes
     from hybrid.cli import run
     from hybrid.model import resolve_model_path
 
@@ -188,7 +189,7 @@ def test_device_auto_runs_the_runtime_when_the_checkpoint_does_not_fit(monkeypat
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (int(free_gib * 2**30), 80 * 2**30))
     monkeypatch.setattr(run, "_open", stop("runtime"))
     monkeypatch.setattr(run, "_reference_model", stop("reference"))
-    need = run.checkpoint_bytes(resolve_model_path(None))
+    need = folder_bytes(resolve_model_path(None))
     assert need > 0 and run.fits_one_gpu(need, need + run.FIT_MARGIN) and not run.fits_one_gpu(need, need)
     monkeypatch.setattr(run, "FIT_MARGIN", 2**30 - need)   # the tiny model "needs" 1 GiB
     args = run.build_parser().parse_args(["--max-tokens", "2"])

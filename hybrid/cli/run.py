@@ -123,13 +123,6 @@ def _check_args(args) -> None:
 FIT_MARGIN = 2**30   # bytes a reference-path run needs beside its weights (KV cache, activations, allocator)
 
 
-def checkpoint_bytes(path) -> int:
-    """Bytes of a model folder's safetensors files (its weights as the GPU would hold them, about)."""
-    from pathlib import Path
-
-    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
-
-
 def fits_one_gpu(need: int, free: int) -> bool:
     """Whether a checkpoint of `need` bytes runs on one GPU with `free` bytes free through the reference path."""
     return need + FIT_MARGIN <= free
@@ -153,7 +146,9 @@ def body(args) -> int:
     if getattr(args, "auto_device", False) and args.device == "cuda" and not uses_runtime(args):
         import torch
 
-        need, free = checkpoint_bytes(path), torch.cuda.mem_get_info(0)[0]
+        from hybrid.baselines.report import folder_bytes
+
+        need, free = folder_bytes(path), torch.cuda.mem_get_info(0)[0]   # the weights as the GPU would hold them
         if not fits_one_gpu(need, free):   # the reference path would not fit: the hybrid runtime plans it
             args.hybrid = True
             print(f"hybrid: the checkpoint ({need / 2**30:.1f} GiB) does not fit cuda:0 ({free / 2**30:.1f} GiB "
