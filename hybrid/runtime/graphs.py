@@ -346,16 +346,34 @@ class DecodeGraphs(SegmentGraphs):
         return r
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(dev: torch.device) -> torch.cuda.Stream | None:
+    """The stream every graph of this device is warmed up and captured on, kept for the process
+    (None with HYBRID_GRAPH_STREAM=0: a new side stream and capture stream per capture). torch keeps
+    one cuBLAS workspace per (handle, stream), allocated at the stream's first cuBLAS call: on a new
+    capture stream that call is inside the capture, so each graph's pool held a workspace of its own.
+    On the kept stream the first warm-up, outside any capture, puts it in the ordinary pool once and
+    every capture reuses it (the graphs replay one after another on the caller's stream)."""
+    if os.environ.get("HYBRID_GRAPH_STREAM", "0") == "0":
+        return None
+    if dev.index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[dev.index] = torch.cuda.Stream(dev)
+    return _CAPTURE_STREAMS[dev.index]
+
+
 def capture_runner(dev: torch.device, body, x_in: torch.Tensor, route_buf: torch.Tensor, pool=None) -> _Runner:
     """body() once on a side stream (warm-up: lazy packing, library handles; the same values), then
     captured into a graph (in `pool`, else its own) -> the _Runner replaying it, body's outputs in out."""
     cur = torch.cuda.current_stream(dev)
-    side = torch.cuda.Stream(dev)
+    kept = capture_stream(dev)
+    side = kept or torch.cuda.Stream(dev)
     side.wait_stream(cur)
     with torch.cuda.stream(side):
         body()
     cur.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(dev)):   # its default stream is made
-        out = body()                                                       # once, on the first device it met
+    with torch.cuda.graph(graph, pool=pool, stream=kept or torch.cuda.Stream(dev)):
+        out = body()
     return _Runner(x_in, route_buf, graph=graph, out=out)
