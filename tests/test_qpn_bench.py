@@ -52,3 +52,14 @@ def test_render_from_jsonl(tmp_path):
 def test_render_missing_file_is_a_user_error(tmp_path, capsys):
     assert main(["cuda-kernels", "--from-jsonl", str(tmp_path / "none.jsonl")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_plain_read_reference():
+    """M = 1 rows carry a plain read of the same bytes: the table's 'of read' column and the lm_head line."""
+    recs = [rec("lm_head", "nvfp4", 1, 10.0, 0.8, 0.9, read_t_us=9.0, cublas_read_t_us=19.0)]
+    text = "\n".join(targets(recs))
+    assert "NVFP4 M=1 lm_head >= 85%: NOT met (80.0%; a plain read of its 0 MB in one launch: 88.9%)" in text
+    assert "lm_head nvfp4 ours 0.90 vs cuBLAS 0.95" in text
+    md = markdown({"gpu": "G", "command": "c", "git_sha": "s", "torch": "t", "nvrtc": "n", "sm": 90,
+                   "read_gbs": 1.0, "copy_gbs": 1.0}, recs)
+    assert "| 9.0 | 0.90 |" in md

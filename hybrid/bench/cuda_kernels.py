@@ -167,6 +167,19 @@ def random_qweight(qtype, n: int, k: int, device):
     return QWeight(qtype, (n, k), b.view(torch.float8_e4m3fn), torch.tensor(1e-2, device=device))
 
 
+def read_us(nbytes: int, reps: int) -> float:
+    """Median us of torch's fp32 sum over a buffer of nbytes (copies rotated past the L2): what a plain
+    read of that many bytes takes in one launch, the reference for a kernel reading them (at lm_head's
+    175 MB the launch's fixed cost, ~9 us on the H200, already holds such a read to ~82% of the 2 GiB
+    sum's rate; tools/qpn_size_probe.py)."""
+    import torch
+
+    bufs = [torch.rand(max(nbytes // 4, 1), device="cuda") for _ in range(copies_for(nbytes))]
+    t = time_ms([lambda b=b: b.sum() for b in bufs], reps)
+    del bufs
+    return t * 1e3
+
+
 def copies_for(nbytes: int) -> int:
     return max(2, min(512, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
 
@@ -194,7 +207,8 @@ def bench_linear(name, n, k, qtype, ms, reps, read_bw):
                    cublas_eff_read=wd.numel() * 2 / tc / 1e6 / read_bw, speedup_vs_cublas=tc / t)
         if m == 1:
             td = time_ms([lambda: x @ _gpu_dequant(qw).half().t()], max(5, reps // 8))
-            rec.update(dequant_matmul_t_us=td * 1e3, speedup_vs_dequant=td / t)
+            rec.update(dequant_matmul_t_us=td * 1e3, speedup_vs_dequant=td / t,
+                       read_t_us=read_us(base.nbytes, reps), cublas_read_t_us=read_us(wd.numel() * 2, reps))
         out.append(rec)
         print(_line(rec), flush=True)
     del ws, dense
@@ -520,19 +534,27 @@ def markdown(env: dict, recs: list[dict], note: str = "") -> str:
              f"copy {env['copy_gbs']:.0f} GB/s (read + write)",
              "- eff = packed bytes (weights + scales) / median kernel time / read bandwidth; "
              "cuBLAS = torch FP16 matmul on pre-dequantized weights (FP16 bytes); "
-             "x = cuBLAS time / our time", "",
+             "x = cuBLAS time / our time; read us = torch's fp32 sum over as many bytes as ours (M = 1 rows), "
+             "of read = that time / ours (1.00: as fast as a plain read of the same bytes)", "",
              "| shape | N | K | fmt | M | ours us | ours eff | cuBLAS us | cuBLAS eff | x vs cuBLAS "
-             "| x vs dequant+matmul | kernel |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| x vs dequant+matmul | read us | of read | kernel |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
         dq = f"{r['speedup_vs_dequant']:.1f}" if "speedup_vs_dequant" in r else ""
+        rd = f"{r['read_t_us']:.1f} | {r['read_t_us'] / r['t_us']:.2f}" if "read_t_us" in r else " | "
         lines.append(f"| {r['shape']} | {r['n']} | {r['k']} | {r['format']} | {r['m']} | "
                      f"{r['t_us']:.1f} | {100 * r['eff_read']:.1f}% | {r['cublas_t_us']:.1f} | "
-                     f"{100 * r['cublas_eff_read']:.1f}% | {r['speedup_vs_cublas']:.2f} | {dq} | "
+                     f"{100 * r['cublas_eff_read']:.1f}% | {r['speedup_vs_cublas']:.2f} | {dq} | {rd} | "
                      f"{r.get('kernel', '')} |")
     return "\n".join(lines + [""] + targets(recs)) + "\n"
 
 
 LARGE = ("lm_head", "dense_up", "dense_down")
+
+
+def _read_gbs(r: dict) -> float:
+    """The run's read bandwidth (GB/s) behind a record's eff_read."""
+    return r["bytes"] / r["t_us"] / 1e3 / r["eff_read"] if r.get("eff_read") else 0.0
 
 
 def targets(recs: list[dict]) -> list[str]:
@@ -546,10 +568,19 @@ def targets(recs: list[dict]) -> list[str]:
                + "; ".join(f"{r['shape']} {r['format']} {100 * r['eff_read']:.0f}% vs "
                            f"{100 * r['cublas_eff_read']:.0f}% (x{r['speedup_vs_cublas']:.2f} speed)"
                            for r in m1))
+    rd = [r for r in m1 if "read_t_us" in r]
+    if rd:
+        out.append("- the same at M = 1 against a plain read of each one's own bytes (torch's fp32 sum over "
+                   "as many bytes, one launch; time of that read / kernel time): "
+                   + "; ".join(f"{r['shape']} {r['format']} ours {r['read_t_us'] / r['t_us']:.2f} vs cuBLAS "
+                               f"{r['cublas_read_t_us'] / r['cublas_t_us']:.2f}" for r in rd))
     lm = [r for r in recs if r["shape"] == "lm_head" and r["format"] == "nvfp4" and r["m"] == 1]
     if lm:
         e = 100 * lm[0]["eff_read"]
-        out.append(f"- NVFP4 M=1 lm_head >= 85%: {'met' if e >= 85 else 'NOT met'} ({e:.1f}%)")
+        ceil = (f"; a plain read of its {lm[0]['bytes'] / 1e6:.0f} MB in one launch: "
+                f"{100 * lm[0]['bytes'] / lm[0]['read_t_us'] / 1e3 / _read_gbs(lm[0]):.1f}%"
+                if "read_t_us" in lm[0] and _read_gbs(lm[0]) else "")
+        out.append(f"- NVFP4 M=1 lm_head >= 85%: {'met' if e >= 85 else 'NOT met'} ({e:.1f}%{ceil})")
     ratios = []
     for r in recs:
         if r["m"] == 8:
