@@ -99,3 +99,30 @@ def test_later_chunks_keep_free_memory(nvfp4, uniform, monkeypatch):  # noqa: F8
     got, _, (captures, steps, error) = _gen(nvfp4, prompts, "1", monkeypatch, uniform, chunk=16)
     assert error is None and captures == 1 and steps == 2
     assert got == want
+
+
+def test_captures_share_one_cublas_workspace(monkeypatch):
+    """Graphs captured on the kept stream per device (the default) reuse its cuBLAS workspace; with a new
+    capture stream per graph (HYBRID_GRAPH_STREAM=0) each capture allocates another in its pool."""
+    from hybrid.runtime.graphs import capture_runner
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(64, 64, device=dev, dtype=torch.float16)
+
+    def grow(n: int) -> int:
+        pool = torch.cuda.graph_pool_handle()
+        torch.cuda.empty_cache()
+        r0 = torch.cuda.memory_reserved(dev)
+        runners = [capture_runner(dev, lambda: a @ a, a, a, pool) for _ in range(n)]
+        grown = torch.cuda.memory_reserved(dev) - r0
+        for r in runners:
+            r.run()
+            assert torch.equal(r.out, a @ a)
+        return grown
+
+    monkeypatch.setenv("HYBRID_GRAPH_STREAM", "1")
+    grow(1)                                  # the kept stream's first warm-up places its workspace
+    kept = grow(4)
+    monkeypatch.setenv("HYBRID_GRAPH_STREAM", "0")
+    new = grow(4)
+    assert new - kept >= 4 * 2**20, (kept, new)

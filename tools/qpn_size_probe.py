@@ -5,7 +5,8 @@ the same bytes, to split lm_head's gap to the read bandwidth into a steady rate 
 
 K = 2048 (lm_head's) and N = lm_head's 151936 rows times each of --scales. Per N: NVFP4 at M = 1 and 8 and
 FP8 at M = 1 through qpn_linear (the launcher's pick), torch's fp32 sum over a buffer of the NVFP4 weight's
-bytes (the kind of reduction that measures the read bandwidth), and cuBLAS FP16 (x @ W^T on a dense fp16
+bytes (the kind of reduction that measures the read bandwidth) and qpn_read over it (a kernel that only
+reads), and cuBLAS FP16 (x @ W^T on a dense fp16
 weight) at M = 1 where N is at most lm_head's. Timed as hybrid-bench cuda-kernels does (CUDA events,
 median, copies rotated past the L2). Then a least-squares fit t = a + bytes / B per series: B is the
 steady rate, a the fixed cost of a launch (ramp, tail, the gap between kernels). Rows: series, n, bytes,
@@ -22,7 +23,7 @@ import torch
 
 from hybrid.bench.cuda_kernels import _clone_weight, bandwidths, copies_for, random_qweight, time_ms
 from hybrid.checkpoint.formats import QType
-from hybrid.kernels import QPNWeight, qpn_linear
+from hybrid.kernels import QPNWeight, qpn, qpn_linear
 
 LM_N, K = 151936, 2048
 
@@ -83,6 +84,8 @@ def main() -> int:
         bufs = [torch.rand(nb // 4, device=dev) for _ in range(copies_for(nb))]
         t = time_ms([lambda b=b: b.sum() for b in bufs], a.reps)
         row("sum_fp32", n, nb // 4 * 4, t)
+        t = time_ms([lambda b=b: qpn.read_bytes(b) for b in bufs], a.reps)
+        row("qpn_read", n, nb // 4 * 4, t)
         del bufs
         if sc <= 1:
             wd = [torch.randn(n, K, device=dev, dtype=torch.float16) for _ in range(copies_for(n * K * 2))]

@@ -168,14 +168,16 @@ def random_qweight(qtype, n: int, k: int, device):
 
 
 def read_us(nbytes: int, reps: int) -> float:
-    """Median us of torch's fp32 sum over a buffer of nbytes (copies rotated past the L2): what a plain
-    read of that many bytes takes in one launch, the reference for a kernel reading them (at lm_head's
-    175 MB the launch's fixed cost, ~9 us on the H200, already holds such a read to ~82% of the 2 GiB
-    sum's rate; tools/qpn_size_probe.py)."""
+    """Median us of qpn_read over nbytes (copies rotated past the L2): what a kernel that only streams
+    that many bytes takes in one launch, the reference for a kernel reading them (a launch's fixed
+    cost, ramp and tail, weighs on a 175 MB read; tools/qpn_size_probe.py)."""
     import torch
 
-    bufs = [torch.rand(max(nbytes // 4, 1), device="cuda") for _ in range(copies_for(nbytes))]
-    t = time_ms([lambda b=b: b.sum() for b in bufs], reps)
+    from hybrid.kernels import qpn
+
+    size = max(16, -(-nbytes // 16) * 16)
+    bufs = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(copies_for(nbytes))]
+    t = time_ms([lambda b=b: qpn.read_bytes(b) for b in bufs], reps)
     del bufs
     return t * 1e3
 
@@ -534,7 +536,7 @@ def markdown(env: dict, recs: list[dict], note: str = "") -> str:
              f"copy {env['copy_gbs']:.0f} GB/s (read + write)",
              "- eff = packed bytes (weights + scales) / median kernel time / read bandwidth; "
              "cuBLAS = torch FP16 matmul on pre-dequantized weights (FP16 bytes); "
-             "x = cuBLAS time / our time; read us = torch's fp32 sum over as many bytes as ours (M = 1 rows), "
+             "x = cuBLAS time / our time; read us = a kernel that only reads as many bytes as ours (qpn_read; M = 1 rows), "
              "of read = that time / ours (1.00: as fast as a plain read of the same bytes)", "",
              "| shape | N | K | fmt | M | ours us | ours eff | cuBLAS us | cuBLAS eff | x vs cuBLAS "
              "| x vs dequant+matmul | read us | of read | kernel |",
@@ -570,8 +572,8 @@ def targets(recs: list[dict]) -> list[str]:
                            for r in m1))
     rd = [r for r in m1 if "read_t_us" in r]
     if rd:
-        out.append("- the same at M = 1 against a plain read of each one's own bytes (torch's fp32 sum over "
-                   "as many bytes, one launch; time of that read / kernel time): "
+        out.append("- the same at M = 1 against a plain read of each one's own bytes (qpn_read over as many "
+                   "bytes, one launch; time of that read / kernel time): "
                    + "; ".join(f"{r['shape']} {r['format']} ours {r['read_t_us'] / r['t_us']:.2f} vs cuBLAS "
                                f"{r['cublas_read_t_us'] / r['cublas_t_us']:.2f}" for r in rd))
     lm = [r for r in recs if r["shape"] == "lm_head" and r["format"] == "nvfp4" and r["m"] == 1]

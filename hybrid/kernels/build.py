@@ -35,7 +35,7 @@ KERNELS = tuple(
     + [f"qpn{f}_moe_gemm_{p}_{t}" for f in (2, 8) for p in ("gateup", "down") for t in ("64x128", "32x128")]
     + [f"qpn{f}_moe_gemmf_{p}" for f in (2, 8) for p in ("gateup_64x256", "down_64x128", "gateup_32x256",
                                                           "down_32x128")]
-    + ["qpn2_stage_pack"]
+    + ["qpn2_stage_pack", "qpn_read"]
 )
 
 

@@ -810,3 +810,27 @@ def stage_pack_store(src: torch.Tensor, slots: QPNExpertSlots, first: int, n: in
                                [_p(src), ctypes.c_longlong(src.shape[1]), ctypes.c_int(h), ctypes.c_int(i),
                                 _p(slots.w13[first]), _p(slots.s13[first]), _p(slots.w2[first]),
                                 _p(slots.s2[first])])
+
+
+# ---------------------------------------------------------------------------- plain read (benchmark)
+READ_BLOCKS_PER_SM = 8   # 8 x 256 threads: a full SM, 4 x 16 B loads in flight per thread (128 KB per SM)
+
+
+def read_bytes(buf: torch.Tensor) -> None:
+    """Read a CUDA tensor's bytes once with qpn_read (nothing written): the time a kernel that only
+    streams them takes (hybrid-bench cuda-kernels' plain-read reference)."""
+    if buf.device.type != "cuda" or not buf.is_contiguous():
+        raise ValueError("buf: expected a contiguous CUDA tensor")
+    n = buf.numel() * buf.element_size()
+    if n % 16 or buf.data_ptr() % 16:
+        raise ValueError(f"buf: expected a 16-byte aligned size and address, got {n} bytes")
+    mod = _module(buf.device)
+    sink = _read_sink(buf.device)
+    mod.launch("qpn_read", (_sms(buf.device) * READ_BLOCKS_PER_SM, 1, 1), THREADS,
+               [_p(buf), ctypes.c_longlong(n // 16), _p(sink)])
+
+
+@functools.lru_cache(maxsize=None)
+def _read_sink(device: torch.device) -> torch.Tensor:
+    return torch.zeros(4, dtype=torch.int32, device=device)
+

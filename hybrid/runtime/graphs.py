@@ -351,12 +351,14 @@ _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 def capture_stream(dev: torch.device) -> torch.cuda.Stream | None:
     """The stream every graph of this device is warmed up and captured on, kept for the process
-    (None with HYBRID_GRAPH_STREAM=0: a new side stream and capture stream per capture). torch keeps
-    one cuBLAS workspace per (handle, stream), allocated at the stream's first cuBLAS call: on a new
-    capture stream that call is inside the capture, so each graph's pool held a workspace of its own.
-    On the kept stream the first warm-up, outside any capture, puts it in the ordinary pool once and
-    every capture reuses it (the graphs replay one after another on the caller's stream)."""
-    if os.environ.get("HYBRID_GRAPH_STREAM", "0") == "0":
+    (None with HYBRID_GRAPH_STREAM=0: a new side stream and capture stream per capture, as before).
+    torch keeps one cuBLAS workspace per (handle, stream), allocated at the stream's first cuBLAS call:
+    on a new capture stream that call is inside the capture, so each graph's pool held a workspace of
+    its own and each side stream another (H200, 30B-A3B: ~106 MiB per later-chunk prefill graph; with
+    the kept stream none, results/runtime.md §23). On the kept stream the first warm-up, outside any
+    capture, puts it in the ordinary pool once and every capture reuses it (the graphs replay one
+    after another on the caller's stream)."""
+    if os.environ.get("HYBRID_GRAPH_STREAM", "1") in ("0", "off", "false", "no"):
         return None
     if dev.index not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[dev.index] = torch.cuda.Stream(dev)

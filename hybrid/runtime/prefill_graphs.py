@@ -55,8 +55,10 @@ PREFILL_GRAPH_MAX = 512     # longer prefill steps run eagerly: the card, not th
 PREFILL_GRAPH_AFTER = 1     # prompts of a bucket that run eagerly before it is captured (capture costs ~2
                             # eager prefills: a one-prompt run would only pay it)
 PREFILL_CHUNK_GRAPHS_MAX = 32   # later chunks: the most (bucket, start) pairs with graphs (then eager)
-PREFILL_CHUNK_GRAPH_FREE_MIB = 1024   # later chunks: a new graph is captured only while every card has this
-                                      # much memory free (their pools hold memory an eager chunk would return)
+PREFILL_CHUNK_GRAPH_FREE_MIB = 256    # later chunks: a new graph is captured only while every card has this
+                                      # much memory free (their pools hold memory an eager chunk would return;
+                                      # each held ~106 MiB of cuBLAS workspace until the graphs shared one
+                                      # capture stream, now ~0: results/runtime.md §23)
 
 
 def prefill_graphs_enabled() -> bool:
