@@ -717,3 +717,56 @@ def test_decode_shape_follows_the_fused_parts(monkeypatch):
     monkeypatch.delenv("HYBRID_FUSED")
     assert decode_shape().dense_kernels < DECODE.dense_kernels          # the default parts save launches
     assert decode_shape().expert_kernels == DECODE.expert_kernels
+
+
+# ---------------------------------------------------------------- --prefill-chunk auto
+
+
+def test_auto_chunk_when_every_expert_fits(tiny_dir, prof):
+    """Every expert fits at any chunk: auto takes the largest (its workspace sized for it)."""
+    from hybrid.planner.build import AUTO_CHUNKS
+
+    mb = ModelBytes.from_folder(tiny_dir)
+    plan = make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(2,), prefill_chunk=None))
+    assert plan.inputs.prefill_chunk == max(AUTO_CHUNKS) and plan.prefill.chunk == max(AUTO_CHUNKS)
+    assert plan.cards[0].workspace_bytes == workspace_bytes(mb.config, max(AUTO_CHUNKS), 100 * MIB, False)
+    assert all(c.slots == 2 * mb.config.num_experts for c in plan.cards)
+    assert make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(2,), prefill_chunk=64)).inputs.prefill_chunk == 64
+
+
+def test_auto_chunk_costs_few_slots():
+    """Cards short of slots: auto takes the largest chunk costing each card <= AUTO_CHUNK_SLOT_LOSS of the
+    slots it has at 512, and 512 when even the smallest larger chunk costs more."""
+    from hybrid.planner.build import AUTO_CHUNK_SLOT_LOSS, AUTO_CHUNKS, BASE_CHUNK
+
+    cfg = tiny_cfg(num_hidden_layers=8, num_experts=64, hidden_size=512, moe_intermediate_size=1024)
+    mb = ModelBytes.from_config(cfg)
+    picks = {}
+    for mib in (400, 600, 3000):
+        p = profile_from_dict(profile_dict(memory_mib=mib))
+        req = PlanRequest(gpus=(0, 1), layer_split=(4,), kv_tokens=512)
+        slots = {}
+        for c in (BASE_CHUNK, *AUTO_CHUNKS):
+            try:
+                slots[c] = [x.slots for x in make_plan(mb, p, replace(req, prefill_chunk=c)).cards]
+            except PlanError:                                   # its workspace alone overflows the card
+                slots[c] = None
+        ok = [c for c in AUTO_CHUNKS if slots[c] is not None
+              and all(s >= b * (1 - AUTO_CHUNK_SLOT_LOSS) for s, b in zip(slots[c], slots[BASE_CHUNK]))]
+        auto = make_plan(mb, p, replace(req, prefill_chunk=None))
+        assert auto.inputs.prefill_chunk == (max(ok) if ok else BASE_CHUNK)
+        assert [x.slots for x in auto.cards] == slots[auto.inputs.prefill_chunk]
+        picks[mib] = auto.inputs.prefill_chunk
+    # 400 MiB: 1024 costs 70% of 30 slots; 600 MiB: every expert fits at 512, not at 1024 (246 of 256)
+    assert picks == {400: 512, 600: 512, 3000: 2048}, picks
+
+
+def test_plan_cli_prints_the_chunk(tiny_dir, tmp_path, capsys):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile_dict()))
+    assert plan_main(["--model", str(tiny_dir), "--profile", str(path)]) == 0
+    assert "prefill chunk 2048" in capsys.readouterr().out
+    assert plan_main(["--model", str(tiny_dir), "--profile", str(path), "--prefill-chunk", "256"]) == 0
+    assert "prefill chunk 256" in capsys.readouterr().out
+    assert plan_main(["--model", str(tiny_dir), "--profile", str(path), "--prefill-chunk", "x"]) == 2
+    assert "--prefill-chunk x: expected an integer" in capsys.readouterr().err

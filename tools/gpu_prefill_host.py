@@ -148,6 +148,8 @@ def runs(path: Path, deadline: float, a) -> None:
                                        for key, (least, default) in rules.items()})
             ids = prompt_ids(tok, n)
             steps0 = pg.steps if pg is not None else 0
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
             for _ in range(2):
                 forward_once(hm, ids, dev, a.chunk)              # warm-up: compiles, allocator, captures
             walls, hosts = zip(*(forward_once(hm, ids, dev, a.chunk) for _ in range(a.repeats)))
@@ -164,6 +166,7 @@ def runs(path: Path, deadline: float, a) -> None:
             if dev.type == "cuda":   # the graphs' pools show in the allocator's reserve and the card's use
                 free, total = torch.cuda.mem_get_info(dev)
                 rec.update(reserved_mib=round(torch.cuda.memory_reserved(dev) / 2**20, 1),
+                           peak_allocated_mib=round(torch.cuda.max_memory_allocated(dev) / 2**20, 1),
                            card_used_mib=round((total - free) / 2**20, 1))
             if n in a.profile_sizes:
                 prof = cProfile.Profile()

@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,14 +63,18 @@ def runs(path: Path, deadline: float, a) -> None:
             s = open_session(path, RuntimeOptions(**kw), context=ctx, cpu=cpu)
             try:
                 # alternated inside one session (same machine state)
-                for src, g, n in [(src, g, n) for src in a.sources for g in a.moe_gemm for n in a.prompt_tokens]:
+                for src, g, n, ch in [(src, g, n, ch) for src in a.sources for g in a.moe_gemm for n in a.prompt_tokens
+                                      for ch in a.chunks]:
                     _set_source(src)
                     qpn.MOE_GEMM[0] = g
+                    if ch is not None:
+                        s.opts = replace(s.opts, prefill_chunk=ch)
                     st0 = s.model.experts.prefill_stream_stats()
                     rec = measure(s, tok, n, 1, a.tokens)
                     rep = s.report()
                     st1 = s.model.experts.prefill_stream_stats()
                     rec.update({"cache_slots": slots, "prefill_offload_min": m, "prefill_source": src, "moe_gemm": g,
+                                "prefill_chunk": s.prefill_chunk, "plan_chunk": s.plan.inputs.prefill_chunk if s.plan else None,
                                 "store_pinned": s.model.experts.store_source is not None,
                                 "prefill_step_ms": round(1e3 * s.stats.step_s["prefill"][-1], 2),
                                 "prefill_steps": s.stats.steps["prefill"],
@@ -80,7 +85,8 @@ def runs(path: Path, deadline: float, a) -> None:
                     head = rec["generated_ids_head"]
                     rec["ids_equal_first"] = first.setdefault((slots, n), head) == head
                     record({"check": f"{check}_prompt{n}" + (f"_{src}" if len(a.sources) > 1 else "")
-                            + (f"_moegemm{g}" if len(a.moe_gemm) > 1 else ""), **rec})
+                            + (f"_moegemm{g}" if len(a.moe_gemm) > 1 else "")
+                            + (f"_chunk{ch}" if len(a.chunks) > 1 else ""), **rec})
                 if a.profile_prefill:
                     for src, n in [(src, n) for src in dict.fromkeys(a.sources) for n in a.prompt_tokens]:
                         _set_source(src)
@@ -163,7 +169,10 @@ def main() -> int:
                         "HYBRID_STAGE_KERNEL=1), measured in turn in each session")
     p.add_argument("--moe-gemm", default="auto", help="comma list of HYBRID_MOE_GEMM values (auto, 0, 1, f), "
                    "measured in turn in each session")
+    p.add_argument("--chunks", default="", help="comma list of prefill chunks (tokens) measured in turn in each "
+                   "session (default: the session's own, the planner's auto chunk)")
     a = p.parse_args()
+    a.chunks = _ints("--chunks", a.chunks) if a.chunks else [None]
     a.moe_gemm = [x.strip() for x in a.moe_gemm.split(",") if x.strip()]
     if not a.moe_gemm or any(x not in ("auto", "0", "1", "f") for x in a.moe_gemm):
         print(f"error: --moe-gemm {','.join(a.moe_gemm)}: expected a comma list of auto, 0, 1, f", file=sys.stderr)

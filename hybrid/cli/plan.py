@@ -40,7 +40,9 @@ def add_plan_arguments(p: argparse.ArgumentParser, profile_required: bool = True
                    help="fraction of the PCIe link promotions may use, 0..0.9 (default 0.1)")
     p.add_argument("--context", type=int, default=1024, metavar="T",
                    help="context length the tok/s prediction is for (default 1024, capped at --kv-resident)")
-    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="prefill chunk tokens, sizes the workspace")
+    p.add_argument("--prefill-chunk", default="auto", metavar="N|auto",
+                   help="prefill chunk tokens, sizes the workspace (default auto: the largest of 2048, 1024 whose "
+                        "workspace costs no card more than 2%% of its expert slots, else 512)")
     p.add_argument("--experts", default=None, metavar="FILE",
                    help="expert-popularity profile (default: profiles/<model folder name>.experts.json if present; "
                         "else uniform routing)")
@@ -95,7 +97,9 @@ def request_from_args(args, num_gpus: int) -> PlanRequest:
     offload = parse_offload_min(getattr(args, "prefill_offload_min", "0"))
     return PlanRequest(gpus=gpus, layer_split=split, kv_tokens=args.kv_resident, kv_dtype=args.kv_dtype,
                        cache_slots=slots, vram_cap_gib=cap, pcie_frac=args.pcie_frac,
-                       context=args.context, prefill_chunk=args.prefill_chunk,
+                       context=args.context,
+                       prefill_chunk=None if args.prefill_chunk in (None, "auto") else parse_ints("--prefill-chunk",
+                                                                                         args.prefill_chunk)[0],
                        prefill_stage=PREFILL_STAGE_GROUP if offload is None or offload else 0,
                        prefill_offload_min=offload)
 

@@ -50,7 +50,7 @@ class PlanRequest:
     vram_cap_gib: tuple[float, ...] | None = None
     pcie_frac: float = 0.1
     context: int = 1024
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = 512         # None: auto (the largest of AUTO_CHUNKS that costs few slots)
     prefill_stage: int = 0
     prefill_offload_min: int | None = None
     overlap: bool = False
@@ -64,7 +64,7 @@ class PlanRequest:
         m = self.prefill_offload_min
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
             raise PlanError(f"--prefill-offload-min {m}: expected auto or a token count >= 0 (0 = off)")
-        if self.kv_tokens < 0 or self.context < 0 or self.prefill_chunk <= 0:
+        if self.kv_tokens < 0 or self.context < 0 or (self.prefill_chunk is not None and self.prefill_chunk <= 0):
             raise PlanError("--kv-resident and --context must be >= 0, --prefill-chunk > 0")
         if not 0.0 <= self.pcie_frac <= MAX_PCIE_FRAC:
             raise PlanError(f"--pcie-frac {self.pcie_frac}: expected a fraction in [0, {MAX_PCIE_FRAC}] "
@@ -87,10 +87,22 @@ class PlanRequest:
         return None if values is None else values[i if len(values) > 1 else 0]
 
 
+# --prefill-chunk auto: the chunks tried, largest first, above BASE_CHUNK (the workspace every plan has).
+# A prompt prefilled in larger steps streams each missed expert once per step instead of once per 512
+# tokens and, with every expert resident, runs fewer and fuller grouped GEMMs (H200, 30B-A3B: 2048 tokens in
+# one step 62 ms vs 88-94 in graphed chunks of 512; results/runtime.md §22-24).
+BASE_CHUNK = 512
+AUTO_CHUNKS = (2048, 1024)
+AUTO_CHUNK_SLOT_LOSS = 0.02   # a larger chunk's workspace may cost a card at most this share of its slots
+                              # (a card holding all its layers' experts must keep holding them all)
+
+
 def make_plan(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, pop: Popularity | None = None,
               model: str = "", experts_path: str | None = None) -> Plan:
     """The plan for req.layer_split (None: the best split, search.best_plan), with its prefill
-    offload threshold."""
+    offload threshold; req.prefill_chunk None: the chunk too (auto_chunk)."""
+    if req.prefill_chunk is None:
+        return auto_chunk(mb, prof, req, pop, model, experts_path)
     if _SEARCHING.get():                      # one of best_plan's candidates: placement only
         return _placement(mb, prof, req, pop, model, experts_path)
     if req.layer_split is None:
@@ -105,6 +117,33 @@ def make_plan(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, pop: Popu
     else:
         plan = _placement(mb, prof, req, pop, model, experts_path)
     return _with_prefill(plan, mb, prof, req, pop, model, experts_path)
+
+
+def auto_chunk(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, pop: Popularity | None = None,
+               model: str = "", experts_path: str | None = None) -> Plan:
+    """The plan with the largest prefill chunk of AUTO_CHUNKS whose workspace costs no card more than
+    AUTO_CHUNK_SLOT_LOSS of the expert slots it has at BASE_CHUNK (on the same layer split; a card
+    holding every expert of its layers keeps them all), else the BASE_CHUNK plan. A CPU-only plan keeps
+    BASE_CHUNK (no workspace to size)."""
+    base = make_plan(mb, prof, replace(req, prefill_chunk=BASE_CHUNK), pop, model, experts_path)
+    if not base.cards:
+        return base
+    fixed = replace(req, layer_split=base.inputs.layer_split)
+    for chunk in AUTO_CHUNKS:
+        try:
+            plan = make_plan(mb, prof, replace(fixed, prefill_chunk=chunk), pop, model, experts_path)
+        except PlanError:
+            continue
+        if all(_keeps_slots(a, b, mb.config.num_experts) for a, b in zip(base.cards, plan.cards)):
+            return plan
+    return base
+
+
+def _keeps_slots(base: CardPlan, other: CardPlan, experts: int) -> bool:
+    total = (base.layers[1] - base.layers[0]) * experts
+    if base.slots >= total:
+        return other.slots >= total
+    return other.slots >= base.slots * (1 - AUTO_CHUNK_SLOT_LOSS)
 
 
 def _with_prefill(plan: Plan, mb: ModelBytes, prof: HardwareProfile, req: PlanRequest,

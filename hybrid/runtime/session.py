@@ -203,7 +203,7 @@ def _plan(path: Path, cfg: ModelConfig, opts: RuntimeOptions, prof, eprof: Exper
                       kv_tokens=opts.kv_resident or max(context, 1), kv_dtype=opts.kv_dtype,
                       cache_slots=opts.cache_slots, vram_cap_gib=opts.vram_cap_gib,
                       pcie_frac=min(opts.pcie_frac, 0.9), context=context,
-                      prefill_chunk=opts.prefill_chunk or 512,
+                      prefill_chunk=opts.prefill_chunk,                     # None: the planner's auto chunk
                       prefill_stage=PREFILL_STAGE_GROUP if opts.offload_min else 0,
                       prefill_offload_min=opts.prefill_offload_min,          # None: the cost model's
                       overlap=opts.device == "cuda" and overlap_enabled())   # what generate() does by default
