@@ -1846,6 +1846,26 @@ MOE_GEMMF(2, 32, 4, 2, 2)
 MOE_GEMMF(8, 64, 4, 1, 2)
 MOE_GEMMF(8, 32, 4, 2, 2)
 
+// ---------------------------------------------------------------- plain read (benchmark reference)
+// Reads n 16-byte words once (grid-stride, 4 loads in flight per thread, L1 bypassed) and folds them
+// into one word that is written only if it equals a constant no random data hits: what a kernel that
+// only streams its bytes takes, the reference hybrid-bench cuda-kernels sets beside each kernel.
+extern "C" __global__ void qpn_read(const u32x4* __restrict__ p, long long n, u32* __restrict__ sink) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  u32 acc = 0;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const u32x4 a = ld_stream(p + i), b = ld_stream(p + i + stride), c = ld_stream(p + i + 2 * stride),
+                d = ld_stream(p + i + 3 * stride);
+    acc ^= (a.x ^ a.y ^ a.z ^ a.w) ^ (b.x ^ b.y ^ b.z ^ b.w) ^ (c.x ^ c.y ^ c.z ^ c.w) ^ (d.x ^ d.y ^ d.z ^ d.w);
+  }
+  for (; i < n; i += stride) {
+    const u32x4 a = ld_stream(p + i);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w;
+  }
+  if (acc == 0x9E3779B9u) sink[0] = acc;
+}
+
 // ---------------------------------------------------------------- stage pack (CPU store slots -> QPN2)
 // Prefill offload / promotions from the pinned CPU expert store (hybrid/runtime/store_stage.py): n
 // experts' slots as the store holds them (cpu/layout.py NVFP4 int16 tiles: R = 64 rows per tile, 8-row
@@ -1906,22 +1926,3 @@ extern "C" __global__ void qpn2_stage_pack(const unsigned char* __restrict__ src
   }
 }
 
-// ---------------------------------------------------------------- plain read (benchmark reference)
-// Reads n 16-byte words once (grid-stride, 4 loads in flight per thread, L1 bypassed) and folds them
-// into one word that is written only if it equals a constant no random data hits: what a kernel that
-// only streams its bytes takes, the reference hybrid-bench cuda-kernels sets beside each kernel.
-extern "C" __global__ void qpn_read(const u32x4* __restrict__ p, long long n, u32* __restrict__ sink) {
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  u32 acc = 0;
-  for (; i + 3 * stride < n; i += 4 * stride) {
-    const u32x4 a = ld_stream(p + i), b = ld_stream(p + i + stride), c = ld_stream(p + i + 2 * stride),
-                d = ld_stream(p + i + 3 * stride);
-    acc ^= (a.x ^ a.y ^ a.z ^ a.w) ^ (b.x ^ b.y ^ b.z ^ b.w) ^ (c.x ^ c.y ^ c.z ^ c.w) ^ (d.x ^ d.y ^ d.z ^ d.w);
-  }
-  for (; i < n; i += stride) {
-    const u32x4 a = ld_stream(p + i);
-    acc ^= a.x ^ a.y ^ a.z ^ a.w;
-  }
-  if (acc == 0x9E3779B9u) sink[0] = acc;
-}
