@@ -57,3 +57,22 @@ def test_incremental_decode_equals_full_forward(qwen3_dir):
     model.new_cache(len(IDS))
     parts = [model.forward(IDS[:5], 0), model.forward(IDS[5:9], 5), model.forward(IDS[9:], 9)]
     torch.testing.assert_close(torch.cat(parts), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,past", [(1, 5), (7, 9), (16, 48)])
+def test_later_chunk_attention_is_causal_from_its_start(t, past, monkeypatch):
+    """A chunk's T queries at positions past.. see keys 0..past + i: the lower-right causal bias path equals
+    the boolean-mask path (HYBRID_PREFILL_MASK=1) and float64 softmax attention, GQA heads shared."""
+    from hybrid.model.layers import later_chunk_attention
+
+    g = torch.Generator().manual_seed(t * 100 + past)
+    hq, hkv, d, s = 8, 2, 16, past + t
+    q, k, v = (torch.randn(1, h, n, d, generator=g) for h, n in ((hq, t), (hkv, s), (hkv, s)))
+    got = later_chunk_attention(q, k, v, past)
+    monkeypatch.setenv("HYBRID_PREFILL_MASK", "1")
+    masked = later_chunk_attention(q, k, v, past)
+    kk, vv = (x.double().repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+    sc = q.double() @ kk.transpose(-1, -2) / d ** 0.5
+    sc = sc.masked_fill(torch.arange(s)[None, :] > torch.arange(past, s)[:, None], float("-inf"))
+    want = sc.softmax(-1) @ vv
+    assert torch.allclose(got.double(), want, atol=1e-5) and torch.allclose(masked.double(), want, atol=1e-5)

@@ -14,8 +14,11 @@ torch ops (A/B measurements).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from hybrid.kernels import fused
 from hybrid.model.linear import Linear, fused_linear
@@ -34,6 +37,19 @@ def decode_mask(pos, keys: int, dtype: torch.dtype, device) -> torch.Tensor:
     ar = torch.arange(keys, device=device)
     m = torch.zeros(keys, dtype=dtype, device=device).masked_fill_(ar > pos, float("-inf"))
     return m.view(1, 1, 1, keys)
+
+
+def later_chunk_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of a prefill chunk's T queries at positions start.. over its P + T keys (qh [1, Hq,
+    T, D], kh / vh [1, Hkv, P + T, D]): query i sees keys 0..start + i. Through torch's lower-right
+    causal bias (no [T, P + T] mask is built; kernels that take the bias need no score matrix), or with
+    HYBRID_PREFILL_MASK=1 the boolean mask as before."""
+    t, keys = qh.shape[2], kh.shape[2]
+    if os.environ.get("HYBRID_PREFILL_MASK", "0") not in ("0", ""):
+        pos_k = torch.arange(keys, device=qh.device)
+        mask = pos_k[None, :] <= pos_k[start:, None]                           # [T, P+T] True = attend
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, keys), enable_gqa=True)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -224,9 +240,7 @@ class Attention:
         if start == 0:
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
         else:
-            pos_k = torch.arange(start + t, device=x.device)
-            mask = pos_k[None, :] <= pos_k[start:, None]                       # [T, P+T] True = attend
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+            out = later_chunk_attention(qh, kh, vh, start)
         return self.o(out[0].transpose(0, 1).reshape(t, -1))                  # [T, Hq*D]
 
     def _sdpa1(self, q, keys, vals, mask):
