@@ -1925,4 +1925,3 @@ extern "C" __global__ void qpn2_stage_pack(const unsigned char* __restrict__ src
     }
   }
 }
-

@@ -380,16 +380,20 @@ def test_lookup_resident_equals_one_lookup_per_layer(policy):
 def test_lookup_resident_refuses_a_miss_and_bad_input():
     c = ExpertCache([0, 1], [4, 8], 8)
     c.warm_start({0: [0, 1, 2, 3], 1: list(range(8))})
-    with pytest.raises(RuntimeError, match="before begin_step"):
+    with pytest.raises(RuntimeError, match="ExpertCache.lookup_resident before begin_step"):
         c.lookup_resident([0, 1], np.zeros((2, 1, 2)))
+    with pytest.raises(RuntimeError, match="ExpertCache.lookup_used before begin_step"):
+        c.lookup_used([0, 1], np.zeros((2, 8), dtype=bool))
     c.begin_step()
     with pytest.raises(RuntimeError, match="layer 0: expert 6 is not resident"):
         c.lookup_resident([0, 1], np.array([[[1, 6]], [[2, 3]]]))
     assert not c.hits.any()                                  # nothing counted
     with pytest.raises(ValueError, match="outside 0..7"):
         c.lookup_resident([0, 1], np.array([[[1, 8]], [[2, 3]]]))
-    with pytest.raises(ValueError, match="distinct"):
+    with pytest.raises(ValueError, match=r"lookup_resident: layers \[1, 1\] must be distinct"):
         c.lookup_resident([1, 1], np.zeros((2, 1, 2)))
+    with pytest.raises(ValueError, match=r"lookup_used: layers \[1, 1\] must be distinct"):
+        c.lookup_used([1, 1], np.zeros((2, 8), dtype=bool))
     with pytest.raises(ValueError, match=r"lookup_used: \(2, 4\) marks for 2 layers of 8 experts"):
         c.lookup_used([0, 1], np.zeros((2, 4), dtype=bool))
     assert c.lookup_resident([1, 0], np.array([[[7, 7]], [[3, 0]]])) == [[7], [0, 3]]

@@ -215,7 +215,7 @@ class ExpertCache:
         counters and the policy end as those lookups leave them, in a few numpy calls instead of a
         few per layer. ids [n, T, k] (or [n, k]). -> the unique hit experts per layer; raises if
         any routed expert is not resident (nothing is counted then)."""
-        self._check_resident_call(layers)
+        self._check_resident_call(layers, "lookup_resident")
         if not len(layers):
             return []
         ids = np.asarray(ids, dtype=np.int64).reshape(len(layers), -1)                 # [n, T*k]
@@ -223,12 +223,15 @@ class ExpertCache:
             raise ValueError(f"layers {list(layers)}: routed ids outside 0..{self.num_experts - 1}")
         mark = np.zeros((len(layers), self.num_experts), dtype=bool)   # the unique (j, e) pairs by a mark
         mark[np.arange(len(layers))[:, None], ids] = True              # (np.unique took ~25 ms at 48 layers
-        return self.lookup_used(layers, mark)                          # x 2048 tokens)
+        return self._settle_used(layers, mark)                         # x 2048 tokens)
 
     def lookup_used(self, layers: Sequence[int], used) -> list[int]:
         """lookup_resident from each layer's set of routed experts instead of its ids: used [n, E] bool
         (what a prefill step's device can reduce its [n, T, k] ids to before they cross to the host)."""
-        self._check_resident_call(layers)
+        self._check_resident_call(layers, "lookup_used")
+        return self._settle_used(layers, used)
+
+    def _settle_used(self, layers: Sequence[int], used) -> list[int]:
         used = np.asarray(used, dtype=bool)
         if used.shape != (len(layers), self.num_experts):
             raise ValueError(f"lookup_used: {used.shape} marks for {len(layers)} layers of {self.num_experts} experts")
@@ -248,11 +251,11 @@ class ExpertCache:
             self._used.setdefault(layer, set()).update(u)
         return out
 
-    def _check_resident_call(self, layers: Sequence[int]) -> None:
+    def _check_resident_call(self, layers: Sequence[int], name: str) -> None:
         if self.step < 0:
-            raise RuntimeError("ExpertCache.lookup_resident before begin_step")
+            raise RuntimeError(f"ExpertCache.{name} before begin_step")
         if len(set(layers)) != len(layers):
-            raise ValueError(f"lookup_resident: layers {list(layers)} must be distinct")
+            raise ValueError(f"{name}: layers {list(layers)} must be distinct")
 
     def promote_misses(self, layer: int, lookup: Lookup) -> list[Promotion]:
         """Promote what the policy admits among lookup.misses, within this step's PCIe budget."""

@@ -833,4 +833,3 @@ def read_bytes(buf: torch.Tensor) -> None:
 @functools.lru_cache(maxsize=None)
 def _read_sink(device: torch.device) -> torch.Tensor:
     return torch.zeros(4, dtype=torch.int32, device=device)
-

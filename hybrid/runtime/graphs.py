@@ -366,8 +366,9 @@ def capture_stream(dev: torch.device) -> torch.cuda.Stream | None:
 
 
 def capture_runner(dev: torch.device, body, x_in: torch.Tensor, route_buf: torch.Tensor, pool=None) -> _Runner:
-    """body() once on a side stream (warm-up: lazy packing, library handles; the same values), then
-    captured into a graph (in `pool`, else its own) -> the _Runner replaying it, body's outputs in out."""
+    """body() once on the device's kept capture stream (capture_stream; else a new side stream) as a
+    warm-up (lazy packing, library handles and workspaces; the same values), then captured on it into a
+    graph (in `pool`, else its own) -> the _Runner replaying it, body's outputs in out."""
     cur = torch.cuda.current_stream(dev)
     kept = capture_stream(dev)
     side = kept or torch.cuda.Stream(dev)
