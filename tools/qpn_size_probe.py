@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
 
 import torch
@@ -55,6 +57,8 @@ def main() -> int:
         return 0
     read_bw, copy_bw = bandwidths()
     head = {"what": "qpn_size_probe", "git_sha": a.sha, "gpu": torch.cuda.get_device_name(dev),
+            "command": " ".join(["tools/qpn_size_probe.py", *sys.argv[1:]]),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical cores",
             "read_gbs": round(read_bw, 1), "copy_gbs": round(copy_bw, 1)}
     print(json.dumps(head), flush=True)
     out = open(a.out, "a")
