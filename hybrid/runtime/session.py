@@ -65,6 +65,9 @@ class Session:
         d["prefill_stream"]["offload_min"] = self.model.experts.prefill_min
         d["prefill_graphs"] = ({"steps": pg.steps, "captures": pg.captures, "error": pg.error}
                                if (pg := self.model.prefill_graphs) is not None else None)
+        d["prefill_chunk"] = {"tokens": self.prefill_chunk,
+                              "source": "--prefill-chunk" if self.opts.prefill_chunk is not None
+                              else "plan" if self.plan is not None else "whole prompt"}
         return d
 
     def _prefill_source(self) -> str | None:
@@ -81,6 +84,9 @@ class Session:
         extra = [f"prefill offload (steps of >= {ps['offload_min']} tokens): {ps['experts']} experts streamed to the "
                  f"cards from the {ps['source'] or 'checkpoint'} ({ps['bytes'] / 2**20:.1f} MiB, {ps['groups']} groups, "
                  f"{ps['layers']} layer passes)"] if ps["experts"] else []
+        ch = rep["prefill_chunk"]
+        extra.append(f"prefill chunk: {ch['tokens'] or 'the whole prompt'}"
+                     + (f" tokens ({ch['source']})" if ch["tokens"] else ""))
         pg = rep["prefill_graphs"]
         if pg and pg["steps"]:
             extra.append(f"prefill graphs: {pg['steps']} prompt(s) replayed, {pg['captures']} bucket(s) captured")
