@@ -71,6 +71,8 @@
 //   qpn{2,8}_moe_gemm_{gateup,down}_<BM>x128  MoE prefill (many rows per expert): the tiled WMMA GEMM
 //                              per active slot, grid (N tiles, min(A, S)), rows gathered through perm
 //   qpn{2,8}_moe_gemmf_{gateup_<BM>x256,down_<BM>x128}  sm_80+: the same on gemmf's machinery
+//   qpn_read                   grid-stride read of n 16-byte words, nothing written (the benchmark's plain
+//                              read of a kernel's bytes, hybrid-bench cuda-kernels)
 
 typedef unsigned int u32;
 typedef unsigned short u16;

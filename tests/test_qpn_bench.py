@@ -63,3 +63,14 @@ def test_plain_read_reference():
     md = markdown({"gpu": "G", "command": "c", "git_sha": "s", "torch": "t", "nvrtc": "n", "sm": 90,
                    "read_gbs": 1.0, "copy_gbs": 1.0}, recs)
     assert "| 9.0 | 0.90 |" in md
+
+
+def test_read_bytes_checks_its_buffer():
+    """qpn.read_bytes (the plain-read reference) refuses a CPU tensor with a one-line reason."""
+    import pytest
+    import torch
+
+    from hybrid.kernels import qpn
+
+    with pytest.raises(ValueError, match="buf: expected a contiguous CUDA tensor"):
+        qpn.read_bytes(torch.zeros(16, dtype=torch.uint8))

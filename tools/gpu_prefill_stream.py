@@ -8,7 +8,9 @@ in one process. Writes $OUT/prefill_stream.jsonl + gpu_check.log.
    profile) and each --prefill-offload-min of --modes (default 0 = off, then 32 = on): one session,
    hybrid.bench.decode.measure with each --prompt-tokens prompt (default 512: one prefill chunk; a comma
    list is measured in turn: the offload crossover) after a warm-up generation of the same prompt; per session prefill tok/s, the measured prefill step's ms, what
-   was streamed (experts, bytes, groups, staging bytes), PCIe bytes by kind, the first greedy ids.
+   was streamed (experts, bytes, groups, staging bytes), PCIe bytes by kind, the first greedy ids;
+   --chunks 512,2048: each prompt prefilled in steps of each chunk in turn (default: the session's, the
+   planner's auto chunk).
 
     HYBRID_CACHE_DIR=.qpncache HYBRID_GIT_SHA=<sha> PYTHONPATH=. python3 tools/gpu_prefill_stream.py \\
         --profile h200 --prompt-tokens 512 --budget-s 270
