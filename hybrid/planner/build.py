@@ -127,16 +127,28 @@ def auto_chunk(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, pop: Pop
     BASE_CHUNK (no workspace to size)."""
     base = make_plan(mb, prof, replace(req, prefill_chunk=BASE_CHUNK), pop, model, experts_path)
     if not base.cards:
-        return base
+        return _noted(base, "auto: no card")
     fixed = replace(req, layer_split=base.inputs.layer_split)
+    why = []
     for chunk in AUTO_CHUNKS:
         try:
             plan = make_plan(mb, prof, replace(fixed, prefill_chunk=chunk), pop, model, experts_path)
         except PlanError:
+            why.append(f"{chunk} does not fit")
             continue
-        if all(_keeps_slots(a, b, mb.config.num_experts) for a, b in zip(base.cards, plan.cards)):
-            return plan
-    return base
+        lost = [(a.card, a.slots - b.slots) for a, b in zip(base.cards, plan.cards)
+                if not _keeps_slots(a, b, mb.config.num_experts)]
+        if not lost:
+            fewer = sum(a.slots for a in base.cards) - sum(b.slots for b in plan.cards)
+            return _noted(plan, f"auto: {fewer} fewer expert slots than at {BASE_CHUNK}" if fewer
+                          else "auto: no expert slot lost")
+        card, n = lost[0]
+        why.append(f"{chunk} would cost card {card} {n} of its {base.cards[card].slots} slots")
+    return _noted(base, "auto: " + "; ".join(why))
+
+
+def _noted(plan: Plan, note: str) -> Plan:
+    return replace(plan, inputs=replace(plan.inputs, prefill_chunk_note=note))
 
 
 def _keeps_slots(base: CardPlan, other: CardPlan, experts: int) -> bool:

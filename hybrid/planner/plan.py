@@ -126,6 +126,7 @@ class PlanInputs:
     prefill_chunk: int
     experts_profile: str | None
     bytes_source: str
+    prefill_chunk_note: str = ""          # --prefill-chunk auto: why this chunk ("" when given)
 
 
 @dataclass(frozen=True)

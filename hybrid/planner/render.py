@@ -22,7 +22,7 @@ def render(plan: Plan, per_layer: bool = False) -> str:
     lines = [f"model    {i.model}   (bytes from {i.bytes_source})",
              f"profile  {i.profile}   gpus {','.join(map(str, i.gpus)) or 'none (CPU only)'}   "
              f"split {','.join(map(str, i.layer_split)) or '-'}   KV {i.kv_tokens} tokens {i.kv_dtype}   "
-             f"prefill chunk {i.prefill_chunk}", ""]
+             f"prefill chunk {i.prefill_chunk}" + (f" ({i.prefill_chunk_note})" if i.prefill_chunk_note else ""), ""]
     rows = [[str(c.card), str(c.device), c.name, f"{c.layers[0]}-{c.layers[1] - 1}", _g(c.dense_bytes),
              _g(c.kv_bytes), _g(c.workspace_bytes), f"{c.slots}", f"{c.slot_bytes / MIB:.2f}",
              _g(c.cache_bytes), _g(c.used_bytes), _g(c.cap_bytes), _g(c.free_bytes)]
