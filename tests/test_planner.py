@@ -773,3 +773,5 @@ def test_plan_cli_prints_the_chunk(tiny_dir, tmp_path, capsys):
     assert "prefill chunk 256" in capsys.readouterr().out
     assert plan_main(["--model", str(tiny_dir), "--profile", str(path), "--prefill-chunk", "x"]) == 2
     assert "--prefill-chunk x: expected an integer" in capsys.readouterr().err
+    assert plan_main(["--model", str(tiny_dir), "--profile", str(path), "--prefill-chunk", "512,1024"]) == 2
+    assert "--prefill-chunk 512,1024: expected one integer or auto" in capsys.readouterr().err

@@ -73,6 +73,17 @@ def parse_ints(flag: str, text: str) -> tuple[int, ...]:
         raise HybridError(f"{flag} {text}: expected an integer or a comma list of integers") from None
 
 
+def parse_chunk(text: str | None) -> int | None:
+    """--prefill-chunk (hybrid-plan and hybrid-run): None or 'auto' -> None (the plan's chunk), else the
+    token count."""
+    if text in (None, "auto"):
+        return None
+    n, *more = parse_ints("--prefill-chunk", text)
+    if more:
+        raise HybridError(f"--prefill-chunk {text}: expected one integer or auto")
+    return n
+
+
 def parse_floats(flag: str, text: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(","))
@@ -97,9 +108,7 @@ def request_from_args(args, num_gpus: int) -> PlanRequest:
     offload = parse_offload_min(getattr(args, "prefill_offload_min", "0"))
     return PlanRequest(gpus=gpus, layer_split=split, kv_tokens=args.kv_resident, kv_dtype=args.kv_dtype,
                        cache_slots=slots, vram_cap_gib=cap, pcie_frac=args.pcie_frac,
-                       context=args.context,
-                       prefill_chunk=None if args.prefill_chunk in (None, "auto") else parse_ints("--prefill-chunk",
-                                                                                         args.prefill_chunk)[0],
+                       context=args.context, prefill_chunk=parse_chunk(args.prefill_chunk),
                        prefill_stage=PREFILL_STAGE_GROUP if offload is None or offload else 0,
                        prefill_offload_min=offload)
 

@@ -211,12 +211,9 @@ def _reference_model(args, path):
 
 
 def _chunk(text):
-    from hybrid.cli.plan import parse_ints
+    from hybrid.cli.plan import parse_chunk
 
-    if text is None or text == "auto":
-        return 0
-    (n,) = parse_ints("--prefill-chunk", text)
-    return n
+    return parse_chunk(text) or 0
 
 
 def _open(args, path, cfg, context: int):
@@ -231,7 +228,7 @@ def _open(args, path, cfg, context: int):
 
 def options_from_args(args, num_layers: int):
     """RuntimeOptions from the hybrid-run flags."""
-    from hybrid.cli.plan import parse_floats, parse_ints
+    from hybrid.cli.plan import parse_chunk, parse_floats, parse_ints
     from hybrid.errors import HybridError
     from hybrid.runtime import RuntimeOptions
 
@@ -247,7 +244,7 @@ def options_from_args(args, num_layers: int):
                           f"{len(gpus) - 1} boundary(ies)")
     slots = None if args.cache_slots in (None, "auto") else parse_ints("--cache-slots", args.cache_slots)
     cap = None if args.vram_cap is None else parse_floats("--vram-cap", args.vram_cap)
-    chunk = None if args.prefill_chunk in (None, "auto") else parse_ints("--prefill-chunk", args.prefill_chunk)[0]
+    chunk = parse_chunk(args.prefill_chunk)
     offload = {} if args.prefill_offload_min is None else {"prefill_offload_min": _tokens(args.prefill_offload_min)}
     return RuntimeOptions(device=args.device, gpus=gpus, layer_split=split, kv_resident=args.kv_resident,
                           kv_dtype=args.kv_dtype, cache_slots=slots, cpu_threads=args.cpu_threads,
