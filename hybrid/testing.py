@@ -152,9 +152,9 @@ def greedy_logits(model, ids: list[int], n: int, chunk: int = 0) -> tuple[list[i
     """Prefill ids (in chunks of `chunk` tokens; 0: at once), then n greedy decode steps -> (the n ids, [n, V]
     logits of the decode steps)."""
     model.new_cache(len(ids) + n + 1)
-    step = chunk or len(ids)
-    for a in range(0, len(ids), step):
-        logits = model.forward(torch.tensor(ids[a:a + step]), a, last_only=True)
+    size = chunk or len(ids)
+    for a in range(0, len(ids), size):
+        logits = model.forward(torch.tensor(ids[a:a + size]), a, last_only=True)
     out, rows = [], []
     for step in range(n):
         out.append(int(logits[-1].argmax()))

@@ -21,6 +21,7 @@ import os
 import platform
 import sys
 
+import numpy as np
 import torch
 
 from hybrid.bench.cuda_kernels import _clone_weight, bandwidths, copies_for, random_qweight, time_ms
@@ -32,12 +33,8 @@ LM_N, K = 151936, 2048
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Least squares t_us = a + bytes / B -> (a us, B GB/s)."""
-    n = len(points)
-    mx = sum(b for b, _ in points) / n
-    my = sum(t for _, t in points) / n
-    sxx = sum((b - mx) ** 2 for b, _ in points)
-    slope = sum((b - mx) * (t - my) for b, t in points) / sxx      # us per byte
-    return my - slope * mx, 1e-3 / slope
+    slope, a = np.polyfit([b for b, _ in points], [t for _, t in points], 1)    # us per byte, us
+    return float(a), 1e-3 / float(slope)
 
 
 def main() -> int:

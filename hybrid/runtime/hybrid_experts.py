@@ -251,26 +251,27 @@ class HybridExperts:
         """One card's deferred lookups in one batched call (ExpertCache.lookup_resident: what one
         lookup per layer would count); a miss there is a bug (a fully resident layer missed)."""
         layers = [layer for layer, _, _ in items]
-        try:
-            used = card.cache.lookup_resident(layers, np.stack([ids for _, ids, _ in items]))
-        except RuntimeError as exc:
-            raise RuntimeError(f"a fully resident layer missed: {exc}") from None
-        cuda = card.device.type == "cuda"
-        for (layer, ids_h, w_h), u in zip(items, used):
-            self._account(layer, cuda, ids_h, w_h, len(u), 0, 0)
+        self._settle_lookups(card, layers, [(ids, w) for _, ids, w in items],
+                             lambda: card.cache.lookup_resident(layers, np.stack([ids for _, ids, _ in items])))
 
     def _settle_marks(self, card: CardRuntime, items: list, e: int) -> None:
         """_settle_card from each layer's marked experts ([E + 1] bool; the last: an id out of range)."""
         layers, marks = [layer for layer, _ in items], np.stack([m for _, m in items])
         if marks[:, e].any():
             raise ValueError(f"layers {layers}: routed ids outside 0..{e - 1}")
+        self._settle_lookups(card, layers, [(None, None)] * len(layers),
+                             lambda: card.cache.lookup_used(layers, marks[:, :e]))
+
+    def _settle_lookups(self, card: CardRuntime, layers: list, routes: list, lookup) -> None:
+        """lookup() -> each layer's unique hit experts; then each layer's step accounting with its
+        (ids, weights) on the host, or (None, None) where only its expert set crossed."""
         try:
-            used = card.cache.lookup_used(layers, marks[:, :e])
+            used = lookup()
         except RuntimeError as exc:
             raise RuntimeError(f"a fully resident layer missed: {exc}") from None
         cuda = card.device.type == "cuda"
-        for layer, u in zip(layers, used):
-            self._account(layer, cuda, None, None, len(u), 0, 0)
+        for layer, (ids_h, w_h), u in zip(layers, routes, used):
+            self._account(layer, cuda, ids_h, w_h, len(u), 0, 0)
 
     def _gpu_times(self, pending: list) -> float:
         """Resolve the step's (layer, start, end) CUDA events into seconds (events are done by now)."""

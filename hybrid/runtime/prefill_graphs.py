@@ -19,7 +19,7 @@ trace: HybridExperts.note_device, as the decode graphs do), and the head runs on
 index is a device buffer set before the replay).
 
 The segment's body is the eager forward's CUDA path (Attention._cuda: fused RoPE + KV write, SDPA
-causal, or masked at start > 0; add+norm, the router, the grouped QPN kernel), so the graph changes host time,
+causal, at start > 0 lower-right causal; add+norm, the router, the grouped QPN kernel), so the graph changes host time,
 not the math; the one difference is that the kernels see B rows instead of T. Graphs are captured
 lazily per (segment, B) into one memory pool per device, at the bucket's second prompt (a capture
 costs about two eager prefills, so a bucket used once runs eagerly: PREFILL_GRAPH_AFTER), and dropped
@@ -32,7 +32,7 @@ steps from a position start > 0 (the prefill chunks after the first) run through
 (bucket, start), at most PREFILL_CHUNK_GRAPHS_MAX of them, and new ones only while every card keeps
 PREFILL_CHUNK_GRAPH_FREE_MIB free (a graph's pool keeps what an eager chunk gives back; chunk starts repeat
 from prompt to prompt: 0, C, 2C, ...). Such a graph has its positions start .. start + B - 1 and KV rows
-fixed; its attention reads the cache's rows 0 .. start + B - 1 under the causal mask, so the padded rows
+fixed; its attention reads the cache's rows 0 .. start + B - 1 causally (row i sees rows 0 .. start + i), so the padded rows
 still see nothing of the prompt's future and are overwritten by the next chunk or the decode steps.
 
 With capture=False the same bodies run eagerly (the CPU tests of the padding, the settled routing and the

@@ -49,9 +49,15 @@ class Session:
     @property
     def prefill_chunk(self) -> int:
         """0 = the whole prompt at once."""
+        return self._prefill_chunk()[0]
+
+    def _prefill_chunk(self) -> tuple[int, str]:
+        """(prefill chunk, where it comes from): --prefill-chunk, else the plan's, else the whole prompt (0)."""
         if self.opts.prefill_chunk is not None:
-            return self.opts.prefill_chunk
-        return self.plan.inputs.prefill_chunk if self.plan is not None else 0
+            return self.opts.prefill_chunk, "--prefill-chunk"
+        if self.plan is not None:
+            return self.plan.inputs.prefill_chunk, "plan"
+        return 0, "whole prompt"
 
     def report(self, measured_tok_s: float | None = None) -> dict:
         d = self.stats.to_dict(self.caches, self.plan, measured_tok_s)
@@ -65,9 +71,7 @@ class Session:
         d["prefill_stream"]["offload_min"] = self.model.experts.prefill_min
         d["prefill_graphs"] = ({"steps": pg.steps, "captures": pg.captures, "error": pg.error}
                                if (pg := self.model.prefill_graphs) is not None else None)
-        d["prefill_chunk"] = {"tokens": self.prefill_chunk,
-                              "source": "--prefill-chunk" if self.opts.prefill_chunk is not None
-                              else "plan" if self.plan is not None else "whole prompt"}
+        d["prefill_chunk"] = dict(zip(("tokens", "source"), self._prefill_chunk()))
         return d
 
     def _prefill_source(self) -> str | None:
