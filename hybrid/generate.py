@@ -63,7 +63,7 @@ def generate(model, tok: Tokenizer, prompt_ids: list[int], max_tokens: int, samp
     model.new_cache(len(prompt_ids) + max_tokens)
     stream = StreamDecoder(tok)
     t0 = time.perf_counter()
-    logits = _prefill(model, prompt_ids, prefill_chunk)
+    logits = prefill(model, prompt_ids, prefill_chunk)
     loop = _decode_overlap if _use_overlap(model, logits, overlap) else _decode
     t1 = loop(model, tok, res, stream, logits, max_tokens, sampler, stop, on_text)
     if t1 is not None:
@@ -146,7 +146,8 @@ def _take(res: GenerationResult, history: list[int], stream: StreamDecoder, tok:
     return True
 
 
-def _prefill(model, prompt_ids: list[int], chunk: int) -> torch.Tensor:
+def prefill(model, prompt_ids: list[int], chunk: int) -> torch.Tensor:
+    """The prompt through model.forward in steps of `chunk` tokens (0: one step) -> the last step's logits."""
     ids = torch.tensor(prompt_ids)
     chunk = chunk or len(prompt_ids)
     for s in range(0, len(prompt_ids), chunk):

@@ -151,10 +151,10 @@ def tokenizer_for(path: str | Path):
 def greedy_logits(model, ids: list[int], n: int, chunk: int = 0) -> tuple[list[int], torch.Tensor]:
     """Prefill ids (in chunks of `chunk` tokens; 0: at once), then n greedy decode steps -> (the n ids, [n, V]
     logits of the decode steps)."""
+    from hybrid.generate import prefill
+
     model.new_cache(len(ids) + n + 1)
-    size = chunk or len(ids)
-    for a in range(0, len(ids), size):
-        logits = model.forward(torch.tensor(ids[a:a + size]), a, last_only=True)
+    logits = prefill(model, ids, chunk)
     out, rows = [], []
     for step in range(n):
         out.append(int(logits[-1].argmax()))

@@ -46,15 +46,12 @@ def _sync(dev) -> None:
 def forward_once(hm, ids, dev, chunk: int = 0) -> tuple[float, float]:
     """One prefill of ids into a fresh cache, in steps of `chunk` tokens (0: one step) as generate() runs a
     long prompt -> (wall s, host enqueue s)."""
-    import torch
+    from hybrid.generate import prefill
 
     hm.new_cache(len(ids) + 8)
-    x = torch.tensor(ids)
-    step = chunk or len(ids)
     _sync(dev)
     t0 = time.perf_counter()
-    for s in range(0, len(ids), step):
-        hm.forward(x[s:s + step], s, last_only=True)
+    prefill(hm, ids, chunk)
     t1 = time.perf_counter()
     _sync(dev)
     return time.perf_counter() - t0, t1 - t0
