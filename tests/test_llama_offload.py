@@ -224,11 +224,13 @@ def test_tool_finds_cuda_libs_and_builds_child_env(tmp_path, monkeypatch):
 
 def test_tool_child_runs_llama_with_cpu_experts(tiny_gguf):
     tool = _tool()
-    spec = {"what": "decode", "gguf": str(tiny_gguf), "n_ctx": 64, "threads": 2, "prompt": list(range(5, 21)),
+    spec = {"what": "decode", "gguf": str(tiny_gguf), "n_ctx": 64, "threads": 2, "prompts": [list(range(5, 21)), list(range(5, 45))],
             "tokens": 6, "warmup": 2, "n_gpu_layers": -1, "cpu_experts": True, "use_mmap": False}
     d = tool.run_child(spec, tool.child_env(None), 120)
     assert "error" not in d, d.get("error")
-    assert d["tokens"] == 6 and d["decode_tok_s"] > 0 and d["placement"]["overridden_tensors"] == 12
+    assert [r["prompt_tokens"] for r in d["runs"]] == [16, 40]      # one load, both prompt lengths
+    assert all(r["tokens"] == 6 and r["decode_tok_s"] > 0 for r in d["runs"])
+    assert d["placement"]["overridden_tensors"] == 12 and d["n_ubatch"] == 64
     assert d["placement"]["model_buffers_mib"]          # "CPU" (not mapped) with use_mmap False
     bad = tool.run_child({**spec, "cpu_experts": "ffn_("}, tool.child_env(None), 60)
     assert "not a valid regular expression" in bad["error"]
@@ -236,18 +238,21 @@ def test_tool_child_runs_llama_with_cpu_experts(tiny_gguf):
 
 def test_tool_table():
     tool = _tool()
-    res = {"hybrid_all_cpu": {"decode_tok_s": 3.3, "prefill_tok_s": 20.0, "generated_ids_head": [1, 2, 3],
+    res = {("hybrid_all_cpu", 32): {"decode_tok_s": 3.3, "prefill_tok_s": 20.0, "generated_ids_head": [1, 2, 3],
                               "prediction": {"tok_s": 10.0}, "measured_over_predicted": 0.33},
-           "llama_cpu_experts": {"decode_tok_s": 20.0, "decode_median_tok_s": 21.0, "prefill_tok_s": 80.0, "generated_ids_head": [1, 2, 4],
+           ("llama_cpu_experts", 32): {"decode_tok_s": 20.0, "decode_median_tok_s": 21.0, "prefill_tok_s": 80.0, "generated_ids_head": [1, 2, 4],
                                  "gpu_used_gib_by_load": 1.5},
-           "llama_all_gpu": {"error": "child exited 1: boom"}}
-    text = tool.table(res)
-    row = ("| llama.cpp | `n_gpu_layers=-1` + `ffn_*_exps` on the CPU | CPU | **20.00** | 80.0 "
+           ("llama_all_gpu", 32): {"error": "child exited 1: boom"},
+           ("llama_all_gpu", 512): {"decode_tok_s": 9.0, "prefill_tok_s": 900.0}}
+    text = tool.table(res, [32, 512])
+    row = ("| 32 | llama.cpp | `n_gpu_layers=-1` + `ffn_*_exps` on the CPU | CPU | **20.00** | 80.0 "
            "|  |  | 1.5 | 2 |")
     assert row in text
     assert "– (child exited 1: boom)" in text and "– (not run)" in text
     assert "median" not in text                      # a CUDA step time is not a speed (JSONL only)
     assert "| **3.30** | 20.0 | 10.00 | 0.33 |" in text
+    assert "| 512 | llama.cpp | all layers on the GPU | GPU | **9.00** | 900.0 |" in text
+    assert text.count("| 512 |") == 4 and "| 512 | hybrid | 1 card, `--cache-slots 0` | CPU (runner) | – (not run)" in text
 
 
 @pytest.mark.slow
@@ -255,12 +260,14 @@ def test_tool_dry_run_small(tmp_path):
     """The whole script on a small synthetic NVFP4 model, CPU only (~1 min on 2 cores)."""
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHONPATH": str(ROOT)}
     p = subprocess.run([sys.executable, str(TOOL), "--device", "cpu", "--small", "--synth", str(tmp_path / "s"),
-                        "--tokens", "8", "--warmup", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                        "--tokens", "8", "--warmup", "2", "--prompt-tokens", "8,24"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    recs = {r["check"]: r for r in map(json.loads, (tmp_path / "out" / "llama_ab.jsonl").read_text().splitlines())}
+    rows = list(map(json.loads, (tmp_path / "out" / "llama_ab.jsonl").read_text().splitlines()))
+    recs = {r["check"]: r for r in rows}
     assert recs["gguf_export"]["ok"] and recs["gguf_export"]["expert_tensor_types"] == ["NVFP4"]
     for k in ("llama_all_gpu", "llama_cpu_experts", "hybrid_all_cpu", "hybrid_cap16"):
         assert recs[k]["decode_tok_s"] > 0, recs[k]
+        assert sorted(r["prompt_tokens"] for r in rows if r["check"] == k) == [8, 24]
     assert recs["llama_cpu_experts"]["placement"]["overridden_tensors"] == 4 * 6    # weight + scale, 3 projections
-    assert (tmp_path / "out" / "llama_ab.md").read_text().count("| llama.cpp |") == 2
+    assert (tmp_path / "out" / "llama_ab.md").read_text().count("| llama.cpp |") == 4

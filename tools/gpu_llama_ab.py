@@ -156,13 +156,14 @@ def _child(spec: dict) -> dict:
                     n_gpu_layers=spec["n_gpu_layers"], cpu_experts=spec["cpu_experts"], use_mmap=spec["use_mmap"])
     load_s = time.perf_counter() - t
     after = lo.devices()
-    try:
-        rec = r.decode_speed(spec["prompt"], spec["tokens"], spec["warmup"])
+    try:      # one load, then every prompt length in turn (a warm-up generation before each)
+        runs = [r.decode_speed(ids, spec["tokens"], spec["warmup"]) for ids in spec["prompts"]]
     finally:
         place = r.placement()
         r.close()
-    return {**rec, "load_s": round(load_s, 2), "placement": place, "threads": spec["threads"],
+    return {"runs": runs, "load_s": round(load_s, 2), "placement": place, "threads": spec["threads"],
             "use_mmap": spec["use_mmap"], "gpu_used_gib_by_load": round(_gpu_used(after) - _gpu_used(before), 2),
+            "n_ctx": spec["n_ctx"], "n_ubatch": spec["n_ctx"],   # LlamaRunner: n_batch = n_ubatch = n_ctx
             "flash_attn": False, "llama_cpp": llama_cpp_info()["llama_cpp_python"]}
 
 
@@ -250,7 +251,7 @@ def prompt(ctx: dict) -> None:
 
     cfg = ModelConfig.from_folder(ctx["synth"])
     ctx["tok"] = Tokenizer(ctx["synth"], cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-    ctx["prompt"] = prompt_ids(ctx["tok"], ctx["prompt_tokens"])
+    ctx["prompts"] = [prompt_ids(ctx["tok"], n) for n in ctx["prompt_tokens"]]
 
 
 LLAMA_RUNS = (("llama_cpu_experts", dict(n_gpu_layers=-1, cpu_experts=True, use_mmap=False),
@@ -265,7 +266,7 @@ def llama_runs(ctx: dict, deadline: float) -> None:
         record({"check": "llama_runs", "skipped": "llama.cpp environment check or GGUF export failed (see "
                 "llama_env, gguf_export)"})
         return
-    n_ctx = ctx["prompt_tokens"] + max(ctx["warmup"], ctx["tokens"]) + 8
+    n_ctx = max(ctx["prompt_tokens"]) + max(ctx["warmup"], ctx["tokens"]) + 8
     for label, kw, desc in LLAMA_RUNS:
         left = deadline - time.perf_counter()
         if left < 30:
@@ -273,9 +274,12 @@ def llama_runs(ctx: dict, deadline: float) -> None:
             continue
         log(f"llama.cpp: {desc}")
         spec = {"what": "decode", "gguf": str(ctx["gguf"]), "n_ctx": n_ctx, "threads": ctx["threads"],
-                "prompt": ctx["prompt"], "tokens": ctx["tokens"], "warmup": ctx["warmup"], **kw}
+                "prompts": ctx["prompts"], "tokens": ctx["tokens"], "warmup": ctx["warmup"], **kw}
         d = run_child(spec, ctx["env"], left + 60)          # a started run may finish past the budget
-        ctx["results"][label] = record({"check": label, "engine": "llama.cpp", "description": desc, **d})
+        runs = d.pop("runs", None) or [{}]
+        for n, run in zip(ctx["prompt_tokens"], runs):
+            ctx["results"][label, n] = record({"check": label, "engine": "llama.cpp", "description": desc,
+                                               **d, **run})
 
 
 def _load_gpu_runtime_check():
@@ -294,8 +298,8 @@ def hybrid_runs(ctx: dict, deadline: float) -> None:
 
     grc = _load_gpu_runtime_check()
     dev, tok, cuda = ctx["device"], ctx["tok"], ctx["device"] == "cuda"
-    n = ctx["prompt_tokens"], ctx["warmup"], ctx["tokens"]
-    context = n[0] + max(n[1], n[2])
+    lengths, n = ctx["prompt_tokens"], (ctx["warmup"], ctx["tokens"])
+    context = max(lengths) + max(n)
     common = dict(device=dev, profile=ctx["profile"], cpu_threads=ctx["threads"])
     log("hybrid: every expert on the CPU runner (builds the expert store)")
     s0 = open_session(ctx["synth"], RuntimeOptions(gpus=(0,), cache_slots=(0,), **common), context=context)
@@ -305,11 +309,12 @@ def hybrid_runs(ctx: dict, deadline: float) -> None:
         try:
             grc.calibrate_profile(s0, tok, ctx["synth"], prof)
             finish_export(ctx, deadline + 120)   # nothing is timed while the export runs
-            rec = measure(s0, tok, *n)
-            ctx["results"]["hybrid_all_cpu"] = record({
-                "check": "hybrid_all_cpu", "engine": "hybrid", "flags": "--gpus 0 --cache-slots 0 --profile "
-                f"{ctx['profile']} --cpu-threads {ctx['threads']}", **rec, "threads": ctx["threads"],
-                **grc.graph_info(s0)})
+            for length in lengths:
+                rec = measure(s0, tok, length, *n)
+                ctx["results"]["hybrid_all_cpu", length] = record({
+                    "check": "hybrid_all_cpu", "engine": "hybrid", "flags": "--gpus 0 --cache-slots 0 --profile "
+                    f"{ctx['profile']} --cpu-threads {ctx['threads']}", **rec, "threads": ctx["threads"],
+                    "prefill_chunk": s0.prefill_chunk, **grc.graph_info(s0)})
         finally:
             s0.owns_cpu = False                  # the runner serves the next session; closed at the end
             s0.close()
@@ -323,13 +328,14 @@ def hybrid_runs(ctx: dict, deadline: float) -> None:
         s = open_session(ctx["synth"], RuntimeOptions(gpus=(0, 0), vram_cap_gib=(16.0,), expert_profile=str(prof),
                                                       **common), context=context, cpu=cpu)
         try:
-            rec = measure(s, tok, *n)
-            vram = round(torch.cuda.max_memory_allocated(0) / 2**30, 2) if cuda else None
-            ctx["results"]["hybrid_cap16"] = record({
-                "check": "hybrid_cap16", "engine": "hybrid", "flags": "--gpus 0,0 --vram-cap 16 --profile "
-                f"{ctx['profile']} --expert-profile synth30.experts.json --cpu-threads {ctx['threads']}", **rec,
-                "threads": ctx["threads"], "peak_gib_both_cards": vram,
-                "full_layers": [len(c.full) for c in s.cards], **grc.graph_info(s)})
+            for length in lengths:
+                rec = measure(s, tok, length, *n)
+                vram = round(torch.cuda.max_memory_allocated(0) / 2**30, 2) if cuda else None
+                ctx["results"]["hybrid_cap16", length] = record({
+                    "check": "hybrid_cap16", "engine": "hybrid", "flags": "--gpus 0,0 --vram-cap 16 --profile "
+                    f"{ctx['profile']} --expert-profile synth30.experts.json --cpu-threads {ctx['threads']}",
+                    **rec, "threads": ctx["threads"], "peak_gib_both_cards": vram, "prefill_chunk": s.prefill_chunk,
+                    "full_layers": [len(c.full) for c in s.cards], **grc.graph_info(s)})
         finally:
             s.close()
             torch.cuda.empty_cache() if cuda else None
@@ -345,21 +351,22 @@ ROWS = (("llama_all_gpu", "llama.cpp", "all layers on the GPU", "GPU"),
         ("hybrid_cap16", "hybrid", "`--gpus 0,0 --vram-cap 16`", "GPU slots (+ CPU misses)"))
 
 
-def table(results: dict) -> str:
-    ref = results.get("hybrid_all_cpu", {}).get("generated_ids_head") or []
-    lines = ["| engine | placement | experts on | decode tok/s | prefill tok/s | planner tok/s | measured / "
+def table(results: dict, lengths: list[int]) -> str:
+    """One row per (engine and placement, prompt length); results keyed by (check, prompt tokens)."""
+    lines = ["| prompt | engine | placement | experts on | decode tok/s | prefill tok/s | planner tok/s | measured / "
              "predicted | VRAM GiB | leading greedy ids = hybrid all-CPU's (first 16 compared) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for key, engine, place, where in ROWS:
-        r = results.get(key)
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for n, (key, engine, place, where) in ((n, row) for n in lengths for row in ROWS):
+        ref = results.get(("hybrid_all_cpu", n), {}).get("generated_ids_head") or []
+        r = results.get((key, n))
         if r is None or "decode_tok_s" not in r:
             why = (r or {}).get("skipped") or ((r or {}).get("error") or "not run")[:80]
-            lines.append(f"| {engine} | {place} | {where} | – ({why}) | | | | | |")
+            lines.append(f"| {n} | {engine} | {place} | {where} | – ({why}) | | | | | |")
             continue
         pred = r.get("prediction", {}).get("tok_s")
         vram = r.get("gpu_used_gib_by_load", r.get("peak_gib_both_cards"))
         ids = r.get("generated_ids_head") or []
-        lines.append(f"| {engine} | {place} | {where} | **{r['decode_tok_s']:.2f}** | {r['prefill_tok_s']:.1f} | "
+        lines.append(f"| {n} | {engine} | {place} | {where} | **{r['decode_tok_s']:.2f}** | {r['prefill_tok_s']:.1f} | "
                      f"{'' if pred is None else f'{pred:.2f}'} | "
                      f"{'' if r.get('measured_over_predicted') is None else r['measured_over_predicted']} | "
                      f"{'' if vram is None else vram} | {_load_gpu_runtime_check().prefix_match(ids, ref) if ref else ''} |")
@@ -375,7 +382,8 @@ def main(argv=None) -> int:
     p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
     p.add_argument("--gguf", type=Path, default=None, help="GGUF path (default: <synth>.gguf)")
     p.add_argument("--skew", type=float, default=0.25)
-    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[32],
+                   help="prompt length(s), comma list (default 32): each engine loads once and runs every length")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=None, help="llama.cpp n_threads and hybrid --cpu-threads "
@@ -414,7 +422,7 @@ def main(argv=None) -> int:
     parts += [] if "llama" in skip else [("llama", lambda: llama_runs(ctx, deadline))]
     _load_gpu_runtime_check().run_parts(parts, deadline, record, log)
     finish_export(ctx, 60)
-    text = table(ctx["results"])
+    text = table(ctx["results"], ctx["prompt_tokens"])
     (OUT / "llama_ab.md").write_text(text + "\n")
     print(text)
     log("done")
