@@ -187,7 +187,7 @@ def test_a_bucket_runs_eagerly_at_its_first_prompt(models, warm):  # noqa: F811 
         s.close()
 
 
-def _chunked(model_dir, warm, ids, chunk, graphed, cap=None):
+def _chunked(model_dir, warm, ids, chunk, graphed, cap=None, n=8):
     s = open_session(model_dir, RuntimeOptions(cache_slots=(LAYERS * EXPERTS,), expert_profile=warm, pcie_frac=0.0))
     try:
         pg = None
@@ -195,7 +195,7 @@ def _chunked(model_dir, warm, ids, chunk, graphed, cap=None):
             pg = s.model.prefill_graphs = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True,
                                                         after=0, chunks=True)
         s.model.prompt_tokens = len(ids)
-        out, rows = greedy_logits(s.model, ids, 8, chunk=chunk)
+        out, rows = greedy_logits(s.model, ids, n, chunk=chunk)
         hits = [c.hits.copy() for c in s.caches]
         keys = sorted(k[1:] for k in pg._runners) if pg else []
         return out, rows, hits, (pg.steps if pg else 0), keys
@@ -228,3 +228,41 @@ def test_later_chunk_graphs_capped(monkeypatch, models, warm):  # noqa: F811 - f
     ids = (tokenizer_for(models["nvfp4"]).encode(PROMPT) * 4)[:40]
     _, _, _, steps, keys = _chunked(models["nvfp4"], warm, ids, 16, graphed=True)
     assert steps == 2 and keys == [(16, 0), (16, 16)]                 # the chunk at 32 ran eagerly
+
+
+def test_later_chunk_past_the_cache_runs_eagerly(models, warm):  # noqa: F811 - fixtures
+    """A later chunk whose bucket would reach past the KV store (40 tokens in chunks of 32, a cache of 43 rows:
+    the 8-token chunk at 32 would pad to 16 rows, 48 > 43) runs eagerly after the graphed first chunk, with the
+    eager chunked prefill's greedy ids and decode logits."""
+    ids = (tokenizer_for(models["nvfp4"]).encode(PROMPT) * 4)[:40]
+    out0, rows0, _, _, _ = _chunked(models["nvfp4"], warm, ids, 32, graphed=False, n=2)
+    out1, rows1, _, steps, keys = _chunked(models["nvfp4"], warm, ids, 32, graphed=True, n=2)
+    assert steps == 1 and keys == [(32, 0)]
+    assert out1 == out0
+    torch.testing.assert_close(rows1, rows0, atol=1e-2, rtol=1e-2)
+
+
+def test_head_row_set_before_a_smaller_bucket_is_made(models, warm):  # noqa: F811 - fixtures
+    """A bucket's runner is made (on CUDA: captured after an eager warm-up that selects the head's row of its
+    B rows) only after the head's row is set for this prompt: a 40-token prompt (bucket 64, row 39) and then a
+    12-token one (bucket 16) must make the 16-row head runner with row 11, not 39 (a device-side assert on
+    CUDA, which ends the process)."""
+    ids = (tokenizer_for(models["nvfp4"]).encode(PROMPT) * 4)[:40]
+    s = open_session(models["nvfp4"], RuntimeOptions(cache_slots=(LAYERS * EXPERTS,), expert_profile=warm))
+    try:
+        pg = s.model.prefill_graphs = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True,
+                                                    after=0)
+        made, make = [], pg._make
+
+        def spy(seg, b, start):
+            if seg.head:
+                made.append((b, int(pg._last_buf(seg.device).item())))
+            return make(seg, b, start)
+
+        pg._make = spy
+        for n in (40, 12):
+            s.model.prompt_tokens = n
+            greedy_logits(s.model, ids[:n], 24)                        # a cache of >= 64 rows
+        assert made == [(64, 39), (16, 11)]
+    finally:
+        s.close()

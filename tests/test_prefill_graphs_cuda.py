@@ -69,6 +69,17 @@ def test_prefill_graphs_match_eager(nvfp4, uniform, monkeypatch):  # noqa: F811 
     assert got == want
 
 
+def test_a_smaller_bucket_captured_after_a_longer_prompt(nvfp4, uniform, monkeypatch):  # noqa: F811 - fixture
+    """Bucket 64 captured and replayed (the head's row 39), then bucket 16 captured: its eager warm-up must
+    select row 11 of its 16 rows, not the 39 the last replay left (a device-side assert ended the process)."""
+    ids = _ids(nvfp4, 40)
+    prompts = [ids, ids, ids, ids[:12], ids[:12], ids[:12]]
+    want, _, _ = _gen(nvfp4, prompts, "0", monkeypatch, uniform)
+    got, _, (captures, steps, error) = _gen(nvfp4, prompts, "1", monkeypatch, uniform)
+    assert error is None and captures == 2 and steps == 4
+    assert got == want
+
+
 def test_prefill_stays_eager_when_a_layer_can_miss(nvfp4, uniform, monkeypatch):  # noqa: F811 - fixture
     _, _, (captures, steps, error) = _gen(nvfp4, [_ids(nvfp4, 12)], "1", monkeypatch, uniform, slots=8)
     assert (captures, steps, error) == (0, 0, None)

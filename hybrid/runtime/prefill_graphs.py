@@ -164,14 +164,14 @@ class PrefillGraphs(SegmentGraphs):
         for seg in self._segments():
             if x.device != seg.device:
                 x = x.to(seg.device)                                         # layer-split hop
+            if seg.head:     # before _runner: a capture's eager warm-up selects this row of its B rows
+                self._last_buf(seg.device).fill_(t - 1)
             r = self._runner(seg, b, start)
             if x.shape[0] == b:
                 r.x_in.copy_(x)
             else:                                                            # the prompt, then its last row
                 r.x_in[:t].copy_(x[:t])
                 r.x_in[t:].copy_(x[t - 1:t].expand(b - t, -1))
-            if seg.head:
-                self._last_buf(seg.device).fill_(t - 1)
             self.experts.prepare_device(seg.layers)
             r.run()
             if seg.layers:
