@@ -742,7 +742,7 @@ def test_auto_chunk_costs_few_slots():
     cfg = tiny_cfg(num_hidden_layers=8, num_experts=64, hidden_size=512, moe_intermediate_size=1024)
     mb = ModelBytes.from_config(cfg)
     picks, notes = {}, {}
-    for mib in (400, 600, 3000):
+    for mib in (400, 600, 650, 3000):
         p = profile_from_dict(profile_dict(memory_mib=mib))
         req = PlanRequest(gpus=(0, 1), layer_split=(4,), kv_tokens=512)
         slots = {}
@@ -758,17 +758,20 @@ def test_auto_chunk_costs_few_slots():
         assert [x.slots for x in auto.cards] == slots[auto.inputs.prefill_chunk]
         picks[mib] = auto.inputs.prefill_chunk
         notes[mib] = auto.inputs.prefill_chunk_note
-    # 400 MiB: 1024 costs 70% of 30 slots; 600 MiB: every expert fits at 512, not at 1024 (246 of 256)
-    assert picks == {400: 512, 600: 512, 3000: 2048}, picks
-    assert notes[400] == "auto: 2048 does not fit; 1024 would cost card 0 21 of its 30 slots"
-    assert notes[600].startswith("auto: 2048 would cost card 0 51 of its 256 slots") and notes[3000].startswith("auto: no")
+    # 400 MiB: 1024 costs 70% of 30 slots; 600 MiB: every expert fits at 512, not at 1024 (246 of 256);
+    # 650 MiB: all fit at 2048, not at 4096
+    assert picks == {400: 512, 600: 512, 650: 2048, 3000: 4096}, picks
+    assert notes[400] == "auto: 4096 does not fit; 2048 does not fit; 1024 would cost card 0 21 of its 30 slots"
+    assert notes[600].startswith("auto: 4096 would cost card 0 134 of its 256 slots; 2048 would cost card 0 51")
+    assert re.fullmatch(r"auto: no expert slot lost; 4096 would cost card 0 \d+ of its 256 slots", notes[650])
+    assert notes[3000] == "auto: no expert slot lost"
 
 
 def test_plan_cli_prints_the_chunk(tiny_dir, tmp_path, capsys):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile_dict()))
     assert plan_main(["--model", str(tiny_dir), "--profile", str(path)]) == 0
-    assert "prefill chunk 2048 (auto: no expert slot lost)" in capsys.readouterr().out
+    assert "prefill chunk 4096 (auto: no expert slot lost)" in capsys.readouterr().out
     assert plan_main(["--model", str(tiny_dir), "--profile", str(path), "--prefill-chunk", "256"]) == 0
     assert "prefill chunk 256" in capsys.readouterr().out
     assert plan_main(["--model", str(tiny_dir), "--profile", str(path), "--prefill-chunk", "x"]) == 2

@@ -158,9 +158,9 @@ def test_plan_drives_placement_and_zero_pcie_budget(models, reference):
     assert all(c["promotions"] == 0 for c in rep["cards"]) and rep["hit_rate"] == 0.0
     assert rep["prediction"]["tok_s"] > 0 and rep["prediction"]["profile"] == "v100x2-e5v4"
     # --prefill-chunk auto: the plan's (the tiny model fits a 16 GB card at any chunk: the largest)
-    assert rep["prefill_chunk"] == {"tokens": 2048, "source": "plan"} == {"tokens": s.plan.inputs.prefill_chunk,
+    assert rep["prefill_chunk"] == {"tokens": 4096, "source": "plan"} == {"tokens": s.plan.inputs.prefill_chunk,
                                                                           "source": "plan"}
-    assert "prefill chunk: 2048 tokens (plan)" in s.summary()
+    assert "prefill chunk: 4096 tokens (plan)" in s.summary()
     _, s = _run(models["nvfp4"], cache_slots=(HALF,), prefill_chunk=3)
     assert s.report()["prefill_chunk"] == {"tokens": 3, "source": "--prefill-chunk"}
 

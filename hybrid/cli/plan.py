@@ -41,7 +41,7 @@ def add_plan_arguments(p: argparse.ArgumentParser, profile_required: bool = True
     p.add_argument("--context", type=int, default=1024, metavar="T",
                    help="context length the tok/s prediction is for (default 1024, capped at --kv-resident)")
     p.add_argument("--prefill-chunk", default="auto", metavar="N|auto",
-                   help="prefill chunk tokens, sizes the workspace (default auto: the largest of 2048, 1024 whose "
+                   help="prefill chunk tokens, sizes the workspace (default auto: the largest of 4096, 2048, 1024 whose "
                         "workspace costs no card more than 2%% of its expert slots, else 512)")
     p.add_argument("--experts", default=None, metavar="FILE",
                    help="expert-popularity profile (default: profiles/<model folder name>.experts.json if present; "

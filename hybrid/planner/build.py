@@ -90,9 +90,10 @@ class PlanRequest:
 # --prefill-chunk auto: the chunks tried, largest first, above BASE_CHUNK (the workspace every plan has).
 # A prompt prefilled in larger steps streams each missed expert once per step instead of once per 512
 # tokens and, with every expert resident, runs fewer and fuller grouped GEMMs (H200, 30B-A3B: 2048 tokens in
-# one step 62 ms vs 88-94 in graphed chunks of 512; results/runtime.md §22-24).
+# one step 62 ms vs 88-94 in graphed chunks of 512; a 4096-token step 129 ms vs 142 in two of 2048, 8192
+# tokens 304 vs 332; experts on the CPU, 8192 tokens 7,978 vs 5,152 tok/s; results/runtime.md §22-25).
 BASE_CHUNK = 512
-AUTO_CHUNKS = (2048, 1024)
+AUTO_CHUNKS = (4096, 2048, 1024)
 AUTO_CHUNK_SLOT_LOSS = 0.02   # a larger chunk's workspace may cost a card at most this share of its slots
                               # (a card holding all its layers' experts must keep holding them all)
 
@@ -140,8 +141,8 @@ def auto_chunk(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, pop: Pop
                 if not _keeps_slots(a, b, mb.config.num_experts)]
         if not lost:
             fewer = sum(a.slots for a in base.cards) - sum(b.slots for b in plan.cards)
-            return _noted(plan, f"auto: {fewer} fewer expert slots than at {BASE_CHUNK}" if fewer
-                          else "auto: no expert slot lost")
+            note = f"{fewer} fewer expert slots than at {BASE_CHUNK}" if fewer else "no expert slot lost"
+            return _noted(plan, "auto: " + "; ".join([note, *why]))
         card, n = lost[0]
         why.append(f"{chunk} would cost card {card} {n} of its {base.cards[card].slots} slots")
     return _noted(base, "auto: " + "; ".join(why))
