@@ -147,9 +147,12 @@ def _take(res: GenerationResult, history: list[int], stream: StreamDecoder, tok:
 
 
 def prefill(model, prompt_ids: list[int], chunk: int) -> torch.Tensor:
-    """The prompt through model.forward in steps of `chunk` tokens (0: one step) -> the last step's logits."""
+    """The prompt through model.forward in steps of `chunk` tokens (0: one step; a model with prefill_step may
+    take smaller ones, HybridModel.prefill_step) -> the last step's logits."""
     ids = torch.tensor(prompt_ids)
     chunk = chunk or len(prompt_ids)
+    if hasattr(model, "prefill_step"):
+        chunk = model.prefill_step(len(prompt_ids), chunk)
     for s in range(0, len(prompt_ids), chunk):
         logits = model.forward(ids[s:s + chunk], s, last_only=True)
     return logits

@@ -266,3 +266,41 @@ def test_head_row_set_before_a_smaller_bucket_is_made(models, warm):  # noqa: F8
         assert made == [(64, 39), (16, 11)]
     finally:
         s.close()
+
+
+def test_a_prompt_just_past_the_largest_bucket_splits_into_graph_steps(monkeypatch, models, warm):  # noqa: F811
+    """An n-token prompt with hi < n <= PREFILL_GRAPH_SPLIT_MAX, whose prefill would be one eager step, runs in
+    hi-row graph steps (here hi = 16, 24 tokens: 16 at 0, then 8 padded to 8 rows at 16 with lo = 8): the same
+    greedy ids and decode logits as the eager prefill; not past the split bound, not with a chunk below n, not
+    when a layer can miss, not with later-chunk graphs off."""
+    from hybrid.runtime import prefill_graphs
+
+    ids = (tokenizer_for(models["nvfp4"]).encode(PROMPT) * 4)[:24]
+    out0, rows0, _, _, _ = _chunked(models["nvfp4"], warm, ids, 0, graphed=False)
+    monkeypatch.setattr(prefill_graphs, "PREFILL_GRAPH_SPLIT_MAX", 32)
+    s = open_session(models["nvfp4"], RuntimeOptions(cache_slots=(LAYERS * EXPERTS,), expert_profile=warm))
+    try:
+        pg = s.model.prefill_graphs = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True,
+                                                    after=0, lo=8, hi=16)
+        s.model.prompt_tokens = len(ids)
+        out1, rows1 = greedy_logits(s.model, ids, 8)
+        assert sorted(k[1:] for k in pg._runners) == [(8, 16), (16, 0)] and pg.steps == 2
+        assert out1 == out0
+        torch.testing.assert_close(rows1, rows0, atol=1e-2, rtol=1e-2)
+        assert s.model.prefill_step(24, 24) == 16 and s.model.prefill_step(24, 4096) == 16
+        assert s.model.prefill_step(24, 12) == 12                 # a chunk below n is the user's
+        assert s.model.prefill_step(33, 33) == 33                 # past PREFILL_GRAPH_SPLIT_MAX
+        assert s.model.prefill_step(16, 16) == 16                 # one bucket holds it
+        pg.chunks = False
+        assert s.model.prefill_step(24, 24) == 24                 # later-chunk graphs off
+    finally:
+        s.close()
+    slots, extra, _ = PLACES["mixed"]
+    s = open_session(models["nvfp4"], RuntimeOptions(cache_slots=slots, expert_profile=warm, **extra))
+    try:
+        s.model.prefill_graphs = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True,
+                                               after=0, lo=8, hi=16)
+        s.model.new_cache(40)
+        assert s.model.prefill_step(24, 24) == 24                 # a layer that can miss: one eager step
+    finally:
+        s.close()

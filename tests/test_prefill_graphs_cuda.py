@@ -80,6 +80,18 @@ def test_a_smaller_bucket_captured_after_a_longer_prompt(nvfp4, uniform, monkeyp
     assert got == want
 
 
+def test_a_prompt_past_the_largest_bucket_runs_in_graph_steps(nvfp4, uniform, monkeypatch):  # noqa: F811
+    """A 600-token prompt under a 4096-token chunk runs as 512 + 88 (bucket 128) graph steps
+    (PrefillGraphs.split_step): eager at the first prompt, captured at the second, replayed at the third;
+    the same greedy ids as one eager step."""
+    ids = _ids(nvfp4, 600)
+    prompts = [ids, ids[:599] + ids[:1], ids]
+    want, _, _ = _gen(nvfp4, prompts, "0", monkeypatch, uniform, chunk=4096)
+    got, _, (captures, steps, error) = _gen(nvfp4, prompts, "1", monkeypatch, uniform, chunk=4096)
+    assert error is None and captures == 2 and steps == 4
+    assert got == want
+
+
 def test_prefill_stays_eager_when_a_layer_can_miss(nvfp4, uniform, monkeypatch):  # noqa: F811 - fixture
     _, _, (captures, steps, error) = _gen(nvfp4, [_ids(nvfp4, 12)], "1", monkeypatch, uniform, slots=8)
     assert (captures, steps, error) == (0, 0, None)

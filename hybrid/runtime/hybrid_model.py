@@ -71,6 +71,14 @@ class HybridModel:
         self._commit(t, phase)
         return logits
 
+    def prefill_step(self, n: int, chunk: int) -> int:
+        """The prefill step size for an n-token prompt given the session's chunk: a prompt that would run
+        as one eager step just past the largest prefill graph runs in graph-sized steps instead
+        (PrefillGraphs.split_step), else chunk."""
+        pg = self.prefill_graphs
+        step = pg.split_step(n) if pg is not None and chunk >= n else None
+        return step or chunk
+
     def _phase(self, t: int, start: int) -> str:
         prefill = t > 1 if self.prompt_tokens is None else start < self.prompt_tokens
         return "prefill" if prefill else "decode"

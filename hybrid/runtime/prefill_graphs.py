@@ -54,6 +54,10 @@ PREFILL_GRAPH_MAX = 512     # longer prefill steps run eagerly: the card, not th
                             # tokens 101-102 vs 102-105; results/runtime.md §21)
 PREFILL_GRAPH_AFTER = 1     # prompts of a bucket that run eagerly before it is captured (capture costs ~2
                             # eager prefills: a one-prompt run would only pay it)
+PREFILL_GRAPH_SPLIT_MAX = 768   # a prompt of PREFILL_GRAPH_MAX + 1 .. this many tokens, whose prefill would be
+                                # one eager step, runs in PREFILL_GRAPH_MAX-row graph steps instead (split_step;
+                                # H200, 30B-A3B, all resident: 600 tokens 33.4 ms vs 44-68 eager, 1024 tokens
+                                # 44.1 vs 44.8, 1500 67.1 vs 48.8; results/runtime.md §25)
 PREFILL_CHUNK_GRAPHS_MAX = 32   # later chunks: the most (bucket, start) pairs with graphs (then eager)
 PREFILL_CHUNK_GRAPH_FREE_MIB = 256    # later chunks: a new graph is captured only while every card has this
                                       # much memory free (their pools hold memory an eager chunk would return;
@@ -115,17 +119,8 @@ class PrefillGraphs(SegmentGraphs):
     def usable(self, t: int, start: int) -> bool:
         """Whether this prefill step runs through the graphs; called once per step (it counts the
         bucket's prompts: the first `after` of them run eagerly, module doc)."""
-        m = self.model
-        if not self.enabled or self.error is not None or t < 2 or m.on_route is not None:
-            return False
-        if start != 0 and not self.chunks:
-            return False
         b = bucket_for(t, self.lo, self.hi)
-        if b is None or not isinstance(m.cache, KVCache) or start + b > m.cache.capacity:
-            return False
-        if any(s.host_last for s in self._segments()):
-            return False                     # a layer that can miss needs the host mid-step
-        if not self._on_cards():
+        if t < 2 or b is None or not self._graphable(start, b):
             return False
         key = (b, start)
         if any(k[1:] == key for k in self._runners):
@@ -136,6 +131,28 @@ class PrefillGraphs(SegmentGraphs):
         if self._seen[key] <= self.after:
             return False
         return not (start and self.capture and not self._room())
+
+    def _graphable(self, start: int, b: int) -> bool:
+        """Whether a b-row step at start can run through a graph at all (usable's rules that count nothing)."""
+        m = self.model
+        if not self.enabled or self.error is not None or m.on_route is not None:
+            return False
+        if start != 0 and not self.chunks:
+            return False
+        if not isinstance(m.cache, KVCache) or start + b > m.cache.capacity:
+            return False
+        if any(s.host_last for s in self._segments()):
+            return False                     # a layer that can miss needs the host mid-step
+        return self._on_cards()
+
+    def split_step(self, n: int) -> int | None:
+        """The step size for an n-token prompt (from an empty cache) whose prefill would be one eager step
+        longer than the largest bucket: `hi` where n <= PREFILL_GRAPH_SPLIT_MAX and both steps can run
+        through graphs (two replays, once captured, beat one eager step's host time), else None."""
+        if not self.hi < n <= PREFILL_GRAPH_SPLIT_MAX:
+            return None
+        rest = bucket_for(n - self.hi, self.lo, self.hi)
+        return self.hi if rest is not None and self._graphable(0, self.hi) and self._graphable(self.hi, rest) else None
 
     def _room(self) -> bool:
         """Whether every card of the model has PREFILL_CHUNK_GRAPH_FREE_MIB free for another later-chunk graph."""
