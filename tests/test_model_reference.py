@@ -59,12 +59,15 @@ def test_incremental_decode_equals_full_forward(qwen3_dir):
     torch.testing.assert_close(torch.cat(parts), full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("gqa", ["native", "expand"])
 @pytest.mark.parametrize("t,past", [(1, 5), (7, 9), (16, 48)])
-def test_later_chunk_attention_is_causal_from_its_start(t, past, monkeypatch):
+def test_later_chunk_attention_is_causal_from_its_start(t, past, gqa, monkeypatch):
     """A chunk's T queries at positions past.. see keys 0..past + i: the lower-right causal bias path equals
-    the boolean-mask path (HYBRID_PREFILL_MASK=1) and float64 softmax attention, GQA heads shared."""
+    the boolean-mask path (HYBRID_PREFILL_MASK=1) and float64 softmax attention, GQA heads shared through
+    enable_gqa (native) or stride-0 expanded keys (expand: what GPUs without flash attention take)."""
     from hybrid.model.layers import later_chunk_attention
 
+    monkeypatch.setenv("HYBRID_SDPA_GQA", gqa)
     g = torch.Generator().manual_seed(t * 100 + past)
     hq, hkv, d, s = 8, 2, 16, past + t
     q, k, v = (torch.randn(1, h, n, d, generator=g) for h, n in ((hq, t), (hkv, s), (hkv, s)))
@@ -76,3 +79,28 @@ def test_later_chunk_attention_is_causal_from_its_start(t, past, monkeypatch):
     sc = sc.masked_fill(torch.arange(s)[None, :] > torch.arange(past, s)[:, None], float("-inf"))
     want = sc.softmax(-1) @ vv
     assert torch.allclose(got.double(), want, atol=1e-5) and torch.allclose(masked.double(), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 9, 32])
+def test_gqa_attention_expand_equals_native(t, monkeypatch):
+    """A prompt's first step (is_causal) through gqa_attention: the expanded-keys path equals enable_gqa;
+    a [T, Hq, D] query's heads are regrouped as a view (no copy); pre-Ampere CUDA devices take expand."""
+    from hybrid.model import layers
+
+    g = torch.Generator().manual_seed(t)
+    hq, hkv, d = 8, 2, 16
+    q = torch.randn(t, hq, d, generator=g)
+    k, v = (torch.randn(1, hkv, t, d, generator=g) for _ in range(2))
+    qh = q.transpose(0, 1)[None]
+    assert qh[0].reshape(hkv, hq // hkv, t, d).data_ptr() == q.data_ptr()
+    out = {}
+    for mode in ("native", "expand"):
+        monkeypatch.setenv("HYBRID_SDPA_GQA", mode)
+        out[mode] = layers.gqa_attention(qh, k, v, is_causal=True)
+    torch.testing.assert_close(out["expand"], out["native"], atol=1e-6, rtol=1e-6)
+    monkeypatch.delenv("HYBRID_SDPA_GQA")
+    assert layers.gqa_native(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 0))
+    assert not layers.gqa_native(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert layers.gqa_native(torch.device("cuda", 0))

@@ -39,6 +39,35 @@ def decode_mask(pos, keys: int, dtype: torch.dtype, device) -> torch.Tensor:
     return m.view(1, 1, 1, keys)
 
 
+def gqa_native(device: torch.device) -> bool:
+    """Whether SDPA's enable_gqa is taken by a fused kernel on this device: torch's flash attention, which
+    alone supports it, needs sm_80+. Elsewhere (Volta, Turing) enable_gqa sends a prefill to the math
+    backend, which builds the [Hq, T, P + T] score matrix in fp32 (4 GiB for a 4096-token chunk of 32 heads)
+    where the planner budgets a tiled kernel's workspace. HYBRID_SDPA_GQA=native / expand forces either path."""
+    force = os.environ.get("HYBRID_SDPA_GQA", "")
+    if force in ("native", "expand"):
+        return force == "native"
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def gqa_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, attn_mask=None,
+                  is_causal: bool = False) -> torch.Tensor:
+    """SDPA of qh [1, Hq, T, D] over kh / vh [1, Hkv, L, D], query head h reading KV head h // (Hq / Hkv)
+    -> [1, Hq, T, D]. With gqa_native: enable_gqa. Else each KV head's g = Hq / Hkv query heads become the
+    heads of one batch row and its keys and values are expanded to them with stride 0 (no copy), which the
+    memory-efficient kernel takes (sm_50+): no score matrix."""
+    if gqa_native(qh.device):
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True)
+    hq, t, d = qh.shape[1:]
+    hkv, keys = kh.shape[1], kh.shape[2]
+    g = hq // hkv
+    q = qh[0].reshape(hkv, g, t, d)                                            # a view for qh of [T, Hq, D]
+    k = kh[0][:, None].expand(hkv, g, keys, d)
+    v = vh[0][:, None].expand(hkv, g, keys, d)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+    return out.reshape(1, hq, t, d)
+
+
 def later_chunk_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, start: int) -> torch.Tensor:
     """Causal attention of a prefill chunk's T queries at positions start.. over its P + T keys (qh [1, Hq,
     T, D], kh / vh [1, Hkv, P + T, D]): query i sees keys 0..start + i. Through torch's lower-right
@@ -48,8 +77,8 @@ def later_chunk_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, 
     if os.environ.get("HYBRID_PREFILL_MASK", "0") not in ("0", ""):
         pos_k = torch.arange(keys, device=qh.device)
         mask = pos_k[None, :] <= pos_k[start:, None]                           # [T, P+T] True = attend
-        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, keys), enable_gqa=True)
+        return gqa_attention(qh, kh, vh, attn_mask=mask)
+    return gqa_attention(qh, kh, vh, attn_mask=causal_lower_right(t, keys))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -238,7 +267,7 @@ class Attention:
         qh = q.transpose(0, 1)[None]                                          # [1, Hq, T, D]
         kh, vh = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]       # [1, Hkv, P+T, D]
         if start == 0:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+            out = gqa_attention(qh, kh, vh, is_causal=True)
         else:
             out = later_chunk_attention(qh, kh, vh, start)
         return self.o(out[0].transpose(0, 1).reshape(t, -1))                  # [T, Hq*D]
