@@ -304,3 +304,19 @@ def test_a_prompt_just_past_the_largest_bucket_splits_into_graph_steps(monkeypat
         assert s.model.prefill_step(24, 24) == 24                 # a layer that can miss: one eager step
     finally:
         s.close()
+
+
+def test_bench_measure_prefills_twice_before_timing_with_graphs(models, warm):  # noqa: F811 - fixtures
+    """hybrid-bench decode's measure: with prefill graphs on, a second warm-up prefill captures the bucket's
+    graph (its first prompt runs eagerly), so the measured prefill replays it; without them one warm-up."""
+    from hybrid.bench.decode import measure
+
+    tok = tokenizer_for(models["nvfp4"])
+    s = open_session(models["nvfp4"], RuntimeOptions(cache_slots=(LAYERS * EXPERTS,), expert_profile=warm))
+    try:
+        assert measure(s, tok, 16, 2, 3)["warmup_prefills"] == 1      # CPU session: no prefill graphs
+        pg = s.model.prefill_graphs = PrefillGraphs(s.model.model, s.model.experts, capture=False, enabled=True)
+        rec = measure(s, tok, 16, 2, 3)                                 # bucket 16 fits the 17-row cache
+        assert rec["warmup_prefills"] == 2 and pg.steps == 2            # second warm-up and the measured one
+    finally:
+        s.close()

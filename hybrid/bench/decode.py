@@ -1,8 +1,10 @@
 """hybrid-bench decode: measured decode tok/s of the hybrid runtime beside the planner's prediction
 (and llama.cpp on a GGUF of the same model, when one is given and llama-cpp-python is installed).
 
-One session: a warm-up generation fills the expert caches, then a measured generation; hit rates,
-expert times and PCIe bytes are the measured window's alone. Appends results/runtime.jsonl.
+One session: a warm-up generation fills the expert caches (with prefill graphs on, a second prefill of the
+prompt captures its bucket's graph: a bucket's first prompt runs eagerly, its second captures, so the measured
+prefill replays, as every later prompt of that length would), then a measured generation; hit rates, expert
+times and PCIe bytes are the measured window's alone. Appends results/runtime.jsonl.
 """
 from __future__ import annotations
 
@@ -46,13 +48,20 @@ def measure(session, tok, n_prompt: int, warmup: int, tokens: int) -> dict:
     ids = prompt_ids(tok, n_prompt)
     session.model.prompt_tokens = len(ids)
     greedy = Sampler(SamplerConfig())
+    warm_prefills = 0
     if warmup:
         generate(session.model, tok, ids, warmup, greedy, prefill_chunk=session.prefill_chunk)
+        warm_prefills = 1
+        pg = getattr(session.model, "prefill_graphs", None)
+        if pg is not None and pg.enabled:
+            generate(session.model, tok, ids, 1, greedy, prefill_chunk=session.prefill_chunk)
+            warm_prefills = 2
     a = snapshot(session)
     n_dec0 = session.stats.steps["decode"]
     res = generate(session.model, tok, ids, tokens, greedy, prefill_chunk=session.prefill_chunk)
     steps = session.stats.steps["decode"] - n_dec0
-    rec = {"prompt_tokens": len(ids), "warmup_tokens": warmup, "tokens": len(res.generated_ids),
+    rec = {"prompt_tokens": len(ids), "warmup_tokens": warmup, "warmup_prefills": warm_prefills,
+           "tokens": len(res.generated_ids),
            "decode_tok_s": round(res.decode_tok_s, 3), "prefill_tok_s": round(res.prefill_tok_s, 3),
            "generated_ids_head": res.generated_ids[:16], **window(session, a, snapshot(session), steps)}
     plan = session.plan
