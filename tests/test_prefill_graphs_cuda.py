@@ -55,6 +55,14 @@ def _gen(path, prompts, env, monkeypatch, profile, slots=None, chunk=0):
         s.close()
 
 
+def _graphs_vs_eager(path, prompts, monkeypatch, profile, chunk=0):
+    """The prompts' greedy ids with prefill graphs on equal those with them off -> (captures, steps, error)."""
+    want, _, _ = _gen(path, prompts, "0", monkeypatch, profile, chunk=chunk)
+    got, _, stats = _gen(path, prompts, "1", monkeypatch, profile, chunk=chunk)
+    assert got == want
+    return stats
+
+
 def test_prefill_graphs_match_eager(nvfp4, uniform, monkeypatch):  # noqa: F811 - fixture
     ids = _ids(nvfp4, 40)
     prompts = [ids[:12], ids[:14], ids[:40], ids[:16], ids[:40]]   # buckets 16, 16, 64, 16, 64
@@ -74,10 +82,7 @@ def test_a_smaller_bucket_captured_after_a_longer_prompt(nvfp4, uniform, monkeyp
     select row 11 of its 16 rows, not the 39 the last replay left (a device-side assert ended the process)."""
     ids = _ids(nvfp4, 40)
     prompts = [ids, ids, ids, ids[:12], ids[:12], ids[:12]]
-    want, _, _ = _gen(nvfp4, prompts, "0", monkeypatch, uniform)
-    got, _, (captures, steps, error) = _gen(nvfp4, prompts, "1", monkeypatch, uniform)
-    assert error is None and captures == 2 and steps == 4
-    assert got == want
+    assert _graphs_vs_eager(nvfp4, prompts, monkeypatch, uniform) == (2, 4, None)   # captures, steps, error
 
 
 def test_a_prompt_past_the_largest_bucket_runs_in_graph_steps(nvfp4, uniform, monkeypatch):  # noqa: F811
@@ -86,10 +91,7 @@ def test_a_prompt_past_the_largest_bucket_runs_in_graph_steps(nvfp4, uniform, mo
     the same greedy ids as one eager step."""
     ids = _ids(nvfp4, 600)
     prompts = [ids, ids[:599] + ids[:1], ids]
-    want, _, _ = _gen(nvfp4, prompts, "0", monkeypatch, uniform, chunk=4096)
-    got, _, (captures, steps, error) = _gen(nvfp4, prompts, "1", monkeypatch, uniform, chunk=4096)
-    assert error is None and captures == 2 and steps == 4
-    assert got == want
+    assert _graphs_vs_eager(nvfp4, prompts, monkeypatch, uniform, chunk=4096) == (2, 4, None)
 
 
 def test_prefill_stays_eager_when_a_layer_can_miss(nvfp4, uniform, monkeypatch):  # noqa: F811 - fixture
@@ -103,10 +105,7 @@ def test_later_chunks_through_graphs(nvfp4, uniform, monkeypatch):  # noqa: F811
     replays them; the same greedy ids as the eager chunked prefill."""
     ids = _ids(nvfp4, 40)
     prompts = [ids, ids[:39] + ids[:1], ids]
-    want, _, _ = _gen(nvfp4, prompts, "0", monkeypatch, uniform, chunk=16)
-    got, _, (captures, steps, error) = _gen(nvfp4, prompts, "1", monkeypatch, uniform, chunk=16)
-    assert error is None and captures == 3 and steps == 6
-    assert got == want
+    assert _graphs_vs_eager(nvfp4, prompts, monkeypatch, uniform, chunk=16) == (3, 6, None)
 
 
 def test_later_chunks_keep_free_memory(nvfp4, uniform, monkeypatch):  # noqa: F811 - fixture
