@@ -244,7 +244,7 @@ def test_tool_table():
                                  "gpu_used_gib_by_load": 1.5},
            ("llama_all_gpu", 32): {"error": "child exited 1: boom"},
            ("llama_all_gpu", 512): {"decode_tok_s": 9.0, "prefill_tok_s": 900.0}}
-    text = tool.table(res, [32, 512])
+    text = tool.table(res, [32, 512, 512])
     row = ("| 32 | llama.cpp | `n_gpu_layers=-1` + `ffn_*_exps` on the CPU | CPU | **20.00** | 80.0 "
            "|  |  | 1.5 | 2 |")
     assert row in text

@@ -352,11 +352,12 @@ ROWS = (("llama_all_gpu", "llama.cpp", "all layers on the GPU", "GPU"),
 
 
 def table(results: dict, lengths: list[int]) -> str:
-    """One row per (engine and placement, prompt length); results keyed by (check, prompt tokens)."""
+    """One row per (engine and placement, prompt length); results keyed by (check, prompt tokens), so a length
+    given twice shows its last measurement (the JSONL keeps both)."""
     lines = ["| prompt | engine | placement | experts on | decode tok/s | prefill tok/s | planner tok/s | measured / "
              "predicted | VRAM GiB | leading greedy ids = hybrid all-CPU's (first 16 compared) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for n, (key, engine, place, where) in ((n, row) for n in lengths for row in ROWS):
+    for n, (key, engine, place, where) in ((n, row) for n in dict.fromkeys(lengths) for row in ROWS):
         ref = results.get(("hybrid_all_cpu", n), {}).get("generated_ids_head") or []
         r = results.get((key, n))
         if r is None or "decode_tok_s" not in r:
