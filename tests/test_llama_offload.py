@@ -271,3 +271,22 @@ def test_tool_dry_run_small(tmp_path):
         assert sorted(r["prompt_tokens"] for r in rows if r["check"] == k) == [8, 24]
     assert recs["llama_cpu_experts"]["placement"]["overridden_tensors"] == 4 * 6    # weight + scale, 3 projections
     assert (tmp_path / "out" / "llama_ab.md").read_text().count("| llama.cpp |") == 4
+
+
+def test_pack_llama_site_keeps_one_copy_per_library(tmp_path):
+    """tools/pack_llama_site.py: of a wheel's lib*.so / .so.0 / .so.0.x.y copies it keeps .so.0 and the plain
+    names llama_cpp opens, not libggml-cuda.so (only ever loaded as libggml-cuda.so.0)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pack_llama_site", ROOT / "tools" / "pack_llama_site.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    names = ["libllama.so", "libllama.so.0", "libllama.so.0.5.0", "libggml-cuda.so", "libggml-cuda.so.0",
+             "libggml-cuda.so.0.25.3", "libggml-base.so.0", "libggml-base.so.0.25.3"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    dropped = mod.prune(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["libggml-base.so.0", "libggml-cuda.so.0", "libllama.so",
+                                                          "libllama.so.0"]
+    assert sorted(dropped) == ["libggml-base.so.0.25.3", "libggml-cuda.so", "libggml-cuda.so.0.25.3",
+                               "libllama.so.0.5.0"]
