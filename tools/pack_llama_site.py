@@ -46,7 +46,7 @@ def pack(wheels: list[Path], out: Path) -> Path:
             shutil.rmtree(site / extra, ignore_errors=True)
         lib = site / "llama_cpp" / "lib"
         if not lib.is_dir():
-            raise SystemExit(f"{wheels[0]}: no llama_cpp/lib in the wheel (not a llama-cpp-python wheel?)")
+            raise SystemExit(f"{', '.join(map(str, wheels))}: no llama_cpp/lib in them (no llama-cpp-python wheel?)")
         prune(lib)
         cuda = lib / "libggml-cuda.so.0"
         if cuda.exists():
@@ -62,7 +62,7 @@ def pack(wheels: list[Path], out: Path) -> Path:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("wheels", nargs="+", type=Path, help="the llama-cpp-python wheel first, then any others")
+    p.add_argument("wheels", nargs="+", type=Path, help="the llama-cpp-python wheel and any others (gguf, diskcache)")
     p.add_argument("-o", "--out", type=Path, default=Path(".llcuda/llsite.tar.xz"))
     a = p.parse_args(argv)
     for w in a.wheels:
