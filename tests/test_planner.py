@@ -508,6 +508,11 @@ def test_qwen3_30b_a3b_on_v100x2():
     h200 = make_plan(mb, load_profile("h200"),
                      PlanRequest(gpus=(0, 0), layer_split=(24,), kv_tokens=20480, vram_cap_gib=(16,)))
     assert [c.cap_bytes for c in h200.cards] == [16 * GIB] * 2
+    # --prefill-chunk auto on the rig: 4096-token steps cost no slot (every expert stays resident)
+    auto = make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(24,), kv_tokens=20480, prefill_chunk=None))
+    assert auto.inputs.prefill_chunk == 4096 and [c.slots for c in auto.cards] == [24 * 128] * 2
+    assert auto.cards[0].workspace_bytes - c0.workspace_bytes == workspace_bytes(mb.config, 4096, 0, False) - \
+        workspace_bytes(mb.config, 512, 0, False)
 
 
 # ---------------------------------------------------------------- CLI
