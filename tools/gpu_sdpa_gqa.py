@@ -12,6 +12,7 @@ difference from the default backends' enable_gqa output. Records to $OUT/sdpa_gq
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -47,7 +48,7 @@ def run(t: int, p: int, backend: str, path: str, ref, repeats: int, hq: int, hkv
     os.environ["HYBRID_SDPA_GQA"] = path
     rec = {"check": "sdpa_gqa", "t": t, "p": p, "backends": backend, "path": path, "hq": hq, "hkv": hkv, "d": d}
     try:
-        with sdpa_kernel(BACKENDS[backend]) if BACKENDS[backend] else _null():
+        with sdpa_kernel(BACKENDS[backend]) if BACKENDS[backend] else contextlib.nullcontext():
             attend(q, ks, vs, t, p)
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
@@ -72,14 +73,6 @@ def run(t: int, p: int, backend: str, path: str, ref, repeats: int, hq: int, hkv
     finally:
         os.environ.pop("HYBRID_SDPA_GQA", None)
     return rec
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def main(argv=None) -> int:
