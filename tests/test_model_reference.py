@@ -104,3 +104,10 @@ def test_gqa_attention_expand_equals_native(t, monkeypatch):
     assert not layers.gqa_native(torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     assert layers.gqa_native(torch.device("cuda", 0))
+    monkeypatch.setenv("HYBRID_SDPA_GQA", "auto")
+    assert layers.sdpa_gqa_mode() is None and layers.gqa_native(torch.device("cuda", 0))
+    monkeypatch.setenv("HYBRID_SDPA_GQA", "yes")
+    from hybrid.errors import HybridError
+
+    with pytest.raises(HybridError, match="HYBRID_SDPA_GQA='yes': expected auto, native"):
+        layers.gqa_native(torch.device("cuda", 0))

@@ -39,14 +39,28 @@ def decode_mask(pos, keys: int, dtype: torch.dtype, device) -> torch.Tensor:
     return m.view(1, 1, 1, keys)
 
 
+def sdpa_gqa_mode() -> str | None:
+    """HYBRID_SDPA_GQA checked: None (unset or auto: by the device), "native" or "expand"; HybridError naming
+    it on anything else (a CUDA session checks it when it opens: a bad value is a one-line error)."""
+    mode = os.environ.get("HYBRID_SDPA_GQA", "") or None
+    if mode in (None, "auto"):
+        return None
+    if mode not in ("native", "expand"):
+        from hybrid.errors import HybridError
+
+        raise HybridError(f"HYBRID_SDPA_GQA={mode!r}: expected auto, native (enable_gqa) or expand "
+                          f"(stride-0 keys)")
+    return mode
+
+
 def gqa_native(device: torch.device) -> bool:
     """Whether SDPA's enable_gqa is taken by a fused kernel on this device: torch's flash attention, which
     alone supports it, needs sm_80+. Elsewhere (Volta, Turing) enable_gqa sends a prefill to the math
     backend, which builds the [Hq, T, P + T] score matrix in fp32 (4 GiB for a 4096-token chunk of 32 heads)
     where the planner budgets a tiled kernel's workspace. HYBRID_SDPA_GQA=native / expand forces either path."""
-    force = os.environ.get("HYBRID_SDPA_GQA", "")
-    if force in ("native", "expand"):
-        return force == "native"
+    mode = sdpa_gqa_mode()
+    if mode is not None:
+        return mode == "native"
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
 
 

@@ -16,6 +16,7 @@ from hybrid.experts.popularity import ExpertProfile, load_profile as load_expert
 from hybrid.experts.trace import TraceHeader, TraceWriter
 from hybrid.kernels.qpn import moe_gemm_mode
 from hybrid.model.config import ModelConfig
+from hybrid.model.layers import sdpa_gqa_mode
 from hybrid.runtime.cpu_card import hold_dense
 from hybrid.runtime.cpu_side import make_cpu_runner
 from hybrid.runtime.store_stage import promote_mode, source_mode, stage_kernel_enabled
@@ -140,8 +141,9 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     offload_min = opts.offload_min_for(plan)  # the flag, the plan's cost model, or the default
     if any(c.device.startswith("cuda") for c in placement.cards):
         source_mode()                         # a bad HYBRID_PREFILL_SOURCE / _PROMOTE_SOURCE /
-        stage_kernel_enabled()                # _STAGE_KERNEL / HYBRID_MOE_GEMM: one line, now
-        moe_gemm_mode()
+        stage_kernel_enabled()                # _STAGE_KERNEL / HYBRID_MOE_GEMM / HYBRID_SDPA_GQA:
+        moe_gemm_mode()                       # one line, now
+        sdpa_gqa_mode()
         from_store = promote_mode() == "store" and any(c.slots for c in placement.cards)   # slots to fill
         if hasattr(cpu, "store_source") and (offload_min or from_store):
             source = cpu.store_source()       # prefill offload / promotions read the pinned store
