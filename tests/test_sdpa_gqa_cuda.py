@@ -5,15 +5,13 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hybrid.model.layers import gqa_attention, later_chunk_attention
+from hybrid.model.layers import prefill_attention
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.cuda]
 
 
 def _attend(q, ks, vs, t, p):
-    qh = q.transpose(0, 1)[None]
-    kh, vh = ks[: p + t].transpose(0, 1)[None], vs[: p + t].transpose(0, 1)[None]
-    return gqa_attention(qh, kh, vh, is_causal=True) if p == 0 else later_chunk_attention(qh, kh, vh, p)
+    return prefill_attention(q, ks[: p + t], vs[: p + t], p)
 
 
 @pytest.mark.parametrize("t,p", [(96, 0), (33, 100)])

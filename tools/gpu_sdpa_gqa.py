@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybrid.baselines.report import append_jsonl, stamp  # noqa: E402
-from hybrid.model.layers import gqa_attention, later_chunk_attention  # noqa: E402
+from hybrid.model.layers import prefill_attention  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "scratch/out"))
 BACKENDS = {"default": None, "volta": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
@@ -35,9 +35,7 @@ BACKENDS = {"default": None, "volta": [SDPBackend.EFFICIENT_ATTENTION, SDPBacken
 
 def attend(q, ks, vs, t: int, p: int) -> torch.Tensor:
     """What Attention._cuda does for T queries at position p over the cache's rows 0 .. p + T - 1."""
-    qh = q.transpose(0, 1)[None]
-    kh, vh = ks[: p + t].transpose(0, 1)[None], vs[: p + t].transpose(0, 1)[None]
-    return gqa_attention(qh, kh, vh, is_causal=True) if p == 0 else later_chunk_attention(qh, kh, vh, p)
+    return prefill_attention(q, ks[: p + t], vs[: p + t], p)
 
 
 def run(t: int, p: int, backend: str, path: str, ref, repeats: int, hq: int, hkv: int, d: int) -> dict:

@@ -95,6 +95,16 @@ def later_chunk_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, 
     return gqa_attention(qh, kh, vh, attn_mask=causal_lower_right(t, keys))
 
 
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int) -> torch.Tensor:
+    """A prefill step's attention: q [T, Hq, D] at positions start.. over the cache's rows keys / vals
+    [start + T, Hkv, D] -> [1, Hq, T, D] (causal from position 0; a later chunk through later_chunk_attention)."""
+    qh = q.transpose(0, 1)[None]                                              # [1, Hq, T, D]
+    kh, vh = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]           # [1, Hkv, P+T, D]
+    if start == 0:
+        return gqa_attention(qh, kh, vh, is_causal=True)
+    return later_chunk_attention(qh, kh, vh, start)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., H] -> [..., H], computed in fp32."""
     if x.is_cuda and fused_norm_ok(x, weight):
@@ -277,13 +287,7 @@ class Attention:
                                                 keys, start=start))
             mask = decode_mask(start, keys, x.dtype, x.device)
             return self.o(self._sdpa1(q, cache.k_store[layer][:keys], cache.v_store[layer][:keys], mask))
-        keys, vals = cache.k[layer][: start + t], cache.v[layer][: start + t]  # [P+T, Hkv, D]
-        qh = q.transpose(0, 1)[None]                                          # [1, Hq, T, D]
-        kh, vh = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]       # [1, Hkv, P+T, D]
-        if start == 0:
-            out = gqa_attention(qh, kh, vh, is_causal=True)
-        else:
-            out = later_chunk_attention(qh, kh, vh, start)
+        out = prefill_attention(q, cache.k[layer][: start + t], cache.v[layer][: start + t], start)
         return self.o(out[0].transpose(0, 1).reshape(t, -1))                  # [T, Hq*D]
 
     def _sdpa1(self, q, keys, vals, mask):
