@@ -594,6 +594,180 @@ extern "C" __global__ void qpn2_linear_m1_as2(const u32x4* __restrict__ w, const
   linear_m1_body<4, 2>(w, s, gs, x, y, N, K, KS);
 }
 
+// ---------------------------------------------------------------- NVFP4, M = 1, stream-K, sm_80+
+// One wave of blocks (the launcher sizes the grid to the blocks resident at once). Units of NT
+// consecutive tiles are laid end to end as one stream of chunks (unit u, chunk c: index u C + c);
+// warp v of W takes the even-aligned range [g0, g1) of it, equal to within a chunk pair, and runs
+// one cp.async ring over the whole range: the loads of the next unit are in flight while this
+// one's last chunks are decoded, so no warp waits on a ring refill or on a later wave. At the end
+// of a unit (or of the range) the warp reduces its partial sums: a unit wholly its own goes
+// straight to y; a unit shared with a neighbour is added into ws[tile][16] (fp32, at L2), and the
+// warp that brings cnt[u] (chunks summed so far) to C writes y and zeroes ws and cnt again, so
+// they are zero at every launch's start (allocated zeroed with the weight, QPNWeight.sk_ws).
+// Needs C = K / 64 even (a chunk pair never straddles units).
+template <int NT>
+__device__ __forceinline__ void sk_issue(const u32x4* w, const u64* s, int u, int c, int tiles, int C,
+                                         int lane, bool live, u32 wdst, u32 sdst) {
+  const u32x4* wp[NT];
+  const u64* sp[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int t = u * NT + nt < tiles ? u * NT + nt : tiles - 1;
+    wp[nt] = w + ((size_t)t * C + c) * 32 + lane, sp[nt] = s + ((size_t)t * C + c) * 8 + (lane >> 2);
+  }
+  issue_chunk<2, NT>(wp, sp, live, wdst, sdst);
+}
+
+// the warp's sums of unit u (`part` of its C chunks): to y, or through ws / cnt when shared
+template <int NT>
+__device__ __forceinline__ void sk_flush(float (&tot)[NT][4], int u, int part, int C, int tiles, int N,
+                                         float g, u16* __restrict__ y, float* ws, int* cnt, int lane) {
+  const int r = lane >> 2;
+  const bool q0 = (lane & 3) == 0;
+  float vr[NT], vr8[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    vr[nt] = tot[nt][0] + tot[nt][1], vr8[nt] = tot[nt][2] + tot[nt][3];  // sum the lane quad's groups
+    vr[nt] += __shfl_xor_sync(0xffffffffu, vr[nt], 1);
+    vr[nt] += __shfl_xor_sync(0xffffffffu, vr[nt], 2);
+    vr8[nt] += __shfl_xor_sync(0xffffffffu, vr8[nt], 1);
+    vr8[nt] += __shfl_xor_sync(0xffffffffu, vr8[nt], 2);
+    tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.f;
+  }
+  if (part == C) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int row = (u * NT + nt) * 16 + r;
+      if (q0 && row < N) y[row] = f_to_h(vr[nt] * g);
+      if (q0 && row + 8 < N) y[row + 8] = f_to_h(vr8[nt] * g);
+    }
+    return;
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int t = u * NT + nt;
+    if (q0 && t < tiles) atomicAdd(ws + t * 16 + r, vr[nt]), atomicAdd(ws + t * 16 + r + 8, vr8[nt]);
+  }
+  __threadfence();
+  __syncwarp();
+  int old = 0;
+  if (lane == 0) old = atomicAdd(cnt + u, part);
+  old = __shfl_sync(0xffffffffu, old, 0);
+  if (old + part != C) return;
+  __threadfence();  // the last contributor: every other partial of the unit is in ws
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int t = u * NT + nt, row = t * 16 + r;
+    if (q0 && t < tiles) {
+      const float a = __ldcg(ws + row), b = __ldcg(ws + row + 8);
+      if (row < N) y[row] = f_to_h(a * g);
+      if (row + 8 < N) y[row + 8] = f_to_h(b * g);
+      __stcg(ws + row, 0.f), __stcg(ws + row + 8, 0.f);
+    }
+  }
+  if (lane == 0) __stcg(cnt + u, 0);
+}
+
+template <int ST, int NT>
+__device__ __forceinline__ void linear_m1_sk_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                                  float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                                  int N, int K, float* ws, int* cnt) {
+#if QPN_MMA >= 2
+  static_assert(ST % 2 == 0, "chunk pairs must not straddle the ring's end");
+  constexpr int RING = ST * NT * 32 * 24;
+  __shared__ __align__(16) unsigned char smem[RING * WARPS];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = lane >> 2, q = lane & 3;
+  const int C = K / 64, tiles = (N + 15) >> 4, units = (tiles + NT - 1) / NT;
+  const long long W = (long long)gridDim.x * WARPS, v = (long long)blockIdx.x * WARPS + warp;
+  const long long pairs = (long long)units * (C / 2);
+  const long long g0 = 2 * (pairs * v / W), g1 = 2 * (pairs * (v + 1) / W);
+  const int len = (int)(g1 - g0);
+  if (len == 0) return;
+  const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
+  const u32 wbase = smem_addr(smem + warp * RING) + lane * 16, sbase = wbase - lane * 8 + ST * NT * 512;
+  int iu = (int)(g0 / C), ic = (int)(g0 % C);  // the next chunk to issue
+  int cu = iu, cc = ic, first = (int)(g0 - (long long)cu * C);  // the chunk pair being decoded
+#pragma unroll
+  for (int k = 0; k < ST - 1; ++k) {
+    sk_issue<NT>(w, s, iu, ic, tiles, C, lane, k < len, wbase + k * NT * 512, sbase + k * NT * 256);
+    if (++ic == C) ic = 0, ++iu;
+  }
+  float tot[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.f;
+  for (int i = 0; i < len; i += ST) {
+#pragma unroll
+    for (int j = 0; j < ST; j += 2) {
+      if (i + j < len) {
+        // group 4 cc + n of the pair: this lane's only non-zero B operand
+        const u64 xv = ld_act(x + (size_t)cc * 64 + n * 16 + 4 * q);
+        float d[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
+        const u32 saddr = sbase + (j + (q >> 1)) * NT * 256 + 4 * (q & 1);
+        u32 sw[NT];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          cp_wait<ST - 2>();
+          if (h == 1) lds_scales<NT>(sw, saddr);  // before the issue below refills chunk j's slot
+          const int ns = (j + h + ST - 1) % ST;
+          sk_issue<NT>(w, s, iu, ic, tiles, C, lane, i + j + h + ST - 1 < len, wbase + ns * NT * 512,
+                       sbase + ns * NT * 256);
+          if (++ic == C) ic = 0, ++iu;
+          u32x4 wv[NT];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) wv[nt] = lds128(wbase + ((j + h) * NT + nt) * 512);
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const bool mine = n == 4 * h + jj;
+            const u32 b0 = mine ? (u32)xv : 0u, b1 = mine ? (u32)(xv >> 32) : 0u;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              u32 p0, p1, p2, p3;
+              dec_fp4(jj == 0 ? wv[nt].x : jj == 1 ? wv[nt].y : jj == 2 ? wv[nt].z : wv[nt].w, p0, p1, p2, p3);
+              mma_tile(d[nt], p0, p1, p2, p3, b0, b1);
+            }
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          tot[nt][0] = fmaf(d[nt][0], e4m3_mag_f32(sw[nt] << 20), tot[nt][0]);
+          tot[nt][1] = fmaf(d[nt][1], e4m3_mag_f32(sw[nt] << 12), tot[nt][1]);
+          tot[nt][2] = fmaf(d[nt][2], e4m3_mag_f32(sw[nt] << 4), tot[nt][2]);
+          tot[nt][3] = fmaf(d[nt][3], e4m3_mag_f32(sw[nt] >> 4), tot[nt][3]);
+        }
+        cc += 2;
+        const bool last = i + j + 2 >= len;
+        if (cc == C || last) {
+          sk_flush<NT>(tot, cu, cc - first, C, tiles, N, g, y, ws, cnt, lane);
+          cc = 0, first = 0, ++cu;
+        }
+      }
+    }
+  }
+  cp_wait<0>();
+#else
+  __trap();  // never launched below sm_80
+#endif
+}
+
+// ws: fp32 [tiles * 16], cnt: int [ceil(tiles / NT)], zero at launch (and left zero)
+extern "C" __global__ void qpn2_linear_m1_sk(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                             float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                             int N, int K, float* ws, int* cnt) {
+  linear_m1_sk_body<6, 1>(w, s, gs, x, y, N, K, ws, cnt);
+}
+extern "C" __global__ void qpn2_linear_m1_sk8(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                              float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                              int N, int K, float* ws, int* cnt) {
+  linear_m1_sk_body<8, 1>(w, s, gs, x, y, N, K, ws, cnt);
+}
+extern "C" __global__ void qpn2_linear_m1_sk2(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                              float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                              int N, int K, float* ws, int* cnt) {
+  linear_m1_sk_body<4, 2>(w, s, gs, x, y, N, K, ws, cnt);
+}
+
 // shared memory of one block: the partials (red) and, for ST > 0, the rings, which red aliases
 // (a barrier separates the last ring read from the first partial written)
 template <int MT, int NT, int ST>

@@ -44,6 +44,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--sha", default="unknown")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--m1-variants", default="",
+                    help="comma list of LINEAR_VARIANT choices also timed at NVFP4 M = 1 (e.g. _m1x2,_sk)")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
     if a.ncu:
@@ -78,6 +80,13 @@ def main() -> int:
                 x = torch.randn(m, K, device=dev, dtype=torch.float16)
                 t = time_ms([lambda w=w: qpn_linear(x, w) for w in ws], a.reps)
                 row(f"{qt.name.lower()}_m{m}", n, base.nbytes, t)
+                for v in (a.m1_variants.split(",") if qt is QType.NVFP4 and m == 1 and a.m1_variants else []):
+                    qpn.LINEAR_VARIANT[0] = v
+                    try:
+                        t = time_ms([lambda w=w: qpn_linear(x, w) for w in ws], a.reps)
+                    finally:
+                        qpn.LINEAR_VARIANT[0] = None
+                    row(f"nvfp4_m1{v}", n, base.nbytes, t)
             if qt is QType.NVFP4:
                 nb = base.nbytes
             del ws, base
