@@ -605,17 +605,15 @@ extern "C" __global__ void qpn2_linear_m1_as2(const u32x4* __restrict__ w, const
 // warp that brings cnt[u] (chunks summed so far) to C writes y and zeroes ws and cnt again, so
 // they are zero at every launch's start (allocated zeroed with the weight, QPNWeight.sk_ws).
 // Needs C = K / 64 even (a chunk pair never straddles units).
+// this lane's words / scales of chunk c of unit u (a tile past the end re-reads the last one)
 template <int NT>
-__device__ __forceinline__ void sk_issue(const u32x4* w, const u64* s, int u, int c, int tiles, int C,
-                                         int lane, bool live, u32 wdst, u32 sdst) {
-  const u32x4* wp[NT];
-  const u64* sp[NT];
+__device__ __forceinline__ void sk_ptrs(const u32x4* (&wp)[NT], const u64* (&sp)[NT], const u32x4* w,
+                                        const u64* s, int u, int c, int tiles, int C, int lane) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int t = u * NT + nt < tiles ? u * NT + nt : tiles - 1;
     wp[nt] = w + ((size_t)t * C + c) * 32 + lane, sp[nt] = s + ((size_t)t * C + c) * 8 + (lane >> 2);
   }
-  issue_chunk<2, NT>(wp, sp, live, wdst, sdst);
 }
 
 // the warp's sums of unit u (`part` of its C chunks): to y, or through ws / cnt when shared
@@ -668,6 +666,8 @@ __device__ __forceinline__ void sk_flush(float (&tot)[NT][4], int u, int part, i
   if (lane == 0) __stcg(cnt + u, 0);
 }
 
+// The ring's slot of a chunk is its index in the range mod ST (a run-time offset: a unit's end falls
+// anywhere in the ring's turn); the issue pointers advance by one chunk and are recomputed at a unit's end.
 template <int ST, int NT>
 __device__ __forceinline__ void linear_m1_sk_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                                   float gs, const u16* __restrict__ x, u16* __restrict__ y,
@@ -685,65 +685,73 @@ __device__ __forceinline__ void linear_m1_sk_body(const u32x4* __restrict__ w, c
   if (len == 0) return;
   const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
   const u32 wbase = smem_addr(smem + warp * RING) + lane * 16, sbase = wbase - lane * 8 + ST * NT * 512;
-  int iu = (int)(g0 / C), ic = (int)(g0 % C);  // the next chunk to issue
-  int cu = iu, cc = ic, first = (int)(g0 - (long long)cu * C);  // the chunk pair being decoded
+  int iu = (int)(g0 / C), ic = (int)(g0 % C);  // the next chunk to issue: unit, chunk
+  const u32x4* wp[NT];
+  const u64* sp[NT];
+  sk_ptrs<NT>(wp, sp, w, s, iu, ic, tiles, C, lane);
+  int islot = 0, issued = 0;
+  auto issue = [&]() {  // the next chunk into slot islot (an empty group past the range)
+    const u32x4* wq[NT];
+    const u64* sq[NT];
 #pragma unroll
-  for (int k = 0; k < ST - 1; ++k) {
-    sk_issue<NT>(w, s, iu, ic, tiles, C, lane, k < len, wbase + k * NT * 512, sbase + k * NT * 256);
-    if (++ic == C) ic = 0, ++iu;
-  }
+    for (int nt = 0; nt < NT; ++nt) wq[nt] = wp[nt], sq[nt] = sp[nt];
+    issue_chunk<2, NT>(wq, sq, issued < len, wbase + islot * NT * 512, sbase + islot * NT * 256);
+    ++issued, islot = islot == ST - 1 ? 0 : islot + 1;
+    if (++ic == C) {
+      ic = 0, ++iu;
+      sk_ptrs<NT>(wp, sp, w, s, iu, 0, tiles, C, lane);
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) wp[nt] += 32, sp[nt] += 8;
+    }
+  };
+#pragma unroll
+  for (int k = 0; k < ST - 1; ++k) issue();
   float tot[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.f;
-  for (int i = 0; i < len; i += ST) {
+  int cu = (int)(g0 / C), cc = (int)(g0 % C), slot = 0, done = 0;
+  while (done < len) {
+    const int first = cc, end = min(C, cc + len - done);  // this unit's chunks [first, end)
+    for (; cc < end; cc += 2) {
+      // group 4 cc + n of the pair: this lane's only non-zero B operand
+      const u64 xv = ld_act(x + (size_t)cc * 64 + n * 16 + 4 * q);
+      float d[NT][4];
 #pragma unroll
-    for (int j = 0; j < ST; j += 2) {
-      if (i + j < len) {
-        // group 4 cc + n of the pair: this lane's only non-zero B operand
-        const u64 xv = ld_act(x + (size_t)cc * 64 + n * 16 + 4 * q);
-        float d[NT][4];
+      for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
+      const u32 saddr = sbase + (slot + (q >> 1)) * NT * 256 + 4 * (q & 1);
+      u32 sw[NT];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
-        const u32 saddr = sbase + (j + (q >> 1)) * NT * 256 + 4 * (q & 1);
-        u32 sw[NT];
+      for (int h = 0; h < 2; ++h) {
+        cp_wait<ST - 2>();
+        if (h == 1) lds_scales<NT>(sw, saddr);  // before the issue below refills the pair's first slot
+        issue();
+        u32x4 wv[NT];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          cp_wait<ST - 2>();
-          if (h == 1) lds_scales<NT>(sw, saddr);  // before the issue below refills chunk j's slot
-          const int ns = (j + h + ST - 1) % ST;
-          sk_issue<NT>(w, s, iu, ic, tiles, C, lane, i + j + h + ST - 1 < len, wbase + ns * NT * 512,
-                       sbase + ns * NT * 256);
-          if (++ic == C) ic = 0, ++iu;
-          u32x4 wv[NT];
+        for (int nt = 0; nt < NT; ++nt) wv[nt] = lds128(wbase + ((slot + h) * NT + nt) * 512);
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) wv[nt] = lds128(wbase + ((j + h) * NT + nt) * 512);
+        for (int jj = 0; jj < 4; ++jj) {
+          const bool mine = n == 4 * h + jj;
+          const u32 b0 = mine ? (u32)xv : 0u, b1 = mine ? (u32)(xv >> 32) : 0u;
 #pragma unroll
-          for (int jj = 0; jj < 4; ++jj) {
-            const bool mine = n == 4 * h + jj;
-            const u32 b0 = mine ? (u32)xv : 0u, b1 = mine ? (u32)(xv >> 32) : 0u;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              u32 p0, p1, p2, p3;
-              dec_fp4(jj == 0 ? wv[nt].x : jj == 1 ? wv[nt].y : jj == 2 ? wv[nt].z : wv[nt].w, p0, p1, p2, p3);
-              mma_tile(d[nt], p0, p1, p2, p3, b0, b1);
-            }
+          for (int nt = 0; nt < NT; ++nt) {
+            u32 p0, p1, p2, p3;
+            dec_fp4(jj == 0 ? wv[nt].x : jj == 1 ? wv[nt].y : jj == 2 ? wv[nt].z : wv[nt].w, p0, p1, p2, p3);
+            mma_tile(d[nt], p0, p1, p2, p3, b0, b1);
           }
         }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          tot[nt][0] = fmaf(d[nt][0], e4m3_mag_f32(sw[nt] << 20), tot[nt][0]);
-          tot[nt][1] = fmaf(d[nt][1], e4m3_mag_f32(sw[nt] << 12), tot[nt][1]);
-          tot[nt][2] = fmaf(d[nt][2], e4m3_mag_f32(sw[nt] << 4), tot[nt][2]);
-          tot[nt][3] = fmaf(d[nt][3], e4m3_mag_f32(sw[nt] >> 4), tot[nt][3]);
-        }
-        cc += 2;
-        const bool last = i + j + 2 >= len;
-        if (cc == C || last) {
-          sk_flush<NT>(tot, cu, cc - first, C, tiles, N, g, y, ws, cnt, lane);
-          cc = 0, first = 0, ++cu;
-        }
       }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        tot[nt][0] = fmaf(d[nt][0], e4m3_mag_f32(sw[nt] << 20), tot[nt][0]);
+        tot[nt][1] = fmaf(d[nt][1], e4m3_mag_f32(sw[nt] << 12), tot[nt][1]);
+        tot[nt][2] = fmaf(d[nt][2], e4m3_mag_f32(sw[nt] << 4), tot[nt][2]);
+        tot[nt][3] = fmaf(d[nt][3], e4m3_mag_f32(sw[nt] >> 4), tot[nt][3]);
+      }
+      slot = slot == ST - 2 ? 0 : slot + 2;
     }
+    sk_flush<NT>(tot, cu, end - first, C, tiles, N, g, y, ws, cnt, lane);
+    done += end - first, cc = 0, ++cu;
   }
   cp_wait<0>();
 #else
@@ -752,17 +760,17 @@ __device__ __forceinline__ void linear_m1_sk_body(const u32x4* __restrict__ w, c
 }
 
 // ws: fp32 [tiles * 16], cnt: int [ceil(tiles / NT)], zero at launch (and left zero)
-extern "C" __global__ void qpn2_linear_m1_sk(const u32x4* __restrict__ w, const u64* __restrict__ s,
+extern "C" __global__ void __launch_bounds__(THREADS, 5) qpn2_linear_m1_sk(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                              float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                              int N, int K, float* ws, int* cnt) {
   linear_m1_sk_body<6, 1>(w, s, gs, x, y, N, K, ws, cnt);
 }
-extern "C" __global__ void qpn2_linear_m1_sk8(const u32x4* __restrict__ w, const u64* __restrict__ s,
+extern "C" __global__ void __launch_bounds__(THREADS, 4) qpn2_linear_m1_sk8(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                               float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                               int N, int K, float* ws, int* cnt) {
   linear_m1_sk_body<8, 1>(w, s, gs, x, y, N, K, ws, cnt);
 }
-extern "C" __global__ void qpn2_linear_m1_sk2(const u32x4* __restrict__ w, const u64* __restrict__ s,
+extern "C" __global__ void __launch_bounds__(THREADS, 4) qpn2_linear_m1_sk2(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                               float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                               int N, int K, float* ws, int* cnt) {
   linear_m1_sk_body<4, 2>(w, s, gs, x, y, N, K, ws, cnt);
