@@ -666,40 +666,42 @@ __device__ __forceinline__ void sk_flush(float (&tot)[NT][4], int u, int part, i
   if (lane == 0) __stcg(cnt + u, 0);
 }
 
-// The ring's slot of a chunk is its index in the range mod ST (a run-time offset: a unit's end falls
-// anywhere in the ring's turn); the issue pointers advance by one chunk and are recomputed at a unit's end.
+// Work items: part p (of P) of unit u, item i = u P + p, chunks [2 (C/2 p / P), 2 (C/2 (p+1) / P));
+// warp v of W does items v, v + W, v + 2W, .. (the warps resident at once read a compact window of
+// the weight, as consecutive blocks do) and its ring runs across them. The ring's slot of a chunk is
+// its index in the warp's sequence mod ST (run-time offsets: an item's end falls anywhere in the turn).
 template <int ST, int NT>
 __device__ __forceinline__ void linear_m1_sk_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                                   float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                                  int N, int K, float* ws, int* cnt) {
+                                                  int N, int K, int P, float* ws, int* cnt) {
 #if QPN_MMA >= 2
   static_assert(ST % 2 == 0, "chunk pairs must not straddle the ring's end");
   constexpr int RING = ST * NT * 32 * 24;
   __shared__ __align__(16) unsigned char smem[RING * WARPS];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = lane >> 2, q = lane & 3;
-  const int C = K / 64, tiles = (N + 15) >> 4, units = (tiles + NT - 1) / NT;
-  const long long W = (long long)gridDim.x * WARPS, v = (long long)blockIdx.x * WARPS + warp;
-  const long long pairs = (long long)units * (C / 2);
-  const long long g0 = 2 * (pairs * v / W), g1 = 2 * (pairs * (v + 1) / W);
-  const int len = (int)(g1 - g0);
-  if (len == 0) return;
+  const int C = K / 64, H = C / 2, tiles = (N + 15) >> 4, units = (tiles + NT - 1) / NT, items = units * P;
+  const int W = gridDim.x * WARPS, v = blockIdx.x * WARPS + warp;
+  if (v >= items) return;
   const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
   const u32 wbase = smem_addr(smem + warp * RING) + lane * 16, sbase = wbase - lane * 8 + ST * NT * 512;
-  int iu = (int)(g0 / C), ic = (int)(g0 % C);  // the next chunk to issue: unit, chunk
+  // issue cursor: item ii, chunk ic, item end ie
+  int ii = v, ic = 2 * (H * (v % P) / P), ie = 2 * (H * (v % P + 1) / P);
   const u32x4* wp[NT];
   const u64* sp[NT];
-  sk_ptrs<NT>(wp, sp, w, s, iu, ic, tiles, C, lane);
-  int islot = 0, issued = 0;
-  auto issue = [&]() {  // the next chunk into slot islot (an empty group past the range)
+  sk_ptrs<NT>(wp, sp, w, s, v / P, ic, tiles, C, lane);
+  int islot = 0;
+  auto issue = [&]() {  // the next chunk into slot islot (an empty group past the warp's last item)
     const u32x4* wq[NT];
     const u64* sq[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) wq[nt] = wp[nt], sq[nt] = sp[nt];
-    issue_chunk<2, NT>(wq, sq, issued < len, wbase + islot * NT * 512, sbase + islot * NT * 256);
-    ++issued, islot = islot == ST - 1 ? 0 : islot + 1;
-    if (++ic == C) {
-      ic = 0, ++iu;
-      sk_ptrs<NT>(wp, sp, w, s, iu, 0, tiles, C, lane);
+    issue_chunk<2, NT>(wq, sq, ii < items, wbase + islot * NT * 512, sbase + islot * NT * 256);
+    islot = islot == ST - 1 ? 0 : islot + 1;
+    if (++ic == ie) {
+      ii += W;
+      const int p = ii % P;
+      ic = 2 * (H * p / P), ie = 2 * (H * (p + 1) / P);
+      sk_ptrs<NT>(wp, sp, w, s, ii < items ? ii / P : 0, ic, tiles, C, lane);
     } else {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) wp[nt] += 32, sp[nt] += 8;
@@ -710,10 +712,10 @@ __device__ __forceinline__ void linear_m1_sk_body(const u32x4* __restrict__ w, c
   float tot[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.f;
-  int cu = (int)(g0 / C), cc = (int)(g0 % C), slot = 0, done = 0;
-  while (done < len) {
-    const int first = cc, end = min(C, cc + len - done);  // this unit's chunks [first, end)
-    for (; cc < end; cc += 2) {
+  int slot = 0;
+  for (int it = v; it < items; it += W) {
+    const int p = it % P, first = 2 * (H * p / P), end = 2 * (H * (p + 1) / P);
+    for (int cc = first; cc < end; cc += 2) {
       // group 4 cc + n of the pair: this lane's only non-zero B operand
       const u64 xv = ld_act(x + (size_t)cc * 64 + n * 16 + 4 * q);
       float d[NT][4];
@@ -750,8 +752,7 @@ __device__ __forceinline__ void linear_m1_sk_body(const u32x4* __restrict__ w, c
       }
       slot = slot == ST - 2 ? 0 : slot + 2;
     }
-    sk_flush<NT>(tot, cu, end - first, C, tiles, N, g, y, ws, cnt, lane);
-    done += end - first, cc = 0, ++cu;
+    sk_flush<NT>(tot, it / P, end - first, C, tiles, N, g, y, ws, cnt, lane);
   }
   cp_wait<0>();
 #else
@@ -762,18 +763,18 @@ __device__ __forceinline__ void linear_m1_sk_body(const u32x4* __restrict__ w, c
 // ws: fp32 [tiles * 16], cnt: int [ceil(tiles / NT)], zero at launch (and left zero)
 extern "C" __global__ void __launch_bounds__(THREADS, 5) qpn2_linear_m1_sk(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                              float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                             int N, int K, float* ws, int* cnt) {
-  linear_m1_sk_body<6, 1>(w, s, gs, x, y, N, K, ws, cnt);
+                                             int N, int K, int P, float* ws, int* cnt) {
+  linear_m1_sk_body<6, 1>(w, s, gs, x, y, N, K, P, ws, cnt);
 }
 extern "C" __global__ void __launch_bounds__(THREADS, 4) qpn2_linear_m1_sk8(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                               float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                              int N, int K, float* ws, int* cnt) {
-  linear_m1_sk_body<8, 1>(w, s, gs, x, y, N, K, ws, cnt);
+                                              int N, int K, int P, float* ws, int* cnt) {
+  linear_m1_sk_body<8, 1>(w, s, gs, x, y, N, K, P, ws, cnt);
 }
 extern "C" __global__ void __launch_bounds__(THREADS, 4) qpn2_linear_m1_sk2(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                               float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                              int N, int K, float* ws, int* cnt) {
-  linear_m1_sk_body<4, 2>(w, s, gs, x, y, N, K, ws, cnt);
+                                              int N, int K, int P, float* ws, int* cnt) {
+  linear_m1_sk_body<4, 2>(w, s, gs, x, y, N, K, P, ws, cnt);
 }
 
 // shared memory of one block: the partials (red) and, for ST > 0, the rings, which red aliases

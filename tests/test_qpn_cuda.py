@@ -83,18 +83,19 @@ def test_linear_matches_reference_all_m(backend, variant, qtype, n, k):
 
 
 @pytest.mark.parametrize("kernel", ["_sk", "_sk8", "_sk2"])
-@pytest.mark.parametrize("n,k,min_chunks", [(16, 2048, 2), (200, 256, 2), (1000, 2048, 8), (20000, 2048, 8),
-                                            (4112, 4096, 1)])
-def test_stream_k_m1(kernel, n, k, min_chunks, monkeypatch):
-    """The stream-K M = 1 kernels: units shared by up to 16 warps (one 16-row tile over 16 warps of
-    2 chunks), odd tile counts (the two-tile kernel's last unit half past the end), every launch
-    equal to the reference and leaving the reduction workspace zero for the next."""
+@pytest.mark.parametrize("n,k,parts", [(16, 2048, 16), (200, 256, 2), (1000, 2048, None), (20000, 2048, 4),
+                                       (20000, 2048, 1), (4112, 4096, 3), (37984, 2048, None)])
+def test_stream_k_m1(kernel, n, k, parts, monkeypatch):
+    """The persistent M = 1 kernels: units shared by up to 16 warps (one 16-row tile in 16 parts of
+    2 chunks), parts of unequal length (3 of 64 chunks), odd tile counts (the two-tile kernel's last
+    unit half past the end), more items than resident warps (lm_head), every launch equal to the
+    reference and leaving the reduction workspace zero for the next."""
     from hybrid.kernels import qpn
 
     if torch.cuda.get_device_capability()[0] < 8:
         pytest.skip("stream-K kernels are sm_80+")
-    monkeypatch.setattr(qpn, "SK_MIN_CHUNKS", min_chunks)
-    monkeypatch.setitem(qpn.LINEAR_VARIANT, 0, kernel)
+    monkeypatch.setattr(qpn, "SK_PARTS", [parts])
+    monkeypatch.setattr(qpn, "LINEAR_VARIANT", [kernel])
     qw = nvfp4(n, k, seed=n + k)
     w = QPNWeight.from_qweight(qw, "cuda")
     assert w.sk_ws is not None and not w.sk_ws.any()
@@ -108,7 +109,7 @@ def test_stream_k_falls_back_on_odd_chunks(monkeypatch):
     """K = 320 (5 chunks of 64: a pair would straddle tiles): no workspace, the default kernel runs."""
     from hybrid.kernels import qpn
 
-    monkeypatch.setitem(qpn.LINEAR_VARIANT, 0, "_sk")
+    monkeypatch.setattr(qpn, "LINEAR_VARIANT", ["_sk"])
     qw = nvfp4(200, 320, seed=7)
     w = QPNWeight.from_qweight(qw, "cuda")
     assert w.sk_ws is None

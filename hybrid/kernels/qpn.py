@@ -86,8 +86,8 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
 M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2",  # LINEAR_VARIANT choices
               "_sk": "qpn2_linear_m1_sk", "_sk8": "qpn2_linear_m1_sk8", "_sk2": "qpn2_linear_m1_sk2"}
-SK_KERNELS = ("_m1_sk", "_m1_sk8", "_m1_sk2")  # stream-K: one wave, args (w, s, gs, x, y, N, K, ws, cnt)
-SK_MIN_CHUNKS = 8  # stream-K: at least this many chunks per warp (fewer warps than resident on small N)
+SK_KERNELS = ("_m1_sk", "_m1_sk8", "_m1_sk2")  # persistent: one wave, args (w, s, gs, x, y, N, K, P, ws, cnt)
+SK_PARTS: list[int | None] = [None]  # persistent M = 1 kernel: parts of K per unit (None: the model's; tests)
 PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1")  # kernels whose warps do two tiles each
 
 
@@ -506,16 +506,19 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
 
 
 def _launch_sk(mod, name: str, w: QPNWeight, x: torch.Tensor, y: torch.Tensor, chunks: int) -> None:
-    """The stream-K M = 1 kernel: one wave of resident blocks (fewer where a warp would get under
-    SK_MIN_CHUNKS chunks), each warp an equal run of the (unit, chunk) stream."""
+    """The persistent M = 1 kernel: at most one wave of resident blocks; work items = units (NT tiles)
+    x P parts of K, P from the same wave-fill model as the block kernels (_linear_ks) unless SK_PARTS
+    forces it (at most chunks / 2: a part is a run of chunk pairs)."""
     n, k = w.shape
     tiles = -(-n // 16)
     units = -(-tiles // (2 if name.endswith("_sk2") else 1))
-    warps = max(1, min(_sms(w.device) * mod.occupancy(name, THREADS) * WARPS, units * chunks // SK_MIN_CHUNKS))
+    occ = mod.occupancy(name, THREADS)
+    parts = min(SK_PARTS[0] or _linear_ks(units, chunks, _sms(w.device), occ), chunks // 2)
+    blocks = min(_sms(w.device) * occ, -(-units * parts // WARPS))
     ws, cnt = w.sk_ws[: tiles * 16], w.sk_ws[tiles * 16:]
-    mod.launch(name, (-(-warps // WARPS), 1, 1), THREADS,
+    mod.launch(name, (blocks, 1, 1), THREADS,
                [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(n),
-                ctypes.c_int(k), _p(ws), _p(cnt)])
+                ctypes.c_int(k), ctypes.c_int(parts), _p(ws), _p(cnt)])
 
 
 def use_sm90(sm: int, choice: str | None, fmt: int = 2, m: int = 0, n: int = 0, k: int = 0, sms: int = 132) -> bool:
