@@ -48,7 +48,7 @@ def backend(request):
     force_ptx(dev, None)
 
 
-@pytest.fixture(params=[None, "", "_u4", "_as", "_as4", "_m1", "_m1x2", "_t2", "_t2u1", "_sk", "_sk8", "_sk2"])
+@pytest.fixture(params=[None, "", "_u4", "_as", "_as4", "_m1", "_m1x2", "_t2", "_t2u1"])
 def variant(request):
     from hybrid.kernels import qpn
 
@@ -80,40 +80,6 @@ def test_linear_matches_reference_all_m(backend, variant, qtype, n, k):
         assert not torch.isnan(y).any(), f"M={m}: unwritten or NaN outputs"
         err = rel_err(y, ref)
         assert err < 2e-3, f"{backend} {qtype.value} M={m}: relative error {err:.2e}"
-
-
-@pytest.mark.parametrize("kernel", ["_sk", "_sk8", "_sk2"])
-@pytest.mark.parametrize("n,k,parts", [(16, 2048, 16), (200, 256, 2), (1000, 2048, None), (20000, 2048, 4),
-                                       (20000, 2048, 1), (4112, 4096, 3), (37984, 2048, None)])
-def test_stream_k_m1(kernel, n, k, parts, monkeypatch):
-    """The persistent M = 1 kernels: units shared by up to 16 warps (one 16-row tile in 16 parts of
-    2 chunks), parts of unequal length (3 of 64 chunks), odd tile counts (the two-tile kernel's last
-    unit half past the end), more items than resident warps (lm_head), every launch equal to the
-    reference and leaving the reduction workspace zero for the next."""
-    from hybrid.kernels import qpn
-
-    if torch.cuda.get_device_capability()[0] < 8:
-        pytest.skip("stream-K kernels are sm_80+")
-    monkeypatch.setattr(qpn, "SK_PARTS", [parts])
-    monkeypatch.setattr(qpn, "LINEAR_VARIANT", [kernel])
-    qw = nvfp4(n, k, seed=n + k)
-    w = QPNWeight.from_qweight(qw, "cuda")
-    assert w.sk_ws is not None and not w.sk_ws.any()
-    wref = qw.dequantize(torch.float64)
-    for rep in range(3):
-        _check_linear(w, wref, 1, k, n, f"{kernel} N={n} K={k} launch {rep}")
-        assert not w.sk_ws.any(), f"{kernel} N={n}: reduction workspace not left zero"
-
-
-def test_stream_k_falls_back_on_odd_chunks(monkeypatch):
-    """K = 320 (5 chunks of 64: a pair would straddle tiles): no workspace, the default kernel runs."""
-    from hybrid.kernels import qpn
-
-    monkeypatch.setattr(qpn, "LINEAR_VARIANT", ["_sk"])
-    qw = nvfp4(200, 320, seed=7)
-    w = QPNWeight.from_qweight(qw, "cuda")
-    assert w.sk_ws is None
-    _check_linear(w, qw.dequantize(torch.float64), 1, 320, 200, "_sk K=320")
 
 
 @pytest.fixture(params=[None, "mt", "wmma", "128x128", "64x128", "64x64", "32x64", "f128x128", "f64x256",

@@ -221,8 +221,7 @@ def bench_linear(name, n, k, qtype, ms, reps, read_bw):
 def bench_variants(fmts, reps, read_bw):
     """The other M <= 8 kernels beside the default, same run: '' (register pipeline, 2 chunks per
     stage), '_u4' (4 chunks per stage), '_as4' (4-stage cp.async ring; sm_80+), '_m1' / '_m1x2' (the
-    M = 1 NVFP4 kernel with one or two tiles per warp; sm_80+), '_sk' / '_sk8' / '_sk2' (the stream-K
-    M = 1 NVFP4 kernel: one wave, 6- or 8-stage ring with one tile per warp, 4-stage with two), '_t2' / '_t2u1' (two tiles per warp,
+    M = 1 NVFP4 kernel with one or two tiles per warp; sm_80+), '_t2' / '_t2u1' (two tiles per warp,
     register pipeline of 2 / 1 chunks per stage), the MoE kernels
     without the ring (''), at M = 64, 128, 512 the 8-row-tile kernels ([mt]) that the tiled
     GEMM replaced, each tile of the tiled GEMM forced ([BMxBN], NVFP4, M = 128, 512), and the
@@ -233,8 +232,8 @@ def bench_variants(fmts, reps, read_bw):
 
     out = []
     sm = torch_sm()
-    for v in ("", "_u4", "_as", "_as4", "_m1", "_m1x2", "_sk", "_sk8", "_sk2", "_t2", "_t2u1"):
-        m1 = v in qpn.M1_KERNELS   # the M = 1 NVFP4 kernels (sm_80+)
+    for v in ("", "_u4", "_as", "_as4", "_m1", "_m1x2", "_t2", "_t2u1"):
+        m1 = v.startswith("_m1")   # the M = 1 NVFP4 kernels, one or two tiles per warp (sm_80+)
         if (sm < 80) if m1 else qpn.variant(v, sm) != v:
             continue  # not on this device
         try:

@@ -84,10 +84,7 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
 
 
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
-M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2",  # LINEAR_VARIANT choices
-              "_sk": "qpn2_linear_m1_sk", "_sk8": "qpn2_linear_m1_sk8", "_sk2": "qpn2_linear_m1_sk2"}
-SK_KERNELS = ("_m1_sk", "_m1_sk8", "_m1_sk2")  # persistent: one wave, args (w, s, gs, x, y, N, K, P, ws, cnt)
-SK_PARTS: list[int | None] = [None]  # persistent M = 1 kernel: parts of K per unit (None: the model's; tests)
+M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2"}  # LINEAR_VARIANT choices
 PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1")  # kernels whose warps do two tiles each
 
 
@@ -316,14 +313,6 @@ class QPNWeight:
     qweight: QWeight | None = None
     dense: torch.Tensor | None = None
     name: str = ""
-    # the stream-K M = 1 kernel's reduction workspace (qpn2_linear_m1_sk*): fp32 [tiles * 16] partial
-    # sums then int32 [tiles] arrival counts, zero between launches (each launch leaves it zero)
-    sk_ws: torch.Tensor | None = None
-
-    def __post_init__(self):
-        if (self.sk_ws is None and self.words is not None and self.words.is_cuda
-                and self.qtype is QType.NVFP4 and self.shape[1] % 128 == 0):
-            self.sk_ws = torch.zeros(-(-self.shape[0] // 16) * 17, dtype=torch.int32, device=self.words.device)
 
     @classmethod
     def from_qweight(cls, qw: QWeight, device) -> "QPNWeight":
@@ -489,11 +478,6 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n)
-    if name.endswith(SK_KERNELS):
-        if w.sk_ws is not None:
-            _launch_sk(mod, name, w, x, y, chunks)
-            return y
-        name = linear_kernel(fmt, mt, m, mod.sm, None, n)   # K not a multiple of 128: the default
     units = -(-tiles // 2) if name.endswith(PAIR_KERNELS) else tiles   # warp work units (tile pairs)
     sms = _sms(w.device)
     ks = (_linear_ks(units, chunks, sms, mod.occupancy(name, THREADS)) if passes == 1
@@ -503,22 +487,6 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
     mod.launch(name, grid, THREADS, args)
     return y
-
-
-def _launch_sk(mod, name: str, w: QPNWeight, x: torch.Tensor, y: torch.Tensor, chunks: int) -> None:
-    """The persistent M = 1 kernel: at most one wave of resident blocks; work items = units (NT tiles)
-    x P parts of K, P from the same wave-fill model as the block kernels (_linear_ks) unless SK_PARTS
-    forces it (at most chunks / 2: a part is a run of chunk pairs)."""
-    n, k = w.shape
-    tiles = -(-n // 16)
-    units = -(-tiles // (2 if name.endswith("_sk2") else 1))
-    occ = mod.occupancy(name, THREADS)
-    parts = min(SK_PARTS[0] or _linear_ks(units, chunks, _sms(w.device), occ), chunks // 2)
-    blocks = min(_sms(w.device) * occ, -(-units * parts // WARPS))
-    ws, cnt = w.sk_ws[: tiles * 16], w.sk_ws[tiles * 16:]
-    mod.launch(name, (blocks, 1, 1), THREADS,
-               [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(n),
-                ctypes.c_int(k), ctypes.c_int(parts), _p(ws), _p(cnt)])
 
 
 def use_sm90(sm: int, choice: str | None, fmt: int = 2, m: int = 0, n: int = 0, k: int = 0, sms: int = 132) -> bool:
