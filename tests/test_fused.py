@@ -96,7 +96,7 @@ def test_attn_plan(hkv, g, d, sms):
         assert (splits - 1) * rounds * rk < keys <= splits * rounds * rk
         assert splits * g <= fused.ATT_MAX_W and (splits == 1 or splits * g * d <= fused.ATT_COMBINE_Q)
         assert splits == 1 or keys > rk
-        assert splits * hkv < sms + hkv                            # about one block per SM
+        assert splits * hkv < sms * fused.ATT_BLOCKS_PER_SM + hkv  # about ATT_BLOCKS_PER_SM blocks per SM
 
 
 @pytest.mark.parametrize("value,parts", [(None, set(fused.PARTS)), ("1", set(fused.PARTS)), ("0", set()),

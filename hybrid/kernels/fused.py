@@ -34,9 +34,9 @@ ROPE_MAX_D = 256
 ATT_THREADS, ATT_MAX_G, ATT_MAX_Q = 128, 16, 2048   # threads per block, query heads per KV head, g * D
 ATT_MAX_ROUND = 128       # keys per round of a split block (RK)
 ATT_MAX_W = 1024          # splits x query heads of one KV head (the combine's shared memory)
-ATT_COMBINE_Q = 32768     # at most this many floats of partials (splits x g x D) per combining block
+ATT_COMBINE_Q = 65536     # tuning: at most this many floats of partials (splits x g x D) per combining block
 ATT_PASSES = 4            # tuning (tools/gpu_attn_bench.py --sweep): key passes per round, 1..4
-ATT_BLOCKS_PER_SM = 1.0   # tuning: split blocks per SM the plan aims at
+ATT_BLOCKS_PER_SM = 2.0   # tuning: split blocks per SM the plan aims at
 ATT_MIN_ROUNDS = 1        # tuning: rounds per split at least (fewer splits, less combining, for few keys)
 _DT = {torch.float16: 0, torch.float32: 1}
 
