@@ -290,6 +290,12 @@ def _load_gpu_runtime_check():
     return mod
 
 
+def store_info(cpu) -> dict:
+    """The CPU expert store's memory backing and why (hugetlb / thp / normal: the CPU-expert rate depends on it)."""
+    arena = getattr(getattr(cpu, "store", None), "arena", None)
+    return {} if arena is None else {"store_backing": arena.backing, "store_backing_why": arena.why}
+
+
 def hybrid_runs(ctx: dict, deadline: float) -> None:
     import torch
 
@@ -314,7 +320,7 @@ def hybrid_runs(ctx: dict, deadline: float) -> None:
                 ctx["results"]["hybrid_all_cpu", length] = record({
                     "check": "hybrid_all_cpu", "engine": "hybrid", "flags": "--gpus 0 --cache-slots 0 --profile "
                     f"{ctx['profile']} --cpu-threads {ctx['threads']}", **rec, "threads": ctx["threads"],
-                    "prefill_chunk": s0.prefill_chunk, **grc.graph_info(s0)})
+                    "prefill_chunk": s0.prefill_chunk, **grc.graph_info(s0), **store_info(cpu)})
         finally:
             s0.owns_cpu = False                  # the runner serves the next session; closed at the end
             s0.close()
