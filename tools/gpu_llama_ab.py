@@ -293,7 +293,8 @@ def _load_gpu_runtime_check():
 def store_info(cpu) -> dict:
     """The CPU expert store's memory backing and why (hugetlb / thp / normal: the CPU-expert rate depends on it)."""
     arena = getattr(getattr(cpu, "store", None), "arena", None)
-    return {} if arena is None else {"store_backing": arena.backing, "store_backing_why": arena.why}
+    return {} if arena is None else {"store_backing": arena.backing, "store_backing_why": arena.why,
+                                     "store_huge_fraction": arena.huge_fraction()}
 
 
 def hybrid_runs(ctx: dict, deadline: float) -> None:

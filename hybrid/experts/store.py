@@ -43,6 +43,28 @@ class Arena:
     why: str
     _mm: mmap.mmap | None = field(default=None, repr=False)
 
+    def huge_fraction(self) -> float | None:
+        """Share of the arena's bytes the kernel backs with 2 MiB pages now: 1.0 for hugetlb, 0.0 for
+        normal pages, for thp the AnonHugePages of its mappings in /proc/self/smaps over the arena's
+        size (None where smaps cannot be read). A thp arena filled while memory was short or
+        fragmented (a page cache full of the checkpoint) can hold far fewer than it asked for."""
+        if self.backing != "thp":
+            return 1.0 if self.backing == "hugetlb" else 0.0
+        lo = self.array.ctypes.data
+        hi, huge, inside = lo + self.array.nbytes, 0, False
+        try:
+            with open("/proc/self/smaps") as f:
+                for line in f:
+                    head = line.split(None, 1)[0]
+                    if "-" in head and not head.endswith(":"):
+                        a, b = (int(v, 16) for v in head.split("-"))
+                        inside = a < hi and b > lo
+                    elif inside and head == "AnonHugePages:":
+                        huge += int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            return None
+        return min(1.0, huge / max(1, self.array.nbytes))
+
     def close(self) -> None:
         self.array = None
         if self._mm is not None:
@@ -174,6 +196,10 @@ class ExpertStore:
         except BaseException:
             store.close()
             raise
+        if arena.backing == "thp":
+            frac = arena.huge_fraction()
+            log.info("expert store: %s of its %.2f GiB in 2 MiB pages after the fill",
+                     "unknown" if frac is None else f"{frac:.0%}", n * slot / 2**30)
         return store
 
     def _fill(self, get_expert, progress: bool, workers: int | None = None) -> None:
