@@ -45,7 +45,7 @@ def main() -> int:
     ap.add_argument("--sha", default="unknown")
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--m1-variants", default="",
-                    help="comma list of LINEAR_VARIANT choices also timed at NVFP4 M = 1 (e.g. _m1x2,_sk)")
+                    help="comma list of LINEAR_VARIANT choices also timed at NVFP4 M = 1 (e.g. _m1,_m1x2)")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
     if a.ncu:

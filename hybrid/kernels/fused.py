@@ -38,8 +38,9 @@ ATT_COMBINE_Q = 131072    # tuning: at most this many floats of partials (splits
 ATT_PASSES = 4            # tuning (tools/gpu_attn_bench.py --sweep): key passes per round, 1..4
 ATT_BLOCKS_PER_SM = 4.0   # tuning: split blocks per SM the plan aims at
 # (H200, tools/gpu_attn_bench.py --sweep, sixteenth session: 4 blocks per SM and 131072 floats against the
-# earlier 1 and 32768 took 0.84x / 0.81x the time at 4096 / 8192 keys with 32 query and 4 KV heads, 0.67x /
-# 0.53x with 64 and 4, the same at 512-1024 keys; results/runtime.md section 26)
+# earlier 1 and 32768 took 0.90x / 0.93x / 0.84x / 0.81x the time at 1024 / 2048 / 4096 / 8192 keys with 32
+# query and 4 KV heads, the same at 512; 0.82x / 0.67x / 0.53x at 1024 / 4096 / 8192 with 64 and 4;
+# results/runtime.md section 26)
 ATT_MIN_ROUNDS = 1        # tuning: rounds per split at least (fewer splits, less combining, for few keys)
 _DT = {torch.float16: 0, torch.float32: 1}
 
