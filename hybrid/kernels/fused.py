@@ -36,11 +36,11 @@ ATT_MAX_ROUND = 128       # keys per round of a split block (RK)
 ATT_MAX_W = 1024          # splits x query heads of one KV head (the combine's shared memory)
 ATT_COMBINE_Q = 131072    # tuning: at most this many floats of partials (splits x g x D) per combining block
 ATT_PASSES = 4            # tuning (tools/gpu_attn_bench.py --sweep): key passes per round, 1..4
-ATT_BLOCKS_PER_SM = 4.0   # tuning: split blocks per SM the plan aims at
-# (H200, tools/gpu_attn_bench.py --sweep, sixteenth session: 4 blocks per SM and 131072 floats against the
-# earlier 1 and 32768 took 0.90x / 0.93x / 0.84x / 0.81x the time at 1024 / 2048 / 4096 / 8192 keys with 32
-# query and 4 KV heads, the same at 512; 0.82x / 0.67x / 0.53x at 1024 / 4096 / 8192 with 64 and 4;
-# results/runtime.md section 26)
+ATT_BLOCKS_PER_SM = 2.1   # tuning: split blocks per SM the plan aims at (2, with 5% slack before a round is added)
+# H200, tools/gpu_attn_bench.py --sweep, sixteenth session (call 4): at each of the 8 measured points (32 query /
+# 4 KV heads at 768 / 1280 / 2304 / 4352 / 8448 keys, 64 / 4 at 1280 / 4352 / 8448) the plan this gives is the
+# fastest of the plans timed there; against the earlier 1 block per SM and 32768 floats it takes 1.00x / 0.90x /
+# 0.88x / 0.84x / 0.78x the time with 32 / 4 heads and 0.82x / 0.67x / 0.53x with 64 / 4 (results/runtime.md 26)
 ATT_MIN_ROUNDS = 1        # tuning: rounds per split at least (fewer splits, less combining, for few keys)
 _DT = {torch.float16: 0, torch.float32: 1}
 
