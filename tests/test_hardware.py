@@ -111,6 +111,18 @@ def test_calibrate_writes_a_loadable_profile(tmp_path, capsys):
     assert len(prof.gpus) == torch.cuda.device_count()
     for g in prof.gpus:
         assert g.read_gbs.source == g.h2d_gbs.source == "measured"
+        assert g.attn_kv_gbs is None or g.attn_kv_gbs.value > 0   # measured, or (it failed) the base's: none
+
+
+def test_attention_kv_rate_from_two_key_counts():
+    """calibrate's attention figure: K and V bytes per key over the time per extra key."""
+    from hybrid.bench.calibrate import kv_rate
+
+    # 4 KV heads of 128, fp16: 2048 bytes per key; 2 ns more per key -> 1024 GB/s
+    assert kv_rate((10.0, 22.288), (2048, 8192), 4, 128) == pytest.approx(1024, rel=1e-6)
+    for flat in ((12.0, 12.0), (12.0, 11.0)):
+        with pytest.raises(ValueError, match="did not grow with the keys"):
+            kv_rate(flat, (2048, 8192), 4, 128)
 
 
 def test_calibrate_bad_flag(tmp_path, capsys):

@@ -373,6 +373,30 @@ def test_profile_link_figure_is_optional():
         profile_from_dict(d)
 
 
+def test_attention_kv_rate_is_optional_and_charged_per_key(tiny_dir):
+    """gpus[i].attn_kv_gbs (the attention's cost per extra key): absent = the KV cache read at the QPN
+    kernels' rate, as before; given, each card's layers pay context x KV bytes at that rate instead,
+    so a slower attention costs in proportion to the context."""
+    from hybrid.planner.memory import kv_bytes_per_token_layer
+
+    mb, d = ModelBytes.from_folder(tiny_dir), profile_dict()
+    prof = profile_from_dict(d)
+    assert prof.gpus[0].attn_kv_gbs is None and "attn_kv_gbs" not in json.loads(prof.to_json())["gpus"][0]
+    assert prof.gpus[0].kv_bytes_per_s == prof.gpus[0].kernel_bytes_per_s
+    before = _plan_with(d, mb, (16,))
+    for g in d["gpus"]:
+        g["attn_kv_gbs"] = {"value": 100, "source": "measured", "note": "test"}
+    back = profile_from_dict(d)
+    assert back.gpus[1].kv_bytes_per_s == 100e9 and profile_from_dict(json.loads(back.to_json())) == back
+    slow = _plan_with(d, mb, (16,))
+    kv = before.context * kv_bytes_per_token_layer(mb.config, "fp16") * mb.config.num_hidden_layers
+    assert slow.context == before.context > 0
+    assert slow.token_us == pytest.approx(before.token_us + kv * (1 / 100e9 - 1 / 400e9) * 1e6)
+    d["gpus"][0]["attn_kv_gbs"] = 100
+    with pytest.raises(ProfileError, match=r"profile.gpus\[0\].attn_kv_gbs: expected"):
+        profile_from_dict(d)
+
+
 def test_more_kernels_more_time(tiny_dir):
     from hybrid.planner.step_shape import DECODE
 

@@ -150,6 +150,8 @@ def _gpu_profile(i: int, hw, base, args, measured) -> GPUProfile:
         launch_us=_try(lambda: measured(_launch_us(i, reps, per), f"the same groups issued eagerly: host time "
                        f"to issue them / kernels, median of {reps}"),
                        lambda why: _keep(base, "gpus", "launch_us", *DEFAULTS["launch_us"], gpu=i), i),
+        attn_kv_gbs=_try(lambda: measured(_attn_kv_gbs(i, reps), ATTN_HOW),
+                         lambda why: _keep_attn(base, i), i),
     )
 
 
@@ -345,6 +347,54 @@ def _launch_us(i: int, reps: int, per: int) -> float:
     return statistics.median(times) / (CYCLES * per) * 1e6
 
 
+ATTN_HEADS = (32, 4, 128)          # query heads, KV heads, head dim: Qwen3-30B-A3B
+ATTN_KEYS = (2048, 8192)           # the two key counts whose time difference gives the per-key cost
+ATTN_LAYERS = 16                   # launches per timed graph, each on its own KV store
+ATTN_HOW = (f"one-token attention (hybrid.kernels.fused.decode_attn, {ATTN_HEADS[0]} query / {ATTN_HEADS[1]} KV "
+            f"heads of {ATTN_HEADS[2]}, fp16), {ATTN_LAYERS} launches on their own KV stores in one CUDA graph at "
+            f"{ATTN_KEYS[0]} and {ATTN_KEYS[1]} keys: K and V bytes per key / the time per extra key, median of "
+            f"the replays")
+
+
+def _keep_attn(base: HardwareProfile | None, gpu: int) -> Figure | None:
+    """The base profile's attention figure where it has one, else none (the planner falls back)."""
+    gpus = base.gpus if base is not None else ()
+    return gpus[min(gpu, len(gpus) - 1)].attn_kv_gbs if gpus else None
+
+
+def kv_rate(t_us: tuple[float, float], keys: tuple[int, int], hkv: int, d: int) -> float:
+    """GB/s of K and V (fp16) one attention launch reads per extra key, from its time at two key
+    counts; a ValueError where the time did not grow (noise, or a plan that hid the keys)."""
+    slope = (t_us[1] - t_us[0]) / (keys[1] - keys[0])
+    if not slope > 0:
+        raise ValueError(f"attention time did not grow with the keys ({t_us[0]:.2f} us at {keys[0]}, "
+                         f"{t_us[1]:.2f} us at {keys[1]})")
+    return 2 * hkv * d * 2 / (slope * 1e-6) / 1e9
+
+
+def _attn_kv_gbs(i: int, reps: int) -> float:
+    """kv_rate of fused.decode_attn on GPU i (ATTN_HEADS, ATTN_KEYS, ATTN_LAYERS per graph)."""
+    import torch
+
+    from hybrid.kernels import fused
+
+    dev = f"cuda:{i}"
+    hq, hkv, d = ATTN_HEADS
+    cap = max(ATTN_KEYS)
+    with torch.cuda.device(dev):
+        g = torch.Generator(device=dev).manual_seed(0)
+        ks = [torch.randn(cap, hkv, d, generator=g, device=dev).half() for _ in range(ATTN_LAYERS)]
+        vs = [torch.randn(cap, hkv, d, generator=g, device=dev).half() for _ in range(ATTN_LAYERS)]
+        q = torch.randn(1, hq, d, generator=g, device=dev).half()
+        times = []
+        for keys in ATTN_KEYS:
+            pos = torch.tensor([keys - 1], device=dev)
+            graph = _captured(dev, lambda: [fused.decode_attn(q, k, v, keys, pos=pos) for k, v in zip(ks, vs)])
+            times.append(_events(dev, graph.replay, reps) * 1e6 / ATTN_LAYERS)
+        del ks, vs
+    return kv_rate(tuple(times), ATTN_KEYS, hkv, d)
+
+
 LINK_HOW = ("one graphed can-miss layer's host round trip (hybrid.runtime.miss_link.MissLink, k 8, "
             "H 2048): replay of a graph holding the next layer's add and the routed row's copy to "
             "pinned memory + its external event and the copy up of the last [1, H] fp32 CPU sum, wait "
@@ -517,7 +567,9 @@ def summary(prof: HardwareProfile) -> list[str]:
                      f"read {g.read_gbs.value:.0f} GB/s, copy {g.copy_gbs.value:.0f} GB/s, "
                      f"H2D {g.h2d_gbs.value:.1f} GB/s, D2H {g.d2h_gbs.value:.1f} GB/s, "
                      f"context {g.context_mib.value:.0f} MiB ({g.context_mib.source}), "
-                     f"graph kernel {g.graph_kernel_us.value:.2f} us, eager op {g.launch_us.value:.2f} us")
+                     f"graph kernel {g.graph_kernel_us.value:.2f} us, eager op {g.launch_us.value:.2f} us"
+                     + (f", attention KV {g.attn_kv_gbs.value:.0f} GB/s per extra key ({g.attn_kv_gbs.source})"
+                        if g.attn_kv_gbs else ""))
     c = prof.cpu
     lines.append(f"  cpu {c.model}, {c.physical_cores} cores, avx2={c.avx2} avx512={c.avx512}: "
                  f"copy {c.stream_copy_gbs.value:.1f} GB/s, NVFP4 kernel {c.nvfp4_kernel_gbs.value:.1f} GB/s "

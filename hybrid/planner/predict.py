@@ -5,7 +5,8 @@ Per layer l on a card (k = top-k, h = expected hit rate, b = mean expert bytes o
 B_gpu = read_gbs × kernel_efficiency, B_cpu = CPU NVFP4 kernel GB/s, B_link = slower PCIe direction
 × (1 - pcie_frac), the rest of the link being left to promotions; κ = graph_kernel_us, λ = launch_us,
 n_d / n_e = the step's dense / expert kernels per layer, n_o its eager ops (planner.step_shape)):
-    dense   = (attention/router/norm bytes + context × KV bytes per token) / B_gpu + n_d·κ
+    dense   = attention/router/norm bytes / B_gpu + context × KV bytes per token / B_kv + n_d·κ
+              (B_kv = the profile's attn_kv_gbs: the attention's cost per extra key, B_gpu if absent)
   a fully resident layer (its card holds all E experts) runs inside the step's CUDA graph:
     layer   = dense + k·b / B_gpu + n_e·κ + lookup          no sync; its lookup is deferred
   a layer that can miss ends its graph segment after the router and runs its MoE eagerly:
@@ -57,7 +58,7 @@ def predict(mb: ModelBytes, prof: HardwareProfile, cards: tuple[CardPlan, ...], 
             cpu_bytes += dense + k * b
             layers.append(LayerPrediction(layer, -1, 0, 0.0, 0.0, 0.0, t, t))
             continue
-        x = _card_layer(mb, prof, c, layer, hits[layer], dense, req, shape)
+        x = _card_layer(mb, prof, c, layer, hits[layer], mb.layer_dense[layer], kvread, req, shape)
         layers.append(x)
         k, h = cfg.num_experts_per_tok, hits[layer]
         gpu_bytes += dense + k * h * b
@@ -89,13 +90,13 @@ def predict(mb: ModelBytes, prof: HardwareProfile, cards: tuple[CardPlan, ...], 
 
 
 def _card_layer(mb: ModelBytes, prof: HardwareProfile, c: CardPlan, layer: int, h: float, dense: float,
-                req, shape: StepShape) -> LayerPrediction:
+                kvread: float, req, shape: StepShape) -> LayerPrediction:
     """One layer on a card: graphed and sync-free when all its experts are resident, else eager MoE."""
     cfg, oh, gpu = mb.config, prof.overheads, prof.gpus[c.device]
     k, b, slots = cfg.num_experts_per_tok, mb.expert_mean(layer), c.slots_per_layer[layer - c.layers[0]]
     bw, link = gpu.kernel_bytes_per_s, gpu.link_bytes_per_s * (1 - req.pcie_frac)
     kus = gpu.graph_kernel_us.value
-    t_dense = dense / bw * US + shape.dense_kernels * kus
+    t_dense = dense / bw * US + kvread / gpu.kv_bytes_per_s * US + shape.dense_kernels * kus
     if slots >= cfg.num_experts:                                   # resident: inside the graph
         t_gpu = k * b / bw * US + shape.expert_kernels * kus
         host = oh.lookup_us.value

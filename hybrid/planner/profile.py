@@ -47,7 +47,10 @@ class GPUProfile:
     kernel_efficiency: fraction of read_gbs that the QPN decode kernels reach;
     h2d/d2h: pinned host<->device copies; context_mib: CUDA context + runtime reserve;
     graph_kernel_us: GPU time of one small kernel inside a CUDA graph (the fixed cost each of a
-    layer's ~40 kernels pays whatever its bytes); launch_us: host time to issue one eager op."""
+    layer's ~40 kernels pays whatever its bytes); launch_us: host time to issue one eager op;
+    attn_kv_gbs: bytes of K and V per second that the one-token attention reads as its keys grow (a
+    graphed decode step's attention, Qwen3-30B-A3B's heads: the time per extra key), absent in
+    older profiles (the planner then reads the KV cache at kernel_bytes_per_s)."""
 
     name: str
     compute_capability: str
@@ -62,6 +65,7 @@ class GPUProfile:
     context_mib: Figure
     graph_kernel_us: Figure
     launch_us: Figure
+    attn_kv_gbs: Figure | None = None
 
     def __post_init__(self) -> None:
         if self.memory_mib <= 0:
@@ -77,6 +81,11 @@ class GPUProfile:
     def kernel_bytes_per_s(self) -> float:
         """Bytes/s the QPN kernels read on decode shapes."""
         return self.read_gbs.value * self.kernel_efficiency.value * 1e9
+
+    @property
+    def kv_bytes_per_s(self) -> float:
+        """Bytes/s of KV cache the decode attention reads per extra key (kernel_bytes_per_s if unmeasured)."""
+        return self.attn_kv_gbs.value * 1e9 if self.attn_kv_gbs is not None else self.kernel_bytes_per_s
 
     @property
     def link_bytes_per_s(self) -> float:
@@ -157,6 +166,9 @@ class HardwareProfile:
         for section, key in (("overheads", "link_us"), ("cpu", "nvfp4_m8_ratio")):
             if d[section][key] is None:                # older profiles: leave the key out
                 del d[section][key]
+        for g in d["gpus"]:
+            if g["attn_kv_gbs"] is None:
+                del g["attn_kv_gbs"]
         return {"schema": SCHEMA, **d}
 
     def to_json(self) -> str:
