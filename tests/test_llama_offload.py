@@ -239,7 +239,8 @@ def test_tool_child_runs_llama_with_cpu_experts(tiny_gguf):
 def test_tool_table():
     tool = _tool()
     res = {("hybrid_all_cpu", 32): {"decode_tok_s": 3.3, "prefill_tok_s": 20.0, "generated_ids_head": [1, 2, 3],
-                              "prediction": {"tok_s": 10.0}, "measured_over_predicted": 0.33},
+                              "prediction": {"tok_s": 9.0, "tok_s_at_measured_context": 10.0},
+                              "measured_over_predicted": 0.37, "measured_over_predicted_at_context": 0.33},
            ("llama_cpu_experts", 32): {"decode_tok_s": 20.0, "decode_median_tok_s": 21.0, "prefill_tok_s": 80.0, "generated_ids_head": [1, 2, 4],
                                  "gpu_used_gib_by_load": 1.5},
            ("llama_all_gpu", 32): {"error": "child exited 1: boom"},

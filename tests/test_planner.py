@@ -397,6 +397,20 @@ def test_attention_kv_rate_is_optional_and_charged_per_key(tiny_dir):
         profile_from_dict(d)
 
 
+def test_prediction_moves_to_another_context(tiny_dir):
+    """Prediction.tok_s_at(c): the same placement's prediction at another context (what a measurement
+    at a shorter prompt is compared with), equal to planning at that context."""
+    mb, d = ModelBytes.from_folder(tiny_dir), profile_dict()
+    d["gpus"][1]["attn_kv_gbs"] = {"value": 50, "source": "assumed", "note": "test"}   # card 1: slower attention
+    prof = profile_from_dict(d)
+    plan = lambda ctx: make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(2,), cache_slots=(16,),  # noqa: E731
+                                                       context=ctx, kv_tokens=4096)).prediction
+    long, short = plan(4000), plan(100)
+    assert long.kv_us > 0 and long.kv_us == pytest.approx(short.kv_us)
+    assert long.tok_s_at(100) == pytest.approx(short.tok_s) and short.tok_s_at(4000) == pytest.approx(long.tok_s)
+    assert long.tok_s_at(long.context) == pytest.approx(long.tok_s) and short.tok_s > long.tok_s
+
+
 def test_more_kernels_more_time(tiny_dir):
     from hybrid.planner.step_shape import DECODE
 

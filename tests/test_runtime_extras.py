@@ -67,6 +67,11 @@ def test_bench_decode_record(model_dir, tmp_path, capsys):
     assert rec["prediction"]["profile"] == "v100x2-e5v4" and len(rec["cards"]) == 2
     assert rec["measured_over_predicted"] == pytest.approx(rec["decode_tok_s"] / rec["prediction"]["tok_s"],
                                                            rel=1e-3)
+    pred = rec["prediction"]         # also at the measured steps' mean context: prompt + half the tokens
+    assert pred["measured_context"] == 6 + 4 // 2 < pred["context"]
+    assert pred["tok_s_at_measured_context"] >= pred["tok_s"]
+    assert rec["measured_over_predicted_at_context"] == pytest.approx(
+        rec["decode_tok_s"] / pred["tok_s_at_measured_context"], rel=1e-3)
     assert rec["git_sha"] and rec["machine"]
 
 

@@ -62,7 +62,8 @@ def record(rec: dict) -> dict:
     if os.environ.get("HYBRID_GIT_SHA"):          # the device copy has no .git
         rec["git_sha"] = os.environ["HYBRID_GIT_SHA"]
     append_jsonl(OUT / "llama_ab.jsonl", [rec])
-    keys = ("ok", "decode_tok_s", "prefill_tok_s", "measured_over_predicted", "skipped", "error", "seconds")
+    keys = ("ok", "decode_tok_s", "prefill_tok_s", "measured_over_predicted_at_context", "skipped", "error",
+            "seconds")
     log(f"record {rec.get('check')}: " + json.dumps({k: v for k, v in rec.items() if k in keys}))
     return rec
 
@@ -361,8 +362,9 @@ ROWS = (("llama_all_gpu", "llama.cpp", "all layers on the GPU", "GPU"),
 def table(results: dict, lengths: list[int]) -> str:
     """One row per (engine and placement, prompt length); results keyed by (check, prompt tokens), so a length
     given twice shows its last measurement (the JSONL keeps both)."""
-    lines = ["| prompt | engine | placement | experts on | decode tok/s | prefill tok/s | planner tok/s | measured / "
-             "predicted | VRAM GiB | leading greedy ids = hybrid all-CPU's (first 16 compared) |",
+    lines = ["| prompt | engine | placement | experts on | decode tok/s | prefill tok/s | planner tok/s at the "
+             "measured context | measured / predicted | VRAM GiB | leading greedy ids = hybrid all-CPU's (first 16 "
+             "compared) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for n, (key, engine, place, where) in ((n, row) for n in dict.fromkeys(lengths) for row in ROWS):
         ref = results.get(("hybrid_all_cpu", n), {}).get("generated_ids_head") or []
@@ -371,12 +373,12 @@ def table(results: dict, lengths: list[int]) -> str:
             why = (r or {}).get("skipped") or ((r or {}).get("error") or "not run")[:80]
             lines.append(f"| {n} | {engine} | {place} | {where} | – ({why}) | | | | | |")
             continue
-        pred = r.get("prediction", {}).get("tok_s")
+        pred = r.get("prediction", {}).get("tok_s_at_measured_context")
         vram = r.get("gpu_used_gib_by_load", r.get("peak_gib_both_cards"))
         ids = r.get("generated_ids_head") or []
         lines.append(f"| {n} | {engine} | {place} | {where} | **{r['decode_tok_s']:.2f}** | {r['prefill_tok_s']:.1f} | "
                      f"{'' if pred is None else f'{pred:.2f}'} | "
-                     f"{'' if r.get('measured_over_predicted') is None else r['measured_over_predicted']} | "
+                     f"{r.get('measured_over_predicted_at_context', '')} | "
                      f"{'' if vram is None else vram} | {_load_gpu_runtime_check().prefix_match(ids, ref) if ref else ''} |")
     return "\n".join(lines)
 

@@ -67,10 +67,13 @@ def measure(session, tok, n_prompt: int, warmup: int, tokens: int) -> dict:
     plan = session.plan
     if plan is not None:
         p = plan.prediction
+        at = len(ids) + len(res.generated_ids) // 2     # the measured steps' mean context
         rec["prediction"] = {"tok_s": round(p.tok_s, 3), "hit_rate": round(p.hit_rate, 4),
                              "profile": plan.inputs.profile, "context": p.context,
-                             "pcie_bytes_per_token": p.pcie_bytes}
+                             "pcie_bytes_per_token": p.pcie_bytes,
+                             "measured_context": at, "tok_s_at_measured_context": round(p.tok_s_at(at), 3)}
         rec["measured_over_predicted"] = round(res.decode_tok_s / p.tok_s, 4) if p.tok_s else None
+        rec["measured_over_predicted_at_context"] = round(res.decode_tok_s / p.tok_s_at(at), 4)
     rec["placement"] = session.placement.describe()
     rec["load_s"] = {k: round(v, 2) for k, v in session.load_s.items()}
     return rec

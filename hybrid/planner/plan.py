@@ -90,6 +90,13 @@ class Prediction:
     host_us: float = 0.0      # per token, of token_us: host work (layers' lookups/syncs/eager ops + token_us)
     kernel_us: float = 0.0    # per token, of token_us: fixed per-kernel GPU cost (graph_kernel_us x kernels)
     hop_us: float = 0.0       # per token, of token_us: the hidden state crossing between physical GPUs
+    kv_us: float = 0.0        # per token of context, of token_us: every card layer's attention reading one more key
+
+    def tok_s_at(self, context: int) -> float:
+        """Predicted tok/s at another context with the same placement: token_us + (context - self.context) x
+        kv_us (exact where the GPU part sets the token's time; with the overlapped decode bound by the
+        host, the context costs less than this)."""
+        return 1e6 / max(1e-9, self.token_us + (context - self.context) * self.kv_us)
 
 
 @dataclass(frozen=True)

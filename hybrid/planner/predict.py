@@ -47,7 +47,7 @@ def predict(mb: ModelBytes, prof: HardwareProfile, cards: tuple[CardPlan, ...], 
     ctx = min(req.context, req.kv_tokens) if cards else req.context
     kvread = ctx * kv_bytes_per_token_layer(cfg, req.kv_dtype)
     cpu_bw = prof.cpu.nvfp4_kernel_gbs.value * 1e9
-    layers, gpu_bytes, cpu_bytes, pcie_bytes = [], 0.0, 0.0, 0.0
+    layers, gpu_bytes, cpu_bytes, pcie_bytes, kv_us = [], 0.0, 0.0, 0.0, 0.0
     card_of = {layer: c for c in cards for layer in range(*c.layers)}
     for layer in range(cfg.num_hidden_layers):
         c = card_of.get(layer)
@@ -60,6 +60,7 @@ def predict(mb: ModelBytes, prof: HardwareProfile, cards: tuple[CardPlan, ...], 
             continue
         x = _card_layer(mb, prof, c, layer, hits[layer], mb.layer_dense[layer], kvread, req, shape)
         layers.append(x)
+        kv_us += kv_bytes_per_token_layer(cfg, req.kv_dtype) / prof.gpus[c.device].kv_bytes_per_s * US
         k, h = cfg.num_experts_per_tok, hits[layer]
         gpu_bytes += dense + k * h * b
         cpu_bytes += k * (1 - h) * b
@@ -86,7 +87,7 @@ def predict(mb: ModelBytes, prof: HardwareProfile, cards: tuple[CardPlan, ...], 
         pcie_bytes=int(pcie_bytes),
         promotion_budget_bytes=int(req.pcie_frac * link_min * token_us / US),
         layers=tuple(layers), host_us=host_us, kernel_us=sum(x.kernel_us for x in layers) + head_kern,
-        hop_us=t_hops)
+        hop_us=t_hops, kv_us=kv_us)
 
 
 def _card_layer(mb: ModelBytes, prof: HardwareProfile, c: CardPlan, layer: int, h: float, dense: float,
