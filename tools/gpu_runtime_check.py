@@ -141,11 +141,16 @@ def calibrate_h200(state: dict, name: str = "h200") -> None:
 
 def run_pytest(args: list[str], timeout: int = 150, lines: int = 25) -> None:
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rs",
-                        *args], capture_output=True, text=True, timeout=timeout)
-    tail = (p.stdout + p.stderr).strip().splitlines()[-lines:]
+    try:
+        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rs",
+                            *args], capture_output=True, text=True, timeout=timeout)
+        out, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as exc:                       # keep what it printed before the limit
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        out, rc = text(exc.stdout) + text(exc.stderr) + f"\n(pytest stopped after {timeout} s)", None
+    tail = out.strip().splitlines()[-lines:]
     log("\n".join(tail))
-    record({"check": "pytest_cuda", "ok": p.returncode == 0, "rc": p.returncode, "args": args,
+    record({"check": "pytest_cuda", "ok": rc == 0, "rc": rc, "args": args,
             "seconds": round(time.perf_counter() - t, 1), "summary": tail[-1] if tail else ""})
 
 

@@ -84,15 +84,14 @@ class Module:
     def launch(self, name: str, grid: tuple[int, int, int], block: int, args: list,
                stream: torch.cuda.Stream | None = None) -> None:
         """args: ctypes scalars (c_void_p for pointers, c_int, c_float, c_longlong)."""
-        fn = self.function(name)
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         if torch.cuda.current_device() != self.device.index:
-            with torch.cuda.device(self.device):
+            with torch.cuda.device(self.device):   # another card's kernel: its context current for every driver call
                 _ensure_context(self.device)
-                self._launch(fn, name, grid, block, s, ptrs)
+                self._launch(self.function(name), name, grid, block, s, ptrs)
         else:
-            self._launch(fn, name, grid, block, s, ptrs)
+            self._launch(self.function(name), name, grid, block, s, ptrs)
 
     @staticmethod
     def _launch(fn, name, grid, block, stream, ptrs) -> None:

@@ -254,16 +254,19 @@ def block_threads(kernel: str) -> int:
 def launch(mod, name: str, grid: tuple[int, int, int], smem: int, args: list) -> None:
     """cuLaunchKernel on torch's current stream with `smem` bytes of dynamic shared memory (the
     function's limit raised once)."""
-    from hybrid.kernels.driver import _cuda, check
+    from hybrid.kernels.driver import _cuda, _ensure_context, check
 
-    fn = mod.function(name)
-    if mod.smem_set.get(name, 0) < smem:
-        check(_cuda().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
-              f"cuFuncSetAttribute({name}, {smem} B)")
-        mod.smem_set[name] = smem
     stream = torch.cuda.current_stream(mod.device)
     ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    with torch.cuda.device(mod.device):
+    other = torch.cuda.current_device() != mod.device.index
+    with torch.cuda.device(mod.device):     # every driver call with this card's context current
+        if other:
+            _ensure_context(mod.device)
+        fn = mod.function(name)
+        if mod.smem_set.get(name, 0) < smem:
+            check(_cuda().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                  f"cuFuncSetAttribute({name}, {smem} B)")
+            mod.smem_set[name] = smem
         check(_cuda().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block_threads(name), 1, 1, smem,
                                      ctypes.c_void_p(stream.cuda_stream), ptrs, None),
               f"cuLaunchKernel({name})")

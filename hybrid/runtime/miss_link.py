@@ -49,6 +49,7 @@ class MissLink:
         self.yc = torch.zeros(1, hidden, device=device, **f32)                  # [1, H] CPU
         self.stage = torch.zeros(1, hidden, pin_memory=self.cuda, **f32)
         self.event, self.external = _event(device)
+        self.device = device
         self._host_np, self._stage_np = self.host.numpy(), self.stage.numpy()   # views, made once
         self.dirty = False                                                      # stage != 0
 
@@ -86,7 +87,7 @@ class MissLink:
     def after_replay(self) -> None:
         """torch without external events: mark the end of the replay instead."""
         if self.cuda and not self.external:
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(self.device))   # the layer's card, not the current one
 
     def fetch(self):
         """Wait for the row -> ids int64 [1, k], weights f32 [1, k], local slots int64 [1, k], h f32

@@ -171,12 +171,12 @@ class StoreSource:
 
             stage_pack_store(up, slots, first, n)
             if read_done is not None:
-                read_done.record()
+                read_done.record(torch.cuda.current_stream(up.device))
             finish_group(slots, first, gs)
             return
         self.unpack(up, raw, n)
         if read_done is not None:
-            read_done.record()
+            read_done.record(torch.cuda.current_stream(up.device))
         raw["gs"][:n].copy_(gs, non_blocking=True)
         pack_group(slots, n, raw, first=first)
 
