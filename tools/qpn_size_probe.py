@@ -78,15 +78,14 @@ def main() -> int:
             ws = [base] + [_clone_weight(base) for _ in range(copies_for(base.nbytes) - 1)]
             for m in ms:
                 x = torch.randn(m, K, device=dev, dtype=torch.float16)
-                t = time_ms([lambda w=w: qpn_linear(x, w) for w in ws], a.reps)
-                row(f"{qt.name.lower()}_m{m}", n, base.nbytes, t)
-                for v in (a.m1_variants.split(",") if qt is QType.NVFP4 and m == 1 and a.m1_variants else []):
+                extra = a.m1_variants.split(",") if qt is QType.NVFP4 and m == 1 and a.m1_variants else []
+                for v in (None, *extra):                  # the default kernel, then each forced variant
                     qpn.LINEAR_VARIANT[0] = v
                     try:
                         t = time_ms([lambda w=w: qpn_linear(x, w) for w in ws], a.reps)
                     finally:
                         qpn.LINEAR_VARIANT[0] = None
-                    row(f"nvfp4_m1{v}", n, base.nbytes, t)
+                    row(f"{qt.name.lower()}_m{m}{v or ''}", n, base.nbytes, t)
             if qt is QType.NVFP4:
                 nb = base.nbytes
             del ws, base

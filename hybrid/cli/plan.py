@@ -13,6 +13,7 @@ from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
 from hybrid.errors import HybridError, PlanError
 from hybrid.planner import (ModelBytes, Plan, PlanRequest, find_popularity, load_popularity, load_profile,
                             make_plan)
+from hybrid.planner.build import AUTO_CHUNK_SLOT_LOSS, AUTO_CHUNKS, BASE_CHUNK
 from hybrid.planner.memory import KV_DTYPES, PREFILL_STAGE_GROUP
 from hybrid.planner.model_bytes import ASSUMED_QUANTS
 from hybrid.planner.prefill import prefill_lines
@@ -41,8 +42,9 @@ def add_plan_arguments(p: argparse.ArgumentParser, profile_required: bool = True
     p.add_argument("--context", type=int, default=1024, metavar="T",
                    help="context length the tok/s prediction is for (default 1024, capped at --kv-resident)")
     p.add_argument("--prefill-chunk", default="auto", metavar="N|auto",
-                   help="prefill chunk tokens, sizes the workspace (default auto: the largest of 4096, 2048, 1024 whose "
-                        "workspace costs no card more than 2%% of its expert slots, else 512)")
+                   help=f"prefill chunk tokens, sizes the workspace (default auto: the largest of "
+                        f"{', '.join(map(str, AUTO_CHUNKS))} whose workspace costs no card more than "
+                        f"{AUTO_CHUNK_SLOT_LOSS * 100:.0f}%% of its expert slots, else {BASE_CHUNK})")
     p.add_argument("--experts", default=None, metavar="FILE",
                    help="expert-popularity profile (default: profiles/<model folder name>.experts.json if present; "
                         "else uniform routing)")
