@@ -9,7 +9,10 @@
    on two GPUs (--gpus 0,1) and on one GPU as two logical cards (--gpus 0,0), in this order:
    --vram-cap 16 per card, then --cache-slots N per card (real CPU misses). Per session: decode tok/s
    (CUDA graphs), per-card hit rates, the prediction, and the hidden state's hop between the cards:
-   the GPU time of its peer copy in real graphed decode steps (torch.profiler) and a host-timed probe.
+   the GPU time of its peer copy in real graphed decode steps (torch.profiler) and a host-timed probe;
+   every session is also teacher-forced on the first session's ids (forced_logits) and its logits compared
+   with the first's: a flipped greedy id beside a near-tie and a last-bit difference is summation order
+   (the MoE down kernels add the experts' rows with fp32 atomics), not the hop.
 
     HYBRID_CACHE_DIR=.qpncache HYBRID_GIT_SHA=<sha> PYTHONPATH=. python3 tools/gpu_two_cards.py \\
         --tiny-ref scratch/tiny_ref.json --budget-s 420
@@ -34,7 +37,8 @@ JSONL = "two_cards.jsonl"
 
 record = rc.recorder("tools/gpu_two_cards.py", JSONL,
                      ("ok", "decode_tok_s", "measured_over_predicted", "match_cpu_reference",
-                      "match_cuda_reference", "skipped", "error", "hop", "summary", "ids_equal_two_gpus"),
+                      "match_cuda_reference", "skipped", "error", "hop", "summary", "ids_equal_two_gpus",
+                      "forced_vs_first"),
                      machine=lambda: {"gpus_seen": gpu_names()})
 
 
@@ -106,6 +110,33 @@ def hop_in_decode(session, steps: int = 8) -> dict:
             "same_device_copy_gpu_us_per_step": round(sum(dur(e) for e in dtod) / steps, 2)}
 
 
+def forced_logits(session, prompt: list[int], follow: list[int]) -> "torch.Tensor":
+    """Teacher-forced decode: the prompt's prefill, then one graphed decode step per id of `follow`;
+    -> the logits after the prompt and after each step, [1 + len(follow), V] fp32 on the host."""
+    import torch
+
+    hm = session.model
+    hm.new_cache(len(prompt) + len(follow) + 16)
+    hm.prompt_tokens = len(prompt)
+    rows = [hm.forward(torch.tensor(prompt), 0, last_only=True)[-1].float().cpu()]
+    for j, t in enumerate(follow):
+        rows.append(hm.forward(torch.tensor([t]), len(prompt) + j, last_only=True)[-1].float().cpu())
+    hm.prompt_tokens = None
+    return torch.stack(rows)
+
+
+def compare_logits(ref, other) -> dict:
+    """Two sessions' forced logits: the largest difference, where their top tokens differ, and the
+    reference's smallest top-2 margin (a near-tie that a last-bit difference can flip)."""
+    import torch
+
+    top2 = ref.topk(2, dim=-1).values
+    margin = (top2[:, 0] - top2[:, 1])
+    return {"max_abs_diff": float((ref - other).abs().max()), "bitwise_equal": bool(torch.equal(ref, other)),
+            "argmax_differs_at": (ref.argmax(-1) != other.argmax(-1)).nonzero().flatten().tolist(),
+            "ref_min_top2_margin": round(float(margin.min()), 6), "ref_min_margin_at": int(margin.argmin())}
+
+
 def configs(miss_slots: int, order: str = "") -> list[tuple[str, dict]]:
     """(label, RuntimeOptions fields) of the measured sessions; `order` (comma-separated labels, repeats
     allowed) picks and orders them, default: each flag set on two GPUs, then on one."""
@@ -163,7 +194,7 @@ def expert_profile_session(path: Path, profile: str, tokens: int, device: str = 
 def synth(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int, order: str = "") -> None:
     import torch
 
-    from hybrid.bench.decode import measure
+    from hybrid.bench.decode import measure, prompt_ids
     from hybrid.runtime import RuntimeOptions, open_session
 
     cfg, tok, ctx, cpu, eprof = expert_profile_session(path, profile, tokens)
@@ -171,6 +202,7 @@ def synth(path: Path, deadline: float, tokens: int, profile: str, miss_slots: in
     if torch.cuda.device_count() >= 2:
         record({"check": "hop_probe", "hidden": cfg.hidden_size, "hop": hop_probe(cfg.hidden_size)})
     two_gpu_ids = {}
+    ref_ids = ref_logits = ref_label = None
     for label, kw in configs(miss_slots, order):
         if time.perf_counter() > deadline:
             record({"check": label, "skipped": "device-time deadline"})
@@ -188,6 +220,10 @@ def synth(path: Path, deadline: float, tokens: int, profile: str, miss_slots: in
                                                for i in range(torch.cuda.device_count())],
                         "slot_storage_gib": [round(c.slots.nbytes / 2**30, 2) for c in s.cards],
                         **rc.graph_info(s)})
+            forced = forced_logits(s, prompt_ids(tok, 32), rec["generated_ids_head"] if ref_ids is None else ref_ids)
+            if ref_ids is None:                    # every later session is teacher-forced on the first's ids
+                ref_ids, ref_logits, ref_label = rec["generated_ids_head"], forced, label
+            rec["forced_vs_first"] = {"first": ref_label, **compare_logits(ref_logits, forced)}
             if kw["gpus"][0] != kw["gpus"][1]:
                 rec["hop"] = hop_in_decode(s)
                 two_gpu_ids[label] = rec["generated_ids_head"]

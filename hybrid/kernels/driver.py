@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from contextlib import nullcontext
 
 import torch
 
@@ -30,6 +31,13 @@ def check(rc: int, what: str) -> None:
         msg = ctypes.c_char_p()
         _cuda().cuGetErrorString(rc, ctypes.byref(msg))
         raise DriverError(f"{what} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
+
+
+def current(device: torch.device):
+    """A scope in which `device` is torch's current CUDA device (nothing for a CPU device). The eager
+    layer loops enter it per layer or segment, so a second card's launches find their card current and
+    skip launch()'s switch (a device change and a context check per kernel)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def _ensure_context(device: torch.device) -> None:

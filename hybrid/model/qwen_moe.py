@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.kernels import fused
+from hybrid.kernels import driver, fused
 from hybrid.model.config import ModelConfig
 from hybrid.model.layers import Attention, KVCache, Rotary, add_rms_norm, decode_mask, fused_norm_ok, rms_norm
 from hybrid.model.linear import Linear
@@ -113,20 +113,22 @@ class MoEModel:
             dev = self.layer_devices[i]
             if x.device != dev:
                 x = x.to(dev)                                                # layer-split hop
-            if dev not in cos_sin:
-                if dev.type == "cuda" and isinstance(cache, KVCache):
-                    cos_sin[dev] = (self.rope_table(dev), None)         # Attention's CUDA path
-                else:
-                    positions = torch.arange(start, start + ids.shape[0]) if positions is None else positions
-                    cos_sin[dev] = self.rotary.cos_sin(positions, dev)
-            cos, sin = cos_sin[dev]
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            x, h, routed = self._post_attn(i, x, layer.attn(h, i, start, cache, cos, sin))
-            x = x + self._moe(i, layer, h, routed)
+            with driver.current(dev):                   # a second card's launches: no switch each
+                if dev not in cos_sin:
+                    if dev.type == "cuda" and isinstance(cache, KVCache):
+                        cos_sin[dev] = (self.rope_table(dev), None)     # Attention's CUDA path
+                    else:
+                        positions = torch.arange(start, start + ids.shape[0]) if positions is None else positions
+                        cos_sin[dev] = self.rotary.cos_sin(positions, dev)
+                cos, sin = cos_sin[dev]
+                h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+                x, h, routed = self._post_attn(i, x, layer.attn(h, i, start, cache, cos, sin))
+                x = x + self._moe(i, layer, h, routed)
         cache.length = start + ids.shape[0]
         if last_only:
             x = x[-1:]
-        return self.head(x)
+        with driver.current(self.lm_head.device):
+            return self.head(x)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> [T, H] in the model dtype on the first layer's device."""

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybrid.kernels import driver
 from hybrid.model.layers import BUCKET, KVCache, attn_keys
 from hybrid.runtime.hybrid_experts import pack_route
 from hybrid.runtime.miss_link import MissLink
@@ -217,35 +218,41 @@ class DecodeGraphs(SegmentGraphs):
         for seg in segs:
             if seg.carry_in is None:
                 if carry is not None:         # the next segment is on another device: combine here
-                    x = self.links[carry].combine(m, carry)
+                    with driver.current(m.layer_devices[carry]):
+                        x = self.links[carry].combine(m, carry)
                 if x.device != seg.device:
                     x = x.to(seg.device)                                     # layer-split hop
             carry = None
-            r = self._runner(seg, keys, x)
-            if seg.carry_in is None:
-                r.x_in.copy_(x)
-            self.experts.prepare_device(self._device_layers(seg))
-            r.run()
-            if seg.resident:
-                self.experts.note_device(seg.resident, r.route_buf)
-            self.experts.settle_linked()     # the last linked layer's cache side, while this segment runs
-            if seg.linked:
-                carry = seg.layers[-1]
-                link = self.links[carry]
-                link.after_replay()
-                self.experts.linked(carry, link)
-            elif seg.host_last:
-                xm, h, rid, rw, packed = r.out
-                i = seg.layers[-1]
-                x = xm + m.moe_out(i, h, self.experts(i, h, rid, rw, packed=packed))
-            elif seg.head:
-                logits = r.out.clone()               # the graph's buffer is rewritten next step
-            else:
-                x = r.out
+            with driver.current(seg.device):   # its eager work (misses) on its card: no switch per launch
+                r = self._runner(seg, keys, x)
+                if seg.carry_in is None:
+                    r.x_in.copy_(x)
+                self.experts.prepare_device(self._device_layers(seg))
+                r.run()
+                if seg.resident:
+                    self.experts.note_device(seg.resident, r.route_buf)
+                self.experts.settle_linked()     # the last linked layer's cache side, while this segment runs
+                if seg.linked:
+                    carry = seg.layers[-1]
+                    link = self.links[carry]
+                    link.after_replay()
+                    self.experts.linked(carry, link)
+                elif seg.host_last:
+                    xm, h, rid, rw, packed = r.out
+                    i = seg.layers[-1]
+                    x = xm + m.moe_out(i, h, self.experts(i, h, rid, rw, packed=packed))
+                elif seg.head:
+                    logits = r.out.clone()               # the graph's buffer is rewritten next step
+                else:
+                    x = r.out
         if carry is not None:
-            x = self.links[carry].combine(m, carry)
+            with driver.current(m.layer_devices[carry]):
+                x = self.links[carry].combine(m, carry)
         cache.length = start + 1
-        return logits if logits is not None else m.head(x)
+        if logits is not None:
+            return logits
+        with driver.current(m.lm_head.device):
+            return m.head(x)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [1] -> [1, H]: the model's own lookup for host ids; ids on a device are looked up in a

@@ -45,6 +45,7 @@ from contextlib import contextmanager
 
 import torch
 
+from hybrid.kernels import driver
 from hybrid.model.layers import KVCache, rms_norm
 from hybrid.runtime.graphs import Segment, SegmentGraphs, _Runner, capture_runner, device_scalar, graphs_enabled
 
@@ -183,16 +184,17 @@ class PrefillGraphs(SegmentGraphs):
                 x = x.to(seg.device)                                         # layer-split hop
             if seg.head:     # before _runner: a capture's eager warm-up selects this row of its B rows
                 self._last_buf(seg.device).fill_(t - 1)
-            r = self._runner(seg, b, start)
-            if x.shape[0] == b:
-                r.x_in.copy_(x)
-            else:                                                            # the prompt, then its last row
-                r.x_in[:t].copy_(x[:t])
-                r.x_in[t:].copy_(x[t - 1:t].expand(b - t, -1))
-            self.experts.prepare_device(seg.layers)
-            r.run()
-            if seg.layers:
-                self.experts.note_device(seg.layers, r.route_buf[:, :t])
+            with driver.current(seg.device):
+                r = self._runner(seg, b, start)
+                if x.shape[0] == b:
+                    r.x_in.copy_(x)
+                else:                                                        # the prompt, then its last row
+                    r.x_in[:t].copy_(x[:t])
+                    r.x_in[t:].copy_(x[t - 1:t].expand(b - t, -1))
+                self.experts.prepare_device(seg.layers)
+                r.run()
+                if seg.layers:
+                    self.experts.note_device(seg.layers, r.route_buf[:, :t])
             if seg.head:
                 logits = r.out.clone()                                       # rewritten by the next replay
             else:
