@@ -125,6 +125,19 @@ def test_attention_kv_rate_from_two_key_counts():
             kv_rate(flat, (2048, 8192), 4, 128)
 
 
+def test_kernel_efficiency_leaves_the_fixed_costs_to_graph_kernel_us():
+    """calibrate's kernel_efficiency: bytes over the time left after kernels x graph_kernel_us (the planner
+    charges those apart), as a share of read bandwidth; capped at 1; no streaming time left is an error."""
+    from hybrid.bench.calibrate import efficiency
+
+    # 1 GB in 300 us with 50 kernels at 2 us: 200 us of streaming at 5 TB/s of a 4 TB/s read ceiling -> 1
+    assert efficiency(10**9, 300.0, 50, 2.0, 4e12) == 1.0
+    assert efficiency(10**8, 300.0, 50, 2.0, 4e12) == pytest.approx(10**8 / 200e-6 / 4e12)
+    assert efficiency(10**8, 300.0, 0, 2.0, 4e12) == pytest.approx(10**8 / 300e-6 / 4e12)
+    with pytest.raises(ValueError, match="leave no streaming time"):
+        efficiency(10**8, 100.0, 50, 2.0, 4e12)
+
+
 def test_calibrate_bad_flag(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_main(["calibrate", "--out", str(tmp_path / "x.json"), "--repeats", "0"])

@@ -29,8 +29,8 @@ HELP = "measure GPU/PCIe/CPU bandwidths and write a hardware profile (profiles/N
 MIB, GIB = 2**20, 2**30
 
 DEFAULTS = {  # used when neither a measurement nor --base gives the figure
-    "kernel_efficiency": (0.7, "default: QPN kernels' share of read bandwidth on decode shapes; "
-                               "measure with hybrid-bench cuda-kernels"),
+    "kernel_efficiency": (0.7, "default: QPN kernels' share of read bandwidth on decode shapes (calibrate "
+                               "measures it on a GPU: EFF_HOW)"),
     "context_mib": (500, "default CUDA context + torch runtime reserve"),
     "graph_kernel_us": (3.0, "default: ~3 us per small kernel inside a CUDA graph (H200: results/runtime.md "
                              "section 7.5)"),
@@ -131,13 +131,15 @@ def _gpu_profile(i: int, hw, base, args, measured) -> GPUProfile:
         kus, per = _graph_kernel_us(i, reps)
     except Exception as exc:  # noqa: BLE001 - _try below falls back to the base figure
         kus, per = exc, MIX_OPS
+    keep_eff = lambda why: _keep(base, "gpus", "kernel_efficiency", *DEFAULTS["kernel_efficiency"], gpu=i)  # noqa: E731
     return GPUProfile(
         name=props.name, compute_capability=f"{props.major}.{props.minor}",
         memory_mib=props.total_memory // MIB,
         pcie_gen=(info.pcie_gen_max or 0) if info else 0, pcie_width=(info.pcie_width_max or 0) if info else 0,
         read_gbs=measured(n / read / 1e9, f"sum over an fp32 buffer, bytes read / time, {how}"),
         copy_gbs=measured(2 * n / copy / 1e9, f"device copy, bytes read + written / time, {how}"),
-        kernel_efficiency=_keep(base, "gpus", "kernel_efficiency", *DEFAULTS["kernel_efficiency"], gpu=i),
+        kernel_efficiency=_try(lambda: measured(_kernel_efficiency(i, reps, n / read, _value(kus)), EFF_HOW),
+                               keep_eff, i),
         h2d_gbs=measured(args.pcie_mib * MIB / h2d / 1e9, f"pinned host->device, {args.pcie_mib} MiB, median of {reps}"),
         d2h_gbs=measured(args.pcie_mib * MIB / d2h / 1e9, f"pinned device->host, {args.pcie_mib} MiB, median of {reps}"),
         context_mib=measured(ctx, "NVML used memory after CUDA init minus before, minus torch's reserve")
@@ -281,19 +283,22 @@ def _small_kernels(b: dict, cycles: int):
 
 def _count_kernels(b: dict) -> int:
     """CUDA kernels one _small_kernels group launches (torch.profiler); MIX_OPS if it cannot tell."""
-    import torch
-
     try:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _small_kernels(b, 1)
-            torch.cuda.synchronize()
-        n = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                and not e.name.lower().startswith(("memcpy", "memset")))
+        return _count_cuda_kernels(lambda: _small_kernels(b, 1)) or MIX_OPS
     except Exception:  # noqa: BLE001 - no CUPTI: one kernel per op
         return MIX_OPS
-    return n or MIX_OPS
+
+
+def _count_cuda_kernels(fn) -> int:
+    """CUDA kernels fn() launches (torch.profiler; copies and memsets not counted)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.lower().startswith(("memcpy", "memset")))
 
 
 def _graph_kernel_us(i: int, reps: int) -> tuple[float, int]:
@@ -393,6 +398,65 @@ def _attn_kv_gbs(i: int, reps: int) -> float:
             times.append(_events(dev, graph.replay, reps) * 1e6 / ATTN_LAYERS)
         del ks, vs
     return kv_rate(tuple(times), ATTN_KEYS, hkv, d)
+
+
+EFF_LAYERS = 12          # decode layers per timed graph, each with its own weights (past the L2)
+EFF_HOW = (f"the QPN kernels of {EFF_LAYERS} Qwen3-30B-A3B decode layers at M = 1 in one CUDA graph (NVFP4 q, k, "
+           f"v, o through qpn_linear; 8 experts' gate/up/down through qpn_moe; each layer its own weights): "
+           f"packed bytes / (replay time - kernels x graph_kernel_us) / read_gbs, median")
+
+
+def efficiency(nbytes: int, t_us: float, kernels: int, kernel_us: float, read_bytes_per_s: float) -> float:
+    """The planner's B_gpu / read_gbs from one timed run: bytes over the time left after each kernel's
+    fixed cost (which the planner charges apart, n x graph_kernel_us); a ValueError when the fixed
+    costs leave no time (the measurement says nothing about the bandwidth then)."""
+    stream_us = t_us - kernels * kernel_us
+    if not stream_us > 0.05 * t_us:
+        raise ValueError(f"{kernels} kernels x {kernel_us:.2f} us leave no streaming time of {t_us:.1f} us")
+    return min(1.0, nbytes / (stream_us * 1e-6) / read_bytes_per_s)
+
+
+def _kernel_efficiency(i: int, reps: int, read_bytes_per_s: float, kernel_us: float) -> float:
+    """efficiency() of EFF_LAYERS decode layers' QPN kernels on GPU i (EFF_HOW)."""
+    import torch
+
+    from hybrid.bench.cuda_kernels import random_qweight
+    from hybrid.checkpoint.formats import QType
+    from hybrid.kernels import QPNExpertSlots, QPNWeight, qpn_linear, qpn_moe
+
+    dev = torch.device("cuda", i)
+    h, hq, hkv, d, inter, k = 2048, 32, 4, 128, 768, 8
+    nv = QType.NVFP4
+    with torch.cuda.device(dev):
+        layers = []
+        for _ in range(EFF_LAYERS):
+            lin = [QPNWeight.from_qweight(random_qweight(nv, n, kk, dev), dev)
+                   for n, kk in ((hq * d, h), (hkv * d, h), (hkv * d, h), (h, hq * d))]
+            sl = QPNExpertSlots(k, h, inter, nv, dev)
+            for s in range(k):
+                sl.load(s, random_qweight(nv, inter, h, dev), random_qweight(nv, inter, h, dev),
+                        random_qweight(nv, h, inter, dev))
+            layers.append((lin, sl))
+        x = torch.randn(1, h, device=dev, dtype=torch.float16) * 0.1
+        xo = torch.randn(1, hq * d, device=dev, dtype=torch.float16) * 0.1
+        ids = torch.arange(k, device=dev, dtype=torch.int32)
+        tok = torch.zeros(k, device=dev, dtype=torch.int32)
+        rw = torch.full((k,), 1.0 / k, device=dev)
+
+        def body(n_layers=EFF_LAYERS):
+            for lin, sl in layers[:n_layers]:
+                for w in lin[:3]:
+                    qpn_linear(x, w)
+                qpn_linear(xo, lin[3])
+                qpn_moe(x, sl, ids, tok, rw)
+
+        nbytes = sum(sum(w.nbytes for w in lin) + k * sl.nbytes_per_slot for lin, sl in layers)
+        graph = _captured(dev, body)
+        t_us = _events(str(dev), graph.replay, reps) * 1e6
+        kernels = EFF_LAYERS * _count_cuda_kernels(lambda: body(1))
+        del graph, layers
+        torch.cuda.empty_cache()
+    return efficiency(nbytes, t_us, kernels, kernel_us, read_bytes_per_s)
 
 
 LINK_HOW = ("one graphed can-miss layer's host round trip (hybrid.runtime.miss_link.MissLink, k 8, "
@@ -567,7 +631,8 @@ def summary(prof: HardwareProfile) -> list[str]:
                      f"read {g.read_gbs.value:.0f} GB/s, copy {g.copy_gbs.value:.0f} GB/s, "
                      f"H2D {g.h2d_gbs.value:.1f} GB/s, D2H {g.d2h_gbs.value:.1f} GB/s, "
                      f"context {g.context_mib.value:.0f} MiB ({g.context_mib.source}), "
-                     f"graph kernel {g.graph_kernel_us.value:.2f} us, eager op {g.launch_us.value:.2f} us"
+                     f"graph kernel {g.graph_kernel_us.value:.2f} us, eager op {g.launch_us.value:.2f} us, "
+                     f"QPN kernels {100 * g.kernel_efficiency.value:.0f}% of read ({g.kernel_efficiency.source})"
                      + (f", attention KV {g.attn_kv_gbs.value:.0f} GB/s per extra key ({g.attn_kv_gbs.source})"
                         if g.attn_kv_gbs else ""))
     c = prof.cpu
