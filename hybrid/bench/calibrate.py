@@ -401,9 +401,10 @@ def _attn_kv_gbs(i: int, reps: int) -> float:
 
 
 EFF_LAYERS = 12          # decode layers per timed graph, each with its own weights (past the L2)
-EFF_HOW = (f"the QPN kernels of {EFF_LAYERS} Qwen3-30B-A3B decode layers at M = 1 in one CUDA graph (NVFP4 q, k, "
-           f"v, o through qpn_linear; 8 experts' gate/up/down through qpn_moe; each layer its own weights): "
-           f"packed bytes / (replay time - kernels x graph_kernel_us) / read_gbs, median")
+EFF_HOW = (f"the QPN kernels of {EFF_LAYERS} Qwen3-30B-A3B decode layers at M = 1 in one CUDA graph, launched as "
+           f"the runtime's decode step launches them (NVFP4: the fused q/k/v and o through qpn_linear, 8 experts' "
+           f"gate/up/down through qpn_moe; each layer its own weights): packed bytes / (replay time - kernels x "
+           f"graph_kernel_us) / read_gbs, median")
 
 
 def efficiency(nbytes: int, t_us: float, kernels: int, kernel_us: float, read_bytes_per_s: float) -> float:
@@ -430,8 +431,8 @@ def _kernel_efficiency(i: int, reps: int, read_bytes_per_s: float, kernel_us: fl
     with torch.cuda.device(dev):
         layers = []
         for _ in range(EFF_LAYERS):
-            lin = [QPNWeight.from_qweight(random_qweight(nv, n, kk, dev), dev)
-                   for n, kk in ((hq * d, h), (hkv * d, h), (hkv * d, h), (h, hq * d))]
+            lin = [QPNWeight.from_qweight(random_qweight(nv, n, kk, dev), dev)       # the fused q/k/v, o
+                   for n, kk in (((hq + 2 * hkv) * d, h), (h, hq * d))]
             sl = QPNExpertSlots(k, h, inter, nv, dev)
             for s in range(k):
                 sl.load(s, random_qweight(nv, inter, h, dev), random_qweight(nv, inter, h, dev),
@@ -445,9 +446,8 @@ def _kernel_efficiency(i: int, reps: int, read_bytes_per_s: float, kernel_us: fl
 
         def body(n_layers=EFF_LAYERS):
             for lin, sl in layers[:n_layers]:
-                for w in lin[:3]:
-                    qpn_linear(x, w)
-                qpn_linear(xo, lin[3])
+                qpn_linear(x, lin[0])
+                qpn_linear(xo, lin[1])
                 qpn_moe(x, sl, ids, tok, rw)
 
         nbytes = sum(sum(w.nbytes for w in lin) + k * sl.nbytes_per_slot for lin, sl in layers)

@@ -7,7 +7,13 @@ hardware; the profile gives what one kernel or one op costs (gpus[].graph_kernel
     dense_kernels   rope rows, 2 x RMSNorm (cast, norm, cast), fused q/k/v QPN, q/k norm, RoPE,
                     2 KV index_copy_, masked SDPA, o QPN, residual, router (cast, GEMV, softmax,
                     top-k, renormalise), route-buffer copies: ~34 small kernels
-    expert_kernels  slot-id gather, weight cast, grouped QPN route + gate/up + down, cast, residual: ~8
+    expert_kernels  the grouped QPN kernel's route, gate/up and down launches: 3 (measured on the H200,
+                    30B-A3B shape, every expert resident: qpn_moe_route, qpn2_moe_gateup_mt1_as and
+                    qpn2_moe_down_mt1_as 48 launches each per graphed step, nothing else per layer's
+                    experts; results/runtime.md section 27.4; the slot-id lookup rides in the router
+                    kernel, the weighted sum in the down kernel, the residual in the next add + norm).
+                    It was ~8 from the eager torch ops (slot-id gather, weight cast, the 3, cast,
+                    residual) before those moved into the fused kernels.
     head_kernels    final RMSNorm (3) + lm_head + fp32 cast: 5
     eager_ops       a layer that can miss runs its MoE eagerly after the host sync (the sync and the
                     lookup are their own terms): the graph's packed ids/weights/x row copied down
@@ -24,7 +30,11 @@ hardware; the profile gives what one kernel or one op costs (gpus[].graph_kernel
                     before the copy up moved into the graph). Measured on the H200 (1024 slots,
                     30B-A3B shape): CUDA calls per step 699 -> 178, decode 25.4-32.4 -> 93.8-108.1 tok/s.
 The counts were estimated from the code; tools/gpu_runtime_check.py counts the kernels of one
-eager step on the device (results/runtime.md) to check them.
+eager step on the device (results/runtime.md) to check them. In a graphed step the dense part is 5
+launches (fused add + norm + router, fused rope + attention, q/k/v and o QPN, add + norm) that took 31.7
+us per layer on the H200 (section 27.4) against the 34 us the planner charges with dense_kernels (13 x
+graph_kernel_us + bytes at kernel_efficiency): the fused kernels are latency-bound beyond one small
+kernel's cost, so dense_kernels stays a count of small-kernel equivalents.
 
 The fused decode kernels (hybrid.kernels.fused, HYBRID_FUSED) each replace several of the dense
 kernels with one launch; `decode_shape()` subtracts what the parts in effect save. Per part, from
@@ -41,7 +51,7 @@ from dataclasses import dataclass, replace
 @dataclass(frozen=True)
 class StepShape:
     dense_kernels: int = 34
-    expert_kernels: int = 8
+    expert_kernels: int = 3
     head_kernels: int = 5
     eager_ops: int = 14
     miss_nodes: int = 0
