@@ -93,6 +93,30 @@ def host_profile(session, steps: int = 32, top: int = 30) -> dict:
     return {"wall_ms_per_step": round(wall / steps * 1e3, 3), "top": rc.top_functions(prof, steps, top)}
 
 
+def generate_profile(session, tok, tokens: int = 40, top: int = 30) -> dict:
+    """Where the host's time of hybrid.generate's overlapped decode goes (cProfile over one greedy
+    generation of `tokens` tokens after the session's warm-up): wall ms per decoded token and the
+    `top` functions by own time per token. Time inside the event / read waits is the host waiting
+    for the GPU (GPU-bound); little of it means the host sets the pace."""
+    import cProfile
+
+    from hybrid.bench.decode import prompt_ids
+    from hybrid.generate import generate
+    from hybrid.sampler import Sampler, SamplerConfig
+
+    ids = prompt_ids(tok, 32)
+    session.model.prompt_tokens = len(ids)
+    greedy = Sampler(SamplerConfig())
+    generate(session.model, tok, ids, 8, greedy, prefill_chunk=session.prefill_chunk)
+    prof = cProfile.Profile()
+    prof.enable()
+    res = generate(session.model, tok, ids, tokens, greedy, prefill_chunk=session.prefill_chunk)
+    prof.disable()
+    n = max(len(res.generated_ids) - 1, 1)
+    return {"decode_tok_s": round(res.decode_tok_s, 2), "tokens": len(res.generated_ids),
+            "top": rc.top_functions(prof, n, top)}
+
+
 def kernel_times(avg, steps: int, top: int = 25) -> dict:
     """GPU time per decode step by kernel / copy (CUPTI records the kernels of graph replays too):
     the total and the largest `top` entries as [name, us per step, launches per step]."""
@@ -135,6 +159,7 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
                 rec["cuda_calls_per_step"] = cuda_calls(s)
                 if host_prof:
                     rec["host_profile"] = host_profile(s)
+                    rec["generate_profile"] = generate_profile(s, tok)
                 head = rec["generated_ids_head"]
                 rec["ids_equal_first"] = first.setdefault(label, head) == head
                 record({"check": check, **rec})
