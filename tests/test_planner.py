@@ -373,6 +373,29 @@ def test_profile_link_figure_is_optional():
         profile_from_dict(d)
 
 
+def test_unquantized_head_is_charged_at_the_dense_matmul_rate(tiny_dir):
+    """gpus[i].dense_gemv_gbs (a one-token fp16 matmul): absent = the head at the QPN kernels' rate, as
+    before; given, a head stored at 16 bits (the tiny model's BF16 head) pays head bytes at that rate; a
+    quantized head keeps the QPN rate."""
+    import dataclasses
+
+    mb, d = ModelBytes.from_folder(tiny_dir), profile_dict()
+    assert mb.head_unquantized
+    before = _plan_with(d, mb, (16,))
+    for g in d["gpus"]:
+        g["dense_gemv_gbs"] = {"value": 1000, "source": "measured", "note": "test"}
+    fast = profile_from_dict(d)
+    assert fast.gpus[1].dense_bytes_per_s == 1000e9 and profile_from_dict(json.loads(fast.to_json())) == fast
+    after = _plan_with(d, mb, (16,))
+    head = mb.head_bytes + mb.final_norm
+    assert after.token_us == pytest.approx(before.token_us - head * (1 / 400e9 - 1 / 1000e9) * 1e6)
+    cfg = mb.config
+    packed = dataclasses.replace(mb, lm_head=cfg.vocab_size * cfg.hidden_size // 2, tied=False)
+    assert not packed.head_unquantized
+    d2 = profile_dict()
+    assert _plan_with(d, packed, (16,)).token_us == pytest.approx(_plan_with(d2, packed, (16,)).token_us)
+
+
 def test_attention_kv_rate_is_optional_and_charged_per_key(tiny_dir):
     """gpus[i].attn_kv_gbs (the attention's cost per extra key): absent = the KV cache read at the QPN
     kernels' rate, as before; given, each card's layers pay context x KV bytes at that rate instead,

@@ -154,6 +154,8 @@ def _gpu_profile(i: int, hw, base, args, measured) -> GPUProfile:
                        lambda why: _keep(base, "gpus", "launch_us", *DEFAULTS["launch_us"], gpu=i), i),
         attn_kv_gbs=_try(lambda: measured(_attn_kv_gbs(i, reps), ATTN_HOW),
                          lambda why: _keep_attn(base, i), i),
+        dense_gemv_gbs=_try(lambda: measured(_dense_gemv_gbs(i, reps), DENSE_HOW),
+                            lambda why: _keep_dense(base, i), i),
     )
 
 
@@ -459,6 +461,33 @@ def _kernel_efficiency(i: int, reps: int, read_bytes_per_s: float, kernel_us: fl
     return efficiency(nbytes, t_us, kernels, kernel_us, read_bytes_per_s)
 
 
+DENSE_SHAPE = (151936, 2048)       # Qwen3's lm_head: the unquantized weight a decode step reads
+DENSE_HOW = (f"one token through an fp16 [{DENSE_SHAPE[0]}, {DENSE_SHAPE[1]}] weight (torch.nn.functional.linear, "
+             f"cuBLAS: a BF16 lm_head as the runtime runs it), weight bytes / time, median, CUDA events")
+
+
+def _keep_dense(base: HardwareProfile | None, gpu: int) -> Figure | None:
+    """The base profile's dense-matmul figure where it has one, else none (the planner falls back)."""
+    gpus = base.gpus if base is not None else ()
+    return gpus[min(gpu, len(gpus) - 1)].dense_gemv_gbs if gpus else None
+
+
+def _dense_gemv_gbs(i: int, reps: int) -> float:
+    """GB/s of DENSE_SHAPE's fp16 weight in a one-token matmul on GPU i (the weight is past any L2)."""
+    import torch
+    import torch.nn.functional as F
+
+    dev = f"cuda:{i}"
+    with torch.cuda.device(dev):
+        w = torch.randn(DENSE_SHAPE, device=dev, dtype=torch.float16) * 0.02
+        x = torch.randn(1, DENSE_SHAPE[1], device=dev, dtype=torch.float16)
+        t = _events(dev, lambda: F.linear(x, w), reps)
+        nbytes = w.numel() * 2
+        del w
+        torch.cuda.empty_cache()
+    return nbytes / t / 1e9
+
+
 LINK_HOW = ("one graphed can-miss layer's host round trip (hybrid.runtime.miss_link.MissLink, k 8, "
             "H 2048): replay of a graph holding the next layer's add and the routed row's copy to "
             "pinned memory + its external event and the copy up of the last [1, H] fp32 CPU sum, wait "
@@ -634,7 +663,9 @@ def summary(prof: HardwareProfile) -> list[str]:
                      f"graph kernel {g.graph_kernel_us.value:.2f} us, eager op {g.launch_us.value:.2f} us, "
                      f"QPN kernels {100 * g.kernel_efficiency.value:.0f}% of read ({g.kernel_efficiency.source})"
                      + (f", attention KV {g.attn_kv_gbs.value:.0f} GB/s per extra key ({g.attn_kv_gbs.source})"
-                        if g.attn_kv_gbs else ""))
+                        if g.attn_kv_gbs else "")
+                     + (f", dense GEMV {g.dense_gemv_gbs.value:.0f} GB/s ({g.dense_gemv_gbs.source})"
+                        if g.dense_gemv_gbs else ""))
     c = prof.cpu
     lines.append(f"  cpu {c.model}, {c.physical_cores} cores, avx2={c.avx2} avx512={c.avx512}: "
                  f"copy {c.stream_copy_gbs.value:.1f} GB/s, NVFP4 kernel {c.nvfp4_kernel_gbs.value:.1f} GB/s "

@@ -62,6 +62,12 @@ class ModelBytes:
         return self.embed if self.tied else self.lm_head
 
     @property
+    def head_unquantized(self) -> bool:
+        """Whether the head is stored at 16 bits or more (ModelOpt's BF16 lm_head, a tied embedding): the
+        runtime runs it as a dense matmul (torch / cuBLAS), not a QPN kernel."""
+        return self.head_bytes >= self.config.vocab_size * self.config.hidden_size * 2
+
+    @property
     def total(self) -> int:
         return self.embed + self.lm_head + self.final_norm + sum(self.layer_dense) + self.expert_store
 

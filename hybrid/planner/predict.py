@@ -20,8 +20,10 @@ n_d / n_e = the step's dense / expert kernels per layer, n_o its eager ops (plan
   (it costs max(0, lookup - dense)), and the path's extra graph nodes cost miss_nodes·κ.
               m ~ Binomial(k, 1 - h): each of the token's k choices misses independently with
               probability 1 - h (an approximation when routing is skewed).
-token = Σ layers + head ((final norm + lm_head) / B_gpu + n_head·κ) + hops (H·2 / B_link + λ
-per boundary between two physical GPUs; logical cards on one GPU share its device) + token_us.
+token = Σ layers + head ((final norm + lm_head) / B_head + n_head·κ) + hops (H·2 / B_link + λ
+per boundary between two physical GPUs; logical cards on one GPU share its device) + token_us;
+B_head = the profile's dense_gemv_gbs for a head stored at 16 bits (a dense matmul; B_gpu if absent),
+B_gpu for a quantized one.
 With the overlapped decode (req.overlap) and every layer resident, step t + 1 runs while the host
 does step t's work (reading the token, lookups, token_us), so token = max(GPU part, host part).
 On a CPU-only plan every byte goes through B_cpu, no syncs, no kernels counted.
@@ -69,7 +71,8 @@ def predict(mb: ModelBytes, prof: HardwareProfile, cards: tuple[CardPlan, ...], 
     if cards:
         last = prof.gpus[cards[-1].device]
         head_kern = shape.head_kernels * last.graph_kernel_us.value
-        t_head = head / last.kernel_bytes_per_s * US + head_kern
+        head_bw = last.dense_bytes_per_s if mb.head_unquantized else last.kernel_bytes_per_s
+        t_head = head / head_bw * US + head_kern
         gpu_bytes += head
         t_hops, hop_bytes = _hops(prof, cards, cfg.hidden_size * 2, req.pcie_frac)
         pcie_bytes += hop_bytes

@@ -50,7 +50,10 @@ class GPUProfile:
     layer's ~40 kernels pays whatever its bytes); launch_us: host time to issue one eager op;
     attn_kv_gbs: bytes of K and V per second that the one-token attention reads as its keys grow (a
     graphed decode step's attention, Qwen3-30B-A3B's heads: the time per extra key), absent in
-    older profiles (the planner then reads the KV cache at kernel_bytes_per_s)."""
+    older profiles (the planner then reads the KV cache at kernel_bytes_per_s);
+    dense_gemv_gbs: bytes per second of an unquantized fp16 weight in a one-token matmul (torch /
+    cuBLAS: the lm_head that NVFP4 checkpoints keep in BF16), absent in older profiles (the planner
+    then reads it at kernel_bytes_per_s)."""
 
     name: str
     compute_capability: str
@@ -66,6 +69,7 @@ class GPUProfile:
     graph_kernel_us: Figure
     launch_us: Figure
     attn_kv_gbs: Figure | None = None
+    dense_gemv_gbs: Figure | None = None
 
     def __post_init__(self) -> None:
         if self.memory_mib <= 0:
@@ -86,6 +90,11 @@ class GPUProfile:
     def kv_bytes_per_s(self) -> float:
         """Bytes/s of KV cache the decode attention reads per extra key (kernel_bytes_per_s if unmeasured)."""
         return self.attn_kv_gbs.value * 1e9 if self.attn_kv_gbs is not None else self.kernel_bytes_per_s
+
+    @property
+    def dense_bytes_per_s(self) -> float:
+        """Bytes/s of an unquantized weight in a one-token matmul (kernel_bytes_per_s if unmeasured)."""
+        return self.dense_gemv_gbs.value * 1e9 if self.dense_gemv_gbs is not None else self.kernel_bytes_per_s
 
     @property
     def link_bytes_per_s(self) -> float:
@@ -167,8 +176,9 @@ class HardwareProfile:
             if d[section][key] is None:                # older profiles: leave the key out
                 del d[section][key]
         for g in d["gpus"]:
-            if g["attn_kv_gbs"] is None:
-                del g["attn_kv_gbs"]
+            for key in ("attn_kv_gbs", "dense_gemv_gbs"):
+                if g[key] is None:                     # older profiles: leave the key out
+                    del g[key]
         return {"schema": SCHEMA, **d}
 
     def to_json(self) -> str:
