@@ -373,6 +373,16 @@ def test_profile_link_figure_is_optional():
         profile_from_dict(d)
 
 
+def _set_gpu_figure(d: dict, key: str, value: float):
+    """Give every GPU of profile dict d the optional figure key (GB/s, measured); -> the parsed profile,
+    checked to survive a JSON round trip."""
+    for g in d["gpus"]:
+        g[key] = {"value": value, "source": "measured", "note": "test"}
+    prof = profile_from_dict(d)
+    assert profile_from_dict(json.loads(prof.to_json())) == prof
+    return prof
+
+
 def test_unquantized_head_is_charged_at_the_dense_matmul_rate(tiny_dir):
     """gpus[i].dense_gemv_gbs (a one-token fp16 matmul): absent = the head at the QPN kernels' rate, as
     before; given, a head stored at 16 bits (the tiny model's BF16 head) pays head bytes at that rate; a
@@ -382,10 +392,7 @@ def test_unquantized_head_is_charged_at_the_dense_matmul_rate(tiny_dir):
     mb, d = ModelBytes.from_folder(tiny_dir), profile_dict()
     assert mb.head_unquantized
     before = _plan_with(d, mb, (16,))
-    for g in d["gpus"]:
-        g["dense_gemv_gbs"] = {"value": 1000, "source": "measured", "note": "test"}
-    fast = profile_from_dict(d)
-    assert fast.gpus[1].dense_bytes_per_s == 1000e9 and profile_from_dict(json.loads(fast.to_json())) == fast
+    assert _set_gpu_figure(d, "dense_gemv_gbs", 1000).gpus[1].dense_bytes_per_s == 1000e9
     after = _plan_with(d, mb, (16,))
     head = mb.head_bytes + mb.final_norm
     assert after.token_us == pytest.approx(before.token_us - head * (1 / 400e9 - 1 / 1000e9) * 1e6)
@@ -407,10 +414,7 @@ def test_attention_kv_rate_is_optional_and_charged_per_key(tiny_dir):
     assert prof.gpus[0].attn_kv_gbs is None and "attn_kv_gbs" not in json.loads(prof.to_json())["gpus"][0]
     assert prof.gpus[0].kv_bytes_per_s == prof.gpus[0].kernel_bytes_per_s
     before = _plan_with(d, mb, (16,))
-    for g in d["gpus"]:
-        g["attn_kv_gbs"] = {"value": 100, "source": "measured", "note": "test"}
-    back = profile_from_dict(d)
-    assert back.gpus[1].kv_bytes_per_s == 100e9 and profile_from_dict(json.loads(back.to_json())) == back
+    assert _set_gpu_figure(d, "attn_kv_gbs", 100).gpus[1].kv_bytes_per_s == 100e9
     slow = _plan_with(d, mb, (16,))
     kv = before.context * kv_bytes_per_token_layer(mb.config, "fp16") * mb.config.num_hidden_layers
     assert slow.context == before.context > 0
