@@ -10,7 +10,7 @@ hardware; the profile gives what one kernel or one op costs (gpus[].graph_kernel
     expert_kernels  the grouped QPN kernel's route, gate/up and down launches: 3 (measured on the H200,
                     30B-A3B shape, every expert resident: qpn_moe_route, qpn2_moe_gateup_mt1_as and
                     qpn2_moe_down_mt1_as 48 launches each per graphed step, nothing else per layer's
-                    experts; results/runtime.md section 27.4; the slot-id lookup rides in the router
+                    experts; results/runtime.md section 27.5; the slot-id lookup rides in the router
                     kernel, the weighted sum in the down kernel, the residual in the next add + norm).
                     It was ~8 from the eager torch ops (slot-id gather, weight cast, the 3, cast,
                     residual) before those moved into the fused kernels.
@@ -32,7 +32,7 @@ hardware; the profile gives what one kernel or one op costs (gpus[].graph_kernel
 The counts were estimated from the code; tools/gpu_runtime_check.py counts the kernels of one
 eager step on the device (results/runtime.md) to check them. In a graphed step the dense part is 5
 launches (fused add + norm + router, fused rope + attention, q/k/v and o QPN, add + norm) that took 31.7
-us per layer on the H200 (section 27.4) against the 34 us the planner charges with dense_kernels (13 x
+us per layer on the H200 (section 27.5) against the 34 us the planner charges with dense_kernels (13 x
 graph_kernel_us + bytes at kernel_efficiency): the fused kernels are latency-bound beyond one small
 kernel's cost, so dense_kernels stays a count of small-kernel equivalents.
 
