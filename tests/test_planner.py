@@ -453,12 +453,21 @@ def test_more_kernels_more_time(tiny_dir):
 
 
 def test_hops_only_between_physical_gpus(tiny_dir):
+    """Two physical GPUs cross twice per token (the hidden state at the split, the sampled token back to
+    the first card's embedding), each its bytes over the link + a fixed cost: the receiving card's
+    launch_us, or overheads.hop_us where the profile measured it; logical cards on one GPU never cross."""
     mb, d = ModelBytes.from_folder(tiny_dir), profile_dict()
     two = _plan_with(d, mb, (16,), gpus=(0, 1))
     one = _plan_with(d, mb, (16,), gpus=(0, 0))
-    hop = 64 * 2 / (12e9 * 0.9) * 1e6 + 8                               # H fp16 over the link + a launch
-    assert two.token_us == pytest.approx(one.token_us + hop)
-    assert two.pcie_bytes == one.pcie_bytes + 64 * 2
+    link = 12e9 * 0.9
+    hops = (64 * 2 + 8) / link * 1e6 + 2 * 8                               # bytes over the link + 2 launches
+    assert two.token_us == pytest.approx(one.token_us + hops) and two.hop_us == pytest.approx(hops)
+    assert two.pcie_bytes == one.pcie_bytes + 64 * 2 + 8 and one.hop_us == 0
+    d["overheads"]["hop_us"] = {"value": 35, "source": "measured", "note": "test"}
+    prof = profile_from_dict(d)
+    assert profile_from_dict(json.loads(prof.to_json())) == prof
+    assert _plan_with(d, mb, (16,), gpus=(0, 1)).hop_us == pytest.approx((64 * 2 + 8) / link * 1e6 + 2 * 35)
+    assert _plan_with(d, mb, (16,), gpus=(0, 0)).token_us == pytest.approx(one.token_us)
 
 
 def test_auto_split_is_the_best_that_fits():

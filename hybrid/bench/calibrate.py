@@ -94,7 +94,9 @@ def calibrate(name: str, base: HardwareProfile | None, args, stamp: str) -> Hard
                                       "begin_step per 48 lookups), mean; the runtime's per-layer "
                                       "accounting comes on top"),
                    link_us=_try(lambda: measured(_link_us(0, args.repeats), LINK_HOW),
-                                lambda why: _keep_link(base), 0) if gpus else _keep_link(base))
+                                lambda why: _keep_link(base), 0) if gpus else _keep_link(base),
+                   hop_us=_try(lambda: measured(_hop_us(args.repeats), HOP_HOW),
+                               lambda why: _keep_hop(base), 1) if len(gpus) >= 2 else _keep_hop(base))
     desc = (f"measured by hybrid-bench calibrate on {len(gpus)} GPU(s) "
             f"{', '.join(sorted({g.name for g in gpus})) or '(none)'}, {cpu.model}; {stamp}")
     prof = HardwareProfile(name=name, description=desc, gpus=gpus, cpu=cpu, host=host, overheads=oh)
@@ -494,6 +496,59 @@ LINK_HOW = ("one graphed can-miss layer's host round trip (hybrid.runtime.miss_l
             "for the event, read the row, write the next sum to pinned memory; mean over a loop, GPU 0")
 
 
+HOP_WORK = 32           # small kernels per graph: a decode segment's latency-bound work on each card
+HOP_ROUNDS = 64         # rounds enqueued ahead per timing (the GPU sets the pace)
+HOP_HOW = (f"a decode step's crossing between GPUs 0 and 1: rounds of two CUDA graphs ({HOP_WORK} small kernels "
+           f"each on a [1, 2048] fp16 state), the state copied from one card to the other after each graph (as "
+           f"the hidden state crosses at the split and the sampled token crosses back), {HOP_ROUNDS} rounds "
+           f"enqueued ahead; (time per round - the same rounds with both graphs on GPU 0) / 2 crossings, median")
+
+
+def _keep_hop(base: HardwareProfile | None) -> Figure | None:
+    return base.overheads.hop_us if base is not None else None
+
+
+def _hop_us(reps: int) -> float:
+    """HOP_HOW: µs one crossing between GPUs 0 and 1 adds to a round of graph work."""
+    import torch
+
+    def ring(devs) -> float:
+        stages = []
+        for dev in devs:
+            with torch.cuda.device(dev):
+                x_in = torch.zeros(1, 2048, dtype=torch.float16, device=dev)
+                box = {}
+
+                def body(x_in=x_in, box=box):
+                    y = x_in
+                    for _ in range(HOP_WORK):
+                        y = y + 0.001
+                    box["out"] = y
+
+                graph = _captured(dev, body)
+                stages.append((x_in, graph, box["out"]))
+
+        def rounds():
+            for _ in range(HOP_ROUNDS):
+                for j, (x_in, graph, _) in enumerate(stages):
+                    x_in.copy_(stages[j - 1][2])           # from the other stage: a crossing when on two cards
+                    graph.replay()
+
+        times = []
+        for _ in range(reps + 1):
+            for d in set(devs):
+                torch.cuda.synchronize(d)
+            t0 = time.perf_counter()
+            rounds()
+            for d in set(devs):
+                torch.cuda.synchronize(d)
+            times.append((time.perf_counter() - t0) / HOP_ROUNDS)
+        return statistics.median(times[1:]) * 1e6
+
+    two, one = ring(["cuda:0", "cuda:1"]), ring(["cuda:0", "cuda:0"])
+    return max(0.0, (two - one) / 2)
+
+
 def _keep_link(base: HardwareProfile | None) -> Figure | None:
     return base.overheads.link_us if base is not None else None
 
@@ -676,5 +731,6 @@ def summary(prof: HardwareProfile) -> list[str]:
     lines.append(f"  overheads: layer sync {o.layer_sync_us.value:.1f} us ({o.layer_sync_us.source}), "
                  f"cpu dispatch {o.cpu_dispatch_us.value:.1f} us, lookup {o.lookup_us.value:.1f} us, "
                  f"token {o.token_us.value:.0f} us ({o.token_us.source})"
-                 + (f", graphed miss layer {o.link_us.value:.1f} us ({o.link_us.source})" if o.link_us else ""))
+                 + (f", graphed miss layer {o.link_us.value:.1f} us ({o.link_us.source})" if o.link_us else "")
+                 + (f", GPU crossing {o.hop_us.value:.1f} us ({o.hop_us.source})" if o.hop_us else ""))
     return lines

@@ -20,8 +20,9 @@ n_d / n_e = the step's dense / expert kernels per layer, n_o its eager ops (plan
   (it costs max(0, lookup - dense)), and the path's extra graph nodes cost miss_nodes·κ.
               m ~ Binomial(k, 1 - h): each of the token's k choices misses independently with
               probability 1 - h (an approximation when routing is skewed).
-token = Σ layers + head ((final norm + lm_head) / B_head + n_head·κ) + hops (H·2 / B_link + λ
-per boundary between two physical GPUs; logical cards on one GPU share its device) + token_us;
+token = Σ layers + head ((final norm + lm_head) / B_head + n_head·κ) + hops (H·2 / B_link + hop_us per
+boundary between two physical GPUs, and the sampled token's 8 bytes back to the first layer's GPU; logical
+cards on one GPU share its device; hop_us = λ of the receiving card where the profile has none) + token_us;
 B_head = the profile's dense_gemv_gbs for a head stored at 16 bits (a dense matmul; B_gpu if absent),
 B_gpu for a quantized one.
 With the overlapped decode (req.overlap) and every layer resident, step t + 1 runs while the host
@@ -125,14 +126,19 @@ def _card_layer(mb: ModelBytes, prof: HardwareProfile, c: CardPlan, layer: int, 
 
 
 def _hops(prof: HardwareProfile, cards: tuple[CardPlan, ...], hop_bytes: int, pcie_frac: float):
-    """(us, PCIe bytes) of the hidden state's hops between physical GPUs at the layer split."""
+    """(us, PCIe bytes) of a decode step's crossings between physical GPUs: the hidden state at each
+    layer split, and the sampled token back from the head's GPU to the first layer's for the next
+    step's embedding (8 bytes). Each costs its bytes over the link plus overheads.hop_us (the
+    receiving card's launch_us where the profile has no crossing figure)."""
     t, n = 0.0, 0
-    for a, b in zip(cards, cards[1:]):
+    pairs = [(a, b, hop_bytes) for a, b in zip(cards, cards[1:])] + [(cards[-1], cards[0], 8)]
+    for a, b, nbytes in pairs:
         if a.device == b.device:
             continue                              # logical cards on one GPU: the same device
         link = min(prof.gpus[a.device].link_bytes_per_s, prof.gpus[b.device].link_bytes_per_s)
-        t += hop_bytes / (link * (1 - pcie_frac)) * US + prof.gpus[b.device].launch_us.value
-        n += hop_bytes
+        fixed = prof.overheads.hop_us.value if prof.overheads.hop_us else prof.gpus[b.device].launch_us.value
+        t += nbytes / (link * (1 - pcie_frac)) * US + fixed
+        n += nbytes
     return t, n
 
 

@@ -149,13 +149,18 @@ class Overheads:
     link_us: the host's round trip of a can-miss layer whose hits run inside the decode graph
     (hybrid.runtime.miss_link: replay, wait for the routed row, upload the CPU's sum), which
     replaces layer_sync_us and the eager ops on that path; absent in older profiles (the planner
-    then charges that path as eager ops)."""
+    then charges that path as eager ops);
+    hop_us: what one crossing of a decode step between two physical GPUs adds to the token (the
+    wait of one card's stream for the other's, the peer copy, the next graph's start), measured
+    against the same work on one GPU; absent in older profiles and on one-GPU machines (the
+    planner then charges the receiving card's launch_us per crossing)."""
 
     layer_sync_us: Figure
     cpu_dispatch_us: Figure
     token_us: Figure
     lookup_us: Figure
     link_us: Figure | None = None
+    hop_us: Figure | None = None
 
 
 @dataclass(frozen=True)
@@ -172,7 +177,7 @@ class HardwareProfile:
         d = asdict(self)
         d.pop("path")
         d["gpus"] = list(d["gpus"])
-        for section, key in (("overheads", "link_us"), ("cpu", "nvfp4_m8_ratio")):
+        for section, key in (("overheads", "link_us"), ("overheads", "hop_us"), ("cpu", "nvfp4_m8_ratio")):
             if d[section][key] is None:                # older profiles: leave the key out
                 del d[section][key]
         for g in d["gpus"]:
