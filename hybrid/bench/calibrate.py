@@ -546,7 +546,9 @@ def _hop_us(reps: int) -> float:
         return statistics.median(times[1:]) * 1e6
 
     two, one = ring(["cuda:0", "cuda:1"]), ring(["cuda:0", "cuda:0"])
-    return max(0.0, (two - one) / 2)
+    if not two > one:
+        raise ValueError(f"rounds on two GPUs ({two:.1f} us) not slower than on one ({one:.1f} us): nothing to charge")
+    return (two - one) / 2
 
 
 def _keep_link(base: HardwareProfile | None) -> Figure | None:
