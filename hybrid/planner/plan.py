@@ -89,7 +89,7 @@ class Prediction:
     layers: tuple[LayerPrediction, ...]
     host_us: float = 0.0      # per token, of token_us: host work (layers' lookups/syncs/eager ops + token_us)
     kernel_us: float = 0.0    # per token, of token_us: fixed per-kernel GPU cost (graph_kernel_us x kernels)
-    hop_us: float = 0.0       # per token, of token_us: the hidden state crossing between physical GPUs
+    hop_us: float = 0.0       # per token, of token_us: the crossings between physical GPUs (hidden state, sampled token)
     kv_us: float = 0.0        # per token of context, of token_us: every card layer's attention reading one more key
 
     def tok_s_at(self, context: int) -> float:

@@ -43,7 +43,7 @@ def render(plan: Plan, per_layer: bool = False) -> str:
               f"  of the {p.token_us / 1000:.2f} ms: host work {p.host_us / 1000:.2f} ms (syncs, cache lookups, "
               f"eager ops, per-token), fixed kernel cost {p.kernel_us / 1000:.2f} ms; resident (graphed, "
               f"no sync) layers {sum(x.resident for x in p.layers)} of {len(p.layers)}"
-              + (f"; hidden-state hops between GPUs {p.hop_us:.1f} us" if p.hop_us else "")]
+              + (f"; crossings between GPUs (hidden state, sampled token) {p.hop_us:.1f} us" if p.hop_us else "")]
     if per_layer:
         lines += [""] + _table(["layer", "card", "slots", "hit %", "dense us", "gpu exp us", "cpu exp us",
                                 "host us", "total us"],
