@@ -85,6 +85,7 @@ def calibrate(name: str, base: HardwareProfile | None, args, stamp: str) -> Hard
                        reserve_gib=base.host.reserve_gib if base else 4.0)
     sync = measured(_router_sync_us(args.repeats), "top-k of a [1, 128] router row + ids to the host, mean") \
         if gpus else _keep(base, "overheads", "layer_sync_us", 10.0, "no GPU: no host round trip")
+    base_link, base_hop = (_base_figure(base, "overheads", key) for key in ("link_us", "hop_us"))
     oh = Overheads(layer_sync_us=sync,
                    cpu_dispatch_us=measured(_dispatch_us(), "ThreadPoolExecutor submit+result of a no-op, "
                                                            "mean (proxy for the CPU runner's hand-off)"),
@@ -93,26 +94,30 @@ def calibrate(name: str, base: HardwareProfile | None, args, stamp: str) -> Hard
                                       "top-8 in a fully resident layer (48 layers x 128 experts, one "
                                       "begin_step per 48 lookups), mean; the runtime's per-layer "
                                       "accounting comes on top"),
-                   link_us=_try(lambda: measured(_link_us(0, args.repeats), LINK_HOW),
-                                lambda why: _keep_link(base), 0) if gpus else _keep_link(base),
-                   hop_us=_try(lambda: measured(_hop_us(args.repeats), HOP_HOW),
-                               lambda why: _keep_hop(base), 1) if len(gpus) >= 2 else _keep_hop(base))
+                   link_us=_try(lambda: measured(_link_us(0, args.repeats), LINK_HOW), lambda why: base_link, 0)
+                   if gpus else base_link,
+                   hop_us=_try(lambda: measured(_hop_us(args.repeats), HOP_HOW), lambda why: base_hop, 1)
+                   if len(gpus) >= 2 else base_hop)
     desc = (f"measured by hybrid-bench calibrate on {len(gpus)} GPU(s) "
             f"{', '.join(sorted({g.name for g in gpus})) or '(none)'}, {cpu.model}; {stamp}")
     prof = HardwareProfile(name=name, description=desc, gpus=gpus, cpu=cpu, host=host, overheads=oh)
     return profile_from_dict(json.loads(prof.to_json()), "calibrated profile")   # validates
 
 
+def _base_figure(base: HardwareProfile | None, section: str, key: str, gpu: int | None = None) -> Figure | None:
+    """The base profile's figure (of its GPU `gpu`, or its last GPU, for the gpus section), else None."""
+    if base is None:
+        return None
+    obj = getattr(base, section)
+    if gpu is not None:
+        obj = obj[min(gpu, len(obj) - 1)] if obj else None
+    return getattr(obj, key) if obj is not None else None
+
+
 def _keep(base: HardwareProfile | None, section: str, key: str, default: float, note: str,
           gpu: int | None = None) -> Figure:
     """A figure from the base profile if it has one, else an assumed default."""
-    if base is not None:
-        obj = getattr(base, section)
-        if gpu is not None:
-            obj = obj[min(gpu, len(obj) - 1)] if obj else None
-        if obj is not None:
-            return getattr(obj, key)
-    return Figure(default, "assumed", note)
+    return _base_figure(base, section, key, gpu) or Figure(default, "assumed", note)
 
 
 # ---------------------------------------------------------------- GPU
@@ -155,9 +160,9 @@ def _gpu_profile(i: int, hw, base, args, measured) -> GPUProfile:
                        f"to issue them / kernels, median of {reps}"),
                        lambda why: _keep(base, "gpus", "launch_us", *DEFAULTS["launch_us"], gpu=i), i),
         attn_kv_gbs=_try(lambda: measured(_attn_kv_gbs(i, reps), ATTN_HOW),
-                         lambda why: _keep_attn(base, i), i),
+                         lambda why: _base_figure(base, "gpus", "attn_kv_gbs", i), i),
         dense_gemv_gbs=_try(lambda: measured(_dense_gemv_gbs(i, reps), DENSE_HOW),
-                            lambda why: _keep_dense(base, i), i),
+                            lambda why: _base_figure(base, "gpus", "dense_gemv_gbs", i), i),
     )
 
 
@@ -365,12 +370,6 @@ ATTN_HOW = (f"one-token attention (hybrid.kernels.fused.decode_attn, {ATTN_HEADS
             f"the replays")
 
 
-def _keep_attn(base: HardwareProfile | None, gpu: int) -> Figure | None:
-    """The base profile's attention figure where it has one, else none (the planner falls back)."""
-    gpus = base.gpus if base is not None else ()
-    return gpus[min(gpu, len(gpus) - 1)].attn_kv_gbs if gpus else None
-
-
 def kv_rate(t_us: tuple[float, float], keys: tuple[int, int], hkv: int, d: int) -> float:
     """GB/s of K and V (fp16) one attention launch reads per extra key, from its time at two key
     counts; a ValueError where the time did not grow (noise, or a plan that hid the keys)."""
@@ -468,12 +467,6 @@ DENSE_HOW = (f"one token through an fp16 [{DENSE_SHAPE[0]}, {DENSE_SHAPE[1]}] we
              f"cuBLAS: a BF16 lm_head as the runtime runs it), weight bytes / time, median, CUDA events")
 
 
-def _keep_dense(base: HardwareProfile | None, gpu: int) -> Figure | None:
-    """The base profile's dense-matmul figure where it has one, else none (the planner falls back)."""
-    gpus = base.gpus if base is not None else ()
-    return gpus[min(gpu, len(gpus) - 1)].dense_gemv_gbs if gpus else None
-
-
 def _dense_gemv_gbs(i: int, reps: int) -> float:
     """GB/s of DENSE_SHAPE's fp16 weight in a one-token matmul on GPU i (the weight is past any L2)."""
     import torch
@@ -502,10 +495,6 @@ HOP_HOW = (f"a decode step's crossing between GPUs 0 and 1: rounds of two CUDA g
            f"each on a [1, 2048] fp16 state), the state copied from one card to the other after each graph (as "
            f"the hidden state crosses at the split and the sampled token crosses back), {HOP_ROUNDS} rounds "
            f"enqueued ahead; (time per round - the same rounds with both graphs on GPU 0) / 2 crossings, median")
-
-
-def _keep_hop(base: HardwareProfile | None) -> Figure | None:
-    return base.overheads.hop_us if base is not None else None
 
 
 def _hop_us(reps: int) -> float:
@@ -549,10 +538,6 @@ def _hop_us(reps: int) -> float:
     if not two > one:
         raise ValueError(f"rounds on two GPUs ({two:.1f} us) not slower than on one ({one:.1f} us): nothing to charge")
     return (two - one) / 2
-
-
-def _keep_link(base: HardwareProfile | None) -> Figure | None:
-    return base.overheads.link_us if base is not None else None
 
 
 def _link_us(i: int, reps: int) -> float:

@@ -48,7 +48,8 @@ def predict(mb: ModelBytes, prof: HardwareProfile, cards: tuple[CardPlan, ...], 
     shape = decode_shape() if shape is None else shape
     cfg = mb.config
     ctx = min(req.context, req.kv_tokens) if cards else req.context
-    kvread = ctx * kv_bytes_per_token_layer(cfg, req.kv_dtype)
+    kv_tok = kv_bytes_per_token_layer(cfg, req.kv_dtype)                 # one layer's K and V of one token
+    kvread = ctx * kv_tok
     cpu_bw = prof.cpu.nvfp4_kernel_gbs.value * 1e9
     layers, gpu_bytes, cpu_bytes, pcie_bytes, kv_us = [], 0.0, 0.0, 0.0, 0.0
     card_of = {layer: c for c in cards for layer in range(*c.layers)}
@@ -63,7 +64,7 @@ def predict(mb: ModelBytes, prof: HardwareProfile, cards: tuple[CardPlan, ...], 
             continue
         x = _card_layer(mb, prof, c, layer, hits[layer], mb.layer_dense[layer], kvread, req, shape)
         layers.append(x)
-        kv_us += kv_bytes_per_token_layer(cfg, req.kv_dtype) / prof.gpus[c.device].kv_bytes_per_s * US
+        kv_us += kv_tok / prof.gpus[c.device].kv_bytes_per_s * US
         k, h = cfg.num_experts_per_tok, hits[layer]
         gpu_bytes += dense + k * h * b
         cpu_bytes += k * (1 - h) * b
