@@ -45,7 +45,10 @@
 // where H % 4 == 0 and the rows are 16-byte aligned):
 //   fused_add_rms_norm_e     grid T, block 256: every load of a row at once (groups of 4 elements)
 //   fused_add_norm_router_e  grid E, block 128: a block per expert, the norm from one round of loads,
-//       the last block's top-k by parallel ranks
+//       the last block's top-k by parallel ranks; optionally (offsets given, with slots) also the grouped
+//       MoE kernels' routing for S slots, as qpn_moe_route makes it from slots: offsets [S+1] (the
+//       entries of slots with work), perm [T*k], active [min(T*k, S)], and zero [nzero] fp32 zeroed
+//       (the MoE output: one launch per layer fewer)
 //   fused_rope_attn_e        grid (Hkv, S), block 128: only the splits with keys run and combine
 
 typedef unsigned int u32;
@@ -647,7 +650,7 @@ __device__ __forceinline__ void anre_body(const void* x, const void* delta, cons
 // pr: shared [T * E] floats; sp / si: shared [T * k] (weight, id) in rank order.
 __device__ __forceinline__ void topk_block(const float* logits, int T, int E, int k, int renorm, long long* ids,
                                            float* weights, const int* slot_table, int* slots, float* route_row,
-                                           float* pr, float* sp, int* si) {
+                                           float* pr, float* sp, int* si, int* sl) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   for (int i = tid; i < T * k; i += 128) { sp[i] = 0.f; si[i] = 0; }   // every rank is filled (NaN: maybe not)
   for (int t = warp; t < T; t += 4) {                     // softmax, a warp per token (topk_row's sums)
@@ -694,7 +697,11 @@ __device__ __forceinline__ void topk_block(const float* logits, int T, int E, in
     const int id = si[i];
     weights[i] = wt;
     ids[i] = id;
-    if (slots) slots[i] = slot_table[id];
+    if (slots) {
+      const int s = slot_table[id];
+      slots[i] = s;
+      if (sl) sl[i] = s;
+    }
     if (route_row) {
       route_row[(size_t)t * 2 * k + r] = (float)id;
       route_row[(size_t)t * 2 * k + k + r] = wt;
@@ -702,18 +709,71 @@ __device__ __forceinline__ void topk_block(const float* logits, int T, int E, in
   }
 }
 
+// The grouped MoE kernels' routing (qpn.cu's qpn_moe_route outputs) from the A = T * k slot ids sl[A]
+// (shared; ids outside [0, S) dropped) by one block of 128 threads: offsets[s], offsets[s + 1] of every
+// slot s with an assignment (the only entries the expert kernels read), perm [A'] (the kept assignments
+// grouped by slot, ascending, each slot's in assignment order), active [min(A, S)] (the slots with work,
+// ascending; -1 after). An assignment's place is counted against all others (A <= 256): no atomics, and
+// perm's order within a slot is fixed (qpn_moe_route's follows its shared-memory atomics).
+// first: shared [A] flags (the assignment is its slot's first), nd: shared count of distinct slots.
+__device__ __forceinline__ void route_plan_block(const int* sl, int A, int S, int* offsets, int* perm, int* active,
+                                                 int* first, int* nd) {
+  const int tid = threadIdx.x;
+  __syncthreads();                                        // sl complete
+  for (int a = tid; a < A; a += 128) {
+    const int s = sl[a];
+    int f = s >= 0 && s < S;
+    for (int b = 0; b < a && f; ++b) f = sl[b] != s;
+    first[a] = f;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int n = 0;
+    for (int a = 0; a < A; ++a) n += first[a];
+    *nd = n;
+  }
+  for (int a = tid; a < A; a += 128) {
+    const int s = sl[a];
+    if (s < 0 || s >= S) continue;
+    int before = 0, same = 0, cnt = 0, dless = 0;         // kept ids below s; s's before a; s's; slots below s
+    for (int b = 0; b < A; ++b) {
+      const int sb = sl[b];
+      const int less = sb >= 0 && sb < s;
+      before += less;
+      dless += less & first[b];
+      cnt += sb == s;
+      same += (sb == s) & (b < a);
+    }
+    perm[before + same] = a;
+    if (first[a]) {
+      active[dless] = s;
+      offsets[s] = before;
+      offsets[s + 1] = before + cnt;                      // = offsets[s + 1]'s own value when s + 1 is kept
+    }
+  }
+  __syncthreads();
+  const int na = A < S ? A : S;
+  for (int i = *nd + tid; i < na; i += 128) active[i] = -1;
+}
+
 extern "C" __global__ void __launch_bounds__(128)
     fused_add_norm_router_e(const void* x, const void* delta, const float* w, void* x_out, void* hout,
                             int H, float eps, int x_f32, int delta_f32, const float* router, float* logits,
                             int* counter, int T, int E, int k, int renorm, long long* ids, float* weights,
-                            const int* slot_table, int* slots, float* route_row) {
+                            const int* slot_table, int* slots, float* route_row, int S, int* offsets,
+                            int* perm, int* active, float* zero, int nzero) {
   __shared__ __align__(16) float hs[ANR_MAXH];           // H > 2048: the residual; then the probabilities
   __shared__ float pss[ROUTER_MAXT][4], pacc[ROUTER_MAXT][4], sp[ANRE_MAXTK];
-  __shared__ int si[ANRE_MAXTK];
-  __shared__ int last;
+  __shared__ int si[ANRE_MAXTK], sl[ANRE_MAXTK], first[ANRE_MAXTK];
+  __shared__ int last, nd;
   DISPATCH_XD(anre_body, x, delta, w, x_out, hout, H, eps, router, logits, T, E, hs, pss, pacc);
-  if (!arrive_last(counter, gridDim.x, &last)) return;
-  topk_block(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, hs, sp, si);
+  const bool is_last = arrive_last(counter, gridDim.x, &last);
+  for (int j = 4 * (blockIdx.x * 128 + threadIdx.x); j < nzero; j += 4 * 128 * gridDim.x)   // the MoE output
+    *(float4*)(zero + j) = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (!is_last) return;
+  const bool plan = offsets != nullptr && slots != nullptr;
+  topk_block(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, hs, sp, si, plan ? sl : nullptr);
+  if (plan) route_plan_block(sl, T * k, S, offsets, perm, active, first, &nd);
   if (threadIdx.x == 0) *counter = 0;
 }
 

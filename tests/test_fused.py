@@ -209,4 +209,4 @@ def test_new_kernel_switch(monkeypatch):
     monkeypatch.setenv("HYBRID_FUSED_NEW", "0")
     assert not any(fused.new_kernel(p) for p in fused.NEW_PARTS)
     monkeypatch.setenv("HYBRID_FUSED_NEW", "router, attn")
-    assert [fused.new_kernel(p) for p in fused.NEW_PARTS] == [False, True, True]
+    assert [fused.new_kernel(p) for p in fused.NEW_PARTS] == [False, True, True, False]

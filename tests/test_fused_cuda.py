@@ -182,6 +182,53 @@ def test_add_norm_router(backend, kernels, t, h, e, xdt, ddt):
     assert torch.equal(row[:, k:].cpu(), wt.cpu())
 
 
+@pytest.mark.parametrize("t,k,e,s", [(1, 8, 128, 128), (1, 8, 128, 24), (4, 8, 64, 64), (8, 4, 32, 7), (2, 8, 16, 1024)])
+@pytest.mark.parametrize("planned", [True, False])
+def test_add_norm_router_route_plan(backend, monkeypatch, t, k, e, s, planned):
+    """The router launch's MoE routing (RoutePlan, HYBRID_FUSED_NEW part "plan"): its buffers as
+    ref_route_plan of the slot ids it wrote (absent experts dropped), the output zeroed, and qpn_moe over
+    the plan as qpn_moe with its own route launch; with the part off the plan is not made."""
+    from hybrid.checkpoint.formats import QType
+    from hybrid.kernels import QPNExpertSlots, qpn_moe
+    from hybrid.kernels.moe_route import RoutePlan, ref_route_plan
+    from tests.test_qpn_layout import nvfp4
+
+    if not planned:
+        monkeypatch.setenv("HYBRID_FUSED_NEW", "norm,router,attn")
+    h, i = 256, 128
+    experts = QPNExpertSlots(s, h, i, QType.NVFP4, DEV)
+    for j in range(min(s, 40)):                  # the ids below reach slots < 40 only
+        experts.load(j, nvfp4(i, h, seed=3 * j), nvfp4(i, h, seed=3 * j + 1), nvfp4(h, i, seed=3 * j + 2))
+    g = torch.Generator().manual_seed(t * 1000 + e + s)
+    table = torch.randint(-1, min(s, 40), (e,), generator=g, dtype=torch.int32)
+    x, d = fresh((t, h), torch.float16), fresh((t, h), torch.float16, scale=0.5)
+    w, router = fresh((h,), scale=0.2, shift=1.0), fresh((e, h), scale=3.0 / h ** 0.5)
+    sl = torch.full((t * k,), -7, dtype=torch.int32, device=DEV)
+    row = torch.full((t, 2 * k), float("nan"), device=DEV)
+    plan = RoutePlan.new(t, k, s, h, DEV)
+    for b in (plan.offsets, plan.perm, plan.active):
+        b.fill_(-9)
+    plan.y.fill_(float("nan"))
+    _, hn, ids, wt = fused.add_norm_router(x.to(DEV), w.to(DEV), EPS, router.to(DEV), k, True, d.to(DEV),
+                                           table.to(DEV), sl, row, plan=plan)
+    assert torch.equal(sl.cpu(), table[ids.cpu().reshape(-1)])
+    assert plan.made == planned
+    tok = torch.arange(t, dtype=torch.int32, device=DEV).repeat_interleave(k)
+    keep = sl >= 0                               # the CPU reference refuses absent slots; the kernels drop them
+    want = qpn_moe(hn.half(), experts, sl[keep], tok[keep], wt.reshape(-1)[keep]).cpu()
+    if planned:
+        offsets, perm, active = ref_route_plan(sl.cpu(), s)
+        assert torch.equal(plan.active.cpu(), active)
+        for slot in active[active >= 0].tolist():
+            assert plan.offsets[slot:slot + 2].cpu().tolist() == offsets[slot:slot + 2].tolist()
+        assert torch.equal(plan.perm[: perm.numel()].cpu(), perm)
+        assert torch.equal(plan.y.cpu(), torch.zeros(t, h))
+    args = (sl, tok, wt.reshape(-1)) if GPU or planned else (sl[keep], tok[keep], wt.reshape(-1)[keep])
+    got = qpn_moe(hn.half(), experts, *args, plan=plan)
+    assert (got is plan.y) == planned and not plan.made
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4 * max(want.abs().max().item(), 1e-3))
+
+
 def test_route_topk_ties_take_lowest_ids(backend):
     ids, w = fused.route_topk(torch.zeros(2, 16, device=DEV), 4, False)
     if GPU:                                   # torch.topk leaves ties unspecified; the kernel does not

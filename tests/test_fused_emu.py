@@ -218,10 +218,11 @@ ROUTER_ENTRY = r"""
 extern "C" void emu_anr(int e_kernel, int reverse, const void* x, const void* delta, const float* w, void* x_out,
     void* hout, int H, float eps, int x_f32, int delta_f32, const float* router, float* logits, int* counter,
     int T, int E, int k, int renorm, long long* ids, float* weights, const int* slot_table, int* slots,
-    float* route_row) {
+    float* route_row, int S, int* offsets, int* perm, int* active, float* zero, int nzero) {
   if (e_kernel)
     run_grid(E, 1, 128, [&] { fused_add_norm_router_e(x, delta, w, x_out, hout, H, eps, x_f32, delta_f32, router,
-        logits, counter, T, E, k, renorm, ids, weights, slot_table, slots, route_row); }, 1, reverse);
+        logits, counter, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets, perm, active,
+        zero, nzero); }, 1, reverse);
   else
     run_grid((E + 3) / 4, 1, 128, [&] { fused_add_norm_router(x, delta, w, x_out, hout, H, eps, x_f32, delta_f32,
         router, logits, counter, T, E, k, renorm, ids, weights, slot_table, slots, route_row); }, 1, reverse);
@@ -253,19 +254,23 @@ def router_emu(tmp_path_factory):
     return compile_emu(tmp_path_factory, "fused_router_emu", router_emu_source())
 
 
-def emu_add_norm_router(lib, kernel_e, x, w, router, k, delta=None, reverse=False):
+def emu_add_norm_router(lib, kernel_e, x, w, router, k, delta=None, reverse=False, table=None, plan=None):
+    """plan (a RoutePlan, block-per-expert kernel only): the MoE routing made too, into its buffers."""
     t, h = x.shape
     e = router.shape[0]
     x2, hn = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
     logits = torch.full((t, e), float("nan"))
     ids, wt = torch.full((t, k), -1, dtype=torch.int64), torch.full((t, k), float("nan"))
-    table = torch.randperm(e, generator=torch.Generator().manual_seed(e)).to(torch.int32)
+    if table is None:
+        table = torch.randperm(e, generator=torch.Generator().manual_seed(e)).to(torch.int32)
     slots, row = torch.full((t * k,), -7, dtype=torch.int32), torch.full((t, 2 * k), float("nan"))
     cnt = torch.zeros(1, dtype=torch.int32)
     dt = {torch.float16: 0, torch.float32: 1}
+    pl = ((I(plan.slots), P(plan.offsets), P(plan.perm), P(plan.active), P(plan.y), I(t * h)) if plan is not None
+          else (I(0), P(None), P(None), P(None), P(None), I(0)))
     lib.emu_anr(I(int(kernel_e)), I(int(reverse)), P(x), P(delta), P(w), P(x2 if delta is not None else None), P(hn),
                 I(h), F(1e-6), I(dt[x.dtype]), I(dt[delta.dtype] if delta is not None else 0), P(router), P(logits),
-                P(cnt), I(t), I(e), I(k), I(1), P(ids), P(wt), P(table), P(slots), P(row))
+                P(cnt), I(t), I(e), I(k), I(1), P(ids), P(wt), P(table), P(slots), P(row), *pl)
     assert cnt.item() == 0                                   # the counter is left zero
     assert torch.equal(slots, table[ids.reshape(-1)]) and torch.equal(row[:, k:], wt)
     assert torch.equal(row[:, :k], ids.float())
@@ -298,6 +303,39 @@ def test_emulated_add_norm_router_e(router_emu, t, h, e, xdt, ddt):
         if torch.equal(new[1], old[1]):
             assert torch.equal(new[2], old[2])
             torch.testing.assert_close(new[3], old[3], atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("t,k,e,s,absent", [(1, 8, 128, 128, 0.0), (1, 8, 128, 40, 0.3), (4, 8, 64, 64, 0.2),
+                                            (8, 8, 128, 1024, 0.0), (3, 4, 16, 5, 0.5), (8, 32, 64, 12, 0.25),
+                                            (2, 2, 8, 3, 1.0)])
+def test_emulated_router_route_plan(router_emu, t, k, e, s, absent):
+    """The router kernel's MoE routing (RoutePlan) against ref_route_plan of the slot ids it wrote: offsets of
+    every slot with work and the one after, perm of the kept assignments (grouped by slot, ascending, in
+    assignment order), active (-1 after), the output zeroed; slots absent (-1) or past S dropped; experts
+    sharing a slot (a table with repeats) grouped together; blocks in either order."""
+    from hybrid.kernels.moe_route import RoutePlan, ref_route_plan
+
+    h = 64
+    g = torch.Generator().manual_seed(t * 100 + k + e + s)
+    x = torch.randn(t, h, generator=g)
+    router = torch.randn(e, h, generator=g)
+    table = torch.randint(0, s + 2, (e,), generator=g, dtype=torch.int32)    # repeats; ids s, s + 1 past S
+    table[torch.rand(e, generator=g) < absent] = -1
+    for reverse in (False, True):
+        plan = RoutePlan.new(t, k, s, h, "cpu")
+        plan.offsets.fill_(-9)
+        plan.perm.fill_(-9)
+        plan.active.fill_(-9)
+        plan.y.fill_(float("nan"))
+        _, _, ids, _ = emu_add_norm_router(router_emu, True, x, torch.ones(h), router, k, None, reverse, table, plan)
+        offsets, perm, active = ref_route_plan(table[ids.reshape(-1)], s)
+        assert torch.equal(plan.active, active)
+        used = [a for a in active.tolist() if a >= 0]
+        for slot in used:
+            assert plan.offsets[slot].item() == offsets[slot].item()
+            assert plan.offsets[slot + 1].item() == offsets[slot + 1].item()
+        assert torch.equal(plan.perm[: perm.numel()], perm)
+        assert torch.equal(plan.y, torch.zeros(t, h))
 
 
 def test_emulated_topk_ties_take_lowest_ids(router_emu):

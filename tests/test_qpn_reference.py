@@ -132,3 +132,44 @@ def test_pack_host_shapes_match_slot_storage():
     assert tuple(packed["s13"].shape) == (8, 2, 8, 8) and packed["gs"].shape == (3,)
     with pytest.raises(ValueError, match="CUDA"):
         sl.load_packed(0, packed)
+
+
+def test_route_plan_reference_matches_route_kernel_contract():
+    """ref_route_plan: ids outside [0, S) dropped, perm grouped by slot in assignment order, offsets the
+    exclusive prefix of the counts, active ascending then -1."""
+    from hybrid.kernels.moe_route import ref_route_plan
+
+    offsets, perm, active = ref_route_plan(torch.tensor([3, -1, 0, 3, 7, 1, 0], dtype=torch.int32), 5)
+    assert offsets.tolist() == [0, 2, 3, 3, 5, 5]
+    assert perm.tolist() == [2, 6, 5, 0, 3]
+    assert active.tolist() == [0, 1, 3, -1, -1]
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+def test_moe_with_router_plan_matches_plain_moe(qtype):
+    """The CPU path of the router's RoutePlan: fused.add_norm_router fills it (made), qpn_moe follows its
+    groups into plan.y and clears made; the result is qpn_moe's without a plan. Absent experts (-1) dropped."""
+    from hybrid.kernels import fused
+    from hybrid.kernels.moe_route import RoutePlan
+
+    sl, _ = slots_with(qtype)
+    t, h, e, k = 2, 128, 6, 3
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(t, h, generator=g).half()
+    router = torch.randn(e, h, generator=g)
+    table = torch.tensor([2, -1, 0, 3, 1, -1], dtype=torch.int32)
+    slots, row = torch.zeros(t * k, dtype=torch.int32), torch.zeros(t, 2 * k)
+    plan = RoutePlan.new(t, k, 4, h, "cpu")
+    plan.y.fill_(float("nan"))
+    _, hn, ids, wt = fused.add_norm_router(x, torch.ones(h), 1e-6, router, k, True, None, table, slots, row, plan=plan)
+    assert plan.made
+    tok = torch.arange(t, dtype=torch.int32).repeat_interleave(k)
+    keep = slots >= 0
+    want = qpn_moe(hn.half(), sl, slots[keep], tok[keep], wt.reshape(-1)[keep])
+    got = qpn_moe(hn.half(), sl, slots, tok, wt.reshape(-1), plan=plan)
+    assert got is plan.y and not plan.made
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="plan.perm: expected shape"):
+        fused.add_norm_router(x[:1], torch.ones(h), 1e-6, router, k, True, None, table, slots[:k], row[:1], plan=plan)
+    with pytest.raises(ValueError, match="plan: needs slot_table"):
+        fused.add_norm_router(x, torch.ones(h), 1e-6, router, k, True, plan=plan)

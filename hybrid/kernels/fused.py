@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid.kernels.fused_build import KERNELS, force_ptx, module as _module  # noqa: F401
+from hybrid.kernels.moe_route import RoutePlan
 
 PARTS = ("norm", "rope", "route", "attn", "rope_attn")
 ROUTE_MAX_E, ROUTE_MAX_K, ROUTER_MAX_T = 512, 32, 8
@@ -62,7 +63,9 @@ DEFAULT_PARTS = frozenset(PARTS)
 # 2.42 -> 1.76; add+norm+router T=1 14.18 -> 7.38, T=8 65.5 -> 22.6 (ids equal); rope+attention at
 # position 15 / 80 / 255 / 1000 / 2047 / 4095: 10.9 / 11.4 / 11.9 / 14.3 / 18.2 / 23.7 -> 6.0 / 8.9 / 9.5 /
 # 12.5 / 15.6 / 21.0; the GPU tests (and, run 2, the runtime's greedy-id tests) passed. results/runtime.md 16.
-NEW_PARTS = ("norm", "router", "attn")
+# "plan": fused_add_norm_router_e also makes the grouped MoE kernels' routing when given a RoutePlan
+# (hybrid.kernels.moe_route: qpn_moe's own route launch, 2.8 us per layer on the H200, is not made).
+NEW_PARTS = ("norm", "router", "attn", "plan")
 NEW_DEFAULT: frozenset = frozenset(NEW_PARTS)
 
 
@@ -346,19 +349,31 @@ def _route_checks(t: int, e: int, k: int, dev, slot_table, slots, row, what: str
 
 def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: torch.Tensor, k: int,
                     renorm: bool, delta: torch.Tensor | None = None, slot_table: torch.Tensor | None = None,
-                    slots: torch.Tensor | None = None, row: torch.Tensor | None = None):
+                    slots: torch.Tensor | None = None, row: torch.Tensor | None = None,
+                    plan: RoutePlan | None = None):
     """add_rms_norm(x, weight, eps, delta) then router_topk(h, router, k, renorm, ...) in one launch
-    (T <= 8) -> (x2, h, ids, weights)."""
+    (T <= 8) -> (x2, h, ids, weights). plan (with slots): the grouped MoE kernels' routing from the slot
+    ids is also made (hybrid.kernels.moe_route; plan.made says whether it was: the block-per-expert
+    kernel makes it, the older one does not)."""
     if x.dim() != 2 or router.dim() != 2:
         raise ValueError(f"x, router: expected [T, H] and [E, H], got {list(x.shape)} and {list(router.shape)}")
     t, hd = x.shape
     e = router.shape[0]
     if (slot_table is None) != (slots is None):
         raise ValueError("slot_table and slots: give both or neither")
+    if plan is not None:
+        if slots is None:
+            raise ValueError("plan: needs slot_table and slots (the ids it groups)")
+        plan.made = False
+        plan.check(t * k, t, hd, plan.slots)
+        if not new_kernel("plan"):
+            plan = None                                          # qpn_moe routes itself
     if not x.is_cuda:
         x2, h, _ = ref_add_rms_norm(x, weight, eps, delta)
         ids, weights = ref_router_topk(h, router, k, renorm)
         ref_route_outputs(ids, weights, slot_table, slots, row)
+        if plan is not None:
+            plan.fill_ref(slots)
         return x2, h, ids, weights
     dev = _dev(x.device)
     _check(x, "x", (torch.float16, torch.float32), (t, hd), dev)
@@ -377,15 +392,28 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
     logits = torch.empty(t, e, dtype=torch.float32, device=dev)
     ids = torch.empty(t, k, dtype=torch.int64, device=dev)
     weights = torch.empty(t, k, dtype=torch.float32, device=dev)
+    args = [_p(x), _p(delta), _p(weight), _p(x2 if delta is not None else None), _p(h), ctypes.c_int(hd),
+            ctypes.c_float(eps), ctypes.c_int(_DT[x.dtype]),
+            ctypes.c_int(_DT[delta.dtype] if delta is not None else 0), _p(router), _p(logits), _p(cnt),
+            ctypes.c_int(t), ctypes.c_int(e), ctypes.c_int(k), ctypes.c_int(int(bool(renorm))), _p(ids),
+            _p(weights), _p(slot_table), _p(slots), _p(row)]
     if new_kernel("router") and hd % 4 == 0 and _aligned(x, delta, weight, router):
         name, grid = "fused_add_norm_router_e", e                # a block per expert
+        if plan is not None:
+            for name in ("offsets", "perm", "active"):
+                b = getattr(plan, name)
+                _check(b, f"plan.{name}", torch.int32, tuple(b.shape), dev)
+            _check(plan.y, "plan.y", torch.float32, (t, hd), dev)
+            if not _aligned(plan.y):
+                raise ValueError("plan.y: data pointer must be 16-byte aligned")
+        args += ([ctypes.c_int(plan.slots), _p(plan.offsets), _p(plan.perm), _p(plan.active), _p(plan.y),
+                  ctypes.c_int(t * hd)] if plan is not None else
+                 [ctypes.c_int(0), _p(None), _p(None), _p(None), _p(None), ctypes.c_int(0)])
     else:
-        name, grid = "fused_add_norm_router", -(-e // 4)         # a warp per expert
-    _module(dev).launch(name, (grid, 1, 1), 128, [
-        _p(x), _p(delta), _p(weight), _p(x2 if delta is not None else None), _p(h), ctypes.c_int(hd),
-        ctypes.c_float(eps), ctypes.c_int(_DT[x.dtype]), ctypes.c_int(_DT[delta.dtype] if delta is not None else 0),
-        _p(router), _p(logits), _p(cnt), ctypes.c_int(t), ctypes.c_int(e), ctypes.c_int(k),
-        ctypes.c_int(int(bool(renorm))), _p(ids), _p(weights), _p(slot_table), _p(slots), _p(row)])
+        name, grid = "fused_add_norm_router", -(-e // 4)         # a warp per expert; no plan
+    _module(dev).launch(name, (grid, 1, 1), 128, args)
+    if plan is not None and name == "fused_add_norm_router_e":
+        plan.made = True
     return x2, h, ids, weights
 
 

@@ -17,7 +17,8 @@ import torch
 from hybrid.checkpoint.formats import QType
 from hybrid.checkpoint.qweight import QWeight
 from hybrid.kernels import layout
-from hybrid.kernels.reference import ref_linear, ref_moe
+from hybrid.kernels.moe_route import RoutePlan
+from hybrid.kernels.reference import ref_linear, ref_moe, ref_moe_planned
 
 THREADS = 256
 WARPS = 8
@@ -725,9 +726,11 @@ def moe_gemm_splits(t: int, a: int, bm: int) -> int:
 
 
 def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, token_idx: torch.Tensor,
-            route_w: torch.Tensor) -> torch.Tensor:
+            route_w: torch.Tensor, plan: RoutePlan | None = None) -> torch.Tensor:
     """y[T, H] fp32 = sum_a route_w[a] * down_s(silu(gate_s x[t]) * up_s x[t]), s = slot_ids[a],
-    t = token_idx[a]. CUDA: route + fused gate/up + down kernels; CPU: torch reference."""
+    t = token_idx[a]. CUDA: route + fused gate/up + down kernels; CPU: torch reference.
+    plan (hybrid.kernels.moe_route) with plan.made: the routing of slot_ids already made (by the router's
+    launch), into plan.y: no route launch; the CPU reference then follows the plan's groups."""
     if not isinstance(slots, QPNExpertSlots):
         raise ValueError(f"slots: expected QPNExpertSlots, got {type(slots).__name__}")
     dev, h, i = slots.device, slots.hidden, slots.inter
@@ -737,25 +740,34 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
     _check_tensor(token_idx, "token_idx", torch.int32, (a,), dev)
     _check_tensor(route_w, "route_w", torch.float32, (a,), dev)
     t = x.shape[0]
+    s = slots.num_slots
+    planned = plan is not None and plan.made
+    if planned:
+        plan.check(a, t, h, s)
+        plan.made = False                                  # one use per making
     if dev.type != "cuda":
+        if planned:
+            return ref_moe_planned(x, slots.host, plan, token_idx, route_w)
         return ref_moe(x, slots.host, slot_ids, token_idx, route_w)
     if a == 0 or t == 0:
         return torch.zeros(t, h, dtype=torch.float32, device=dev)
-    # the route kernel zeroes a small output (decode) itself: one graph node fewer per layer
-    y = torch.empty(t, h, dtype=torch.float32, device=dev)
-    nzero = t * h if t * h <= ROUTE_ZERO_MAX else 0
-    if not nzero:
-        y.zero_()
     mod = _module(dev)
-    s = slots.num_slots
-    offsets = torch.empty(s + 1, dtype=torch.int32, device=dev)
-    perm = torch.empty(a, dtype=torch.int32, device=dev)
     rows = min(a, s)  # block rows of the expert kernels: at most one per active slot
-    slot_list = torch.empty(rows, dtype=torch.int32, device=dev)
     hbuf = torch.empty(a, i, dtype=torch.float16, device=dev)
-    mod.launch("qpn_moe_route", (1, 1, 1), 1024,
-               [_p(slot_ids), ctypes.c_int(a), ctypes.c_int(s), _p(offsets), _p(perm), _p(slot_list), _p(y),
-                ctypes.c_int(nzero)])
+    if planned:
+        y, offsets, perm, slot_list = plan.y, plan.offsets, plan.perm, plan.active
+    else:
+        # the route kernel zeroes a small output (decode) itself: one graph node fewer per layer
+        y = torch.empty(t, h, dtype=torch.float32, device=dev)
+        nzero = t * h if t * h <= ROUTE_ZERO_MAX else 0
+        if not nzero:
+            y.zero_()
+        offsets = torch.empty(s + 1, dtype=torch.int32, device=dev)
+        perm = torch.empty(a, dtype=torch.int32, device=dev)
+        slot_list = torch.empty(rows, dtype=torch.int32, device=dev)
+        mod.launch("qpn_moe_route", (1, 1, 1), 1024,
+                   [_p(slot_ids), ctypes.c_int(a), ctypes.c_int(s), _p(offsets), _p(perm), _p(slot_list), _p(y),
+                    ctypes.c_int(nzero)])
     mt = 1 if t <= 8 else 4
     sfx = variant(MOE_VARIANT[0], mod.sm) if mt == 1 else ""
     fmt, ck, sms = _fmt(slots.qtype), layout.CHUNK[slots.qtype], _sms(dev)

@@ -36,3 +36,21 @@ def ref_moe(x: torch.Tensor, experts: list, slot_ids: torch.Tensor, token_idx: t
         out = ref_expert(x[rows], *experts[s])
         y.index_add_(0, rows, out * route_w[sel.to(x.device)].unsqueeze(1))
     return y
+
+
+def ref_moe_planned(x: torch.Tensor, experts: list, plan, token_idx: torch.Tensor,
+                    route_w: torch.Tensor) -> torch.Tensor:
+    """ref_moe over a RoutePlan's groups, as the kernels read them: for each active slot s (until -1),
+    the assignments perm[offsets[s]:offsets[s + 1]] -> plan.y [T, H] fp32 (accumulated into it)."""
+    y, tok = plan.y, token_idx.long().cpu()
+    offsets, perm = plan.offsets.long().cpu(), plan.perm.long().cpu()
+    for s in plan.active.tolist():
+        if s < 0:
+            break
+        sel = perm[offsets[s]:offsets[s + 1]]
+        if not 0 <= s < len(experts) or not isinstance(experts[s], tuple):
+            raise ValueError(f"plan: slot {s} is empty or out of range")
+        rows = tok[sel].to(x.device)
+        out = ref_expert(x[rows], *experts[s])
+        y.index_add_(0, rows, out * route_w[sel.to(x.device)].unsqueeze(1))
+    return y

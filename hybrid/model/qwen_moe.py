@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.kernels import driver, fused
+from hybrid.kernels.moe_route import RoutePlan
 from hybrid.model.config import ModelConfig
 from hybrid.model.layers import Attention, KVCache, Rotary, add_rms_norm, decode_mask, fused_norm_ok, rms_norm
 from hybrid.model.linear import Linear
@@ -26,11 +27,13 @@ class RouteOut:
     """Buffers a one-token step's routing is also written into, by the router's own launch on CUDA
     (hybrid.runtime graphs): slots [T*k] int32 = slot_table[ids] (slot_table [E] int32, expert ->
     slot), row [T, 2k] fp32 = (ids as floats, weights). Any of them may be None (slot_table and
-    slots together)."""
+    slots together). plan (hybrid.kernels.moe_route.RoutePlan, with slots): the grouped MoE kernels'
+    routing of those slot ids, made by the same launch where its kernel can (plan.made)."""
 
     slot_table: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     row: torch.Tensor | None = None
+    plan: RoutePlan | None = None
 
 
 def _route_extra(out: RouteOut | None) -> tuple:
@@ -165,7 +168,8 @@ class MoEModel:
                 and a.dtype == x.dtype and a.is_contiguous()):
             x, h, ids, weights = fused.add_norm_router(x, layer.post_norm, eps, layer.router,
                                                        self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob,
-                                                       a, *_route_extra(route_out))
+                                                       a, *_route_extra(route_out),
+                                                       plan=route_out.plan if route_out is not None else None)
             return x, h, (ids, weights)
         x, h = add_rms_norm(x, a, layer.post_norm, eps)
         return x, h, None

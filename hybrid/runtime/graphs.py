@@ -312,7 +312,7 @@ class DecodeGraphs(SegmentGraphs):
             x, h, rid, rw = m.decode_dense(i, x, pos, keys, mask, residual=moe, route_out=out)
             if host:                         # ids, weights, h in one row: one copy to the host
                 return x, h, rid, rw, pack_route(rid, rw, h)
-            y = self.experts.moe_slots(i, h, out.slots, rw)                 # [1, H] fp32
+            y = self.experts.moe_slots(i, h, out.slots, rw, out.plan)       # [1, H] fp32
             moe = m.moe_out(i, h, y if m.layers[i].shared is None else y.to(x.dtype))
         x = x + moe.to(x.dtype)                                              # x + round(moe), as before
         return m.head(x) if seg.head else x
@@ -325,7 +325,7 @@ class DecodeGraphs(SegmentGraphs):
         out = self.experts.route_out(i, 1, link.row)                         # slots [k], row [1, 2k]
         x, h, _, rw = self.model.decode_dense(i, x, pos, keys, mask, residual=moe, route_out=out)
         link.send(h, out.slots)
-        y = self.experts.moe_slots(i, h, out.slots, rw) if self.experts.has_slots(i) else None  # [1, H]
+        y = self.experts.moe_slots(i, h, out.slots, rw, out.plan) if self.experts.has_slots(i) else None  # [1, H]
         link.keep(x, y)
 
     def _make(self, seg: Segment, keys: int, x: torch.Tensor) -> _Runner:

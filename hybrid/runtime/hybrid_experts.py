@@ -455,7 +455,9 @@ class HybridExperts:
     def route_out(self, layer: int, t: int, row: torch.Tensor):
         """Buffers decode_dense's router launch also fills: the layer's expert -> slot table (-1 where
         not resident: a can-miss layer's graph), a slot-id buffer [T*k] int32 (kept per layer:
-        graph-static) and the route-buffer row [T, 2k] (ids as floats, weights)."""
+        graph-static), the route-buffer row [T, 2k] (ids as floats, weights) and, for packed slot
+        storage on a GPU, the grouped kernels' routing of those slot ids (RoutePlan, graph-static)."""
+        from hybrid.kernels.moe_route import RoutePlan
         from hybrid.model.qwen_moe import RouteOut
 
         card, k = self.card_of[layer], row.shape[-1] // 2
@@ -463,10 +465,18 @@ class HybridExperts:
         slots = self._tok.get(key)
         if slots is None:
             slots = self._tok[key] = torch.zeros(t * k, dtype=torch.int32, device=row.device)
-        return RouteOut(card.tables[layer], slots, row)
+        packed, plan = card.slots.packed(layer), None
+        if packed is not None and row.is_cuda:
+            pkey = ("plan", layer, t, k, row.device)
+            plan = self._tok.get(pkey)
+            if plan is None:
+                plan = self._tok[pkey] = RoutePlan.new(t, k, packed.num_slots, packed.hidden, row.device)
+        return RouteOut(card.tables[layer], slots, row, plan)
 
-    def moe_slots(self, layer: int, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """moe_device with the slot ids already made (route_out): -> [T, H] fp32, no gather, no cast."""
+    def moe_slots(self, layer: int, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
+                  plan=None) -> torch.Tensor:
+        """moe_device with the slot ids already made (route_out): -> [T, H] fp32, no gather, no cast.
+        plan: route_out's RoutePlan (used where the router's launch made it)."""
         card = self.card_of[layer]
         t, k = weights.shape
         key = (t, k, x.device)
@@ -474,7 +484,7 @@ class HybridExperts:
         if tok is None:
             tok = torch.arange(t, dtype=torch.int32, device=x.device).repeat_interleave(k)  # [T*k]
             self._tok[key] = tok
-        return card.slots.moe_local(layer, x, slot_ids, tok, weights.reshape(-1).float())
+        return card.slots.moe_local(layer, x, slot_ids, tok, weights.reshape(-1).float(), plan=plan)
 
     def prepare_device(self, layers) -> None:
         """Before replaying graphed layers: the stream waits for their pending promotions."""

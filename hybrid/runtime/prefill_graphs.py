@@ -226,7 +226,7 @@ class PrefillGraphs(SegmentGraphs):
             out = self.experts.route_out(i, b, route_buf[j])                # slot ids + routing rows
             x, h, routed = m._post_attn(i, x, layer.attn(h, i, start, cache, cos, sin), out)
             _, weights = m.route(i, h, out) if routed is None else routed
-            y = self.experts.moe_slots(i, h, out.slots, weights).to(x.dtype)  # [B, H], as the eager path
+            y = self.experts.moe_slots(i, h, out.slots, weights, out.plan).to(x.dtype)  # [B, H], as the eager path
             x = x + m.moe_out(i, h, y)
         if seg.head:
             return m.head(x.index_select(0, self._last_buf(seg.device)))    # [1, V] fp32

@@ -97,13 +97,14 @@ class QPNSlots:
             held = _hold(self.hold, self.held, slot, ws)
             self.host[slot] = tuple(w.dequantize(torch.float32) for w in ws) if held else ws
 
-    def moe(self, x: torch.Tensor, slot_ids, token_idx, route_w) -> torch.Tensor:
+    def moe(self, x: torch.Tensor, slot_ids, token_idx, route_w, plan=None) -> torch.Tensor:
+        """plan: a RoutePlan of slot_ids (hybrid.kernels.moe_route), packed storage on the card only."""
         if self.host is not None:
             return host_moe(x.to(torch.float16), self.host, slot_ids, token_idx, route_w.float())
         from hybrid.kernels import qpn_moe
 
         return qpn_moe(x.to(torch.float16), self.slots, slot_ids.int(), token_idx.int(),
-                       route_w.float())
+                       route_w.float(), plan=plan)
 
 
 def host_moe(x: torch.Tensor, host: list, slot_ids: torch.Tensor, token_idx: torch.Tensor,
@@ -231,9 +232,12 @@ class CardSlots:
         return self._store[layer].moe(x, slot_ids - self.layer_slots[layer][0], token_idx, route_w)
 
     def moe_local(self, layer: int, x: torch.Tensor, slot_ids: torch.Tensor, token_idx: torch.Tensor,
-                  route_w: torch.Tensor) -> torch.Tensor:
-        """moe() with slot ids local to the layer's storage (0..its slots - 1) -> [T, H] fp32."""
-        return self._store[layer].moe(x, slot_ids, token_idx, route_w)
+                  route_w: torch.Tensor, plan=None) -> torch.Tensor:
+        """moe() with slot ids local to the layer's storage (0..its slots - 1) -> [T, H] fp32. plan: their
+        RoutePlan (made by the router's launch; packed storage only, see packed())."""
+        if plan is None:
+            return self._store[layer].moe(x, slot_ids, token_idx, route_w)
+        return self._store[layer].moe(x, slot_ids, token_idx, route_w, plan=plan)
 
 
 def make_store(n: int, hidden: int, inter: int, qtype, device, use_kernels: bool, hold=None):
