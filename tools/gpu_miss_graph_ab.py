@@ -12,6 +12,9 @@ event records / waits / syncs) and the GPU time per step by kernel (cuda_calls_p
 
     HYBRID_CACHE_DIR=.qpncache HYBRID_GIT_SHA=<sha> PYTHONPATH=. python3 tools/gpu_miss_graph_ab.py \\
         --profile h200 --order synth_one_gpu_slots1024 --modes 0,1,0,1 --budget-s 420
+
+--env NAME A/Bs another switch the same way, e.g. the router's MoE routing (hybrid.kernels.fused "plan"):
+    --env HYBRID_FUSED_NEW --modes "all;norm,router,attn;all;norm,router,attn"
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ CUDA_CALLS = ("cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemcpy", "cudaMemsetAsy
 
 
 record = rc.recorder("tools/gpu_miss_graph_ab.py", JSONL,
-                     ("miss_graph", "decode_tok_s", "measured_over_predicted", "cuda_calls_per_step",
+                     ("env", "decode_tok_s", "measured_over_predicted", "cuda_calls_per_step",
                       "ids_equal_first", "skipped", "error"))
 
 
@@ -133,7 +136,7 @@ def kernel_times(avg, steps: int, top: int = 25) -> dict:
 
 
 def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int, order: str, modes: list[str],
-         host_prof: bool = False) -> None:
+         host_prof: bool = False, env: str = "HYBRID_MISS_GRAPH") -> None:
     import torch
 
     from hybrid.bench.decode import measure
@@ -143,18 +146,18 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
     first: dict = {}
     for label, kw in tc.configs(miss_slots, order):
         for mode in modes:
-            check = f"{label}_miss_graph{mode}"
+            check = f"{label}_miss_graph{mode}" if env == "HYBRID_MISS_GRAPH" else f"{label}_{env}={mode}"
             if time.perf_counter() > deadline:
                 record({"check": check, "skipped": "device-time deadline"})
                 continue
-            os.environ["HYBRID_MISS_GRAPH"] = mode        # read when the session makes its DecodeGraphs
+            os.environ[env] = mode                        # read when the session makes (captures) its graphs
             rc.log(f"session {check}: {kw}")
             s = open_session(path, RuntimeOptions(device="cuda", profile=profile, expert_profile=str(eprof), **kw),
                              context=ctx, cpu=cpu)
             try:
                 rec = measure(s, tok, 32, 16, tokens)
                 g = s.model.graphs
-                rec.update({"miss_graph": int(mode), "flags": kw, "linked_layers": len(g.links),
+                rec.update({"env": {env: mode}, "flags": kw, "linked_layers": len(g.links),
                             "plan_split": list(s.plan.inputs.layer_split), **rc.graph_info(s)})
                 rec["cuda_calls_per_step"] = cuda_calls(s)
                 if host_prof:
@@ -179,18 +182,20 @@ def main() -> int:
     p.add_argument("--miss-slots", type=int, default=1024, help="expert slots per card of the sessions with misses")
     p.add_argument("--profile", default="h200", help="hardware profile the plans use")
     p.add_argument("--order", default="synth_one_gpu_slots1024", help="configuration labels (gpu_two_cards.configs)")
-    p.add_argument("--modes", default="0,1,0,1", help="HYBRID_MISS_GRAPH values, in order, per label")
+    p.add_argument("--modes", default="0,1,0,1",
+                   help="values of --env, in order, per label (separated by ';' where a value holds commas)")
+    p.add_argument("--env", default="HYBRID_MISS_GRAPH", help="the environment switch the sessions differ in")
     p.add_argument("--host-profile", action="store_true", help="also cProfile 32 graphed decode steps per session")
     a = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     deadline = rc.T0 + a.budget_s
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("0", "1") for m in modes):
+    modes = [m.strip() for m in a.modes.split(";" if ";" in a.modes else ",") if m.strip()]
+    if not modes or (a.env == "HYBRID_MISS_GRAPH" and any(m not in ("0", "1") for m in modes)):
         print(f"--modes {a.modes}: expected a comma-separated list of 0 and 1", file=sys.stderr)
         return 2
     parts = [("synth_write", lambda: rc.make_synth(a.synth, a.skew, False)),
              ("ab_runs", lambda: runs(a.synth, deadline, a.tokens, a.profile, a.miss_slots, a.order, modes,
-                                        a.host_profile))]
+                                        a.host_profile, a.env))]
     rc.run_parts(parts, deadline, record, rc.log)
     rc.log("done")
     return 0
