@@ -400,9 +400,9 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
     if new_kernel("router") and hd % 4 == 0 and _aligned(x, delta, weight, router):
         name, grid = "fused_add_norm_router_e", e                # a block per expert
         if plan is not None:
-            for name in ("offsets", "perm", "active"):
-                b = getattr(plan, name)
-                _check(b, f"plan.{name}", torch.int32, tuple(b.shape), dev)
+            for part in ("offsets", "perm", "active"):
+                b = getattr(plan, part)
+                _check(b, f"plan.{part}", torch.int32, tuple(b.shape), dev)
             _check(plan.y, "plan.y", torch.float32, (t, hd), dev)
             if not _aligned(plan.y):
                 raise ValueError("plan.y: data pointer must be 16-byte aligned")
