@@ -650,7 +650,7 @@ __device__ __forceinline__ void anre_body(const void* x, const void* delta, cons
 // pr: shared [T * E] floats; sp / si: shared [T * k] (weight, id) in rank order.
 __device__ __forceinline__ void topk_block(const float* logits, int T, int E, int k, int renorm, long long* ids,
                                            float* weights, const int* slot_table, int* slots, float* route_row,
-                                           float* pr, float* sp, int* si, int* sl) {
+                                           float* pr, float* sp, int* si, int* sl, int& own_slot) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   for (int i = tid; i < T * k; i += 128) { sp[i] = 0.f; si[i] = 0; }   // every rank is filled (NaN: maybe not)
   for (int t = warp; t < T; t += 4) {                     // softmax, a warp per token (topk_row's sums)
@@ -701,12 +701,43 @@ __device__ __forceinline__ void topk_block(const float* logits, int T, int E, in
       const int s = slot_table[id];
       slots[i] = s;
       if (sl) sl[i] = s;
+      if (i == tid) own_slot = s;                         // assignment tid's slot, kept in a register
     }
     if (route_row) {
       route_row[(size_t)t * 2 * k + r] = (float)id;
       route_row[(size_t)t * 2 * k + k + r] = wt;
     }
   }
+}
+
+// route_plan_block's outputs for A <= 32 by warp 0 alone, lane a holding assignment a's slot s (no shared
+// memory, no barrier: the last block's tail is on the decode step's critical path): the lanes of s from
+// __match_any_sync, the kept and the first-of-their-slot lanes from ballots, one pass of shuffles for the
+// kept ids below s and the distinct slots below s.
+__device__ __forceinline__ void route_plan_warp(int s, int A, int S, int* offsets, int* perm, int* active) {
+  const unsigned full = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  if (lane >= A) s = -1;
+  const bool valid = lane < A && s >= 0 && s < S;
+  const unsigned mine = __match_any_sync(full, s);        // lanes with slot s
+  const bool first = valid && __ffs(mine) - 1 == lane;
+  const unsigned vm = __ballot_sync(full, valid), fm = __ballot_sync(full, first);
+  int before = 0, dless = 0;                              // kept ids below s; distinct slots below s
+  for (int b = 0; b < A; ++b) {
+    const int less = __shfl_sync(full, s, b) < s;
+    before += less & (int)((vm >> b) & 1u);
+    dless += less & (int)((fm >> b) & 1u);
+  }
+  if (valid) {
+    perm[before + __popc(mine & ((1u << lane) - 1u))] = lane;
+    if (first) {
+      active[dless] = s;
+      offsets[s] = before;
+      offsets[s + 1] = before + __popc(mine);
+    }
+  }
+  const int na = A < S ? A : S;
+  for (int i = __popc(fm) + lane; i < na; i += 32) active[i] = -1;
 }
 
 // The grouped MoE kernels' routing (qpn.cu's qpn_moe_route outputs) from the A = T * k slot ids sl[A]
@@ -771,9 +802,12 @@ extern "C" __global__ void __launch_bounds__(128)
   for (int j = 4 * (blockIdx.x * 128 + threadIdx.x); j < nzero; j += 4 * 128 * gridDim.x)   // the MoE output
     *(float4*)(zero + j) = make_float4(0.f, 0.f, 0.f, 0.f);
   if (!is_last) return;
-  const bool plan = offsets != nullptr && slots != nullptr;
-  topk_block(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, hs, sp, si, plan ? sl : nullptr);
-  if (plan) route_plan_block(sl, T * k, S, offsets, perm, active, first, &nd);
+  const bool plan = offsets != nullptr && slots != nullptr, small = T * k <= 32;
+  int own_slot = -1;
+  topk_block(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, hs, sp, si,
+             plan && !small ? sl : nullptr, own_slot);
+  if (plan && small && threadIdx.x < 32) route_plan_warp(own_slot, T * k, S, offsets, perm, active);
+  if (plan && !small) route_plan_block(sl, T * k, S, offsets, perm, active, first, &nd);
   if (threadIdx.x == 0) *counter = 0;
 }
 

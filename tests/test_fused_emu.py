@@ -39,6 +39,27 @@ inline uint32_t shfl_bits(uint32_t v, int o) {
 inline float __shfl_xor_sync(unsigned, float v, int o) {
   uint32_t b; memcpy(&b, &v, 4); b = shfl_bits(b, o); memcpy(&v, &b, 4); return v;
 }
+inline uint32_t warp_xch(uint32_t v, int src) {   // lane src's v (src outside 0..31: 0)
+  const int t = threadIdx.x, w = t >> 5;
+  xch[t] = v;
+  warp_bar[w]->arrive_and_wait();
+  const uint32_t r = src >= 0 && src < 32 ? xch[(t & ~31) | src] : 0u;
+  warp_bar[w]->arrive_and_wait();
+  return r;
+}
+inline int __shfl_sync(unsigned, int v, int src) { return (int)warp_xch((uint32_t)v, src & 31); }
+inline unsigned __ballot_sync(unsigned, int p) {
+  unsigned m = 0;
+  for (int i = 0; i < 32; ++i) m |= (warp_xch(p != 0, i) ? 1u : 0u) << i;
+  return m;
+}
+inline unsigned __match_any_sync(unsigned, int v) {
+  unsigned m = 0;
+  for (int i = 0; i < 32; ++i) m |= ((int)warp_xch((uint32_t)v, i) == v ? 1u : 0u) << i;
+  return m;
+}
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __ffs(unsigned v) { return __builtin_ffs(v); }
 inline int atomicAdd(int* p, int v) { const int o = *p; *p += v; return o; }
 inline float h2f(unsigned short h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
 inline unsigned short f2h(float f) { _Float16 x = (_Float16)f; unsigned short h; memcpy(&h, &x, 2); return h; }

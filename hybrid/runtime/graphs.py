@@ -322,7 +322,9 @@ class DecodeGraphs(SegmentGraphs):
         slot), the row to the host + event, then the grouped kernel over the hits (the -1 pairs
         dropped); the next graph adds the CPU's part (MissLink)."""
         link = self.links[i]
-        out = self.experts.route_out(i, 1, link.row)                         # slots [k], row [1, 2k]
+        # no RoutePlan here: the router's launch is what the host waits for (the row), the plan would
+        # lengthen it; the hits' own route launch runs while the host works on the misses
+        out = self.experts.route_out(i, 1, link.row, plan=False)             # slots [k], row [1, 2k]
         x, h, _, rw = self.model.decode_dense(i, x, pos, keys, mask, residual=moe, route_out=out)
         link.send(h, out.slots)
         y = self.experts.moe_slots(i, h, out.slots, rw, out.plan) if self.experts.has_slots(i) else None  # [1, H]

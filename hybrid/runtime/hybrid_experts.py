@@ -452,11 +452,12 @@ class HybridExperts:
         slot_ids = self.card_of[layer].full[layer][ids.reshape(-1)]           # [T*k] int32 local
         return self.moe_slots(layer, x, slot_ids, weights).to(x.dtype)
 
-    def route_out(self, layer: int, t: int, row: torch.Tensor):
+    def route_out(self, layer: int, t: int, row: torch.Tensor, plan: bool = True):
         """Buffers decode_dense's router launch also fills: the layer's expert -> slot table (-1 where
         not resident: a can-miss layer's graph), a slot-id buffer [T*k] int32 (kept per layer:
         graph-static), the route-buffer row [T, 2k] (ids as floats, weights) and, for packed slot
-        storage on a GPU, the grouped kernels' routing of those slot ids (RoutePlan, graph-static)."""
+        storage on a GPU, the grouped kernels' routing of those slot ids (RoutePlan, graph-static;
+        plan=False: none, the MoE launch routes itself)."""
         from hybrid.kernels.moe_route import RoutePlan
         from hybrid.model.qwen_moe import RouteOut
 
@@ -466,7 +467,7 @@ class HybridExperts:
         if slots is None:
             slots = self._tok[key] = torch.zeros(t * k, dtype=torch.int32, device=row.device)
         packed, plan = card.slots.packed(layer), None
-        if packed is not None and row.is_cuda:
+        if plan and packed is not None and row.is_cuda:
             pkey = ("plan", layer, t, k, row.device)
             plan = self._tok.get(pkey)
             if plan is None:
