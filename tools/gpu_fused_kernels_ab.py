@@ -8,7 +8,8 @@ the minimum us per launch. Settings (HYBRID_FUSED_NEW at capture time, hybrid.ke
             old = fused_add_rms_norm, new = fused_add_rms_norm_e
     router  add_norm_router: x [T, H] fp16 + attention output fp16 -> RMSNorm -> router [E, H] fp32 ->
             softmax / top-k (+ the runtime's slot ids and route row), T = 1..8:
-            old = fused_add_norm_router (a warp per expert), new = fused_add_norm_router_e
+            old = fused_add_norm_router (a warp per expert), new = fused_add_norm_router_e; also new_bare
+            (no slot ids / route row), new_plan (+ the MoE routing, RoutePlan) and qpn_moe_route alone
     attn    rope_attn: Hq / Hkv / D heads, one token at device position p, keys = p + 1 rounded up to
             256 (the graph bucket): old = fused_rope_attn, new = fused_rope_attn_e, each at several
             fused.ATT_MIN_ROUNDS (rounds per split at least)
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from hybrid.kernels import fused
+from hybrid.kernels.moe_route import RoutePlan
 from hybrid.model.layers import Rotary
 
 EPS = 1e-6
@@ -90,12 +92,41 @@ def router_case(t: int, h: int, e: int, k: int, n: int, dev, replays: int) -> li
         return [fused.add_norm_router(xs[i], ws[i], EPS, routers[i], k, True, ds[i], table, slots[i], rows[i])
                 for i in range(n)]
 
+    plans = [RoutePlan.new(t, k, e, h, dev) for _ in range(n)]
+
+    def bare():                                   # no slot ids, no route row
+        return [fused.add_norm_router(xs[i], ws[i], EPS, routers[i], k, True, ds[i]) for i in range(n)]
+
+    def planned():                                # + the grouped MoE kernels' routing (RoutePlan)
+        return [fused.add_norm_router(xs[i], ws[i], EPS, routers[i], k, True, ds[i], table, slots[i], rows[i],
+                                      plan=plans[i]) for i in range(n)]
+
     recs = []
-    for name, new in (("old", False), ("new", True)):
+    for name, new, fn in (("old", False, run), ("new", True, run), ("new_bare", True, bare),
+                          ("new_plan", True, planned)):
         _setting(new)
-        med, mn = timed(run, replays, dev.type == "cuda")
-        outs[name] = run()
+        med, mn = timed(fn, replays, dev.type == "cuda")
+        if name in ("old", "new"):
+            outs[name] = run()
         recs.append({"kernel": "add_norm_router", "setting": name, "T": t, "H": h, "E": e, "k": k, "launches": n,
+                     "us_per_launch_median": round(med / n, 3), "us_per_launch_min": round(mn / n, 3)})
+    if dev.type == "cuda":                        # qpn_moe's own route launch, what the plan replaces
+        from hybrid.kernels import qpn
+
+        mod = qpn._module(dev)
+        offs = [torch.empty(e + 1, dtype=torch.int32, device=dev) for _ in range(n)]
+        perms = [torch.empty(t * k, dtype=torch.int32, device=dev) for _ in range(n)]
+        acts = [torch.empty(min(t * k, e), dtype=torch.int32, device=dev) for _ in range(n)]
+        ys = [torch.empty(t, h, device=dev) for _ in range(n)]
+
+        def route():
+            for i in range(n):
+                mod.launch("qpn_moe_route", (1, 1, 1), 1024,
+                           [qpn._p(slots[i]), qpn.ctypes.c_int(t * k), qpn.ctypes.c_int(e), qpn._p(offs[i]),
+                            qpn._p(perms[i]), qpn._p(acts[i]), qpn._p(ys[i]), qpn.ctypes.c_int(t * h)])
+
+        med, mn = timed(route, replays, True)
+        recs.append({"kernel": "qpn_moe_route", "setting": "route", "T": t, "H": h, "E": e, "k": k, "launches": n,
                      "us_per_launch_median": round(med / n, 3), "us_per_launch_min": round(mn / n, 3)})
     old, new = outs["old"], outs["new"]
     ids_ref = ids_eq_old = 0
