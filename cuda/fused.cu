@@ -45,10 +45,10 @@
 // where H % 4 == 0 and the rows are 16-byte aligned):
 //   fused_add_rms_norm_e     grid T, block 256: every load of a row at once (groups of 4 elements)
 //   fused_add_norm_router_e  grid E, block 128: a block per expert, the norm from one round of loads,
-//       the last block's top-k by parallel ranks; optionally (offsets given, with slots) also the grouped
-//       MoE kernels' routing for S slots, as qpn_moe_route makes it from slots: offsets [S+1] (the
-//       entries of slots with work), perm [T*k], active [min(T*k, S)], and zero [nzero] fp32 zeroed
-//       (the MoE output: one launch per layer fewer)
+//       the last block's top-k by parallel ranks; optionally (offsets given, with slots, T * k <= 32) also
+//       the grouped MoE kernels' routing for S slots, as qpn_moe_route makes it from slots: offsets [S+1]
+//       (the entries of slots with work), perm [T*k], active [min(T*k, S)]; zero [nzero] fp32 zeroed (the
+//       MoE output: one launch per layer fewer)
 //   fused_rope_attn_e        grid (Hkv, S), block 128: only the splits with keys run and combine
 
 typedef unsigned int u32;
@@ -650,7 +650,7 @@ __device__ __forceinline__ void anre_body(const void* x, const void* delta, cons
 // pr: shared [T * E] floats; sp / si: shared [T * k] (weight, id) in rank order.
 __device__ __forceinline__ void topk_block(const float* logits, int T, int E, int k, int renorm, long long* ids,
                                            float* weights, const int* slot_table, int* slots, float* route_row,
-                                           float* pr, float* sp, int* si, int* sl, int& own_slot) {
+                                           float* pr, float* sp, int* si, int& own_slot) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   for (int i = tid; i < T * k; i += 128) { sp[i] = 0.f; si[i] = 0; }   // every rank is filled (NaN: maybe not)
   for (int t = warp; t < T; t += 4) {                     // softmax, a warp per token (topk_row's sums)
@@ -700,7 +700,6 @@ __device__ __forceinline__ void topk_block(const float* logits, int T, int E, in
     if (slots) {
       const int s = slot_table[id];
       slots[i] = s;
-      if (sl) sl[i] = s;
       if (i == tid) own_slot = s;                         // assignment tid's slot, kept in a register
     }
     if (route_row) {
@@ -710,10 +709,14 @@ __device__ __forceinline__ void topk_block(const float* logits, int T, int E, in
   }
 }
 
-// route_plan_block's outputs for A <= 32 by warp 0 alone, lane a holding assignment a's slot s (no shared
-// memory, no barrier: the last block's tail is on the decode step's critical path): the lanes of s from
-// __match_any_sync, the kept and the first-of-their-slot lanes from ballots, one pass of shuffles for the
-// kept ids below s and the distinct slots below s.
+// The grouped MoE kernels' routing (qpn.cu's qpn_moe_route outputs) from A = T * k <= 32 slot ids, by warp 0
+// of the router's last block, lane a holding assignment a's slot s (ids outside [0, S) dropped): offsets[s],
+// offsets[s + 1] of every slot s with an assignment (the only entries the expert kernels read), perm [A']
+// (the kept assignments grouped by slot, ascending, each slot's in assignment order), active [min(A, S)]
+// (the slots with work, ascending; -1 after). No shared memory, no barrier, no atomics (the block's tail
+// is on the decode step's critical path): the lanes of s from __match_any_sync, the kept and the
+// first-of-their-slot lanes from ballots, one pass of shuffles for the kept ids below s and the distinct
+// slots below s. perm's order within a slot is fixed (qpn_moe_route's follows its shared-memory atomics).
 __device__ __forceinline__ void route_plan_warp(int s, int A, int S, int* offsets, int* perm, int* active) {
   const unsigned full = 0xffffffffu;
   const int lane = threadIdx.x & 31;
@@ -740,53 +743,6 @@ __device__ __forceinline__ void route_plan_warp(int s, int A, int S, int* offset
   for (int i = __popc(fm) + lane; i < na; i += 32) active[i] = -1;
 }
 
-// The grouped MoE kernels' routing (qpn.cu's qpn_moe_route outputs) from the A = T * k slot ids sl[A]
-// (shared; ids outside [0, S) dropped) by one block of 128 threads: offsets[s], offsets[s + 1] of every
-// slot s with an assignment (the only entries the expert kernels read), perm [A'] (the kept assignments
-// grouped by slot, ascending, each slot's in assignment order), active [min(A, S)] (the slots with work,
-// ascending; -1 after). An assignment's place is counted against all others (A <= 256): no atomics, and
-// perm's order within a slot is fixed (qpn_moe_route's follows its shared-memory atomics).
-// first: shared [A] flags (the assignment is its slot's first), nd: shared count of distinct slots.
-__device__ __forceinline__ void route_plan_block(const int* sl, int A, int S, int* offsets, int* perm, int* active,
-                                                 int* first, int* nd) {
-  const int tid = threadIdx.x;
-  __syncthreads();                                        // sl complete
-  for (int a = tid; a < A; a += 128) {
-    const int s = sl[a];
-    int f = s >= 0 && s < S;
-    for (int b = 0; b < a && f; ++b) f = sl[b] != s;
-    first[a] = f;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    int n = 0;
-    for (int a = 0; a < A; ++a) n += first[a];
-    *nd = n;
-  }
-  for (int a = tid; a < A; a += 128) {
-    const int s = sl[a];
-    if (s < 0 || s >= S) continue;
-    int before = 0, same = 0, cnt = 0, dless = 0;         // kept ids below s; s's before a; s's; slots below s
-    for (int b = 0; b < A; ++b) {
-      const int sb = sl[b];
-      const int less = sb >= 0 && sb < s;
-      before += less;
-      dless += less & first[b];
-      cnt += sb == s;
-      same += (sb == s) & (b < a);
-    }
-    perm[before + same] = a;
-    if (first[a]) {
-      active[dless] = s;
-      offsets[s] = before;
-      offsets[s + 1] = before + cnt;                      // = offsets[s + 1]'s own value when s + 1 is kept
-    }
-  }
-  __syncthreads();
-  const int na = A < S ? A : S;
-  for (int i = *nd + tid; i < na; i += 128) active[i] = -1;
-}
-
 extern "C" __global__ void __launch_bounds__(128)
     fused_add_norm_router_e(const void* x, const void* delta, const float* w, void* x_out, void* hout,
                             int H, float eps, int x_f32, int delta_f32, const float* router, float* logits,
@@ -795,19 +751,17 @@ extern "C" __global__ void __launch_bounds__(128)
                             int* perm, int* active, float* zero, int nzero) {
   __shared__ __align__(16) float hs[ANR_MAXH];           // H > 2048: the residual; then the probabilities
   __shared__ float pss[ROUTER_MAXT][4], pacc[ROUTER_MAXT][4], sp[ANRE_MAXTK];
-  __shared__ int si[ANRE_MAXTK], sl[ANRE_MAXTK], first[ANRE_MAXTK];
-  __shared__ int last, nd;
+  __shared__ int si[ANRE_MAXTK];
+  __shared__ int last;
   DISPATCH_XD(anre_body, x, delta, w, x_out, hout, H, eps, router, logits, T, E, hs, pss, pacc);
   const bool is_last = arrive_last(counter, gridDim.x, &last);
   for (int j = 4 * (blockIdx.x * 128 + threadIdx.x); j < nzero; j += 4 * 128 * gridDim.x)   // the MoE output
     *(float4*)(zero + j) = make_float4(0.f, 0.f, 0.f, 0.f);
   if (!is_last) return;
-  const bool plan = offsets != nullptr && slots != nullptr, small = T * k <= 32;
   int own_slot = -1;
-  topk_block(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, hs, sp, si,
-             plan && !small ? sl : nullptr, own_slot);
-  if (plan && small && threadIdx.x < 32) route_plan_warp(own_slot, T * k, S, offsets, perm, active);
-  if (plan && !small) route_plan_block(sl, T * k, S, offsets, perm, active, first, &nd);
+  topk_block(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, hs, sp, si, own_slot);
+  if (offsets != nullptr && slots != nullptr && T * k <= 32 && threadIdx.x < 32)
+    route_plan_warp(own_slot, T * k, S, offsets, perm, active);
   if (threadIdx.x == 0) *counter = 0;
 }
 

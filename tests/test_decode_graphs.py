@@ -9,6 +9,7 @@ import torch
 from hybrid.checkpoint.formats import QType, quantize_fp8, quantize_nvfp4
 from hybrid.checkpoint.qweight import QWeight
 from hybrid.generate import generate
+from hybrid.kernels.moe_route import RoutePlan
 from hybrid.model.config import ModelConfig
 from hybrid.model.layers import Rotary
 from hybrid.model.linear import Linear, can_fuse
@@ -202,10 +203,13 @@ def test_graphs_match_eager_on_cuda(model_dir, warm, place, gpus, miss_graph, mo
             assert [s.model.experts.device_only(layer) for layer in range(LAYERS)] == want_full
             runs.append(greedy_logits(s.model, ids, 6))
             steps, err = s.stats.graph_steps, s.model.graphs.error
+            planned = {key[1] for key, v in s.model.experts._tok.items() if isinstance(v, RoutePlan)}
         finally:
             s.close()
         assert err is None
         assert steps == (6 if graphs == "1" else 0)
+        if graphs == "1":   # the resident layers' routing made by their router launch (RoutePlan), no other's
+            assert planned == {layer for layer in range(LAYERS) if want_full[layer]}
     (i0, l0), (i1, l1) = runs
     assert i0 == i1
     torch.testing.assert_close(l1, l0, atol=1e-3, rtol=1e-3)   # the same kernels, replayed

@@ -327,13 +327,14 @@ def test_emulated_add_norm_router_e(router_emu, t, h, e, xdt, ddt):
 
 
 @pytest.mark.parametrize("t,k,e,s,absent", [(1, 8, 128, 128, 0.0), (1, 8, 128, 40, 0.3), (4, 8, 64, 64, 0.2),
-                                            (8, 8, 128, 1024, 0.0), (3, 4, 16, 5, 0.5), (8, 32, 64, 12, 0.25),
-                                            (2, 2, 8, 3, 1.0)])
+                                            (4, 8, 128, 1024, 0.0), (3, 4, 16, 5, 0.5), (1, 32, 64, 12, 0.25),
+                                            (2, 2, 8, 3, 1.0), (8, 8, 64, 64, 0.0)])
 def test_emulated_router_route_plan(router_emu, t, k, e, s, absent):
     """The router kernel's MoE routing (RoutePlan) against ref_route_plan of the slot ids it wrote: offsets of
     every slot with work and the one after, perm of the kept assignments (grouped by slot, ascending, in
     assignment order), active (-1 after), the output zeroed; slots absent (-1) or past S dropped; experts
-    sharing a slot (a table with repeats) grouped together; blocks in either order."""
+    sharing a slot (a table with repeats) grouped together; blocks in either order. Past 32 assignments
+    (one warp's lanes) the kernel writes no plan."""
     from hybrid.kernels.moe_route import RoutePlan, ref_route_plan
 
     h = 64
@@ -342,13 +343,16 @@ def test_emulated_router_route_plan(router_emu, t, k, e, s, absent):
     router = torch.randn(e, h, generator=g)
     table = torch.randint(0, s + 2, (e,), generator=g, dtype=torch.int32)    # repeats; ids s, s + 1 past S
     table[torch.rand(e, generator=g) < absent] = -1
+    a = t * k
     for reverse in (False, True):
-        plan = RoutePlan.new(t, k, s, h, "cpu")
-        plan.offsets.fill_(-9)
-        plan.perm.fill_(-9)
-        plan.active.fill_(-9)
-        plan.y.fill_(float("nan"))
+        i32 = dict(dtype=torch.int32)
+        plan = RoutePlan(torch.full((s + 1,), -9, **i32), torch.full((a,), -9, **i32),
+                         torch.full((min(a, s),), -9, **i32), torch.full((t, h), float("nan")), s)
         _, _, ids, _ = emu_add_norm_router(router_emu, True, x, torch.ones(h), router, k, None, reverse, table, plan)
+        assert torch.equal(plan.y, torch.zeros(t, h))
+        if not RoutePlan.fits(t, k):
+            assert (plan.offsets == -9).all() and (plan.perm == -9).all() and (plan.active == -9).all()
+            continue
         offsets, perm, active = ref_route_plan(table[ids.reshape(-1)], s)
         assert torch.equal(plan.active, active)
         used = [a for a in active.tolist() if a >= 0]
@@ -356,7 +360,6 @@ def test_emulated_router_route_plan(router_emu, t, k, e, s, absent):
             assert plan.offsets[slot].item() == offsets[slot].item()
             assert plan.offsets[slot + 1].item() == offsets[slot + 1].item()
         assert torch.equal(plan.perm[: perm.numel()], perm)
-        assert torch.equal(plan.y, torch.zeros(t, h))
 
 
 def test_emulated_topk_ties_take_lowest_ids(router_emu):

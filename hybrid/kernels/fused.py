@@ -354,7 +354,7 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
     """add_rms_norm(x, weight, eps, delta) then router_topk(h, router, k, renorm, ...) in one launch
     (T <= 8) -> (x2, h, ids, weights). plan (with slots): the grouped MoE kernels' routing from the slot
     ids is also made (hybrid.kernels.moe_route; plan.made says whether it was: the block-per-expert
-    kernel makes it, the older one does not)."""
+    kernel makes it for T * k <= 32, the older one does not)."""
     if x.dim() != 2 or router.dim() != 2:
         raise ValueError(f"x, router: expected [T, H] and [E, H], got {list(x.shape)} and {list(router.shape)}")
     t, hd = x.shape
@@ -366,7 +366,7 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
             raise ValueError("plan: needs slot_table and slots (the ids it groups)")
         plan.made = False
         plan.check(t * k, t, hd, plan.slots)
-        if not new_kernel("plan"):
+        if not new_kernel("plan") or not RoutePlan.fits(t, k):
             plan = None                                          # qpn_moe routes itself
     if not x.is_cuda:
         x2, h, _ = ref_add_rms_norm(x, weight, eps, delta)

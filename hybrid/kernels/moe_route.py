@@ -7,7 +7,7 @@ that is one more launch (qpn_moe_route). fused.add_norm_router's kernel can make
 block, from the slot ids it has just looked up, when it is given a RoutePlan; qpn_moe then takes the
 plan and launches only the expert kernels.
 
-    plan = RoutePlan.new(t, k, s, h, device)            # graph-static buffers (per layer)
+    plan = RoutePlan.new(t, k, s, h, device)            # graph-static buffers (per layer), t * k <= 32
     fused.add_norm_router(..., slot_table, slots, row, plan=plan)   # sets plan.made
     y = qpn_moe(x, experts, slots, token_idx, route_w, plan=plan)   # uses and clears plan.made
 
@@ -21,6 +21,9 @@ from dataclasses import dataclass
 import torch
 
 
+MAX_ASSIGNMENTS = 32      # t * k: the router kernel's plan is one warp's (a lane per assignment)
+
+
 @dataclass
 class RoutePlan:
     """Buffers of one layer's routing for t tokens x k experts over s slots, hidden h (see module doc)."""
@@ -32,8 +35,15 @@ class RoutePlan:
     slots: int
     made: bool = False
 
+    @staticmethod
+    def fits(t: int, k: int) -> bool:
+        """Whether the router's launch can make the plan of t tokens x k experts (t * k <= 32)."""
+        return t * k <= MAX_ASSIGNMENTS
+
     @classmethod
     def new(cls, t: int, k: int, s: int, h: int, device) -> RoutePlan:
+        if not cls.fits(t, k):
+            raise ValueError(f"RoutePlan: {t} tokens x {k} experts, at most {MAX_ASSIGNMENTS} assignments")
         a = t * k
         i32 = dict(dtype=torch.int32, device=device)
         return cls(torch.zeros(s + 1, **i32), torch.zeros(a, **i32), torch.zeros(min(a, s), **i32),

@@ -466,13 +466,13 @@ class HybridExperts:
         slots = self._tok.get(key)
         if slots is None:
             slots = self._tok[key] = torch.zeros(t * k, dtype=torch.int32, device=row.device)
-        packed, plan = card.slots.packed(layer), None
-        if plan and packed is not None and row.is_cuda:
+        packed, route_plan = card.slots.packed(layer), None
+        if plan and packed is not None and row.is_cuda and RoutePlan.fits(t, k):
             pkey = ("plan", layer, t, k, row.device)
-            plan = self._tok.get(pkey)
-            if plan is None:
-                plan = self._tok[pkey] = RoutePlan.new(t, k, packed.num_slots, packed.hidden, row.device)
-        return RouteOut(card.tables[layer], slots, row, plan)
+            route_plan = self._tok.get(pkey)
+            if route_plan is None:
+                route_plan = self._tok[pkey] = RoutePlan.new(t, k, packed.num_slots, packed.hidden, row.device)
+        return RouteOut(card.tables[layer], slots, row, route_plan)
 
     def moe_slots(self, layer: int, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
                   plan=None) -> torch.Tensor:
