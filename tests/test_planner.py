@@ -796,6 +796,18 @@ def test_decode_shape_follows_the_fused_parts(monkeypatch):
     monkeypatch.delenv("HYBRID_FUSED")
     assert decode_shape().dense_kernels < DECODE.dense_kernels          # the default parts save launches
     assert decode_shape().expert_kernels == DECODE.expert_kernels
+    # a resident layer's route made by its router launch (RoutePlan): one launch fewer, unless that is off
+    assert decode_shape().resident_expert_kernels == DECODE.expert_kernels - 1
+    monkeypatch.setenv("HYBRID_FUSED_NEW", "norm,router,attn")
+    assert decode_shape().resident_expert_kernels == DECODE.expert_kernels
+
+
+def test_route_plan_limit_agrees_with_the_kernels():
+    from hybrid.kernels.moe_route import MAX_ASSIGNMENTS, RoutePlan
+    from hybrid.planner.step_shape import ROUTE_PLAN_MAX_K
+
+    assert ROUTE_PLAN_MAX_K == MAX_ASSIGNMENTS and RoutePlan.fits(1, ROUTE_PLAN_MAX_K)
+    assert not RoutePlan.fits(1, ROUTE_PLAN_MAX_K + 1)
 
 
 # ---------------------------------------------------------------- --prefill-chunk auto

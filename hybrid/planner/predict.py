@@ -38,6 +38,7 @@ from hybrid.planner.memory import kv_bytes_per_token_layer
 from hybrid.planner.model_bytes import ModelBytes
 from hybrid.planner.plan import CardPlan, LayerPrediction, Prediction
 from hybrid.planner.profile import HardwareProfile
+from hybrid.planner.step_shape import ROUTE_PLAN_MAX_K
 from hybrid.planner.step_shape import StepShape, decode_shape
 
 US = 1e6
@@ -104,11 +105,11 @@ def _card_layer(mb: ModelBytes, prof: HardwareProfile, c: CardPlan, layer: int, 
     kus = gpu.graph_kernel_us.value
     t_dense = dense / bw * US + kvread / gpu.kv_bytes_per_s * US + shape.dense_kernels * kus
     if slots >= cfg.num_experts:                                   # resident: inside the graph
-        t_gpu = k * b / bw * US + shape.expert_kernels * kus
+        nk = shape.resident_expert_kernels if k <= ROUTE_PLAN_MAX_K else shape.expert_kernels
+        t_gpu = k * b / bw * US + nk * kus
         host = oh.lookup_us.value
         return LayerPrediction(layer, c.card, slots, h, t_dense, t_gpu, 0.0, t_dense + t_gpu + host,
-                               host_us=host, kernel_us=(shape.dense_kernels + shape.expert_kernels) * kus,
-                               resident=True)
+                               host_us=host, kernel_us=(shape.dense_kernels + nk) * kus, resident=True)
     gpu_t = lambda m: (k - m) * b / bw * US + (m < k) * shape.expert_kernels * kus  # noqa: E731
     cpu_t = lambda m: (m * b / (prof.cpu.nvfp4_kernel_gbs.value * 1e9) * US  # noqa: E731
                        + (m > 0) * (oh.cpu_dispatch_us.value + _act_bytes(cfg) / link * US))

@@ -14,6 +14,11 @@ hardware; the profile gives what one kernel or one op costs (gpus[].graph_kernel
                     kernel, the weighted sum in the down kernel, the residual in the next add + norm).
                     It was ~8 from the eager torch ops (slot-id gather, weight cast, the 3, cast,
                     residual) before those moved into the fused kernels.
+    resident_expert_kernels  the same for a layer whose experts are all resident, in a graphed step:
+                    2 where the router's launch makes the route (hybrid.kernels.moe_route.RoutePlan,
+                    HYBRID_FUSED_NEW part "plan", up to 32 experts per token; measured on the H200:
+                    no qpn_moe_route launch left per graphed step, results/runtime.md section 28.2),
+                    else expert_kernels. A can-miss layer keeps the route launch.
     head_kernels    final RMSNorm (3) + lm_head + fp32 cast: 5
     eager_ops       a layer that can miss runs its MoE eagerly after the host sync (the sync and the
                     lookup are their own terms): the graph's packed ids/weights/x row copied down
@@ -52,12 +57,14 @@ from dataclasses import dataclass, replace
 class StepShape:
     dense_kernels: int = 34
     expert_kernels: int = 3
+    resident_expert_kernels: int = 3
     head_kernels: int = 5
     eager_ops: int = 14
     miss_nodes: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.dense_kernels, self.expert_kernels, self.head_kernels, self.eager_ops, self.miss_nodes) < 0:
+        if min(self.dense_kernels, self.expert_kernels, self.resident_expert_kernels, self.head_kernels,
+               self.eager_ops, self.miss_nodes) < 0:
             raise ValueError("kernel and op counts must be >= 0")
 
 
@@ -65,13 +72,17 @@ DECODE = StepShape()
 
 
 FUSED_SAVES = {"rope": 9, "route": 4, "norm": 4, "attn": 4}
+# the most experts per token whose route the router's launch makes in a decode step (one token):
+# hybrid.kernels.moe_route.MAX_ASSIGNMENTS, kept here so the planner needs no torch (a test checks they agree)
+ROUTE_PLAN_MAX_K = 32
 MISS_GRAPH = {"eager_ops": 2, "miss_nodes": 14}   # a can-miss layer with its hits in the graph
 
 
 def decode_shape() -> StepShape:
     """DECODE less the kernels that the fused parts in effect (HYBRID_FUSED) replace, with the
-    can-miss layers' shape of the path in effect (HYBRID_MISS_GRAPH)."""
-    from hybrid.kernels.fused import enabled
+    can-miss layers' shape of the path in effect (HYBRID_MISS_GRAPH) and a resident layer's route made
+    by its router launch where that is on (HYBRID_FUSED_NEW router + plan)."""
+    from hybrid.kernels.fused import enabled, new_kernel
     from hybrid.runtime.graphs import miss_graph_enabled
 
     saved = sum(n for part, n in FUSED_SAVES.items() if enabled(part))
@@ -79,4 +90,6 @@ def decode_shape() -> StepShape:
         saved += FUSED_SAVES["rope"] + FUSED_SAVES["attn"] - 1 - sum(
             FUSED_SAVES[p] for p in ("rope", "attn") if enabled(p))
     shape = replace(DECODE, dense_kernels=max(1, DECODE.dense_kernels - saved))
+    if enabled("route") and new_kernel("router") and new_kernel("plan"):
+        shape = replace(shape, resident_expert_kernels=DECODE.expert_kernels - 1)
     return replace(shape, **MISS_GRAPH) if miss_graph_enabled() else shape
