@@ -17,7 +17,8 @@ n_d / n_e = the step's dense / expert kernels per layer, n_o its eager ops (plan
   with its hits inside the decode graph (step shape miss_nodes > 0) and a profile that measured
   the path's host round trip (overheads.link_us: replay, wait for the routed row, the CPU's sum to
   pinned memory), layer_sync + n_o·λ become link_us, the lookup runs while the next segment runs
-  (it costs max(0, lookup - dense)), and the path's extra graph nodes cost miss_nodes·κ.
+  (it costs max(0, lookup - dense)), and the path's graph nodes outside that round trip and the
+  grouped kernel (the saves, the next graph's cast and add) cost miss_nodes·κ.
               m ~ Binomial(k, 1 - h): each of the token's k choices misses independently with
               probability 1 - h (an approximation when routing is skewed).
 token = Σ layers + head ((final norm + lm_head) / B_head + n_head·κ) + hops (H·2 / B_link + hop_us per

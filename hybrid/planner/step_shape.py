@@ -30,10 +30,17 @@ hardware; the profile gives what one kernel or one op costs (gpus[].graph_kernel
     miss_nodes      with the hits inside the decode graph (HYBRID_MISS_GRAPH, the default) such a
                     layer's eager ops become 2 host operations (replay, event wait:
                     hybrid.runtime.graphs.MISS_LAYER_HOST_OPS) and ~14 graph nodes: 2 row copies, the
-                    copy to pinned memory, the event, the grouped kernel's 4 launches, 2 saves and the
+                    copy to pinned memory, the event, the grouped kernel's launches, 2 saves and the
                     next graph's CPU-sum copy up / add / cast / add (3 host operations and 13 nodes
                     before the copy up moved into the graph). Measured on the H200 (1024 slots,
                     30B-A3B shape): CUDA calls per step 699 -> 178, decode 25.4-32.4 -> 93.8-108.1 tok/s.
+                    Charged: 4, the 2 saves, the cast and the add (MissLink.keep / combine). The
+                    profile's link_us (calibrate's MissLink round trip) already holds the row copies,
+                    the copy to pinned memory, the event, the copy up and its add, and the grouped
+                    kernel's launches are expert_kernels; 14 counted those twice (the planner predicted
+                    the 1024-slot H200 decode at 154.6 tok/s where 192-207 were measured; the extra GPU
+                    time of that path over the all-resident one is 13.4 us per layer beside its route
+                    launch, torch.profiler: results/runtime.md section 28.3).
 The counts were estimated from the code; tools/gpu_runtime_check.py counts the kernels of one
 eager step on the device (results/runtime.md) to check them. In a graphed step the dense part is 5
 launches (fused add + norm + router, fused rope + attention, q/k/v and o QPN, add + norm) that took 31.7
@@ -75,7 +82,7 @@ FUSED_SAVES = {"rope": 9, "route": 4, "norm": 4, "attn": 4}
 # the most experts per token whose route the router's launch makes in a decode step (one token):
 # hybrid.kernels.moe_route.MAX_ASSIGNMENTS, kept here so the planner needs no torch (a test checks they agree)
 ROUTE_PLAN_MAX_K = 32
-MISS_GRAPH = {"eager_ops": 2, "miss_nodes": 14}   # a can-miss layer with its hits in the graph
+MISS_GRAPH = {"eager_ops": 2, "miss_nodes": 4}    # a can-miss layer with its hits in the graph
 
 
 def decode_shape() -> StepShape:
