@@ -27,29 +27,29 @@ def ref_moe(x: torch.Tensor, experts: list, slot_ids: torch.Tensor, token_idx: t
             route_w: torch.Tensor) -> torch.Tensor:
     """y [T, H] fp32 = sum over assignments a of route_w[a] * expert_{slot_ids[a]}(x[token_idx[a]])."""
     y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    sid, tok = slot_ids.long().cpu(), token_idx.long().cpu()
-    for s in sid.unique().tolist():
-        sel = (sid == s).nonzero().flatten()
-        if not 0 <= s < len(experts) or not isinstance(experts[s], tuple):
-            raise ValueError(f"slot_ids: slot {s} is empty or out of range")
-        rows = tok[sel].to(x.device)
-        out = ref_expert(x[rows], *experts[s])
-        y.index_add_(0, rows, out * route_w[sel.to(x.device)].unsqueeze(1))
-    return y
+    sid = slot_ids.long().cpu()
+    groups = ((s, (sid == s).nonzero().flatten()) for s in sid.unique().tolist())
+    return _add_groups(y, x, experts, groups, token_idx, route_w, "slot_ids")
 
 
 def ref_moe_planned(x: torch.Tensor, experts: list, plan, token_idx: torch.Tensor,
                     route_w: torch.Tensor) -> torch.Tensor:
     """ref_moe over a RoutePlan's groups, as the kernels read them: for each active slot s (until -1),
     the assignments perm[offsets[s]:offsets[s + 1]] -> plan.y [T, H] fp32 (accumulated into it)."""
-    y, tok = plan.y, token_idx.long().cpu()
     offsets, perm = plan.offsets.long().cpu(), plan.perm.long().cpu()
-    for s in plan.active.tolist():
-        if s < 0:
-            break
-        sel = perm[offsets[s]:offsets[s + 1]]
+    active = plan.active.tolist()
+    active = active[: active.index(-1)] if -1 in active else active
+    groups = ((s, perm[offsets[s]:offsets[s + 1]]) for s in active)
+    return _add_groups(plan.y, x, experts, groups, token_idx, route_w, "plan")
+
+
+def _add_groups(y: torch.Tensor, x: torch.Tensor, experts: list, groups, token_idx: torch.Tensor,
+                route_w: torch.Tensor, what: str) -> torch.Tensor:
+    """y += route_w[sel] * expert_s(x[token_idx[sel]]) for each (slot s, assignment indices sel) of groups."""
+    tok = token_idx.long().cpu()
+    for s, sel in groups:
         if not 0 <= s < len(experts) or not isinstance(experts[s], tuple):
-            raise ValueError(f"plan: slot {s} is empty or out of range")
+            raise ValueError(f"{what}: slot {s} is empty or out of range")
         rows = tok[sel].to(x.device)
         out = ref_expert(x[rows], *experts[s])
         y.index_add_(0, rows, out * route_w[sel.to(x.device)].unsqueeze(1))
