@@ -39,8 +39,7 @@ from hybrid.planner.memory import kv_bytes_per_token_layer
 from hybrid.planner.model_bytes import ModelBytes
 from hybrid.planner.plan import CardPlan, LayerPrediction, Prediction
 from hybrid.planner.profile import HardwareProfile
-from hybrid.planner.step_shape import ROUTE_PLAN_MAX_K
-from hybrid.planner.step_shape import StepShape, decode_shape
+from hybrid.planner.step_shape import ROUTE_PLAN_MAX_K, StepShape, decode_shape
 
 US = 1e6
 

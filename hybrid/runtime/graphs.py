@@ -327,7 +327,7 @@ class DecodeGraphs(SegmentGraphs):
         out = self.experts.route_out(i, 1, link.row, plan=False)             # slots [k], row [1, 2k]
         x, h, _, rw = self.model.decode_dense(i, x, pos, keys, mask, residual=moe, route_out=out)
         link.send(h, out.slots)
-        y = self.experts.moe_slots(i, h, out.slots, rw, out.plan) if self.experts.has_slots(i) else None  # [1, H]
+        y = self.experts.moe_slots(i, h, out.slots, rw) if self.experts.has_slots(i) else None  # [1, H]
         link.keep(x, y)
 
     def _make(self, seg: Segment, keys: int, x: torch.Tensor) -> _Runner:
