@@ -210,3 +210,23 @@ def test_new_kernel_switch(monkeypatch):
     assert not any(fused.new_kernel(p) for p in fused.NEW_PARTS)
     monkeypatch.setenv("HYBRID_FUSED_NEW", "router, attn")
     assert [fused.new_kernel(p) for p in fused.NEW_PARTS] == [False, True, True, False]
+
+
+def test_fused_kernels_ab_tool_dry_run(capsys, monkeypatch):
+    """tools/gpu_fused_kernels_ab.py's router cases (alone, with the plan, after an o_proj-shaped QPN linear)
+    run on the CPU references: one record per setting, the new kernel's routing equal to the reference's."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setenv("HYBRID_FUSED_NEW", "all")           # the tool sets it; restored after the test
+    path = Path(__file__).resolve().parents[1] / "tools" / "gpu_fused_kernels_ab.py"
+    spec = importlib.util.spec_from_file_location("gpu_fused_kernels_ab", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--device", "cpu", "--launches", "1", "--what", "router", "--tokens", "1",
+                      "--router", "256", "16", "4", "--router-context"]) == 0
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["setting"] for r in recs] == ["old", "new", "new_bare", "new_plan", "in_context", "in_context_plan"]
+    assert recs[1]["ids_equal_ref"] == "1/1"

@@ -9,7 +9,9 @@ the minimum us per launch. Settings (HYBRID_FUSED_NEW at capture time, hybrid.ke
     router  add_norm_router: x [T, H] fp16 + attention output fp16 -> RMSNorm -> router [E, H] fp32 ->
             softmax / top-k (+ the runtime's slot ids and route row), T = 1..8:
             old = fused_add_norm_router (a warp per expert), new = fused_add_norm_router_e; also new_bare
-            (no slot ids / route row), new_plan (+ the MoE routing, RoutePlan) and qpn_moe_route alone
+            (no slot ids / route row), new_plan (+ the MoE routing, RoutePlan) and qpn_moe_route alone;
+            --router-context: each launch after an o_proj-shaped QPN linear that makes its delta (in_context,
+            in_context_plan: the pair's time less the linears' alone), the model's order and DRAM traffic
     attn    rope_attn: Hq / Hkv / D heads, one token at device position p, keys = p + 1 rounded up to
             256 (the graph bucket): old = fused_rope_attn, new = fused_rope_attn_e, each at several
             fused.ATT_MIN_ROUNDS (rounds per split at least)
@@ -75,6 +77,79 @@ def _setting(new: bool, min_rounds: int | None = None, combine_q: int | None = N
 
 
 # ---------------------------------------------------------------------------- router
+CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+
+
+def set_carveout(dev, percent: int) -> list[str]:
+    """Every kernel the fused and QPN modules of dev have handed out so far: preferred shared-memory carveout
+    = percent of the SM's L1 / shared pool (cuFuncSetAttribute) -> their names."""
+    from hybrid.kernels import qpn
+    from hybrid.kernels.driver import _cuda, check
+
+    names = []
+    for mod in (fused._module(dev), qpn._module(dev)):
+        with torch.cuda.device(dev):
+            for name, fn in mod._funcs.items():
+                check(_cuda().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, percent),
+                      f"cuFuncSetAttribute({name}, carveout {percent})")
+                names.append(name)
+    return names
+
+
+def router_context(t: int, h: int, e: int, k: int, n: int, dev, replays: int, carveouts=()) -> list[dict]:
+    """The router as the model runs it: each of the n launches right after an o_proj-shaped NVFP4 QPN linear
+    ([1, 2h] -> [1, h], its own weight: 2h * h / 2 bytes, so the graph streams n of them and the routers come
+    from DRAM, as between the model's layers) whose output is the router's delta. Graphs: the linears alone,
+    linear + router, linear + router with the RoutePlan; router in context = (pair - linear) / n. Then again
+    with every kernel's preferred shared-memory carveout set to each of carveouts (% of the pool; a kernel
+    boundary between different carveouts makes the SM reconfigure)."""
+    from hybrid.checkpoint.formats import QType, quantize_nvfp4
+    from hybrid.checkpoint.qweight import QWeight
+    from hybrid.kernels.qpn import QPNWeight, qpn_linear
+
+    g = torch.Generator(device=dev).manual_seed(1000 + t)
+    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev) * scale  # noqa: E731
+    dt = torch.float16 if dev.type == "cuda" else torch.float32
+    p, sc, s2 = quantize_nvfp4(torch.randn(h, 2 * h, generator=torch.Generator().manual_seed(t)))
+    qw = QWeight(QType.NVFP4, (h, 2 * h), p, sc, s2)
+    ws = [QPNWeight.from_qweight(qw, dev) for _ in range(n)]
+    attn = [rnd(t, 2 * h).half() for _ in range(n)]
+    xs = [rnd(t, h).to(dt) for _ in range(n)]
+    norms = [1 + rnd(h, scale=0.1) for _ in range(n)]
+    routers = [rnd(e, h, scale=3.0 / h ** 0.5) for _ in range(n)]
+    table = torch.randperm(e, device=dev).to(torch.int32)
+    slots = [torch.zeros(t * k, dtype=torch.int32, device=dev) for _ in range(n)]
+    rows = [torch.zeros(t, 2 * k, device=dev) for _ in range(n)]
+    plans = [RoutePlan.new(t, k, e, h, dev) if RoutePlan.fits(t, k) else None for _ in range(n)]
+
+    def linears():
+        return [qpn_linear(attn[i], ws[i]) for i in range(n)]
+
+    def pairs(plan: bool):
+        def run():
+            for i in range(n):
+                d = qpn_linear(attn[i], ws[i]).to(dt)
+                fused.add_norm_router(xs[i], norms[i], EPS, routers[i], k, True, d, table, slots[i], rows[i],
+                                      plan=plans[i] if plan else None)
+        return run
+
+    _setting(True)
+    cuda = dev.type == "cuda"
+    recs = []
+    for carve in (None, *carveouts):
+        if carve is not None and cuda:
+            set_carveout(dev, carve)
+        lin, _ = timed(linears, replays, cuda)
+        for name, fn in (("in_context", pairs(False)), ("in_context_plan", pairs(True))):
+            if name == "in_context_plan" and plans[0] is None:
+                continue
+            med, mn = timed(fn, replays, cuda)
+            recs.append({"kernel": "add_norm_router", "setting": name, "T": t, "H": h, "E": e, "k": k,
+                         "launches": n, "carveout": carve, "linear_us_per_launch": round(lin / n, 3),
+                         "pair_us_per_launch": round(med / n, 3), "us_per_launch_median": round((med - lin) / n, 3)})
+    return recs
+
+
 def router_case(t: int, h: int, e: int, k: int, n: int, dev, replays: int) -> list[dict]:
     g = torch.Generator(device=dev).manual_seed(t)
     rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev) * scale
@@ -232,6 +307,11 @@ def main(argv=None) -> int:
                     help="attention: fused.ATT_MIN_ROUNDS values tried (default 1 2 4 8)")
     ap.add_argument("--attn-extra", nargs="*", default=["1:65536:2.0", "1:131072:4.0"],
                     help="attention: more plans of the new kernel as MIN_ROUNDS:COMBINE_Q:BLOCKS_PER_SM")
+    ap.add_argument("--router-context", action="store_true",
+                    help="router: also time it after an o_proj-shaped QPN linear per launch (as in the model)")
+    ap.add_argument("--carveout", type=int, nargs="*", default=[],
+                    help="--router-context: then again with every kernel's preferred shared-memory carveout at "
+                         "each of these %% (0..100; after the driver's default)")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run of this script)")
     args = ap.parse_args(argv)
     from hybrid.baselines.report import append_jsonl, stamp
@@ -251,6 +331,9 @@ def main(argv=None) -> int:
     if "router" in args.what:
         h, e, k = args.router
         todo += [lambda t=t: router_case(t, h, e, k, args.launches, dev, args.replays) for t in args.tokens]
+        if args.router_context:
+            todo += [lambda t=t: router_context(t, h, e, k, args.launches, dev, args.replays, args.carveout)
+                     for t in args.tokens]
     if "attn" in args.what:
         hq, hkv, d = args.heads
         todo += [lambda p=p: attn_case(p, hq, hkv, d, args.ctx, args.launches, dev, args.replays, args.min_rounds,
