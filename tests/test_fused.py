@@ -225,8 +225,10 @@ def test_fused_kernels_ab_tool_dry_run(capsys, monkeypatch):
     spec = importlib.util.spec_from_file_location("gpu_fused_kernels_ab", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    assert tool.main(["--device", "cpu", "--launches", "1", "--what", "router", "--tokens", "1",
-                      "--router", "256", "16", "4", "--router-context"]) == 0
+    assert tool.main(["--device", "cpu", "--launches", "1", "--what", "router", "--tokens", "1", "8",
+                      "--router", "256", "16", "8", "--router-context"]) == 0
     recs = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert [r["setting"] for r in recs] == ["old", "new", "new_bare", "new_plan", "in_context", "in_context_plan"]
-    assert recs[1]["ids_equal_ref"] == "1/1"
+    got = [(r["setting"], r["T"]) for r in recs]       # 8 tokens x 8 experts: past one warp's plan, none
+    assert got == [("old", 1), ("new", 1), ("new_bare", 1), ("new_plan", 1), ("old", 8), ("new", 8), ("new_bare", 8),
+                   ("in_context", 1), ("in_context_plan", 1), ("in_context", 8)]
+    assert recs[1]["ids_equal_ref"] == recs[5]["ids_equal_ref"] == "1/1"
