@@ -338,3 +338,41 @@ def test_wgmma_under_graph_capture(splits):
         eager = sm90.linear(x, w, torch.empty(m, n, dtype=torch.float16, device="cuda"), splits=splits)
         torch.cuda.synchronize()
         assert torch.equal(ys, eager), f"splits={splits}: graph replay differs from the eager call"
+
+
+def test_module_launch_raises_the_dynamic_shared_memory_limit_once(monkeypatch):
+    """driver.Module.launch(smem=): the function's dynamic shared memory limit raised (cuFuncSetAttribute,
+    attribute 8) the first time a launch asks for more, then only launched with it; smem 0 sets nothing.
+    The driver library is a recorder here (no GPU needed); sm90.launch goes through this path."""
+    import ctypes
+
+    from hybrid.kernels import driver
+
+    calls = []
+
+    class FakeCuda:
+        def cuModuleGetFunction(self, out, handle, name):
+            calls.append(("get", name))
+            return 0
+
+        def cuFuncSetAttribute(self, fn, attr, value):
+            calls.append(("attr", attr, value))
+            return 0
+
+        def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, ptrs, extra):
+            calls.append(("launch", smem))
+            return 0
+
+    class Stream:
+        cuda_stream = 0
+
+    monkeypatch.setattr(driver, "_cuda", lambda: FakeCuda())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    mod = object.__new__(driver.Module)
+    mod.device, mod._handle, mod._funcs, mod._smem = torch.device("cuda", 0), ctypes.c_void_p(), {}, {}
+    for smem in (0, 1000, 1000, 500, 2000):
+        mod.launch("k", (1, 1, 1), 256, [ctypes.c_int(1)], smem=smem)
+    assert calls == [("get", b"k"), ("launch", 0), ("attr", driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 1000),
+                     ("launch", 1000), ("launch", 1000), ("launch", 500),
+                     ("attr", driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 2000), ("launch", 2000)]

@@ -12,6 +12,9 @@ from contextlib import nullcontext
 import torch
 
 
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
 class DriverError(RuntimeError):
     """A CUDA driver call failed."""
 
@@ -65,6 +68,7 @@ class Module:
             buf = ctypes.create_string_buffer(image + (b"" if image.endswith(b"\0") else b"\0"))
             check(_cuda().cuModuleLoadData(ctypes.byref(self._handle), buf), "cuModuleLoadData")
         self._funcs: dict[str, ctypes.c_void_p] = {}
+        self._smem: dict[str, int] = {}                 # dynamic shared memory limits raised (launch's smem)
         self._occupancy: dict[tuple[str, int], int] = {}
 
     def function(self, name: str) -> ctypes.c_void_p:
@@ -90,20 +94,30 @@ class Module:
         return n
 
     def launch(self, name: str, grid: tuple[int, int, int], block: int, args: list,
-               stream: torch.cuda.Stream | None = None) -> None:
-        """args: ctypes scalars (c_void_p for pointers, c_int, c_float, c_longlong)."""
+               stream: torch.cuda.Stream | None = None, smem: int = 0) -> None:
+        """args: ctypes scalars (c_void_p for pointers, c_int, c_float, c_longlong); smem: bytes of dynamic
+        shared memory (the function's limit raised to it once)."""
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         if torch.cuda.current_device() != self.device.index:
             with torch.cuda.device(self.device):   # another card's kernel: its context current for every driver call
                 _ensure_context(self.device)
-                self._launch(self.function(name), name, grid, block, s, ptrs)
+                self._launch(self._with_smem(name, smem), name, grid, block, s, ptrs, smem)
         else:
-            self._launch(self.function(name), name, grid, block, s, ptrs)
+            self._launch(self._with_smem(name, smem), name, grid, block, s, ptrs, smem)
+
+    def _with_smem(self, name: str, smem: int) -> ctypes.c_void_p:
+        """function(name), its dynamic shared memory limit raised to smem where it is below."""
+        fn = self.function(name)
+        if smem and self._smem.get(name, 0) < smem:
+            check(_cuda().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                  f"cuFuncSetAttribute({name}, {smem} B)")
+            self._smem[name] = smem
+        return fn
 
     @staticmethod
-    def _launch(fn, name, grid, block, stream, ptrs) -> None:
-        check(_cuda().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block, 1, 1, 0,
+    def _launch(fn, name, grid, block, stream, ptrs, smem: int = 0) -> None:
+        check(_cuda().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block, 1, 1, smem,
                                      ctypes.c_void_p(stream.cuda_stream), ptrs, None),
               f"cuLaunchKernel({name})")
 

@@ -228,7 +228,6 @@ def image(use_cache: bool = True) -> bytes:
 
 
 _MODULES: dict[int, object] = {}
-CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
 def module(device: torch.device):
@@ -242,7 +241,6 @@ def module(device: torch.device):
         if cap != (9, 0):
             raise ValueError(f"the wgmma prefill GEMM needs an sm_90 GPU, got sm_{cap[0]}{cap[1]}")
         mod = _MODULES[index] = Module(image(), torch.device("cuda", index))
-        mod.smem_set = {}
     return mod
 
 
@@ -252,24 +250,9 @@ def block_threads(kernel: str) -> int:
 
 
 def launch(mod, name: str, grid: tuple[int, int, int], smem: int, args: list) -> None:
-    """cuLaunchKernel on torch's current stream with `smem` bytes of dynamic shared memory (the
-    function's limit raised once)."""
-    from hybrid.kernels.driver import _cuda, _ensure_context, check
-
-    stream = torch.cuda.current_stream(mod.device)
-    ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    other = torch.cuda.current_device() != mod.device.index
-    with torch.cuda.device(mod.device):     # every driver call with this card's context current
-        if other:
-            _ensure_context(mod.device)
-        fn = mod.function(name)
-        if mod.smem_set.get(name, 0) < smem:
-            check(_cuda().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
-                  f"cuFuncSetAttribute({name}, {smem} B)")
-            mod.smem_set[name] = smem
-        check(_cuda().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block_threads(name), 1, 1, smem,
-                                     ctypes.c_void_p(stream.cuda_stream), ptrs, None),
-              f"cuLaunchKernel({name})")
+    """The kernel's launch on torch's current stream with `smem` bytes of dynamic shared memory (the
+    function's limit raised once: driver.Module.launch)."""
+    mod.launch(name, grid, block_threads(name), args, smem=smem)
 
 
 def _p(t: torch.Tensor) -> ctypes.c_void_p:
