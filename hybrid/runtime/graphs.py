@@ -218,8 +218,7 @@ class DecodeGraphs(SegmentGraphs):
         for seg in segs:
             if seg.carry_in is None:
                 if carry is not None:         # the next segment is on another device: combine here
-                    with driver.current(m.layer_devices[carry]):
-                        x = self.links[carry].combine(m, carry)
+                    x = self._combine(carry)
                 if x.device != seg.device:
                     x = x.to(seg.device)                                     # layer-split hop
             carry = None
@@ -246,13 +245,17 @@ class DecodeGraphs(SegmentGraphs):
                 else:
                     x = r.out
         if carry is not None:
-            with driver.current(m.layer_devices[carry]):
-                x = self.links[carry].combine(m, carry)
+            x = self._combine(carry)
         cache.length = start + 1
         if logits is not None:
             return logits
         with driver.current(m.lm_head.device):
             return m.head(x)
+
+    def _combine(self, layer: int) -> torch.Tensor:
+        """A linked layer's output (MissLink.combine), eagerly with its card current."""
+        with driver.current(self.model.layer_devices[layer]):
+            return self.links[layer].combine(self.model, layer)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [1] -> [1, H]: the model's own lookup for host ids; ids on a device are looked up in a
