@@ -65,6 +65,30 @@ def timed(fn, replays: int, cuda: bool) -> tuple[float, float]:
     return statistics.median(us), min(us)
 
 
+def cupti_means(fn, replays: int) -> dict:
+    """Mean device time per launch by kernel name (torch.profiler / CUPTI: each kernel's own start to end, as
+    the in-model profiles report it) over `replays` replays of fn captured as one CUDA graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us and e.count:
+            out[e.key[:60]] = round(us / e.count, 3)
+    return out
+
+
 PLAN_DEFAULTS = (fused.ATT_MIN_ROUNDS, fused.ATT_COMBINE_Q, fused.ATT_BLOCKS_PER_SM)
 
 
@@ -111,13 +135,15 @@ def set_carveout(dev, percent: int) -> list[str]:
     return names
 
 
-def router_context(t: int, h: int, e: int, k: int, n: int, dev, replays: int, carveouts=()) -> list[dict]:
+def router_context(t: int, h: int, e: int, k: int, n: int, dev, replays: int, carveouts=(),
+                   cupti: bool = False) -> list[dict]:
     """The router as the model runs it: each of the n launches right after an o_proj-shaped NVFP4 QPN linear
     ([1, 2h] -> [1, h], its own weight: 2h * h / 2 bytes, so the graph streams n of them and the routers come
     from DRAM, as between the model's layers) whose output is the router's delta. Graphs: the linears alone,
     linear + router, linear + router with the RoutePlan; router in context = (pair - linear) / n. Then again
     with every kernel's preferred shared-memory carveout set to each of carveouts (% of the pool; a kernel
-    boundary between different carveouts makes the SM reconfigure)."""
+    boundary between different carveouts makes the SM reconfigure). cupti: each record also gets the kernels'
+    mean device time per launch as the profiler reports it (`cupti_us`: the in-model profiles' measure)."""
     from hybrid.checkpoint.formats import QType, quantize_nvfp4
     from hybrid.checkpoint.qweight import QWeight
     from hybrid.kernels.qpn import QPNWeight, qpn_linear
@@ -152,9 +178,12 @@ def router_context(t: int, h: int, e: int, k: int, n: int, dev, replays: int, ca
             if name == "in_context_plan" and plans[0] is None:
                 continue
             med, mn = timed(fn, replays, cuda)
-            recs.append({"kernel": "add_norm_router", "setting": name, "T": t, "H": h, "E": e, "k": k,
-                         "launches": n, "carveout": carve, "linear_us_per_launch": round(lin / n, 3),
-                         "pair_us_per_launch": round(med / n, 3), "us_per_launch_median": round((med - lin) / n, 3)})
+            rec = {"kernel": "add_norm_router", "setting": name, "T": t, "H": h, "E": e, "k": k,
+                   "launches": n, "carveout": carve, "linear_us_per_launch": round(lin / n, 3),
+                   "pair_us_per_launch": round(med / n, 3), "us_per_launch_median": round((med - lin) / n, 3)}
+            if cupti and cuda:
+                rec["cupti_us"] = cupti_means(fn, max(3, replays // 5))
+            recs.append(rec)
     return recs
 
 
@@ -314,6 +343,8 @@ def main(argv=None) -> int:
     ap.add_argument("--carveout", type=int, nargs="*", default=[],
                     help="--router-context: then again with every kernel's preferred shared-memory carveout at "
                          "each of these %% (0..100; after the driver's default)")
+    ap.add_argument("--cupti", action="store_true",
+                    help="--router-context: also each kernel's device time per launch as torch.profiler reports it")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run of this script)")
     args = ap.parse_args(argv)
     from hybrid.baselines.report import append_jsonl, stamp
@@ -334,8 +365,8 @@ def main(argv=None) -> int:
         h, e, k = args.router
         todo += [lambda t=t: router_case(t, h, e, k, args.launches, dev, args.replays) for t in args.tokens]
         if args.router_context:
-            todo += [lambda t=t: router_context(t, h, e, k, args.launches, dev, args.replays, args.carveout)
-                     for t in args.tokens]
+            todo += [lambda t=t: router_context(t, h, e, k, args.launches, dev, args.replays, args.carveout,
+                                                args.cupti) for t in args.tokens]
     if "attn" in args.what:
         hq, hkv, d = args.heads
         todo += [lambda p=p: attn_case(p, hq, hkv, d, args.ctx, args.launches, dev, args.replays, args.min_rounds,
