@@ -136,9 +136,10 @@ def set_carveout(dev, percent: int) -> list[str]:
 
 
 def router_context(t: int, h: int, e: int, k: int, n: int, dev, replays: int, carveouts=(),
-                   cupti: bool = False) -> list[dict]:
+                   cupti: bool = False, kmul: int = 2) -> list[dict]:
     """The router as the model runs it: each of the n launches right after an o_proj-shaped NVFP4 QPN linear
-    ([1, 2h] -> [1, h], its own weight: 2h * h / 2 bytes, so the graph streams n of them and the routers come
+    ([1, kmul h] -> [1, h] (kmul 2: o_proj's shape; larger: as many bytes as a layer's experts stream between
+    two routers), its own weight: kmul h * h / 2 bytes, so the graph streams n of them and the routers come
     from DRAM, as between the model's layers) whose output is the router's delta. Graphs: the linears alone,
     linear + router, linear + router with the RoutePlan; router in context = (pair - linear) / n. Then again
     with every kernel's preferred shared-memory carveout set to each of carveouts (% of the pool; a kernel
@@ -151,18 +152,21 @@ def router_context(t: int, h: int, e: int, k: int, n: int, dev, replays: int, ca
     r = router_inputs(t, h, e, k, n, dev, 1000 + t)
     xs, norms, routers, table, slots, rows, plans = (r[key] for key in ("xs", "ws", "routers", "table", "slots",
                                                                          "rows", "plans"))
-    p, sc, s2 = quantize_nvfp4(torch.randn(h, 2 * h, generator=torch.Generator().manual_seed(t)))
-    qw = QWeight(QType.NVFP4, (h, 2 * h), p, sc, s2)
+    p, sc, s2 = quantize_nvfp4(torch.randn(h, kmul * h, generator=torch.Generator().manual_seed(t)))
+    qw = QWeight(QType.NVFP4, (h, kmul * h), p, sc, s2)
     lin_ws = [QPNWeight.from_qweight(qw, dev) for _ in range(n)]
-    attn = [r["rnd"](t, 2 * h).half() for _ in range(n)]
+    attn = [r["rnd"](t, kmul * h).half() for _ in range(n)]
 
     def linears():
         return [qpn_linear(attn[i], lin_ws[i]) for i in range(n)]
 
-    def pairs(plan: bool):
+    def pairs(plan: bool, touch: bool = False):
         def run():
             for i in range(n):
                 d = qpn_linear(attn[i], lin_ws[i]).to(r["dt"])
+                if touch:                         # the router's inputs into the L2 first (their own kernels)
+                    for a in (routers[i], norms[i], xs[i]):
+                        a.sum()
                 fused.add_norm_router(xs[i], norms[i], EPS, routers[i], k, True, d, table, slots[i], rows[i],
                                       plan=plans[i] if plan else None)
         return run
@@ -174,12 +178,15 @@ def router_context(t: int, h: int, e: int, k: int, n: int, dev, replays: int, ca
         if carve is not None and cuda:
             set_carveout(dev, carve)
         lin, _ = timed(linears, replays, cuda)
-        for name, fn in (("in_context", pairs(False)), ("in_context_plan", pairs(True))):
+        settings = [("in_context", pairs(False)), ("in_context_plan", pairs(True))]
+        if cupti:                                 # router's data L2-hot, its code as the linear left it
+            settings.append(("in_context_touched", pairs(False, True)))
+        for name, fn in settings:
             if name == "in_context_plan" and plans[0] is None:
                 continue
             med, mn = timed(fn, replays, cuda)
             rec = {"kernel": "add_norm_router", "setting": name, "T": t, "H": h, "E": e, "k": k,
-                   "launches": n, "carveout": carve, "linear_us_per_launch": round(lin / n, 3),
+                   "launches": n, "carveout": carve, "context_k": kmul * h, "linear_us_per_launch": round(lin / n, 3),
                    "pair_us_per_launch": round(med / n, 3), "us_per_launch_median": round((med - lin) / n, 3)}
             if cupti and cuda:
                 rec["cupti_us"] = cupti_means(fn, max(3, replays // 5))
@@ -343,6 +350,8 @@ def main(argv=None) -> int:
     ap.add_argument("--carveout", type=int, nargs="*", default=[],
                     help="--router-context: then again with every kernel's preferred shared-memory carveout at "
                          "each of these %% (0..100; after the driver's default)")
+    ap.add_argument("--context-k", type=int, default=2,
+                    help="--router-context: the linear's K in hidden sizes (2: o_proj; 12: ~a layer's expert bytes)")
     ap.add_argument("--cupti", action="store_true",
                     help="--router-context: also each kernel's device time per launch as torch.profiler reports it")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run of this script)")
@@ -366,7 +375,7 @@ def main(argv=None) -> int:
         todo += [lambda t=t: router_case(t, h, e, k, args.launches, dev, args.replays) for t in args.tokens]
         if args.router_context:
             todo += [lambda t=t: router_context(t, h, e, k, args.launches, dev, args.replays, args.carveout,
-                                                args.cupti) for t in args.tokens]
+                                                args.cupti, args.context_k) for t in args.tokens]
     if "attn" in args.what:
         hq, hkv, d = args.heads
         todo += [lambda p=p: attn_case(p, hq, hkv, d, args.ctx, args.launches, dev, args.replays, args.min_rounds,
