@@ -98,7 +98,8 @@ def test_static_decode_counts_hits_like_eager(model_dir, warm):
     counts = []
     for graphed in (False, True):
         s = open_session(model_dir, RuntimeOptions(cache_slots=(2 * EXPERTS, 20), gpus=(0, 0), layer_split=(2,),
-                                                   expert_profile=warm, pcie_frac=0.0))
+                                                   expert_profile=warm, pcie_frac=0.0,
+                                                   cache_warm="profile"))
         try:
             if graphed:
                 s.model.graphs = DecodeGraphs(s.model.model, s.model.experts, capture=False, enabled=True)
@@ -198,7 +199,8 @@ def test_graphs_match_eager_on_cuda(model_dir, warm, place, gpus, miss_graph, mo
     for graphs in ("0", "1"):
         monkeypatch.setenv("HYBRID_CUDA_GRAPHS", graphs)
         s = open_session(model_dir, RuntimeOptions(device="cuda", gpus=gpus, layer_split=(2,), cache_slots=slots,
-                                                   expert_profile=warm, pcie_frac=0.0), context=len(ids) + 8)
+                                                   expert_profile=warm, pcie_frac=0.0, cache_warm="profile"),
+                         context=len(ids) + 8)
         try:
             assert [s.model.experts.device_only(layer) for layer in range(LAYERS)] == want_full
             runs.append(greedy_logits(s.model, ids, 6))

@@ -235,7 +235,7 @@ def test_overlap_on_cuda(model_dir, warm, place, tmp_path):
         ids = tok.encode(PROMPT)
         s = open_session(model_dir, RuntimeOptions(device="cuda", gpus=(0, 0), layer_split=(2,), cache_slots=slots,
                                                    expert_profile=warm, pcie_frac=0.0, trace=str(trace),
-                                                   cpu_engine="torch"),   # no Numba compile (minutes, cold)
+                                                   cpu_engine="torch", cache_warm="profile"),   # no Numba compile (minutes, cold)
                          context=len(ids) + 16)
         try:
             hm = s.model

@@ -48,7 +48,8 @@ def _cache_state(s):
 
 
 def _session(path, tmp_path, name, miss_graph, place, **kw):
-    s = open_session(path, RuntimeOptions(trace=str(tmp_path / f"{name}.jsonl"), **PLACES[place], **kw))
+    s = open_session(path, RuntimeOptions(trace=str(tmp_path / f"{name}.jsonl"), cache_warm="profile", **PLACES[place],
+                                          **kw))
     s.model.graphs = DecodeGraphs(s.model.model, s.model.experts, capture=False, enabled=True, bucket=8,
                                   miss_graph=miss_graph)
     return s
@@ -301,7 +302,7 @@ def _gpu_run(path, ids, gpus, place, graphs: str, miss_graph: str, monkeypatch, 
     kw = dict(GPU_PLACES[place])
     if "layer_split" not in kw:
         gpus = gpus[:1]
-    s = open_session(path, RuntimeOptions(device="cuda", gpus=gpus, pcie_frac=1.0, **kw), context=len(ids) + n + 2)
+    s = open_session(path, RuntimeOptions(device="cuda", gpus=gpus, pcie_frac=1.0, cache_warm="profile", **kw), context=len(ids) + n + 2)
     try:
         out = greedy_logits(s.model, ids, n)
         g = s.model.graphs
@@ -374,7 +375,7 @@ def test_fewer_cuda_calls_per_step(models, monkeypatch):
     counts = {}
     for mg in ("0", "1"):
         monkeypatch.setenv("HYBRID_MISS_GRAPH", mg)
-        s = open_session(path, RuntimeOptions(device="cuda", cache_slots=(6,), pcie_frac=0.0),
+        s = open_session(path, RuntimeOptions(device="cuda", cache_slots=(6,), pcie_frac=0.0, cache_warm="profile"),
                          context=len(ids) + 20)
         try:
             counts[mg] = _cuda_calls(s.model, ids, 8)

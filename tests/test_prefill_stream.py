@@ -51,7 +51,7 @@ def _prompt(path, n=32):
 def _run(path, ids, times=1, **kw):
     """`times` greedy generations from `ids` in one session (the later ones' prefills find the experts
     the earlier ones promoted: hits and streamed misses in one layer) -> their ids, session, lookups."""
-    s = open_session(path, RuntimeOptions(**kw))
+    s = open_session(path, RuntimeOptions(**{"cache_warm": "profile", **kw}))
     lookups = _spy_lookups(s)
     try:
         out = [generate(s.model, _tok(path), ids, N_DECODE, Sampler(SamplerConfig()),

@@ -151,7 +151,8 @@ def test_stage_pack_kernel_equals_pack_group():
 
 
 def _generate(path, slots, offload, ids, times=2, n=8):
-    s = open_session(path, RuntimeOptions(device="cuda", cache_slots=(slots,), prefill_offload_min=offload))
+    s = open_session(path, RuntimeOptions(device="cuda", cache_slots=(slots,), prefill_offload_min=offload,
+                                          cache_warm="profile"))
     try:
         res = [generate(s.model, _tok(path), ids, n, Sampler(SamplerConfig())) for _ in range(times)]
     finally:

@@ -41,7 +41,8 @@ def test_two_cards_match_cuda_reference(nvfp4, split, slots, gpus, miss_graph, m
     """Two logical cards on GPU 0, or two physical GPUs (the hidden state crossing at the split)."""
     monkeypatch.setenv("HYBRID_MISS_GRAPH", miss_graph)
     want = greedy(load_model(nvfp4, device="cuda"), nvfp4)
-    s = open_session(nvfp4, RuntimeOptions(device="cuda", gpus=gpus, layer_split=(split,), cache_slots=slots))
+    s = open_session(nvfp4, RuntimeOptions(device="cuda", gpus=gpus, layer_split=(split,), cache_slots=slots,
+                                           cache_warm="profile"))
     try:
         devices = [str(d) for d in s.model.layer_devices]
         got = greedy(s.model, nvfp4)
@@ -49,10 +50,26 @@ def test_two_cards_match_cuda_reference(nvfp4, split, slots, gpus, miss_graph, m
     finally:
         s.close()
     assert err is None
-    assert bool(linked) == (miss_graph == "1")              # the caches start empty: every layer can miss
+    assert bool(linked) == (miss_graph == "1")              # --cache-warm profile, no profile: all can miss
     assert devices == [f"cuda:{gpus[0]}"] * split + [f"cuda:{gpus[1]}"] * (4 - split)
     assert got == want
     rep = s.report()
     assert rep["slot_storage"] in ([], ["QPNSlots"]) and rep["cpu_runner"] == "NumbaCpuRunner"
     assert rep["pcie_bytes"]["ids_d2h"] > 0
     assert (rep["pcie_bytes"]["hops"] > 0) == (gpus[0] != gpus[1])
+
+
+@pytest.mark.parametrize("gpus", GPUS)
+def test_warm_fill_on_cuda(nvfp4, gpus):
+    """--cache-warm auto (the default), no expert profile: the slots hold experts from load (id order). Layers
+    whose experts all fit never miss (no miss link), the other keeps its miss path; greedy ids as the reference."""
+    want = greedy(load_model(nvfp4, device="cuda"), nvfp4)
+    s = open_session(nvfp4, RuntimeOptions(device="cuda", gpus=gpus, layer_split=(3,), cache_slots=(48, 8)))
+    try:
+        got = greedy(s.model, nvfp4)
+        linked, err, rep = sorted(s.model.graphs.links), s.model.graphs.error, s.report()
+    finally:
+        s.close()
+    assert err is None and got == want
+    assert linked == [3]               # card 0: 3 layers x 16 experts in 48 slots; card 1: 8 of layer 3's 16
+    assert rep["cards"][0]["hit_rate"] == 1.0 and 0 < rep["cards"][1]["hit_rate"] < 1

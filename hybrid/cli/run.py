@@ -17,7 +17,7 @@ from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
 
 RUNTIME_FLAGS = ("gpus", "layer_split", "kv_resident", "cache_slots", "cpu_threads", "hugepages",
                  "pcie_frac", "profile", "vram_cap", "stats", "stats_every", "trace", "expert_profile",
-                 "cache_policy", "cpu_engine", "metrics", "hybrid", "prefill_offload_min")
+                 "cache_policy", "cache_warm", "cpu_engine", "metrics", "hybrid", "prefill_offload_min")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,9 +65,14 @@ def _runtime_flags(p: argparse.ArgumentParser) -> None:
                         "planner fits in VRAM (half of each card's experts without --profile)")
     r.add_argument("--cache-policy", default=None, choices=["lfu-decay", "lru", "static"],
                    help="expert-cache policy (default lfu-decay: decayed frequency with a promotion margin)")
+    r.add_argument("--cache-warm", default=None, choices=["auto", "profile", "off"],
+                   help="what the expert slots hold at load: auto (default) = the expert profile's most used "
+                        "experts, else experts in id order until the slots are full (every expert where they "
+                        "all fit); profile = the profile's, else nothing; off = nothing (the cache warms up "
+                        "online)")
     r.add_argument("--expert-profile", default=None, metavar="FILE",
                    help="expert-popularity profile for the warm start (default: "
-                        "profiles/<model folder>.experts.json if present, else the cache warms up online)")
+                        "profiles/<model folder>.experts.json if present; without one see --cache-warm)")
     r.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="threads of the CPU expert runner (default: physical cores)")
     r.add_argument("--cpu-engine", default=None, choices=["auto", "numba", "torch"],
@@ -252,7 +257,7 @@ def options_from_args(args, num_layers: int):
                           pcie_frac=0.1 if args.pcie_frac is None else args.pcie_frac,
                           profile=args.profile, vram_cap_gib=cap, expert_profile=args.expert_profile,
                           policy=args.cache_policy or "lfu-decay", cpu_engine=args.cpu_engine or "auto",
-                          trace=args.trace, **offload)
+                          trace=args.trace, cache_warm=args.cache_warm or "auto", **offload)
 
 
 def _tokens(text: str) -> int:

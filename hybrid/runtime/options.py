@@ -8,6 +8,7 @@ from hybrid.errors import HybridError
 KV_DTYPES = ("fp16", "int8")
 HUGEPAGES = ("auto", "on", "off")
 CPU_ENGINES = ("auto", "numba", "torch")
+CACHE_WARM = ("auto", "profile", "off")
 PREFILL_OFFLOAD_MIN = 128   # CUDA cards without a plan (no hardware profile known): prefill steps of >= this
                             # many tokens stream their missed experts to the card (hybrid.runtime.prefill_stream);
                             # with a plan the threshold is the planner's (hybrid.planner.prefill)
@@ -21,7 +22,9 @@ class RuntimeOptions:
     layer_split: card boundaries (len(gpus) - 1 of them); cache_slots: slots per card (one value
     or one per card); vram_cap_gib: per card; kv_resident: KV tokens each card holds;
     prefill_offload_min: prefill steps of at least this many tokens stream their missed experts to
-    the card (0 = never; None = auto: see offload_min_for).
+    the card (0 = never; None = auto: see offload_min_for); cache_warm: what the expert slots hold at load
+    (auto: the expert profile's most used experts, else experts in id order until the slots are full;
+    profile: the profile's, else nothing; off: nothing; where nothing, the cache warms up online).
     """
 
     device: str = "cpu"
@@ -41,6 +44,7 @@ class RuntimeOptions:
     cpu_engine: str = "auto"
     trace: str | None = None
     prefill_offload_min: int | None = None
+    cache_warm: str = "auto"
 
     def __post_init__(self) -> None:
         n = len(self.gpus)
@@ -73,6 +77,8 @@ class RuntimeOptions:
         m = self.prefill_offload_min
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
             raise HybridError(f"--prefill-offload-min must be a token count >= 0 (0 = off), got {m}")
+        if self.cache_warm not in CACHE_WARM:
+            raise HybridError(f"--cache-warm {self.cache_warm}: expected one of {', '.join(CACHE_WARM)}")
         if self.cpu_engine not in CPU_ENGINES:
             raise HybridError(f"--cpu-engine {self.cpu_engine}: expected one of {', '.join(CPU_ENGINES)}")
 

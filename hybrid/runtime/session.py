@@ -243,14 +243,19 @@ def _hardware_profile(opts: RuntimeOptions):
 
 
 def _card(spec, cfg, opts, eprof, qtypes, bytes_per_expert, budget, get_expert, source=None) -> CardRuntime:
-    """One card's expert cache and slots, its warm-start residents loaded: from the pinned CPU store
+    """One card's expert cache and slots, its warm-start residents (--cache-warm: the expert profile's most used,
+    else with auto experts in id order until the slots are full) loaded: from the pinned CPU store
     (source: what promotions read too; no checkpoint read, no host copy) where the layer's slots are
     packed storage of the store's weight type, else from the checkpoint."""
     policy = make_policy(opts.policy, profile=eprof)
     cache = ExpertCache(list(spec.layer_ids), list(spec.slots_per_layer), cfg.num_experts, policy,
                         bytes_per_expert=bytes_per_expert, budget_bytes=budget)
-    if eprof is not None:
+    if eprof is not None and opts.cache_warm != "off":
         cache.warm_from_profile(eprof)
+    elif eprof is not None:
+        cache.seed(eprof)                           # the policy's state only, the slots left empty
+    elif opts.cache_warm == "auto":                 # no profile: the slots are not left empty
+        cache.warm_start({l: range(cfg.num_experts) for l in spec.layer_ids})
     layer_slots = {l: (cache.slot_range(l).start, len(cache.slot_range(l))) for l in spec.layer_ids}
     slots = CardSlots(torch.device(spec.device), layer_slots, {l: qtypes[l] for l in spec.layer_ids},
                       cfg.hidden_size, cfg.moe_intermediate_size)
