@@ -870,3 +870,44 @@ def test_plan_cli_prints_the_chunk(tiny_dir, tmp_path, capsys):
     assert "--prefill-chunk x: expected an integer" in capsys.readouterr().err
     assert plan_main(["--model", str(tiny_dir), "--profile", str(path), "--prefill-chunk", "512,1024"]) == 2
     assert "--prefill-chunk 512,1024: expected one integer or auto" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- a GPU no shipped profile names
+
+
+def test_nearest_profile_and_adapted_sizes(monkeypatch):
+    """A GPU no shipped profile names: the nearest profile's speed figures (all marked assumed, naming it) with
+    this machine's GPUs, RAM and CPU, so the plan's slots fit the cards (hybrid-run on such a GPU)."""
+    from types import SimpleNamespace
+
+    from hybrid.planner.profile import adapt_profile, nearest_profile
+    from hybrid.runtime import session
+    from hybrid.runtime.options import RuntimeOptions
+
+    shipped = [load_profile(n) for n in ("v100x2-e5v4", "h200", "h200x2")]
+    pick = lambda cc, n: nearest_profile(shipped, cc, n).name  # noqa: E731
+    assert (pick("7.0", 2), pick("7.5", 1), pick("8.6", 1), pick("9.0", 1), pick("9.0", 2), pick("12.0", 1)) == \
+        ("v100x2-e5v4", "v100x2-e5v4", "h200", "h200", "h200x2", "h200")
+    assert nearest_profile([], "7.0", 1) is None
+    mb = ModelBytes.from_config(ModelConfig.from_dict(Q30), "nvfp4")
+    req = PlanRequest(gpus=(0, 1), layer_split=(24,), kv_tokens=4096)
+    slots = {}
+    for mib in (8192, 32510):
+        prof = adapt_profile(shipped[0], [("Tesla V100-PCIE-32GB", "7.0", mib)] * 2, 60.0, "Some Xeon", 12,
+                             True, False, 0)
+        assert profile_from_dict(json.loads(prof.to_json())).gpus[1].memory_mib == mib   # a valid profile
+        assert prof.assumed and all(k for k in prof.assumed)
+        assert prof.gpus[0].read_gbs.note.startswith("v100x2-e5v4's assumed figure")
+        assert (prof.host.ram_usable_gib, prof.cpu.physical_cores, prof.cpu.model) == (60.0, 12, "Some Xeon")
+        plan = make_plan(mb, prof, req)
+        assert all(c.cap_bytes == mib * MIB and c.free_bytes >= 0 for c in plan.cards)
+        slots[mib] = [c.slots for c in plan.cards]
+    assert slots[32510] == [24 * 128] * 2 and all(0 < s < 24 * 128 for s in slots[8192])
+    with pytest.raises(ValueError, match="no GPU"):
+        adapt_profile(shipped[0], [], 60.0, "x", 1, True, False)
+    # the session's fallback: this machine's CUDA ordinals as torch reports them
+    props = [SimpleNamespace(name="Tesla V100-PCIE-16GB", major=7, minor=0, total_memory=16 * GIB)] * 2
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+    prof = session._adapted_profile(RuntimeOptions(device="cuda", gpus=(0, 1), layer_split=(24,)))
+    assert prof.name == "v100x2-e5v4@this-machine" and [g.name for g in prof.gpus] == ["Tesla V100-PCIE-16GB"] * 2
+    assert [g.memory_mib for g in prof.gpus] == [16384] * 2

@@ -339,3 +339,59 @@ def list_profiles() -> list[str]:
     """Names of the hardware profiles that load_profile finds."""
     return sorted({f.stem for d in profile_dirs() for f in d.glob("*.json")
                    if not f.name.endswith(".experts.json")})
+
+
+# ---------------------------------------------------------------- a shipped profile for another machine
+def _cc(text: str) -> tuple[int, int]:
+    major, _, minor = text.partition(".")
+    return int(major), int(minor or 0)
+
+
+def nearest_profile(profiles: list[HardwareProfile], compute_capability: str, n_gpus: int) -> HardwareProfile | None:
+    """The profile whose GPUs are closest to a GPU of this compute capability ("7.0"): the same, else the
+    nearest (an older architecture before a newer one at equal distance), then the one whose GPU count is
+    nearest n_gpus. None where no profile has a GPU."""
+    want = _cc(compute_capability)
+
+    def key(p: HardwareProfile):
+        have = _cc(p.gpus[0].compute_capability)
+        dist = abs((have[0] - want[0]) * 10 + have[1] - want[1])
+        return dist, have > want, abs(len(p.gpus) - n_gpus), p.name
+
+    with_gpus = [p for p in profiles if p.gpus]
+    return min(with_gpus, key=key) if with_gpus else None
+
+
+def _borrowed(fig: Figure | None, base: str) -> Figure | None:
+    if fig is None:
+        return None
+    note = f"{base}'s {fig.source} figure, not this machine's" + (f" ({fig.note})" if fig.note else "")
+    return Figure(fig.value, "assumed", note)
+
+
+def _borrow_all(obj, base: str):
+    """obj with each of its Figure fields marked as borrowed from profile `base`."""
+    return type(obj)(**{k: _borrowed(v, base) if isinstance(v, Figure) else v for k, v in obj.__dict__.items()})
+
+
+def adapt_profile(base: HardwareProfile, gpus: list[tuple[str, str, int]], ram_usable_gib: float,
+                  cpu_model: str, physical_cores: int, avx2: bool, avx512: bool | None,
+                  hugepages_2m_total: int = 0) -> HardwareProfile:
+    """base's speed figures for another machine: its GPUs (name, compute capability, memory MiB; by CUDA
+    ordinal), RAM and CPU are this machine's, so a plan fits it; every speed figure stays base's, marked
+    assumed (`hybrid-bench calibrate` measures them)."""
+    if not gpus:
+        raise ValueError("adapt_profile: no GPU given")
+    b = base.name
+    cards = tuple(type(g)(**{**_borrow_all(g, b).__dict__, "name": name, "compute_capability": cc,
+                             "memory_mib": int(mib)})
+                  for g, (name, cc, mib) in ((base.gpus[min(i, len(base.gpus) - 1)], spec)
+                                             for i, spec in enumerate(gpus)))
+    cpu = type(base.cpu)(**{**_borrow_all(base.cpu, b).__dict__, "model": cpu_model,
+                            "physical_cores": int(physical_cores), "avx2": bool(avx2), "avx512": avx512})
+    host = HostProfile(ram_usable_gib=round(ram_usable_gib, 1), hugepages_2m_total=int(hugepages_2m_total),
+                       reserve_gib=base.host.reserve_gib)
+    names = ", ".join(sorted({g[0] for g in gpus}))
+    return HardwareProfile(name=f"{b}@this-machine", description=f"{b}'s speed figures for {len(gpus)} x {names} "
+                           f"and {cpu_model} (sizes this machine's; run hybrid-bench calibrate to measure it)",
+                           gpus=cards, cpu=cpu, host=host, overheads=_borrow_all(base.overheads, b))

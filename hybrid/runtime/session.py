@@ -3,6 +3,7 @@ hybrid model: layer_devices from the placement, dense weights per card, one Expe
 storage per card, the CPU runner over every expert, stats and an optional routing trace."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,8 @@ from hybrid.runtime.options import RuntimeOptions
 from hybrid.runtime.placement import Placement
 from hybrid.runtime.slots import CardSlots
 from hybrid.runtime.stats import RuntimeStats, summary_lines
+
+log = logging.getLogger("hybrid.runtime")
 
 
 @dataclass
@@ -239,7 +242,36 @@ def _hardware_profile(opts: RuntimeOptions):
             continue
         if prof.gpus and all(g < len(prof.gpus) and prof.gpus[g].name == name for g in set(opts.gpus)):
             return prof
-    return None
+    return _adapted_profile(opts)
+
+
+def _adapted_profile(opts: RuntimeOptions):
+    """No shipped profile names the visible GPU: the nearest one's speed figures with this machine's GPUs
+    (CUDA ordinals up to the last in --gpus), RAM and CPU, so the plan's slots and KV fit the cards (without a
+    plan, half of every card's experts would get slots, whatever its memory). One log line says so."""
+    from hybrid.hardware import detect_cpu, detect_memory
+    from hybrid.planner import list_profiles, load_profile
+    from hybrid.planner.profile import adapt_profile, nearest_profile
+
+    profs = []
+    for cand in list_profiles():
+        try:
+            profs.append(load_profile(cand))
+        except HybridError:
+            continue
+    props = [torch.cuda.get_device_properties(i) for i in range(max(opts.gpus) + 1)]
+    cc = [f"{p.major}.{p.minor}" for p in props]
+    base = nearest_profile(profs, cc[opts.gpus[0]], len(set(opts.gpus)))
+    if base is None:
+        return None
+    cpu, mem = detect_cpu(), detect_memory()
+    huge = mem.hugepages_total if mem.hugepage_size_bytes == 2 * 2**20 else 0
+    prof = adapt_profile(base, [(p.name, c, p.total_memory // 2**20) for p, c in zip(props, cc)],
+                         mem.available_bytes / 2**30, cpu.model, cpu.physical_cores, cpu.avx2, cpu.avx512, huge)
+    log.warning("hardware profile: none shipped for %s; planning with %s's speed figures and this machine's "
+                "sizes (predictions are %s's; hybrid-bench calibrate --out profiles/NAME.json measures this "
+                "machine, then --profile NAME)", props[opts.gpus[0]].name, base.name, base.name)
+    return prof
 
 
 def _card(spec, cfg, opts, eprof, qtypes, bytes_per_expert, budget, get_expert, source=None) -> CardRuntime:
