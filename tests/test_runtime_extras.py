@@ -88,13 +88,22 @@ def test_profile_cli_feeds_planner(model_dir, tmp_path):
     assert len(pop.shares) == 2 and abs(sum(pop.shares[0]) - 1) < 1e-9
 
 
-@pytest.mark.parametrize("gpu,gpus,want", [("NVIDIA H200", (0, 0), "h200"),
-                                           ("Tesla V100-SXM2-16GB", (0, 1), "v100x2-e5v4"),
-                                           ("NVIDIA H200", (0, 1), "h200x2"), ("NVIDIA H200", (0, 2), None),
-                                           ("Quadro X", (0,), None)])
-def test_cuda_without_profile_picks_matching_shipped_profile(monkeypatch, gpu, gpus, want):
+@pytest.mark.parametrize("gpu,cc,gpus,want", [("NVIDIA H200", (9, 0), (0, 0), "h200"),
+                                              ("Tesla V100-SXM2-16GB", (7, 0), (0, 1), "v100x2-e5v4"),
+                                              ("NVIDIA H200", (9, 0), (0, 1), "h200x2"),
+                                              ("NVIDIA H200", (9, 0), (0, 2), "h200x2@this-machine"),
+                                              ("Quadro X", (7, 5), (0,), "v100x2-e5v4@this-machine")])
+def test_cuda_without_profile_picks_matching_shipped_profile(monkeypatch, gpu, cc, gpus, want):
+    """The shipped profile that names the GPU (for every ordinal used), else the nearest one with this
+    machine's sizes (test_planner.py::test_nearest_profile_and_adapted_sizes)."""
+    from types import SimpleNamespace
+
     from hybrid.runtime.session import _hardware_profile
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(name=gpu, major=cc[0], minor=cc[1], total_memory=24 << 30))
     prof = _hardware_profile(RuntimeOptions(device="cuda", gpus=gpus))
-    assert (prof.name if prof else None) == want
+    assert prof.name == want
+    if want.endswith("@this-machine"):
+        assert [g.name for g in prof.gpus] == [gpu] * (max(gpus) + 1) and prof.gpus[0].memory_mib == 24 << 10
