@@ -94,7 +94,18 @@ def test_stats_every_reports_windows_and_keeps_metrics_current(tmp_path, capsys,
                                          (["--profile", "nope"], "nope"),
                                          (["--kv-resident", "4"], "--kv-resident"),
                                          (["--cache-policy", "static"], "expert profile"),
-                                         (["--stats-every", "0"], "--stats-every")])
+                                         (["--stats-every", "0"], "--stats-every"),
+                                         (["--kv-resident", "0"], "--kv-resident"),   # a 0 is a given flag
+                                         (["--cpu-threads", "0"], "--cpu-threads")])
 def test_bad_runtime_flags_one_line(args, needle, capsys):
     rc, _, err = run(["-n", "2"] + args, capsys)
     assert rc == 2 and needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_zero_valued_flag_turns_the_runtime_on(reference_ids, capsys):
+    """--pcie-frac 0 alone runs the hybrid runtime (with no promotions), not the reference path: a flag given
+    as 0 is a flag given."""
+    rc, out, _ = run(BASE + ["--pcie-frac", "0"], capsys)
+    d = json.loads(out)
+    assert rc == 0 and d["generated_ids"] == reference_ids and "stats" in d
+    assert all(c["promotions"] == 0 for c in d["stats"]["cards"])

@@ -86,7 +86,8 @@ def _runtime_flags(p: argparse.ArgumentParser) -> None:
                         "them there instead of on the CPU (0 = never; default auto: the planner's cost model from "
                         "the hardware profile, 128 on CUDA without one, never with --device cpu)")
     r.add_argument("--pcie-frac", type=float, default=None, metavar="F",
-                   help="fraction of the PCIe link expert promotions may use per step (default 0.1)")
+                   help="fraction of the PCIe link expert promotions may use per step (default 0.1; the link "
+                        "is the plan's: without a hardware profile, as in CPU mode, only 0 limits them: none)")
     r.add_argument("--profile", default=None, metavar="NAME|FILE",
                    help="hardware profile for the planner (profiles/NAME.json or a path)")
     r.add_argument("--vram-cap", default=None, metavar="GB",
@@ -134,7 +135,10 @@ def fits_one_gpu(need: int, free: int) -> bool:
 
 
 def uses_runtime(args) -> bool:
-    return any(getattr(args, f) not in (None, False) for f in RUNTIME_FLAGS) or args.kv_dtype != "fp16"
+    """Whether any runtime flag was given (a given 0, as --pcie-frac 0 or --kv-resident 0, counts: `0 in
+    (None, False)` is true in Python, so identity, not equality)."""
+    return (any(getattr(args, f) is not None and getattr(args, f) is not False for f in RUNTIME_FLAGS)
+            or args.kv_dtype != "fp16")
 
 
 def body(args) -> int:

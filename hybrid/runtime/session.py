@@ -133,7 +133,9 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     first = [get_expert(l, 0) for l in range(cfg.num_hidden_layers)]
     qtypes = {l: w[0].qtype for l, w in enumerate(first)}
     bytes_per_expert = max(sum(q.nbytes for q in w) for w in first)
-    budget = plan.prediction.promotion_budget_bytes if plan is not None else None
+    # promotions per step within --pcie-frac of the plan's link; without a plan no link to take a share of,
+    # but --pcie-frac 0 still means none
+    budget = plan.prediction.promotion_budget_bytes if plan is not None else (0 if opts.pcie_frac == 0 else None)
     t3 = time.perf_counter()
     owns_cpu = cpu is None
     if owns_cpu:                              # before the cards: their slots can be filled from its store
