@@ -62,7 +62,7 @@ def _runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="KV cache type: fp16 (default; fp32 on CPU) or int8 (per token-head scales)")
     r.add_argument("--cache-slots", default=None, metavar="N|auto",
                    help="expert-cache slots per card (one value or one per card); auto = what the "
-                        "planner fits in VRAM (half of each card's experts without --profile)")
+                        "planner fits in VRAM (in CPU mode without --profile: half of each card's experts)")
     r.add_argument("--cache-policy", default=None, choices=["lfu-decay", "lru", "static"],
                    help="expert-cache policy (default lfu-decay: decayed frequency with a promotion margin)")
     r.add_argument("--cache-warm", default=None, choices=["auto", "profile", "off"],
