@@ -188,6 +188,8 @@ def router_context(t: int, h: int, e: int, k: int, n: int, dev, replays: int, ca
             rec = {"kernel": "add_norm_router", "setting": name, "T": t, "H": h, "E": e, "k": k,
                    "launches": n, "carveout": carve, "context_k": kmul * h, "linear_us_per_launch": round(lin / n, 3),
                    "pair_us_per_launch": round(med / n, 3), "us_per_launch_median": round((med - lin) / n, 3)}
+            if name == "in_context_touched":          # its pair time holds the three reads too: see cupti_us
+                rec["pair_includes"] = "sum() of the router, norm weight and x (own kernels)"
             if cupti and cuda:
                 rec["cupti_us"] = cupti_means(fn, max(3, replays // 5))
             recs.append(rec)
