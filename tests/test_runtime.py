@@ -150,6 +150,11 @@ def test_cache_warm_modes(models, reference, tmp_path, warm):
                       expert_profile=eprof, cache_warm=warm)
         assert got == reference["nvfp4"]
         filled = [dict(c.cache.warm) for c in s.cards]
+        ws = s.report()["warm_start"]                        # what --stats / --json report
+        n = sum(len(v) for f in filled for v in f.values())
+        assert ws == {"experts": n, "slots": 2 * EXPERTS + 6, "mode": warm,
+                      "source": "none" if not n else "id order" if eprof is None else "expert profile"}
+        assert f"warm start (--cache-warm {warm}): {n} of {2 * EXPERTS + 6} slots filled at load" in s.summary()[-1]
         if warm == "off" or (warm == "profile" and eprof is None):
             assert filled == [{}, {}]
         elif eprof is None:                                  # id order: all of card 0's, 0..5 on card 1

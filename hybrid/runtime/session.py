@@ -76,7 +76,15 @@ class Session:
         d["prefill_graphs"] = ({"steps": pg.steps, "captures": pg.captures, "error": pg.error}
                                if (pg := self.model.prefill_graphs) is not None else None)
         d["prefill_chunk"] = dict(zip(("tokens", "source"), self._prefill_chunk()))
+        d["warm_start"] = self._warm_start()
         return d
+
+    def _warm_start(self) -> dict:
+        """What the slots held at load (--cache-warm): experts placed, of how many slots, and from where."""
+        n = sum(len(v) for c in self.caches for v in c.warm.values())
+        src = ("none" if not n else "expert profile" if self.expert_profile is not None else "id order")
+        return {"experts": n, "slots": sum(c.spec.slots for c in self.cards), "source": src,
+                "mode": self.opts.cache_warm}
 
     def _prefill_source(self) -> str | None:
         """Where prefill offload reads streamed experts: 'store' (the pinned CPU store), 'checkpoint',
@@ -95,6 +103,9 @@ class Session:
         ch = rep["prefill_chunk"]
         extra.append(f"prefill chunk: {ch['tokens'] or 'the whole prompt'}"
                      + (f" tokens ({ch['source']})" if ch["tokens"] else ""))
+        ws = rep["warm_start"]
+        extra.append(f"warm start (--cache-warm {ws['mode']}): {ws['experts']} of {ws['slots']} slots filled at load"
+                     + (f" ({ws['source']})" if ws["experts"] else ""))
         pg = rep["prefill_graphs"]
         if pg and pg["steps"]:
             extra.append(f"prefill graphs: {pg['steps']} prompt(s) replayed, {pg['captures']} bucket(s) captured")
