@@ -166,10 +166,10 @@ def greedy_logits(model, ids: list[int], n: int, chunk: int = 0) -> tuple[list[i
 def write_expert_profile(model_dir: str | Path, counts, tokens: int, path: str | Path) -> str:
     """An expert-popularity file (what hybrid-profile writes) for the model at model_dir with routing
     counts [layers, experts] over `tokens` tokens -> its path as a string (RuntimeOptions.expert_profile)."""
-    from hybrid.cli.profile import profile_dict
+    from hybrid.experts.popularity import profile_file_dict
     from hybrid.model.config import ModelConfig
 
     cfg = ModelConfig.from_folder(model_dir)
-    Path(path).write_text(json.dumps(profile_dict(Path(model_dir).name, cfg.model_type, counts, tokens,
+    Path(path).write_text(json.dumps(profile_file_dict(Path(model_dir).name, cfg.model_type, counts, tokens,
                                                   cfg.num_experts_per_tok, {"test": True})))
     return str(path)

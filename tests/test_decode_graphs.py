@@ -42,7 +42,7 @@ def warm(tmp_path_factory, models):
     """An expert profile where every expert is used: a warm start fills every slot it is given."""
     import json
 
-    from hybrid.cli.profile import profile_dict
+    from hybrid.experts.popularity import profile_file_dict
 
     from hybrid.planner import load_popularity
 
@@ -52,7 +52,7 @@ def warm(tmp_path_factory, models):
         counts[layer, layer % EXPERTS] += 1
         counts[layer, (layer + 1) % EXPERTS] -= 1
     path = tmp_path_factory.mktemp("warm") / "experts.json"
-    path.write_text(json.dumps(profile_dict("graphs", "qwen3_moe", counts, tokens, TOPK, {"test": True})))
+    path.write_text(json.dumps(profile_file_dict("graphs", "qwen3_moe", counts, tokens, TOPK, {"test": True})))
     load_popularity(path, ModelConfig.from_folder(models["nvfp4"]))   # the planner takes it (CUDA plans)
     return str(path)
 

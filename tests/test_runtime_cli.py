@@ -2,6 +2,7 @@
 tokens as the reference path, --stats / --trace / --metrics outputs, bad runtime flags."""
 import json
 
+import numpy as np
 import pytest
 
 from hybrid.cli.run import main
@@ -109,3 +110,30 @@ def test_zero_valued_flag_turns_the_runtime_on(reference_ids, capsys):
     d = json.loads(out)
     assert rc == 0 and d["generated_ids"] == reference_ids and "stats" in d
     assert all(c["promotions"] == 0 for c in d["stats"]["cards"])
+
+
+def test_save_expert_profile_counts_the_run(tmp_path, capsys):
+    """--save-expert-profile FILE: every routed token's experts per layer (the trace's ids, counted), a file the
+    planner's strict reader takes (counts sum to tokens x k), written once at the end; the next run with
+    --expert-profile FILE fills its slots from it. A folder that does not exist is refused before loading."""
+    from hybrid.model import ModelConfig, resolve_model_path
+    from hybrid.planner.popularity import load_popularity
+
+    prof, trace = tmp_path / "run.experts.json", tmp_path / "t.jsonl"
+    rc, out, err = run(BASE + ["--layer-split", "2", "--cache-slots", "24", "--trace", trace,
+                               "--save-expert-profile", prof], capsys)
+    d = json.loads(out)
+    assert rc == 0 and d["stats"]["expert_profile_saved"] == str(prof)
+    saved = json.loads(prof.read_text())
+    t = read_trace(trace)
+    ids = np.concatenate([s.ids.reshape(s.ids.shape[0], -1) for s in t.steps], axis=1)      # [L, tokens * k]
+    want = np.stack([np.bincount(row, minlength=t.header.num_experts) for row in ids])
+    assert np.array_equal(np.asarray(saved["counts"]), want)
+    assert saved["tokens"] == len(d["prompt_ids"]) + len(d["generated_ids"]) - 1       # the last is not fed back
+    cfg = ModelConfig.from_folder(resolve_model_path(None))
+    assert load_popularity(prof, cfg).shares                                             # strict reader
+    rc, _, err = run(["--prompt", "x", "-n", "2", "--layer-split", "2", "--cache-slots", "24", "--stats",
+                      "--expert-profile", prof], capsys)
+    assert rc == 0 and "slots filled at load (expert profile)" in err
+    rc, _, err = run(["-n", "2", "--save-expert-profile", tmp_path / "no" / "p.json"], capsys)
+    assert rc == 2 and "--save-expert-profile" in err and len(err.strip().splitlines()) == 1

@@ -73,3 +73,24 @@ def test_warm_fill_on_cuda(nvfp4, gpus):
     assert err is None and got == want
     assert linked == [3]               # card 0: 3 layers x 16 experts in 48 slots; card 1: 8 of layer 3's 16
     assert rep["cards"][0]["hit_rate"] == 1.0 and 0 < rep["cards"][1]["hit_rate"] < 1
+
+
+def test_save_expert_profile_on_cuda(nvfp4, tmp_path):
+    """--save-expert-profile through the graphed, overlapped decode: every routed token counted once (the steps
+    run ahead included, none twice), a file the strict reader takes."""
+    from hybrid.experts.popularity import load_profile
+
+    out = tmp_path / "p.experts.json"
+    s = open_session(nvfp4, RuntimeOptions(device="cuda", gpus=(0, 0), layer_split=(2,), cache_slots=(16, 8),
+                                           save_expert_profile=str(out)))
+    try:
+        cfg = ModelConfig.from_folder(nvfp4)
+        tok = Tokenizer(nvfp4, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+        prompt = tok.encode("def fibonacci(n):")
+        res = generate(s.model, tok, prompt, 8, Sampler(SamplerConfig()))
+        steps = s.stats.graph_steps
+    finally:
+        s.close()
+    prof = load_profile(out, cfg)
+    assert steps > 0 and prof.tokens == len(prompt) + len(res.generated_ids) - 1
+    assert (prof.counts.sum(1) == prof.tokens * cfg.num_experts_per_tok).all()

@@ -67,16 +67,6 @@ def count_routing(model, tok, texts: list[str], max_tokens: int = 0) -> tuple[np
     return counts, tokens
 
 
-def profile_dict(model_name: str, model_type: str, counts: np.ndarray, tokens: int, top_k: int,
-                 source: dict) -> dict:
-    """The file both readers take: hybrid.experts.popularity and hybrid.planner.popularity."""
-    from hybrid.experts.popularity import ExpertProfile
-
-    prof = ExpertProfile(model_name, counts.shape[0], counts.shape[1], top_k, tokens, counts)
-    return {"schema": 1, "kind": "expert-popularity", "model_type": model_type, **prof.to_dict(),
-            "source": source}
-
-
 def body(args) -> int:
     import json
 
@@ -99,7 +89,9 @@ def body(args) -> int:
     name = path.resolve().name
     source = {"command": "hybrid-profile " + " ".join(sys.argv[1:]), "texts": len(texts),
               "prompts": args.prompts or "hybrid.bench.prompts"}
-    d = profile_dict(name, cfg.model_type, counts, tokens, cfg.num_experts_per_tok, source)
+    from hybrid.experts.popularity import profile_file_dict
+
+    d = profile_file_dict(name, cfg.model_type, counts, tokens, cfg.num_experts_per_tok, source)
     out = Path(args.out) if args.out else profile_path(name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(d) + "\n")

@@ -17,7 +17,8 @@ from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
 
 RUNTIME_FLAGS = ("gpus", "layer_split", "kv_resident", "cache_slots", "cpu_threads", "hugepages",
                  "pcie_frac", "profile", "vram_cap", "stats", "stats_every", "trace", "expert_profile",
-                 "cache_policy", "cache_warm", "cpu_engine", "metrics", "hybrid", "prefill_offload_min")
+                 "cache_policy", "cache_warm", "cpu_engine", "metrics", "hybrid", "prefill_offload_min",
+                 "save_expert_profile")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +71,10 @@ def _runtime_flags(p: argparse.ArgumentParser) -> None:
                         "experts, else experts in id order until the slots are full (every expert where they "
                         "all fit); profile = the profile's, else nothing; off = nothing (the cache warms up "
                         "online)")
+    r.add_argument("--save-expert-profile", default=None, metavar="FILE",
+                   help="after the run, write the routing it saw (every prompt and generated token's experts, "
+                        "per layer) as an expert-popularity profile, hybrid-profile's format: the next run's "
+                        "--expert-profile (as profiles/<model folder>.experts.json it is found on its own)")
     r.add_argument("--expert-profile", default=None, metavar="FILE",
                    help="expert-popularity profile for the warm start (default: "
                         "profiles/<model folder>.experts.json if present; without one see --cache-warm)")
@@ -261,7 +266,8 @@ def options_from_args(args, num_layers: int):
                           pcie_frac=0.1 if args.pcie_frac is None else args.pcie_frac,
                           profile=args.profile, vram_cap_gib=cap, expert_profile=args.expert_profile,
                           policy=args.cache_policy or "lfu-decay", cpu_engine=args.cpu_engine or "auto",
-                          trace=args.trace, cache_warm=args.cache_warm or "auto", **offload)
+                          trace=args.trace, cache_warm=args.cache_warm or "auto",
+                          save_expert_profile=args.save_expert_profile, **offload)
 
 
 def _tokens(text: str) -> int:
@@ -301,6 +307,9 @@ def _print(args, path, res, session, report) -> None:
     if session is not None and args.stats:
         for line in session.summary(res.decode_tok_s):
             print(line, file=sys.stderr)
+    if session is not None and session.saved_profile is not None:
+        print(f"expert profile: this run's routing written to {session.saved_profile} (--expert-profile "
+              f"{session.saved_profile} warms the next run from it)", file=sys.stderr)
     if getattr(args, "old_gpu", None):
         print(f"hybrid: ran on the CPU: the GPU is {args.old_gpu}, the QPN kernels need sm_70 (Volta) or newer",
               file=sys.stderr)

@@ -132,6 +132,15 @@ def load_profile(path: str | Path, cfg: ModelConfig | None = None) -> ExpertProf
     return ExpertProfile.from_dict(read_json(Path(path)), str(path), cfg)
 
 
+def profile_file_dict(model_name: str, model_type: str, counts: np.ndarray, tokens: int, top_k: int,
+                      source: dict) -> dict:
+    """The file both readers take (this module and hybrid.planner.popularity): hybrid-profile's and
+    hybrid-run --save-expert-profile's."""
+    prof = ExpertProfile(model_name, counts.shape[0], counts.shape[1], top_k, tokens, counts)
+    return {"schema": 1, "kind": "expert-popularity", "model_type": model_type, **prof.to_dict(),
+            "source": source}
+
+
 def save_profile(profile: ExpertProfile, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,8 @@ class RuntimeOptions:
     prefill_offload_min: prefill steps of at least this many tokens stream their missed experts to
     the card (0 = never; None = auto: see offload_min_for); cache_warm: what the expert slots hold at load
     (auto: the expert profile's most used experts, else experts in id order until the slots are full;
-    profile: the profile's, else nothing; off: nothing; where nothing, the cache warms up online).
+    profile: the profile's, else nothing; off: nothing; where nothing, the cache warms up online);
+    save_expert_profile: a file the run's routing counts go to when the session closes (routing_counts).
     """
 
     device: str = "cpu"
@@ -45,6 +46,7 @@ class RuntimeOptions:
     trace: str | None = None
     prefill_offload_min: int | None = None
     cache_warm: str = "auto"
+    save_expert_profile: str | None = None
 
     def __post_init__(self) -> None:
         n = len(self.gpus)

@@ -25,6 +25,8 @@ from hybrid.runtime.hybrid_experts import CardRuntime, HybridExperts
 from hybrid.runtime.hybrid_model import HybridModel
 from hybrid.runtime.options import RuntimeOptions
 from hybrid.runtime.placement import Placement
+from hybrid.runtime.routing_counts import RoutingCounter, Tee, check_writable, command_line
+from hybrid.runtime.routing_counts import save as save_counts
 from hybrid.runtime.slots import CardSlots
 from hybrid.runtime.stats import RuntimeStats, summary_lines
 
@@ -45,6 +47,9 @@ class Session:
     load_s: dict = field(default_factory=dict)
     owns_cpu: bool = True
     dense_held: int = 0                  # CPU cards: fp32 bytes of dense weights held (cpu_card)
+    counter: RoutingCounter | None = None  # --save-expert-profile: the run's routing counts
+    model_id: tuple[str, str] = ("", "")   # (model folder name, model_type) for the saved profile
+    saved_profile: Path | None = None      # where close() wrote them
 
     @property
     def caches(self) -> list[ExpertCache]:
@@ -77,6 +82,8 @@ class Session:
                                if (pg := self.model.prefill_graphs) is not None else None)
         d["prefill_chunk"] = dict(zip(("tokens", "source"), self._prefill_chunk()))
         d["warm_start"] = self._warm_start()
+        if self.saved_profile is not None:
+            d["expert_profile_saved"] = str(self.saved_profile)
         return d
 
     def _warm_start(self) -> dict:
@@ -115,6 +122,10 @@ class Session:
         if self.trace is not None:
             self.trace.close()
             self.trace = None
+        if self.counter is not None:                 # --save-expert-profile: once, at the first close
+            counter, self.counter = self.counter, None
+            self.saved_profile = save_counts(counter, self.opts.save_expert_profile, *self.model_id,
+                                             command_line())
         if self.owns_cpu:
             self.cpu.close()
 
@@ -128,6 +139,8 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     path = Path(path)
     cfg = ModelConfig.from_folder(path)
     _check_devices(opts)
+    if opts.save_expert_profile:
+        check_writable(opts.save_expert_profile)     # before minutes of loading
     t0 = time.perf_counter()
     hw = _hardware_profile(opts)
     eprof, eprof_path = _expert_profile(path, opts, cfg, strict=hw is not None)
@@ -169,7 +182,9 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
              for spec in placement.cards]
     t6 = time.perf_counter()
     stats = RuntimeStats(cfg.num_hidden_layers)
-    trace = _trace(opts, path, cfg, cards, placement, meta)
+    counter = (RoutingCounter(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok)
+               if opts.save_expert_profile else None)
+    trace = _trace(opts, path, cfg, cards, placement, meta, counter)
     experts = HybridExperts(cards, cpu, get_expert, cfg.num_hidden_layers, stats, trace,
                             prefill_min=offload_min, store_source=source)
     model.experts = experts
@@ -184,7 +199,7 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     hm = HybridModel(model, experts, opts.kv_resident, opts.kv_dtype, graphs, prefill_graphs)
     return Session(hm, placement, plan, cards, cpu, stats, opts, trace, eprof,
                    {"plan": t1 - t0, "dense": t2 - t1, "cpu_store": t4 - t3, "pin_store": t5 - t4, "expert_cache": t6 - t5},
-                   owns_cpu, held)
+                   owns_cpu, held, counter, (path.resolve().name, cfg.model_type))
 
 
 def _check_devices(opts: RuntimeOptions) -> None:
@@ -319,13 +334,18 @@ def _card(spec, cfg, opts, eprof, qtypes, bytes_per_expert, budget, get_expert, 
     return card
 
 
-def _trace(opts, path, cfg, cards, placement, meta):
-    if not opts.trace:
-        return None
-    header = TraceHeader(path.resolve().name, cfg.num_hidden_layers, cfg.num_experts,
-                         cfg.num_experts_per_tok, [c.cache.describe() for c in cards],
-                         {**(meta or {}), "placement": placement.describe()})
-    try:
-        return TraceWriter(opts.trace, header)
-    except OSError as exc:
-        raise HybridError(f"--trace {opts.trace}: cannot write ({exc.strerror})") from None
+def _trace(opts, path, cfg, cards, placement, meta, counter=None):
+    """The step sink HybridExperts writes each step's routing to: the --trace writer, the routing counter of
+    --save-expert-profile, both (Tee), or None."""
+    writer = None
+    if opts.trace:
+        header = TraceHeader(path.resolve().name, cfg.num_hidden_layers, cfg.num_experts,
+                             cfg.num_experts_per_tok, [c.cache.describe() for c in cards],
+                             {**(meta or {}), "placement": placement.describe()})
+        try:
+            writer = TraceWriter(opts.trace, header)
+        except OSError as exc:
+            raise HybridError(f"--trace {opts.trace}: cannot write ({exc.strerror})") from None
+    if writer is not None and counter is not None:
+        return Tee(writer, counter)
+    return writer if writer is not None else counter
