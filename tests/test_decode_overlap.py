@@ -38,11 +38,11 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
     """An expert profile where every expert is used: a warm start fills every slot it is given."""
-    from hybrid.cli.profile import profile_dict
+    from hybrid.experts.popularity import profile_file_dict
 
     counts = np.full((LAYERS, EXPERTS), 64 * TOPK // EXPERTS, dtype=np.int64)
     path = tmp_path_factory.mktemp("warm") / "experts.json"
-    path.write_text(json.dumps(profile_dict("overlap", "qwen3_moe", counts, 64, TOPK, {"test": True})))
+    path.write_text(json.dumps(profile_file_dict("overlap", "qwen3_moe", counts, 64, TOPK, {"test": True})))
     return str(path)
 
 
@@ -235,7 +235,8 @@ def test_overlap_on_cuda(model_dir, warm, place, tmp_path):
         ids = tok.encode(PROMPT)
         s = open_session(model_dir, RuntimeOptions(device="cuda", gpus=(0, 0), layer_split=(2,), cache_slots=slots,
                                                    expert_profile=warm, pcie_frac=0.0, trace=str(trace),
-                                                   cpu_engine="torch", cache_warm="profile"),   # no Numba compile (minutes, cold)
+                                                   cpu_engine="torch",   # no Numba compile (minutes, cold)
+                                                   cache_warm="profile"),
                          context=len(ids) + 16)
         try:
             hm = s.model

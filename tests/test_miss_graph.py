@@ -302,7 +302,8 @@ def _gpu_run(path, ids, gpus, place, graphs: str, miss_graph: str, monkeypatch, 
     kw = dict(GPU_PLACES[place])
     if "layer_split" not in kw:
         gpus = gpus[:1]
-    s = open_session(path, RuntimeOptions(device="cuda", gpus=gpus, pcie_frac=1.0, cache_warm="profile", **kw), context=len(ids) + n + 2)
+    s = open_session(path, RuntimeOptions(device="cuda", gpus=gpus, pcie_frac=1.0, cache_warm="profile", **kw),
+                     context=len(ids) + n + 2)
     try:
         out = greedy_logits(s.model, ids, n)
         g = s.model.graphs

@@ -74,7 +74,7 @@ def uniform_profile(path: Path) -> Path:
     """An expert profile with every expert used equally (a warm start fills every slot it is given)."""
     import numpy as np
 
-    from hybrid.cli.profile import profile_dict
+    from hybrid.experts.popularity import profile_file_dict
     from hybrid.model.config import ModelConfig
 
     cfg = ModelConfig.from_folder(path)
@@ -82,8 +82,8 @@ def uniform_profile(path: Path) -> Path:
     counts = np.full((cfg.num_hidden_layers, cfg.num_experts), tokens * cfg.num_experts_per_tok // cfg.num_experts,
                      dtype=np.int64)
     out = OUT / "uniform.experts.json"
-    out.write_text(json.dumps(profile_dict(path.name, cfg.model_type, counts, tokens, cfg.num_experts_per_tok,
-                                           {"uniform": True})))
+    out.write_text(json.dumps(profile_file_dict(path.name, cfg.model_type, counts, tokens,
+                                                cfg.num_experts_per_tok, {"uniform": True})))
     return out
 
 

@@ -204,7 +204,7 @@ def calibrate_profile(session, tok, path: Path, out: Path) -> None:
     import numpy as np
     import torch
 
-    from hybrid.cli.profile import profile_dict
+    from hybrid.experts.popularity import profile_file_dict
 
     cfg = session.model.cfg
     counts = np.zeros((cfg.num_hidden_layers, cfg.num_experts), dtype=np.int64)
@@ -218,9 +218,9 @@ def calibrate_profile(session, tok, path: Path, out: Path) -> None:
         session.model.forward(torch.tensor(ids), 0, last_only=True)
         tokens += len(ids)
     inner.on_route = None
-    d = profile_dict(path.name, cfg.model_type, counts, tokens, cfg.num_experts_per_tok,
-                     {"command": "tools/gpu_runtime_check.py calibrate_profile", "texts": 2,
-                      "prompts": "random token ids"})
+    d = profile_file_dict(path.name, cfg.model_type, counts, tokens, cfg.num_experts_per_tok,
+                          {"command": "tools/gpu_runtime_check.py calibrate_profile", "texts": 2,
+                           "prompts": "random token ids"})
     out.write_text(json.dumps(d) + "\n")
 
 
