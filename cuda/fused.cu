@@ -647,11 +647,16 @@ __device__ __forceinline__ void anre_body(const void* x, const void* delta, cons
 }
 
 // Softmax + top-k of the T rows of logits [T, E] by one block of 128 threads, the outputs of topk_row.
-// pr: shared [T * E] floats; sp / si: shared [T * k] (weight, id) in rank order.
+// pr: shared [T * E] floats; sp / si: shared [T * k] (weight, id) in rank order; tab: shared [E] ints, the
+// slot table, loaded with the logits (its latency hidden by theirs) instead of after the ranks.
+#define TOPK_TABJ 4       // slot-table entries per thread: E <= 512
 __device__ __forceinline__ void topk_block(const float* logits, int T, int E, int k, int renorm, long long* ids,
                                            float* weights, const int* slot_table, int* slots, float* route_row,
-                                           float* pr, float* sp, int* si, int& own_slot) {
+                                           float* pr, float* sp, int* si, int* tab, int& own_slot) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  int tv[TOPK_TABJ];
+#pragma unroll
+  for (int j = 0; j < TOPK_TABJ; ++j) tv[j] = slots && tid + 128 * j < E ? slot_table[tid + 128 * j] : -1;
   for (int i = tid; i < T * k; i += 128) { sp[i] = 0.f; si[i] = 0; }   // every rank is filled (NaN: maybe not)
   for (int t = warp; t < T; t += 4) {                     // softmax, a warp per token (topk_row's sums)
     const float* row = logits + (size_t)t * E;
@@ -675,6 +680,9 @@ __device__ __forceinline__ void topk_block(const float* logits, int T, int E, in
     for (int j = 0; j < ROUTE_MAXV; ++j)
       if (lane + 32 * j < E) pr[t * E + lane + 32 * j] = v[j] / s;
   }
+#pragma unroll
+  for (int j = 0; j < TOPK_TABJ; ++j)
+    if (tid + 128 * j < E) tab[tid + 128 * j] = tv[j];
   __syncthreads();
   for (int i = tid; i < T * E; i += 128) {                // the rank of expert e of token t
     const int t = i / E, e = i - t * E;
@@ -698,7 +706,7 @@ __device__ __forceinline__ void topk_block(const float* logits, int T, int E, in
     weights[i] = wt;
     ids[i] = id;
     if (slots) {
-      const int s = slot_table[id];
+      const int s = tab[id];
       slots[i] = s;
       if (i == tid) own_slot = s;                         // assignment tid's slot, kept in a register
     }
@@ -751,7 +759,7 @@ extern "C" __global__ void __launch_bounds__(128)
                             int* perm, int* active, float* zero, int nzero) {
   __shared__ __align__(16) float hs[ANR_MAXH];           // H > 2048: the residual; then the probabilities
   __shared__ float pss[ROUTER_MAXT][4], pacc[ROUTER_MAXT][4], sp[ANRE_MAXTK];
-  __shared__ int si[ANRE_MAXTK];
+  __shared__ int si[ANRE_MAXTK], tab[TOPK_TABJ * 128];
   __shared__ int last;
   DISPATCH_XD(anre_body, x, delta, w, x_out, hout, H, eps, router, logits, T, E, hs, pss, pacc);
   const bool is_last = arrive_last(counter, gridDim.x, &last);
@@ -759,7 +767,7 @@ extern "C" __global__ void __launch_bounds__(128)
     *(float4*)(zero + j) = make_float4(0.f, 0.f, 0.f, 0.f);
   if (!is_last) return;
   int own_slot = -1;
-  topk_block(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, hs, sp, si, own_slot);
+  topk_block(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, hs, sp, si, tab, own_slot);
   if (offsets != nullptr && slots != nullptr && T * k <= 32 && threadIdx.x < 32)
     route_plan_warp(own_slot, T * k, S, offsets, perm, active);
   if (threadIdx.x == 0) *counter = 0;
