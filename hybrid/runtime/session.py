@@ -122,12 +122,14 @@ class Session:
         if self.trace is not None:
             self.trace.close()
             self.trace = None
-        if self.counter is not None:                 # --save-expert-profile: once, at the first close
-            counter, self.counter = self.counter, None
-            self.saved_profile = save_counts(counter, self.opts.save_expert_profile, *self.model_id,
-                                             command_line())
-        if self.owns_cpu:
-            self.cpu.close()
+        try:
+            if self.counter is not None:             # --save-expert-profile: once, at the first close
+                counter, self.counter = self.counter, None
+                self.saved_profile = save_counts(counter, self.opts.save_expert_profile, *self.model_id,
+                                                 command_line())
+        finally:
+            if self.owns_cpu:
+                self.cpu.close()
 
 
 def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, meta: dict | None = None,
