@@ -118,6 +118,42 @@ def test_overrides_array_and_default_params_restored():
     assert not C.llama_model_default_params().tensor_buft_overrides
 
 
+def test_params_without_extra_buffer_types():
+    import llama_cpp.llama_cpp as C
+
+    from hybrid.baselines import llama_offload as lo
+
+    default = C.llama_model_default_params
+    assert default().use_extra_bufts                                            # llama.cpp's default
+    with lo.model_params_with(None, extra_bufts=False):
+        p = C.llama_model_default_params()
+        assert not p.use_extra_bufts and not p.tensor_buft_overrides
+    assert C.llama_model_default_params is default
+    with lo.model_params_with(None):
+        assert C.llama_model_default_params is default                          # nothing to change
+
+
+def test_extra_bufts_switch(monkeypatch):
+    import llama_cpp
+
+    from hybrid.baselines import llama_runner as lr
+
+    monkeypatch.setenv(lr.EXTRA_BUFTS_ENV, "off")
+    assert lr.extra_bufts() is False and lr.llama_cpp_info()["extra_bufts"] is False
+    monkeypatch.setenv(lr.EXTRA_BUFTS_ENV, "on")
+    assert lr.extra_bufts() is True
+    monkeypatch.setenv(lr.EXTRA_BUFTS_ENV, "auto")
+    amx = "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode()
+    assert lr.extra_bufts() is (not amx)
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"CPU : AVX2 = 1 | AMX_INT8 = 1 |")
+    assert lr.extra_bufts() is False
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"CPU : AVX2 = 1 | FMA = 1 |")
+    assert lr.extra_bufts() is True
+    monkeypatch.setenv(lr.EXTRA_BUFTS_ENV, "maybe")
+    with pytest.raises(HybridError, match="HYBRID_LLAMA_EXTRA_BUFTS='maybe': expected auto, on or off"):
+        lr.extra_bufts()
+
+
 def test_devices_lists_the_cpu():
     from hybrid.baselines import llama_offload as lo
 

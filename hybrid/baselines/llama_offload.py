@@ -133,10 +133,11 @@ def cpu_overrides(patterns: list[str], lib: ctypes.CDLL | None = None) -> BuftOv
 
 
 @contextlib.contextmanager
-def model_params_with(overrides: BuftOverrides | None):
+def model_params_with(overrides: BuftOverrides | None, extra_bufts: bool = True):
     """While open, `llama_model_default_params()` (what `llama_cpp.Llama` starts from) carries
-    `overrides`; Llama sets its own fields on top and leaves tensor_buft_overrides alone."""
-    if overrides is None:
+    `overrides` and, with extra_bufts False, `use_extra_bufts = False` (no repacked or AMX weight
+    buffers); Llama sets its own fields on top and leaves these two alone."""
+    if overrides is None and extra_bufts:
         yield
         return
     import llama_cpp.llama_cpp as C
@@ -145,7 +146,10 @@ def model_params_with(overrides: BuftOverrides | None):
 
     def with_overrides():
         params = default()
-        params.tensor_buft_overrides = overrides.address
+        if overrides is not None:
+            params.tensor_buft_overrides = overrides.address
+        if not extra_bufts:
+            params.use_extra_bufts = False
         return params
 
     C.llama_model_default_params = with_overrides

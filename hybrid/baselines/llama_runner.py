@@ -9,9 +9,13 @@ the logits are on the host).
 GPU offload: `n_gpu_layers=-1` puts every layer on the GPU; `cpu_experts=True` (or a regex) keeps the
 tensors it matches (llama.cpp's `--cpu-moe` pattern by default) on the CPU, as `-ot exps=CPU` does
 (hybrid.baselines.llama_offload). `load_log` keeps what llama.cpp said about the placement.
+
+Extra buffer types (llama.cpp's repacked CPU weight layouts and its AMX path) follow
+HYBRID_LLAMA_EXTRA_BUFTS=auto|on|off (`extra_bufts`); result records carry the choice.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,13 +36,32 @@ def require_llama_cpp():
     return llama_cpp
 
 
+EXTRA_BUFTS_ENV = "HYBRID_LLAMA_EXTRA_BUFTS"
+
+
+def extra_bufts() -> bool:
+    """Whether llama.cpp may load weights into its extra buffer types (repacked CPU layouts, AMX
+    tiles): HYBRID_LLAMA_EXTRA_BUFTS=on|off|auto. auto (the default) is off where libggml was built
+    with AMX (its system info says AMX_INT8 = 1), else on: llama-cpp-python 0.3.36 built on a
+    Sapphire Rapids VM (2 vCPUs) died with SIGILL at `tileloadd` in ggml_backend_amx_mul_mat on its
+    first multi-threaded evaluation, while a multi-threaded AMX test program ran there; without the
+    extra buffers the same GGUFs evaluate normally. The AVX2 rigs have no AMX: auto changes nothing there."""
+    choice = os.environ.get(EXTRA_BUFTS_ENV, "auto").strip().lower()
+    if choice not in ("auto", "on", "off"):
+        raise HybridError(f"{EXTRA_BUFTS_ENV}={choice!r}: expected auto, on or off")
+    if choice != "auto":
+        return choice == "on"
+    return "AMX_INT8 = 1" not in require_llama_cpp().llama_print_system_info().decode()
+
+
 def llama_cpp_info() -> dict:
     """Version facts for result records."""
     llama_cpp = require_llama_cpp()
     return {"llama_cpp_python": llama_cpp.__version__,
             "libllama": llama_cpp.llama_version().decode() if hasattr(llama_cpp, "llama_version") else "?",
             "nvfp4": hasattr(llama_cpp, "GGML_TYPE_NVFP4"),
-            "system": llama_cpp.llama_print_system_info().decode().strip()}
+            "system": llama_cpp.llama_print_system_info().decode().strip(),
+            "extra_bufts": extra_bufts()}
 
 
 @dataclass(slots=True)
@@ -78,7 +101,8 @@ class LlamaRunner:
         pattern = (lo.EXPS_PATTERN if cpu_experts is True else cpu_experts) or None
         self.cpu_experts = lo.check_pattern(pattern) if pattern else None
         self._overrides = lo.cpu_overrides([pattern]) if pattern else None   # alive as long as the model
-        with lo.capture_log() as self.load_log, lo.model_params_with(self._overrides):
+        self.extra_bufts = extra_bufts()
+        with lo.capture_log() as self.load_log, lo.model_params_with(self._overrides, self.extra_bufts):
             try:
                 self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                                            logits_all=logits_all, flash_attn=flash_attn, verbose=False,
