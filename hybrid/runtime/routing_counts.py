@@ -76,6 +76,8 @@ def save(counter: RoutingCounter, path: str | Path, model: str, model_type: str,
         tmp.write_text(json.dumps(d) + "\n")
         os.replace(tmp, p)
     except OSError as exc:
+        if tmp.is_file():
+            tmp.unlink()                                             # no half-written file left beside it
         raise HybridError(f"--save-expert-profile {path}: cannot write ({exc.strerror})") from None
     return p
 
