@@ -1,0 +1,65 @@
+"""tools/gpu_router_probe.py on the CPU: its probe copies of the router kernel are made from the shipped source,
+compile for sm_70 and sm_90 without spills, and replace only the router's launch, per HYBRID_ROUTER_PROBE."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from hybrid.kernels import driver, fused_build
+
+PATH = Path(__file__).resolve().parents[1] / "tools" / "gpu_router_probe.py"
+
+
+@pytest.fixture
+def probe():
+    spec = importlib.util.spec_from_file_location("gpu_router_probe", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_probe_source_adds_two_kernels(probe):
+    src = fused_build.source()
+    out = probe.probe_source(src)
+    assert out.startswith(src[: src.index("fused_add_norm_router_e(")])
+    for name in ("fused_add_norm_router_e_nolast(", "fused_add_norm_router_e_emptylast("):
+        assert out.count(name) == 1
+    nolast = out[out.index("fused_add_norm_router_e_nolast("):out.index("fused_add_norm_router_e_emptylast(")]
+    assert "arrive_last" not in nolast and "topk_block" not in nolast and "route_plan_warp" in nolast
+    empty = out[out.index("fused_add_norm_router_e_emptylast("):]
+    empty = empty[: empty.index("\n}\n")]
+    assert "arrive_last" in empty and "topk_block" not in empty and "*counter = 0" in empty
+    with pytest.raises(ValueError, match="zeroing loop"):
+        probe.probe_source(src.replace("// the MoE output\n", "// moved\n", 1))
+
+
+@pytest.mark.parametrize("sm", [70, 90])
+def test_probe_kernels_compile_without_spills(probe, monkeypatch, sm):
+    pytest.importorskip("nvidia.cuda_nvrtc", reason="needs nvidia-cuda-nvrtc-cu12 (pip)")
+    pytest.importorskip("nvidia.cuda_nvcc", reason="needs nvidia-cuda-nvcc-cu12 (pip) for ptxas")
+    shipped = fused_build.source()
+    monkeypatch.setattr(fused_build, "source", lambda: probe.probe_source(shipped))
+    reports, _ = fused_build.compile_check(sm)
+    names = {r.name for r in reports}
+    assert {"fused_add_norm_router_e_nolast", "fused_add_norm_router_e_emptylast"} <= names
+    assert not [r.name for r in reports if r.spill_stores or r.spill_loads or r.stack]
+
+
+def test_launch_renamed_per_mode(probe, monkeypatch):
+    seen = []
+    monkeypatch.setattr(driver.Module, "launch", lambda self, name, grid, block, args, *r, **k: seen.append(name))
+    monkeypatch.setattr(fused_build, "source", fused_build.source)     # restored after the test
+    probe.install()
+    probe.install()                                                   # once only
+    assert getattr(fused_build.source, "probe", False)
+    assert "fused_add_norm_router_e_nolast(" in fused_build.source()
+    m = driver.Module.__new__(driver.Module)
+    for mode, want in (("off", "fused_add_norm_router_e"), ("nolast", "fused_add_norm_router_e_nolast"),
+                       ("emptylast", "fused_add_norm_router_e_emptylast")):
+        monkeypatch.setenv(probe.ENV, mode)
+        m.launch("fused_add_norm_router_e", (128, 1, 1), 128, [])
+        m.launch("fused_rope_attn_e", (8, 1, 1), 128, [])
+        assert seen[-2:] == [want, "fused_rope_attn_e"]
+    monkeypatch.setenv(probe.ENV, "sometimes")
+    with pytest.raises(ValueError, match="HYBRID_ROUTER_PROBE='sometimes'"):
+        m.launch("fused_add_norm_router_e", (128, 1, 1), 128, [])
