@@ -108,7 +108,7 @@ def test_bad_model_one_line_exit_2(case, qwen3_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,needle", [(["-n", "0"], "--max-tokens"), (["--top-p", "0"], "--top-p"),
-                                         (["--temperature", "-1"], "--temperature")])
+                                         (["--temperature", "-1"], "--temperature"), (["--stop", ""], "--stop")])
 def test_bad_flags(args, needle, qwen3_dir, capsys):
     rc, _, err = run(["--model", qwen3_dir] + args, capsys)
     assert rc == 2 and needle in err and "Traceback" not in err

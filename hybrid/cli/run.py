@@ -113,6 +113,8 @@ def _check_args(args) -> None:
 
     if args.max_tokens < 1:
         raise HybridError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if any(s == "" for s in getattr(args, "stop", None) or []):
+        raise HybridError("--stop: expected a non-empty string (an empty one would end the run at its first token)")
     if getattr(args, "stats_every", None) is not None and args.stats_every < 1:
         raise HybridError(f"--stats-every must be >= 1 (tokens between reports), got {args.stats_every}")
     import torch
