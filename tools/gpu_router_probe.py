@@ -111,7 +111,8 @@ def main() -> int:
     import gpu_runtime_check as rc
     import gpu_two_cards as tc
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description="decode sessions with the router kernel swapped for a probe copy "
+                                            "(off, nolast, emptylast; see the module docstring)")
     p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
     p.add_argument("--skew", type=float, default=0.25)
     p.add_argument("--tokens", type=int, default=48)
