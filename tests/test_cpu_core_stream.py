@@ -21,3 +21,14 @@ def test_core_stream_records_each_measurement(tmp_path):
                                                               (128, 1, 8194), (128, 2, 0), (128, 2, 8194)]
     assert [x["rows"] for x in rows if x["what"] == "read"] == [128]
     assert all(x["gbs"] > 0 and x["git_sha"] and x["machine"] and x["threads"] == 1 for x in rows)
+
+
+def test_dram_rows_exceed_the_cache():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cpu_core_stream", ROOT / "tools" / "cpu_core_stream.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.dram_rows(16 << 20) == 65536                                   # a small L3: the old default
+    n = mod.dram_rows(300 << 20)
+    assert n % 64 == 0 and n * mod.ROW_BYTES >= 4 * (300 << 20) > (n - 64) * mod.ROW_BYTES

@@ -2,7 +2,10 @@
 the software prefetch at several distances and hints, beside a read-only stream over the same DRAM bytes
 (cpu/stream.py): whether the kernel's streamed rate is bound by its compute or by what one core keeps in flight.
 
-    python tools/cpu_core_stream.py [--rows 768,16384,65536] [--pf 0,8192,16384,65536,16386] [--record FILE]
+    python tools/cpu_core_stream.py [--rows 768,16384,auto] [--pf 0,8192,16384,65536,16386] [--record FILE]
+
+--rows: weight rows (K = 2048, 1152 bytes a row); `auto` = enough rows for 4x this machine's last-level cache
+(at least 65536): the DRAM case (a 300 MiB L3 holds 65536 rows' 72 MiB).
 
 --pf values are nvfp4_i16_tile_pf's pf argument: distance in bytes + hint in the low 2 bits (0 prefetcht0,
 1 t1, 2 t2, 3 nta). One thread, no runner: a compiled loop over the tiles of one K = 2048 weight.
@@ -17,9 +20,18 @@ import time
 import numpy as np
 
 
+ROW_BYTES = 2048 // 2 + 2048 // 16      # one K = 2048 NVFP4 row: codes + e4m3 block scales
+
+
+def dram_rows(l3: int, floor: int = 65536) -> int:
+    """Rows of a weight four times the last-level cache (l3 bytes), a multiple of 64, at least floor."""
+    return max(floor, -(-4 * l3 // ROW_BYTES // 64) * 64)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", default="768,16384,65536", help="weight rows (K = 2048): L2-, L3- and DRAM-sized")
+    p.add_argument("--rows", default="768,16384,auto",
+                   help="weight rows (K = 2048): L2-, L3- and DRAM-sized (auto: 4x the last-level cache)")
     p.add_argument("--pf", default="0,8192,16384,65536,16386", help="prefetch arguments for the largest weight")
     p.add_argument("--ms", default="1,8")
     p.add_argument("--reps", type=int, default=5)
@@ -32,7 +44,7 @@ def main(argv=None) -> int:
     from cpu.i16 import NO_LIMIT, PREFETCH, nvfp4_i16_tile_pf, quantize_rows
     from cpu.stream import UNIT, read_parallel
     from hybrid.baselines.report import git_sha
-    from hybrid.bench.cpu_kernels import best_time, machine
+    from hybrid.bench.cpu_kernels import best_time, l3_bytes, machine
 
     @njit(nogil=True)
     def sweep(w, G, xq, xs, rows, m, acc, pf, calls):
@@ -47,7 +59,7 @@ def main(argv=None) -> int:
     rows, acc = np.arange(8, dtype=np.int64), np.zeros((8, layout.R), np.float32)
     meta = {"tool": "tools/cpu_core_stream.py", "command": " ".join(["python", *sys.argv]), "git_sha": git_sha(),
             "machine": machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "threads": 1}
-    sizes = [int(v) for v in a.rows.split(",")]
+    sizes = [dram_rows(l3_bytes()) if v.strip() == "auto" else int(v) for v in a.rows.split(",")]
     out = open(a.record, "a") if a.record else None
     for n in sizes:
         w = layout.pack_nvfp4(rng.integers(0, 256, (n, k // 2), dtype=np.uint8),
