@@ -29,6 +29,8 @@ def test_dram_rows_exceed_the_cache():
     spec = importlib.util.spec_from_file_location("cpu_core_stream", ROOT / "tools" / "cpu_core_stream.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    from cpu.layout import nvfp4_nbytes
+
     assert mod.dram_rows(16 << 20) == 65536                                   # a small L3: the old default
     n = mod.dram_rows(300 << 20)
-    assert n % 64 == 0 and n * mod.ROW_BYTES >= 4 * (300 << 20) > (n - 64) * mod.ROW_BYTES
+    assert n % 64 == 0 and nvfp4_nbytes(n, 2048) >= 4 * (300 << 20) > nvfp4_nbytes(n - 64, 2048)

@@ -20,12 +20,16 @@ import time
 import numpy as np
 
 
-ROW_BYTES = 2048 // 2 + 2048 // 16      # one K = 2048 NVFP4 row: codes + e4m3 block scales
+K = 2048                                  # in-features of every weight measured
 
 
 def dram_rows(l3: int, floor: int = 65536) -> int:
-    """Rows of a weight four times the last-level cache (l3 bytes), a multiple of 64, at least floor."""
-    return max(floor, -(-4 * l3 // ROW_BYTES // 64) * 64)
+    """Rows of a K-wide NVFP4 weight of at least four times the last-level cache (l3 bytes), whole
+    64-row tiles, at least floor."""
+    from cpu import layout
+
+    tile = layout.nvfp4_nbytes(layout.R, K)
+    return max(floor, -(-4 * l3 // tile) * layout.R)
 
 
 def main(argv=None) -> int:
@@ -52,7 +56,7 @@ def main(argv=None) -> int:
             for t in range(w.shape[0]):
                 nvfp4_i16_tile_pf(w[t], G, xq, xs, rows, 0, m, acc, pf, NO_LIMIT, 0)
 
-    k, rng = 2048, np.random.default_rng(6)
+    k, rng = K, np.random.default_rng(6)
     x = rng.standard_normal((8, k)).astype(np.float32)
     xq, xs = np.empty((8, k), np.int16), np.empty((8, k // 16), np.float32)
     quantize_rows(x, 0, 8, xq, xs)
