@@ -39,7 +39,7 @@ def require_llama_cpp():
 EXTRA_BUFTS_ENV = "HYBRID_LLAMA_EXTRA_BUFTS"
 
 
-def extra_bufts() -> bool:
+def extra_bufts(system: str | None = None) -> bool:
     """Whether llama.cpp may load weights into its extra buffer types (repacked CPU layouts, AMX
     tiles): HYBRID_LLAMA_EXTRA_BUFTS=on|off|auto. auto (the default) is off where libggml was built
     with AMX (its system info says AMX_INT8 = 1), else on: llama-cpp-python 0.3.36 built on a
@@ -51,17 +51,20 @@ def extra_bufts() -> bool:
         raise HybridError(f"{EXTRA_BUFTS_ENV}={choice!r}: expected auto, on or off")
     if choice != "auto":
         return choice == "on"
-    return "AMX_INT8 = 1" not in require_llama_cpp().llama_print_system_info().decode()
+    if system is None:                       # libggml's system info (llama_cpp_info passes what it read)
+        system = require_llama_cpp().llama_print_system_info().decode()
+    return "AMX_INT8 = 1" not in system
 
 
 def llama_cpp_info() -> dict:
     """Version facts for result records."""
     llama_cpp = require_llama_cpp()
+    system = llama_cpp.llama_print_system_info().decode()
     return {"llama_cpp_python": llama_cpp.__version__,
             "libllama": llama_cpp.llama_version().decode() if hasattr(llama_cpp, "llama_version") else "?",
             "nvfp4": hasattr(llama_cpp, "GGML_TYPE_NVFP4"),
-            "system": llama_cpp.llama_print_system_info().decode().strip(),
-            "extra_bufts": extra_bufts()}
+            "system": system.strip(),
+            "extra_bufts": extra_bufts(system)}
 
 
 @dataclass(slots=True)
