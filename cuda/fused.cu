@@ -646,6 +646,35 @@ __device__ __forceinline__ void anre_body(const void* x, const void* delta, cons
   if (tid < T) logits[(size_t)tid * E + e] = (pacc[tid][0] + pacc[tid][1]) + (pacc[tid][2] + pacc[tid][3]);
 }
 
+// One token's softmax by one warp (topk_row's sums): pr_row[e] = p(e), e < E. NV values per lane (E <= 32 NV):
+// topk_block instantiates it for the smallest NV that holds E, so the router's last block runs (and fetches
+// from a cold instruction cache, once per layer) 4 unrolled loads / exps / divisions per lane for 128
+// experts, not ROUTE_MAXV's 16 (the extra terms were exact zeros: the sums are the same bits).
+template <int NV>
+__device__ __forceinline__ void softmax_warp(const float* row, int E, float* pr_row) {
+  const int lane = threadIdx.x & 31;
+  float v[NV];
+  float m = NEG_INF;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < E ? ld_cg(row + e) : NEG_INF;
+    m = fmaxf(m, v[j]);
+  }
+  m = warp_max(m);
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    v[j] = lane + 32 * j < E ? expf(v[j] - m) : 0.f;
+    s += v[j];
+  }
+  s = warp_sum(s);
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+    if (lane + 32 * j < E) pr_row[lane + 32 * j] = v[j] / s;
+}
+#define TOPK_NV(E) ((E) <= 128 ? 4 : (E) <= 256 ? 8 : ROUTE_MAXV)
+
 // Softmax + top-k of the T rows of logits [T, E] by one block of 128 threads, the outputs of topk_row.
 // pr: shared [T * E] floats; sp / si: shared [T * k] (weight, id) in rank order; tab: shared [E] ints, the
 // slot table, loaded with the logits (its latency hidden by theirs) instead of after the ranks.
@@ -659,26 +688,10 @@ __device__ __forceinline__ void topk_block(const float* logits, int T, int E, in
   for (int j = 0; j < TOPK_TABJ; ++j) tv[j] = slots && tid + 128 * j < E ? slot_table[tid + 128 * j] : -1;
   for (int i = tid; i < T * k; i += 128) { sp[i] = 0.f; si[i] = 0; }   // every rank is filled (NaN: maybe not)
   for (int t = warp; t < T; t += 4) {                     // softmax, a warp per token (topk_row's sums)
-    const float* row = logits + (size_t)t * E;
-    float v[ROUTE_MAXV];
-    float m = NEG_INF;
-#pragma unroll
-    for (int j = 0; j < ROUTE_MAXV; ++j) {
-      const int e = lane + 32 * j;
-      v[j] = e < E ? ld_cg(row + e) : NEG_INF;
-      m = fmaxf(m, v[j]);
-    }
-    m = warp_max(m);
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < ROUTE_MAXV; ++j) {
-      v[j] = lane + 32 * j < E ? expf(v[j] - m) : 0.f;
-      s += v[j];
-    }
-    s = warp_sum(s);
-#pragma unroll
-    for (int j = 0; j < ROUTE_MAXV; ++j)
-      if (lane + 32 * j < E) pr[t * E + lane + 32 * j] = v[j] / s;
+    const int nv = TOPK_NV(E);
+    if (nv == 4) softmax_warp<4>(logits + (size_t)t * E, E, pr + t * E);
+    else if (nv == 8) softmax_warp<8>(logits + (size_t)t * E, E, pr + t * E);
+    else softmax_warp<ROUTE_MAXV>(logits + (size_t)t * E, E, pr + t * E);
   }
 #pragma unroll
   for (int j = 0; j < TOPK_TABJ; ++j)

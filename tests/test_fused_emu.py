@@ -303,6 +303,7 @@ F16, F32 = torch.float16, torch.float32
 
 @pytest.mark.parametrize("t,h,e,xdt,ddt", [(1, 2048, 128, F16, F16), (3, 100, 60, F32, F16), (2, 4096, 32, F16, F32),
                                            (1, 16, 8, F16, None), (4, 64, 8, F32, F32), (5, 48, 16, F32, None),
+                                           (2, 64, 200, F16, F16),      # the softmax's 8 values per lane
                                            pytest.param(8, 256, 512, F16, F16, marks=SLOW)])
 def test_emulated_add_norm_router_e(router_emu, t, h, e, xdt, ddt):
     """The block-per-expert kernel against the warp-per-expert one (x2 and h bit-identical, ids identical,

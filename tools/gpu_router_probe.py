@@ -8,6 +8,11 @@ captures its graphs):
     nolast     no fence, no counter, no last block: block 0 writes a fixed routing (experts 0..k-1, weights 1/k,
                their slots) and its MoE plan; every block zeroes the MoE output as shipped
     emptylast  fence and counter as shipped; the last block writes that fixed routing (no softmax, no ranks)
+    wide       as shipped, but the last block's softmax unrolled for ROUTE_MAXV (16) values per lane whatever E
+               (the code before topk_block's softmax was sized by E: §31)
+    twice      as shipped, with the last block's routing (softmax, ranks, lookups, plan) run twice: the second
+               run finds the instructions and the logits cached, so twice - off is the tail's warm cost (the
+               loop spills 16 bytes per thread on sm_90: an upper bound)
 
 The probes route every token to experts 0..k-1, so their greedy ids differ from `off`'s and the MoE kernels read
 the same few experts; the figures to read are the router's GPU time per step (cuda_calls_per_step.gpu, the
@@ -33,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ENV = "HYBRID_ROUTER_PROBE"
 KERNEL = "fused_add_norm_router_e"
-SUFFIX = {"off": "", "nolast": "_nolast", "emptylast": "_emptylast"}
+SUFFIX = {"off": "", "nolast": "_nolast", "emptylast": "_emptylast", "wide": "_wide", "twice": "_twice"}
 
 # block 0 (nolast) or the last block (emptylast): the routing of experts 0..k-1 for each token, as topk_block
 # writes it (ids, weights, slots, the host's route row), and the MoE plan from those slots (route_plan_warp), by warp 0
@@ -73,7 +78,18 @@ def probe_source(src: str) -> str:
     nolast = (kern[:body_end].replace(f"{KERNEL}(", f"{KERNEL}_nolast(") + _ZERO
               + "  if (blockIdx.x != 0) return;\n" + _FIXED + "}\n")
     empty = kern[:ranks].replace(f"{KERNEL}(", f"{KERNEL}_emptylast(") + _FIXED + kern[reset:]
-    return src[:end] + "\n" + nolast + "\n" + empty + src[end:]
+    tail = kern[ranks:reset]
+    twice = (kern[:ranks].replace(f"{KERNEL}(", f"{KERNEL}_twice(") + "#pragma unroll 1\n"
+             + "  for (int rep = 0; rep < 2; ++rep) {\n" + tail + "  }\n" + kern[reset:])
+    tb_start = src.index("__device__ __forceinline__ void topk_block(")
+    tb = src[tb_start:src.index("\n}\n", tb_start) + 3]
+    if "TOPK_NV(E)" not in tb:
+        raise ValueError("topk_block: its softmax is not sized by TOPK_NV(E) where the probe expects it")
+    wide_tb = tb.replace("void topk_block(", "void topk_block_wide(").replace("TOPK_NV(E)", "ROUTE_MAXV")
+    wide = (kern.replace(f"{KERNEL}(", f"{KERNEL}_wide(")
+            .replace("  topk_block(", "  topk_block_wide("))
+    return (src[:end] + "\n" + nolast + "\n" + empty + "\n" + twice + "\n" + wide_tb + "\n" + wide
+            + src[end:])
 
 
 def probe_name(name: str, mode: str | None = None) -> str:
@@ -112,7 +128,7 @@ def main() -> int:
     import gpu_two_cards as tc
 
     p = argparse.ArgumentParser(description="decode sessions with the router kernel swapped for a probe copy "
-                                            "(off, nolast, emptylast; see the module docstring)")
+                                            "(off, nolast, emptylast, wide, twice; see the module docstring)")
     p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
     p.add_argument("--skew", type=float, default=0.25)
     p.add_argument("--tokens", type=int, default=48)
