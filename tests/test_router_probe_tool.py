@@ -37,6 +37,9 @@ def test_probe_source_adds_the_probe_kernels(probe):
     assert "topk_block_wide(" in wide and "topk_block(" not in wide.replace("topk_block_wide(", "")
     wide_tb = out[out.index("void topk_block_wide("):]
     assert "TOPK_NV(E)" not in wide_tb[: wide_tb.index("\n}\n")]
+    stamps = out[out.index("fused_add_norm_router_e_stamps("):]
+    stamps = stamps[: stamps.index("\n}\n")]
+    assert "topk_block_stamps(" in stamps and all(f"STAMP({n})" in out for n in range(8))
     with pytest.raises(ValueError, match="TOPK_NV"):
         probe.probe_source(src.replace("const int nv = TOPK_NV(E);", "const int nv = 4;", 1))
     with pytest.raises(ValueError, match="zeroing loop"):
@@ -51,7 +54,7 @@ def test_probe_kernels_compile_without_spills(probe, monkeypatch, sm):
     monkeypatch.setattr(fused_build, "source", lambda: probe.probe_source(shipped))
     reports, _ = fused_build.compile_check(sm)
     names = {r.name for r in reports}
-    assert {f"fused_add_norm_router_e_{m}" for m in ("nolast", "emptylast", "twice", "wide")} <= names
+    assert {f"fused_add_norm_router_e_{m}" for m in ("nolast", "emptylast", "twice", "wide", "stamps")} <= names
     # the twice probe's loop spills 16 bytes on sm_90 (its time is read as an upper bound of the tail's warm cost)
     assert not [r.name for r in reports if (r.spill_stores or r.spill_loads or r.stack) and not r.name.endswith("_twice")]
 
@@ -67,7 +70,7 @@ def test_launch_renamed_per_mode(probe, monkeypatch):
     m = driver.Module.__new__(driver.Module)
     for mode, want in (("off", "fused_add_norm_router_e"), ("nolast", "fused_add_norm_router_e_nolast"),
                        ("emptylast", "fused_add_norm_router_e_emptylast"), ("wide", "fused_add_norm_router_e_wide"),
-                       ("twice", "fused_add_norm_router_e_twice")):
+                       ("twice", "fused_add_norm_router_e_twice"), ("stamps", "fused_add_norm_router_e_stamps")):
         monkeypatch.setenv(probe.ENV, mode)
         m.launch("fused_add_norm_router_e", (128, 1, 1), 128, [])
         m.launch("fused_rope_attn_e", (8, 1, 1), 128, [])

@@ -13,6 +13,10 @@ captures its graphs):
     twice      as shipped, with the last block's routing (softmax, ranks, lookups, plan) run twice: the second
                run finds the instructions and the logits cached, so twice - off is the tail's warm cost (the
                loop spills 16 bytes per thread on sm_90: an upper bound)
+    stamps     as shipped, with clock64() read by the last block's thread 0 between its phases (PHASES: the norm
+               and logits, the arrival, the zeroing, the softmax, the ranks, the outputs, the MoE plan), summed
+               with the launch count into a module global that the tool reads after each session (a record's
+               "stamps": mean cycles per launch)
 
 The probes route every token to experts 0..k-1, so their greedy ids differ from `off`'s and the MoE kernels read
 the same few experts; the figures to read are the router's GPU time per step (cuda_calls_per_step.gpu, the
@@ -38,7 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ENV = "HYBRID_ROUTER_PROBE"
 KERNEL = "fused_add_norm_router_e"
-SUFFIX = {"off": "", "nolast": "_nolast", "emptylast": "_emptylast", "wide": "_wide", "twice": "_twice"}
+SUFFIX = {"off": "", "nolast": "_nolast", "emptylast": "_emptylast", "wide": "_wide", "twice": "_twice",
+          "stamps": "_stamps"}
+# the stamps probe's phases (SM cycles of the last block's thread 0, summed over launches in probe_stamps)
+PHASES = ("body", "arrive", "zero", "softmax", "ranks", "outputs", "plan")
 
 # block 0 (nolast) or the last block (emptylast): the routing of experts 0..k-1 for each token, as topk_block
 # writes it (ids, weights, slots, the host's route row), and the MoE plan from those slots (route_plan_warp), by warp 0
@@ -89,7 +96,58 @@ def probe_source(src: str) -> str:
     wide = (kern.replace(f"{KERNEL}(", f"{KERNEL}_wide(")
             .replace("  topk_block(", "  topk_block_wide("))
     return (src[:end] + "\n" + nolast + "\n" + empty + "\n" + twice + "\n" + wide_tb + "\n" + wide
-            + src[end:])
+            + "\n" + stamps_source(kern, tb) + src[end:])
+
+
+def stamps_source(kern: str, tb: str) -> str:
+    """The stamps probe: topk_block and the kernel copied with `STAMP(n)` (thread 0 notes clock64() in
+    shared pst[n]) at the ends of the phases; the last block's thread 0 adds the differences to probe_stamps."""
+    if tb.count("  __syncthreads();\n") != 2:
+        raise ValueError("topk_block: expected its two barriers (softmax | ranks | outputs)")
+    first = tb.index("  __syncthreads();\n") + len("  __syncthreads();\n")
+    second = tb.index("  __syncthreads();\n", first) + len("  __syncthreads();\n")
+    stb = (tb[:first] + "  STAMP(4)\n" + tb[first:second] + "  STAMP(5)\n" + tb[second:-3] + "\n  STAMP(6)\n}\n")
+    stb = stb.replace("void topk_block(", "void topk_block_stamps(").replace(
+        "int& own_slot) {", "int& own_slot, long long* pst) {")
+    k = kern.replace(f"{KERNEL}(", f"{KERNEL}_stamps(").replace("  topk_block(", "  topk_block_stamps(")
+    k = k.replace("tab, own_slot);", "tab, own_slot, pst);")
+    k = k.replace("  __shared__ int last;\n", "  __shared__ int last;\n  __shared__ long long pst[8];\n  STAMP(0)\n", 1)
+    k = k.replace("  const bool is_last = arrive_last(", "  STAMP(1)\n  const bool is_last = arrive_last(", 1)
+    k = k.replace("  if (!is_last) return;\n", "  if (!is_last) return;\n  STAMP(3)\n", 1)
+    k = k.replace("gridDim.x, &last);\n", "gridDim.x, &last);\n  STAMP(2)\n", 1)
+    k = k.replace("  if (threadIdx.x == 0) *counter = 0;\n", """  if (threadIdx.x == 0) {
+    STAMP(7)
+    for (int n = 0; n < 7; ++n) atomicAdd(&probe_stamps[n], (unsigned long long)(pst[n + 1] - pst[n]));
+    atomicAdd(&probe_stamps[7], 1ull);
+    *counter = 0;
+  }
+""", 1)
+    for n in range(8):
+        if f"STAMP({n})" not in k + stb:
+            raise ValueError(f"the stamps probe: STAMP({n}) was not placed")
+    head = ("__device__ unsigned long long probe_stamps[8];\n"
+            "#define STAMP(n) if (threadIdx.x == 0) pst[n] = clock64();\n")
+    return head + stb + "\n" + k
+
+
+def torch_device():
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def read_stamps(module) -> list[int]:
+    """probe_stamps of a loaded fused module (driver.Module): 7 phase sums and the launch count."""
+    import ctypes
+
+    from hybrid.kernels import driver
+
+    dptr, size = ctypes.c_uint64(), ctypes.c_size_t()
+    driver.check(driver._cuda().cuModuleGetGlobal_v2(ctypes.byref(dptr), ctypes.byref(size), module._handle,
+                                                    b"probe_stamps"), "cuModuleGetGlobal(probe_stamps)")
+    out = (ctypes.c_uint64 * 8)()
+    driver.check(driver._cuda().cuMemcpyDtoH_v2(out, dptr, ctypes.c_size_t(64)), "cuMemcpyDtoH(probe_stamps)")
+    return list(out)
 
 
 def probe_name(name: str, mode: str | None = None) -> str:
@@ -144,9 +202,24 @@ def main() -> int:
         return 2
     install()
     ab.OUT.mkdir(parents=True, exist_ok=True)
-    ab.record = rc.record = tc.record = rc.recorder(
-        "tools/gpu_router_probe.py", "router_probe.jsonl",
-        ("env", "decode_tok_s", "cuda_calls_per_step", "ids_equal_first", "skipped", "error"))
+    base = rc.recorder("tools/gpu_router_probe.py", "router_probe.jsonl",
+                       ("env", "decode_tok_s", "cuda_calls_per_step", "ids_equal_first", "stamps", "skipped",
+                        "error"))
+    seen = [0] * 8
+
+    def record(rec: dict) -> None:            # a stamps session's record: the phases' mean cycles per launch
+        if (rec.get("env") or {}).get(ENV) == "stamps":
+            from hybrid.kernels import fused_build
+
+            now = read_stamps(fused_build.module(torch_device()))
+            d = [a - b for a, b in zip(now, seen)]
+            seen[:] = now
+            if d[7]:
+                rec = {**rec, "stamps": {"launches": d[7], "cycles": dict(zip(PHASES, (round(x / d[7], 1)
+                                                                                      for x in d[:7])))}}
+        base(rec)
+
+    ab.record = rc.record = tc.record = record
     deadline = rc.T0 + a.budget_s
     parts = [("synth_write", lambda: rc.make_synth(a.synth, a.skew, False)),
              ("probe_runs", lambda: ab.runs(a.synth, deadline, a.tokens, a.profile, 1024, a.order, modes,
