@@ -730,6 +730,77 @@ __device__ __forceinline__ void topk_block(const float* logits, int T, int E, in
   }
 }
 
+// Softmax + top-k of one token's logits by one warp, the outputs of topk_row (the same bits: softmax_warp's
+// sums, then k rounds of a warp argmax with ties to the lowest id, the weights summed in rank order); the
+// slot table is loaded with the logits (NV entries per lane) and each choice's slot fetched by shuffles, so
+// lane r < k returns choice r's slot (-1 without slots). The router's last block runs it, a warp per token:
+// compact code (the k rounds a loop), no barrier, because that block's instructions come from a cold
+// instruction cache (results/runtime.md §31: topk_block's block-wide ranks took ~5.9 us of tail per layer).
+template <int NV>
+__device__ __forceinline__ int topk_warp(const float* row, int t, int E, int k, int renorm, long long* ids,
+                                         float* weights, const int* slot_table, int* slots, float* route_row) {
+  const unsigned full = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  float v[NV];
+  int tv[NV];
+  float m = NEG_INF;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < E ? ld_cg(row + e) : NEG_INF;
+    tv[j] = slots && e < E ? slot_table[e] : -1;
+    m = fmaxf(m, v[j]);
+  }
+  m = warp_max(m);
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    v[j] = lane + 32 * j < E ? expf(v[j] - m) : 0.f;
+    s += v[j];
+  }
+  s = warp_sum(s);
+#pragma unroll
+  for (int j = 0; j < NV; ++j) v[j] = lane + 32 * j < E ? v[j] / s : -1.f;   // probs >= 0
+  float mine_w = 0.f, total = 0.f;
+  int mine_id = 0;
+#pragma unroll 1
+  for (int r = 0; r < k; ++r) {
+    float best = -2.f;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+      if (v[j] > best) { best = v[j]; bi = lane + 32 * j; }   // ascending ids: keeps the lowest
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      const float ob = __shfl_xor_sync(full, best, o);
+      const int oi = __shfl_xor_sync(full, bi, o);
+      if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+    }
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+      if (lane + 32 * j == bi) v[j] = -2.f;                  // taken
+    if (lane == r) { mine_w = best; mine_id = bi; }
+    total += best;
+  }
+  int slot = -1;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {                          // choice mine_id's slot from lane mine_id % 32
+    const int sj = __shfl_sync(full, tv[j], mine_id & 31);
+    if ((mine_id >> 5) == j) slot = sj;
+  }
+  if (lane < k) {
+    const float wt = renorm ? mine_w / total : mine_w;
+    weights[(size_t)t * k + lane] = wt;
+    ids[(size_t)t * k + lane] = mine_id;
+    if (slots) slots[(size_t)t * k + lane] = slot;
+    if (route_row) {
+      route_row[(size_t)t * 2 * k + lane] = (float)mine_id;
+      route_row[(size_t)t * 2 * k + k + lane] = wt;
+    }
+  }
+  return slots && lane < k ? slot : -1;
+}
+
 // The grouped MoE kernels' routing (qpn.cu's qpn_moe_route outputs) from A = T * k <= 32 slot ids, by warp 0
 // of the router's last block, lane a holding assignment a's slot s (ids outside [0, S) dropped): offsets[s],
 // offsets[s + 1] of every slot s with an assignment (the only entries the expert kernels read), perm [A']
@@ -779,10 +850,24 @@ extern "C" __global__ void __launch_bounds__(128)
   for (int j = 4 * (blockIdx.x * 128 + threadIdx.x); j < nzero; j += 4 * 128 * gridDim.x)   // the MoE output
     *(float4*)(zero + j) = make_float4(0.f, 0.f, 0.f, 0.f);
   if (!is_last) return;
+  const int warp = threadIdx.x >> 5, nv = TOPK_NV(E);
+  const bool plan = offsets != nullptr && slots != nullptr && T * k <= 32;
   int own_slot = -1;
-  topk_block(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, hs, sp, si, tab, own_slot);
-  if (offsets != nullptr && slots != nullptr && T * k <= 32 && threadIdx.x < 32)
-    route_plan_warp(own_slot, T * k, S, offsets, perm, active);
+  for (int t = warp; t < T; t += 4) {                     // a warp per token
+    const int s = nv == 4 ? topk_warp<4>(logits + (size_t)t * E, t, E, k, renorm, ids, weights, slot_table, slots,
+                                         route_row)
+                : nv == 8 ? topk_warp<8>(logits + (size_t)t * E, t, E, k, renorm, ids, weights, slot_table, slots,
+                                         route_row)
+                : topk_warp<ROUTE_MAXV>(logits + (size_t)t * E, t, E, k, renorm, ids, weights, slot_table, slots,
+                                        route_row);
+    if (T == 1) own_slot = s;
+    else if (plan && (threadIdx.x & 31) < k) si[t * k + (threadIdx.x & 31)] = s;
+  }
+  if (plan && T > 1) {                                    // assignment a's slot to lane a of warp 0
+    __syncthreads();
+    if (threadIdx.x < T * k) own_slot = si[threadIdx.x];
+  }
+  if (plan && threadIdx.x < 32) route_plan_warp(own_slot, T * k, S, offsets, perm, active);
   if (threadIdx.x == 0) *counter = 0;
 }
 

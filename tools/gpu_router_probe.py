@@ -8,15 +8,11 @@ captures its graphs):
     nolast     no fence, no counter, no last block: block 0 writes a fixed routing (experts 0..k-1, weights 1/k,
                their slots) and its MoE plan; every block zeroes the MoE output as shipped
     emptylast  fence and counter as shipped; the last block writes that fixed routing (no softmax, no ranks)
-    wide       as shipped, but the last block's softmax unrolled for ROUTE_MAXV (16) values per lane whatever E
-               (the code before topk_block's softmax was sized by E: §31)
-    twice      as shipped, with the last block's routing (softmax, ranks, lookups, plan) run twice: the second
-               run finds the instructions and the logits cached, so twice - off is the tail's warm cost (the
-               loop spills 16 bytes per thread on sm_90: an upper bound)
+    block      as shipped, but the last block's routing by topk_block (softmax by a warp per token, then every
+               expert ranked against the others by the block's 128 threads, two barriers), the tail before §31
     stamps     as shipped, with clock64() read by the last block's thread 0 between its phases (PHASES: the norm
-               and logits, the arrival, the zeroing, the softmax, the ranks, the outputs, the MoE plan), summed
-               with the launch count into a module global that the tool reads after each session (a record's
-               "stamps": mean cycles per launch)
+               and logits, the arrival, the zeroing, the routing, the MoE plan), summed with the launch count into
+               a module global that the tool reads after each session (a record's "stamps": mean cycles per launch)
 
 The probes route every token to experts 0..k-1, so their greedy ids differ from `off`'s and the MoE kernels read
 the same few experts; the figures to read are the router's GPU time per step (cuda_calls_per_step.gpu, the
@@ -42,10 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ENV = "HYBRID_ROUTER_PROBE"
 KERNEL = "fused_add_norm_router_e"
-SUFFIX = {"off": "", "nolast": "_nolast", "emptylast": "_emptylast", "wide": "_wide", "twice": "_twice",
-          "stamps": "_stamps"}
+SUFFIX = {"off": "", "nolast": "_nolast", "emptylast": "_emptylast", "block": "_block", "stamps": "_stamps"}
 # the stamps probe's phases (SM cycles of the last block's thread 0, summed over launches in probe_stamps)
-PHASES = ("body", "arrive", "zero", "softmax", "ranks", "outputs", "plan")
+PHASES = ("body", "arrive", "zero", "routing", "plan")
 
 # block 0 (nolast) or the last block (emptylast): the routing of experts 0..k-1 for each token, as topk_block
 # writes it (ids, weights, slots, the host's route row), and the MoE plan from those slots (route_plan_warp), by warp 0
@@ -67,87 +62,57 @@ _FIXED = """
     if (offsets != nullptr && slots != nullptr && T * k <= 32) route_plan_warp(s, T * k, S, offsets, perm, active);
   }
 """
+# the last block's routing before §31: topk_block (a warp's softmax per token, block-wide ranks) and the plan
+_BLOCK = """  int own_slot = -1;
+  topk_block(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, hs, sp, si, tab, own_slot);
+  if (offsets != nullptr && slots != nullptr && T * k <= 32 && threadIdx.x < 32)
+    route_plan_warp(own_slot, T * k, S, offsets, perm, active);
+"""
 _ZERO = """  for (int j = 4 * (blockIdx.x * 128 + threadIdx.x); j < nzero; j += 4 * 128 * gridDim.x)   // the MoE output
     *(float4*)(zero + j) = make_float4(0.f, 0.f, 0.f, 0.f);
 """
 
 
 def probe_source(src: str) -> str:
-    """fused.cu with the two probe copies of fused_add_norm_router_e appended after it (see module doc)."""
+    """fused.cu with the probe copies of fused_add_norm_router_e appended after it (see module doc)."""
     start = src.index(f'extern "C" __global__ void __launch_bounds__(128)\n    {KERNEL}(')
     end = src.index("\n}\n", start) + 3
     kern = src[start:end]
     body_end = kern.index("  const bool is_last = arrive_last(")
-    ranks = kern.index("  int own_slot = -1;")
+    tail = kern.index("  if (!is_last) return;\n") + len("  if (!is_last) return;\n")
     reset = kern.index("  if (threadIdx.x == 0) *counter = 0;")
     if _ZERO not in kern:
         raise ValueError(f"{KERNEL}: its MoE-output zeroing loop is not where the probe expects it")
     nolast = (kern[:body_end].replace(f"{KERNEL}(", f"{KERNEL}_nolast(") + _ZERO
               + "  if (blockIdx.x != 0) return;\n" + _FIXED + "}\n")
-    empty = kern[:ranks].replace(f"{KERNEL}(", f"{KERNEL}_emptylast(") + _FIXED + kern[reset:]
-    tail = kern[ranks:reset]
-    twice = (kern[:ranks].replace(f"{KERNEL}(", f"{KERNEL}_twice(") + "#pragma unroll 1\n"
-             + "  for (int rep = 0; rep < 2; ++rep) {\n" + tail + "  }\n" + kern[reset:])
-    tb_start = src.index("__device__ __forceinline__ void topk_block(")
-    tb = src[tb_start:src.index("\n}\n", tb_start) + 3]
-    if "TOPK_NV(E)" not in tb:
-        raise ValueError("topk_block: its softmax is not sized by TOPK_NV(E) where the probe expects it")
-    wide_tb = tb.replace("void topk_block(", "void topk_block_wide(").replace("TOPK_NV(E)", "ROUTE_MAXV")
-    wide = (kern.replace(f"{KERNEL}(", f"{KERNEL}_wide(")
-            .replace("  topk_block(", "  topk_block_wide("))
-    return (src[:end] + "\n" + nolast + "\n" + empty + "\n" + twice + "\n" + wide_tb + "\n" + wide
-            + "\n" + stamps_source(kern, tb) + src[end:])
+    empty = kern[:tail].replace(f"{KERNEL}(", f"{KERNEL}_emptylast(") + _FIXED + kern[reset:]
+    block = kern[:tail].replace(f"{KERNEL}(", f"{KERNEL}_block(") + _BLOCK + kern[reset:]
+    return (src[:end] + "\n" + nolast + "\n" + empty + "\n" + block + "\n" + stamps_source(kern) + src[end:])
 
 
-def stamps_source(kern: str, tb: str) -> str:
-    """The stamps probe: topk_block and the kernel copied with `STAMP(n)` (thread 0 notes clock64() in
-    shared pst[n]) at the ends of the phases; the last block's thread 0 adds the differences to probe_stamps."""
-    if tb.count("  __syncthreads();\n") != 2:
-        raise ValueError("topk_block: expected its two barriers (softmax | ranks | outputs)")
-    first = tb.index("  __syncthreads();\n") + len("  __syncthreads();\n")
-    second = tb.index("  __syncthreads();\n", first) + len("  __syncthreads();\n")
-    stb = (tb[:first] + "  STAMP(4)\n" + tb[first:second] + "  STAMP(5)\n" + tb[second:-3] + "\n  STAMP(6)\n}\n")
-    stb = stb.replace("void topk_block(", "void topk_block_stamps(").replace(
-        "int& own_slot) {", "int& own_slot, long long* pst) {")
-    k = kern.replace(f"{KERNEL}(", f"{KERNEL}_stamps(").replace("  topk_block(", "  topk_block_stamps(")
-    k = k.replace("tab, own_slot);", "tab, own_slot, pst);")
-    k = k.replace("  __shared__ int last;\n", "  __shared__ int last;\n  __shared__ long long pst[8];\n  STAMP(0)\n", 1)
-    k = k.replace("  const bool is_last = arrive_last(", "  STAMP(1)\n  const bool is_last = arrive_last(", 1)
-    k = k.replace("  if (!is_last) return;\n", "  if (!is_last) return;\n  STAMP(3)\n", 1)
-    k = k.replace("gridDim.x, &last);\n", "gridDim.x, &last);\n  STAMP(2)\n", 1)
-    k = k.replace("  if (threadIdx.x == 0) *counter = 0;\n", """  if (threadIdx.x == 0) {
-    STAMP(7)
-    for (int n = 0; n < 7; ++n) atomicAdd(&probe_stamps[n], (unsigned long long)(pst[n + 1] - pst[n]));
+def stamps_source(kern: str) -> str:
+    """The stamps probe: the kernel copied with `STAMP(n)` (thread 0 notes clock64() in shared pst[n]) at the
+    ends of the phases; the last block's thread 0 adds the differences to probe_stamps."""
+    k = kern.replace(f"{KERNEL}(", f"{KERNEL}_stamps(")
+    marks = [("  __shared__ int last;\n", "  __shared__ int last;\n  __shared__ long long pst[8];\n  STAMP(0)\n"),
+             ("  const bool is_last = arrive_last(", "  STAMP(1)\n  const bool is_last = arrive_last("),
+             ("gridDim.x, &last);\n", "gridDim.x, &last);\n  STAMP(2)\n"),
+             ("  if (!is_last) return;\n", "  if (!is_last) return;\n  STAMP(3)\n"),
+             ("  if (plan && T > 1) {", "  __syncthreads();\n  STAMP(4)\n  if (plan && T > 1) {"),
+             ("  if (threadIdx.x == 0) *counter = 0;\n", """  if (threadIdx.x == 0) {
+    STAMP(5)
+    for (int n = 0; n < 5; ++n) atomicAdd(&probe_stamps[n], (unsigned long long)(pst[n + 1] - pst[n]));
     atomicAdd(&probe_stamps[7], 1ull);
     *counter = 0;
   }
-""", 1)
-    for n in range(8):
-        if f"STAMP({n})" not in k + stb:
-            raise ValueError(f"the stamps probe: STAMP({n}) was not placed")
+""")]
+    for old, new in marks:
+        if k.count(old) != 1:
+            raise ValueError(f"the stamps probe: {old.strip()!r} is not where the probe expects it")
+        k = k.replace(old, new)
     head = ("__device__ unsigned long long probe_stamps[8];\n"
             "#define STAMP(n) if (threadIdx.x == 0) pst[n] = clock64();\n")
-    return head + stb + "\n" + k
-
-
-def torch_device():
-    import torch
-
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def read_stamps(module) -> list[int]:
-    """probe_stamps of a loaded fused module (driver.Module): 7 phase sums and the launch count."""
-    import ctypes
-
-    from hybrid.kernels import driver
-
-    dptr, size = ctypes.c_uint64(), ctypes.c_size_t()
-    driver.check(driver._cuda().cuModuleGetGlobal_v2(ctypes.byref(dptr), ctypes.byref(size), module._handle,
-                                                    b"probe_stamps"), "cuModuleGetGlobal(probe_stamps)")
-    out = (ctypes.c_uint64 * 8)()
-    driver.check(driver._cuda().cuMemcpyDtoH_v2(out, dptr, ctypes.c_size_t(64)), "cuMemcpyDtoH(probe_stamps)")
-    return list(out)
+    return head + k
 
 
 def probe_name(name: str, mode: str | None = None) -> str:
@@ -186,7 +151,7 @@ def main() -> int:
     import gpu_two_cards as tc
 
     p = argparse.ArgumentParser(description="decode sessions with the router kernel swapped for a probe copy "
-                                            "(off, nolast, emptylast, wide, twice; see the module docstring)")
+                                            "(off, nolast, emptylast, block, stamps; see the module docstring)")
     p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
     p.add_argument("--skew", type=float, default=0.25)
     p.add_argument("--tokens", type=int, default=48)
@@ -216,7 +181,7 @@ def main() -> int:
             seen[:] = now
             if d[7]:
                 rec = {**rec, "stamps": {"launches": d[7], "cycles": dict(zip(PHASES, (round(x / d[7], 1)
-                                                                                      for x in d[:7])))}}
+                                                                                      for x in d)))}}
         base(rec)
 
     ab.record = rc.record = tc.record = record
