@@ -23,7 +23,7 @@ def test_probe_source_adds_the_probe_kernels(probe):
     out = probe.probe_source(src)
     assert out.startswith(src[: src.index("fused_add_norm_router_e(")])
     for name in ("fused_add_norm_router_e_nolast(", "fused_add_norm_router_e_emptylast(",
-                 "fused_add_norm_router_e_block(", "fused_add_norm_router_e_stamps("):
+                 "fused_add_norm_router_e_block(", "fused_add_norm_router_e_pf(", "fused_add_norm_router_e_stamps("):
         assert out.count(name) == 1
     nolast = out[out.index("fused_add_norm_router_e_nolast("):out.index("fused_add_norm_router_e_emptylast(")]
     assert "arrive_last" not in nolast and "topk_warp" not in nolast and "route_plan_warp" in nolast
@@ -50,7 +50,7 @@ def test_probe_kernels_compile_without_spills(probe, monkeypatch, sm):
     monkeypatch.setattr(fused_build, "source", lambda: probe.probe_source(shipped))
     reports, _ = fused_build.compile_check(sm)
     names = {r.name for r in reports}
-    assert {f"fused_add_norm_router_e_{m}" for m in ("nolast", "emptylast", "block", "stamps")} <= names
+    assert {f"fused_add_norm_router_e_{m}" for m in ("nolast", "emptylast", "block", "pf", "stamps")} <= names
     # the stamps probe may spill (its clock values; its phases are read, not its time)
     assert not [r.name for r in reports if (r.spill_stores or r.spill_loads or r.stack) and not r.name.endswith("_stamps")]
 
@@ -66,7 +66,7 @@ def test_launch_renamed_per_mode(probe, monkeypatch):
     m = driver.Module.__new__(driver.Module)
     for mode, want in (("off", "fused_add_norm_router_e"), ("nolast", "fused_add_norm_router_e_nolast"),
                        ("emptylast", "fused_add_norm_router_e_emptylast"), ("block", "fused_add_norm_router_e_block"),
-                       ("stamps", "fused_add_norm_router_e_stamps")):
+                       ("pf", "fused_add_norm_router_e_pf"), ("stamps", "fused_add_norm_router_e_stamps")):
         monkeypatch.setenv(probe.ENV, mode)
         m.launch("fused_add_norm_router_e", (128, 1, 1), 128, [])
         m.launch("fused_rope_attn_e", (8, 1, 1), 128, [])
@@ -74,3 +74,19 @@ def test_launch_renamed_per_mode(probe, monkeypatch):
     monkeypatch.setenv(probe.ENV, "sometimes")
     with pytest.raises(ValueError, match="HYBRID_ROUTER_PROBE='sometimes'"):
         m.launch("fused_add_norm_router_e", (128, 1, 1), 128, [])
+
+
+def test_stamps_session_record(probe, monkeypatch):
+    """main()'s record of a stamps session: the phases' mean cycles per launch from two reads of probe_stamps."""
+    reads = iter([[10, 20, 30, 40, 50, 0, 0, 5], [30, 60, 90, 120, 150, 0, 0, 15]])
+    monkeypatch.setattr(probe, "read_stamps", lambda module: next(reads))
+    monkeypatch.setattr(fused_build, "module", lambda device: None)
+    monkeypatch.setattr(probe, "torch_device", lambda: None)
+    got = []
+    record = probe.stamps_recorder(got.append)
+    record({"check": "a", "env": {probe.ENV: "off"}})
+    record({"check": "b", "env": {probe.ENV: "stamps"}})
+    record({"check": "c", "env": {probe.ENV: "stamps"}})
+    assert "stamps" not in got[0]
+    assert got[1]["stamps"] == {"launches": 5, "cycles": dict(zip(probe.PHASES, (2.0, 4.0, 6.0, 8.0, 10.0)))}
+    assert got[2]["stamps"] == {"launches": 10, "cycles": dict(zip(probe.PHASES, (2.0, 4.0, 6.0, 8.0, 10.0)))}

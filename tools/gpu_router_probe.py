@@ -10,6 +10,8 @@ captures its graphs):
     emptylast  fence and counter as shipped; the last block writes that fixed routing (no softmax, no ranks)
     block      as shipped, but the last block's routing by topk_block (softmax by a warp per token, then every
                expert ranked against the others by the block's 128 threads, two barriers), the tail before §31
+    pf         as shipped, with every block's first threads prefetching the slot table's lines into their SM's L1
+               at the start (the last block's lookups then hit, wherever it runs)
     stamps     as shipped, with clock64() read by the last block's thread 0 between its phases (PHASES: the norm
                and logits, the arrival, the zeroing, the routing, the MoE plan), summed with the launch count into
                a module global that the tool reads after each session (a record's "stamps": mean cycles per launch)
@@ -38,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ENV = "HYBRID_ROUTER_PROBE"
 KERNEL = "fused_add_norm_router_e"
-SUFFIX = {"off": "", "nolast": "_nolast", "emptylast": "_emptylast", "block": "_block", "stamps": "_stamps"}
+SUFFIX = {"off": "", "nolast": "_nolast", "emptylast": "_emptylast", "block": "_block", "pf": "_pf",
+          "stamps": "_stamps"}
 # the stamps probe's phases (SM cycles of the last block's thread 0, summed over launches in probe_stamps)
 PHASES = ("body", "arrive", "zero", "routing", "plan")
 
@@ -68,6 +71,10 @@ _BLOCK = """  int own_slot = -1;
   if (offsets != nullptr && slots != nullptr && T * k <= 32 && threadIdx.x < 32)
     route_plan_warp(own_slot, T * k, S, offsets, perm, active);
 """
+_PREFETCH = """  __shared__ int last;
+  if (slots != nullptr && 32 * threadIdx.x < E)           // the slot table's 128-byte lines into this SM's L1
+    asm volatile("prefetch.global.L1 [%0];" :: "l"(slot_table + 32 * threadIdx.x));
+"""
 _ZERO = """  for (int j = 4 * (blockIdx.x * 128 + threadIdx.x); j < nzero; j += 4 * 128 * gridDim.x)   // the MoE output
     *(float4*)(zero + j) = make_float4(0.f, 0.f, 0.f, 0.f);
 """
@@ -87,7 +94,9 @@ def probe_source(src: str) -> str:
               + "  if (blockIdx.x != 0) return;\n" + _FIXED + "}\n")
     empty = kern[:tail].replace(f"{KERNEL}(", f"{KERNEL}_emptylast(") + _FIXED + kern[reset:]
     block = kern[:tail].replace(f"{KERNEL}(", f"{KERNEL}_block(") + _BLOCK + kern[reset:]
-    return (src[:end] + "\n" + nolast + "\n" + empty + "\n" + block + "\n" + stamps_source(kern) + src[end:])
+    pf = kern.replace(f"{KERNEL}(", f"{KERNEL}_pf(").replace("  __shared__ int last;\n", _PREFETCH, 1)
+    return (src[:end] + "\n" + nolast + "\n" + empty + "\n" + block + "\n" + pf + "\n" + stamps_source(kern)
+            + src[end:])
 
 
 def stamps_source(kern: str) -> str:
@@ -113,6 +122,45 @@ def stamps_source(kern: str) -> str:
     head = ("__device__ unsigned long long probe_stamps[8];\n"
             "#define STAMP(n) if (threadIdx.x == 0) pst[n] = clock64();\n")
     return head + k
+
+
+def stamps_recorder(base):
+    """record(rec) passing rec to base, with a stamps session's phases (mean cycles per launch since the last
+    read of probe_stamps) added as rec["stamps"]."""
+    seen = [0] * 8
+
+    def record(rec: dict) -> None:
+        if (rec.get("env") or {}).get(ENV) == "stamps":
+            from hybrid.kernels import fused_build
+
+            now = read_stamps(fused_build.module(torch_device()))
+            d = [a - b for a, b in zip(now, seen)]
+            seen[:] = now
+            if d[7]:
+                rec = {**rec, "stamps": {"launches": d[7], "cycles": dict(zip(PHASES, (round(x / d[7], 1)
+                                                                                      for x in d)))}}
+        base(rec)
+    return record
+
+
+def torch_device():
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def read_stamps(module) -> list[int]:
+    """probe_stamps of a loaded fused module (driver.Module): 5 phase sums, two zeros, the launch count."""
+    import ctypes
+
+    from hybrid.kernels import driver
+
+    dptr, size = ctypes.c_uint64(), ctypes.c_size_t()
+    driver.check(driver._cuda().cuModuleGetGlobal_v2(ctypes.byref(dptr), ctypes.byref(size), module._handle,
+                                                    b"probe_stamps"), "cuModuleGetGlobal(probe_stamps)")
+    out = (ctypes.c_uint64 * 8)()
+    driver.check(driver._cuda().cuMemcpyDtoH_v2(out, dptr, ctypes.c_size_t(64)), "cuMemcpyDtoH(probe_stamps)")
+    return list(out)
 
 
 def probe_name(name: str, mode: str | None = None) -> str:
@@ -170,20 +218,7 @@ def main() -> int:
     base = rc.recorder("tools/gpu_router_probe.py", "router_probe.jsonl",
                        ("env", "decode_tok_s", "cuda_calls_per_step", "ids_equal_first", "stamps", "skipped",
                         "error"))
-    seen = [0] * 8
-
-    def record(rec: dict) -> None:            # a stamps session's record: the phases' mean cycles per launch
-        if (rec.get("env") or {}).get(ENV) == "stamps":
-            from hybrid.kernels import fused_build
-
-            now = read_stamps(fused_build.module(torch_device()))
-            d = [a - b for a, b in zip(now, seen)]
-            seen[:] = now
-            if d[7]:
-                rec = {**rec, "stamps": {"launches": d[7], "cycles": dict(zip(PHASES, (round(x / d[7], 1)
-                                                                                      for x in d)))}}
-        base(rec)
-
+    record = stamps_recorder(base)
     ab.record = rc.record = tc.record = record
     deadline = rc.T0 + a.budget_s
     parts = [("synth_write", lambda: rc.make_synth(a.synth, a.skew, False)),
