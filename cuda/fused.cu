@@ -45,7 +45,7 @@
 // where H % 4 == 0 and the rows are 16-byte aligned):
 //   fused_add_rms_norm_e     grid T, block 256: every load of a row at once (groups of 4 elements)
 //   fused_add_norm_router_e  grid E, block 128: a block per expert, the norm from one round of loads,
-//       the last block's top-k by parallel ranks; optionally (offsets given, with slots, T * k <= 32) also
+//       the last block's top-k by a warp per token; optionally (offsets given, with slots, T * k <= 32) also
 //       the grouped MoE kernels' routing for S slots, as qpn_moe_route makes it from slots: offsets [S+1]
 //       (the entries of slots with work), perm [T*k], active [min(T*k, S)]; zero [nzero] fp32 zeroed (the
 //       MoE output: one launch per layer fewer)
@@ -445,11 +445,9 @@ extern "C" __global__ void __launch_bounds__(128)
 // makes the residual and the block's sum of squares (one barrier per token), then h (rounded to x's
 // dtype) and its share of the dot product; token t + 1's x / delta loads are in flight during token t's
 // math. Groups j >= ANRE_NJ (H > 2048) go through shared memory. The last block (arrive_last; the counter
-// left zero) softmaxes each token's logits (a warp per token, as topk_row) and ranks every expert
-// against the others in parallel (rank = experts of a larger probability, or of an equal one and a
-// lower id: topk_row's order), then sums the k chosen weights in rank order (as topk_row).
+// left zero) routes each token with topk_warp (a warp per token: topk_row's outputs, the slot table read with
+// the logits, prefetched into every SM's L1 at the start), then warp 0 makes the MoE plan.
 #define ANRE_NJ 4         // groups of 4 elements per thread kept in registers: H <= 2048
-#define ANRE_MAXTK 256    // T * k
 
 template <bool F32>
 __device__ __forceinline__ uint4 ld4(const void* p, size_t i) {   // elements i..i+3, raw bits
@@ -646,96 +644,16 @@ __device__ __forceinline__ void anre_body(const void* x, const void* delta, cons
   if (tid < T) logits[(size_t)tid * E + e] = (pacc[tid][0] + pacc[tid][1]) + (pacc[tid][2] + pacc[tid][3]);
 }
 
-// One token's softmax by one warp (topk_row's sums): pr_row[e] = p(e), e < E. NV values per lane (E <= 32 NV):
-// topk_block instantiates it for the smallest NV that holds E, so the router's last block runs (and fetches
-// from a cold instruction cache, once per layer) 4 unrolled loads / exps / divisions per lane for 128
-// experts, not ROUTE_MAXV's 16 (the extra terms were exact zeros: the sums are the same bits).
-template <int NV>
-__device__ __forceinline__ void softmax_warp(const float* row, int E, float* pr_row) {
-  const int lane = threadIdx.x & 31;
-  float v[NV];
-  float m = NEG_INF;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int e = lane + 32 * j;
-    v[j] = e < E ? ld_cg(row + e) : NEG_INF;
-    m = fmaxf(m, v[j]);
-  }
-  m = warp_max(m);
-  float s = 0.f;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    v[j] = lane + 32 * j < E ? expf(v[j] - m) : 0.f;
-    s += v[j];
-  }
-  s = warp_sum(s);
-#pragma unroll
-  for (int j = 0; j < NV; ++j)
-    if (lane + 32 * j < E) pr_row[lane + 32 * j] = v[j] / s;
-}
+// Values per lane of the router's last block (topk_warp): the smallest of 4, 8, 16 that holds E experts.
 #define TOPK_NV(E) ((E) <= 128 ? 4 : (E) <= 256 ? 8 : ROUTE_MAXV)
 
-// Softmax + top-k of the T rows of logits [T, E] by one block of 128 threads, the outputs of topk_row.
-// pr: shared [T * E] floats; sp / si: shared [T * k] (weight, id) in rank order; tab: shared [E] ints, the
-// slot table, loaded with the logits (its latency hidden by theirs) instead of after the ranks.
-#define TOPK_TABJ 4       // slot-table entries per thread: E <= 512
-__device__ __forceinline__ void topk_block(const float* logits, int T, int E, int k, int renorm, long long* ids,
-                                           float* weights, const int* slot_table, int* slots, float* route_row,
-                                           float* pr, float* sp, int* si, int* tab, int& own_slot) {
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  int tv[TOPK_TABJ];
-#pragma unroll
-  for (int j = 0; j < TOPK_TABJ; ++j) tv[j] = slots && tid + 128 * j < E ? slot_table[tid + 128 * j] : -1;
-  for (int i = tid; i < T * k; i += 128) { sp[i] = 0.f; si[i] = 0; }   // every rank is filled (NaN: maybe not)
-  for (int t = warp; t < T; t += 4) {                     // softmax, a warp per token (topk_row's sums)
-    const int nv = TOPK_NV(E);
-    if (nv == 4) softmax_warp<4>(logits + (size_t)t * E, E, pr + t * E);
-    else if (nv == 8) softmax_warp<8>(logits + (size_t)t * E, E, pr + t * E);
-    else softmax_warp<ROUTE_MAXV>(logits + (size_t)t * E, E, pr + t * E);
-  }
-#pragma unroll
-  for (int j = 0; j < TOPK_TABJ; ++j)
-    if (tid + 128 * j < E) tab[tid + 128 * j] = tv[j];
-  __syncthreads();
-  for (int i = tid; i < T * E; i += 128) {                // the rank of expert e of token t
-    const int t = i / E, e = i - t * E;
-    const float* p = pr + t * E;
-    const float pe = p[e];
-    int n = 0;
-#pragma unroll 8
-    for (int j = 0; j < E; ++j) {
-      const float pj = p[j];
-      n += (int)(pj > pe) | ((int)(pj == pe) & (int)(j < e));
-    }
-    if (n < k) { sp[t * k + n] = pe; si[t * k + n] = e; }
-  }
-  __syncthreads();
-  for (int i = tid; i < T * k; i += 128) {
-    const int t = i / k, r = i - t * k;
-    float total = 0.f;
-    for (int j = 0; j < k; ++j) total += sp[t * k + j];   // descending, as topk_row
-    const float wt = renorm ? sp[i] / total : sp[i];
-    const int id = si[i];
-    weights[i] = wt;
-    ids[i] = id;
-    if (slots) {
-      const int s = tab[id];
-      slots[i] = s;
-      if (i == tid) own_slot = s;                         // assignment tid's slot, kept in a register
-    }
-    if (route_row) {
-      route_row[(size_t)t * 2 * k + r] = (float)id;
-      route_row[(size_t)t * 2 * k + k + r] = wt;
-    }
-  }
-}
-
-// Softmax + top-k of one token's logits by one warp, the outputs of topk_row (the same bits: softmax_warp's
-// sums, then k rounds of a warp argmax with ties to the lowest id, the weights summed in rank order); the
+// Softmax + top-k of one token's logits by one warp, the outputs of topk_row (the same bits: the same sums,
+// then k rounds of a warp argmax with ties to the lowest id, the weights summed in rank order); the
 // slot table is loaded with the logits (NV entries per lane) and each choice's slot fetched by shuffles, so
 // lane r < k returns choice r's slot (-1 without slots). The router's last block runs it, a warp per token:
-// compact code (the k rounds a loop), no barrier, because that block's instructions come from a cold
-// instruction cache (results/runtime.md §31: topk_block's block-wide ranks took ~5.9 us of tail per layer).
+// compact code (the k rounds a loop, the loops sized by E), no barrier: that block's instructions come from a
+// cold instruction cache once per layer (results/runtime.md §31: the earlier block-wide ranks, with 16 values
+// per lane whatever E, took 12.5 us per layer in the model; this 9.6).
 template <int NV>
 __device__ __forceinline__ int topk_warp(const float* row, int t, int E, int k, int renorm, long long* ids,
                                          float* weights, const int* slot_table, int* slots, float* route_row) {
@@ -841,10 +759,12 @@ extern "C" __global__ void __launch_bounds__(128)
                             int* counter, int T, int E, int k, int renorm, long long* ids, float* weights,
                             const int* slot_table, int* slots, float* route_row, int S, int* offsets,
                             int* perm, int* active, float* zero, int nzero) {
-  __shared__ __align__(16) float hs[ANR_MAXH];           // H > 2048: the residual; then the probabilities
-  __shared__ float pss[ROUTER_MAXT][4], pacc[ROUTER_MAXT][4], sp[ANRE_MAXTK];
-  __shared__ int si[ANRE_MAXTK], tab[TOPK_TABJ * 128];
+  __shared__ __align__(16) float hs[ANR_MAXH];           // H > 2048: the residual
+  __shared__ float pss[ROUTER_MAXT][4], pacc[ROUTER_MAXT][4];
+  __shared__ int si[32];                                  // T > 1: assignment a's slot, for the MoE plan
   __shared__ int last;
+  if (slots != nullptr && 32 * threadIdx.x < E)           // the slot table's 128-byte lines into every SM's L1:
+    asm volatile("prefetch.global.L1 [%0];" :: "l"(slot_table + 32 * threadIdx.x));   // the last block's hit
   DISPATCH_XD(anre_body, x, delta, w, x_out, hout, H, eps, router, logits, T, E, hs, pss, pacc);
   const bool is_last = arrive_last(counter, gridDim.x, &last);
   for (int j = 4 * (blockIdx.x * 128 + threadIdx.x); j < nzero; j += 4 * 128 * gridDim.x)   // the MoE output

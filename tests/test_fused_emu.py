@@ -267,6 +267,7 @@ def router_emu_source() -> str:
                                     src, re.S))
     norm = _section(src, rule + "residual add + RMSNorm", rule + "q/k RMSNorm")
     router = _section(src, rule + "router softmax + top-k", rule + "one-token GQA attention")
+    router = re.sub(r'asm volatile\("prefetch[^"]*"[^;]*;', ";", router)      # cache hints: none here
     return SHIM + HELPERS + head + reductions + norm + router + ROUTER_ENTRY
 
 

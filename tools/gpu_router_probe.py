@@ -8,21 +8,17 @@ captures its graphs):
     nolast     no fence, no counter, no last block: block 0 writes a fixed routing (experts 0..k-1, weights 1/k,
                their slots) and its MoE plan; every block zeroes the MoE output as shipped
     emptylast  fence and counter as shipped; the last block writes that fixed routing (no softmax, no ranks)
-    block      as shipped, but the last block's routing by topk_block (softmax by a warp per token, then every
-               expert ranked against the others by the block's 128 threads, two barriers), the tail before §31
-    pf         as shipped, with every block's first threads prefetching the slot table's lines into their SM's L1
-               at the start (the last block's lookups then hit, wherever it runs)
     stamps     as shipped, with clock64() read by the last block's thread 0 between its phases (PHASES: the norm
                and logits, the arrival, the zeroing, the routing, the MoE plan), summed with the launch count into
                a module global that the tool reads after each session (a record's "stamps": mean cycles per launch)
 
-The probes route every token to experts 0..k-1, so their greedy ids differ from `off`'s and the MoE kernels read
-the same few experts; the figures to read are the router's GPU time per step (cuda_calls_per_step.gpu, the
-profiler's kernel times) and the GPU time of the other kernels beside it: off - nolast is what the chain after the
-logits (fence, counter, the last block) costs inside the model, off - emptylast the last block's softmax, ranks
-and lookups. If the chain is most of the gap, the routing can move into the grouped MoE kernels' blocks (each
-ranks the k experts of its own assignment from the logits) and the router keep only the logits. The probe kernels
-exist only in this process (fused_build.source is wrapped, the launch renamed); hybrid's kernels are unchanged.
+nolast and emptylast route every token to experts 0..k-1, so their greedy ids differ from `off`'s and the MoE
+kernels read the same few experts; the figures to read are the router's GPU time per step (cuda_calls_per_step.gpu,
+the profiler's kernel times) and the GPU time of the other kernels beside it: off - nolast is what the chain after
+the logits (fence, counter, the last block) costs inside the model, off - emptylast the last block's softmax, top-k
+and lookups. The probe kernels exist only in this process (fused_build.source is wrapped, the launch renamed);
+hybrid's kernels are unchanged. results/runtime.md §30-§31 has what it found (§31: the last block's routing was
+the gap; the probes `wide`, `twice`, `block`, `pf` used there are in this file's history, commits a415ef2-11338e3).
 
     HYBRID_CACHE_DIR=.qpncache PYTHONPATH=. python3 tools/gpu_router_probe.py \\
         --order synth_one_gpu_cap16 --modes "off;nolast;emptylast;off;nolast;emptylast" --budget-s 400
@@ -40,12 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ENV = "HYBRID_ROUTER_PROBE"
 KERNEL = "fused_add_norm_router_e"
-SUFFIX = {"off": "", "nolast": "_nolast", "emptylast": "_emptylast", "block": "_block", "pf": "_pf",
-          "stamps": "_stamps"}
+SUFFIX = {"off": "", "nolast": "_nolast", "emptylast": "_emptylast", "stamps": "_stamps"}
 # the stamps probe's phases (SM cycles of the last block's thread 0, summed over launches in probe_stamps)
 PHASES = ("body", "arrive", "zero", "routing", "plan")
 
-# block 0 (nolast) or the last block (emptylast): the routing of experts 0..k-1 for each token, as topk_block
+# block 0 (nolast) or the last block (emptylast): the routing of experts 0..k-1 for each token, as topk_warp
 # writes it (ids, weights, slots, the host's route row), and the MoE plan from those slots (route_plan_warp), by warp 0
 _FIXED = """
   if (threadIdx.x < 32) {
@@ -65,16 +60,6 @@ _FIXED = """
     if (offsets != nullptr && slots != nullptr && T * k <= 32) route_plan_warp(s, T * k, S, offsets, perm, active);
   }
 """
-# the last block's routing before §31: topk_block (a warp's softmax per token, block-wide ranks) and the plan
-_BLOCK = """  int own_slot = -1;
-  topk_block(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, hs, sp, si, tab, own_slot);
-  if (offsets != nullptr && slots != nullptr && T * k <= 32 && threadIdx.x < 32)
-    route_plan_warp(own_slot, T * k, S, offsets, perm, active);
-"""
-_PREFETCH = """  __shared__ int last;
-  if (slots != nullptr && 32 * threadIdx.x < E)           // the slot table's 128-byte lines into this SM's L1
-    asm volatile("prefetch.global.L1 [%0];" :: "l"(slot_table + 32 * threadIdx.x));
-"""
 _ZERO = """  for (int j = 4 * (blockIdx.x * 128 + threadIdx.x); j < nzero; j += 4 * 128 * gridDim.x)   // the MoE output
     *(float4*)(zero + j) = make_float4(0.f, 0.f, 0.f, 0.f);
 """
@@ -93,10 +78,7 @@ def probe_source(src: str) -> str:
     nolast = (kern[:body_end].replace(f"{KERNEL}(", f"{KERNEL}_nolast(") + _ZERO
               + "  if (blockIdx.x != 0) return;\n" + _FIXED + "}\n")
     empty = kern[:tail].replace(f"{KERNEL}(", f"{KERNEL}_emptylast(") + _FIXED + kern[reset:]
-    block = kern[:tail].replace(f"{KERNEL}(", f"{KERNEL}_block(") + _BLOCK + kern[reset:]
-    pf = kern.replace(f"{KERNEL}(", f"{KERNEL}_pf(").replace("  __shared__ int last;\n", _PREFETCH, 1)
-    return (src[:end] + "\n" + nolast + "\n" + empty + "\n" + block + "\n" + pf + "\n" + stamps_source(kern)
-            + src[end:])
+    return src[:end] + "\n" + nolast + "\n" + empty + "\n" + stamps_source(kern) + src[end:]
 
 
 def stamps_source(kern: str) -> str:
@@ -199,7 +181,7 @@ def main() -> int:
     import gpu_two_cards as tc
 
     p = argparse.ArgumentParser(description="decode sessions with the router kernel swapped for a probe copy "
-                                            "(off, nolast, emptylast, block, stamps; see the module docstring)")
+                                            "(off, nolast, emptylast, stamps; see the module docstring)")
     p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
     p.add_argument("--skew", type=float, default=0.25)
     p.add_argument("--tokens", type=int, default=48)
