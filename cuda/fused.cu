@@ -753,6 +753,28 @@ __device__ __forceinline__ void route_plan_warp(int s, int A, int S, int* offset
   for (int i = __popc(fm) + lane; i < na; i += 32) active[i] = -1;
 }
 
+// The router's last block: each token routed by topk_warp<NV> (a warp per token), then (offsets given, with
+// slots, T * k <= 32) the MoE plan by warp 0 from assignment a's slot in lane a (for T > 1 through si [T * k]).
+// One function per NV, dispatched once, so the values the compiler hoists out of the token loop are those of
+// the instantiation that runs.
+template <int NV>
+__device__ __forceinline__ void route_tokens(const float* logits, int T, int E, int k, int renorm, long long* ids,
+                                             float* weights, const int* slot_table, int* slots, float* route_row,
+                                             int S, int* offsets, int* perm, int* active, int* si) {
+  const bool plan = offsets != nullptr && slots != nullptr && T * k <= 32;
+  int own_slot = -1;
+  for (int t = threadIdx.x >> 5; t < T; t += 4) {         // a warp per token
+    const int s = topk_warp<NV>(logits + (size_t)t * E, t, E, k, renorm, ids, weights, slot_table, slots, route_row);
+    if (T == 1) own_slot = s;
+    else if (plan && (threadIdx.x & 31) < k) si[t * k + (threadIdx.x & 31)] = s;
+  }
+  if (plan && T > 1) {                                    // assignment a's slot to lane a of warp 0
+    __syncthreads();
+    if (threadIdx.x < T * k) own_slot = si[threadIdx.x];
+  }
+  if (plan && threadIdx.x < 32) route_plan_warp(own_slot, T * k, S, offsets, perm, active);
+}
+
 extern "C" __global__ void __launch_bounds__(128)
     fused_add_norm_router_e(const void* x, const void* delta, const float* w, void* x_out, void* hout,
                             int H, float eps, int x_f32, int delta_f32, const float* router, float* logits,
@@ -770,24 +792,13 @@ extern "C" __global__ void __launch_bounds__(128)
   for (int j = 4 * (blockIdx.x * 128 + threadIdx.x); j < nzero; j += 4 * 128 * gridDim.x)   // the MoE output
     *(float4*)(zero + j) = make_float4(0.f, 0.f, 0.f, 0.f);
   if (!is_last) return;
-  const int warp = threadIdx.x >> 5, nv = TOPK_NV(E);
-  const bool plan = offsets != nullptr && slots != nullptr && T * k <= 32;
-  int own_slot = -1;
-  for (int t = warp; t < T; t += 4) {                     // a warp per token
-    const int s = nv == 4 ? topk_warp<4>(logits + (size_t)t * E, t, E, k, renorm, ids, weights, slot_table, slots,
-                                         route_row)
-                : nv == 8 ? topk_warp<8>(logits + (size_t)t * E, t, E, k, renorm, ids, weights, slot_table, slots,
-                                         route_row)
-                : topk_warp<ROUTE_MAXV>(logits + (size_t)t * E, t, E, k, renorm, ids, weights, slot_table, slots,
-                                        route_row);
-    if (T == 1) own_slot = s;
-    else if (plan && (threadIdx.x & 31) < k) si[t * k + (threadIdx.x & 31)] = s;
-  }
-  if (plan && T > 1) {                                    // assignment a's slot to lane a of warp 0
-    __syncthreads();
-    if (threadIdx.x < T * k) own_slot = si[threadIdx.x];
-  }
-  if (plan && threadIdx.x < 32) route_plan_warp(own_slot, T * k, S, offsets, perm, active);
+  const int nv = TOPK_NV(E);                              // one instantiation's code runs (and is fetched)
+  if (nv == 4) route_tokens<4>(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets, perm,
+                               active, si);
+  else if (nv == 8) route_tokens<8>(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets,
+                                    perm, active, si);
+  else route_tokens<ROUTE_MAXV>(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets,
+                                perm, active, si);
   if (threadIdx.x == 0) *counter = 0;
 }
 

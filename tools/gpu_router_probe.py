@@ -9,7 +9,7 @@ captures its graphs):
                their slots) and its MoE plan; every block zeroes the MoE output as shipped
     emptylast  fence and counter as shipped; the last block writes that fixed routing (no softmax, no ranks)
     stamps     as shipped, with clock64() read by the last block's thread 0 between its phases (PHASES: the norm
-               and logits, the arrival, the zeroing, the routing, the MoE plan), summed with the launch count into
+               and logits, the arrival, the zeroing, the routing with the MoE plan), summed with the launch count into
                a module global that the tool reads after each session (a record's "stamps": mean cycles per launch)
 
 nolast and emptylast route every token to experts 0..k-1, so their greedy ids differ from `off`'s and the MoE
@@ -38,7 +38,7 @@ ENV = "HYBRID_ROUTER_PROBE"
 KERNEL = "fused_add_norm_router_e"
 SUFFIX = {"off": "", "nolast": "_nolast", "emptylast": "_emptylast", "stamps": "_stamps"}
 # the stamps probe's phases (SM cycles of the last block's thread 0, summed over launches in probe_stamps)
-PHASES = ("body", "arrive", "zero", "routing", "plan")
+PHASES = ("body", "arrive", "zero", "routing")
 
 # block 0 (nolast) or the last block (emptylast): the routing of experts 0..k-1 for each token, as topk_warp
 # writes it (ids, weights, slots, the host's route row), and the MoE plan from those slots (route_plan_warp), by warp 0
@@ -89,10 +89,10 @@ def stamps_source(kern: str) -> str:
              ("  const bool is_last = arrive_last(", "  STAMP(1)\n  const bool is_last = arrive_last("),
              ("gridDim.x, &last);\n", "gridDim.x, &last);\n  STAMP(2)\n"),
              ("  if (!is_last) return;\n", "  if (!is_last) return;\n  STAMP(3)\n"),
-             ("  if (plan && T > 1) {", "  __syncthreads();\n  STAMP(4)\n  if (plan && T > 1) {"),
-             ("  if (threadIdx.x == 0) *counter = 0;\n", """  if (threadIdx.x == 0) {
-    STAMP(5)
-    for (int n = 0; n < 5; ++n) atomicAdd(&probe_stamps[n], (unsigned long long)(pst[n + 1] - pst[n]));
+             ("  if (threadIdx.x == 0) *counter = 0;\n", """  __syncthreads();
+  if (threadIdx.x == 0) {
+    STAMP(4)
+    for (int n = 0; n < 4; ++n) atomicAdd(&probe_stamps[n], (unsigned long long)(pst[n + 1] - pst[n]));
     atomicAdd(&probe_stamps[7], 1ull);
     *counter = 0;
   }
@@ -132,7 +132,7 @@ def torch_device():
 
 
 def read_stamps(module) -> list[int]:
-    """probe_stamps of a loaded fused module (driver.Module): 5 phase sums, two zeros, the launch count."""
+    """probe_stamps of a loaded fused module (driver.Module): 4 phase sums, three zeros, the launch count."""
     import ctypes
 
     from hybrid.kernels import driver
