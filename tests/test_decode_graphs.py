@@ -225,5 +225,8 @@ def test_fused_qkv_on_cuda():
     s2 = torch.tensor(0.01)
     parts = [_nvfp4(n, 256, s2).to("cuda") for n in (128, 32, 32)]
     f = fused_linear(parts)
-    x = torch.randn(3, 256, device="cuda", dtype=torch.float16)
-    torch.testing.assert_close(f(x), torch.cat([p(x) for p in parts], -1), atol=0, rtol=0)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3)).to("cuda", torch.float16)
+    # within an fp16 rounding, not bit for bit: the launcher splits K by the matrix's width (the fused 192 rows
+    # and the parts' 128 / 32 / 32 get different splits, so fp32 sums in another order), and an unseeded input
+    # made the exact comparison fail once in a while (twenty-first session)
+    torch.testing.assert_close(f(x), torch.cat([p(x) for p in parts], -1), atol=1e-3, rtol=2e-3)
