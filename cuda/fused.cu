@@ -254,6 +254,61 @@ extern "C" __global__ void __launch_bounds__(128)
 #define ROUTE_MAXV 16   // experts per lane: E <= 512
 #define ROUTER_MAXT 8   // tokens of fused_router_topk
 
+// A warp's softmax in place: v[j] the logit of expert lane + 32 j (NEG_INF past E) -> its probability (-1 past
+// E: below every probability); the max and sum by warp reductions.
+template <int NV>
+__device__ __forceinline__ void softmax_lanes(float (&v)[NV], int E, int lane) {
+  float m = NEG_INF;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) m = fmaxf(m, v[j]);
+  m = warp_max(m);
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    v[j] = lane + 32 * j < E ? expf(v[j] - m) : 0.f;
+    s += v[j];
+  }
+  s = warp_sum(s);
+#pragma unroll
+  for (int j = 0; j < NV; ++j) v[j] = lane + 32 * j < E ? v[j] / s : -1.f;   // probs >= 0
+}
+
+// One round of a warp's top-k: the largest probability left in v (ties to the lowest id) in every lane as
+// (best, bi), then marked taken (-2) in the lane that holds it.
+template <int NV>
+__device__ __forceinline__ void argmax_round(float (&v)[NV], int lane, float& best, int& bi) {
+  best = -2.f;
+  bi = 0x7fffffff;
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+    if (v[j] > best) { best = v[j]; bi = lane + 32 * j; }   // ascending ids: keeps the lowest
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+  }
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+    if (lane + 32 * j == bi) v[j] = -2.f;                    // taken
+}
+
+// Lane r < k of token t writes its choice: weight (renormalised by the k chosen weights' total), id, slot and
+// the route row (ids, then weights).
+__device__ __forceinline__ void write_choice(int t, int k, int lane, float w, float total, int id, int slot,
+                                             int renorm, long long* ids, float* weights, int* slots,
+                                             float* route_row) {
+  if (lane >= k) return;
+  const float wt = renorm ? w / total : w;
+  weights[(size_t)t * k + lane] = wt;
+  ids[(size_t)t * k + lane] = id;
+  if (slots) slots[(size_t)t * k + lane] = slot;
+  if (route_row) {
+    route_row[(size_t)t * 2 * k + lane] = (float)id;
+    route_row[(size_t)t * 2 * k + k + lane] = wt;
+  }
+}
+
 // One warp: softmax over row[0..E), top-k (descending, ties to the lowest id), optional renorm;
 // lane r < k writes the r-th choice of token t (and the runtime's slot id and route row).
 __device__ __forceinline__ void topk_row(const float* row, bool l2, int t, int E, int k, int renorm,
@@ -261,53 +316,23 @@ __device__ __forceinline__ void topk_row(const float* row, bool l2, int t, int E
                                          int* slots, float* route_row) {
   const int lane = threadIdx.x & 31;
   float v[ROUTE_MAXV];
-  float m = NEG_INF;
 #pragma unroll
   for (int j = 0; j < ROUTE_MAXV; ++j) {
     const int e = lane + 32 * j;
     v[j] = e < E ? (l2 ? ld_cg(row + e) : row[e]) : NEG_INF;
-    m = fmaxf(m, v[j]);
   }
-  m = warp_max(m);
-  float s = 0.f;
-#pragma unroll
-  for (int j = 0; j < ROUTE_MAXV; ++j) {
-    v[j] = lane + 32 * j < E ? expf(v[j] - m) : 0.f;
-    s += v[j];
-  }
-  s = warp_sum(s);
-#pragma unroll
-  for (int j = 0; j < ROUTE_MAXV; ++j) v[j] = lane + 32 * j < E ? v[j] / s : -1.f;  // probs >= 0
+  softmax_lanes<ROUTE_MAXV>(v, E, lane);
   float mine_w = 0.f, total = 0.f;
   int mine_id = 0;
   for (int r = 0; r < k; ++r) {
-    float best = -2.f;
-    int bi = 0x7fffffff;
-#pragma unroll
-    for (int j = 0; j < ROUTE_MAXV; ++j)
-      if (v[j] > best) { best = v[j]; bi = lane + 32 * j; }   // ascending ids: keeps the lowest
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-    }
-#pragma unroll
-    for (int j = 0; j < ROUTE_MAXV; ++j)
-      if (lane + 32 * j == bi) v[j] = -2.f;                  // taken
+    float best;
+    int bi;
+    argmax_round<ROUTE_MAXV>(v, lane, best, bi);
     if (lane == r) { mine_w = best; mine_id = bi; }
     total += best;
   }
-  if (lane < k) {
-    const float wt = renorm ? mine_w / total : mine_w;
-    weights[(size_t)t * k + lane] = wt;
-    ids[(size_t)t * k + lane] = mine_id;
-    if (slots) slots[(size_t)t * k + lane] = slot_table[mine_id];
-    if (route_row) {
-      route_row[(size_t)t * 2 * k + lane] = (float)mine_id;
-      route_row[(size_t)t * 2 * k + k + lane] = wt;
-    }
-  }
+  const int slot = slots && lane < k ? slot_table[mine_id] : -1;
+  write_choice(t, k, lane, mine_w, total, mine_id, slot, renorm, ids, weights, slots, route_row);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
@@ -647,75 +672,43 @@ __device__ __forceinline__ void anre_body(const void* x, const void* delta, cons
 // Values per lane of the router's last block (topk_warp): the smallest of 4, 8, 16 that holds E experts.
 #define TOPK_NV(E) ((E) <= 128 ? 4 : (E) <= 256 ? 8 : ROUTE_MAXV)
 
-// Softmax + top-k of one token's logits by one warp, the outputs of topk_row (the same bits: the same sums,
-// then k rounds of a warp argmax with ties to the lowest id, the weights summed in rank order); the
-// slot table is loaded with the logits (NV entries per lane) and each choice's slot fetched by shuffles, so
-// lane r < k returns choice r's slot (-1 without slots). The router's last block runs it, a warp per token:
+// Softmax + top-k of one token's logits by one warp, topk_row's outputs from its parts (softmax_lanes, k
+// rounds of argmax_round, write_choice) at NV values per lane instead of ROUTE_MAXV; the slot table is loaded
+// with the logits (NV entries per lane) and each choice's slot fetched by shuffles, so lane r < k returns
+// choice r's slot (-1 without slots). The router's last block runs it, a warp per token:
 // compact code (the k rounds a loop, the loops sized by E), no barrier: that block's instructions come from a
 // cold instruction cache once per layer (results/runtime.md §31: the earlier block-wide ranks, with 16 values
 // per lane whatever E, took 12.5 us per layer in the model; this 9.6).
 template <int NV>
 __device__ __forceinline__ int topk_warp(const float* row, int t, int E, int k, int renorm, long long* ids,
                                          float* weights, const int* slot_table, int* slots, float* route_row) {
-  const unsigned full = 0xffffffffu;
   const int lane = threadIdx.x & 31;
   float v[NV];
   int tv[NV];
-  float m = NEG_INF;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int e = lane + 32 * j;
     v[j] = e < E ? ld_cg(row + e) : NEG_INF;
     tv[j] = slots && e < E ? slot_table[e] : -1;
-    m = fmaxf(m, v[j]);
   }
-  m = warp_max(m);
-  float s = 0.f;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    v[j] = lane + 32 * j < E ? expf(v[j] - m) : 0.f;
-    s += v[j];
-  }
-  s = warp_sum(s);
-#pragma unroll
-  for (int j = 0; j < NV; ++j) v[j] = lane + 32 * j < E ? v[j] / s : -1.f;   // probs >= 0
+  softmax_lanes<NV>(v, E, lane);
   float mine_w = 0.f, total = 0.f;
   int mine_id = 0;
 #pragma unroll 1
   for (int r = 0; r < k; ++r) {
-    float best = -2.f;
-    int bi = 0x7fffffff;
-#pragma unroll
-    for (int j = 0; j < NV; ++j)
-      if (v[j] > best) { best = v[j]; bi = lane + 32 * j; }   // ascending ids: keeps the lowest
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      const float ob = __shfl_xor_sync(full, best, o);
-      const int oi = __shfl_xor_sync(full, bi, o);
-      if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-    }
-#pragma unroll
-    for (int j = 0; j < NV; ++j)
-      if (lane + 32 * j == bi) v[j] = -2.f;                  // taken
+    float best;
+    int bi;
+    argmax_round<NV>(v, lane, best, bi);
     if (lane == r) { mine_w = best; mine_id = bi; }
     total += best;
   }
   int slot = -1;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {                          // choice mine_id's slot from lane mine_id % 32
-    const int sj = __shfl_sync(full, tv[j], mine_id & 31);
+    const int sj = __shfl_sync(0xffffffffu, tv[j], mine_id & 31);
     if ((mine_id >> 5) == j) slot = sj;
   }
-  if (lane < k) {
-    const float wt = renorm ? mine_w / total : mine_w;
-    weights[(size_t)t * k + lane] = wt;
-    ids[(size_t)t * k + lane] = mine_id;
-    if (slots) slots[(size_t)t * k + lane] = slot;
-    if (route_row) {
-      route_row[(size_t)t * 2 * k + lane] = (float)mine_id;
-      route_row[(size_t)t * 2 * k + k + lane] = wt;
-    }
-  }
+  write_choice(t, k, lane, mine_w, total, mine_id, slot, renorm, ids, weights, slots, route_row);
   return slots && lane < k ? slot : -1;
 }
 
