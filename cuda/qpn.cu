@@ -95,16 +95,39 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 // chunks per pipeline stage (two stages in registers: loads of the next overlap this one's math)
 #define UNROLL_FOR(NT, MT) (QPN_MMA == 0 ? 2 : ((NT) * (MT) >= 4 ? 2 : 4))
 
+// QPN_L2_HINT (hybrid.kernels.build: HYBRID_QPN_L2=evict_first, sm_80+ only; off by default until measured):
+// the weight stream's loads and copies carry an L2 evict-first policy, so the lines a decode step reads
+// again (kernels' code, activations, norms, slot tables, the KV cache) are not the ones its weights replace.
+#if defined(QPN_L2_HINT) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define QPN_L2_EVICT_FIRST 1
+__device__ __forceinline__ u64 weight_policy() {   // no side effects: one per kernel after CSE
+  u64 pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+#else
+#define QPN_L2_EVICT_FIRST 0
+#endif
+
 // ---------------------------------------------------------------- loads, conversions
-__device__ __forceinline__ u32x4 ld_stream(const u32x4* p) {
+__device__ __forceinline__ u32x4 ld_stream(const u32x4* p) {   // packed weight words
   u32x4 v;
+#if QPN_L2_EVICT_FIRST
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(weight_policy()));
+#else
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
   return v;
 }
-__device__ __forceinline__ u64 ld_stream64(const u64* p) {
+__device__ __forceinline__ u64 ld_stream64(const u64* p) {     // their group scales
   u64 v;
+#if QPN_L2_EVICT_FIRST
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.u64 %0, [%1], %2;" : "=l"(v) : "l"(p), "l"(weight_policy()));
+#else
   asm("ld.global.nc.L1::no_allocate.u64 %0, [%1];" : "=l"(v) : "l"(p));
+#endif
   return v;
 }
 __device__ __forceinline__ u64 ld_act(const u16* p) {  // 4 fp16 activations, 8-byte aligned
@@ -140,11 +163,24 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {  // a shared-memory ad
 
 // sm_80+: cp.async into a warp-private shared-memory ring (see warp_gemm_async)
 #if QPN_MMA >= 2
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {   // packed weight words
+#if QPN_L2_EVICT_FIRST
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "l"(weight_policy()) : "memory");
+#else
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#endif
 }
 __device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async8_w(u32 dst, const void* src) {  // group scales (cp_async8: activations)
+#if QPN_L2_EVICT_FIRST
+  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2;" ::"r"(dst), "l"(src),
+               "l"(weight_policy()) : "memory");
+#else
+  cp_async8(dst, src);
+#endif
 }
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -367,7 +403,7 @@ __device__ __forceinline__ void issue_chunk(const u32x4* const (&wp)[NT], const 
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       cp_async16(wdst + nt * 512, wp[nt]);
-      if (FMT == 2) cp_async8(sdst + nt * 256, sp[nt]);
+      if (FMT == 2) cp_async8_w(sdst + nt * 256, sp[nt]);
     }
   }
   cp_commit();  // an empty group past the end keeps the group count uniform

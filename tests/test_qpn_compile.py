@@ -48,3 +48,25 @@ def test_prebuilt_ptx_fallback_plain_or_gzipped(tmp_path, monkeypatch):
     assert build._image_for(70, True) == ptx
     pre.write_bytes(ptx + b"// plain\n")
     assert build._image_for(70, True) == ptx + b"// plain\n"
+
+
+def test_l2_hint_source_compiles_and_stays_off_on_volta(monkeypatch):
+    """HYBRID_QPN_L2=evict_first: on sm_80+ every weight load / copy of the hinted source carries an L2 cache
+    policy (no spills); Volta's PTX is the plain source's; the switch is read per sm, a bad value is one line."""
+    from hybrid.errors import HybridError
+    from hybrid.kernels import build
+
+    reports, ptx = compile_check(90, build.hinted_source())
+    assert not [r.name for r in reports if r.spill_stores or r.spill_loads]
+    assert "createpolicy.fractional.L2::evict_first" in ptx and "L2::cache_hint" in ptx
+    assert "L2::cache_hint" not in compile_check(90)[1]
+    assert compile_check(70, build.hinted_source())[1] == compile_check(70)[1]
+    monkeypatch.delenv(build.L2_ENV, raising=False)
+    assert not build.l2_evict_first(90)
+    monkeypatch.setenv(build.L2_ENV, "evict_first")
+    assert build.l2_evict_first(90) and build.l2_evict_first(80) and not build.l2_evict_first(70)
+    monkeypatch.setenv(build.L2_ENV, "normal")
+    assert not build.l2_evict_first(90)
+    monkeypatch.setenv(build.L2_ENV, "sometimes")
+    with pytest.raises(HybridError, match="HYBRID_QPN_L2='sometimes'"):
+        build.l2_evict_first(90)

@@ -15,6 +15,8 @@ event records / waits / syncs) and the GPU time per step by kernel (cuda_calls_p
 
 --env NAME A/Bs another switch the same way, e.g. the router's MoE routing (hybrid.kernels.fused "plan"):
     --env HYBRID_FUSED_NEW --modes "all;norm,router,attn;all;norm,router,attn"
+or the QPN weight stream's L2 evict-first hint (sm_80+; the QPN module is built again per session):
+    --env HYBRID_QPN_L2 --modes "normal;evict_first;normal;evict_first"
 """
 from __future__ import annotations
 
@@ -140,6 +142,7 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
     import torch
 
     from hybrid.bench.decode import measure
+    from hybrid.kernels import build
     from hybrid.runtime import RuntimeOptions, open_session
 
     cfg, tok, ctx, cpu, eprof = tc.expert_profile_session(path, profile, tokens)
@@ -151,6 +154,8 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
                 record({"check": check, "skipped": "device-time deadline"})
                 continue
             os.environ[env] = mode                        # read when the session makes (captures) its graphs
+            if env == build.L2_ENV:                       # read when the QPN module is built: build it again
+                build.forget_modules()
             rc.log(f"session {check}: {kw}")
             s = open_session(path, RuntimeOptions(device="cuda", profile=profile, expert_profile=str(eprof), **kw),
                              context=ctx, cpu=cpu)

@@ -122,11 +122,35 @@ def cached_compile(nv: Nvrtc, src: str, name: str, opts: list[str], suffix: str,
     return image
 
 
-_MODULES: dict[tuple[int, bool], object] = {}
+_MODULES: dict[tuple[int, int | None], object] = {}
+L2_ENV = "HYBRID_QPN_L2"
+L2_MODES = ("normal", "evict_first")
+
+
+def l2_evict_first(sm: int) -> bool:
+    """HYBRID_QPN_L2=evict_first: on sm_80+ the QPN kernels' weight loads carry an L2 evict-first policy
+    (qpn.cu's QPN_L2_HINT); `normal` (default) or unset: no hint. Read when a device's module is built
+    (forget_modules() makes the next launch build again: an A/B of the setting in one process)."""
+    mode = os.environ.get(L2_ENV, "normal").strip().lower() or "normal"
+    if mode not in L2_MODES:
+        from hybrid.errors import HybridError
+
+        raise HybridError(f"{L2_ENV}={mode!r}: expected one of {', '.join(L2_MODES)}")
+    return mode == "evict_first" and sm >= 80
+
+
+def hinted_source() -> str:
+    """qpn.cu with QPN_L2_HINT defined (the weight stream's L2 evict-first policy, sm_80+)."""
+    return "#define QPN_L2_HINT 1\n" + source()
+
+
+def forget_modules() -> None:
+    """Drop the loaded modules: the next launch on each device builds (or loads from the disk cache) again."""
+    _MODULES.clear()
 
 
 def module(device: torch.device, force_ptx_sm: int | None = None):
-    """The loaded kernel module for a CUDA device (built on first use).
+    """The loaded kernel module for a CUDA device (built on first use, HYBRID_QPN_L2 read then).
 
     force_ptx_sm: load PTX of compute_<sm> instead (tests: compute_70 PTX through the driver JIT).
     """
@@ -138,8 +162,10 @@ def module(device: torch.device, force_ptx_sm: int | None = None):
     if mod is None:
         major, minor = torch.cuda.get_device_capability(index)
         sm = force_ptx_sm or major * 10 + minor
-        mod = Module(_image_for(sm, force_ptx_sm is not None), torch.device("cuda", index))
-        mod.sm = sm
+        hint = l2_evict_first(sm)
+        mod = Module(_image_for(sm, force_ptx_sm is not None, src=hinted_source() if hint else None),
+                     torch.device("cuda", index))
+        mod.sm, mod.l2_hint = sm, hint
         _MODULES[key] = mod
     return mod
 
