@@ -1,5 +1,6 @@
 """RoutingCounter / Tee / save (hybrid.runtime.routing_counts): counts of fresh random routings against a
 direct count, the file's invariants, and a failed write leaving no file."""
+import os
 
 import numpy as np
 import pytest
@@ -36,7 +37,7 @@ def test_counts_match_a_direct_count(tmp_path):
 def test_unwritable_target_is_one_line(tmp_path):
     c = RoutingCounter(1, 4, 2)
     c.step(np.array([[[0, 1]]]))
-    (tmp_path / "p.json.tmp").mkdir()                     # the temp file cannot be written (root or not)
+    (tmp_path / f".p.json.{os.getpid()}.tmp").mkdir()     # the temp file cannot be written (root or not)
     with pytest.raises(HybridError, match="--save-expert-profile .*cannot write"):
         save(c, tmp_path / "p.json", "m", "qwen3_moe", "test")
     assert not (tmp_path / "p.json").exists()

@@ -79,19 +79,9 @@ def dashboard(report: dict) -> dict:
 def write_metrics(path: str | Path, report: dict) -> Path:
     """FILE.json -> dashboard JSON; anything else -> Prometheus text. Written beside FILE, then
     renamed over it: a reader (a textfile collector, a dashboard) never sees half a file."""
-    import os
-
-    from hybrid.errors import HybridError
+    from hybrid.files import write_text_atomic
 
     path = Path(path)
     text = (json.dumps(dashboard(report), indent=1) + "\n" if path.suffix == ".json"
             else render_prometheus(registry_from_report(report)))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise HybridError(f"--metrics {path}: cannot write ({exc.strerror})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return write_text_atomic(path, text, "--metrics")

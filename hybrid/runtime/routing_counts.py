@@ -10,7 +10,6 @@ end_step and are not counted.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -65,21 +64,14 @@ def save(counter: RoutingCounter, path: str | Path, model: str, model_type: str,
     """Write the counts as an expert-popularity profile (written beside, then renamed: never half a file);
     None when nothing was routed."""
     from hybrid.experts.popularity import profile_file_dict
+    from hybrid.files import write_text_atomic
 
     if counter.tokens == 0:
         return None
     p = check_writable(path)
     d = profile_file_dict(model, model_type, counter.counts, counter.tokens, counter.top_k,
                           {"command": command, "routed_by": "hybrid-run (every prefill and decode token)"})
-    tmp = p.with_name(p.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(d) + "\n")
-        os.replace(tmp, p)
-    except OSError as exc:
-        if tmp.is_file():
-            tmp.unlink()                                             # no half-written file left beside it
-        raise HybridError(f"--save-expert-profile {path}: cannot write ({exc.strerror})") from None
-    return p
+    return write_text_atomic(p, json.dumps(d) + "\n", "--save-expert-profile")
 
 
 def command_line() -> str:
