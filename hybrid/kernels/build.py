@@ -165,7 +165,7 @@ def module(device: torch.device, force_ptx_sm: int | None = None):
         hint = l2_evict_first(sm)
         mod = Module(_image_for(sm, force_ptx_sm is not None, src=hinted_source() if hint else None),
                      torch.device("cuda", index))
-        mod.sm, mod.l2_hint = sm, hint
+        mod.sm = sm
         _MODULES[key] = mod
     return mod
 
