@@ -79,14 +79,16 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // True in the last of `blocks` blocks to arrive at counter, where every write the arriving blocks made
-// before is visible (a barrier, then one thread's fence + atomic + fence, as cooperative groups' grid sync).
+// before is visible: a barrier, then one thread's acq_rel atomic at gpu scope (its release orders what the
+// block wrote before the barrier, the last block's acquire and barrier what it reads after; the pattern of
+// CUTLASS's semaphores). One MEMBAR and one L1 invalidation on sm_90 where a fence + atomic + fence had two
+// of each: the router's tail 0.2-0.3 us shorter per layer on the H200 (results/runtime.md §32). sm_70+ PTX.
 __device__ __forceinline__ bool arrive_last(int* counter, int blocks, int* flag) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
-    const int l = atomicAdd(counter, 1) == blocks - 1;
-    if (l) __threadfence();
-    *flag = l;
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+    *flag = old == blocks - 1;
   }
   __syncthreads();
   return *flag;

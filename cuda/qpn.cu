@@ -95,10 +95,12 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 // chunks per pipeline stage (two stages in registers: loads of the next overlap this one's math)
 #define UNROLL_FOR(NT, MT) (QPN_MMA == 0 ? 2 : ((NT) * (MT) >= 4 ? 2 : 4))
 
-// QPN_L2_HINT (hybrid.kernels.build: HYBRID_QPN_L2=evict_first, sm_80+ only; off by default until measured):
-// the weight stream's loads and copies carry an L2 evict-first policy, so the lines a decode step reads
-// again (kernels' code, activations, norms, slot tables, the KV cache) are not the ones its weights replace.
-#if defined(QPN_L2_HINT) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// L2 policy of the decode weight stream (sm_80+): its loads and copies carry an L2 evict-first policy, so the
+// lines a decode step reads again (kernels' code, activations, norms, slot tables, the KV cache) are not the
+// ones its weights replace (H200, results/runtime.md §32: decode +4%). QPN_L2_NORMAL (hybrid.kernels.build:
+// HYBRID_QPN_L2=normal) builds without it. The prefill GEMMs' tile loads (ld_tile) never carry it: their
+// weight tiles are read again by the neighbouring block rows, through the L2.
+#if !defined(QPN_L2_NORMAL) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define QPN_L2_EVICT_FIRST 1
 __device__ __forceinline__ u64 weight_policy() {   // no side effects: one per kernel after CSE
   u64 pol;
@@ -128,6 +130,17 @@ __device__ __forceinline__ u64 ld_stream64(const u64* p) {     // their group sc
 #else
   asm("ld.global.nc.L1::no_allocate.u64 %0, [%1];" : "=l"(v) : "l"(p));
 #endif
+  return v;
+}
+__device__ __forceinline__ u32x4 ld_tile(const u32x4* p) {     // packed weight words of a GEMM tile
+  u32x4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u64 ld_tile64(const u64* p) {       // their group scales
+  u64 v;
+  asm("ld.global.nc.L1::no_allocate.u64 %0, [%1];" : "=l"(v) : "l"(p));
   return v;
 }
 __device__ __forceinline__ u64 ld_act(const u16* p) {  // 4 fp16 activations, 8-byte aligned
@@ -883,8 +896,8 @@ __device__ __forceinline__ void tile_load(TileLoads<FMT, BM, BN>& r, const u32x4
     const int c = kt * L::CPT + cc;
     if (cc < L::CPT && t0 + t < tiles && c < C) {
       const size_t tc = (size_t)(t0 + t) * C + c;
-      r.w[v] = ld_stream(w + tc * 32 + l);
-      r.s[v] = FMT == 2 ? ld_stream64(s + tc * 8 + (l >> 2)) : 0ull;
+      r.w[v] = ld_tile(w + tc * 32 + l);
+      r.s[v] = FMT == 2 ? ld_tile64(s + tc * 8 + (l >> 2)) : 0ull;
     }
   }
 #pragma unroll
@@ -1178,11 +1191,11 @@ __device__ __forceinline__ void gemmf_load_w(u32x4 (&wv)[CPS][NT], u64 (&sv)[NT]
     const int c = kt * CPS + h;
     if (c < C) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) wv[h][nt] = ld_stream(wl[nt] + (size_t)c * 32);
+      for (int nt = 0; nt < NT; ++nt) wv[h][nt] = ld_tile(wl[nt] + (size_t)c * 32);
     }
   }
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) sv[nt] = FMT == 2 ? ld_stream64(sl[nt] + (size_t)kt * 8) : 0ull;
+  for (int nt = 0; nt < NT; ++nt) sv[nt] = FMT == 2 ? ld_tile64(sl[nt] + (size_t)kt * 8) : 0ull;
 }
 
 // A fragments of groups 2 gp, 2 gp + 1 of the stage for tile nt: a[g][0..3] (rows r / r + 8, k-slots)
@@ -1589,8 +1602,8 @@ __device__ __forceinline__ void moe_tile_load(TileLoads<FMT, BM, BN>& r, const u
     const int tt = GU ? t0 + (t >> 1) : t0 + t;
     if (cc < L::CPT && tt < tiles && c < C) {
       const size_t tc = (size_t)(GU && (t & 1) ? tiles + tt : tt) * C + c;
-      r.w[v] = ld_stream(w + tc * 32 + l);
-      r.s[v] = FMT == 2 ? ld_stream64(s + tc * 8 + (l >> 2)) : 0ull;
+      r.w[v] = ld_tile(w + tc * 32 + l);
+      r.s[v] = FMT == 2 ? ld_tile64(s + tc * 8 + (l >> 2)) : 0ull;
     }
   }
 #pragma unroll

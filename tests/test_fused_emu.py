@@ -97,14 +97,23 @@ def _section(src: str, begin: str, end: str | None) -> str:
     return src[a: src.index(end, a) if end else len(src)]
 
 
+def _reductions(src: str) -> str:
+    """fused.cu's warp reductions and arrive_last, its acq_rel atomic as the C++ one."""
+    found = "".join(re.findall(r"__device__ __forceinline__ (?:float warp_(?:sum|max)\(float v\)|bool arrive_last\([^)]*\)) \{.*?\n\}\n",
+                               src, re.S))
+    atom = re.compile(r'asm volatile\("atom\.acq_rel\.gpu\.global\.add\.s32 [^\n]*\);$', re.M)
+    if len(atom.findall(found)) != 1:
+        raise AssertionError("arrive_last: expected one atom.acq_rel.gpu add")
+    return atom.sub("old = __atomic_fetch_add(counter, 1, __ATOMIC_ACQ_REL);", found)
+
+
 def emu_source() -> str:
     """The attention part of cuda/fused.cu (with the RoPE helper and the warp reductions) under SHIM;
     the inline-PTX helpers are the shim's."""
     src = fused_build.source()
     rule = "// " + "-" * 64 + " "
     head = _section(src, "typedef unsigned int u32;", rule)
-    reductions = "".join(re.findall(r"__device__ __forceinline__ (?:float warp_(?:sum|max)\(float v\)|bool arrive_last\([^)]*\)) \{.*?\n\}\n",
-                                    src, re.S))
+    reductions = _reductions(src)
     rope = _section(src, rule + "q/k RMSNorm", rule + "router")
     attn = _section(src, rule + "one-token GQA attention", None)
     attn = re.sub(r"__device__ __forceinline__ (uint4 ldg_v4|float4 ld_cg4)\(.*?\n\}\n", "", attn, flags=re.S)
@@ -263,8 +272,7 @@ def router_emu_source() -> str:
     src = fused_build.source()
     rule = "// " + "-" * 64 + " "
     head = _section(src, "typedef unsigned int u32;", rule)
-    reductions = "".join(re.findall(r"__device__ __forceinline__ (?:float warp_(?:sum|max)\(float v\)|bool arrive_last\([^)]*\)) \{.*?\n\}\n",
-                                    src, re.S))
+    reductions = _reductions(src)
     norm = _section(src, rule + "residual add + RMSNorm", rule + "q/k RMSNorm")
     router = _section(src, rule + "router softmax + top-k", rule + "one-token GQA attention")
     router = re.sub(r'asm volatile\("prefetch[^"]*"[^;]*;', ";", router)      # cache hints: none here

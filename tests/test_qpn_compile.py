@@ -50,23 +50,32 @@ def test_prebuilt_ptx_fallback_plain_or_gzipped(tmp_path, monkeypatch):
     assert build._image_for(70, True) == ptx + b"// plain\n"
 
 
-def test_l2_hint_source_compiles_and_stays_off_on_volta(monkeypatch):
-    """HYBRID_QPN_L2=evict_first: on sm_80+ every weight load / copy of the hinted source carries an L2 cache
-    policy (no spills); Volta's PTX is the plain source's; the switch is read per sm, a bad value is one line."""
+def test_l2_hint_on_decode_stream_only_and_off_on_volta(monkeypatch):
+    """The default build gives every decode weight load / copy an L2 evict-first policy on sm_80+ (no spills) and
+    none to the prefill GEMMs' tile loads; HYBRID_QPN_L2=normal builds without it; Volta's PTX is the same
+    either way; the switch is read per sm, a bad value is one line."""
+    import re
+
     from hybrid.errors import HybridError
     from hybrid.kernels import build
 
-    reports, ptx = compile_check(90, build.hinted_source())
+    reports, ptx = compile_check(90)
     assert not [r.name for r in reports if r.spill_stores or r.spill_loads]
-    assert "createpolicy.fractional.L2::evict_first" in ptx and "L2::cache_hint" in ptx
-    assert "L2::cache_hint" not in compile_check(90)[1]
-    assert compile_check(70, build.hinted_source())[1] == compile_check(70)[1]
+    assert "createpolicy.fractional.L2::evict_first" in ptx
+
+    def hinted(kernel: str) -> bool:
+        body = ptx[ptx.index(f".entry {kernel}("):]
+        return "L2::cache_hint" in body[:body.index("\n}\n")]
+
+    assert hinted("qpn2_linear_m1_as2") and hinted("qpn2_linear_mt1_t2u1") and hinted("qpn8_moe_down_mt1_as")
+    gemms = re.findall(r"\.entry (qpn[28]_(?:moe_)?gemmf?_\w+)\(", ptx)
+    assert gemms and not [g for g in gemms if hinted(g)]
+    assert "L2::cache_hint" not in compile_check(90, build.unhinted_source())[1]
+    assert compile_check(70, build.unhinted_source())[1] == compile_check(70)[1]
     monkeypatch.delenv(build.L2_ENV, raising=False)
-    assert not build.l2_evict_first(90)
-    monkeypatch.setenv(build.L2_ENV, "evict_first")
-    assert build.l2_evict_first(90) and build.l2_evict_first(80) and not build.l2_evict_first(70)
+    assert build.l2_mode(90) == build.l2_mode(80) == "evict_first" and build.l2_mode(70) == "normal"
     monkeypatch.setenv(build.L2_ENV, "normal")
-    assert not build.l2_evict_first(90)
+    assert build.l2_mode(90) == "normal"
     monkeypatch.setenv(build.L2_ENV, "sometimes")
     with pytest.raises(HybridError, match="HYBRID_QPN_L2='sometimes'"):
-        build.l2_evict_first(90)
+        build.l2_mode(90)

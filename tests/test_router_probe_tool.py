@@ -23,16 +23,13 @@ def test_probe_source_adds_the_probe_kernels(probe):
     out = probe.probe_source(src)
     assert out.startswith(src[: src.index("fused_add_norm_router_e(")])
     for name in ("fused_add_norm_router_e_nolast(", "fused_add_norm_router_e_emptylast(",
-                 "fused_add_norm_router_e_acqrel(", "fused_add_norm_router_e_stamps("):
+                 "fused_add_norm_router_e_stamps("):
         assert out.count(name) == 1
     nolast = out[out.index("fused_add_norm_router_e_nolast("):out.index("fused_add_norm_router_e_emptylast(")]
     assert "arrive_last" not in nolast and "topk_warp" not in nolast and "route_plan_warp" in nolast
     empty = out[out.index("fused_add_norm_router_e_emptylast("):]
     empty = empty[: empty.index("\n}\n")]
     assert "arrive_last" in empty and "topk_warp" not in empty and "*counter = 0" in empty
-    acqrel = out[out.index("fused_add_norm_router_e_acqrel("):]
-    acqrel = acqrel[: acqrel.index("\n}\n")]
-    assert "arrive_acqrel(" in acqrel and "arrive_last(" not in acqrel and "route_tokens<4>(" in acqrel
     stamps = out[out.index("fused_add_norm_router_e_stamps("):]
     stamps = stamps[: stamps.index("\n}\n")]
     assert "route_tokens<4>(" in stamps and all(f"STAMP({n})" in stamps for n in range(5))
@@ -50,7 +47,7 @@ def test_probe_kernels_compile_without_spills(probe, monkeypatch, sm):
     monkeypatch.setattr(fused_build, "source", lambda: probe.probe_source(shipped))
     reports, _ = fused_build.compile_check(sm)
     names = {r.name for r in reports}
-    assert {f"fused_add_norm_router_e_{m}" for m in ("nolast", "emptylast", "acqrel", "stamps")} <= names
+    assert {f"fused_add_norm_router_e_{m}" for m in ("nolast", "emptylast", "stamps")} <= names
     # the stamps probe may spill (its clock values; its phases are read, not its time)
     assert not [r.name for r in reports if (r.spill_stores or r.spill_loads or r.stack) and not r.name.endswith("_stamps")]
 
@@ -66,7 +63,7 @@ def test_launch_renamed_per_mode(probe, monkeypatch):
     m = driver.Module.__new__(driver.Module)
     for mode, want in (("off", "fused_add_norm_router_e"), ("nolast", "fused_add_norm_router_e_nolast"),
                        ("emptylast", "fused_add_norm_router_e_emptylast"),
-                       ("acqrel", "fused_add_norm_router_e_acqrel"), ("stamps", "fused_add_norm_router_e_stamps")):
+                       ("stamps", "fused_add_norm_router_e_stamps")):
         monkeypatch.setenv(probe.ENV, mode)
         m.launch("fused_add_norm_router_e", (128, 1, 1), 128, [])
         m.launch("fused_rope_attn_e", (8, 1, 1), 128, [])

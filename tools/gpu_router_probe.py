@@ -8,9 +8,6 @@ captures its graphs):
     nolast     no fence, no counter, no last block: block 0 writes a fixed routing (experts 0..k-1, weights 1/k,
                their slots) and its MoE plan; every block zeroes the MoE output as shipped
     emptylast  fence and counter as shipped; the last block writes that fixed routing (no softmax, no ranks)
-    acqrel     as shipped, but the arrival is one acq_rel atomic at gpu scope (arrive_acqrel) instead of
-               arrive_last's fence + relaxed atomic + fence (each fence a MEMBAR.SC.GPU and an L1 invalidation in
-               the sm_90 SASS); ~1.1 us of the tail in §31.3's stamps. A candidate, not shipped: measure first
     stamps     as shipped, with clock64() read by the last block's thread 0 between its phases (PHASES: the norm
                and logits, the arrival, the zeroing, the routing with the MoE plan), summed with the launch count into
                a module global that the tool reads after each session (a record's "stamps": mean cycles per launch)
@@ -21,7 +18,8 @@ the profiler's kernel times) and the GPU time of the other kernels beside it: of
 the logits (fence, counter, the last block) costs inside the model, off - emptylast the last block's softmax, top-k
 and lookups. The probe kernels exist only in this process (fused_build.source is wrapped, the launch renamed);
 hybrid's kernels are unchanged. results/runtime.md §30-§31 has what it found (§31: the last block's routing was
-the gap; the probes `wide`, `twice`, `block`, `pf` used there are in this file's history, commits a415ef2-11338e3).
+the gap; the probes `wide`, `twice`, `block`, `pf` used there are in this file's history, commits a415ef2-11338e3;
+§32: `acqrel`, the arrival as one acq_rel atomic, shipped in arrive_last, its probe removed).
 
     HYBRID_CACHE_DIR=.qpncache PYTHONPATH=. python3 tools/gpu_router_probe.py \\
         --order synth_one_gpu_cap16 --modes "off;nolast;emptylast;off;nolast;emptylast" --budget-s 400
@@ -39,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ENV = "HYBRID_ROUTER_PROBE"
 KERNEL = "fused_add_norm_router_e"
-SUFFIX = {"off": "", "nolast": "_nolast", "emptylast": "_emptylast", "acqrel": "_acqrel", "stamps": "_stamps"}
+SUFFIX = {"off": "", "nolast": "_nolast", "emptylast": "_emptylast", "stamps": "_stamps"}
 # the stamps probe's phases (SM cycles of the last block's thread 0, summed over launches in probe_stamps)
 PHASES = ("body", "arrive", "zero", "routing")
 
@@ -63,19 +61,6 @@ _FIXED = """
     if (offsets != nullptr && slots != nullptr && T * k <= 32) route_plan_warp(s, T * k, S, offsets, perm, active);
   }
 """
-# arrive_last with one acq_rel atomic: the barrier orders the block's writes before thread 0's release, the
-# last block's acquire (and its barrier) orders every block's writes before what it reads next
-_ACQREL = """__device__ __forceinline__ bool arrive_acqrel(int* counter, int blocks, int* flag) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int old;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
-    *flag = old == blocks - 1;
-  }
-  __syncthreads();
-  return *flag;
-}
-"""
 _ZERO = """  for (int j = 4 * (blockIdx.x * 128 + threadIdx.x); j < nzero; j += 4 * 128 * gridDim.x)   // the MoE output
     *(float4*)(zero + j) = make_float4(0.f, 0.f, 0.f, 0.f);
 """
@@ -96,8 +81,7 @@ def probe_source(src: str) -> str:
     empty = kern[:tail].replace(f"{KERNEL}(", f"{KERNEL}_emptylast(") + _FIXED + kern[reset:]
     if kern.count("arrive_last(") != 1:
         raise ValueError(f"{KERNEL}: expected one arrive_last call")
-    acqrel = _ACQREL + kern.replace(f"{KERNEL}(", f"{KERNEL}_acqrel(").replace("arrive_last(", "arrive_acqrel(")
-    return (src[:end] + "\n" + nolast + "\n" + empty + "\n" + acqrel + "\n" + stamps_source(kern)
+    return (src[:end] + "\n" + nolast + "\n" + empty + "\n" + stamps_source(kern)
             + src[end:])
 
 

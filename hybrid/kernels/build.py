@@ -124,24 +124,25 @@ def cached_compile(nv: Nvrtc, src: str, name: str, opts: list[str], suffix: str,
 
 _MODULES: dict[tuple[int, int | None], object] = {}
 L2_ENV = "HYBRID_QPN_L2"
-L2_MODES = ("normal", "evict_first")
+L2_MODES = ("evict_first", "normal")
 
 
-def l2_evict_first(sm: int) -> bool:
-    """HYBRID_QPN_L2=evict_first: on sm_80+ the QPN kernels' weight loads carry an L2 evict-first policy
-    (qpn.cu's QPN_L2_HINT); `normal` (default) or unset: no hint. Read when a device's module is built
-    (forget_modules() makes the next launch build again: an A/B of the setting in one process)."""
-    mode = os.environ.get(L2_ENV, "normal").strip().lower() or "normal"
+def l2_mode(sm: int) -> str:
+    """HYBRID_QPN_L2: `evict_first` (default) gives the decode weight stream's loads an L2 evict-first policy on
+    sm_80+ (qpn.cu; measured on the H200, results/runtime.md §32); `normal` builds without it. The mode a device
+    of sm_<sm> builds with (`normal` below sm_80, which has no L2 policies). Read when a device's module is
+    built (forget_modules() makes the next launch build again: an A/B of the setting in one process)."""
+    mode = os.environ.get(L2_ENV, "evict_first").strip().lower() or "evict_first"
     if mode not in L2_MODES:
         from hybrid.errors import HybridError
 
         raise HybridError(f"{L2_ENV}={mode!r}: expected one of {', '.join(L2_MODES)}")
-    return mode == "evict_first" and sm >= 80
+    return mode if sm >= 80 else "normal"
 
 
-def hinted_source() -> str:
-    """qpn.cu with QPN_L2_HINT defined (the weight stream's L2 evict-first policy, sm_80+)."""
-    return "#define QPN_L2_HINT 1\n" + source()
+def unhinted_source() -> str:
+    """qpn.cu with QPN_L2_NORMAL defined (HYBRID_QPN_L2=normal: no L2 policy on the weight stream)."""
+    return "#define QPN_L2_NORMAL 1\n" + source()
 
 
 def forget_modules() -> None:
@@ -162,8 +163,8 @@ def module(device: torch.device, force_ptx_sm: int | None = None):
     if mod is None:
         major, minor = torch.cuda.get_device_capability(index)
         sm = force_ptx_sm or major * 10 + minor
-        hint = l2_evict_first(sm)
-        mod = Module(_image_for(sm, force_ptx_sm is not None, src=hinted_source() if hint else None),
+        plain = l2_mode(sm) == "normal" and sm >= 80
+        mod = Module(_image_for(sm, force_ptx_sm is not None, src=unhinted_source() if plain else None),
                      torch.device("cuda", index))
         mod.sm = sm
         _MODULES[key] = mod
