@@ -980,11 +980,11 @@ __device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint
     float vf[8];
     unpack8(kq[i], kf[i]);
     unpack8(vq[i], vf);
-    if (key == pp) {
-#pragma unroll
+    if (key == pp && c < C) {       // lanes past D keep attn_load's zeros (their q is 0, and 0 times the
+#pragma unroll                      // stale shared memory past row p's D values can be NaN)
       for (int e = 0; e < 8; ++e) {
-        kf[i][e] = sm.kn[(8 * c + e) & 255];
-        vf[e] = sm.vn[(8 * c + e) & 255];
+        kf[i][e] = sm.kn[8 * c + e];
+        vf[e] = sm.vn[8 * c + e];
       }
     }
     if (!(key < n)) {
