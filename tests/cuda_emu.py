@@ -55,11 +55,13 @@ template <class F> void run_grid(int gx, int gy, int threads, F f, int gz = 1, b
 """
 
 
-# Device helpers both prefill-GEMM emulations (WMMA and gemmf) define alike: streaming loads, the
-# split-K counter's atomic, fp16 bits, the exact group-scale decode and multiply, shared addresses.
+# Device helpers both prefill-GEMM emulations (WMMA and gemmf) define alike: weight loads (decode stream and
+# GEMM tiles), the split-K counter's atomic, fp16 bits, the exact group-scale decode and multiply, shared addresses.
 GEMM_HELPERS = r"""
 inline u32x4 ld_stream(const u32x4* p) { return *p; }
 inline u64 ld_stream64(const u64* p) { return *p; }
+inline u32x4 ld_tile(const u32x4* p) { return *p; }
+inline u64 ld_tile64(const u64* p) { return *p; }
 inline float ld_part(const float* p) { return *p; }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline _Float16 hf(u32 bits) { u16 b = (u16)bits; _Float16 x; memcpy(&x, &b, 2); return x; }
