@@ -3,6 +3,7 @@ kernel's source as C++ (g++ -std=c++20), a block's threads as OS threads, __sync
 barriers, blocks one after another; each test adds the helpers its kernels need (shuffles, inline-PTX
 stand-ins) and its extern "C" entry points."""
 import ctypes
+import re
 import shutil
 import subprocess
 
@@ -82,12 +83,30 @@ inline char* smem_ptr(u32 a) { return (char*)(smem_hi | a); }
 """
 
 
+_SHARED = re.compile(r"^([ \t]*)__shared__ ((?:__align__\(\d+\) )?)([\w:]+(?: [\w:]+)*?) "
+                     r"(\w+(?:\[[^\]]+\])*(?:, \w+(?:\[[^\]]+\])*)*);", re.M)
+
+
+def poison_shared(source: str) -> str:
+    """Every `__shared__` declaration of a kernel source as a static object that thread 0 fills with 0xff bytes
+    (NaN floats, -1 integers) at each block's start, then a barrier: a GPU's shared memory holds what earlier
+    blocks and kernels left, so what a kernel reads before writing shows in its outputs. The declarations must
+    be where every thread of the block passes (a kernel's or an always-called device function's top)."""
+    def rewrite(m: re.Match) -> str:
+        names = re.findall(r"(\w+)(?:\[[^\]]+\])*", m.group(4))   # brackets may hold commas: Smem<MT, NT, ST>
+        fills = " ".join(f"std::memset(&{n}, 0xff, sizeof {n});" for n in names)
+        return (f"{m.group(1)}static {m.group(2)}{m.group(3)} {m.group(4)}; "
+                f"if (threadIdx.x == 0) {{ {fills} }} __syncthreads();")
+    return _SHARED.sub(rewrite, source)
+
+
 def compile_emu(tmp_path_factory, name: str, source: str) -> ctypes.CDLL:
-    """source (SHIM + kernels + entry points) -> the loaded shared library; skips without a C++20 g++."""
+    """source (SHIM + kernels + entry points) -> the loaded shared library, its shared memory poisoned per block
+    (poison_shared); skips without a C++20 g++."""
     if not shutil.which("g++"):
         pytest.skip("needs g++ (C++20)")
     d = tmp_path_factory.mktemp(name)
-    (d / "emu.cpp").write_text(source)
+    (d / "emu.cpp").write_text(poison_shared(source))
     cmd = ["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-o", str(d / "emu.so"), str(d / "emu.cpp"),
            "-lpthread"]
     res = subprocess.run(cmd, capture_output=True, text=True)

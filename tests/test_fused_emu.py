@@ -118,12 +118,6 @@ def emu_source() -> str:
     attn = _section(src, rule + "one-token GQA attention", None)
     attn = re.sub(r"__device__ __forceinline__ (uint4 ldg_v4|float4 ld_cg4)\(.*?\n\}\n", "", attn, flags=re.S)
     attn = re.sub(r'asm volatile\("prefetch[^"]*"[^;]*;', ";", attn)          # cache hints: none here
-    # every block's shared memory starts as NaN (a GPU's holds what earlier blocks and kernels left): what a
-    # kernel reads before writing it, e.g. from the lanes past the head dimension, shows in the outputs
-    decl = "__shared__ __align__(16) AttnSmem sm;"
-    if attn.count(decl) != 3:
-        raise AssertionError(f"fused.cu: expected `{decl}` in the three attention kernels")
-    attn = attn.replace(decl, decl + " if (threadIdx.x == 0) std::memset(&sm, 0xff, sizeof sm); __syncthreads();")
     return SHIM + HELPERS + head + reductions + rope + attn + ENTRY
 
 
