@@ -112,26 +112,6 @@ __device__ __forceinline__ u64 weight_policy() {   // no side effects: one per k
 #endif
 
 // ---------------------------------------------------------------- loads, conversions
-__device__ __forceinline__ u32x4 ld_stream(const u32x4* p) {   // packed weight words
-  u32x4 v;
-#if QPN_L2_EVICT_FIRST
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(weight_policy()));
-#else
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-#endif
-  return v;
-}
-__device__ __forceinline__ u64 ld_stream64(const u64* p) {     // their group scales
-  u64 v;
-#if QPN_L2_EVICT_FIRST
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.u64 %0, [%1], %2;" : "=l"(v) : "l"(p), "l"(weight_policy()));
-#else
-  asm("ld.global.nc.L1::no_allocate.u64 %0, [%1];" : "=l"(v) : "l"(p));
-#endif
-  return v;
-}
 __device__ __forceinline__ u32x4 ld_tile(const u32x4* p) {     // packed weight words of a GEMM tile
   u32x4 v;
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -142,6 +122,25 @@ __device__ __forceinline__ u64 ld_tile64(const u64* p) {       // their group sc
   u64 v;
   asm("ld.global.nc.L1::no_allocate.u64 %0, [%1];" : "=l"(v) : "l"(p));
   return v;
+}
+__device__ __forceinline__ u32x4 ld_stream(const u32x4* p) {   // packed weight words of the decode stream
+#if QPN_L2_EVICT_FIRST
+  u32x4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(weight_policy()));
+  return v;
+#else
+  return ld_tile(p);
+#endif
+}
+__device__ __forceinline__ u64 ld_stream64(const u64* p) {     // their group scales
+#if QPN_L2_EVICT_FIRST
+  u64 v;
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.u64 %0, [%1], %2;" : "=l"(v) : "l"(p), "l"(weight_policy()));
+  return v;
+#else
+  return ld_tile64(p);
+#endif
 }
 __device__ __forceinline__ u64 ld_act(const u16* p) {  // 4 fp16 activations, 8-byte aligned
   u64 v;

@@ -163,6 +163,8 @@ def module(device: torch.device, force_ptx_sm: int | None = None):
     if mod is None:
         major, minor = torch.cuda.get_device_capability(index)
         sm = force_ptx_sm or major * 10 + minor
+        # the unhinted source only where it differs (sm_80+): below, the default source is the same code, and
+        # the prebuilt compute_70 PTX is keyed by its digest
         plain = l2_mode(sm) == "normal" and sm >= 80
         mod = Module(_image_for(sm, force_ptx_sm is not None, src=unhinted_source() if plain else None),
                      torch.device("cuda", index))
