@@ -1,0 +1,92 @@
+"""Probe (issue 5, "M = 8 within 10% of M = 1"): the M <= 8 linear kernel variants at M = 2..8 beside the
+default M = 1 launch of the same weight, in one process, rounds alternating so drift falls on all alike.
+
+    PYTHONPATH=. HYBRID_CACHE_DIR=.qpncache python3 tools/qpn_m8_probe.py --out $OUT/m8.jsonl \
+        --variants default,_t2u1x,_t2as,_t2asx --shapes lm_head,dense_down --rounds 2
+
+Per (shape, format): the weight and its copies are built once (rotated past the L2, as hybrid-bench
+cuda-kernels times), then each round times M = 1 with the default kernel and every variant at each --m
+(CUDA events, median of --reps). Rows: shape, format, variant, m, round, t_us, eff_read (of a 2 GiB fp32
+sum's rate measured in the run), ratio (this time over the same round's default M = 1 time). Summary
+rows: the median over rounds per (shape, format, variant, m).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+
+import torch
+
+from hybrid.bench.cuda_kernels import SHAPES, _clone_weight, bandwidths, copies_for, random_qweight, time_ms
+from hybrid.checkpoint.formats import QType
+from hybrid.kernels import QPNWeight, qpn, qpn_linear
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="m8.jsonl")
+    ap.add_argument("--variants", default="default,_t2u1x,_t2as,_t2asx",
+                    help="comma list of LINEAR_VARIANT choices ('default' = the launcher's pick)")
+    ap.add_argument("--shapes", default="lm_head,dense_down,dense_up,q_proj,o_proj")
+    ap.add_argument("--formats", default="nvfp4,fp8")
+    ap.add_argument("--m", default="8", help="comma list of M (2..8) timed per variant")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--sha", default="unknown")
+    a = ap.parse_args()
+    dev = torch.device("cuda", 0)
+    read_bw, copy_bw = bandwidths()
+    head = {"what": "qpn_m8_probe", "git_sha": a.sha, "gpu": torch.cuda.get_device_name(dev),
+            "command": " ".join(["tools/qpn_m8_probe.py", *sys.argv[1:]]),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical cores",
+            "read_gbs": round(read_bw, 1), "copy_gbs": round(copy_bw, 1)}
+    out = open(a.out, "a")
+
+    def emit(r: dict) -> None:
+        print(json.dumps(r), flush=True)
+        out.write(json.dumps(r) + "\n")
+
+    emit(head)
+    dims = {name: (n, k) for name, n, k in SHAPES}
+    variants = [None if v == "default" else v for v in a.variants.split(",")]
+    ms = [int(m) for m in a.m.split(",")]
+    for shape in a.shapes.split(","):
+        n, k = dims[shape]
+        for fmt in a.formats.split(","):
+            qt = QType(fmt)
+            base = QPNWeight.from_qweight(random_qweight(qt, n, k, dev), dev)
+            ws = [base] + [_clone_weight(base) for _ in range(copies_for(base.nbytes) - 1)]
+            xs = {m: torch.randn(m, k, device=dev, dtype=torch.float16) for m in {1, *ms}}
+            got: dict[tuple, list[float]] = {}
+            for rnd in range(a.rounds):
+                t1 = time_ms([lambda w=w: qpn_linear(xs[1], w) for w in ws], a.reps)
+                cells = [(None, 1, t1)]
+                for v in variants:
+                    qpn.LINEAR_VARIANT[0] = v
+                    try:
+                        for m in ms:
+                            cells.append((v, m, time_ms([lambda w=w, x=xs[m]: qpn_linear(x, w) for w in ws], a.reps)))
+                    finally:
+                        qpn.LINEAR_VARIANT[0] = None
+                for v, m, t in cells:
+                    r = {"shape": shape, "format": fmt, "variant": v or "default", "m": m, "round": rnd,
+                         "t_us": round(t * 1e3, 2), "eff_read": round(base.nbytes / (t * 1e-3) / 1e9 / read_bw, 4),
+                         "ratio": round(t / t1, 4)}
+                    got.setdefault((v or "default", m), []).append(r["ratio"])
+                    got.setdefault((v or "default", m, "t"), []).append(r["t_us"])
+                    emit(r)
+            for key, vals in got.items():
+                if len(key) == 2:
+                    emit({"summary": True, "shape": shape, "format": fmt, "variant": key[0], "m": key[1],
+                          "t_us": statistics.median(got[(*key, "t")]), "ratio": statistics.median(vals)})
+            del ws, base
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
