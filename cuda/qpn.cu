@@ -674,7 +674,7 @@ extern "C" __global__ void qpn2_linear_m1_as(const u32x4* __restrict__ w, const 
   linear_m1_body<6, 1>(w, s, gs, x, y, N, K, KS, KS2, B1);
 }
 // two tiles per warp (4-stage ring: 48 KB of static shared memory per block)
-extern "C" __global__ void __launch_bounds__(THREADS, 4) qpn2_linear_m1_as2(const u32x4* __restrict__ w, const u64* __restrict__ s,
+extern "C" __global__ void qpn2_linear_m1_as2(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                               float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                               int M, int N, int K, int KS, int P, int KS2, int B1) {
   linear_m1_body<4, 2>(w, s, gs, x, y, N, K, KS, KS2, B1);
