@@ -625,29 +625,26 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* 
 #endif
 }
 
-// y[1, N] = x[1, K] . W^T for NVFP4 (the LINEAR kernels' arguments, M must be 1, P = 1, then KS2, B1).
-// A warp group (KS warps splitting K) does NT consecutive tiles; blocks [0, B1) take KS, the blocks
-// from B1 on (a finer last wave: shorter blocks fill the GPU to the end) take KS2 and the tiles after.
+// y[1, N] = x[1, K] . W^T for NVFP4 (same arguments as the LINEAR kernels; M must be 1, P = 1).
+// A warp group (KS warps splitting K) does NT consecutive tiles; grid.x = ceil(tiles / (TG NT)).
 template <int ST, int NT>
 __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                                float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                               int N, int K, int KS, int KS2, int B1) {
+                                               int N, int K, int KS) {
   constexpr int RING = ST * NT * 32 * 24;
   __shared__ __align__(16) unsigned char smem[RING * WARPS];
   float (*red)[NT * 16] = reinterpret_cast<float (*)[NT * 16]>(smem);  // red[warp][row], aliases the rings
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool fine = (int)blockIdx.x >= B1;
-  const int ks = fine ? KS2 : KS, TG = WARPS / ks, tg = warp / ks, wk = warp % ks;
-  const int g0 = fine ? B1 * (WARPS / KS) + ((int)blockIdx.x - B1) * TG : blockIdx.x * TG;  // first tile group
+  const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int C = K / 64, tiles = (N + 15) >> 4;
-  const int t0 = (g0 + tg) * NT;
+  const int t0 = (blockIdx.x * TG + tg) * NT;
   float tot[NT][4];
   const u32x4* wt[NT];
   const u64* st[NT];
   tile_ptrs<NT>(wt, st, w, s, t0, tiles, C);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.f;
-  if (t0 < tiles) warp_m1_async<ST, NT>(tot, wt, st, wk * C / ks, (wk + 1) * C / ks, x, lane, smem + warp * RING);
+  if (t0 < tiles) warp_m1_async<ST, NT>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, x, lane, smem + warp * RING);
   __syncthreads();  // red aliases the rings
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -661,23 +658,23 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
   __syncthreads();
   const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
   for (int o = threadIdx.x; o < TG * NT * 16; o += THREADS) {
-    const int row = o % (NT * 16), grp = o / (NT * 16), nrow = (g0 + grp) * NT * 16 + row;
+    const int row = o % (NT * 16), grp = o / (NT * 16), nrow = (blockIdx.x * TG + grp) * NT * 16 + row;
     float v = 0.f;
-    for (int k = 0; k < ks; ++k) v += red[grp * ks + k][row];
+    for (int k = 0; k < KS; ++k) v += red[grp * KS + k][row];
     if (nrow < N) y[nrow] = f_to_h(v * g);
   }
 }
 
 extern "C" __global__ void qpn2_linear_m1_as(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                              float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                             int M, int N, int K, int KS, int P, int KS2, int B1) {
-  linear_m1_body<6, 1>(w, s, gs, x, y, N, K, KS, KS2, B1);
+                                             int M, int N, int K, int KS, int P) {
+  linear_m1_body<6, 1>(w, s, gs, x, y, N, K, KS);
 }
 // two tiles per warp (4-stage ring: 48 KB of static shared memory per block)
 extern "C" __global__ void qpn2_linear_m1_as2(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                               float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                              int M, int N, int K, int KS, int P, int KS2, int B1) {
-  linear_m1_body<4, 2>(w, s, gs, x, y, N, K, KS, KS2, B1);
+                                              int M, int N, int K, int KS, int P) {
+  linear_m1_body<4, 2>(w, s, gs, x, y, N, K, KS);
 }
 
 // shared memory of one block: the partials (red) and, for ST > 0, the rings, which red aliases

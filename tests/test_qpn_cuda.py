@@ -82,26 +82,6 @@ def test_linear_matches_reference_all_m(backend, variant, qtype, n, k):
         assert err < 2e-3, f"{backend} {qtype.value} M={m}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("n,k", [(200, 320), (16 * 1031, 512), (16 * 4097, 256)])
-@pytest.mark.parametrize("tail", [(8, 0), (8, 1), (2, 1), (4, 2)])
-@pytest.mark.parametrize("choice", [None, "_m1"])
-def test_m1_last_wave_split(tail, choice, n, k):
-    """The M = 1 NVFP4 kernels with the blocks after `waves` whole waves splitting K another way
-    (qpn.M1_TAIL): every row written, same results (odd tile and pair counts, waves past the grid)."""
-    from hybrid.kernels import qpn
-
-    if torch.cuda.get_device_capability()[0] < 8:
-        pytest.skip("the M = 1 kernels are sm_80+")
-    qw = MAKE[QType.NVFP4](n, k, seed=n + k)
-    w = QPNWeight.from_qweight(qw, "cuda")
-    wref = qw.dequantize(torch.float64)
-    qpn.LINEAR_VARIANT[0], qpn.M1_TAIL[0] = choice, tail
-    try:
-        _check_linear(w, wref, 1, k, n, f"tail {tail} {choice}")
-    finally:
-        qpn.LINEAR_VARIANT[0], qpn.M1_TAIL[0] = None, None
-
-
 @pytest.fixture(params=[None, "mt", "wmma", "128x128", "64x128", "64x64", "32x64", "f128x128", "f64x256",
                         "f64x128"])
 def prefill(request):

@@ -61,22 +61,3 @@ def test_picks_against_measured_rows():
         tot_best += best
     assert tot_pick <= 1.01 * tot_best
     assert math.isfinite(tot_pick)
-
-
-@pytest.mark.parametrize("units,chunks,per_sm,ks", [(4748, 32, 4, 4), (4747, 32, 4, 4), (800, 80, 4, 4),
-                                                     (7, 5, 6, 2), (2049, 4, 4, 2)])
-@pytest.mark.parametrize("force", [None, (8, 0), (8, 1), (8, 4), (2, 1)])
-def test_m1_tail_covers_every_unit_once(units, chunks, per_sm, ks, force):
-    """m1_tail's split: blocks [0, b1) take tg = 8 / ks units each, the rest 8 / ks2; together they
-    cover every unit, no block is empty of work past the last one, and a warp keeps >= 2 chunks."""
-    from hybrid.kernels.qpn import m1_tail
-
-    ks2, b1 = m1_tail(units, chunks, 132, per_sm, ks, force)
-    tg, tg2 = WARPS // ks, WARPS // ks2
-    assert ks2 >= ks and (chunks // ks2 >= 2 or ks2 == ks)
-    fine = -(-max(0, units - b1 * tg) // tg2)
-    assert b1 * tg + fine * tg2 >= units                      # covered
-    assert b1 <= -(-units // tg)                              # no coarse block past the work
-    assert fine == 0 or b1 * tg + (fine - 1) * tg2 < units    # nor a fine one
-    if force is None:
-        assert (ks2, b1) == (ks, -(-units // tg))             # default: one split

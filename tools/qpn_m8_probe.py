@@ -1,6 +1,5 @@
 """Probe (issue 5, "M = 8 within 10% of M = 1"): the M <= 8 linear kernel variants at M = 2..8 beside the
-default M = 1 launch of the same weight (and M = 1 with the last wave's K split forced, --tails), in one
-process, rounds alternating so drift falls on all alike.
+default M = 1 launch of the same weight, in one process, rounds alternating so drift falls on all alike.
 
     PYTHONPATH=. HYBRID_CACHE_DIR=.qpncache python3 tools/qpn_m8_probe.py --out $OUT/m8.jsonl \
         --variants default,_t2u1x,_t2as,_t2asx --shapes lm_head,dense_down --rounds 2
@@ -35,9 +34,6 @@ def main() -> int:
     ap.add_argument("--shapes", default="lm_head,dense_down,dense_up,q_proj,o_proj")
     ap.add_argument("--formats", default="nvfp4,fp8")
     ap.add_argument("--m", default="8", help="comma list of M (2..8) timed per variant")
-    ap.add_argument("--tails", default="",
-                    help="comma list of ks2:waves forced on the M = 1 kernel (qpn.M1_TAIL), timed at M = 1 "
-                         "as variant 'tail<ks2>:<waves>'")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sha", default="unknown")
@@ -66,19 +62,9 @@ def main() -> int:
             ws = [base] + [_clone_weight(base) for _ in range(copies_for(base.nbytes) - 1)]
             xs = {m: torch.randn(m, k, device=dev, dtype=torch.float16) for m in {1, *ms}}
             got: dict[tuple, list[float]] = {}
-            ref = qpn_linear(xs[1], base)
             for rnd in range(a.rounds):
                 t1 = time_ms([lambda w=w: qpn_linear(xs[1], w) for w in ws], a.reps)
                 cells = [(None, 1, t1)]
-                for tail in [t for t in a.tails.split(",") if t]:
-                    qpn.M1_TAIL[0] = tuple(int(v) for v in tail.split(":"))
-                    try:
-                        cells.append((f"tail{tail}", 1, time_ms([lambda w=w: qpn_linear(xs[1], w) for w in ws], a.reps)))
-                        if rnd == 0:   # the same sums up to the K split's order
-                            same = torch.allclose(qpn_linear(xs[1], base).float(), ref.float(), rtol=1e-2, atol=1e-2)
-                            emit({"shape": shape, "format": fmt, "variant": f"tail{tail}", "same_as_default": same})
-                    finally:
-                        qpn.M1_TAIL[0] = None
                 for v in variants:
                     qpn.LINEAR_VARIANT[0] = v
                     try:

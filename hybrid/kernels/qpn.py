@@ -492,31 +492,8 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     grid = (-(-units // (WARPS // ks)) * passes, 1, 1)
     args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
-    if "_linear_m1_" in name:   # the M = 1 kernels: blocks from b1 on split K ks2 ways
-        ks2, b1 = m1_tail(units, chunks, sms, mod.occupancy(name, THREADS), ks, M1_TAIL[0])
-        grid = (b1 + -(-max(0, units - b1 * (WARPS // ks)) // (WARPS // ks2)), 1, 1)
-        args += [ctypes.c_int(ks2), ctypes.c_int(b1)]
     mod.launch(name, grid, THREADS, args)
     return y
-
-
-# The M = 1 kernels' last wave: None = the default (m1_tail's rule), False = one K split for every
-# block, (ks2, waves) = blocks after `waves` whole waves split K ks2 ways (probe, tests).
-M1_TAIL: list = [None]
-
-
-def m1_tail(units: int, chunks: int, sms: int, per_sm: int, ks: int, force=None) -> tuple[int, int]:
-    """(ks2, b1) for an M = 1 launch of `units` warp work units at K split ks: the blocks from b1 on
-    split K ks2 ways, so the last partial wave is made of shorter blocks. Default: off (b1 = every
-    block)."""
-    tg = WARPS // ks
-    blocks = -(-units // tg)
-    if force:
-        ks2, waves = force
-        while ks2 > ks and chunks // ks2 < 2:   # at least 2 chunks per warp; never coarser than ks
-            ks2 //= 2
-        return max(ks, ks2), min(blocks, waves * sms * per_sm)
-    return ks, blocks
 
 
 def use_sm90(sm: int, choice: str | None, fmt: int = 2, m: int = 0, n: int = 0, k: int = 0, sms: int = 132) -> bool:
