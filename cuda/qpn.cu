@@ -333,51 +333,34 @@ __device__ __forceinline__ void load_x(u64 (&xb)[MT], const u16* const (&xr)[MT]
 }
 
 // ---------------------------------------------------------------- one chunk
-// group j of a chunk (16 k) for the NT tiles, activations xb already loaded
-template <int FMT, int MT, int NT>
-__device__ __forceinline__ void chunk_group(float (&acc)[NT][MT][ACCN], const u32x4 (&wv)[NT],
-                                            const u64 (&sv)[NT], const u64 (&xb)[MT], int j) {
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    if (FMT == 2) {
-      const u32 s2 = dec_scale((u32)(sv[nt] >> (32 * (j >> 1))), j & 1);
-      const u32 w = j == 0 ? wv[nt].x : j == 1 ? wv[nt].y : j == 2 ? wv[nt].z : wv[nt].w;
-      group_fp4<MT>(acc[nt], j & 1, w, s2, xb);
-    } else {
-      group_fp8<MT>(acc[nt], j, j == 0 ? wv[nt].x : wv[nt].z, j == 0 ? wv[nt].y : wv[nt].w, xb);
-    }
-  }
-}
-
 template <int FMT, int MT, int NT>
 __device__ __forceinline__ void chunk(float (&acc)[NT][MT][ACCN], const u32x4 (&wv)[NT],
                                       const u64 (&sv)[NT], const u16* const (&xr0)[MT], int kbase) {
   const u16* xr[MT];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) xr[mt] = xr0[mt] + kbase;
+  if (FMT == 2) {
 #pragma unroll
-  for (int j = 0; j < (FMT == 2 ? 4 : 2); ++j) {
-    u64 xb[MT];
-    load_x<MT>(xb, xr, 16 * j);
-    chunk_group<FMT, MT, NT>(acc, wv, sv, xb, j);
+    for (int j = 0; j < 4; ++j) {
+      u64 xb[MT];
+      load_x<MT>(xb, xr, 16 * j);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const u32 s2 = dec_scale((u32)(sv[nt] >> (32 * (j >> 1))), j & 1);
+        const u32 w = j == 0 ? wv[nt].x : j == 1 ? wv[nt].y : j == 2 ? wv[nt].z : wv[nt].w;
+        group_fp4<MT>(acc[nt], j & 1, w, s2, xb);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      u64 xb[MT];
+      load_x<MT>(xb, xr, 16 * j);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        group_fp8<MT>(acc[nt], j, j == 0 ? wv[nt].x : wv[nt].z, j == 0 ? wv[nt].y : wv[nt].w, xb);
+    }
   }
-}
-
-// the activations of a whole chunk (4 groups of QPN2, 2 of QPN8), loaded a chunk ahead of its math
-// by the XP kernels (hides their L1 / L2 latency; M = 8 reads 1 KB of them per chunk and warp)
-#define XG(FMT) ((FMT) == 2 ? 4 : 2)
-template <int FMT, int MT>
-__device__ __forceinline__ void load_xc(u64 (&xc)[XG(FMT)][MT], const u16* const (&xr)[MT], int kbase) {
-#pragma unroll
-  for (int j = 0; j < XG(FMT); ++j)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) xc[j][mt] = ld_act(xr[mt] + kbase + 16 * j);
-}
-template <int FMT, int MT, int NT>
-__device__ __forceinline__ void chunk_pre(float (&acc)[NT][MT][ACCN], const u32x4 (&wv)[NT],
-                                          const u64 (&sv)[NT], const u64 (&xc)[XG(FMT)][MT]) {
-#pragma unroll
-  for (int j = 0; j < XG(FMT); ++j) chunk_group<FMT, MT, NT>(acc, wv, sv, xc[j], j);
 }
 
 // ---------------------------------------------------------------- one warp over chunks [c0, c1)
@@ -399,40 +382,24 @@ __device__ __forceinline__ void load_stage(u32x4 (&wv)[U][NT], u64 (&sv)[U][NT],
   }
 }
 
-// chunk c's math; XP: its activations are in xc[c & 1] (loaded one chunk earlier) and chunk c + 1's
-// are loaded into the other before the math. (Unrolled loops keep c & 1 a constant.)
-template <int FMT, int MT, int NT, bool XP>
-__device__ __forceinline__ void chunk_step(float (&acc)[NT][MT][ACCN], const u32x4 (&wv)[NT],
-                                           const u64 (&sv)[NT], const u16* const (&xr)[MT],
-                                           u64 (&xc)[2][XG(FMT)][MT], int c, int odd, int c1) {
-  const int CK = FMT == 2 ? 64 : 32;
-  if constexpr (XP) {
-    if (c + 1 < c1) load_xc<FMT, MT>(xc[odd ^ 1], xr, (c + 1) * CK);
-    chunk_pre<FMT, MT, NT>(acc, wv, sv, xc[odd]);
-  } else {
-    chunk<FMT, MT, NT>(acc, wv, sv, xr, c * CK);
-  }
-}
-
-template <int FMT, int MT, int NT, int U = UNROLL_FOR(NT, MT), bool XP = false>
+template <int FMT, int MT, int NT, int U = UNROLL_FOR(NT, MT)>
 __device__ __forceinline__ void warp_gemm(float (&acc)[NT][MT][ACCN], const u32x4* const (&wt)[NT],
                                           const u64* const (&st)[NT], int c0, int c1,
                                           const u16* const (&xr)[MT], int lane) {
+  const int CK = FMT == 2 ? 64 : 32;
   const int src = lane_src(lane);
   u32x4 wa[U][NT], wb[U][NT];
   u64 sa[U][NT], sb[U][NT];
-  u64 xc[2][XG(FMT)][MT];
-  if (XP && c0 < c1) load_xc<FMT, MT>(xc[0], xr, c0 * (FMT == 2 ? 64 : 32));
   load_stage<FMT, NT, U>(wa, sa, wt, st, c0, c1, src);
-  for (int c = c0; c < c1; c += 2 * U) {   // chunk c + i's activations are in xc[i & 1]
+  for (int c = c0; c < c1; c += 2 * U) {
     load_stage<FMT, NT, U>(wb, sb, wt, st, c + U, c1, src);
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (c + u < c1) chunk_step<FMT, MT, NT, XP>(acc, wa[u], sa[u], xr, xc, c + u, u & 1, c1);
+      if (c + u < c1) chunk<FMT, MT, NT>(acc, wa[u], sa[u], xr, (c + u) * CK);
     load_stage<FMT, NT, U>(wa, sa, wt, st, c + 2 * U, c1, src);
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (c + U + u < c1) chunk_step<FMT, MT, NT, XP>(acc, wb[u], sb[u], xr, xc, c + U + u, (U + u) & 1, c1);
+      if (c + U + u < c1) chunk<FMT, MT, NT>(acc, wb[u], sb[u], xr, (c + U + u) * CK);
   }
 }
 
@@ -456,16 +423,14 @@ __device__ __forceinline__ void issue_chunk(const u32x4* const (&wp)[NT], const 
 }
 
 // The loop is unrolled over one turn of the ring, so every slot offset is a constant.
-template <int FMT, int MT, int NT, int ST, bool XP = false>
+template <int FMT, int MT, int NT, int ST>
 __device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], const u32x4* const (&wt)[NT],
                                                 const u64* const (&st)[NT], int c0, int c1,
                                                 const u16* const (&xr)[MT], int lane,
                                                 unsigned char* ring) {
 #if QPN_MMA >= 2
-  static_assert(!XP || ST % 2 == 0, "XP alternates two activation buffers over the ring's turn");
+  const int CK = FMT == 2 ? 64 : 32;
   const u32 wbase = smem_addr(ring) + lane * 16, sbase = wbase - lane * 8 + ST * NT * 512;
-  u64 xc[2][XG(FMT)][MT];  // XP: chunk c + s's activations in xc[s & 1]
-  if (XP && c0 < c1) load_xc<FMT, MT>(xc[0], xr, c0 * (FMT == 2 ? 64 : 32));
   const u32x4* wp[NT];  // this lane's words / scales of chunk c (advanced by one ring turn)
   const u64* sp[NT];
 #pragma unroll
@@ -500,7 +465,7 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], cons
           wv[nt] = lds128(wbase + (s * NT + nt) * 512);
           sv[nt] = FMT == 2 ? lds64(sbase + (s * NT + nt) * 256) : 0ull;
         }
-        chunk_step<FMT, MT, NT, XP>(acc, wv, sv, xr, xc, c + s, s & 1, c1);
+        chunk<FMT, MT, NT>(acc, wv, sv, xr, (c + s) * CK);
       }
     }
 #pragma unroll
@@ -745,7 +710,7 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NT][MT][ACCN]) {
 // ---------------------------------------------------------------- linear
 // w: packed [Npad/16, C, 32, 4] u32, s: scales [Npad/16, C, 8] u64 (QPN2 only), gs: folded global
 // scale, x [M, K] fp16, y [M, N] fp16. grid.x = ceil(tiles / TG) * P, P = ceil(M / (8 MT)).
-template <int FMT, int MT, int U, int ST, int NT = 1, bool XP = false>
+template <int FMT, int MT, int U, int ST, int NT = 1>
 __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                             float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                             int M, int N, int K, int KS, int P) {
@@ -769,10 +734,10 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
       xr[mt] = x + (size_t)(m < M ? m : M - 1) * K + lane_k(lane);
     }
     if constexpr (ST > 0)
-      warp_gemm_async<FMT, MT, NT, ST, XP>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
-                                           smem + warp * Smem<MT, NT, ST>::RING);
+      warp_gemm_async<FMT, MT, NT, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
+                                       smem + warp * Smem<MT, NT, ST>::RING);
     else
-      warp_gemm<FMT, MT, NT, U, XP>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
+      warp_gemm<FMT, MT, NT, U>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
   }
   if constexpr (ST > 0) __syncthreads();  // red aliases the rings
   store_partials<MT, NT>(red, warp, lane, acc);
@@ -791,12 +756,11 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
     linear_body<FMT, (MT < MTMAX ? MT : MTMAX), U, ST>(w, s, gs, x, y, M, N, K, KS, P);            \
   }
 // M <= 8 with two 16-row tiles per warp (shared activation loads): U chunks per register stage
-// (ST > 0: a cp.async ring of ST stages instead, sm_80+; XP: activations loaded a chunk ahead)
-#define LINEAR2(NAME, FMT, U, ST, XP)                                                             \
+#define LINEAR2(NAME, FMT, U)                                                                     \
   extern "C" __global__ void NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, \
                                   const u16* __restrict__ x, u16* __restrict__ y, int M, int N,     \
                                   int K, int KS, int P) {                                           \
-    linear_body<FMT, 1, U, ST, 2, XP>(w, s, gs, x, y, M, N, K, KS, P);                             \
+    linear_body<FMT, 1, U, 0, 2>(w, s, gs, x, y, M, N, K, KS, P);                                  \
   }
 // M <= 8: 2 chunks per pipeline stage (measured on the H200: 80 registers, 60.7% of read
 // bandwidth on lm_head NVFP4, against 127 registers and 51.3% with 4 chunks per stage)
@@ -814,17 +778,10 @@ LINEAR(qpn2_linear_mt1_as, 2, 1, 2, 6)
 LINEAR(qpn8_linear_mt1_as, 8, 1, 2, 6)
 LINEAR(qpn2_linear_mt1_as4, 2, 1, 2, 4)
 LINEAR(qpn8_linear_mt1_as4, 8, 1, 2, 4)
-LINEAR2(qpn2_linear_mt1_t2, 2, 2, 0, false)
-LINEAR2(qpn8_linear_mt1_t2, 8, 2, 0, false)
-LINEAR2(qpn2_linear_mt1_t2u1, 2, 1, 0, false)
-LINEAR2(qpn8_linear_mt1_t2u1, 8, 1, 0, false)
-// candidates (issue 5, M = 8 within 10% of M = 1): activations a chunk ahead; a 4-stage ring of two tiles
-LINEAR2(qpn2_linear_mt1_t2u1x, 2, 1, 0, true)
-LINEAR2(qpn8_linear_mt1_t2u1x, 8, 1, 0, true)
-LINEAR2(qpn2_linear_mt1_t2as, 2, 1, 4, false)
-LINEAR2(qpn8_linear_mt1_t2as, 8, 1, 4, false)
-LINEAR2(qpn2_linear_mt1_t2asx, 2, 1, 4, true)
-LINEAR2(qpn8_linear_mt1_t2asx, 8, 1, 4, true)
+LINEAR2(qpn2_linear_mt1_t2, 2, 2)
+LINEAR2(qpn8_linear_mt1_t2, 8, 2)
+LINEAR2(qpn2_linear_mt1_t2u1, 2, 1)
+LINEAR2(qpn8_linear_mt1_t2u1, 8, 1)
 
 // ---------------------------------------------------------------- prefill: shared-memory tiled GEMM
 // y[M, N] = x[M, K] . W^T for M > 16. Block tile BM activation rows x BN weight rows. Global loads

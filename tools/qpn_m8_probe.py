@@ -2,7 +2,7 @@
 default M = 1 launch of the same weight, in one process, rounds alternating so drift falls on all alike.
 
     PYTHONPATH=. HYBRID_CACHE_DIR=.qpncache python3 tools/qpn_m8_probe.py --out $OUT/m8.jsonl \
-        --variants default,_t2u1x,_t2as,_t2asx --shapes lm_head,dense_down --rounds 2
+        --variants default,_t2u1,_t2 --shapes lm_head,dense_down --rounds 2
 
 Per (shape, format): the weight and its copies are built once (rotated past the L2, as hybrid-bench
 cuda-kernels times), then each round times M = 1 with the default kernel and every variant at each --m
@@ -29,7 +29,7 @@ from hybrid.kernels import QPNWeight, qpn, qpn_linear
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="m8.jsonl")
-    ap.add_argument("--variants", default="default,_t2u1x,_t2as,_t2asx",
+    ap.add_argument("--variants", default="default,_t2u1,_t2",
                     help="comma list of LINEAR_VARIANT choices ('default' = the launcher's pick)")
     ap.add_argument("--shapes", default="lm_head,dense_down,dense_up,q_proj,o_proj")
     ap.add_argument("--formats", default="nvfp4,fp8")

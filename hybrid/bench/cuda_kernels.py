@@ -232,7 +232,7 @@ def bench_variants(fmts, reps, read_bw):
 
     out = []
     sm = torch_sm()
-    for v in ("", "_u4", "_as", "_as4", "_m1", "_m1x2", "_t2", "_t2u1", "_t2u1x", "_t2as", "_t2asx"):
+    for v in ("", "_u4", "_as", "_as4", "_m1", "_m1x2", "_t2", "_t2u1"):
         m1 = v.startswith("_m1")   # the M = 1 NVFP4 kernels, one or two tiles per warp (sm_80+)
         if (sm < 80) if m1 else qpn.variant(v, sm) != v:
             continue  # not on this device

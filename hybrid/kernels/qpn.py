@@ -27,9 +27,8 @@ MAX_SLOTS = 1024
 # per 8 groups in fp32; otherwise the register pipeline, measured at least as fast as the rings on
 # the H200 for M = 2..8); "", "_u4" (deeper register pipeline), "_as", "_as4" (6- and 4-stage
 # cp.async rings, sm_80+), "_m1", "_m1x2" (the M = 1 NVFP4 kernels, one or two tiles per warp; see
-# linear_kernel), "_t2", "_t2u1" (register pipeline, two tiles per warp, 2 or 1 chunks per stage),
-# "_t2u1x" (_t2u1 with each chunk's activations loaded a chunk ahead), "_t2as", "_t2asx" (a
-# 4-stage cp.async ring of two tiles per warp, without / with that; sm_80+): benchmark, tests.
+# linear_kernel), "_t2", "_t2u1" (register pipeline, two tiles per warp, 2 or 1 chunks per stage):
+# benchmark, tests.
 LINEAR_VARIANT: list[str | None] = [None]
 MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
 # M > PREFILL_MIN linear kernel: None = on sm_80+ the register-fragment GEMM (qpn{2,8}_gemmf_*,
@@ -59,12 +58,7 @@ def variant(choice: str | None, sm: int) -> str:
     """The MoE kernel-name suffix for a variant choice on an sm_<sm> device (rings need sm_80+)."""
     if choice is None:
         return "_as" if sm >= 80 else ""
-    return "" if ring_choice(choice) and sm < 80 else choice
-
-
-def ring_choice(choice: str) -> bool:
-    """Whether an M <= 8 variant suffix names a cp.async-ring kernel (sm_80+ only)."""
-    return choice.startswith(("_as", "_t2as"))
+    return "" if choice.startswith("_as") and sm < 80 else choice
 
 
 def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None, n: int = 0) -> str:
@@ -87,12 +81,12 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
         if m1:
             return "qpn2_linear_m1_as2" if pair else "qpn2_linear_m1_as"
         return f"qpn{fmt}_linear_mt1_t2u1" if pair else f"qpn{fmt}_linear_mt1"
-    return f"qpn{fmt}_linear_mt1{variant(choice, sm)}"
+    return f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
 
 
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
 M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2"}  # LINEAR_VARIANT choices
-PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mt1_t2u1x", "_mt1_t2as", "_mt1_t2asx")  # two tiles per warp
+PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1")  # kernels whose warps do two tiles each
 
 
 GEMM_MIN_KSTEPS = 4   # split-K: at least this many k-steps of 64 per split
