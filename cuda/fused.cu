@@ -295,6 +295,22 @@ __device__ __forceinline__ void argmax_round(float (&v)[NV], int lane, float& be
     if (lane + 32 * j == bi) v[j] = -2.f;                    // taken
 }
 
+// k rounds of argmax_round: lane r < k keeps the r-th choice (weight, id); total = the k weights' sum
+template <int NV>
+__device__ __forceinline__ void select_k(float (&v)[NV], int lane, int k, float& mine_w, int& mine_id,
+                                         float& total) {
+  mine_w = 0.f, total = 0.f;
+  mine_id = 0;
+#pragma unroll 1
+  for (int r = 0; r < k; ++r) {
+    float best;
+    int bi;
+    argmax_round<NV>(v, lane, best, bi);
+    if (lane == r) { mine_w = best; mine_id = bi; }
+    total += best;
+  }
+}
+
 // Lane r < k of token t writes its choice: weight (renormalised by the k chosen weights' total), id, slot and
 // the route row (ids, then weights).
 __device__ __forceinline__ void write_choice(int t, int k, int lane, float w, float total, int id, int slot,
@@ -324,15 +340,9 @@ __device__ __forceinline__ void topk_row(const float* row, bool l2, int t, int E
     v[j] = e < E ? (l2 ? ld_cg(row + e) : row[e]) : NEG_INF;
   }
   softmax_lanes<ROUTE_MAXV>(v, E, lane);
-  float mine_w = 0.f, total = 0.f;
-  int mine_id = 0;
-  for (int r = 0; r < k; ++r) {
-    float best;
-    int bi;
-    argmax_round<ROUTE_MAXV>(v, lane, best, bi);
-    if (lane == r) { mine_w = best; mine_id = bi; }
-    total += best;
-  }
+  float mine_w, total;
+  int mine_id;
+  select_k<ROUTE_MAXV>(v, lane, k, mine_w, mine_id, total);
   const int slot = slots && lane < k ? slot_table[mine_id] : -1;
   write_choice(t, k, lane, mine_w, total, mine_id, slot, renorm, ids, weights, slots, route_row);
 }
@@ -694,16 +704,9 @@ __device__ __forceinline__ int topk_warp(const float* row, int t, int E, int k, 
     tv[j] = slots && e < E ? slot_table[e] : -1;
   }
   softmax_lanes<NV>(v, E, lane);
-  float mine_w = 0.f, total = 0.f;
-  int mine_id = 0;
-#pragma unroll 1
-  for (int r = 0; r < k; ++r) {
-    float best;
-    int bi;
-    argmax_round<NV>(v, lane, best, bi);
-    if (lane == r) { mine_w = best; mine_id = bi; }
-    total += best;
-  }
+  float mine_w, total;
+  int mine_id;
+  select_k<NV>(v, lane, k, mine_w, mine_id, total);
   int slot = -1;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {                          // choice mine_id's slot from lane mine_id % 32
@@ -1070,6 +1073,7 @@ __device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint
         ls += __shfl_xor_sync(0xffffffffu, ls, o);
         ls2 += __shfl_xor_sync(0xffffffffu, ls2, o);
       }
+      __syncwarp();  // every lane's read of sm.m / sm.l before lane 0's write (the shuffles order no memory)
       if (lane == 0) {
         sm.m[h] = mn; sm.l[h] = fmaf(lo, al, ls); sm.al[h] = al;
         if (two) { sm.m[h2] = mn2; sm.l[h2] = fmaf(lo2, al2, ls2); sm.al[h2] = al2; }
@@ -1096,6 +1100,7 @@ __device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint
       ls += e;
     }
     ls = warp_sum(ls);
+    __syncwarp();
     if (lane == 0) { sm.m[h] = mn; sm.l[h] = fmaf(lo, al, ls); sm.al[h] = al; }
   }
   __syncthreads();
