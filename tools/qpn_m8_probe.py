@@ -13,6 +13,7 @@ rows: the median over rounds per (shape, format, variant, m).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -23,7 +24,7 @@ import torch
 
 from hybrid.bench.cuda_kernels import SHAPES, _clone_weight, bandwidths, copies_for, random_qweight, time_ms
 from hybrid.checkpoint.formats import QType
-from hybrid.kernels import QPNWeight, qpn, qpn_linear
+from hybrid.kernels import QPNWeight, build, qpn, qpn_linear
 
 
 def main() -> int:
@@ -34,6 +35,13 @@ def main() -> int:
     ap.add_argument("--shapes", default="lm_head,dense_down,dense_up,q_proj,o_proj")
     ap.add_argument("--formats", default="nvfp4,fp8")
     ap.add_argument("--m", default="8", help="comma list of M (2..8) timed per variant")
+    ap.add_argument("--alt-source", default="",
+                    help="another qpn.cu: every cell is also timed with the kernels built from it, each round "
+                         "alternating the two builds (variant labels get '@alt'; ratios against the same build's "
+                         "M = 1): an A/B of a kernel change in one process")
+    ap.add_argument("--moe", action="store_true",
+                    help="also time the 8 selected experts of a Qwen3-30B-A3B layer (qpn_moe, the default "
+                         "kernels) at each --m and M = 1, per build (shape 'moe_8_experts')")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sha", default="unknown")
@@ -51,6 +59,13 @@ def main() -> int:
         out.write(json.dumps(r) + "\n")
 
     emit(head)
+    tree_source = build.source
+    builds = [("", None)] + ([("@alt", open(a.alt_source).read())] if a.alt_source else [])
+
+    def use_source(text: str | None) -> None:   # the kernels of the tree's qpn.cu, or of text
+        build.source = tree_source if text is None else (lambda: text)
+        build.forget_modules()
+
     dims = {name: (n, k) for name, n, k in SHAPES}
     variants = [None if v == "default" else v for v in a.variants.split(",")]
     ms = [int(m) for m in a.m.split(",")]
@@ -62,7 +77,8 @@ def main() -> int:
             ws = [base] + [_clone_weight(base) for _ in range(copies_for(base.nbytes) - 1)]
             xs = {m: torch.randn(m, k, device=dev, dtype=torch.float16) for m in {1, *ms}}
             got: dict[tuple, list[float]] = {}
-            for rnd in range(a.rounds):
+            for rnd, (tag, text) in itertools.product(range(a.rounds), builds):
+                use_source(text)
                 t1 = time_ms([lambda w=w: qpn_linear(xs[1], w) for w in ws], a.reps)
                 cells = [(None, 1, t1)]
                 for v in variants:
@@ -73,19 +89,54 @@ def main() -> int:
                     finally:
                         qpn.LINEAR_VARIANT[0] = None
                 for v, m, t in cells:
-                    r = {"shape": shape, "format": fmt, "variant": v or "default", "m": m, "round": rnd,
+                    label = (v or "default") + tag
+                    r = {"shape": shape, "format": fmt, "variant": label, "m": m, "round": rnd,
                          "t_us": round(t * 1e3, 2), "eff_read": round(base.nbytes / (t * 1e-3) / 1e9 / read_bw, 4),
                          "ratio": round(t / t1, 4)}
-                    got.setdefault((v or "default", m), []).append(r["ratio"])
-                    got.setdefault((v or "default", m, "t"), []).append(r["t_us"])
+                    got.setdefault((label, m), []).append(r["ratio"])
+                    got.setdefault((label, m, "t"), []).append(r["t_us"])
                     emit(r)
+            use_source(None)
             for key, vals in got.items():
                 if len(key) == 2:
                     emit({"summary": True, "shape": shape, "format": fmt, "variant": key[0], "m": key[1],
                           "t_us": statistics.median(got[(*key, "t")]), "ratio": statistics.median(vals)})
             del ws, base
             torch.cuda.empty_cache()
+    if a.moe:
+        for fmt in a.formats.split(","):
+            moe_cells(a, QType(fmt), ms, builds, use_source, read_bw, emit)
     return 0
+
+
+def moe_cells(a, qt, ms, builds, use_source, read_bw, emit) -> None:
+    """qpn_moe over the 8 experts of one layer (slot copies rotated past the L2), per build and round."""
+    from hybrid.bench.cuda_kernels import moe_slot_sets
+    from hybrid.kernels import qpn_moe
+
+    dev = torch.device("cuda", 0)
+    h, i, topk = 2048, 768, 8
+    sets = moe_slot_sets(qt, h, i, topk, dev)
+    nbytes = topk * sets[0].nbytes_per_slot
+    got: dict[tuple, list[float]] = {}
+    for rnd, (tag, text) in itertools.product(range(a.rounds), builds):
+        use_source(text)
+        for m in sorted({1, *ms}):
+            x = torch.randn(m, h, device=dev, dtype=torch.float16)
+            ids = torch.stack([torch.randperm(topk, device=dev) for _ in range(m)]).int().flatten()
+            tok = torch.arange(m, device=dev, dtype=torch.int32).repeat_interleave(topk)
+            rw = torch.rand(m * topk, device=dev)
+            t = time_ms([lambda sl=sl: qpn_moe(x, sl, ids, tok, rw) for sl in sets], a.reps)
+            r = {"shape": "moe_8_experts", "format": qt.value, "variant": "default" + tag, "m": m, "round": rnd,
+                 "t_us": round(t * 1e3, 2), "eff_read": round(nbytes / (t * 1e-3) / 1e9 / read_bw, 4)}
+            got.setdefault(("default" + tag, m), []).append(r["t_us"])
+            emit(r)
+    use_source(None)
+    for (label, m), ts in got.items():
+        emit({"summary": True, "shape": "moe_8_experts", "format": qt.value, "variant": label, "m": m,
+              "t_us": statistics.median(ts)})
+    del sets
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
