@@ -284,11 +284,6 @@ __device__ __forceinline__ int lane_src(int lane) {
   return QPN_MMA == 0 ? 4 * ((lane & 3) + 4 * (lane >> 4)) + ((lane >> 2) & 3) : lane;
 }
 
-// this thread's warp in its block, known to the compiler as warp-uniform (a broadcast from lane 0):
-// loop bounds and branches derived from it stay on the uniform datapath (no per-load copies of the
-// L2 policy into uniform registers, uniform predicates for the ring's bookkeeping)
-__device__ __forceinline__ int warp_id() { return __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 5), 0); }
-
 // ---------------------------------------------------------------- one group of 16 k
 // acc layout per 8-row tile: sm_75+ [bank][4] (bank = group parity, summed at the end);
 // Volta [rows 0-7 | rows 8-15][8].
@@ -371,19 +366,17 @@ __device__ __forceinline__ void chunk(float (&acc)[NT][MT][ACCN], const u32x4 (&
 // ---------------------------------------------------------------- one warp over chunks [c0, c1)
 // wt[nt]: tile base (C * 32 u32x4), st[nt]: scale tile base (C * 8 u64), xr[mt]: lane's x row.
 // Two register stages of U chunks: the loads of stage i+1 are issued before the math of stage i.
-// wp / sp / xp point at chunk c's words / scales / activations of this lane and advance once per
-// 2 U chunks, so every load of a turn is a constant offset from them (no per-chunk address math).
-template <int FMT, int NT, int U, int OFF>
+template <int FMT, int NT, int U>
 __device__ __forceinline__ void load_stage(u32x4 (&wv)[U][NT], u64 (&sv)[U][NT],
-                                           const u32x4* const (&wp)[NT], const u64* const (&sp)[NT],
-                                           int c, int c1) {
+                                           const u32x4* const (&wt)[NT], const u64* const (&st)[NT],
+                                           int c, int c1, int src) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    if (c + OFF + u < c1) {
+    if (c + u < c1) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        wv[u][nt] = ld_stream(wp[nt] + (OFF + u) * 32);
-        sv[u][nt] = FMT == 2 ? ld_stream64(sp[nt] + (OFF + u) * 8) : 0ull;
+        wv[u][nt] = ld_stream(wt[nt] + (size_t)(c + u) * 32 + src);
+        sv[u][nt] = FMT == 2 ? ld_stream64(st[nt] + (size_t)(c + u) * 8 + (src >> 2)) : 0ull;
       }
     }
   }
@@ -395,29 +388,18 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[NT][MT][ACCN], const u32x
                                           const u16* const (&xr)[MT], int lane) {
   const int CK = FMT == 2 ? 64 : 32;
   const int src = lane_src(lane);
-  const u32x4* wp[NT];
-  const u64* sp[NT];
-  const u16* xp[MT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) wp[nt] = wt[nt] + (size_t)c0 * 32 + src, sp[nt] = st[nt] + (size_t)c0 * 8 + (src >> 2);
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) xp[mt] = xr[mt] + (size_t)c0 * CK;
   u32x4 wa[U][NT], wb[U][NT];
   u64 sa[U][NT], sb[U][NT];
-  load_stage<FMT, NT, U, 0>(wa, sa, wp, sp, c0, c1);
+  load_stage<FMT, NT, U>(wa, sa, wt, st, c0, c1, src);
   for (int c = c0; c < c1; c += 2 * U) {
-    load_stage<FMT, NT, U, U>(wb, sb, wp, sp, c, c1);
+    load_stage<FMT, NT, U>(wb, sb, wt, st, c + U, c1, src);
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (c + u < c1) chunk<FMT, MT, NT>(acc, wa[u], sa[u], xp, u * CK);
-    load_stage<FMT, NT, U, 2 * U>(wa, sa, wp, sp, c, c1);
+      if (c + u < c1) chunk<FMT, MT, NT>(acc, wa[u], sa[u], xr, (c + u) * CK);
+    load_stage<FMT, NT, U>(wa, sa, wt, st, c + 2 * U, c1, src);
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (c + U + u < c1) chunk<FMT, MT, NT>(acc, wb[u], sb[u], xp, (U + u) * CK);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) wp[nt] += 2 * U * 32, sp[nt] += 2 * U * 8;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) xp[mt] += 2 * U * CK;
+      if (c + U + u < c1) chunk<FMT, MT, NT>(acc, wb[u], sb[u], xr, (c + U + u) * CK);
   }
 }
 
@@ -449,16 +431,13 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], cons
 #if QPN_MMA >= 2
   const int CK = FMT == 2 ? 64 : 32;
   const u32 wbase = smem_addr(ring) + lane * 16, sbase = wbase - lane * 8 + ST * NT * 512;
-  const u32x4* wp[NT];  // this lane's words / scales / activations of chunk c (advanced by one ring turn)
+  const u32x4* wp[NT];  // this lane's words / scales of chunk c (advanced by one ring turn)
   const u64* sp[NT];
-  const u16* xp[MT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     wp[nt] = wt[nt] + (size_t)c0 * 32 + lane;
     sp[nt] = st[nt] + (size_t)c0 * 8 + (lane >> 2);
   }
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) xp[mt] = xr[mt] + (size_t)c0 * CK;
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     const u32x4* w[NT];
@@ -486,13 +465,11 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], cons
           wv[nt] = lds128(wbase + (s * NT + nt) * 512);
           sv[nt] = FMT == 2 ? lds64(sbase + (s * NT + nt) * 256) : 0ull;
         }
-        chunk<FMT, MT, NT>(acc, wv, sv, xp, s * CK);
+        chunk<FMT, MT, NT>(acc, wv, sv, xr, (c + s) * CK);
       }
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) wp[nt] += ST * 32, sp[nt] += ST * 8;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) xp[mt] += ST * CK;
   }
   cp_wait<0>();
 #else
@@ -622,7 +599,7 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
   constexpr int RING = ST * NT * 32 * 24;
   __shared__ __align__(16) unsigned char smem[RING * WARPS];
   float (*red)[NT * 16] = reinterpret_cast<float (*)[NT * 16]>(smem);  // red[warp][row], aliases the rings
-  const int warp = warp_id(), lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int C = K / 64, tiles = (N + 15) >> 4;
   const int t0 = (blockIdx.x * TG + tg) * NT;
@@ -739,7 +716,7 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
                                             int M, int N, int K, int KS, int P) {
   __shared__ __align__(16) unsigned char smem[Smem<MT, NT, ST>::BYTES];
   float (*red)[NT][8 * MT][16] = reinterpret_cast<float (*)[NT][8 * MT][16]>(smem);
-  const int warp = warp_id(), lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int pass = blockIdx.x % P, tb = blockIdx.x / P;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int CK = FMT == 2 ? 64 : 32, C = K / CK, tiles = (N + 15) >> 4;
@@ -1320,7 +1297,7 @@ __device__ __forceinline__ void gemmf_body(const u32x4* __restrict__ w, const u6
   static_assert(ST >= 2 && WARPS * 8 * SW * 4 <= ST * XB && (BM * 16) % THREADS == 0, "gemmf shape");
   __shared__ __align__(128) unsigned char sm[ST * XB];
   __shared__ int last;
-  const int warp = warp_id(), lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
   const int C = K / (FMT == 2 ? 64 : 32), tiles = (N + 15) >> 4, nk = (K + 63) / 64;
   const int kb = blockIdx.z * KS, ke = kb + KS < nk ? kb + KS : nk;
@@ -1464,7 +1441,7 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
   if (slot < 0) return;
   const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
   if (cnt <= 0) return;
-  const int warp = warp_id(), lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int CK = FMT == 2 ? 64 : 32, C = H / CK, It = I >> 4;
   const int t = blockIdx.x * TG + tg;
@@ -1523,7 +1500,7 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
   if (slot < 0) return;
   const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
   if (cnt <= 0) return;
-  const int warp = warp_id(), lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int CK = FMT == 2 ? 64 : 32, C = I / CK, Ht = H >> 4;
   const int t = blockIdx.x * TG + tg;
@@ -1819,7 +1796,7 @@ __device__ __forceinline__ void moe_gemmf_body(const u32x4* __restrict__ w, cons
   if (slot < 0) return;
   const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
   if (cnt <= (int)blockIdx.z * BM) return;  // no M tile for this split
-  const int warp = warp_id(), lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int K = GU ? H : I, N = GU ? I : H;  // N: output columns
   const int C = K / (FMT == 2 ? 64 : 32), tiles = N >> 4, nk = (K + 63) / 64;
   const int t = blockIdx.x * WARPS + warp;   // this warp's output tile
