@@ -56,6 +56,15 @@ typedef unsigned short u16;
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// sm_90+: let the next kernel in the stream, if launched with a programmatic dependency (qpn.py's M <= 8
+// linear and MoE kernels, which wait for this one with griddepcontrol.wait before reading its output), be
+// scheduled on free SMs now; a no-op otherwise
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------- conversions, reductions
 __device__ __forceinline__ float h2f(u16 h) {
   float f;
@@ -166,6 +175,7 @@ __device__ __forceinline__ void add_rms_norm_body(const void* x, const void* del
 extern "C" __global__ void __launch_bounds__(256)
     fused_add_rms_norm(const void* x, const void* delta, const float* w, void* x_out, void* h,
                        float* hf, int H, float eps, int x_f32, int delta_f32) {
+  pdl_trigger();
   __shared__ float part[8];
   DISPATCH_XD(add_rms_norm_body, x, delta, w, x_out, h, hf, H, eps, part);
 }
@@ -232,6 +242,7 @@ extern "C" __global__ void __launch_bounds__(128)
     fused_qk_rope_kv(const u16* qkv, const float* q_norm, const float* k_norm, const float* table,
                      int table_rows, const long long* pos, int pos0, u16* q_out, u16* k_store,
                      u16* v_store, int T, int Hq, int Hkv, int D, int C, float eps) {
+  pdl_trigger();
   const int heads = Hq + 2 * Hkv;
   const int gw = blockIdx.x * 4 + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
@@ -350,6 +361,7 @@ __device__ __forceinline__ void topk_row(const float* row, bool l2, int t, int E
 extern "C" __global__ void __launch_bounds__(128)
     fused_route_topk(const float* logits, long long* ids, float* weights, int T, int E, int k,
                      int renorm, const int* slot_table, int* slots, float* route_row) {
+  pdl_trigger();
   const int t = blockIdx.x * 4 + (threadIdx.x >> 5);
   if (t >= T) return;
   topk_row(logits + (size_t)t * E, false, t, E, k, renorm, ids, weights, slot_table, slots, route_row);
@@ -389,6 +401,7 @@ extern "C" __global__ void __launch_bounds__(128)
     fused_router_topk(const void* h, int h_f32, const float* router, float* logits, int* counter,
                       int T, int E, int H, int k, int renorm, long long* ids, float* weights,
                       const int* slot_table, int* slots, float* route_row) {
+  pdl_trigger();
   __shared__ int last;
   if (h_f32) router_body<true>(h, router, logits, T, E, H);
   else router_body<false>(h, router, logits, T, E, H);
@@ -460,6 +473,7 @@ extern "C" __global__ void __launch_bounds__(128)
                           int H, float eps, int x_f32, int delta_f32, const float* router, float* logits,
                           int* counter, int T, int E, int k, int renorm, long long* ids, float* weights,
                           const int* slot_table, int* slots, float* route_row) {
+  pdl_trigger();
   __shared__ __align__(16) float hs[ANR_MAXH];
   __shared__ float part[4];
   __shared__ int last;
@@ -594,6 +608,7 @@ __device__ __forceinline__ void add_rms_norm_e_body(const void* x, const void* d
 extern "C" __global__ void __launch_bounds__(256)
     fused_add_rms_norm_e(const void* x, const void* delta, const float* w, void* x_out, void* h,
                          float* hf, int H, float eps, int x_f32, int delta_f32) {
+  pdl_trigger();
   __shared__ float part[8];
   DISPATCH_XD(add_rms_norm_e_body, x, delta, w, x_out, h, hf, H, eps, part);
 }
@@ -779,6 +794,7 @@ extern "C" __global__ void __launch_bounds__(128)
                             int* counter, int T, int E, int k, int renorm, long long* ids, float* weights,
                             const int* slot_table, int* slots, float* route_row, int S, int* offsets,
                             int* perm, int* active, float* zero, int nzero) {
+  pdl_trigger();
   __shared__ __align__(16) float hs[ANR_MAXH];           // H > 2048: the residual
   __shared__ float pss[ROUTER_MAXT][4], pacc[ROUTER_MAXT][4];
   __shared__ int si[32];                                  // T > 1: assignment a's slot, for the MoE plan
@@ -1326,6 +1342,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     fused_decode_attn(const u16* q, const u16* k_store, const u16* v_store, const long long* pos,
                       int pos0, u16* out, float* partials, int* counters, int Hkv, int g, int D,
                       float scale2, int L, int RK, int R, int cpl) {
+  pdl_trigger();
   __shared__ __align__(16) AttnSmem sm;
   const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
   uint4 kq[ATT_NP], vq[ATT_NP];
@@ -1359,6 +1376,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                     int table_rows, const long long* pos, int pos0, u16* k_store, u16* v_store,
                     u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps,
                     float scale2, int L, int RK, int R, int cpl) {
+  pdl_trigger();
   __shared__ __align__(16) AttnSmem sm;
   const int kvh = blockIdx.x, warp = threadIdx.x >> 5, g = Hq / Hkv, SK = R * RK;
   const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
@@ -1406,6 +1424,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                       int table_rows, const long long* pos, int pos0, u16* k_store, u16* v_store,
                       u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps,
                       float scale2, int L, int RK, int R, int cpl) {
+  pdl_trigger();
   __shared__ __align__(16) AttnSmem sm;
   const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, g = Hq / Hkv, SK = R * RK;
   const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};

@@ -210,6 +210,23 @@ __device__ __forceinline__ u64 lds64(u32 a) {
 }
 #endif
 
+// ---------------------------------------------------------------- programmatic dependent launch
+// sm_90+: pdl_trigger() lets the next kernel in the stream, if launched with a programmatic dependency
+// (qpn.py: the M <= 8 linear and MoE kernels), be scheduled on free SMs now; such a kernel calls
+// pdl_wait() before it reads anything an earlier kernel wrote (and writes nothing before it), so only
+// its launch and its first weight loads overlap the previous kernel's tail. Both are no-ops without the
+// dependency and below sm_90.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------- register decode
 // 8 E2M1 codes -> 4 half2 (value * 2^-14): p0 (r,k0k1) p1 (r8,k0k1) p2 (r,k2k3) p3 (r8,k2k3)
 // p2 = ((w << 9) & 0x0E000E00) | ((w << 2) & 0x80008000) as mask, multiply, mask: the multiply by
@@ -528,6 +545,7 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* 
     for (int nt = 0; nt < NT; ++nt) w[nt] = wp[nt] + s * 32, g[nt] = sp[nt] + s * 8;
     issue_chunk<2, NT>(w, g, c0 + s < c1, wbase + s * NT * 512, sbase + s * NT * 256);
   }
+  pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
   for (int c = c0; c < c1; c += ST) {
 #pragma unroll
     for (int s = 0; s < ST; s += 2) {
@@ -599,6 +617,7 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
   constexpr int RING = ST * NT * 32 * 24;
   __shared__ __align__(16) unsigned char smem[RING * WARPS];
   float (*red)[NT * 16] = reinterpret_cast<float (*)[NT * 16]>(smem);  // red[warp][row], aliases the rings
+  pdl_trigger();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int C = K / 64, tiles = (N + 15) >> 4;
@@ -609,7 +628,10 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
   tile_ptrs<NT>(wt, st, w, s, t0, tiles, C);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.f;
-  if (t0 < tiles) warp_m1_async<ST, NT>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, x, lane, smem + warp * RING);
+  if (t0 < tiles)
+    warp_m1_async<ST, NT>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, x, lane, smem + warp * RING);
+  else
+    pdl_wait();     // this thread writes y below
   __syncthreads();  // red aliases the rings
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -716,6 +738,8 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
                                             int M, int N, int K, int KS, int P) {
   __shared__ __align__(16) unsigned char smem[Smem<MT, NT, ST>::BYTES];
   float (*red)[NT][8 * MT][16] = reinterpret_cast<float (*)[NT][8 * MT][16]>(smem);
+  pdl_trigger();
+  pdl_wait();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int pass = blockIdx.x % P, tb = blockIdx.x / P;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
@@ -1388,6 +1412,7 @@ GEMMF(8, 64, 128, 4, 2)
 extern "C" __global__ void __launch_bounds__(1024)
     qpn_moe_route(const int* __restrict__ slot_ids, int A, int S, int* __restrict__ offsets,
                   int* __restrict__ perm, int* __restrict__ active, float* __restrict__ zero, int nzero) {
+  pdl_trigger();
   __shared__ int cnt[1024], scan[1024], ascan[1024];
   const int t = threadIdx.x;
   const f32x4 z4 = {0.f, 0.f, 0.f, 0.f};
@@ -1437,6 +1462,8 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
                                             int H, int I, int KS) {
   __shared__ __align__(16) unsigned char smem[Smem<MT, 2, ST>::BYTES];
   float (*red)[2][8 * MT][16] = reinterpret_cast<float (*)[2][8 * MT][16]>(smem);
+  pdl_trigger();
+  pdl_wait();  // the routing (active, offsets, perm) and the activations come from earlier kernels
   const int slot = active[blockIdx.y];
   if (slot < 0) return;
   const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
@@ -1496,6 +1523,8 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
                                           int H, int I, int KS) {
   __shared__ __align__(16) unsigned char smem[Smem<MT, 1, ST>::BYTES];
   float (*red)[1][8 * MT][16] = reinterpret_cast<float (*)[1][8 * MT][16]>(smem);
+  pdl_trigger();
+  pdl_wait();  // the routing (active, offsets, perm) and the activations come from earlier kernels
   const int slot = active[blockIdx.y];
   if (slot < 0) return;
   const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;

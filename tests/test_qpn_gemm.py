@@ -342,3 +342,21 @@ def test_m1_kernel_choice():
     assert linear_kernel(2, 1, 1, 90, "_m1x2", n=16) == "qpn2_linear_m1_as2"
     assert linear_kernel(2, 1, 1, 70, "_m1x2", n=big) == "qpn2_linear_mt1"
     assert linear_kernel(2, 1, 8, 90, "_m1x2", n=small) == "qpn2_linear_mt1"
+
+
+def test_pdl_launch_config_layout_and_switch(monkeypatch):
+    """cuLaunchKernelEx's CUlaunchConfig / CUlaunchAttribute as the driver lays them out (x86-64), and the
+    programmatic dependent launch only on sm_90+ and as $HYBRID_PDL says."""
+    import ctypes
+
+    from hybrid.kernels import qpn
+    from hybrid.kernels.driver import LaunchAttribute, LaunchConfig
+
+    assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(LaunchConfig) == 56
+    assert (LaunchConfig.smem.offset, LaunchConfig.stream.offset, LaunchConfig.attrs.offset,
+            LaunchConfig.num_attrs.offset) == (24, 32, 40, 48)
+    monkeypatch.setenv("HYBRID_PDL", "1")
+    assert qpn.pdl(90) and not qpn.pdl(80) and not qpn.pdl(70)
+    monkeypatch.setenv("HYBRID_PDL", "0")
+    assert not qpn.pdl(90)

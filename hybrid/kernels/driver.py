@@ -13,6 +13,30 @@ import torch
 
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union (here its first int)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_char * 60)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig of cuLaunchKernelEx."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+def _pdl_config(grid, block: int, smem: int, stream) -> LaunchConfig:
+    """A launch whose grid may start while the previous kernel in the stream finishes (programmatic
+    dependent launch, sm_90+): the kernel waits for it with griddepcontrol.wait itself."""
+    attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    cfg = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(block, 1, 1), smem,
+                       ctypes.c_void_p(stream.cuda_stream), ctypes.pointer(attr), 1)
+    cfg._keep = attr      # the attribute lives as long as the config
+    return cfg
 
 
 class DriverError(RuntimeError):
@@ -94,17 +118,18 @@ class Module:
         return n
 
     def launch(self, name: str, grid: tuple[int, int, int], block: int, args: list,
-               stream: torch.cuda.Stream | None = None, smem: int = 0) -> None:
+               stream: torch.cuda.Stream | None = None, smem: int = 0, pdl: bool = False) -> None:
         """args: ctypes scalars (c_void_p for pointers, c_int, c_float, c_longlong); smem: bytes of dynamic
-        shared memory (the function's limit raised to it once)."""
+        shared memory (the function's limit raised to it once); pdl: a programmatic dependent launch (the
+        kernel must griddepcontrol.wait before it reads what the previous kernel wrote; sm_90+ only)."""
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         if torch.cuda.current_device() != self.device.index:
             with torch.cuda.device(self.device):   # another card's kernel: its context current for every driver call
                 _ensure_context(self.device)
-                self._launch(self._with_smem(name, smem), name, grid, block, s, ptrs, smem)
+                self._launch(self._with_smem(name, smem), name, grid, block, s, ptrs, smem, pdl)
         else:
-            self._launch(self._with_smem(name, smem), name, grid, block, s, ptrs, smem)
+            self._launch(self._with_smem(name, smem), name, grid, block, s, ptrs, smem, pdl)
 
     def _with_smem(self, name: str, smem: int) -> ctypes.c_void_p:
         """function(name), its dynamic shared memory limit raised to smem where it is below."""
@@ -116,7 +141,11 @@ class Module:
         return fn
 
     @staticmethod
-    def _launch(fn, name, grid, block, stream, ptrs, smem: int = 0) -> None:
+    def _launch(fn, name, grid, block, stream, ptrs, smem: int = 0, pdl: bool = False) -> None:
+        if pdl:
+            cfg = _pdl_config(grid, block, smem, stream)
+            check(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), fn, ptrs, None), f"cuLaunchKernelEx({name})")
+            return
         check(_cuda().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block, 1, 1, smem,
                                      ctypes.c_void_p(stream.cuda_stream), ptrs, None),
               f"cuLaunchKernel({name})")

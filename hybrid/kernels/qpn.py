@@ -486,8 +486,19 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     grid = (-(-units // (WARPS // ks)) * passes, 1, 1)
     args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
-    mod.launch(name, grid, THREADS, args)
+    mod.launch(name, grid, THREADS, args, pdl=pdl(mod.sm))
     return y
+
+
+def pdl(sm: int) -> bool:
+    """Whether the M <= 8 linear and MoE kernels go out as programmatic dependent launches (sm_90+): their
+    grid may be scheduled while the previous kernel finishes (every kernel of qpn.cu and fused.cu lets
+    the next one go at its start), and each waits for it (griddepcontrol.wait) after issuing its first
+    weight loads. $HYBRID_PDL=0 turns it off, =1 on (read at each launch: A/B runs switch it)."""
+    return sm >= 90 and os.environ.get("HYBRID_PDL", PDL_DEFAULT) != "0"
+
+
+PDL_DEFAULT = "0"
 
 
 def use_sm90(sm: int, choice: str | None, fmt: int = 2, m: int = 0, n: int = 0, k: int = 0, sms: int = 132) -> bool:
@@ -791,14 +802,15 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
     mod.launch(f"qpn{fmt}_moe_gateup_mt{mt}{sfx}", (-(-(i // 16) // (WARPS // ks)), rows, 1), THREADS,
                [_p(slots.w13), _p(slots.s13), _p(slots.gs), ctypes.c_longlong(ws13),
                 ctypes.c_longlong(ss13), _p(x), _p(token_idx), _p(offsets), _p(perm), _p(slot_list), _p(hbuf),
-                ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)])
+                ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)], pdl=pdl(mod.sm))
     ks = _pick_ks(h // 16 * active, i // ck, sms)
     while t > 1 and ks > 1 and (i // ck) / ks < MOE_DOWN_MIN_CHUNKS:   # several tokens: longer warp items
         ks //= 2
     mod.launch(f"qpn{fmt}_moe_down_mt{mt}{sfx}", (-(-(h // 16) // (WARPS // ks)), rows, 1), THREADS,
                [_p(slots.w2), _p(slots.s2), _p(slots.gs), ctypes.c_longlong(ws2),
                 ctypes.c_longlong(ss2), _p(hbuf), _p(token_idx), _p(route_w), _p(offsets),
-                _p(perm), _p(slot_list), _p(y), ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)])
+                _p(perm), _p(slot_list), _p(y), ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)],
+               pdl=pdl(mod.sm))
     return y
 
 
