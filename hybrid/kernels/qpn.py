@@ -498,7 +498,7 @@ def pdl(sm: int) -> bool:
     return sm >= 90 and os.environ.get("HYBRID_PDL", PDL_DEFAULT) != "0"
 
 
-PDL_DEFAULT = "0"
+PDL_DEFAULT = "1"   # H200, synthetic 30B-A3B decode at 16 GiB: 416.9 -> 447.4 tok/s (results/runtime.md §33)
 
 
 def use_sm90(sm: int, choice: str | None, fmt: int = 2, m: int = 0, n: int = 0, k: int = 0, sms: int = 132) -> bool:
