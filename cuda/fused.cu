@@ -56,12 +56,18 @@ typedef unsigned short u16;
 
 #define NEG_INF __int_as_float(0xff800000)
 
-// sm_90+: let the next kernel in the stream, if launched with a programmatic dependency (qpn.py's M <= 8
-// linear and MoE kernels, which wait for this one with griddepcontrol.wait before reading its output), be
-// scheduled on free SMs now; a no-op otherwise
+// Programmatic dependent launch (sm_90+; fused.py and qpn.py launch the decode kernels with it): every kernel
+// lets the next one in the stream be scheduled on free SMs at its start (pdl_trigger), and waits for the one
+// before it to finish, its writes visible, before it reads or writes anything (pdl_wait). No-ops without the
+// launch attribute and below sm_90.
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
@@ -176,6 +182,7 @@ extern "C" __global__ void __launch_bounds__(256)
     fused_add_rms_norm(const void* x, const void* delta, const float* w, void* x_out, void* h,
                        float* hf, int H, float eps, int x_f32, int delta_f32) {
   pdl_trigger();
+  pdl_wait();
   __shared__ float part[8];
   DISPATCH_XD(add_rms_norm_body, x, delta, w, x_out, h, hf, H, eps, part);
 }
@@ -243,6 +250,7 @@ extern "C" __global__ void __launch_bounds__(128)
                      int table_rows, const long long* pos, int pos0, u16* q_out, u16* k_store,
                      u16* v_store, int T, int Hq, int Hkv, int D, int C, float eps) {
   pdl_trigger();
+  pdl_wait();
   const int heads = Hq + 2 * Hkv;
   const int gw = blockIdx.x * 4 + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
@@ -362,6 +370,7 @@ extern "C" __global__ void __launch_bounds__(128)
     fused_route_topk(const float* logits, long long* ids, float* weights, int T, int E, int k,
                      int renorm, const int* slot_table, int* slots, float* route_row) {
   pdl_trigger();
+  pdl_wait();
   const int t = blockIdx.x * 4 + (threadIdx.x >> 5);
   if (t >= T) return;
   topk_row(logits + (size_t)t * E, false, t, E, k, renorm, ids, weights, slot_table, slots, route_row);
@@ -402,6 +411,7 @@ extern "C" __global__ void __launch_bounds__(128)
                       int T, int E, int H, int k, int renorm, long long* ids, float* weights,
                       const int* slot_table, int* slots, float* route_row) {
   pdl_trigger();
+  pdl_wait();
   __shared__ int last;
   if (h_f32) router_body<true>(h, router, logits, T, E, H);
   else router_body<false>(h, router, logits, T, E, H);
@@ -474,6 +484,7 @@ extern "C" __global__ void __launch_bounds__(128)
                           int* counter, int T, int E, int k, int renorm, long long* ids, float* weights,
                           const int* slot_table, int* slots, float* route_row) {
   pdl_trigger();
+  pdl_wait();
   __shared__ __align__(16) float hs[ANR_MAXH];
   __shared__ float part[4];
   __shared__ int last;
@@ -609,6 +620,7 @@ extern "C" __global__ void __launch_bounds__(256)
     fused_add_rms_norm_e(const void* x, const void* delta, const float* w, void* x_out, void* h,
                          float* hf, int H, float eps, int x_f32, int delta_f32) {
   pdl_trigger();
+  pdl_wait();
   __shared__ float part[8];
   DISPATCH_XD(add_rms_norm_e_body, x, delta, w, x_out, h, hf, H, eps, part);
 }
@@ -795,6 +807,7 @@ extern "C" __global__ void __launch_bounds__(128)
                             const int* slot_table, int* slots, float* route_row, int S, int* offsets,
                             int* perm, int* active, float* zero, int nzero) {
   pdl_trigger();
+  pdl_wait();
   __shared__ __align__(16) float hs[ANR_MAXH];           // H > 2048: the residual
   __shared__ float pss[ROUTER_MAXT][4], pacc[ROUTER_MAXT][4];
   __shared__ int si[32];                                  // T > 1: assignment a's slot, for the MoE plan
@@ -1343,6 +1356,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                       int pos0, u16* out, float* partials, int* counters, int Hkv, int g, int D,
                       float scale2, int L, int RK, int R, int cpl) {
   pdl_trigger();
+  pdl_wait();
   __shared__ __align__(16) AttnSmem sm;
   const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
   uint4 kq[ATT_NP], vq[ATT_NP];
@@ -1377,6 +1391,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                     u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps,
                     float scale2, int L, int RK, int R, int cpl) {
   pdl_trigger();
+  pdl_wait();
   __shared__ __align__(16) AttnSmem sm;
   const int kvh = blockIdx.x, warp = threadIdx.x >> 5, g = Hq / Hkv, SK = R * RK;
   const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
@@ -1425,6 +1440,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                       u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps,
                       float scale2, int L, int RK, int R, int cpl) {
   pdl_trigger();
+  pdl_wait();
   __shared__ __align__(16) AttnSmem sm;
   const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, g = Hq / Hkv, SK = R * RK;
   const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};

@@ -20,6 +20,7 @@ RoPE, KV write and attention of one token as one kernel instead of two).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import torch
@@ -98,6 +99,20 @@ def enabled(part: str) -> bool:
 
 
 # ---------------------------------------------------------------------------- checks
+@functools.lru_cache(maxsize=16)
+def _sm(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
+
+
+def _pdl(dev: torch.device) -> bool:
+    """Whether this card's fused kernels go out as programmatic dependent launches (qpn.pdl: sm_90+,
+    $HYBRID_PDL); each of them waits for its predecessor at its start (griddepcontrol.wait)."""
+    from hybrid.kernels.qpn import pdl
+
+    return pdl(_sm(dev.index if dev.index is not None else torch.cuda.current_device()))
+
+
 def _dev(d: torch.device) -> torch.device:
     if d.type == "cuda" and d.index is None:
         return torch.device("cuda", torch.cuda.current_device())
@@ -174,7 +189,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
         _module(dev).launch("fused_add_rms_norm_e" if new else "fused_add_rms_norm", (t, 1, 1), 256, [
             _p(x), _p(delta), _p(weight), _p(x_out if delta is not None else None), _p(out), _p(hf),
             ctypes.c_int(h), ctypes.c_float(eps), ctypes.c_int(_DT[x.dtype]),
-            ctypes.c_int(_DT[delta.dtype] if delta is not None else 0)])
+            ctypes.c_int(_DT[delta.dtype] if delta is not None else 0)], pdl=_pdl(dev))
     return x_out, out, hf
 
 
@@ -231,7 +246,7 @@ def qk_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Ten
         _module(dev).launch("fused_qk_rope_kv", (-(-warps // 4), 1, 1), 128, [
             _p(qkv), _p(q_norm), _p(k_norm), _p(table), ctypes.c_int(table.shape[0]), _p(pos),
             ctypes.c_int(start), _p(q), _p(k_store), _p(v_store), ctypes.c_int(t), ctypes.c_int(hq),
-            ctypes.c_int(hkv), ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps)])
+            ctypes.c_int(hkv), ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps)], pdl=_pdl(dev))
     return q
 
 
@@ -291,7 +306,7 @@ def route_topk(logits: torch.Tensor, k: int, renorm: bool, slot_table: torch.Ten
     if t:
         _module(dev).launch("fused_route_topk", (-(-t // 4), 1, 1), 128, [
             _p(logits), _p(ids), _p(weights), ctypes.c_int(t), ctypes.c_int(e), ctypes.c_int(k),
-            ctypes.c_int(int(bool(renorm))), _p(slot_table), _p(slots), _p(row)])
+            ctypes.c_int(int(bool(renorm))), _p(slot_table), _p(slots), _p(row)], pdl=_pdl(dev))
     return ids, weights
 
 
@@ -330,7 +345,7 @@ def router_topk(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool,
     _module(dev).launch("fused_router_topk", (-(-e // 4), 1, 1), 128, [
         _p(h), ctypes.c_int(_DT[h.dtype]), _p(router), _p(logits), _p(cnt), ctypes.c_int(t), ctypes.c_int(e),
         ctypes.c_int(hd), ctypes.c_int(k), ctypes.c_int(int(bool(renorm))), _p(ids), _p(weights),
-        _p(slot_table), _p(slots), _p(row)])
+        _p(slot_table), _p(slots), _p(row)], pdl=_pdl(dev))
     return ids, weights
 
 
@@ -411,7 +426,7 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
                  [ctypes.c_int(0), _p(None), _p(None), _p(None), _p(None), ctypes.c_int(0)])
     else:
         name, grid = "fused_add_norm_router", -(-e // 4)         # a warp per expert; no plan
-    _module(dev).launch(name, (grid, 1, 1), 128, args)
+    _module(dev).launch(name, (grid, 1, 1), 128, args, pdl=_pdl(dev))
     if plan is not None and name == "fused_add_norm_router_e":
         plan.made = True
     return x2, h, ids, weights
@@ -468,7 +483,7 @@ def decode_attn(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, k
     _module(dev).launch("fused_decode_attn", (hkv, splits, 1), ATT_THREADS, [
         _p(q), _p(k_store), _p(v_store), _p(pos), ctypes.c_int(start), _p(out), _p(part), _p(cnt[1:]),
         ctypes.c_int(hkv), ctypes.c_int(g), ctypes.c_int(d), ctypes.c_float(d ** -0.5 * _LOG2E),
-        ctypes.c_int(keys), ctypes.c_int(rk), ctypes.c_int(rounds), ctypes.c_int(cpl)])
+        ctypes.c_int(keys), ctypes.c_int(rk), ctypes.c_int(rounds), ctypes.c_int(cpl)], pdl=_pdl(dev))
     return out
 
 
@@ -549,7 +564,7 @@ def rope_attn(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
         _p(qkv), _p(q_norm), _p(k_norm), _p(table), ctypes.c_int(table.shape[0]), _p(pos), ctypes.c_int(start),
         _p(k_store), _p(v_store), _p(out), _p(part), _p(cnt[1:]), ctypes.c_int(hq), ctypes.c_int(hkv),
         ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps), ctypes.c_float(d ** -0.5 * _LOG2E),
-        ctypes.c_int(keys), ctypes.c_int(rk), ctypes.c_int(rounds), ctypes.c_int(cpl)])
+        ctypes.c_int(keys), ctypes.c_int(rk), ctypes.c_int(rounds), ctypes.c_int(cpl)], pdl=_pdl(dev))
     return out
 
 

@@ -491,10 +491,11 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
 
 
 def pdl(sm: int) -> bool:
-    """Whether the M <= 8 linear and MoE kernels go out as programmatic dependent launches (sm_90+): their
-    grid may be scheduled while the previous kernel finishes (every kernel of qpn.cu and fused.cu lets
-    the next one go at its start), and each waits for it (griddepcontrol.wait) after issuing its first
-    weight loads. $HYBRID_PDL=0 turns it off, =1 on (read at each launch: A/B runs switch it)."""
+    """Whether the M <= 8 linear and MoE kernels (and fused.py's kernels) go out as programmatic dependent
+    launches (sm_90+): their grid may be scheduled while the previous kernel finishes (every decode kernel
+    of qpn.cu and fused.cu lets the next one go at its start), and each waits for it
+    (griddepcontrol.wait) before reading what it wrote -- the M = 1 NVFP4 kernels after issuing their
+    first weight loads. $HYBRID_PDL=0 turns it off, =1 on (read at each launch: A/B runs switch it)."""
     return sm >= 90 and os.environ.get("HYBRID_PDL", PDL_DEFAULT) != "0"
 
 
