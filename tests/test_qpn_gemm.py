@@ -358,5 +358,7 @@ def test_pdl_launch_config_layout_and_switch(monkeypatch):
             LaunchConfig.num_attrs.offset) == (24, 32, 40, 48)
     monkeypatch.setenv("HYBRID_PDL", "1")
     assert qpn.pdl(90) and not qpn.pdl(80) and not qpn.pdl(70)
+    monkeypatch.setenv("HYBRID_PDL", "qpn")
+    assert qpn.pdl(90) and not qpn.pdl(90, "fused")
     monkeypatch.setenv("HYBRID_PDL", "0")
-    assert not qpn.pdl(90)
+    assert not qpn.pdl(90) and not qpn.pdl(90, "fused")

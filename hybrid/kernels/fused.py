@@ -110,7 +110,7 @@ def _pdl(dev: torch.device) -> bool:
     $HYBRID_PDL); each of them waits for its predecessor at its start (griddepcontrol.wait)."""
     from hybrid.kernels.qpn import pdl
 
-    return pdl(_sm(dev.index if dev.index is not None else torch.cuda.current_device()))
+    return pdl(_sm(dev.index if dev.index is not None else torch.cuda.current_device()), "fused")
 
 
 def _dev(d: torch.device) -> torch.device:

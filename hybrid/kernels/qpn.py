@@ -490,13 +490,15 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     return y
 
 
-def pdl(sm: int) -> bool:
+def pdl(sm: int, part: str = "qpn") -> bool:
     """Whether the M <= 8 linear and MoE kernels (and fused.py's kernels) go out as programmatic dependent
     launches (sm_90+): their grid may be scheduled while the previous kernel finishes (every decode kernel
     of qpn.cu and fused.cu lets the next one go at its start), and each waits for it
     (griddepcontrol.wait) before reading what it wrote -- the M = 1 NVFP4 kernels after issuing their
-    first weight loads. $HYBRID_PDL=0 turns it off, =1 on (read at each launch: A/B runs switch it)."""
-    return sm >= 90 and os.environ.get("HYBRID_PDL", PDL_DEFAULT) != "0"
+    first weight loads. $HYBRID_PDL=0 turns it off, =1 on, =qpn on for the QPN kernels only (part "qpn"
+    or "fused"; read at each launch: A/B runs switch it)."""
+    mode = os.environ.get("HYBRID_PDL", PDL_DEFAULT)
+    return sm >= 90 and mode != "0" and (mode != "qpn" or part == "qpn")
 
 
 PDL_DEFAULT = "1"   # H200, synthetic 30B-A3B decode at 16 GiB: 416.9 -> 447.4 tok/s (results/runtime.md §33)
