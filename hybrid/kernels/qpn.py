@@ -501,7 +501,9 @@ def pdl(sm: int, part: str = "qpn") -> bool:
     return sm >= 90 and mode != "0" and (mode != "qpn" or part == "qpn")
 
 
-PDL_DEFAULT = "1"   # H200, synthetic 30B-A3B decode at 16 GiB: 416.9 -> 447.4 tok/s (results/runtime.md §33)
+# H200, synthetic 30B-A3B decode at 16 GiB, the QPN kernels' part: 416.9 -> 447.4 tok/s (results/runtime.md §33);
+# the fused kernels' part ("1") passes the GPU tests but is not timed yet
+PDL_DEFAULT = "qpn"
 
 
 def use_sm90(sm: int, choice: str | None, fmt: int = 2, m: int = 0, n: int = 0, k: int = 0, sms: int = 132) -> bool:
