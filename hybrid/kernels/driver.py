@@ -1,7 +1,8 @@
 """CUDA driver API through ctypes: load a PTX/CUBIN module into PyTorch's context and launch.
 
 PyTorch owns the device memory and the streams; this module only loads modules and calls
-cuLaunchKernel on torch's current stream, so no CUDA toolkit or extra Python package is needed.
+cuLaunchKernel (cuLaunchKernelEx for a programmatic dependent launch) on torch's current stream, so no
+CUDA toolkit or extra Python package is needed.
 """
 from __future__ import annotations
 
