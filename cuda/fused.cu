@@ -56,20 +56,11 @@ typedef unsigned short u16;
 
 #define NEG_INF __int_as_float(0xff800000)
 
-// Programmatic dependent launch (sm_90+; fused.py and qpn.py launch the decode kernels with it): every kernel
-// lets the next one in the stream be scheduled on free SMs at its start (pdl_trigger), and waits for the one
-// before it to finish, its writes visible, before it reads or writes anything (pdl_wait). No-ops without the
-// launch attribute and below sm_90.
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+// Programmatic dependent launch (sm_90+, qpn.cu's helpers; fused.py launches these kernels with it under
+// HYBRID_PDL=1): every kernel lets the next one in the stream be scheduled on free SMs at its start
+// (pdl_trigger), and waits for the one before it to finish, its writes visible, before it reads or writes
+// anything (pdl_wait). No-ops without the launch attribute and below sm_90.
+// QPN_SHARED: pdl_trigger pdl_wait
 
 // ---------------------------------------------------------------- conversions, reductions
 __device__ __forceinline__ float h2f(u16 h) {

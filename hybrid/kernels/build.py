@@ -63,6 +63,15 @@ def device_functions(names: list[str], src: str | None = None) -> str:
     return "".join(out)
 
 
+def with_shared(src: str, what: str) -> str:
+    """Another kernel source (`what`, for the error) with qpn.cu's device functions named on its
+    `// QPN_SHARED: name ...` line put in after that line."""
+    line = re.search(r"^// QPN_SHARED: (.*)$", src, re.M)
+    if line is None:
+        raise ValueError(f"{what}: no '// QPN_SHARED:' line")
+    return src[:line.end()] + "\n" + device_functions(line.group(1).split()) + src[line.end():]
+
+
 def cache_dir() -> Path:
     """$HYBRID_CACHE_DIR, else ~/.cache/hybrid/qpn (or under $XDG_CACHE_HOME)."""
     env = os.environ.get("HYBRID_CACHE_DIR")

@@ -25,7 +25,10 @@ def _dev(d: torch.device) -> torch.device:
 
 
 def source() -> str:
-    return Path(__file__).with_name("fused.cu").read_text()
+    """cuda/fused.cu with qpn.cu's device functions named on its `// QPN_SHARED:` line put in there."""
+    from hybrid.kernels.build import with_shared
+
+    return with_shared(Path(__file__).with_name("fused.cu").read_text(), "fused.cu")
 
 
 _MODULES: dict = {}

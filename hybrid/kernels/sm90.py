@@ -79,14 +79,9 @@ DIAG_KERNELS = tuple(f"qpn2_wgmma_{t}{p}_nold" for t in ("128x256", "256x128") f
 
 def source() -> str:
     """cuda/qpn_sm90.cu with qpn.cu's device functions named on its `// QPN_SHARED:` line put in there."""
-    from hybrid.kernels.build import device_functions
-    from hybrid.kernels.build import source as qpn_source
+    from hybrid.kernels.build import with_shared
 
-    src = Path(__file__).with_name(SOURCE_NAME).read_text()
-    line = re.search(r"^// QPN_SHARED: (.*)$", src, re.M)
-    if line is None:
-        raise ValueError(f"{SOURCE_NAME}: no '// QPN_SHARED:' line")
-    return src[:line.end()] + "\n" + device_functions(line.group(1).split(), qpn_source()) + src[line.end():]
+    return with_shared(Path(__file__).with_name(SOURCE_NAME).read_text(), SOURCE_NAME)
 
 
 def ring_slot(fmt: int, br: int, nt: int) -> int:
