@@ -213,10 +213,9 @@ __device__ __forceinline__ u64 lds64(u32 a) {
 // ---------------------------------------------------------------- programmatic dependent launch
 // sm_90+: pdl_trigger() lets the next kernel in the stream, if launched with a programmatic dependency
 // (qpn.py: the M <= 8 linear and MoE kernels; fused.py: fused.cu's, which takes these two), be scheduled
-// on free SMs now; such a kernel calls
-// pdl_wait() before it reads anything an earlier kernel wrote (and writes nothing before it), so only
-// its launch and its first weight loads overlap the previous kernel's tail. Both are no-ops without the
-// dependency and below sm_90.
+// on free SMs now; such a kernel calls pdl_wait() before it reads anything an earlier kernel wrote (and
+// writes nothing before it), so only its launch and its first weight loads overlap the previous kernel's
+// tail. Both are no-ops without the dependency and below sm_90.
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -76,7 +76,8 @@ def main() -> int:
             base = QPNWeight.from_qweight(random_qweight(qt, n, k, dev), dev)
             ws = [base] + [_clone_weight(base) for _ in range(copies_for(base.nbytes) - 1)]
             xs = {m: torch.randn(m, k, device=dev, dtype=torch.float16) for m in {1, *ms}}
-            got: dict[tuple, list[float]] = {}
+            ratios: dict[tuple, list[float]] = {}   # (label, m) -> per round
+            times: dict[tuple, list[float]] = {}
             for rnd, (tag, text) in itertools.product(range(a.rounds), builds):
                 use_source(text)
                 t1 = time_ms([lambda w=w: qpn_linear(xs[1], w) for w in ws], a.reps)
@@ -93,14 +94,13 @@ def main() -> int:
                     r = {"shape": shape, "format": fmt, "variant": label, "m": m, "round": rnd,
                          "t_us": round(t * 1e3, 2), "eff_read": round(base.nbytes / (t * 1e-3) / 1e9 / read_bw, 4),
                          "ratio": round(t / t1, 4)}
-                    got.setdefault((label, m), []).append(r["ratio"])
-                    got.setdefault((label, m, "t"), []).append(r["t_us"])
+                    ratios.setdefault((label, m), []).append(r["ratio"])
+                    times.setdefault((label, m), []).append(r["t_us"])
                     emit(r)
             use_source(None)
-            for key, vals in got.items():
-                if len(key) == 2:
-                    emit({"summary": True, "shape": shape, "format": fmt, "variant": key[0], "m": key[1],
-                          "t_us": statistics.median(got[(*key, "t")]), "ratio": statistics.median(vals)})
+            for (label, m), vals in ratios.items():
+                emit({"summary": True, "shape": shape, "format": fmt, "variant": label, "m": m,
+                      "t_us": statistics.median(times[(label, m)]), "ratio": statistics.median(vals)})
             del ws, base
             torch.cuda.empty_cache()
     if a.moe:

@@ -20,7 +20,6 @@ RoPE, KV write and attention of one token as one kernel instead of two).
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 
 import torch
@@ -99,18 +98,14 @@ def enabled(part: str) -> bool:
 
 
 # ---------------------------------------------------------------------------- checks
-@functools.lru_cache(maxsize=16)
-def _sm(index: int) -> int:
-    major, minor = torch.cuda.get_device_capability(index)
-    return major * 10 + minor
-
-
-def _pdl(dev: torch.device) -> bool:
-    """Whether this card's fused kernels go out as programmatic dependent launches (qpn.pdl: sm_90+,
-    $HYBRID_PDL); each of them waits for its predecessor at its start (griddepcontrol.wait)."""
+def _launch(dev: torch.device, name: str, grid: tuple[int, int, int], block: int, args: list) -> None:
+    """Kernel `name` of this card's fused module; a programmatic dependent launch where qpn.pdl says so
+    (sm_90+, $HYBRID_PDL: each fused kernel waits for its predecessor at its start), decided by the target
+    the module was built for (compute_70 PTX forced onto an sm_90 card has no wait in it)."""
     from hybrid.kernels.qpn import pdl
 
-    return pdl(_sm(dev.index if dev.index is not None else torch.cuda.current_device()), "fused")
+    mod = _module(dev)
+    mod.launch(name, grid, block, args, pdl=pdl(mod.sm, "fused"))
 
 
 def _dev(d: torch.device) -> torch.device:
@@ -186,10 +181,10 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
     hf = torch.empty(t, h, dtype=torch.float32, device=dev) if want_f32 else None
     if t:
         new = new_kernel("norm") and h % 4 == 0 and _aligned(x, delta, weight)
-        _module(dev).launch("fused_add_rms_norm_e" if new else "fused_add_rms_norm", (t, 1, 1), 256, [
+        _launch(dev, "fused_add_rms_norm_e" if new else "fused_add_rms_norm", (t, 1, 1), 256, [
             _p(x), _p(delta), _p(weight), _p(x_out if delta is not None else None), _p(out), _p(hf),
             ctypes.c_int(h), ctypes.c_float(eps), ctypes.c_int(_DT[x.dtype]),
-            ctypes.c_int(_DT[delta.dtype] if delta is not None else 0)], pdl=_pdl(dev))
+            ctypes.c_int(_DT[delta.dtype] if delta is not None else 0)])
     return x_out, out, hf
 
 
@@ -243,10 +238,10 @@ def qk_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Ten
     q = torch.empty(t, hq, d, dtype=torch.float16, device=dev)
     warps = t * (hq + 2 * hkv)
     if warps:
-        _module(dev).launch("fused_qk_rope_kv", (-(-warps // 4), 1, 1), 128, [
+        _launch(dev, "fused_qk_rope_kv", (-(-warps // 4), 1, 1), 128, [
             _p(qkv), _p(q_norm), _p(k_norm), _p(table), ctypes.c_int(table.shape[0]), _p(pos),
             ctypes.c_int(start), _p(q), _p(k_store), _p(v_store), ctypes.c_int(t), ctypes.c_int(hq),
-            ctypes.c_int(hkv), ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps)], pdl=_pdl(dev))
+            ctypes.c_int(hkv), ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps)])
     return q
 
 
@@ -304,9 +299,9 @@ def route_topk(logits: torch.Tensor, k: int, renorm: bool, slot_table: torch.Ten
     ids = torch.empty(t, k, dtype=torch.int64, device=dev)
     weights = torch.empty(t, k, dtype=torch.float32, device=dev)
     if t:
-        _module(dev).launch("fused_route_topk", (-(-t // 4), 1, 1), 128, [
+        _launch(dev, "fused_route_topk", (-(-t // 4), 1, 1), 128, [
             _p(logits), _p(ids), _p(weights), ctypes.c_int(t), ctypes.c_int(e), ctypes.c_int(k),
-            ctypes.c_int(int(bool(renorm))), _p(slot_table), _p(slots), _p(row)], pdl=_pdl(dev))
+            ctypes.c_int(int(bool(renorm))), _p(slot_table), _p(slots), _p(row)])
     return ids, weights
 
 
@@ -342,10 +337,10 @@ def router_topk(h: torch.Tensor, router: torch.Tensor, k: int, renorm: bool,
     logits = torch.empty(t, e, dtype=torch.float32, device=dev)
     ids = torch.empty(t, k, dtype=torch.int64, device=dev)
     weights = torch.empty(t, k, dtype=torch.float32, device=dev)
-    _module(dev).launch("fused_router_topk", (-(-e // 4), 1, 1), 128, [
+    _launch(dev, "fused_router_topk", (-(-e // 4), 1, 1), 128, [
         _p(h), ctypes.c_int(_DT[h.dtype]), _p(router), _p(logits), _p(cnt), ctypes.c_int(t), ctypes.c_int(e),
         ctypes.c_int(hd), ctypes.c_int(k), ctypes.c_int(int(bool(renorm))), _p(ids), _p(weights),
-        _p(slot_table), _p(slots), _p(row)], pdl=_pdl(dev))
+        _p(slot_table), _p(slots), _p(row)])
     return ids, weights
 
 
@@ -426,7 +421,7 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
                  [ctypes.c_int(0), _p(None), _p(None), _p(None), _p(None), ctypes.c_int(0)])
     else:
         name, grid = "fused_add_norm_router", -(-e // 4)         # a warp per expert; no plan
-    _module(dev).launch(name, (grid, 1, 1), 128, args, pdl=_pdl(dev))
+    _launch(dev, name, (grid, 1, 1), 128, args)
     if plan is not None and name == "fused_add_norm_router_e":
         plan.made = True
     return x2, h, ids, weights
@@ -480,10 +475,10 @@ def decode_attn(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, k
     g, plan, part, cnt, out = _attn_setup("decode_attn", hq, hkv, d, keys, k_store, v_store, pos, start,
                                           keys, dev)
     splits, rounds, rk, cpl = plan
-    _module(dev).launch("fused_decode_attn", (hkv, splits, 1), ATT_THREADS, [
+    _launch(dev, "fused_decode_attn", (hkv, splits, 1), ATT_THREADS, [
         _p(q), _p(k_store), _p(v_store), _p(pos), ctypes.c_int(start), _p(out), _p(part), _p(cnt[1:]),
         ctypes.c_int(hkv), ctypes.c_int(g), ctypes.c_int(d), ctypes.c_float(d ** -0.5 * _LOG2E),
-        ctypes.c_int(keys), ctypes.c_int(rk), ctypes.c_int(rounds), ctypes.c_int(cpl)], pdl=_pdl(dev))
+        ctypes.c_int(keys), ctypes.c_int(rk), ctypes.c_int(rounds), ctypes.c_int(cpl)])
     return out
 
 
@@ -560,11 +555,11 @@ def rope_attn(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
                                           min(keys, table.shape[0]), dev)
     splits, rounds, rk, cpl = plan
     new = new_kernel("attn") and _aligned(qkv, q_norm, k_norm, table)
-    _module(dev).launch("fused_rope_attn_e" if new else "fused_rope_attn", (hkv, splits, 1), ATT_THREADS, [
+    _launch(dev, "fused_rope_attn_e" if new else "fused_rope_attn", (hkv, splits, 1), ATT_THREADS, [
         _p(qkv), _p(q_norm), _p(k_norm), _p(table), ctypes.c_int(table.shape[0]), _p(pos), ctypes.c_int(start),
         _p(k_store), _p(v_store), _p(out), _p(part), _p(cnt[1:]), ctypes.c_int(hq), ctypes.c_int(hkv),
         ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps), ctypes.c_float(d ** -0.5 * _LOG2E),
-        ctypes.c_int(keys), ctypes.c_int(rk), ctypes.c_int(rounds), ctypes.c_int(cpl)], pdl=_pdl(dev))
+        ctypes.c_int(keys), ctypes.c_int(rk), ctypes.c_int(rounds), ctypes.c_int(cpl)])
     return out
 
 

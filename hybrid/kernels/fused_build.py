@@ -54,6 +54,7 @@ def module(device: torch.device):
         major, minor = torch.cuda.get_device_capability(device)
         sm = forced or major * 10 + minor
         mod = _MODULES[(device.index, forced)] = Module(image_for(sm, forced is not None), device)
+        mod.sm = sm   # the target the kernels were built for (forced PTX: compute_<forced>)
     return mod
 
 
