@@ -617,7 +617,6 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
   constexpr int RING = ST * NT * 32 * 24;
   __shared__ __align__(16) unsigned char smem[RING * WARPS];
   float (*red)[NT * 16] = reinterpret_cast<float (*)[NT * 16]>(smem);  // red[warp][row], aliases the rings
-  pdl_trigger();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int C = K / 64, tiles = (N + 15) >> 4;
@@ -632,6 +631,7 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
     warp_m1_async<ST, NT>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, x, lane, smem + warp * RING);
   else
     pdl_wait();     // this thread writes y below
+  pdl_trigger();    // late: see pdl_trigger
   __syncthreads();  // red aliases the rings
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -738,7 +738,6 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
                                             int M, int N, int K, int KS, int P) {
   __shared__ __align__(16) unsigned char smem[Smem<MT, NT, ST>::BYTES];
   float (*red)[NT][8 * MT][16] = reinterpret_cast<float (*)[NT][8 * MT][16]>(smem);
-  pdl_trigger();
   pdl_wait();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int pass = blockIdx.x % P, tb = blockIdx.x / P;
@@ -763,6 +762,7 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
     else
       warp_gemm<FMT, MT, NT, U>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
   }
+  pdl_trigger();  // late: see pdl_trigger
   if constexpr (ST > 0) __syncthreads();  // red aliases the rings
   store_partials<MT, NT>(red, warp, lane, acc);
   __syncthreads();
@@ -1523,7 +1523,6 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
                                           int H, int I, int KS) {
   __shared__ __align__(16) unsigned char smem[Smem<MT, 1, ST>::BYTES];
   float (*red)[1][8 * MT][16] = reinterpret_cast<float (*)[1][8 * MT][16]>(smem);
-  pdl_trigger();
   pdl_wait();  // the routing (active, offsets, perm) and the activations come from earlier kernels
   const int slot = active[blockIdx.y];
   if (slot < 0) return;
@@ -1552,6 +1551,7 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
       else
         warp_gemm<FMT, MT, 1>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
     }
+    pdl_trigger();  // late (see pdl_trigger); again on later passes: a no-op
     if constexpr (ST > 0) __syncthreads();  // red aliases the rings
     store_partials<MT, 1>(red, warp, lane, acc);
     __syncthreads();

@@ -36,9 +36,9 @@ def main() -> int:
     ap.add_argument("--formats", default="nvfp4,fp8")
     ap.add_argument("--m", default="8", help="comma list of M (2..8) timed per variant")
     ap.add_argument("--alt-source", default="",
-                    help="another qpn.cu: every cell is also timed with the kernels built from it, each round "
-                         "alternating the two builds (variant labels get '@alt'; ratios against the same build's "
-                         "M = 1): an A/B of a kernel change in one process")
+                    help="other qpn.cu files, comma-separated: every cell is also timed with the kernels built from "
+                         "each, each round alternating the builds (variant labels get '@alt', or '@alt1', '@alt2', ... "
+                         "with several; ratios against the same build's M = 1): an A/B of kernel changes in one process")
     ap.add_argument("--moe", action="store_true",
                     help="also time the 8 selected experts of a Qwen3-30B-A3B layer (qpn_moe, the default "
                          "kernels) at each --m and M = 1, per build (shape 'moe_8_experts')")
@@ -60,7 +60,8 @@ def main() -> int:
 
     emit(head)
     tree_source = build.source
-    builds = [("", None)] + ([("@alt", open(a.alt_source).read())] if a.alt_source else [])
+    alts = [f for f in a.alt_source.split(",") if f]
+    builds = [("", None)] + [("@alt" if len(alts) == 1 else f"@alt{i + 1}", open(f).read()) for i, f in enumerate(alts)]
 
     def use_source(text: str | None) -> None:   # the kernels of the tree's qpn.cu, or of text
         build.source = tree_source if text is None else (lambda: text)
