@@ -664,6 +664,162 @@ extern "C" __global__ void qpn2_linear_m1_as2(const u32x4* __restrict__ w, const
   linear_m1_body<4, 2>(w, s, gs, x, y, N, K, KS);
 }
 
+// ---------------------------------------------------------------- NVFP4, M = 2..8 as M = 1 does, sm_80+
+// The M = 1 kernel's column trick for MP = 2, 4 or 8 rows: column n of the MMA carries row n % MP of x for
+// group slot n / MP of each set of GS = 8 / MP consecutive groups (zeros otherwise), so after a set's GS MMAs
+// column n holds the unscaled dot product of that group and row, and the group scales are applied in fp32
+// (4 FFMA per lane per set) instead of 4 HMUL2 on the weight fragments per group (which is what M = 2..8 costs
+// over M = 1 in the 8-column kernel: results/cuda_kernels.md, twenty-fourth session).
+// tot[0..3]: (tile row r, x row t0), (r, t0 + 1), (r + 8, t0), (r + 8, t0 + 1), t0 = 2q % MP, summed over the
+// groups of slot 2q / MP of every set (r = lane / 4, q = lane % 4).
+template <int ST, int NT, int MP>
+__device__ __forceinline__ void warp_mp_async(float (&tot)[NT][4], const u32x4* const (&wt)[NT],
+                                              const u64* const (&st)[NT], int c0, int c1, const u16* xt,
+                                              int lane, unsigned char* ring) {
+#if QPN_MMA >= 2
+  constexpr int GS = 8 / MP, SETS = 4 / GS;  // groups per set; sets per chunk (4 groups)
+  const int slot = (lane >> 2) / MP, gq = 2 * (lane & 3) / MP;
+  const u32 wbase = smem_addr(ring) + lane * 16, sbase = wbase - lane * 8 + ST * NT * 512;
+  const u32x4* wp[NT];
+  const u64* sp[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) wp[nt] = wt[nt] + (size_t)c0 * 32 + lane, sp[nt] = st[nt] + (size_t)c0 * 8 + (lane >> 2);
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {
+    const u32x4* w[NT];
+    const u64* g[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) w[nt] = wp[nt] + s * 32, g[nt] = sp[nt] + s * 8;
+    issue_chunk<2, NT>(w, g, c0 + s < c1, wbase + s * NT * 512, sbase + s * NT * 256);
+  }
+  pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
+  for (int c = c0; c < c1; c += ST) {
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      if (c + s < c1) {
+        u64 xv[SETS];  // this lane's x: group slot `slot` of each set of the chunk
+#pragma unroll
+        for (int j = 0; j < SETS; ++j) xv[j] = ld_act(xt + (size_t)(c + s) * 64 + (j * GS + slot) * 16);
+        cp_wait<ST - 2>();
+        const int ns = (s + ST - 1) % ST;
+        const u32x4* w[NT];
+        const u64* g[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) w[nt] = wp[nt] + (s + ST - 1) * 32, g[nt] = sp[nt] + (s + ST - 1) * 8;
+        u32x4 wv[NT];
+        u64 sv[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) wv[nt] = lds128(wbase + (s * NT + nt) * 512), sv[nt] = lds64(sbase + (s * NT + nt) * 256);
+        issue_chunk<2, NT>(w, g, c + s + ST - 1 < c1, wbase + ns * NT * 512, sbase + ns * NT * 256);
+#pragma unroll
+        for (int j = 0; j < SETS; ++j) {
+          float d[NT][4];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
+#pragma unroll
+          for (int i = 0; i < GS; ++i) {
+            const int k = j * GS + i;  // group of the chunk
+            const bool mine = slot == i;
+            const u32 b0 = mine ? (u32)xv[j] : 0u, b1 = mine ? (u32)(xv[j] >> 32) : 0u;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              u32 p0, p1, p2, p3;
+              dec_fp4(k == 0 ? wv[nt].x : k == 1 ? wv[nt].y : k == 2 ? wv[nt].z : wv[nt].w, p0, p1, p2, p3);
+              mma_tile(d[nt], p0, p1, p2, p3, b0, b1);
+            }
+          }
+          // scale bytes of group j * GS + gq: [s(r,g0) s(r,g1) s(r+8,g0) s(r+8,g1)] in the low word for
+          // groups 0, 1, the high word for 2, 3
+          const int k = j * GS + gq;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const u32 b = (u32)(sv[nt] >> (k >= 2 ? 32 : 0)) >> (8 * (k & 1));
+            const float sr = e4m3_mag_f32(b << 20), sr8 = e4m3_mag_f32(b << 4);
+            tot[nt][0] = fmaf(d[nt][0], sr, tot[nt][0]);
+            tot[nt][1] = fmaf(d[nt][1], sr, tot[nt][1]);
+            tot[nt][2] = fmaf(d[nt][2], sr8, tot[nt][2]);
+            tot[nt][3] = fmaf(d[nt][3], sr8, tot[nt][3]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) wp[nt] += ST * 32, sp[nt] += ST * 8;
+  }
+  cp_wait<0>();
+#else
+  __trap();  // never launched below sm_80
+#endif
+}
+
+// y[M, N] = x[M, K] . W^T for NVFP4, 2 <= M <= MP (same arguments as the LINEAR kernels; P = 1).
+template <int ST, int NT, int MP>
+__device__ __forceinline__ void linear_mp_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                               float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                               int M, int N, int K, int KS) {
+  constexpr int RING = ST * NT * 32 * 24;
+  static_assert(WARPS * NT * MP * 16 * 4 <= RING * WARPS, "partials fit in the rings");
+  __shared__ __align__(16) unsigned char smem[RING * WARPS];
+  float (*red)[NT][MP][16] = reinterpret_cast<float (*)[NT][MP][16]>(smem);  // red[warp][nt][row of x][row]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3;
+  const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
+  const int C = K / 64, tiles = (N + 15) >> 4;
+  const int t0 = (blockIdx.x * TG + tg) * NT;
+  const int m = (lane >> 2) % MP;  // the x row of this lane's B column (rows past M re-read row M - 1)
+  float tot[NT][4];
+  const u32x4* wt[NT];
+  const u64* st[NT];
+  tile_ptrs<NT>(wt, st, w, s, t0, tiles, C);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.f;
+  if (t0 < tiles)
+    warp_mp_async<ST, NT, MP>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS,
+                              x + (size_t)(m < M ? m : M - 1) * K + 4 * q, lane, smem + warp * RING);
+  else
+    pdl_wait();     // this thread writes y below
+  pdl_trigger();    // late: see pdl_trigger
+  __syncthreads();  // red aliases the rings
+  const int xr = 2 * q % MP;  // x rows xr, xr + 1 of tot
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // sum over the lanes of the quad that hold the same x rows' other groups
+      if (MP <= 4) tot[nt][i] += __shfl_xor_sync(0xffffffffu, tot[nt][i], 2);
+      if (MP <= 2) tot[nt][i] += __shfl_xor_sync(0xffffffffu, tot[nt][i], 1);
+    }
+    if (2 * q < MP) {
+      red[warp][nt][xr][lane >> 2] = tot[nt][0], red[warp][nt][xr + 1][lane >> 2] = tot[nt][1];
+      red[warp][nt][xr][(lane >> 2) + 8] = tot[nt][2], red[warp][nt][xr + 1][(lane >> 2) + 8] = tot[nt][3];
+    }
+  }
+  __syncthreads();
+  const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
+  for (int o = threadIdx.x; o < TG * NT * MP * 16; o += THREADS) {
+    const int row = o & 15, mx = (o >> 4) % MP, gt = o / (16 * MP), grp = gt / NT, nt = gt % NT;
+    const int nrow = ((blockIdx.x * TG + grp) * NT + nt) * 16 + row;
+    float v = 0.f;
+    for (int k = 0; k < KS; ++k) v += red[grp * KS + k][nt][mx][row];
+    if (nrow < N && mx < M) y[(size_t)mx * N + nrow] = f_to_h(v * g);
+  }
+}
+
+#define LINEAR_MP(MP)                                                                               \
+  extern "C" __global__ void qpn2_linear_mp##MP##_as(const u32x4* __restrict__ w,                   \
+                                                     const u64* __restrict__ s, float gs,           \
+                                                     const u16* __restrict__ x, u16* __restrict__ y, \
+                                                     int M, int N, int K, int KS, int P) {          \
+    linear_mp_body<6, 1, MP>(w, s, gs, x, y, M, N, K, KS);                                         \
+  }                                                                                                 \
+  extern "C" __global__ void qpn2_linear_mp##MP##_as2(const u32x4* __restrict__ w,                  \
+                                                      const u64* __restrict__ s, float gs,          \
+                                                      const u16* __restrict__ x, u16* __restrict__ y, \
+                                                      int M, int N, int K, int KS, int P) {         \
+    linear_mp_body<4, 2, MP>(w, s, gs, x, y, M, N, K, KS);                                         \
+  }
+LINEAR_MP(2)
+LINEAR_MP(4)
+LINEAR_MP(8)
+
 // shared memory of one block: the partials (red) and, for ST > 0, the rings, which red aliases
 // (a barrier separates the last ring read from the first partial written)
 template <int MT, int NT, int ST>

@@ -72,21 +72,38 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
     m1 = sm >= 80 and fmt == 2 and m == 1
+    mp = sm >= 80 and fmt == 2 and 2 <= m <= 8
     if choice in M1_KERNELS:                     # forced where the M = 1 kernels apply, else the default
         if m1:
             return M1_KERNELS[choice]
+        choice = None
+    if choice in ("_mp", "_mpx2"):               # forced where the column-trick kernels apply, else the default
+        if mp:
+            pair = choice == "_mpx2" or -(-n // 16) >= PAIR_MIN_TILES
+            return f"qpn2_linear_mp{mp_rows(m)}_as{'2' if pair else ''}"
         choice = None
     if choice is None:
         pair = sm >= 80 and -(-n // 16) >= PAIR_MIN_TILES   # measured on sm_90 only: Volta keeps one
         if m1:
             return "qpn2_linear_m1_as2" if pair else "qpn2_linear_m1_as"
+        if mp and m <= MP_DEFAULT_MAX[0]:
+            return f"qpn2_linear_mp{mp_rows(m)}_as{'2' if pair else ''}"
         return f"qpn{fmt}_linear_mt1_t2u1" if pair else f"qpn{fmt}_linear_mt1"
     return f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
 
 
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
 M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2"}  # LINEAR_VARIANT choices
-PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1")  # kernels whose warps do two tiles each
+PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2")  # two tiles per warp
+# NVFP4 at 2 <= M <= MP_DEFAULT_MAX on sm_80+: the column-trick kernels qpn2_linear_mp{2,4,8}_as{,2} (M = 1's
+# scales in fp32 once per set of 8 / MP groups); above it the 8-column kernels; "_mp" forces them (M <= 8),
+# "_mpx2" their two-tiles-per-warp form
+MP_DEFAULT_MAX = [1]
+
+
+def mp_rows(m: int) -> int:
+    """MP of the column-trick kernel for M rows: 2, 4 or 8 (columns = MP rows x 8 / MP groups)."""
+    return 2 if m <= 2 else 4 if m <= 4 else 8
 
 
 GEMM_MIN_KSTEPS = 4   # split-K: at least this many k-steps of 64 per split
