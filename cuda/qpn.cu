@@ -215,7 +215,11 @@ __device__ __forceinline__ u64 lds64(u32 a) {
 // (qpn.py: the M <= 8 linear and MoE kernels; fused.py: fused.cu's, which takes these two), be scheduled
 // on free SMs now; such a kernel calls pdl_wait() before it reads anything an earlier kernel wrote (and
 // writes nothing before it), so only its launch and its first weight loads overlap the previous kernel's
-// tail. Both are no-ops without the dependency and below sm_90.
+// tail. Both are no-ops without the dependency and below sm_90. The M <= 8 linear and MoE down kernels
+// trigger late, after their main loop: their dependents are fused.cu's kernels, which wait at their start;
+// triggered at the GEMV's start, those waiting blocks took SM slots from it (H200 decode with the fused
+// kernels as dependents: 419 tok/s vs 448 without; with the late trigger 460.6 vs 446.5, runtime.md §34).
+// The MoE gate/up kernel, whose dependent is the down kernel, triggers at its start.
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -332,8 +332,16 @@ def test_m1_kernel_choice():
     big, small = 16 * PAIR_MIN_TILES, 16 * PAIR_MIN_TILES - 16
     assert linear_kernel(2, 1, 1, 90, n=big) == "qpn2_linear_m1_as2"     # two tiles per warp
     assert linear_kernel(2, 1, 1, 90, n=small) == "qpn2_linear_m1_as"
-    assert linear_kernel(2, 1, 2, 90, n=big) == "qpn2_linear_mt1_t2u1"   # M = 2..8: the 8-row tile, two tiles
+    assert linear_kernel(2, 1, 3, 90, n=big) == "qpn2_linear_mt1_t2u1"   # M = 3..8: the 8-row tile, two tiles
     assert linear_kernel(2, 1, 8, 90, n=small) == "qpn2_linear_mt1"
+    assert linear_kernel(2, 1, 2, 90, n=big) == "qpn2_linear_mp2_as2"    # M = 2: the column trick
+    assert linear_kernel(2, 1, 2, 90, n=small) == "qpn2_linear_mp2_as"
+    assert linear_kernel(8, 1, 2, 90, n=big) == "qpn8_linear_mt1_t2u1"   # FP8: no group scales, no column trick
+    assert linear_kernel(2, 1, 2, 70, n=big) == "qpn2_linear_mt1"        # Volta: no cp.async
+    assert linear_kernel(2, 1, 5, 90, "_mp", n=small) == "qpn2_linear_mp8_as"
+    assert linear_kernel(2, 1, 3, 90, "_mpx2", n=small) == "qpn2_linear_mp4_as2"
+    assert linear_kernel(2, 1, 1, 90, "_mp", n=small) == "qpn2_linear_m1_as"   # forced where it applies
+    assert linear_kernel(2, 1, 4, 70, "_mp", n=big) == "qpn2_linear_mt1"
     assert linear_kernel(8, 1, 1, 90, n=big) == "qpn8_linear_mt1_t2u1"   # FP8: no M = 1 kernel
     assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1"
     assert linear_kernel(2, 1, 1, 70, n=big) == "qpn2_linear_mt1"        # Volta: no cp.async, one tile

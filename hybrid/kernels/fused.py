@@ -100,7 +100,7 @@ def enabled(part: str) -> bool:
 # ---------------------------------------------------------------------------- checks
 def _launch(dev: torch.device, name: str, grid: tuple[int, int, int], block: int, args: list) -> None:
     """Kernel `name` of this card's fused module; a programmatic dependent launch where qpn.pdl says so
-    (sm_90+, $HYBRID_PDL: each fused kernel waits for its predecessor at its start), decided by the target
+    (sm_90+, $HYBRID_PDL, on by default: each fused kernel waits for its predecessor at its start), decided by the target
     the module was built for (compute_70 PTX forced onto an sm_90 card has no wait in it)."""
     from hybrid.kernels.qpn import pdl
 

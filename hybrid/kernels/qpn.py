@@ -66,9 +66,10 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     sm_<sm> device. From PAIR_MIN_TILES 16-row tiles on, a warp does two tiles (measured on the H200:
     lm_head NVFP4 M = 1 52.4 vs 55.3 us, M = 8 59.0 vs 67.3; dense_up M = 1 27.5 vs 30.0, M = 8 33.3 vs
     36.3; slower on 320 tiles; sm_80+ only, unmeasured on Volta): NVFP4 at M = 1 on sm_80+
-    qpn2_linear_m1_as2 (else qpn2_linear_m1_as), M <= 8 otherwise qpn{fmt}_linear_mt1_t2u1 (else
-    qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2" (M1_KERNELS) forces one of the M = 1 NVFP4 kernels
-    where they apply (benchmark, tests)."""
+    qpn2_linear_m1_as2 (else qpn2_linear_m1_as), NVFP4 at 2 <= M <= MP_DEFAULT_MAX on sm_80+
+    qpn2_linear_mp{2,4,8}_as2 (else _as), M <= 8 otherwise qpn{fmt}_linear_mt1_t2u1 (else
+    qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2" (M1_KERNELS) forces one of the M = 1 NVFP4 kernels,
+    "_mp" / "_mpx2" the column-trick ones, where they apply (benchmark, tests)."""
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
     m1 = sm >= 80 and fmt == 2 and m == 1
@@ -98,7 +99,7 @@ PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8
 # NVFP4 at 2 <= M <= MP_DEFAULT_MAX on sm_80+: the column-trick kernels qpn2_linear_mp{2,4,8}_as{,2} (M = 1's
 # scales in fp32 once per set of 8 / MP groups); above it the 8-column kernels; "_mp" forces them (M <= 8),
 # "_mpx2" their two-tiles-per-warp form
-MP_DEFAULT_MAX = [1]
+MP_DEFAULT_MAX = [2]   # H200: M = 2 faster on lm_head, dense up/down, o_proj; M = 4, 8 mixed or slower
 
 
 def mp_rows(m: int) -> int:
@@ -508,19 +509,20 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
 
 
 def pdl(sm: int, part: str = "qpn") -> bool:
-    """Whether the M <= 8 linear and MoE kernels (and fused.py's kernels) go out as programmatic dependent
-    launches (sm_90+): their grid may be scheduled while the previous kernel finishes (every decode kernel
-    of qpn.cu and fused.cu lets the next one go at its start), and each waits for it
-    (griddepcontrol.wait) before reading what it wrote -- the M = 1 NVFP4 kernels after issuing their
-    first weight loads. $HYBRID_PDL=0 turns it off, =1 on, =qpn on for the QPN kernels only (part "qpn"
-    or "fused"; read at each launch: A/B runs switch it)."""
+    """Whether the M <= 8 linear and MoE kernels (part "qpn") and fused.py's kernels (part "fused") go out as
+    programmatic dependent launches (sm_90+): their grid may be scheduled before the previous kernel has
+    finished -- the fused kernels and the MoE gate/up kernel let the next one go at their start, the M <= 8
+    linear and MoE down kernels after their main loop (a fused kernel launched at their start would hold SMs
+    through the whole GEMV: decode 7% slower) -- and each waits for it (griddepcontrol.wait) before reading
+    what it wrote, the M = 1 NVFP4 kernels after issuing their first weight loads. $HYBRID_PDL=0 turns it
+    off, =1 on (PDL_DEFAULT), =qpn on for the QPN kernels only (read at each launch: A/B runs switch it)."""
     mode = os.environ.get("HYBRID_PDL", PDL_DEFAULT)
     return sm >= 90 and mode != "0" and (mode != "qpn" or part == "qpn")
 
 
-# H200, synthetic 30B-A3B decode at 16 GiB, the QPN kernels' part: 416.9 -> 447.4 tok/s (results/runtime.md §33);
-# the fused kernels' part ("1") passes the GPU tests but is not timed yet
-PDL_DEFAULT = "qpn"
+# H200, synthetic 30B-A3B decode at 16 GiB (results/runtime.md §33, §34): off 416.9, the QPN kernels ("qpn")
+# 447.4, the fused kernels too ("1", with the QPN linear / down kernels' late trigger) 460.5-460.7 vs 445.1-447.8
+PDL_DEFAULT = "1"
 
 
 def use_sm90(sm: int, choice: str | None, fmt: int = 2, m: int = 0, n: int = 0, k: int = 0, sms: int = 132) -> bool:
