@@ -425,6 +425,31 @@ def test_attention_kv_rate_is_optional_and_charged_per_key(tiny_dir):
         profile_from_dict(d)
 
 
+def test_measured_fused_kernels_price_the_dense_part(tiny_dir):
+    """gpus[i].fused_layer_us (calibrate: the fused norm / rope + attention / norm + router kernels' GPU time per
+    layer between the QPN kernels): where the step runs all those parts (StepShape.fused_dense), each layer's
+    dense part costs it plus the two dense QPN launches instead of dense_kernels small kernels; absent, or with
+    a part off, the prediction is as before."""
+    from hybrid.planner.step_shape import DECODE, DENSE_QPN
+
+    mb, d = ModelBytes.from_folder(tiny_dir), profile_dict()
+    fused = replace(DECODE, fused_dense=True)
+    before = _plan_with(d, mb, (16,), shape=DECODE)
+    assert _plan_with(d, mb, (16,), shape=fused).token_us == pytest.approx(before.token_us)   # no figure
+    prof = _set_gpu_figure(d, "fused_layer_us", 5.0)
+    assert prof.gpus[0].fused_layer_us.value == 5.0
+    kus = prof.gpus[0].graph_kernel_us.value
+    after = _plan_with(d, mb, (16,), shape=fused)
+    per_layer = DECODE.dense_kernels * kus - (5.0 + DENSE_QPN * kus)
+    layers = mb.config.num_hidden_layers
+    assert after.token_us == pytest.approx(before.token_us - layers * per_layer)
+    assert after.kernel_us == pytest.approx(before.kernel_us - layers * per_layer)
+    assert _plan_with(d, mb, (16,), shape=DECODE).token_us == pytest.approx(before.token_us)   # a part off
+    d["gpus"][0]["fused_layer_us"] = 5.0
+    with pytest.raises(ProfileError, match=r"profile.gpus\[0\].fused_layer_us: expected"):
+        profile_from_dict(d)
+
+
 def test_prediction_moves_to_another_context(tiny_dir):
     """Prediction.tok_s_at(c): the same placement's prediction at another context (what a measurement
     at a shorter prompt is compared with), equal to planning at that context."""
@@ -796,6 +821,10 @@ def test_decode_shape_follows_the_fused_parts(monkeypatch):
     assert decode_shape().dense_kernels == DECODE.dense_kernels - FUSED_SAVES["rope"] - FUSED_SAVES["route"]
     monkeypatch.delenv("HYBRID_FUSED")
     assert decode_shape().dense_kernels < DECODE.dense_kernels          # the default parts save launches
+    assert decode_shape().fused_dense                                    # every fused part of the dense step
+    monkeypatch.setenv("HYBRID_FUSED", "rope,route,norm,attn")
+    assert not decode_shape().fused_dense                               # rope + attention as two launches
+    monkeypatch.delenv("HYBRID_FUSED")
     assert decode_shape().expert_kernels == DECODE.expert_kernels
     # a resident layer's route made by its router launch (RoutePlan): one launch fewer, unless that is off
     assert decode_shape().resident_expert_kernels == DECODE.expert_kernels - 1
@@ -911,3 +940,26 @@ def test_nearest_profile_and_adapted_sizes(monkeypatch):
     prof = session._adapted_profile(RuntimeOptions(device="cuda", gpus=(0, 1), layer_split=(24,)))
     assert prof.name == "v100x2-e5v4@this-machine" and [g.name for g in prof.gpus] == ["Tesla V100-PCIE-16GB"] * 2
     assert [g.memory_mib for g in prof.gpus] == [16384] * 2
+
+
+def test_calibrate_decode_layers_run_on_cpu():
+    """The layers calibrate times for fused_layer_us, through the kernels' CPU references: the launchers accept
+    every argument as calibrate passes it, and one token through a Qwen3-30B-A3B-shaped layer gives a finite
+    fp16 residual row (the GPU run is tests/test_runtime_cuda.py::test_calibrate_decode_layer_graphs)."""
+    import torch
+
+    from hybrid.bench.calibrate import FUSED_KEYS, _decode_layers
+    from hybrid.bench.cuda_kernels import random_qweight
+    from hybrid.checkpoint.formats import QType
+    from hybrid.kernels import QPNExpertSlots, QPNWeight
+
+    nv, dev = QType.NVFP4, torch.device("cpu")
+    lin = [QPNWeight.from_qweight(random_qweight(nv, n, k, dev), dev) for n, k in ((5120, 2048), (2048, 4096))]
+    sl = QPNExpertSlots(8, 2048, 768, nv, dev)
+    for s in range(8):
+        sl.load(s, random_qweight(nv, 768, 2048, dev), random_qweight(nv, 768, 2048, dev),
+                random_qweight(nv, 2048, 768, dev))
+    ids = torch.arange(8, dtype=torch.int32)
+    x = _decode_layers(dev, [(lin, sl)], ids, torch.zeros(8, dtype=torch.int32), torch.full((8,), 0.125))()
+    assert x.shape == (1, 2048) and x.dtype == torch.float16 and torch.isfinite(x.float()).all()
+    assert FUSED_KEYS > 1

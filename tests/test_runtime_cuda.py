@@ -94,3 +94,15 @@ def test_save_expert_profile_on_cuda(nvfp4, tmp_path):
     prof = load_profile(out, cfg)
     assert steps > 0 and prof.tokens == len(prompt) + len(res.generated_ids) - 1
     assert (prof.counts.sum(1) == prof.tokens * cfg.num_experts_per_tok).all()
+
+
+def test_calibrate_decode_layer_graphs():
+    """calibrate's kernel_efficiency and fused_layer_us on this GPU: the QPN kernels' graph of 12 decode layers
+    gives a fraction of read bandwidth in (0, 1], and the same layers with the fused kernels between their QPN
+    kernels (as the runtime launches them) take longer by a positive time per layer."""
+    from hybrid.bench.calibrate import _gpu_time, _kernel_efficiency
+
+    read = 256 * 2**20 / _gpu_time(0, 256 * 2**20, 3, "read")
+    eff, fused = _kernel_efficiency(0, 3, read, 2.0)
+    assert not isinstance(fused, BaseException), fused
+    assert 0 < eff <= 1 and 0 < fused < 1000

@@ -139,14 +139,17 @@ def _gpu_profile(i: int, hw, base, args, measured) -> GPUProfile:
     except Exception as exc:  # noqa: BLE001 - _try below falls back to the base figure
         kus, per = exc, MIX_OPS
     keep_eff = lambda why: _keep(base, "gpus", "kernel_efficiency", *DEFAULTS["kernel_efficiency"], gpu=i)  # noqa: E731
+    try:
+        eff = _kernel_efficiency(i, reps, n / read, _value(kus))
+    except Exception as exc:  # noqa: BLE001 - _try below falls back to the base figure
+        eff = exc
     return GPUProfile(
         name=props.name, compute_capability=f"{props.major}.{props.minor}",
         memory_mib=props.total_memory // MIB,
         pcie_gen=(info.pcie_gen_max or 0) if info else 0, pcie_width=(info.pcie_width_max or 0) if info else 0,
         read_gbs=measured(n / read / 1e9, f"sum over an fp32 buffer, bytes read / time, {how}"),
         copy_gbs=measured(2 * n / copy / 1e9, f"device copy, bytes read + written / time, {how}"),
-        kernel_efficiency=_try(lambda: measured(_kernel_efficiency(i, reps, n / read, _value(kus)), EFF_HOW),
-                               keep_eff, i),
+        kernel_efficiency=_try(lambda: measured(_value(eff)[0], EFF_HOW), keep_eff, i),
         h2d_gbs=measured(args.pcie_mib * MIB / h2d / 1e9, f"pinned host->device, {args.pcie_mib} MiB, median of {reps}"),
         d2h_gbs=measured(args.pcie_mib * MIB / d2h / 1e9, f"pinned device->host, {args.pcie_mib} MiB, median of {reps}"),
         context_mib=measured(ctx, "NVML used memory after CUDA init minus before, minus torch's reserve")
@@ -163,7 +166,17 @@ def _gpu_profile(i: int, hw, base, args, measured) -> GPUProfile:
                          lambda why: _base_figure(base, "gpus", "attn_kv_gbs", i), i),
         dense_gemv_gbs=_try(lambda: measured(_dense_gemv_gbs(i, reps), DENSE_HOW),
                             lambda why: _base_figure(base, "gpus", "dense_gemv_gbs", i), i),
+        fused_layer_us=_try(lambda: measured(_positive(_value(_value(eff)[1]), "fused_layer_us"),
+                                             FUSED_HOW.format(keys=FUSED_KEYS)),
+                            lambda why: _base_figure(base, "gpus", "fused_layer_us", i), i),
     )
+
+
+def _positive(v: float, what: str) -> float:
+    """v, or a ValueError when a difference of two timings came out <= 0 (noise: it says nothing)."""
+    if not v > 0:
+        raise ValueError(f"{what}: measured {v:.2f}, not a positive time")
+    return v
 
 
 def _value(v):
@@ -420,8 +433,15 @@ def efficiency(nbytes: int, t_us: float, kernels: int, kernel_us: float, read_by
     return min(1.0, nbytes / (stream_us * 1e-6) / read_bytes_per_s)
 
 
-def _kernel_efficiency(i: int, reps: int, read_bytes_per_s: float, kernel_us: float) -> float:
-    """efficiency() of EFF_LAYERS decode layers' QPN kernels on GPU i (EFF_HOW)."""
+FUSED_HOW = (f"the same {EFF_LAYERS} layers with the fused kernels between their QPN kernels as the runtime's "
+             f"decode step launches them (add + RMSNorm, q/k norm + RoPE + KV row + attention over "
+             f"{{keys}} keys, add + RMSNorm + router over 128 experts; fp32 norms and router): (that graph's replay "
+             f"time - the QPN kernels' graph's) / layers, median")
+
+
+def _kernel_efficiency(i: int, reps: int, read_bytes_per_s: float, kernel_us: float) -> tuple[float, float]:
+    """(efficiency() of EFF_LAYERS decode layers' QPN kernels on GPU i (EFF_HOW), the GPU µs per layer that
+    the fused kernels between them add (FUSED_HOW); the second an exception object where it failed)."""
     import torch
 
     from hybrid.bench.cuda_kernels import random_qweight
@@ -457,9 +477,58 @@ def _kernel_efficiency(i: int, reps: int, read_bytes_per_s: float, kernel_us: fl
         graph = _captured(dev, body)
         t_us = _events(str(dev), graph.replay, reps) * 1e6
         kernels = EFF_LAYERS * _count_cuda_kernels(lambda: body(1))
-        del graph, layers
+        del graph
+        try:
+            fused = (_fused_graph_us(dev, reps, layers, ids, tok, rw) - t_us) / EFF_LAYERS
+        except Exception as exc:  # noqa: BLE001 - the efficiency stands without it
+            fused = exc
+        del layers
         torch.cuda.empty_cache()
-    return efficiency(nbytes, t_us, kernels, kernel_us, read_bytes_per_s)
+    return efficiency(nbytes, t_us, kernels, kernel_us, read_bytes_per_s), fused
+
+
+FUSED_KEYS = 64   # cached keys of the calibration's attention (its KV read: 128 KiB per layer)
+
+
+def _fused_graph_us(dev, reps: int, layers, ids, tok, rw) -> float:
+    """Replay µs of a CUDA graph of _decode_layers(dev, layers, ids, tok, rw)."""
+    graph = _captured(dev, _decode_layers(dev, layers, ids, tok, rw))
+    t = _events(str(dev), graph.replay, reps) * 1e6
+    del graph
+    return t
+
+
+def _decode_layers(dev, layers, ids, tok, rw):
+    """A function running one token through the decode layers in `layers` ([q/k/v, o] QPNWeights, expert
+    slots) as the runtime's decode step does: add + RMSNorm, q/k/v QPN, fused q/k norm + RoPE + attention,
+    o QPN, add + RMSNorm + router, the grouped MoE (over the slots' ids, whatever the router picks)."""
+    import torch
+
+    from hybrid.kernels import fused, qpn_linear, qpn_moe
+
+    h, hq, hkv, d, e, k = 2048, 32, 4, 128, 128, 8
+    f32 = torch.float32
+    cap = FUSED_KEYS
+    norm = torch.rand(h, device=dev, dtype=f32) + 0.5
+    qkn = torch.rand(d, device=dev, dtype=f32) + 0.5
+    table = torch.rand(cap, 2, d, device=dev, dtype=f32)
+    pos = torch.tensor([cap - 1], device=dev, dtype=torch.long)
+    per = [(torch.randn(e, h, device=dev, dtype=f32) * 0.02,
+            torch.randn(cap, hkv, d, device=dev, dtype=torch.float16) * 0.1,
+            torch.randn(cap, hkv, d, device=dev, dtype=torch.float16) * 0.1) for _ in layers]
+    x0 = torch.randn(1, h, device=dev, dtype=torch.float16) * 0.1
+    y0 = torch.zeros(1, h, device=dev, dtype=f32)
+
+    def body():
+        x, y = x0, y0
+        for (lin, sl), (router, ks, vs) in zip(layers, per):
+            x, hn, _ = fused.add_rms_norm(x, norm, 1e-6, delta=y)
+            a = fused.rope_attn(qpn_linear(hn, lin[0]), qkn, qkn, table, ks, vs, hq, hkv, d, 1e-6, cap, pos=pos)
+            x, hn, _, _ = fused.add_norm_router(x, norm, 1e-6, router, k, True, qpn_linear(a, lin[1]))
+            y = qpn_moe(hn, sl, ids, tok, rw)
+        return x
+
+    return body
 
 
 DENSE_SHAPE = (151936, 2048)       # Qwen3's lm_head: the unquantized weight a decode step reads
@@ -707,7 +776,9 @@ def summary(prof: HardwareProfile) -> list[str]:
                      + (f", attention KV {g.attn_kv_gbs.value:.0f} GB/s per extra key ({g.attn_kv_gbs.source})"
                         if g.attn_kv_gbs else "")
                      + (f", dense GEMV {g.dense_gemv_gbs.value:.0f} GB/s ({g.dense_gemv_gbs.source})"
-                        if g.dense_gemv_gbs else ""))
+                        if g.dense_gemv_gbs else "")
+                     + (f", fused kernels {g.fused_layer_us.value:.1f} us per layer ({g.fused_layer_us.source})"
+                        if g.fused_layer_us else ""))
     c = prof.cpu
     lines.append(f"  cpu {c.model}, {c.physical_cores} cores, avx2={c.avx2} avx512={c.avx512}: "
                  f"copy {c.stream_copy_gbs.value:.1f} GB/s, NVFP4 kernel {c.nvfp4_kernel_gbs.value:.1f} GB/s "

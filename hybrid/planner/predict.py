@@ -6,7 +6,9 @@ B_gpu = read_gbs × kernel_efficiency, B_cpu = CPU NVFP4 kernel GB/s, B_link = s
 × (1 - pcie_frac), the rest of the link being left to promotions; κ = graph_kernel_us, λ = launch_us,
 n_d / n_e = the step's dense / expert kernels per layer, n_o its eager ops (planner.step_shape)):
     dense   = attention/router/norm bytes / B_gpu + context × KV bytes per token / B_kv + n_d·κ
-              (B_kv = the profile's attn_kv_gbs: the attention's cost per extra key, B_gpu if absent)
+              (B_kv = the profile's attn_kv_gbs: the attention's cost per extra key, B_gpu if absent;
+              n_d·κ is fused_layer_us + 2κ where the profile measured the fused kernels' time per layer
+              and the step runs them all: step_shape.DENSE_QPN)
   a fully resident layer (its card holds all E experts) runs inside the step's CUDA graph:
     layer   = dense + k·b / B_gpu + n_e·κ + lookup          no sync; its lookup is deferred
   a layer that can miss ends its graph segment after the router and runs its MoE eagerly:
@@ -39,7 +41,7 @@ from hybrid.planner.memory import kv_bytes_per_token_layer
 from hybrid.planner.model_bytes import ModelBytes
 from hybrid.planner.plan import CardPlan, LayerPrediction, Prediction
 from hybrid.planner.profile import HardwareProfile
-from hybrid.planner.step_shape import ROUTE_PLAN_MAX_K, StepShape, decode_shape
+from hybrid.planner.step_shape import DENSE_QPN, ROUTE_PLAN_MAX_K, StepShape, decode_shape
 
 US = 1e6
 
@@ -103,13 +105,14 @@ def _card_layer(mb: ModelBytes, prof: HardwareProfile, c: CardPlan, layer: int, 
     k, b, slots = cfg.num_experts_per_tok, mb.expert_mean(layer), c.slots_per_layer[layer - c.layers[0]]
     bw, link = gpu.kernel_bytes_per_s, gpu.link_bytes_per_s * (1 - req.pcie_frac)
     kus = gpu.graph_kernel_us.value
-    t_dense = dense / bw * US + kvread / gpu.kv_bytes_per_s * US + shape.dense_kernels * kus
+    dense_fixed = dense_fixed_us(gpu, shape)
+    t_dense = dense / bw * US + kvread / gpu.kv_bytes_per_s * US + dense_fixed
     if slots >= cfg.num_experts:                                   # resident: inside the graph
         nk = shape.resident_expert_kernels if k <= ROUTE_PLAN_MAX_K else shape.expert_kernels
         t_gpu = k * b / bw * US + nk * kus
         host = oh.lookup_us.value
         return LayerPrediction(layer, c.card, slots, h, t_dense, t_gpu, 0.0, t_dense + t_gpu + host,
-                               host_us=host, kernel_us=(shape.dense_kernels + nk) * kus, resident=True)
+                               host_us=host, kernel_us=dense_fixed + nk * kus, resident=True)
     gpu_t = lambda m: (k - m) * b / bw * US + (m < k) * shape.expert_kernels * kus  # noqa: E731
     cpu_t = lambda m: (m * b / (prof.cpu.nvfp4_kernel_gbs.value * 1e9) * US  # noqa: E731
                        + (m > 0) * (oh.cpu_dispatch_us.value + _act_bytes(cfg) / link * US))
@@ -122,9 +125,18 @@ def _card_layer(mb: ModelBytes, prof: HardwareProfile, c: CardPlan, layer: int, 
     else:
         host = oh.layer_sync_us.value + oh.lookup_us.value + shape.eager_ops * gpu.launch_us.value
     nodes = shape.miss_nodes * kus                       # the linked path's extra graph nodes
-    kern = shape.dense_kernels * kus + (1.0 - probs[k]) * shape.expert_kernels * kus + nodes
+    kern = dense_fixed + (1.0 - probs[k]) * shape.expert_kernels * kus + nodes
     return LayerPrediction(layer, c.card, slots, h, t_dense, t_gpu, t_cpu, t_dense + host + t_both + nodes,
                            host_us=host, kernel_us=kern, resident=False)
+
+
+def dense_fixed_us(gpu, shape: StepShape) -> float:
+    """The fixed GPU µs of a layer's dense part: the profile's measured fused kernels per layer plus the two
+    dense QPN launches where every fused part is in effect and the profile has the figure, else n_d·κ."""
+    kus = gpu.graph_kernel_us.value
+    if shape.fused_dense and gpu.fused_layer_us is not None:
+        return gpu.fused_layer_us.value + DENSE_QPN * kus
+    return shape.dense_kernels * kus
 
 
 def _hops(prof: HardwareProfile, cards: tuple[CardPlan, ...], hop_bytes: int, pcie_frac: float):

@@ -53,7 +53,11 @@ class GPUProfile:
     older profiles (the planner then reads the KV cache at kernel_bytes_per_s);
     dense_gemv_gbs: bytes per second of an unquantized fp16 weight in a one-token matmul (torch /
     cuBLAS: the lm_head that NVFP4 checkpoints keep in BF16), absent in older profiles (the planner
-    then reads it at kernel_bytes_per_s)."""
+    then reads it at kernel_bytes_per_s);
+    fused_layer_us: GPU µs per decode layer of the fused norm, q/k norm + RoPE + attention and add + norm +
+    router kernels between the layer's QPN kernels, launched as the runtime launches them (calibrate: a CUDA
+    graph of decode layers with them against one without), absent in older profiles (the planner then
+    charges the dense part of a layer as step_shape's dense_kernels small kernels of graph_kernel_us)."""
 
     name: str
     compute_capability: str
@@ -70,6 +74,7 @@ class GPUProfile:
     launch_us: Figure
     attn_kv_gbs: Figure | None = None
     dense_gemv_gbs: Figure | None = None
+    fused_layer_us: Figure | None = None
 
     def __post_init__(self) -> None:
         if self.memory_mib <= 0:
@@ -181,7 +186,7 @@ class HardwareProfile:
             if d[section][key] is None:                # older profiles: leave the key out
                 del d[section][key]
         for g in d["gpus"]:
-            for key in ("attn_kv_gbs", "dense_gemv_gbs"):
+            for key in ("attn_kv_gbs", "dense_gemv_gbs", "fused_layer_us"):
                 if g[key] is None:                     # older profiles: leave the key out
                     del g[key]
         return {"schema": SCHEMA, **d}

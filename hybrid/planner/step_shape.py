@@ -48,6 +48,9 @@ us per layer on the H200 (section 27.5) against the 34 us the planner charges wi
 graph_kernel_us + bytes at kernel_efficiency): the fused kernels are latency-bound beyond one small
 kernel's cost, so dense_kernels stays a count of small-kernel equivalents.
 
+    fused_dense     every fused part of the dense step is in effect (decode_shape: route, norm,
+                    rope_attn), so a profile's measured gpus[].fused_layer_us prices the dense part's kernels
+                    (predict.py) in place of dense_kernels.
 The fused decode kernels (hybrid.kernels.fused, HYBRID_FUSED) each replace several of the dense
 kernels with one launch; `decode_shape()` subtracts what the parts in effect save. Per part, from
 the code: rope (q/k RMSNorm + RoPE + 2 KV copies) 9, route (cast, GEMV, softmax, top-k,
@@ -68,6 +71,7 @@ class StepShape:
     head_kernels: int = 5
     eager_ops: int = 14
     miss_nodes: int = 0
+    fused_dense: bool = False
 
     def __post_init__(self) -> None:
         if min(self.dense_kernels, self.expert_kernels, self.resident_expert_kernels, self.head_kernels,
@@ -83,6 +87,11 @@ FUSED_SAVES = {"rope": 9, "route": 4, "norm": 4, "attn": 4}
 # hybrid.kernels.moe_route.MAX_ASSIGNMENTS, kept here so the planner needs no torch (a test checks they agree)
 ROUTE_PLAN_MAX_K = 32
 MISS_GRAPH = {"eager_ops": 2, "miss_nodes": 4}    # a can-miss layer with its hits in the graph
+# With every fused part of a layer's dense step in effect (fused_dense: add + norm, rope + attention,
+# add + norm + router), a profile that measured those kernels' time per layer (gpus[].fused_layer_us) is
+# charged instead of dense_kernels small kernels, plus the layer's two dense QPN launches (q/k/v, o) at
+# graph_kernel_us each, as calibrate's kernel_efficiency counts them.
+DENSE_QPN = 2
 
 
 def decode_shape() -> StepShape:
@@ -99,4 +108,6 @@ def decode_shape() -> StepShape:
     shape = replace(DECODE, dense_kernels=max(1, DECODE.dense_kernels - saved))
     if enabled("route") and new_kernel("router") and new_kernel("plan"):
         shape = replace(shape, resident_expert_kernels=DECODE.expert_kernels - 1)
+    if enabled("route") and enabled("norm") and enabled("rope_attn"):
+        shape = replace(shape, fused_dense=True)
     return replace(shape, **MISS_GRAPH) if miss_graph_enabled() else shape
