@@ -528,24 +528,6 @@ __device__ __forceinline__ void lds_scales(u32 (&sw)[NT], u32 saddr) {
   for (int nt = 0; nt < NT; ++nt) asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw[nt]) : "r"(saddr + nt * 256));
 }
 
-// NVFP4 rings of the M = 1 and M = 2..8 kernels: this lane's word / scale pointers of the NT tiles at chunk c0
-// (wp, sp), and the ring's first ST - 1 chunks issued
-template <int ST, int NT>
-__device__ __forceinline__ void ring_start(const u32x4* (&wp)[NT], const u64* (&sp)[NT], const u32x4* const (&wt)[NT],
-                                           const u64* const (&st)[NT], int c0, int c1, int lane, u32 wbase,
-                                           u32 sbase) {
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) wp[nt] = wt[nt] + (size_t)c0 * 32 + lane, sp[nt] = st[nt] + (size_t)c0 * 8 + (lane >> 2);
-#pragma unroll
-  for (int s = 0; s < ST - 1; ++s) {
-    const u32x4* w[NT];
-    const u64* g[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) w[nt] = wp[nt] + s * 32, g[nt] = sp[nt] + s * 8;
-    issue_chunk<2, NT>(w, g, c0 + s < c1, wbase + s * NT * 512, sbase + s * NT * 256);
-  }
-}
-
 // NT tiles per warp share the activation loads, the zero-or-x B operands and the ring's bookkeeping.
 template <int ST, int NT>
 __device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* const (&wt)[NT],
@@ -557,7 +539,16 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* 
   const u32 wbase = smem_addr(ring) + lane * 16, sbase = wbase - lane * 8 + ST * NT * 512;
   const u32x4* wp[NT];
   const u64* sp[NT];
-  ring_start<ST, NT>(wp, sp, wt, st, c0, c1, lane, wbase, sbase);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) wp[nt] = wt[nt] + (size_t)c0 * 32 + lane, sp[nt] = st[nt] + (size_t)c0 * 8 + n;
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {
+    const u32x4* w[NT];
+    const u64* g[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) w[nt] = wp[nt] + s * 32, g[nt] = sp[nt] + s * 8;
+    issue_chunk<2, NT>(w, g, c0 + s < c1, wbase + s * NT * 512, sbase + s * NT * 256);
+  }
   pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
   for (int c = c0; c < c1; c += ST) {
 #pragma unroll
@@ -695,7 +686,16 @@ __device__ __forceinline__ void warp_mp_async(float (&tot)[NT][4], const u32x4* 
   const u32 wbase = smem_addr(ring) + lane * 16, sbase = wbase - lane * 8 + ST * NT * 512;
   const u32x4* wp[NT];
   const u64* sp[NT];
-  ring_start<ST, NT>(wp, sp, wt, st, c0, c1, lane, wbase, sbase);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) wp[nt] = wt[nt] + (size_t)c0 * 32 + lane, sp[nt] = st[nt] + (size_t)c0 * 8 + (lane >> 2);
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {
+    const u32x4* w[NT];
+    const u64* g[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) w[nt] = wp[nt] + s * 32, g[nt] = sp[nt] + s * 8;
+    issue_chunk<2, NT>(w, g, c0 + s < c1, wbase + s * NT * 512, sbase + s * NT * 256);
+  }
   pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
   for (int c = c0; c < c1; c += ST) {
 #pragma unroll
