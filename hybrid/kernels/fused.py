@@ -100,8 +100,8 @@ def enabled(part: str) -> bool:
 # ---------------------------------------------------------------------------- checks
 def _launch(dev: torch.device, name: str, grid: tuple[int, int, int], block: int, args: list) -> None:
     """Kernel `name` of this card's fused module; a programmatic dependent launch where qpn.pdl says so
-    (sm_90+, $HYBRID_PDL, on by default: each fused kernel waits for its predecessor at its start), decided by the target
-    the module was built for (compute_70 PTX forced onto an sm_90 card has no wait in it)."""
+    (sm_90+, $HYBRID_PDL, on by default: each fused kernel waits for its predecessor at its start), decided
+    by the target the module was built for (compute_70 PTX forced onto an sm_90 card has no wait in it)."""
     from hybrid.kernels.qpn import pdl
 
     mod = _module(dev)

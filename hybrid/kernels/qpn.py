@@ -512,8 +512,8 @@ def pdl(sm: int, part: str = "qpn") -> bool:
     """Whether the M <= 8 linear and MoE kernels (part "qpn") and fused.py's kernels (part "fused") go out as
     programmatic dependent launches (sm_90+): their grid may be scheduled before the previous kernel has
     finished -- the fused kernels and the MoE gate/up kernel let the next one go at their start, the M <= 8
-    linear and MoE down kernels after their main loop (a fused kernel launched at their start would hold SMs
-    through the whole GEMV: decode 7% slower) -- and each waits for it (griddepcontrol.wait) before reading
+    linear and MoE down kernels after their main loop (let go at a GEMV's start, a fused kernel's waiting
+    blocks took SM slots from it: decode 7% slower) -- and each waits for it (griddepcontrol.wait) before reading
     what it wrote, the M = 1 NVFP4 kernels after issuing their first weight loads. $HYBRID_PDL=0 turns it
     off, =1 on (PDL_DEFAULT), =qpn on for the QPN kernels only (read at each launch: A/B runs switch it)."""
     mode = os.environ.get("HYBRID_PDL", PDL_DEFAULT)
@@ -521,7 +521,8 @@ def pdl(sm: int, part: str = "qpn") -> bool:
 
 
 # H200, synthetic 30B-A3B decode at 16 GiB (results/runtime.md §33, §34): off 416.9, the QPN kernels ("qpn")
-# 447.4, the fused kernels too ("1", with the QPN linear / down kernels' late trigger) 460.5-460.7 vs 445.1-447.8
+# 447.4, the fused kernels too ("1", with the QPN linear / down kernels' late trigger) 460.5-464.6 vs 445.1-447.8;
+# two H200s 464.0 / 461.0 vs 411.5 off
 PDL_DEFAULT = "1"
 
 

@@ -41,16 +41,19 @@ hardware; the profile gives what one kernel or one op costs (gpus[].graph_kernel
                     the 1024-slot H200 decode at 154.6 tok/s where 192-207 were measured; the extra GPU
                     time of that path over the all-resident one is 13.4 us per layer beside its route
                     launch, torch.profiler: results/runtime.md section 28.3).
+    fused_dense     every fused part of the dense step is in effect (decode_shape: route, norm,
+                    rope_attn): the dense part's kernels are the profile's fused_layer_us plus
+                    DENSE_QPN launches where it has that figure (predict.dense_fixed_us).
 The counts were estimated from the code; tools/gpu_runtime_check.py counts the kernels of one
 eager step on the device (results/runtime.md) to check them. In a graphed step the dense part is 5
 launches (fused add + norm + router, fused rope + attention, q/k/v and o QPN, add + norm) that took 31.7
 us per layer on the H200 (section 27.5) against the 34 us the planner charges with dense_kernels (13 x
 graph_kernel_us + bytes at kernel_efficiency): the fused kernels are latency-bound beyond one small
-kernel's cost, so dense_kernels stays a count of small-kernel equivalents.
+kernel's cost, so dense_kernels stays a count of small-kernel equivalents where the profile has no
+measured gpus[].fused_layer_us; with it (calibrate times those kernels between the QPN kernels, as
+the runtime launches them: on sm_90 programmatic dependent launches that a small-kernel mix does not
+see) a layer whose step runs every fused part (fused_dense) is charged that figure instead.
 
-    fused_dense     every fused part of the dense step is in effect (decode_shape: route, norm,
-                    rope_attn), so a profile's measured gpus[].fused_layer_us prices the dense part's kernels
-                    (predict.py) in place of dense_kernels.
 The fused decode kernels (hybrid.kernels.fused, HYBRID_FUSED) each replace several of the dense
 kernels with one launch; `decode_shape()` subtracts what the parts in effect save. Per part, from
 the code: rope (q/k RMSNorm + RoPE + 2 KV copies) 9, route (cast, GEMV, softmax, top-k,
