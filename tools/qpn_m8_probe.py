@@ -42,6 +42,9 @@ def main() -> int:
     ap.add_argument("--moe", action="store_true",
                     help="also time the 8 selected experts of a Qwen3-30B-A3B layer (qpn_moe, the default "
                          "kernels) at each --m and M = 1, per build (shape 'moe_8_experts')")
+    ap.add_argument("--moe-env", default="",
+                    help="VAR=v1,v2,...: time the MoE layer once per value of that environment variable (read "
+                         "at each launch, e.g. HYBRID_MOE_EARLY=0,1,2), labelled default/VAR=v")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sha", default="unknown")
@@ -70,7 +73,7 @@ def main() -> int:
     dims = {name: (n, k) for name, n, k in SHAPES}
     variants = [None if v == "default" else v for v in a.variants.split(",")]
     ms = [int(m) for m in a.m.split(",")]
-    for shape in a.shapes.split(","):
+    for shape in filter(None, a.shapes.split(",")):
         n, k = dims[shape]
         for fmt in a.formats.split(","):
             qt = QType(fmt)
@@ -119,19 +122,27 @@ def moe_cells(a, qt, ms, builds, use_source, read_bw, emit) -> None:
     h, i, topk = 2048, 768, 8
     sets = moe_slot_sets(qt, h, i, topk, dev)
     nbytes = topk * sets[0].nbytes_per_slot
+    var, _, vals = a.moe_env.partition("=")
+    envs = [(f"/{var}={v}", v) for v in vals.split(",")] if var else [("", None)]
+    old_env = os.environ.get(var) if var else None
     got: dict[tuple, list[float]] = {}
-    for rnd, (tag, text) in itertools.product(range(a.rounds), builds):
+    for rnd, (tag, text), (etag, val) in itertools.product(range(a.rounds), builds, envs):
         use_source(text)
+        if var:
+            os.environ[var] = val
         for m in sorted({1, *ms}):
             x = torch.randn(m, h, device=dev, dtype=torch.float16)
             ids = torch.stack([torch.randperm(topk, device=dev) for _ in range(m)]).int().flatten()
             tok = torch.arange(m, device=dev, dtype=torch.int32).repeat_interleave(topk)
             rw = torch.rand(m * topk, device=dev)
             t = time_ms([lambda sl=sl: qpn_moe(x, sl, ids, tok, rw) for sl in sets], a.reps)
-            r = {"shape": "moe_8_experts", "format": qt.value, "variant": "default" + tag, "m": m, "round": rnd,
+            label = "default" + tag + etag
+            r = {"shape": "moe_8_experts", "format": qt.value, "variant": label, "m": m, "round": rnd,
                  "t_us": round(t * 1e3, 2), "eff_read": round(nbytes / (t * 1e-3) / 1e9 / read_bw, 4)}
-            got.setdefault(("default" + tag, m), []).append(r["t_us"])
+            got.setdefault((label, m), []).append(r["t_us"])
             emit(r)
+    if var:
+        os.environ.pop(var) if old_env is None else os.environ.__setitem__(var, old_env)
     use_source(None)
     for (label, m), ts in got.items():
         emit({"summary": True, "shape": "moe_8_experts", "format": qt.value, "variant": label, "m": m,
