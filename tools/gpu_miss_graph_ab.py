@@ -74,7 +74,34 @@ def cuda_calls(session, steps: int = 8) -> dict:
     hm.prompt_tokens = None
     avg = prof.key_averages()
     counts = {e.key: round(e.count / steps, 2) for e in avg if e.key in CUDA_CALLS}
-    return {"per_step": round(sum(counts.values()), 2), "by_name": counts, "gpu": kernel_times(avg, steps)}
+    return {"per_step": round(sum(counts.values()), 2), "by_name": counts, "gpu": kernel_times(avg, steps),
+            "wall": wall_times(prof.events(), steps)}
+
+
+def wall_times(events, steps: int, top: int = 20) -> dict:
+    """Where the GPU's wall time of the profiled steps goes, kernels overlapping (dependent launches): the
+    GPU kernels / copies by start time, each charged the time by which it moves the latest end so far
+    ("exposed": a kernel wholly inside another's span is charged nothing), the time with nothing running
+    ("idle"), and per name the mean start of a kernel after the previous one's end ("start_after_prev":
+    negative = overlapped). Per step: [name, exposed us, count]."""
+    ks = sorted(((e.time_range.start, e.time_range.end, e.name[:60]) for e in events
+                 if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start))
+    if not ks:
+        return {}
+    exposed: dict[str, float] = {}
+    count: dict[str, int] = {}
+    after: dict[str, list[float]] = {}
+    idle, last_end, prev_end = 0.0, ks[0][0], ks[0][0]
+    for start, end, name in ks:
+        idle += max(0.0, start - last_end)
+        exposed[name] = exposed.get(name, 0.0) + max(0.0, end - max(last_end, start))
+        count[name] = count.get(name, 0) + 1
+        after.setdefault(name, []).append(start - prev_end)
+        last_end, prev_end = max(last_end, end), end
+    rows = sorted(exposed.items(), key=lambda kv: -kv[1])[:top]
+    return {"span_us": round((last_end - ks[0][0]) / steps, 1), "idle_us": round(idle / steps, 1),
+            "exposed": [[n, round(us / steps, 2), round(count[n] / steps, 2)] for n, us in rows],
+            "start_after_prev": {n: round(sum(v) / len(v), 2) for n, v in after.items() if count[n] >= steps}}
 
 
 def host_profile(session, steps: int = 32, top: int = 30) -> dict:
