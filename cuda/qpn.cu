@@ -1610,7 +1610,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 // EARLY (sm_90 dependent launches, qpn.moe_early): 0 lets the down kernel go at the start; 1 once every block has
 // waited for the earlier kernels, so the down kernel may read the routing before its own wait (down_body);
 // 2 as 1, and the block also asks the L2 for its share of the slot's down weights and scales (w2 / s2 at
-// wstride2 / sstride2 per slot), which the down kernel then reads from the L2.
+// wstride2 / sstride2 per slot), which the down kernel then reads from the L2; 3 as 2, asked after its main loop.
 template <int FMT, int MT, int ST, int EARLY = 0>
 __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const u64* __restrict__ s13,
                                             const float* __restrict__ gs, long long wstride,
@@ -1631,14 +1631,16 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
   if (slot < 0) return;
   const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
   if (cnt <= 0) return;
-  if (EARLY == 2) {  // this block's share of the slot's down weights, then scales, in 32-byte sectors
+  // this block's share of the slot's down weights, then scales, in 32-byte sectors
+  auto ask_l2 = [&]() {
     const long long wb = wstride2 * 16, sb = sstride2 * 8, n = (wb + sb) >> 5;
     const long long b0 = n * blockIdx.x / gridDim.x, b1 = n * (blockIdx.x + 1) / gridDim.x;
     const char* wp = reinterpret_cast<const char*>(w2 + slot * wstride2);
     const char* sp = reinterpret_cast<const char*>(s2 + slot * sstride2);
     for (long long i = b0 + threadIdx.x; i < b1; i += THREADS)
       prefetch_l2(32 * i < wb ? wp + 32 * i : sp + (32 * i - wb));
-  }
+  };
+  if (EARLY == 2) ask_l2();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int CK = FMT == 2 ? 64 : 32, C = H / CK, It = I >> 4;
@@ -1664,6 +1666,7 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
       else
         warp_gemm<FMT, MT, 2>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
     }
+    if (EARLY == 3 && base == 0) ask_l2();
     if constexpr (ST > 0) __syncthreads();  // red aliases the rings
     store_partials<MT, 2>(red, warp, lane, acc);
     __syncthreads();
@@ -1795,6 +1798,15 @@ MOE(8, 1, _as, 3, 6)
       const int* __restrict__ perm, const int* __restrict__ active, u16* __restrict__ h, int H,    \
       int I, int KS, const u32x4* w2, const u64* s2, long long wstride2, long long sstride2) {     \
     gateup_body<FMT, 1, 3, 2>(w13, s13, gs, wstride, sstride, x, token_idx, offsets, perm, active, \
+                              h, H, I, KS, w2, s2, wstride2, sstride2);                            \
+  }                                                                                                \
+  extern "C" __global__ void qpn##FMT##_moe_gateup_mt1_asq(                                         \
+      const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
+      long long wstride, long long sstride, const u16* __restrict__ x,                             \
+      const int* __restrict__ token_idx, const int* __restrict__ offsets,                          \
+      const int* __restrict__ perm, const int* __restrict__ active, u16* __restrict__ h, int H,    \
+      int I, int KS, const u32x4* w2, const u64* s2, long long wstride2, long long sstride2) {     \
+    gateup_body<FMT, 1, 3, 3>(w13, s13, gs, wstride, sstride, x, token_idx, offsets, perm, active, \
                               h, H, I, KS, w2, s2, wstride2, sstride2);                            \
   }                                                                                                \
   extern "C" __global__ void qpn##FMT##_moe_down_mt1_ase(                                           \

@@ -378,9 +378,10 @@ def test_moe_early_switch(monkeypatch):
     from hybrid.kernels import qpn
 
     monkeypatch.setenv("HYBRID_PDL", "1")
-    for mode, want in (("0", 0), ("1", 1), ("2", 2), ("3", 0), ("yes", 0)):
+    for mode, want, ks in (("0", 0, 0), ("1", 1, 0), ("2", 2, 0), ("3", 3, 0), ("4", 0, 0), ("yes", 0, 0),
+                           ("1:4", 1, 4), ("3:2", 3, 2), ("1:3", 1, 0)):
         monkeypatch.setenv("HYBRID_MOE_EARLY", mode)
-        assert qpn.moe_early(90) == want, mode
+        assert qpn.moe_early(90) == want and qpn.moe_gateup_ks() == ks, mode
         assert qpn.moe_early(80) == 0 and qpn.moe_early(70) == 0
     monkeypatch.setenv("HYBRID_MOE_EARLY", "2")
     monkeypatch.setenv("HYBRID_PDL", "0")

@@ -532,8 +532,15 @@ def moe_early(sm: int) -> int:
     down kernel reads the routing before its wait); 2 as 1, and the gate/up blocks also ask the L2 for the
     layer's down weights (where they take at most MOE_L2_SHARE of it; else 1). $HYBRID_MOE_EARLY (0, 1, 2;
     MOE_EARLY_DEFAULT) picks, read at each launch."""
-    mode = os.environ.get("HYBRID_MOE_EARLY", MOE_EARLY_DEFAULT)
-    return int(mode) if mode in ("1", "2") and pdl(sm) else 0
+    mode = os.environ.get("HYBRID_MOE_EARLY", MOE_EARLY_DEFAULT).split(":")[0]
+    return int(mode) if mode in ("1", "2", "3") and pdl(sm) else 0
+
+
+def moe_gateup_ks() -> int:
+    """$HYBRID_MOE_EARLY's ":KS" suffix (1, 2, 4, 8): the warps splitting K of the early gate/up kernel (fewer
+    blocks, so the down kernel's fit beside them); 0 = _pick_ks's."""
+    ks = os.environ.get("HYBRID_MOE_EARLY", MOE_EARLY_DEFAULT).partition(":")[2]
+    return int(ks) if ks in ("1", "2", "4", "8") else 0
 
 
 MOE_EARLY_DEFAULT = "0"
@@ -844,17 +851,19 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
                     _p(perm), _p(slot_list), _p(y), ctypes.c_int(h), ctypes.c_int(i)])
         return y
     if sfx == "_as" and MOE_VARIANT[0] is None:
-        sfx = ("_as", "_ase", "_asp")[moe_early(mod.sm)]
-    if sfx == "_asp" and active * (ws2 * 16 + ss2 * 8) > MOE_L2_SHARE * _l2_bytes(dev):
+        sfx = ("_as", "_ase", "_asp", "_asq")[moe_early(mod.sm)]
+    if sfx in ("_asp", "_asq") and active * (ws2 * 16 + ss2 * 8) > MOE_L2_SHARE * _l2_bytes(dev):
         sfx = "_ase"                                       # the layer's down weights would not stay in the L2
     ks = _pick_ks(i // 16 * active, h // ck, sms)
+    if sfx in ("_ase", "_asp", "_asq") and moe_gateup_ks():
+        ks = moe_gateup_ks()
     mod.launch(f"qpn{fmt}_moe_gateup_mt{mt}{sfx}", (-(-(i // 16) // (WARPS // ks)), rows, 1), THREADS,
                [_p(slots.w13), _p(slots.s13), _p(slots.gs), ctypes.c_longlong(ws13),
                 ctypes.c_longlong(ss13), _p(x), _p(token_idx), _p(offsets), _p(perm), _p(slot_list), _p(hbuf),
                 ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)]
                + ([_p(slots.w2), _p(slots.s2), ctypes.c_longlong(ws2), ctypes.c_longlong(ss2)]
-                  if sfx == "_asp" else []), pdl=pdl(mod.sm))
-    if sfx == "_asp":
+                  if sfx in ("_asp", "_asq") else []), pdl=pdl(mod.sm))
+    if sfx in ("_asp", "_asq"):
         sfx = "_ase"                                       # one down kernel for both
     ks = _pick_ks(h // 16 * active, i // ck, sms)
     while t > 1 and ks > 1 and (i // ck) / ks < MOE_DOWN_MIN_CHUNKS:   # several tokens: longer warp items
