@@ -147,11 +147,6 @@ __device__ __forceinline__ u64 ld_act(const u16* p) {  // 4 fp16 activations, 8-
   asm("ld.global.nc.u64 %0, [%1];" : "=l"(v) : "l"(p));
   return v;
 }
-__device__ __forceinline__ int ld_cg(const int* p) {  // an int through the L2 only (coherent: no stale L1 line)
-  int v;
-  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
 __device__ __forceinline__ void h2_to_f2(u32 h, float& lo, float& hi) {
   asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}"
       : "=f"(lo), "=f"(hi) : "r"(h));
@@ -178,8 +173,6 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {  // a shared-memory ad
   return a;
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 // sm_80+: cp.async into a warp-private shared-memory ring (see warp_gemm_async)
 #if QPN_MMA >= 2
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {   // packed weight words
@@ -201,6 +194,7 @@ __device__ __forceinline__ void cp_async8_w(u32 dst, const void* src) {  // grou
   cp_async8(dst, src);
 #endif
 }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
@@ -468,19 +462,17 @@ __device__ __forceinline__ void ring_start(const u32x4* (&wp)[NT], const u64* (&
 }
 
 // The loop is unrolled over one turn of the ring, so every slot offset is a constant.
-// wait: pdl_wait() once the ring's first chunks are issued (callers that did not wait before)
 template <int FMT, int MT, int NT, int ST>
 __device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], const u32x4* const (&wt)[NT],
                                                 const u64* const (&st)[NT], int c0, int c1,
                                                 const u16* const (&xr)[MT], int lane,
-                                                unsigned char* ring, bool wait = false) {
+                                                unsigned char* ring) {
 #if QPN_MMA >= 2
   const int CK = FMT == 2 ? 64 : 32;
   const u32 wbase = smem_addr(ring) + lane * 16, sbase = wbase - lane * 8 + ST * NT * 512;
   const u32x4* wp[NT];  // this lane's words / scales of chunk c (advanced by one ring turn)
   const u64* sp[NT];
   ring_start<FMT, ST, NT>(wp, sp, wt, st, c0, c1, lane, wbase, sbase);
-  if (wait) pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
   for (int c = c0; c < c1; c += ST) {
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
@@ -1607,11 +1599,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 // ---------------------------------------------------------------- MoE gate+up (fused SiLU * mul)
 // w13: per slot [2 * I/16 tiles (gate then up), H/CK, 32, 4] u32; s13 likewise; gs [S, 3].
 // x [T, H] fp16; h [A, I] fp16 indexed by position in perm. grid (ceil(I/16 / TG), S).
-// EARLY (sm_90 dependent launches, qpn.moe_early): 0 lets the down kernel go at the start; 1 once every block has
-// waited for the earlier kernels, so the down kernel may read the routing before its own wait (down_body);
-// 2 as 1, and the block also asks the L2 for its share of the slot's down weights and scales (w2 / s2 at
-// wstride2 / sstride2 per slot), which the down kernel then reads from the L2; 3 as 2, asked after its main loop.
-template <int FMT, int MT, int ST, int EARLY = 0>
+template <int FMT, int MT, int ST>
 __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const u64* __restrict__ s13,
                                             const float* __restrict__ gs, long long wstride,
                                             long long sstride, const u16* __restrict__ x,
@@ -1619,28 +1607,15 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
                                             const int* __restrict__ offsets,
                                             const int* __restrict__ perm,
                                             const int* __restrict__ active, u16* __restrict__ h,
-                                            int H, int I, int KS, const u32x4* w2 = nullptr,
-                                            const u64* s2 = nullptr, long long wstride2 = 0,
-                                            long long sstride2 = 0) {
+                                            int H, int I, int KS) {
   __shared__ __align__(16) unsigned char smem[Smem<MT, 2, ST>::BYTES];
   float (*red)[2][8 * MT][16] = reinterpret_cast<float (*)[2][8 * MT][16]>(smem);
-  if (EARLY == 0) pdl_trigger();
+  pdl_trigger();
   pdl_wait();  // the routing (active, offsets, perm) and the activations come from earlier kernels
-  if (EARLY > 0) pdl_trigger();
   const int slot = active[blockIdx.y];
   if (slot < 0) return;
   const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
   if (cnt <= 0) return;
-  // this block's share of the slot's down weights, then scales, in 32-byte sectors
-  auto ask_l2 = [&]() {
-    const long long wb = wstride2 * 16, sb = sstride2 * 8, n = (wb + sb) >> 5;
-    const long long b0 = n * blockIdx.x / gridDim.x, b1 = n * (blockIdx.x + 1) / gridDim.x;
-    const char* wp = reinterpret_cast<const char*>(w2 + slot * wstride2);
-    const char* sp = reinterpret_cast<const char*>(s2 + slot * sstride2);
-    for (long long i = b0 + threadIdx.x; i < b1; i += THREADS)
-      prefetch_l2(32 * i < wb ? wp + 32 * i : sp + (32 * i - wb));
-  };
-  if (EARLY == 2) ask_l2();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int CK = FMT == 2 ? 64 : 32, C = H / CK, It = I >> 4;
@@ -1666,7 +1641,6 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
       else
         warp_gemm<FMT, MT, 2>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
     }
-    if (EARLY == 3 && base == 0) ask_l2();
     if constexpr (ST > 0) __syncthreads();  // red aliases the rings
     store_partials<MT, 2>(red, warp, lane, acc);
     __syncthreads();
@@ -1685,11 +1659,7 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
 
 // ---------------------------------------------------------------- MoE down + weighted sum
 // w2: per slot [H/16, I/CK, 32, 4] u32; h [A, I] fp16 (perm order); y [T, H] fp32 (+=).
-// EARLY (with gateup_body's EARLY > 0): the routing (active, offsets) is read before pdl_wait, through the L2
-// (the kernel that wrote it had finished before every gate/up block got past its own wait, which is before
-// this kernel could start), so the ring's first weight chunks are in flight while the gate/up kernel ends;
-// h is read only after the wait.
-template <int FMT, int MT, int ST, bool EARLY = false>
+template <int FMT, int MT, int ST>
 __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u64* __restrict__ s2,
                                           const float* __restrict__ gs, long long wstride,
                                           long long sstride, const u16* __restrict__ h,
@@ -1701,14 +1671,11 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
                                           int H, int I, int KS) {
   __shared__ __align__(16) unsigned char smem[Smem<MT, 1, ST>::BYTES];
   float (*red)[1][8 * MT][16] = reinterpret_cast<float (*)[1][8 * MT][16]>(smem);
-  if (!EARLY) pdl_wait();  // the routing (active, offsets, perm) and the activations come from earlier kernels
-  const int slot = EARLY ? ld_cg(active + blockIdx.y) : active[blockIdx.y];
-  const int beg = slot < 0 ? 0 : EARLY ? ld_cg(offsets + slot) : offsets[slot];
-  const int cnt = slot < 0 ? 0 : (EARLY ? ld_cg(offsets + slot + 1) : offsets[slot + 1]) - beg;
-  if (cnt <= 0) {
-    if (EARLY) pdl_wait();  // exit after the kernels before (as every other block does)
-    return;
-  }
+  pdl_wait();  // the routing (active, offsets, perm) and the activations come from earlier kernels
+  const int slot = active[blockIdx.y];
+  if (slot < 0) return;
+  const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
+  if (cnt <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int CK = FMT == 2 ? 64 : 32, C = I / CK, Ht = H >> 4;
@@ -1728,13 +1695,9 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
       }
       if constexpr (ST > 0)
         warp_gemm_async<FMT, MT, 1, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
-                                        smem + warp * Smem<MT, 1, ST>::RING, EARLY && base == 0);
-      else {
-        if (EARLY) pdl_wait();
+                                        smem + warp * Smem<MT, 1, ST>::RING);
+      else
         warp_gemm<FMT, MT, 1>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
-      }
-    } else if (EARLY && base == 0) {
-      pdl_wait();
     }
     pdl_trigger();  // late (see pdl_trigger); again on later passes: a no-op
     if constexpr (ST > 0) __syncthreads();  // red aliases the rings
@@ -1779,47 +1742,6 @@ MOE(8, 4, , 0, 0)
 // sm_80+ only: cp.async rings (gate+up: 3 stages of two tiles; down: 6 stages)
 MOE(2, 1, _as, 3, 6)
 MOE(8, 1, _as, 3, 6)
-// the same, the down kernel's weights in flight before its wait: gateup _ase / _asp (EARLY 1 / 2: _asp takes the
-// down weights to ask the L2 for) with down _ase (qpn.moe_early)
-#define MOE_EARLY(FMT)                                                                             \
-  extern "C" __global__ void qpn##FMT##_moe_gateup_mt1_ase(                                         \
-      const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
-      long long wstride, long long sstride, const u16* __restrict__ x,                             \
-      const int* __restrict__ token_idx, const int* __restrict__ offsets,                          \
-      const int* __restrict__ perm, const int* __restrict__ active, u16* __restrict__ h, int H,    \
-      int I, int KS) {                                                                             \
-    gateup_body<FMT, 1, 3, 1>(w13, s13, gs, wstride, sstride, x, token_idx, offsets, perm, active, \
-                              h, H, I, KS);                                                        \
-  }                                                                                                \
-  extern "C" __global__ void qpn##FMT##_moe_gateup_mt1_asp(                                         \
-      const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
-      long long wstride, long long sstride, const u16* __restrict__ x,                             \
-      const int* __restrict__ token_idx, const int* __restrict__ offsets,                          \
-      const int* __restrict__ perm, const int* __restrict__ active, u16* __restrict__ h, int H,    \
-      int I, int KS, const u32x4* w2, const u64* s2, long long wstride2, long long sstride2) {     \
-    gateup_body<FMT, 1, 3, 2>(w13, s13, gs, wstride, sstride, x, token_idx, offsets, perm, active, \
-                              h, H, I, KS, w2, s2, wstride2, sstride2);                            \
-  }                                                                                                \
-  extern "C" __global__ void qpn##FMT##_moe_gateup_mt1_asq(                                         \
-      const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
-      long long wstride, long long sstride, const u16* __restrict__ x,                             \
-      const int* __restrict__ token_idx, const int* __restrict__ offsets,                          \
-      const int* __restrict__ perm, const int* __restrict__ active, u16* __restrict__ h, int H,    \
-      int I, int KS, const u32x4* w2, const u64* s2, long long wstride2, long long sstride2) {     \
-    gateup_body<FMT, 1, 3, 3>(w13, s13, gs, wstride, sstride, x, token_idx, offsets, perm, active, \
-                              h, H, I, KS, w2, s2, wstride2, sstride2);                            \
-  }                                                                                                \
-  extern "C" __global__ void qpn##FMT##_moe_down_mt1_ase(                                           \
-      const u32x4* __restrict__ w2, const u64* __restrict__ s2, const float* __restrict__ gs,      \
-      long long wstride, long long sstride, const u16* __restrict__ h,                             \
-      const int* __restrict__ token_idx, const float* __restrict__ route_w,                        \
-      const int* __restrict__ offsets, const int* __restrict__ perm,                               \
-      const int* __restrict__ active, float* __restrict__ y, int H, int I, int KS) {               \
-    down_body<FMT, 1, 6, true>(w2, s2, gs, wstride, sstride, h, token_idx, route_w, offsets, perm, \
-                               active, y, H, I, KS);                                               \
-  }
-MOE_EARLY(2)
-MOE_EARLY(8)
 
 // ---------------------------------------------------------------- MoE prefill: grouped tiled GEMM
 // The prefill GEMM's machinery (TileLoads, tile_store, mma_stage: weights decoded once per block

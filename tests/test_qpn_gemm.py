@@ -370,22 +370,3 @@ def test_pdl_launch_config_layout_and_switch(monkeypatch):
     assert qpn.pdl(90) and not qpn.pdl(90, "fused")
     monkeypatch.setenv("HYBRID_PDL", "0")
     assert not qpn.pdl(90) and not qpn.pdl(90, "fused")
-
-
-def test_moe_early_switch(monkeypatch):
-    """The MoE down kernel's early weight reads ($HYBRID_MOE_EARLY 0 / 1 / 2) only where the MoE kernels are
-    dependent launches (sm_90+, $HYBRID_PDL not 0); anything else reads as 0."""
-    from hybrid.kernels import qpn
-
-    monkeypatch.setenv("HYBRID_PDL", "1")
-    for mode, want, ks in (("0", 0, 0), ("1", 1, 0), ("2", 2, 0), ("3", 3, 0), ("4", 0, 0), ("yes", 0, 0),
-                           ("1:4", 1, 4), ("3:2", 3, 2), ("1:3", 1, 0)):
-        monkeypatch.setenv("HYBRID_MOE_EARLY", mode)
-        assert qpn.moe_early(90) == want and qpn.moe_gateup_ks() == ks, mode
-        assert qpn.moe_early(80) == 0 and qpn.moe_early(70) == 0
-    monkeypatch.setenv("HYBRID_MOE_EARLY", "2")
-    monkeypatch.setenv("HYBRID_PDL", "0")
-    assert qpn.moe_early(90) == 0
-    monkeypatch.delenv("HYBRID_MOE_EARLY")
-    monkeypatch.setenv("HYBRID_PDL", "1")
-    assert qpn.moe_early(90) == int(qpn.MOE_EARLY_DEFAULT)

@@ -30,8 +30,7 @@ MAX_SLOTS = 1024
 # linear_kernel), "_t2", "_t2u1" (register pipeline, two tiles per warp, 2 or 1 chunks per stage):
 # benchmark, tests.
 LINEAR_VARIANT: list[str | None] = [None]
-MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+, its early forms by
-# moe_early), "", "_as", "_ase" or "_asp" (the down weights read early: moe_early 1, 2)
+MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
 # M > PREFILL_MIN linear kernel: None = on sm_80+ the register-fragment GEMM (qpn{2,8}_gemmf_*,
 # tile by gemmf_tile) or the shared-memory tiled WMMA GEMM (qpn{2,8}_gemm_*, tile by gemm_tile),
 # whichever the H200 cost model (gemmf_cost vs gemm_us) says is faster, below sm_80 the WMMA GEMM;
@@ -443,10 +442,6 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _l2_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).L2_cache_size
-
-
 def _module(device: torch.device):
     from hybrid.kernels.build import module
 
@@ -523,28 +518,6 @@ def pdl(sm: int, part: str = "qpn") -> bool:
     off, =1 on (PDL_DEFAULT), =qpn on for the QPN kernels only (read at each launch: A/B runs switch it)."""
     mode = os.environ.get("HYBRID_PDL", PDL_DEFAULT)
     return sm >= 90 and mode != "0" and (mode != "qpn" or part == "qpn")
-
-
-def moe_early(sm: int) -> int:
-    """How early the M <= 8 MoE down kernel's weights are read, where the MoE kernels are dependent launches
-    (pdl(sm)) and the default ring kernels run: 0 after the gate/up kernel has finished (the down kernel waits
-    first); 1 its ring's first chunks while the gate/up kernel ends (gate/up triggers after its own wait, and the
-    down kernel reads the routing before its wait); 2 as 1, and the gate/up blocks also ask the L2 for the
-    layer's down weights (where they take at most MOE_L2_SHARE of it; else 1). $HYBRID_MOE_EARLY (0, 1, 2;
-    MOE_EARLY_DEFAULT) picks, read at each launch."""
-    mode = os.environ.get("HYBRID_MOE_EARLY", MOE_EARLY_DEFAULT).split(":")[0]
-    return int(mode) if mode in ("1", "2", "3") and pdl(sm) else 0
-
-
-def moe_gateup_ks() -> int:
-    """$HYBRID_MOE_EARLY's ":KS" suffix (1, 2, 4, 8): the warps splitting K of the early gate/up kernel (fewer
-    blocks, so the down kernel's fit beside them); 0 = _pick_ks's."""
-    ks = os.environ.get("HYBRID_MOE_EARLY", MOE_EARLY_DEFAULT).partition(":")[2]
-    return int(ks) if ks in ("1", "2", "4", "8") else 0
-
-
-MOE_EARLY_DEFAULT = "0"
-MOE_L2_SHARE = 0.25    # moe_early 2: the layer's down weights may take this share of the L2
 
 
 # H200, synthetic 30B-A3B decode at 16 GiB (results/runtime.md §33, §34): off 416.9, the QPN kernels ("qpn")
@@ -850,21 +823,11 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
                     ctypes.c_longlong(ss2), _p(hbuf), _p(token_idx), _p(route_w), _p(offsets),
                     _p(perm), _p(slot_list), _p(y), ctypes.c_int(h), ctypes.c_int(i)])
         return y
-    if sfx == "_as" and MOE_VARIANT[0] is None:
-        sfx = ("_as", "_ase", "_asp", "_asq")[moe_early(mod.sm)]
-    if sfx in ("_asp", "_asq") and active * (ws2 * 16 + ss2 * 8) > MOE_L2_SHARE * _l2_bytes(dev):
-        sfx = "_ase"                                       # the layer's down weights would not stay in the L2
     ks = _pick_ks(i // 16 * active, h // ck, sms)
-    if sfx in ("_ase", "_asp", "_asq") and moe_gateup_ks():
-        ks = moe_gateup_ks()
     mod.launch(f"qpn{fmt}_moe_gateup_mt{mt}{sfx}", (-(-(i // 16) // (WARPS // ks)), rows, 1), THREADS,
                [_p(slots.w13), _p(slots.s13), _p(slots.gs), ctypes.c_longlong(ws13),
                 ctypes.c_longlong(ss13), _p(x), _p(token_idx), _p(offsets), _p(perm), _p(slot_list), _p(hbuf),
-                ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)]
-               + ([_p(slots.w2), _p(slots.s2), ctypes.c_longlong(ws2), ctypes.c_longlong(ss2)]
-                  if sfx in ("_asp", "_asq") else []), pdl=pdl(mod.sm))
-    if sfx in ("_asp", "_asq"):
-        sfx = "_ase"                                       # one down kernel for both
+                ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)], pdl=pdl(mod.sm))
     ks = _pick_ks(h // 16 * active, i // ck, sms)
     while t > 1 and ks > 1 and (i // ck) / ks < MOE_DOWN_MIN_CHUNKS:   # several tokens: longer warp items
         ks //= 2
