@@ -149,6 +149,40 @@ def generate_profile(session, tok, tokens: int = 40, top: int = 30) -> dict:
             "top": rc.top_functions(prof, n, top)}
 
 
+def generate_wall(session, tok, tokens: tuple[int, int] = (16, 56)) -> dict:
+    """The GPU's wall time (wall_times) per decoded token of hybrid.generate's overlapped decode, as hybrid-run runs
+    it: two greedy generations of the same prompt, tokens[0] and tokens[1] tokens, under torch.profiler (CUDA
+    activity only), and the difference of their figures over the difference of their token counts (the prefill
+    and the first steps cancel out). decode_tok_s: the longer generation's own, under the profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from hybrid.bench.decode import prompt_ids
+    from hybrid.generate import generate
+    from hybrid.sampler import Sampler, SamplerConfig
+
+    ids = prompt_ids(tok, 32)
+    session.model.prompt_tokens = len(ids)
+    greedy = Sampler(SamplerConfig())
+    generate(session.model, tok, ids, 8, greedy, prefill_chunk=session.prefill_chunk)
+    got = []
+    for n in tokens:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            res = generate(session.model, tok, ids, n, greedy, prefill_chunk=session.prefill_chunk)
+            torch.cuda.synchronize()
+        got.append((len(res.generated_ids), res.decode_tok_s, wall_times(prof.events(), 1, top=40)))
+    (n0, _, w0), (n1, tps, w1) = got
+    if n1 <= n0 or not w0 or not w1:
+        return {"tokens": [n0, n1], "error": "the generations stopped early"}
+    d = n1 - n0
+    e0 = {k: v for k, v, _ in w0["exposed"]}
+    return {"decode_tok_s": round(tps, 2), "tokens": [n0, n1],
+            "span_us": round((w1["span_us"] - w0["span_us"]) / d, 1),
+            "idle_us": round((w1["idle_us"] - w0["idle_us"]) / d, 1),
+            "exposed": [[k, round((v - e0.get(k, 0.0)) / d, 2)] for k, v, _ in w1["exposed"][:20]]}
+
+
 def kernel_times(avg, steps: int, top: int = 25) -> dict:
     """GPU time per decode step by kernel / copy (CUPTI records the kernels of graph replays too):
     the total and the largest `top` entries as [name, us per step, launches per step]."""
@@ -192,6 +226,7 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
                 rec.update({"env": {env: mode}, "flags": kw, "linked_layers": len(g.links),
                             "plan_split": list(s.plan.inputs.layer_split), **rc.graph_info(s)})
                 rec["cuda_calls_per_step"] = cuda_calls(s)
+                rec["generate_wall"] = generate_wall(s, tok)
                 if host_prof:
                     rec["host_profile"] = host_profile(s)
                     rec["generate_profile"] = generate_profile(s, tok)
