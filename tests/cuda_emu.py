@@ -83,6 +83,38 @@ inline char* smem_ptr(u32 a) { return (char*)(smem_hi | a); }
 """
 
 
+def mma_shim(name: str) -> str:
+    """C++ for `name`(float (&d)[4], a0, a1, a2, a3, b0, b1): mma.sync.m16n8k16.row.col f32.f16.f16.f32 with the PTX
+    ISA's fragment layout (g = lane / 4, c = lane % 4): A a0 (g, 2c..2c+1) a1 (g+8, ..) a2 (g, 2c+8..) a3 (g+8,
+    2c+8..); B b0 (k 2c..2c+1, n g) b1 (k 2c+8..); D d0 d1 (g, 2c..2c+1), d2 d3 (g+8, 2c..2c+1); the warp's
+    fragments exchanged through static arrays between two warp barriers."""
+    return r"""
+static uint32_t NAME_fa[8][32][4], NAME_fb[8][32][2];
+inline float NAME_h(uint32_t bits) { uint16_t b = (uint16_t)bits; _Float16 x; memcpy(&x, &b, 2); return (float)x; }
+inline void NAME(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  NAME_fa[w][l][0] = a0, NAME_fa[w][l][1] = a1, NAME_fa[w][l][2] = a2, NAME_fa[w][l][3] = a3;
+  NAME_fb[w][l][0] = b0, NAME_fb[w][l][1] = b1;
+  warp_bar[w]->arrive_and_wait();
+  auto A = [&](int r, int k) {
+    const int ln = 4 * (r & 7) + (k & 7) / 2, reg = (r >> 3) + 2 * (k >> 3);
+    return NAME_h(NAME_fa[w][ln][reg] >> (16 * (k & 1)));
+  };
+  auto B = [&](int k, int n) {
+    const int ln = 4 * n + (k & 7) / 2;
+    return NAME_h(NAME_fb[w][ln][k >> 3] >> (16 * (k & 1)));
+  };
+  for (int e = 0; e < 4; ++e) {
+    const int r = (l >> 2) + 8 * (e >> 1), n = 2 * (l & 3) + (e & 1);
+    float s = d[e];
+    for (int k = 0; k < 16; ++k) s += A(r, k) * B(k, n);
+    d[e] = s;
+  }
+  warp_bar[w]->arrive_and_wait();
+}
+""".replace("NAME", name)
+
+
 _SHARED = re.compile(r"^([ \t]*)__shared__ ((?:__align__\(\d+\) )?)([\w:]+(?: [\w:]+)*?) "
                      r"(\w+(?:\[[^\]]+\])*(?:, \w+(?:\[[^\]]+\])*)*);", re.M)
 

@@ -12,7 +12,7 @@ import torch
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build
 from hybrid.kernels.qpn import GEMMF_TILES
-from tests.cuda_emu import GEMM_HELPERS, SHIM, compile_emu, run_gemm_emu
+from tests.cuda_emu import GEMM_HELPERS, SHIM, compile_emu, mma_shim, run_gemm_emu
 from tests.test_qpn_layout import fp8, nvfp4
 
 HELPERS = GEMM_HELPERS + r"""
@@ -22,31 +22,7 @@ inline void cp_commit() {}
 inline void prefetch_l2(const void*) {}
 template <int N> inline void cp_wait() {}
 inline u32x4 lds128(u32 a) { u32x4 v; memcpy(&v, smem_ptr(a), 16); return v; }
-// mma.sync.m16n8k16.row.col f32.f16.f16.f32 with the PTX ISA's fragment layout (g = l / 4, c = l % 4):
-// A a0 (g, 2c..2c+1) a1 (g+8, ..) a2 (g, 2c+8..) a3 (g+8, 2c+8..); B b0 (k 2c..2c+1, n g) b1 (k 2c+8..);
-// D d0 d1 (g, 2c..2c+1), d2 d3 (g+8, 2c..2c+1)
-static u32 fa[8][32][4], fb[8][32][2];
-inline void mma_tile(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-  fa[w][l][0] = a0, fa[w][l][1] = a1, fa[w][l][2] = a2, fa[w][l][3] = a3, fb[w][l][0] = b0, fb[w][l][1] = b1;
-  warp_bar[w]->arrive_and_wait();
-  auto A = [&](int r, int k) {
-    const int ln = 4 * (r & 7) + (k & 7) / 2, reg = (r >> 3) + 2 * (k >> 3);
-    return (float)hf(fa[w][ln][reg] >> (16 * (k & 1)));
-  };
-  auto B = [&](int k, int n) {
-    const int ln = 4 * n + (k & 7) / 2;
-    return (float)hf(fb[w][ln][k >> 3] >> (16 * (k & 1)));
-  };
-  for (int e = 0; e < 4; ++e) {
-    const int r = (l >> 2) + 8 * (e >> 1), n = 2 * (l & 3) + (e & 1);
-    float s = d[e];
-    for (int k = 0; k < 16; ++k) s += A(r, k) * B(k, n);
-    d[e] = s;
-  }
-  warp_bar[w]->arrive_and_wait();
-}
-"""
+""" + mma_shim("mma_tile")
 
 TILE_NAMES = [f"{bm}x{bn}" for bm, bn in GEMMF_TILES]
 RULE = "// " + "-" * 64 + " "
