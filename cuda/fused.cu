@@ -985,55 +985,6 @@ __device__ __forceinline__ void combine_out(const AttnSmem& sm, const float4 (&x
   ob[0] = f2h(o.x / l); ob[1] = f2h(o.y / l); ob[2] = f2h(o.z / l); ob[3] = f2h(o.w / l);
 }
 
-// The round's online softmax, two heads per warp at once (FC rounds): sm.sc[h][0, nk) scores -> exp2(score -
-// max); sm.m, sm.l, sm.al (this round's rescale) per head.
-__device__ __forceinline__ void attn_softmax2(AttnSmem& sm, int nk, int g, int warp, int lane) {
-  for (int h = warp; h < g; h += 2 * (ATT_THREADS / 32)) {
-    const int h2 = h + ATT_THREADS / 32;
-    const bool two = h2 < g;
-    const int hb = two ? h2 : h;                      // a row to read when there is no second head
-    float v[ATT_MAXRK / 32], v2[ATT_MAXRK / 32], mx = NEG_INF, mx2 = NEG_INF;
-#pragma unroll
-    for (int i = 0; i < ATT_MAXRK / 32; ++i) {
-      const int kk = lane + 32 * i;
-      v[i] = kk < nk ? sm.sc[h][kk] : NEG_INF;
-      v2[i] = kk < nk ? sm.sc[hb][kk] : NEG_INF;
-      mx = fmaxf(mx, v[i]);
-      mx2 = fmaxf(mx2, v2[i]);
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      mx2 = fmaxf(mx2, __shfl_xor_sync(0xffffffffu, mx2, o));
-    }
-    const float mo = sm.m[h], lo = sm.l[h], mo2 = sm.m[hb], lo2 = sm.l[hb];
-    const float mn = fmaxf(mo, mx), mn2 = fmaxf(mo2, mx2);
-    const float al = exp2f(mo - mn), al2 = exp2f(mo2 - mn2);
-    float ls = 0.f, ls2 = 0.f;
-#pragma unroll
-    for (int i = 0; i < ATT_MAXRK / 32; ++i) {
-      const int kk = lane + 32 * i;
-      const float e = kk < nk ? exp2f(v[i] - mn) : 0.f, e2 = kk < nk ? exp2f(v2[i] - mn2) : 0.f;
-      if (kk < nk) {
-        sm.sc[h][kk] = e;
-        if (two) sm.sc[h2][kk] = e2;
-      }
-      ls += e;
-      ls2 += e2;
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      ls += __shfl_xor_sync(0xffffffffu, ls, o);
-      ls2 += __shfl_xor_sync(0xffffffffu, ls2, o);
-    }
-    __syncwarp();  // every lane's read of sm.m / sm.l before lane 0's write (the shuffles order no memory)
-    if (lane == 0) {
-      sm.m[h] = mn; sm.l[h] = fmaf(lo, al, ls); sm.al[h] = al;
-      if (two) { sm.m[h2] = mn2; sm.l[h2] = fmaf(lo2, al2, ls2); sm.al[h2] = al2; }
-    }
-  }
-}
-
 // One round of a split: keys [rs, rs + nk) (nk >= 1) from kq / vq, which are then reloaded with the rows
 // of the round at next_rs (none when < 0); scores, online softmax (FC: two heads per warp at once), P.V.
 template <bool FC>
@@ -1104,7 +1055,50 @@ __device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint
   }
   __syncthreads();
   if (FC) {                                             // the same, two heads per warp at once
-    attn_softmax2(sm, nk, g, warp, lane);
+    for (int h = warp; h < g; h += 2 * (ATT_THREADS / 32)) {
+      const int h2 = h + ATT_THREADS / 32;
+      const bool two = h2 < g;
+      const int hb = two ? h2 : h;                      // a row to read when there is no second head
+      float v[ATT_MAXRK / 32], v2[ATT_MAXRK / 32], mx = NEG_INF, mx2 = NEG_INF;
+#pragma unroll
+      for (int i = 0; i < ATT_MAXRK / 32; ++i) {
+        const int kk = lane + 32 * i;
+        v[i] = kk < nk ? sm.sc[h][kk] : NEG_INF;
+        v2[i] = kk < nk ? sm.sc[hb][kk] : NEG_INF;
+        mx = fmaxf(mx, v[i]);
+        mx2 = fmaxf(mx2, v2[i]);
+      }
+#pragma unroll
+      for (int o = 16; o; o >>= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        mx2 = fmaxf(mx2, __shfl_xor_sync(0xffffffffu, mx2, o));
+      }
+      const float mo = sm.m[h], lo = sm.l[h], mo2 = sm.m[hb], lo2 = sm.l[hb];
+      const float mn = fmaxf(mo, mx), mn2 = fmaxf(mo2, mx2);
+      const float al = exp2f(mo - mn), al2 = exp2f(mo2 - mn2);
+      float ls = 0.f, ls2 = 0.f;
+#pragma unroll
+      for (int i = 0; i < ATT_MAXRK / 32; ++i) {
+        const int kk = lane + 32 * i;
+        const float e = kk < nk ? exp2f(v[i] - mn) : 0.f, e2 = kk < nk ? exp2f(v2[i] - mn2) : 0.f;
+        if (kk < nk) {
+          sm.sc[h][kk] = e;
+          if (two) sm.sc[h2][kk] = e2;
+        }
+        ls += e;
+        ls2 += e2;
+      }
+#pragma unroll
+      for (int o = 16; o; o >>= 1) {
+        ls += __shfl_xor_sync(0xffffffffu, ls, o);
+        ls2 += __shfl_xor_sync(0xffffffffu, ls2, o);
+      }
+      __syncwarp();  // every lane's read of sm.m / sm.l before lane 0's write (the shuffles order no memory)
+      if (lane == 0) {
+        sm.m[h] = mn; sm.l[h] = fmaf(lo, al, ls); sm.al[h] = al;
+        if (two) { sm.m[h2] = mn2; sm.l[h2] = fmaf(lo2, al2, ls2); sm.al[h2] = al2; }
+      }
+    }
   } else
   for (int h = warp; h < g; h += ATT_THREADS / 32) {    // online softmax, a warp per head
     float v[ATT_MAXRK / 32], mx = NEG_INF;
@@ -1142,112 +1136,6 @@ __device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint
     if (hn == 1) attn_pv<1>(sm, acc, nk, D, c, C, r, KP, g);
     else if (hn == 2) attn_pv<2>(sm, acc, nk, D, c, C, r, KP, g);
     else attn_pv<ATT_HPT>(sm, acc, nk, D, c, C, r, KP, g);
-  }
-}
-
-// ---- tensor-core rounds (fused_rope_attn_m: sm_80+, D % 16 == 0): a round's Q.K^T and P.V as mma.sync
-// m16n8k16 (f16 x f16 -> f32) instead of the lanes' dot products and butterflies: rows = the g <= 16 query heads
-// (padded with zeros), K of the round as fp16 rows in shared memory (kt, D + 8 halves a row), V from the fp32
-// tile; P in fp16 (softmax weights in [0, 1]), everything else as attn_round<true>. Warp w makes the scores of
-// keys [8 t, 8 t + 8), t = w, w + 4, ..., and owns output dims [8 t, 8 t + 8), t = w, w + 4, ..., whose
-// accumulators (o[j], the MMA's row / column layout) it rescales by sm.al per round.
-#define ATT_KT 5120     // halves of a round's K rows: RK * (D + 8) (D >= 16 with D % 16 == 0)
-#define ATT_MT 8        // output dim tiles of 8 per warp: D / 32
-
-__device__ __forceinline__ void att_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
-}
-__device__ __forceinline__ u32 pack_h2(float lo, float hi) {   // (lo, hi) as fp16x2, round to nearest
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  u32 d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));   // the first source to the upper half
-  return d;
-#else
-  return (u32)f2h(lo) | ((u32)f2h(hi) << 16);
-#endif
-}
-
-__device__ __forceinline__ void attn_round_m(AttnSmem& sm, u16* kt, const AttnArgs& a, uint4 (&kq)[ATT_NP],
-                                             uint4 (&vq)[ATT_NP], float (&o)[ATT_MT][4], int rs, int nk, int n,
-                                             int pp, int next_rs) {
-  const int tid = threadIdx.x, D = a.D, g = a.g, RK = a.RK, cpl = a.cpl, C = D >> 3, KD = D + 8;
-  const int KP = ATT_THREADS >> cpl, NP = RK / KP;
-  const int c = tid & ((1 << cpl) - 1), r = tid >> cpl, warp = tid >> 5, lane = tid & 31;
-  const int q2 = 2 * (lane & 3), h0 = lane >> 2, h1 = h0 + 8;
-  __syncthreads();                                      // the last round is done with vt, kt, sc
-#pragma unroll
-  for (int i = 0; i < ATT_NP; ++i) {                   // K rows (fp16) and V rows (fp32) into shared memory
-    const int kl = r + KP * i, key = rs + kl;
-    if (i < NP && c < C) {
-      float vf[8];
-      uint4 kr = kq[i];
-      unpack8(vq[i], vf);
-      if (key == pp) {              // row p from the block's own K / V (its loads are stale)
-        const float* kn = sm.kn + 8 * c;
-        kr = make_uint4(pack_h2(kn[0], kn[1]), pack_h2(kn[2], kn[3]), pack_h2(kn[4], kn[5]), pack_h2(kn[6], kn[7]));
-#pragma unroll
-        for (int e = 0; e < 8; ++e) vf[e] = sm.vn[8 * c + e];
-      }
-      if (!(key < n)) {
-        kr = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) vf[e] = 0.f;
-      }
-      *(uint4*)(kt + kl * KD + 8 * c) = kr;
-      float* vt = sm.u.vt + kl * D + 8 * c;
-      *(float4*)vt = make_float4(vf[0], vf[1], vf[2], vf[3]);
-      *(float4*)(vt + 4) = make_float4(vf[4], vf[5], vf[6], vf[7]);
-    }
-  }
-  if (next_rs >= 0) attn_load(a, next_rs, kq, vq);    // a later round's rows, in flight meanwhile
-  __syncthreads();
-  for (int t = warp; t < (RK >> 3); t += ATT_THREADS / 32) {   // scores of keys [8 t, 8 t + 8)
-    float sc[4] = {0.f, 0.f, 0.f, 0.f};
-    const u16* kr = kt + (8 * t + h0) * KD + q2;        // B: this lane's key 8 t + h0
-    const float* qa = sm.qs + h0 * D + q2;
-    const float* qb = sm.qs + h1 * D + q2;
-    for (int k = 0; k < D; k += 16) {
-      const u32 a0 = h0 < g ? pack_h2(qa[k], qa[k + 1]) : 0u, a1 = h1 < g ? pack_h2(qb[k], qb[k + 1]) : 0u;
-      const u32 a2 = h0 < g ? pack_h2(qa[k + 8], qa[k + 9]) : 0u, a3 = h1 < g ? pack_h2(qb[k + 8], qb[k + 9]) : 0u;
-      att_mma(sc, a0, a1, a2, a3, *(const u32*)(kr + k), *(const u32*)(kr + k + 8));
-    }
-    const int kl = 8 * t + q2;
-    if (h0 < g) {
-      sm.sc[h0][kl] = rs + kl < n ? sc[0] * a.scale2 : NEG_INF;
-      sm.sc[h0][kl + 1] = rs + kl + 1 < n ? sc[1] * a.scale2 : NEG_INF;
-    }
-    if (h1 < g) {
-      sm.sc[h1][kl] = rs + kl < n ? sc[2] * a.scale2 : NEG_INF;
-      sm.sc[h1][kl + 1] = rs + kl + 1 < n ? sc[3] * a.scale2 : NEG_INF;
-    }
-  }
-  __syncthreads();
-  attn_softmax2(sm, nk, g, warp, lane);
-  __syncthreads();
-  const float al0 = h0 < g ? sm.al[h0] : 1.f, al1 = h1 < g ? sm.al[h1] : 1.f;
-#pragma unroll
-  for (int j = 0; j < ATT_MT; ++j) {
-    o[j][0] *= al0; o[j][1] *= al0; o[j][2] *= al1; o[j][3] *= al1;
-  }
-  for (int k = 0; k < nk; k += 16) {                    // P.V over the round's key steps with keys
-    const int k0 = k + q2;
-    auto pw = [&](int h, int kk) { return h < g && kk < nk ? sm.sc[h][kk] : 0.f; };
-    const u32 a0 = pack_h2(pw(h0, k0), pw(h0, k0 + 1)), a1 = pack_h2(pw(h1, k0), pw(h1, k0 + 1));
-    const u32 a2 = pack_h2(pw(h0, k0 + 8), pw(h0, k0 + 9)), a3 = pack_h2(pw(h1, k0 + 8), pw(h1, k0 + 9));
-    const float* vt = sm.u.vt + k0 * D + h0;            // B: V[key][dim 8 t + h0]
-#pragma unroll
-    for (int j = 0; j < ATT_MT; ++j) {
-      const int t = warp + (ATT_THREADS / 32) * j;
-      if (8 * t < D) {
-        const float* v = vt + 8 * t;
-        att_mma(o[j], a0, a1, a2, a3, pack_h2(v[0], v[D]), pack_h2(v[8 * D], v[9 * D]));
-      }
-    }
   }
 }
 
@@ -1307,10 +1195,9 @@ __device__ __forceinline__ void combine_two(const AttnSmem& sm, const float4 (&x
 // grid sync; the combine's weights in one step (two barriers fewer: a thread per head for <= 8 splits, a
 // warp per head beyond, whose sums differ from the older order by fp32 rounding) and its loads in batches
 // over both output groups (combine_two). (Two rounds' K/V loads in flight measured no faster: GPU run 2.)
-// MMA (FC only): the rounds on tensor cores (attn_round_m, K rows in kt), their sums then moved into acc's layout.
-template <bool FC, bool MMA = false>
+template <bool FC>
 __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint4 (&kq)[ATT_NP],
-                                           uint4 (&vq)[ATT_NP], int n, int pp, int SA, u16* kt = nullptr) {
+                                           uint4 (&vq)[ATT_NP], int n, int pp, int SA) {
   const int tid = threadIdx.x, kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
   const int D = a.D, g = a.g, RK = a.RK, cpl = a.cpl, C = D >> 3;
   const int KP = ATT_THREADS >> cpl, c = tid & ((1 << cpl) - 1), r = tid >> cpl;
@@ -1327,40 +1214,10 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
       const int rs = start + rd * RK;
       attn_round<false>(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 1 < rounds ? rs + RK : -1);
     }
-  } else if (!MMA) {
+  } else {
     for (int rd = 0; rd < rounds; ++rd) {
       const int rs = start + rd * RK;
       attn_round<true>(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 1 < rounds ? rs + RK : -1);
-    }
-  } else {
-    float o[ATT_MT][4];
-#pragma unroll
-    for (int j = 0; j < ATT_MT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    for (int rd = 0; rd < rounds; ++rd) {
-      const int rs = start + rd * RK;
-      attn_round_m(sm, kt, a, kq, vq, o, rs, min(RK, n - rs), n, pp, rd + 1 < rounds ? rs + RK : -1);
-    }
-    __syncthreads();                                      // the last round's reads of the V tile
-    const int warp = tid >> 5, lane = tid & 31, q2 = 2 * (lane & 3), h0 = lane >> 2;
-    float* ot = sm.u.vt;                                  // [16, D]: o, then acc's layout from it
-#pragma unroll
-    for (int j = 0; j < ATT_MT; ++j) {
-      const int d0 = 8 * (warp + (ATT_THREADS / 32) * j) + q2;
-      if (d0 < D) {
-        ot[h0 * D + d0] = o[j][0]; ot[h0 * D + d0 + 1] = o[j][1];
-        ot[(h0 + 8) * D + d0] = o[j][2]; ot[(h0 + 8) * D + d0 + 1] = o[j][3];
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < ATT_HPT; ++j) {
-      const int h = r + KP * j;
-      if (h < g && c < C)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          acc[j][e] = ot[h * D + 4 * c + e];
-          acc[j][4 + e] = ot[h * D + 4 * (c + C) + e];
-        }
     }
   }
   __syncthreads();                                        // sm.m / sm.l final (also with no rounds)
@@ -1568,17 +1425,14 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // first two passes and the V row are loaded before the position is read, the RoPE row once for all
 // passes. The writer (the split holding p; the last split with keys when p is past them) also makes the
 // K head (head g of the passes) and writes K/V row p with 16-byte stores.
-// fused_rope_attn_m: the same with the rounds on tensor cores (attn_round_m; sm_80+, D % 16 == 0, RK % 16 == 0).
-template <bool MMA>
-__device__ __forceinline__ void rope_attn_e_body(const u16* qkv, const float* q_norm, const float* k_norm,
-                                                 const float* table, int table_rows, const long long* pos, int pos0,
-                                                 u16* k_store, u16* v_store, u16* out, float* partials, int* counters,
-                                                 int Hq, int Hkv, int D, int C, float eps, float scale2, int L, int RK,
-                                                 int R, int cpl) {
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    fused_rope_attn_e(const u16* qkv, const float* q_norm, const float* k_norm, const float* table,
+                      int table_rows, const long long* pos, int pos0, u16* k_store, u16* v_store,
+                      u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps,
+                      float scale2, int L, int RK, int R, int cpl) {
   pdl_trigger();
   pdl_wait();
   __shared__ __align__(16) AttnSmem sm;
-  __shared__ __align__(16) u16 kt[MMA ? ATT_KT : 8];
   const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, g = Hq / Hkv, SK = R * RK;
   const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
   uint4 kq[ATT_NP], vq[ATT_NP];
@@ -1688,22 +1542,5 @@ __device__ __forceinline__ void rope_attn_e_body(const u16* qkv, const float* q_
                                           (u32)f2h(kf[6]) | ((u32)f2h(kf[7]) << 16));
     *(uint4*)(v_store + row) = vrow;
   }
-  attn_split<true, MMA>(sm, a, kq, vq, n, writer ? (int)p : -1, SU, kt);
-}
-
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    fused_rope_attn_e(const u16* qkv, const float* q_norm, const float* k_norm, const float* table,
-                      int table_rows, const long long* pos, int pos0, u16* k_store, u16* v_store,
-                      u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps,
-                      float scale2, int L, int RK, int R, int cpl) {
-  rope_attn_e_body<false>(qkv, q_norm, k_norm, table, table_rows, pos, pos0, k_store, v_store, out, partials,
-                          counters, Hq, Hkv, D, C, eps, scale2, L, RK, R, cpl);
-}
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    fused_rope_attn_m(const u16* qkv, const float* q_norm, const float* k_norm, const float* table,
-                      int table_rows, const long long* pos, int pos0, u16* k_store, u16* v_store,
-                      u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps,
-                      float scale2, int L, int RK, int R, int cpl) {
-  rope_attn_e_body<true>(qkv, q_norm, k_norm, table, table_rows, pos, pos0, k_store, v_store, out, partials,
-                         counters, Hq, Hkv, D, C, eps, scale2, L, RK, R, cpl);
+  attn_split<true>(sm, a, kq, vq, n, writer ? (int)p : -1, SU);
 }

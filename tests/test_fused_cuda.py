@@ -62,15 +62,6 @@ def kernels(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["old", "new", "mma"])
-def attn_kernels(request, monkeypatch):
-    """rope_attn's older and newer kernels (HYBRID_FUSED_NEW), and the newer one's rounds on tensor cores
-    (HYBRID_ATTN_MMA=1: fused_rope_attn_m where it fits, the newer kernel elsewhere)."""
-    monkeypatch.setenv("HYBRID_FUSED_NEW", "0" if request.param == "old" else "all")
-    monkeypatch.setenv("HYBRID_ATTN_MMA", "1" if request.param == "mma" else "0")
-    return request.param
-
-
 # ---------------------------------------------------------------------------- add + RMSNorm
 @pytest.mark.parametrize("t,h", [(1, 2048), (3, 256), (2, 7), (4, 4100)])
 @pytest.mark.parametrize("xdt", [torch.float16, torch.float32])
@@ -328,7 +319,7 @@ def test_decode_attn_bad_position_is_nan():
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128), (8, 8, 256), (12, 4, 40), (2, 1, 16), (15, 1, 136)])
 @pytest.mark.parametrize("p", [0, 31, 32, 64, 127, 128, 300, 1100])
 @pytest.mark.parametrize("device_pos", [True, False])
-def test_rope_attn_is_rope_then_attn(backend, attn_kernels, hq, hkv, d, p, device_pos):
+def test_rope_attn_is_rope_then_attn(backend, kernels, hq, hkv, d, p, device_pos):
     """The one-kernel q/k norm + RoPE + KV write + attention against fused_qk_rope_kv then
     fused_decode_attn (the same fp16 q, the same math) and the torch reference."""
     cap = 1600
@@ -357,7 +348,7 @@ def test_rope_attn_is_rope_then_attn(backend, attn_kernels, hq, hkv, d, p, devic
 @gpu_only
 @pytest.mark.parametrize("min_rounds", [2, 4, 8])
 @pytest.mark.parametrize("p", [0, 40, 127, 128, 255, 700, 3000])
-def test_rope_attn_fewer_splits(attn_kernels, monkeypatch, min_rounds, p):
+def test_rope_attn_fewer_splits(kernels, monkeypatch, min_rounds, p):
     """fused.ATT_MIN_ROUNDS > 1 (fewer, longer splits; one split with keys writes the output itself)."""
     monkeypatch.setattr(fused, "ATT_MIN_ROUNDS", min_rounds)
     hq, hkv, d, cap = 32, 4, 128, 3100
@@ -379,7 +370,7 @@ def test_rope_attn_fewer_splits(attn_kernels, monkeypatch, min_rounds, p):
 
 
 @gpu_only
-def test_rope_attn_bad_position_is_nan(attn_kernels):
+def test_rope_attn_bad_position_is_nan(kernels):
     """A device position outside the RoPE table: NaN out, no K/V row written."""
     hq, hkv, d = 8, 2, 64
     qkv = fresh((1, (hq + 2 * hkv) * d), torch.float16).cuda()

@@ -14,7 +14,7 @@ import torch
 
 from hybrid.kernels import fused, fused_build
 from hybrid.model.layers import Rotary
-from tests.cuda_emu import SHIM, compile_emu, mma_shim
+from tests.cuda_emu import SHIM, compile_emu
 
 HELPERS = r"""
 static uint32_t xch[1024];
@@ -82,13 +82,6 @@ extern "C" void emu_rope_attn(int gx, int gy, const u16* qkv, const float* q_nor
   run_grid(gx, gy, ATT_THREADS, [&] { fused_rope_attn(qkv, q_norm, k_norm, table, table_rows, pos, pos0,
       k_store, v_store, out, partials, counters, Hq, Hkv, D, C, eps, scale2, L, RK, R, cpl); });
 }
-extern "C" void emu_rope_attn_m(int gx, int gy, const u16* qkv, const float* q_norm, const float* k_norm,
-    const float* table, int table_rows, const long long* pos, int pos0, u16* k_store, u16* v_store,
-    u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps, float scale2,
-    int L, int RK, int R, int cpl) {
-  run_grid(gx, gy, ATT_THREADS, [&] { fused_rope_attn_m(qkv, q_norm, k_norm, table, table_rows, pos, pos0,
-      k_store, v_store, out, partials, counters, Hq, Hkv, D, C, eps, scale2, L, RK, R, cpl); });
-}
 extern "C" void emu_rope_attn_e(int gx, int gy, const u16* qkv, const float* q_norm, const float* k_norm,
     const float* table, int table_rows, const long long* pos, int pos0, u16* k_store, u16* v_store,
     u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps, float scale2,
@@ -125,9 +118,7 @@ def emu_source() -> str:
     attn = _section(src, rule + "one-token GQA attention", None)
     attn = re.sub(r"__device__ __forceinline__ (uint4 ldg_v4|float4 ld_cg4)\(.*?\n\}\n", "", attn, flags=re.S)
     attn = re.sub(r'asm volatile\("prefetch[^"]*"[^;]*;', ";", attn)          # cache hints: none here
-    attn, found = re.subn(r"__device__ __forceinline__ void att_mma\(.*?\n\}\n", "", attn, flags=re.S)
-    assert found == 1, "att_mma: the tensor-core rounds' MMA (the shim's here)"
-    return SHIM + HELPERS + mma_shim("att_mma") + head + reductions + rope + attn + ENTRY
+    return SHIM + HELPERS + head + reductions + rope + attn + ENTRY
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +193,7 @@ def test_emulated_attention(emu, hq, hkv, d, p, sms):
     rks, rvs = ks.float(), vs.float()
     want = fused.ref_rope_attn(qkv, qn, kn, table, rks, rvs, hq, hkv, d, 1e-6, bucket, start=p)
     outs = []
-    mma = fused.attn_mma_fits(9, d, fused.attn_plan(bucket, hkv, hq // hkv, d, sms)[2])   # rounds on tensor cores
-    for kernel in ("emu_rope_attn", "emu_rope_attn_e") + (("emu_rope_attn_m",) if mma else ()):
+    for kernel in ("emu_rope_attn", "emu_rope_attn_e"):
         ks_k, vs_k = ks.clone(), vs.clone()
         got = emu_rope_attn(emu, qkv, qn, kn, table, ks_k, vs_k, hq, hkv, d, bucket, p, sms, kernel)
         assert not torch.isnan(got).any(), kernel
@@ -212,8 +202,6 @@ def test_emulated_attention(emu, hq, hkv, d, p, sms):
         torch.testing.assert_close(ks_k.float(), rks, atol=2e-3, rtol=1e-3)
         outs.append(got)
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=2e-3, rtol=1e-3)   # new vs old
-    for got in outs[2:]:                                   # tensor-core rounds (P in fp16) vs the newer kernel
-        torch.testing.assert_close(got.float(), outs[1].float(), atol=3e-3, rtol=3e-3)
 
 
 def test_emulated_bad_position_is_nan(emu):
@@ -239,8 +227,7 @@ def test_emulated_rope_attn_e_bad_position_is_nan(emu):
 
 @pytest.mark.parametrize("min_rounds,p,sms", [(4, 31, 132), (4, 200, 132), (8, 700, 132), (2, 90, 3)])
 def test_emulated_rope_attn_e_fewer_splits(emu, monkeypatch, min_rounds, p, sms):
-    """fused.ATT_MIN_ROUNDS > 1: fewer splits of more rounds; a lone split with keys writes the output (the newer
-    kernel and its tensor-core rounds)."""
+    """fused.ATT_MIN_ROUNDS > 1: fewer splits of more rounds; a lone split with keys writes the output."""
     monkeypatch.setattr(fused, "ATT_MIN_ROUNDS", min_rounds)
     hq, hkv, d = 32, 4, 128
     cap = p + 80
@@ -251,11 +238,9 @@ def test_emulated_rope_attn_e_fewer_splits(emu, monkeypatch, min_rounds, p, sms)
     keys = min(-(-(p + 1) // 256) * 256, cap)
     rks, rvs = ks.float(), vs.float()
     want = fused.ref_rope_attn(qkv, qn, kn, table, rks, rvs, hq, hkv, d, 1e-6, keys, start=p)
-    for kernel in ("emu_rope_attn_e", "emu_rope_attn_m"):   # _m: the rounds on tensor cores
-        ks_k, vs_k = ks.clone(), vs.clone()
-        got = emu_rope_attn(emu, qkv, qn, kn, table, ks_k, vs_k, hq, hkv, d, keys, p, sms, kernel)
-        torch.testing.assert_close(got.float(), want.float(), atol=3e-3, rtol=3e-3)
-        assert torch.equal(vs_k.float(), rvs), kernel
+    got = emu_rope_attn(emu, qkv, qn, kn, table, ks, vs, hq, hkv, d, keys, p, sms, "emu_rope_attn_e")
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-3, rtol=3e-3)
+    assert torch.equal(vs.float(), rvs)
 
 
 # ---------------------------------------------------------------------------- add + RMSNorm + router

@@ -8,8 +8,7 @@ Per record: GPU us per launch (CUDA events over graph replays), the split plan, 
 to the fp32 reference. One JSON line per record on stdout as measured (all of them, stamped, appended
 to $OUT/attn_bench.jsonl when $OUT is set). --sweep also times the fused kernels under other split
 plans (the tuning knobs hybrid.kernels.fused.ATT_PASSES, ATT_BLOCKS_PER_SM, ATT_COMBINE_Q), each
-record naming its knobs. rope_attn_mma[_r2|_r4]: the rope + attention with its rounds on tensor cores
-($HYBRID_ATTN_MMA=1: fused_rope_attn_m), at fused.ATT_MIN_ROUNDS 1 (the default plan), 2 or 4 (fewer splits).
+record naming its knobs.
 
     PYTHONPATH=. python3 tools/gpu_attn_bench.py [--pos 300 3000] [--layers 48] [--heads 32 4 128] [--sweep]
 """
@@ -26,22 +25,6 @@ import torch
 # (passes, blocks per SM, floats per combine); the default (fused.ATT_*) is timed first, then these
 SWEEP = [(4, 1.0, 32768), (4, 2.0, 65536), (4, 3.0, 98304), (4, 4.0, 131072), (4, 2.0, 131072),
          (2, 2.0, 65536), (4, 1.5, 65536)]
-
-
-def with_attn(mma: int, min_rounds: int, fn):
-    """fn() with $HYBRID_ATTN_MMA = mma (the rounds on tensor cores) and fused.ATT_MIN_ROUNDS = min_rounds."""
-    from hybrid.kernels import fused
-
-    old = os.environ.get("HYBRID_ATTN_MMA"), fused.ATT_MIN_ROUNDS
-    os.environ["HYBRID_ATTN_MMA"], fused.ATT_MIN_ROUNDS = str(mma), min_rounds
-    try:
-        return fn()
-    finally:
-        fused.ATT_MIN_ROUNDS = old[1]
-        if old[0] is None:
-            os.environ.pop("HYBRID_ATTN_MMA")
-        else:
-            os.environ["HYBRID_ATTN_MMA"] = old[0]
 
 
 def measure(fn, replays: int) -> float:
@@ -108,12 +91,6 @@ def main(argv=None) -> int:
             "decode_attn": lambda i: fused.decode_attn(qs[i], ks[i], vs[i], keys, pos=pos),
             "rope_attn": lambda i: fused.rope_attn(qkvs[i], qn, kn, table, ks[i], vs[i], hq, hkv, d, 1e-6, keys,
                                                    pos=pos),
-            "rope_attn_mma": lambda i: with_attn(1, 1, lambda: fused.rope_attn(
-                qkvs[i], qn, kn, table, ks[i], vs[i], hq, hkv, d, 1e-6, keys, pos=pos)),
-            "rope_attn_mma_r2": lambda i: with_attn(1, 2, lambda: fused.rope_attn(
-                qkvs[i], qn, kn, table, ks[i], vs[i], hq, hkv, d, 1e-6, keys, pos=pos)),
-            "rope_attn_mma_r4": lambda i: with_attn(1, 4, lambda: fused.rope_attn(
-                qkvs[i], qn, kn, table, ks[i], vs[i], hq, hkv, d, 1e-6, keys, pos=pos)),
             "qk_rope_kv+decode_attn": lambda i: fused.decode_attn(
                 fused.qk_rope_kv(qkvs[i], qn, kn, table, ks[i], vs[i], hq, hkv, d, 1e-6, pos=pos), ks[i], vs[i],
                 keys, pos=pos),
@@ -126,9 +103,7 @@ def main(argv=None) -> int:
                 fused.ATT_PASSES, fused.ATT_BLOCKS_PER_SM, fused.ATT_COMBINE_Q = kn_
                 us = measure(lambda: [call(i) for i in range(n)], args.replays) / n
                 rec = {"variant": name, "pos": pv, "keys": keys, "us_per_launch": round(us, 2),
-                       "heads": [hq, hkv, d], "plan": list(with_attn(
-                           0, int(name[-1]) if name[-2:-1] == "r" else fused.ATT_MIN_ROUNDS,
-                           lambda: fused.attn_plan(keys, hkv, hq // hkv, d, sms))),
+                       "heads": [hq, hkv, d], "plan": list(fused.attn_plan(keys, hkv, hq // hkv, d, sms)),
                        "knobs": {"passes": kn_[0], "blocks_per_sm": kn_[1], "combine_q": kn_[2]}, "sms": sms}
                 if name in ("sdpa", "decode_attn"):
                     rec["max_abs_diff_vs_ref"] = float((call(0).float().cpu() - want).abs().max())

@@ -505,21 +505,6 @@ def _attn_setup(what, hq, hkv, d, keys, k_store, v_store, pos, start, rows, dev)
     return g, plan, part, cnt, torch.empty(1, hq * d, dtype=torch.float16, device=dev)
 
 
-def attn_mma_fits(major: int, d: int, rk: int) -> bool:
-    """Whether fused_rope_attn_m (the rounds on tensor cores: mma.sync m16n8k16) applies: a module built for
-    sm_80+, D and the keys per round multiples of 16."""
-    return major >= 8 and d % 16 == 0 and rk % 16 == 0
-
-
-def attn_mma(major: int, d: int, rk: int) -> bool:
-    """Whether the one-token rope + attention runs fused_rope_attn_m where it fits: $HYBRID_ATTN_MMA 1 / 0
-    (ATTN_MMA_DEFAULT), read at each launch."""
-    return os.environ.get("HYBRID_ATTN_MMA", ATTN_MMA_DEFAULT) == "1" and attn_mma_fits(major, d, rk)
-
-
-ATTN_MMA_DEFAULT = "0"
-
-
 def attn_plan(keys: int, hkv: int, g: int, d: int, sms: int) -> tuple[int, int, int, int]:
     """Split plan of the one-token attention (flash-decoding) for `keys` rows ->
     (splits S, rounds R per split, keys RK per round, cpl). A round is ATT_PASSES (<= 4) passes of
@@ -570,10 +555,7 @@ def rope_attn(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
                                           min(keys, table.shape[0]), dev)
     splits, rounds, rk, cpl = plan
     new = new_kernel("attn") and _aligned(qkv, q_norm, k_norm, table)
-    name = "fused_rope_attn_e" if new else "fused_rope_attn"
-    if new and attn_mma(_module(dev).sm // 10, d, rk):     # the module's target (forced compute_70 PTX: none)
-        name = "fused_rope_attn_m"
-    _launch(dev, name, (hkv, splits, 1), ATT_THREADS, [
+    _launch(dev, "fused_rope_attn_e" if new else "fused_rope_attn", (hkv, splits, 1), ATT_THREADS, [
         _p(qkv), _p(q_norm), _p(k_norm), _p(table), ctypes.c_int(table.shape[0]), _p(pos), ctypes.c_int(start),
         _p(k_store), _p(v_store), _p(out), _p(part), _p(cnt[1:]), ctypes.c_int(hq), ctypes.c_int(hkv),
         ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps), ctypes.c_float(d ** -0.5 * _LOG2E),
