@@ -44,7 +44,7 @@ def main() -> int:
                          "kernels) at each --m and M = 1, per build (shape 'moe_8_experts')")
     ap.add_argument("--moe-env", default="",
                     help="VAR=v1,v2,...: time the MoE layer once per value of that environment variable (read "
-                         "at each launch, e.g. HYBRID_MOE_EARLY=0,1,2), labelled default/VAR=v")
+                         "at each launch, e.g. HYBRID_PDL=0,1), labelled default/VAR=v")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sha", default="unknown")
