@@ -839,6 +839,8 @@ extern "C" __global__ void __launch_bounds__(128)
 #define ATT_VTILE 4096  // floats of a round's V tile: RK * D <= 4096
 #define ATT_NP 4        // key passes per round
 #define ATT_HPT 4       // query heads per thread in P.V: ceil(g / KP)
+#define ATT_HPT_W 2     // the same in fused_rope_attn_w (its launcher: ceil(g / KP) <= 2)
+#define ATT_HPT_OF(GR) (GR == 1 ? ATT_HPT : ATT_HPT_W)
 #define ATT_MAXW 1024   // splits x query heads the combine keeps in shared memory
 #define ATT_PF 12       // splits of partials per output group the combine loads before the weights
 #define LOG2E 1.4426950408889634f
@@ -885,19 +887,29 @@ __device__ __forceinline__ void unpack8(uint4 raw, float* f) {
   }
 }
 
-// Chunk c of the K and V rows rs + r + KP i (i < NP, rows < L) of KV head kvh; zeros elsewhere.
-__device__ __forceinline__ void attn_load(const AttnArgs& a, int rs, uint4 (&kq)[ATT_NP],
-                                          uint4 (&vq)[ATT_NP]) {
-  const int cpl = a.cpl, c = threadIdx.x & ((1 << cpl) - 1), r = threadIdx.x >> cpl;
+// GR groups of ATT_THREADS threads share a split's rounds (fused_rope_attn_w: GR = 2): thread t is lane
+// lt = t % ATT_THREADS of group t / ATT_THREADS, which owns the PS = ATT_NP / GR key passes grp PS .. of a
+// round (its K/V loads, its share of the scores and of P.V); with GR = 1 this is the single group's layout.
+#define ATT_GROUP(GR) const int lt = GR == 1 ? (int)threadIdx.x : (int)threadIdx.x % ATT_THREADS, \
+                            grp = GR == 1 ? 0 : (int)threadIdx.x / ATT_THREADS
+
+// Chunk c of the K and V rows rs + r + KP i (i: the group's passes, i < NP, rows < L) of KV head kvh;
+// zeros elsewhere.
+template <int GR>
+__device__ __forceinline__ void attn_load(const AttnArgs& a, int rs, uint4 (&kq)[ATT_NP / GR],
+                                          uint4 (&vq)[ATT_NP / GR]) {
+  const unsigned ul = GR == 1 ? threadIdx.x : threadIdx.x % ATT_THREADS;   // ATT_GROUP's lt
+  const int grp = GR == 1 ? 0 : (int)threadIdx.x / ATT_THREADS;
+  const int cpl = a.cpl, c = ul & ((1 << cpl) - 1), r = ul >> cpl;
   const int KP = ATT_THREADS >> cpl, NP = a.RK / KP;
 #pragma unroll
-  for (int i = 0; i < ATT_NP; ++i) {
-    const int key = rs + r + KP * i;
-    kq[i] = vq[i] = make_uint4(0u, 0u, 0u, 0u);
+  for (int ii = 0; ii < ATT_NP / GR; ++ii) {
+    const int i = grp * (ATT_NP / GR) + ii, key = rs + r + KP * i;
+    kq[ii] = vq[ii] = make_uint4(0u, 0u, 0u, 0u);
     if (i < NP && 8 * c < a.D && key < a.L) {
       const size_t off = ((size_t)key * a.Hkv + blockIdx.x) * a.D + 8 * c;
-      kq[i] = ldg_v4(a.k_store + off);
-      vq[i] = ldg_v4(a.v_store + off);
+      kq[ii] = ldg_v4(a.k_store + off);
+      vq[ii] = ldg_v4(a.v_store + off);
     }
   }
 }
@@ -914,24 +926,25 @@ __device__ __forceinline__ void butterfly_stage(float (&s)[16], int c, int o) {
   }
 }
 
-// Score v of a lane after the butterfly: head h0 + v / 4, key pass v % 4 (keys past n: -inf).
+// Score v of a lane after the butterfly: head h0 + v / PS, key pass grp PS + v % PS (keys past n: -inf).
+template <int PS>
 __device__ __forceinline__ void put_score(AttnSmem& sm, int h0, int v, float x, int g, int NP, int r,
-                                          int KP, int rs, int n, float scale2) {
-  const int hh = v >> 2, i = v & 3, kl = r + KP * i;
+                                          int KP, int rs, int n, float scale2, int grp) {
+  const int hh = v >> (PS == 4 ? 2 : 1), i = grp * PS + (v & (PS - 1)), kl = r + KP * i;   // PS: 4 or 2
   if (h0 + hh < g && i < NP) sm.sc[h0 + hh][kl] = rs + kl < n ? x * scale2 : NEG_INF;
 }
 
 // P.V of a round for the thread's first HN head slots (heads r + KP j; a slot past g computes with
-// head 0 and is never written): acc[j] += sum over the round's keys of p[h][key] * V[key][its dims].
-template <int HN>
-__device__ __forceinline__ void attn_pv(const AttnSmem& sm, float (&acc)[ATT_HPT][8], int nk, int D,
+// head 0 and is never written): acc[j] += sum over the round's keys k0 .. k1 - 1 of p[h][key] * V[key][its dims].
+template <int HN, int HPT>
+__device__ __forceinline__ void attn_pv(const AttnSmem& sm, float (&acc)[HPT][8], int k0, int k1, int D,
                                         int c, int C, int r, int KP, int g) {
   int hj[HN];
 #pragma unroll
   for (int j = 0; j < HN; ++j) hj[j] = r + KP * j < g ? r + KP * j : 0;
   const float* vt = sm.u.vt;
 #pragma unroll 4
-  for (int kk = 0; kk < nk; ++kk) {
+  for (int kk = k0; kk < k1; ++kk) {
     const float4 v0 = *(const float4*)(vt + kk * D + 4 * c);
     const float4 v1 = *(const float4*)(vt + kk * D + 4 * (c + C));
 #pragma unroll
@@ -946,7 +959,8 @@ __device__ __forceinline__ void attn_pv(const AttnSmem& sm, float (&acc)[ATT_HPT
 }
 
 // Combined output of float4 group idx (head idx / G4) of a KV head: the splits' partial sums weighted by
-// sm.u.c.w over sm.l; xp: the group's first pf splits, already loaded.
+// sm.u.c.w over sm.l; xp: the group's first pf splits, already loaded; the rest CB splits' loads at a time.
+template <int CB = 4>
 __device__ __forceinline__ void combine_out(const AttnSmem& sm, const float4 (&xp)[ATT_PF], int pf,
                                             const float* pacc, int idx, int SU, int g, int G4, int gd,
                                             u16* out) {
@@ -963,12 +977,12 @@ __device__ __forceinline__ void combine_out(const AttnSmem& sm, const float4 (&x
     }
   }
   int sp = pf;
-  for (; sp + 4 <= SU; sp += 4) {                          // 4 splits' loads in flight
-    float4 x[4];
+  for (; sp + CB <= SU; sp += CB) {                        // CB splits' loads in flight
+    float4 x[CB];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) x[u] = ld_cg4(pb + (size_t)(sp + u) * gd);
+    for (int u = 0; u < CB; ++u) x[u] = ld_cg4(pb + (size_t)(sp + u) * gd);
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < CB; ++u) {
       const float wt = w[(sp + u) * g + h];
       o.x = fmaf(wt, x[u].x, o.x); o.y = fmaf(wt, x[u].y, o.y);
       o.z = fmaf(wt, x[u].z, o.z); o.w = fmaf(wt, x[u].w, o.w);
@@ -987,32 +1001,36 @@ __device__ __forceinline__ void combine_out(const AttnSmem& sm, const float4 (&x
 
 // One round of a split: keys [rs, rs + nk) (nk >= 1) from kq / vq, which are then reloaded with the rows
 // of the round at next_rs (none when < 0); scores, online softmax (FC: two heads per warp at once), P.V.
-template <bool FC>
-__device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint4 (&kq)[ATT_NP],
-                                           uint4 (&vq)[ATT_NP], float (&acc)[ATT_HPT][8], int rs, int nk,
+// GR groups (ATT_GROUP): each makes the scores of its PS passes for HH = 16 / PS heads at a time and P.V
+// over its passes' keys for every head; the groups' P.V sums are added at the split's end (attn_split).
+template <bool FC, int GR>
+__device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint4 (&kq)[ATT_NP / GR],
+                                           uint4 (&vq)[ATT_NP / GR], float (&acc)[ATT_HPT_OF(GR)][8], int rs, int nk,
                                            int n, int pp, int next_rs) {
+  constexpr int NT = ATT_THREADS * GR, PS = ATT_NP / GR, HH = 16 / PS;
+  ATT_GROUP(GR);
   const int tid = threadIdx.x, D = a.D, g = a.g, RK = a.RK, cpl = a.cpl, C = D >> 3, Cp = 1 << cpl;
   const int KP = ATT_THREADS >> cpl, NP = RK / KP;
-  const int c = tid & (Cp - 1), r = tid >> cpl, warp = tid >> 5, lane = tid & 31;
+  const int c = lt & (Cp - 1), r = lt >> cpl, warp = tid >> 5, lane = tid & 31;
   const int T = cpl < 4 ? cpl : 4, nv = 16 >> T;         // butterfly stages; values left per lane
   __syncthreads();                                      // the last round's P.V is done with vt, sc
-  float kf[ATT_NP][8];
+  float kf[PS][8];
 #pragma unroll
-  for (int i = 0; i < ATT_NP; ++i) {                   // K to floats, V rows into the tile
-    const int kl = r + KP * i, key = rs + kl;
+  for (int ii = 0; ii < PS; ++ii) {                    // K to floats, V rows into the tile
+    const int i = grp * PS + ii, kl = r + KP * i, key = rs + kl;
     float vf[8];
-    unpack8(kq[i], kf[i]);
-    unpack8(vq[i], vf);
+    unpack8(kq[ii], kf[ii]);
+    unpack8(vq[ii], vf);
     if (key == pp && c < C) {       // lanes past D keep attn_load's zeros (their q is 0, and 0 times the
 #pragma unroll                      // stale shared memory past row p's D values can be NaN)
       for (int e = 0; e < 8; ++e) {
-        kf[i][e] = sm.kn[8 * c + e];
+        kf[ii][e] = sm.kn[8 * c + e];
         vf[e] = sm.vn[8 * c + e];
       }
     }
     if (!(key < n)) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) kf[i][e] = vf[e] = 0.f;
+      for (int e = 0; e < 8; ++e) kf[ii][e] = vf[e] = 0.f;
     }
     if (i < NP && c < C) {
       float* vt = sm.u.vt + kl * D + 8 * c;
@@ -1020,20 +1038,20 @@ __device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint
       *(float4*)(vt + 4) = make_float4(vf[4], vf[5], vf[6], vf[7]);
     }
   }
-  if (next_rs >= 0) attn_load(a, next_rs, kq, vq);    // a later round's rows, in flight meanwhile
-  for (int h0 = 0; h0 < g; h0 += 4) {                   // scores, 4 heads x 4 key passes at a time
+  if (next_rs >= 0) attn_load<GR>(a, next_rs, kq, vq);   // a later round's rows, in flight meanwhile
+  for (int h0 = 0; h0 < g; h0 += HH) {                  // scores, HH heads x PS key passes at a time
     float s[16];
 #pragma unroll
-    for (int hh = 0; hh < 4; ++hh) {
+    for (int hh = 0; hh < HH; ++hh) {
       float4 q0 = make_float4(0.f, 0.f, 0.f, 0.f), q1 = q0;
       if (h0 + hh < g && c < C) {
         q0 = *(const float4*)(sm.qs + (h0 + hh) * D + 8 * c);
         q1 = *(const float4*)(sm.qs + (h0 + hh) * D + 8 * c + 4);
       }
 #pragma unroll
-      for (int i = 0; i < ATT_NP; ++i)
-        s[4 * hh + i] = q0.x * kf[i][0] + q0.y * kf[i][1] + q0.z * kf[i][2] + q0.w * kf[i][3] +
-                        q1.x * kf[i][4] + q1.y * kf[i][5] + q1.z * kf[i][6] + q1.w * kf[i][7];
+      for (int i = 0; i < PS; ++i)
+        s[PS * hh + i] = q0.x * kf[i][0] + q0.y * kf[i][1] + q0.z * kf[i][2] + q0.w * kf[i][3] +
+                         q1.x * kf[i][4] + q1.y * kf[i][5] + q1.z * kf[i][6] + q1.w * kf[i][7];
     }
     // transposing butterfly over the Cp lanes of a row: each stage halves the values a lane keeps
     int o = Cp >> 1;
@@ -1042,21 +1060,21 @@ __device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint
     if (T > 2) { butterfly_stage<2>(s, c, o); o >>= 1; }
     if (T > 3) { butterfly_stage<1>(s, c, o); o >>= 1; }
     for (; o; o >>= 1) s[0] += __shfl_xor_sync(0xffffffffu, s[0], o);   // Cp = 32: one value left
-    if ((c & ((1 << (cpl - T)) - 1)) == 0) {            // value j is (head h0 + v / 4, pass v % 4)
+    if ((c & ((1 << (cpl - T)) - 1)) == 0) {            // value j is (head h0 + v / PS, pass slot v % PS)
       const int base = nv * (c >> (cpl - T));
       if (nv == 1) {                                    // D >= 128: one value per lane
-        put_score(sm, h0, base, s[0], g, NP, r, KP, rs, n, a.scale2);
+        put_score<PS>(sm, h0, base, s[0], g, NP, r, KP, rs, n, a.scale2, grp);
       } else {
 #pragma unroll
         for (int j = 0; j < 16; ++j)
-          if (j < nv) put_score(sm, h0, j + base, s[j], g, NP, r, KP, rs, n, a.scale2);
+          if (j < nv) put_score<PS>(sm, h0, j + base, s[j], g, NP, r, KP, rs, n, a.scale2, grp);
       }
     }
   }
   __syncthreads();
   if (FC) {                                             // the same, two heads per warp at once
-    for (int h = warp; h < g; h += 2 * (ATT_THREADS / 32)) {
-      const int h2 = h + ATT_THREADS / 32;
+    for (int h = warp; h < g; h += 2 * (NT / 32)) {
+      const int h2 = h + NT / 32;
       const bool two = h2 < g;
       const int hb = two ? h2 : h;                      // a row to read when there is no second head
       float v[ATT_MAXRK / 32], v2[ATT_MAXRK / 32], mx = NEG_INF, mx2 = NEG_INF;
@@ -1100,7 +1118,7 @@ __device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint
       }
     }
   } else
-  for (int h = warp; h < g; h += ATT_THREADS / 32) {    // online softmax, a warp per head
+  for (int h = warp; h < g; h += NT / 32) {             // online softmax, a warp per head
     float v[ATT_MAXRK / 32], mx = NEG_INF;
 #pragma unroll
     for (int i = 0; i < ATT_MAXRK / 32; ++i) {
@@ -1126,16 +1144,18 @@ __device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint
   __syncthreads();
   if (c < C) {                                          // P.V of the round
 #pragma unroll
-    for (int j = 0; j < ATT_HPT; ++j) {
+    for (int j = 0; j < ATT_HPT_OF(GR); ++j) {
       const int h = r + KP * j;
       const float al = h < g ? sm.al[h] : 0.f;
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[j][e] *= al;
     }
     const int hn = (g + KP - 1) / KP;                   // head slots in use: no per-key predicates
-    if (hn == 1) attn_pv<1>(sm, acc, nk, D, c, C, r, KP, g);
-    else if (hn == 2) attn_pv<2>(sm, acc, nk, D, c, C, r, KP, g);
-    else attn_pv<ATT_HPT>(sm, acc, nk, D, c, C, r, KP, g);
+    const int k0 = grp * PS * KP, k1 = GR == 1 ? nk : min(nk, k0 + PS * KP);   // the group's keys
+    constexpr int HPT = ATT_HPT_OF(GR);
+    if (hn == 1) attn_pv<1, HPT>(sm, acc, k0, k1, D, c, C, r, KP, g);
+    else if (hn == 2) attn_pv<2, HPT>(sm, acc, k0, k1, D, c, C, r, KP, g);
+    else attn_pv<HPT, HPT>(sm, acc, k0, k1, D, c, C, r, KP, g);
   }
 }
 
@@ -1195,38 +1215,65 @@ __device__ __forceinline__ void combine_two(const AttnSmem& sm, const float4 (&x
 // grid sync; the combine's weights in one step (two barriers fewer: a thread per head for <= 8 splits, a
 // warp per head beyond, whose sums differ from the older order by fp32 rounding) and its loads in batches
 // over both output groups (combine_two). (Two rounds' K/V loads in flight measured no faster: GPU run 2.)
-template <bool FC>
-__device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint4 (&kq)[ATT_NP],
-                                           uint4 (&vq)[ATT_NP], int n, int pp, int SA) {
+// GR groups of threads (ATT_GROUP): the rounds split between them, their P.V sums added before the output.
+template <bool FC, int GR>
+__device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint4 (&kq)[ATT_NP / GR],
+                                           uint4 (&vq)[ATT_NP / GR], int n, int pp, int SA) {
+  constexpr int NT = ATT_THREADS * GR;
+  ATT_GROUP(GR);
   const int tid = threadIdx.x, kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
   const int D = a.D, g = a.g, RK = a.RK, cpl = a.cpl, C = D >> 3;
-  const int KP = ATT_THREADS >> cpl, c = tid & ((1 << cpl) - 1), r = tid >> cpl;
+  const int KP = ATT_THREADS >> cpl, c = lt & ((1 << cpl) - 1), r = lt >> cpl;
   const int SK = a.R * RK, start = split * SK;
   const int rounds = n > start ? min(a.R, (n - start + RK - 1) / RK) : 0;
   if (tid < g) { sm.m[tid] = NEG_INF; sm.l[tid] = 0.f; }
-  float acc[ATT_HPT][8];
+  float acc[ATT_HPT_OF(GR)][8];
 #pragma unroll
-  for (int j = 0; j < ATT_HPT; ++j)
+  for (int j = 0; j < ATT_HPT_OF(GR); ++j)
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
   if (!FC) {
     for (int rd = 0; rd < rounds; ++rd) {
       const int rs = start + rd * RK;
-      attn_round<false>(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 1 < rounds ? rs + RK : -1);
+      attn_round<false, GR>(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 1 < rounds ? rs + RK : -1);
     }
   } else {
     for (int rd = 0; rd < rounds; ++rd) {
       const int rs = start + rd * RK;
-      attn_round<true>(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 1 < rounds ? rs + RK : -1);
+      attn_round<true, GR>(sm, a, kq, vq, acc, rs, min(RK, n - rs), n, pp, rd + 1 < rounds ? rs + RK : -1);
     }
   }
   __syncthreads();                                        // sm.m / sm.l final (also with no rounds)
   const int gd = g * D;
+  if (GR > 1) {                                           // group 1's P.V sums onto group 0's (through vt)
+    if (grp == 1 && c < C)
+#pragma unroll
+      for (int j = 0; j < ATT_HPT_OF(GR); ++j) {
+        const int h = r + KP * j;
+        if (h < g) {
+          float* t = sm.u.vt + h * D;
+          *(float4*)(t + 4 * c) = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+          *(float4*)(t + 4 * (c + C)) = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
+        }
+      }
+    __syncthreads();
+    if (grp == 0 && c < C)
+#pragma unroll
+      for (int j = 0; j < ATT_HPT_OF(GR); ++j) {
+        const int h = r + KP * j;
+        if (h < g) {
+          const float4 t0 = *(const float4*)(sm.u.vt + h * D + 4 * c);
+          const float4 t1 = *(const float4*)(sm.u.vt + h * D + 4 * (c + C));
+          acc[j][0] += t0.x; acc[j][1] += t0.y; acc[j][2] += t0.z; acc[j][3] += t0.w;
+          acc[j][4] += t1.x; acc[j][5] += t1.y; acc[j][6] += t1.z; acc[j][7] += t1.w;
+        }
+      }
+  }
   if (SA == 1) {                                          // one split: normalise and write
 #pragma unroll
-    for (int j = 0; j < ATT_HPT; ++j) {
+    for (int j = 0; j < ATT_HPT_OF(GR); ++j) {
       const int h = r + KP * j;
-      if (h < g && c < C) {
+      if (grp == 0 && h < g && c < C) {
         const float l = sm.l[h];                          // 0 with no keys: NaN out
         u16* o = a.out + (size_t)kvh * gd + h * D;
 #pragma unroll
@@ -1242,9 +1289,9 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
   float* pml = a.partials + (size_t)a.Hkv * S * gd + (size_t)kvh * S * g * 2;   // [S, g, 2]
   if (rounds > 0) {
 #pragma unroll
-    for (int j = 0; j < ATT_HPT; ++j) {
+    for (int j = 0; j < ATT_HPT_OF(GR); ++j) {
       const int h = r + KP * j;
-      if (h < g && c < C) {
+      if (grp == 0 && h < g && c < C) {
         float* pp4 = pacc + (size_t)split * gd + h * D;
         *(float4*)(pp4 + 4 * c) = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
         *(float4*)(pp4 + 4 * (c + C)) = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
@@ -1274,17 +1321,17 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
   for (int u = 0; u < ATT_PF; ++u) {
     xp0[u] = xp1[u] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (u < SU && tid < NG) xp0[u] = ld_cg4(pacc + (size_t)u * gd + 4 * tid);
-    if (u < SU && tid + ATT_THREADS < NG) xp1[u] = ld_cg4(pacc + (size_t)u * gd + 4 * (tid + ATT_THREADS));
+    if (GR == 1 && u < SU && tid + NT < NG) xp1[u] = ld_cg4(pacc + (size_t)u * gd + 4 * (tid + NT));
   }
   float *w = sm.u.c.w, *wl = sm.u.c.wl;
-  for (int i = tid; i < SG; i += ATT_THREADS) {          // (max, sum) of every split: one latency
+  for (int i = tid; i < SG; i += NT) {          // (max, sum) of every split: one latency
     w[i] = ld_cg(pml + 2 * i);
     wl[i] = ld_cg(pml + 2 * i + 1);
   }
   __syncthreads();
   if (FC) {
     if (SU > 8) {                                         // per head (a warp): max, weights, sum over lanes
-      for (int h = tid >> 5; h < g; h += ATT_THREADS / 32) {
+      for (int h = tid >> 5; h < g; h += NT / 32) {
         const int lane = tid & 31;
         float mx = NEG_INF, l = 0.f;
         for (int sp = lane; sp < SU; sp += 32) mx = fmaxf(mx, w[sp * g + h]);
@@ -1309,11 +1356,16 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
       sm.l[tid] = l;                                      // 0 with no keys: NaN out
     }
     __syncthreads();
-    if (tid < NG)
-      combine_two(sm, xp0, xp1, min(SU, ATT_PF), pacc, tid, tid + ATT_THREADS, tid + ATT_THREADS < NG, SU, g,
-                  G4, gd, out_kvh);
-    for (int idx = tid + 2 * ATT_THREADS; idx < NG; idx += ATT_THREADS)
-      combine_out(sm, xp0, 0, pacc, idx, SU, g, G4, gd, out_kvh);
+    if (GR > 1) {                                         // one group per thread: loads 16 splits at a time
+      for (int idx = tid; idx < NG; idx += NT)
+        combine_out<16>(sm, xp0, idx == tid ? min(SU, ATT_PF) : 0, pacc, idx, SU, g, G4, gd, out_kvh);
+    } else {
+      if (tid < NG)
+        combine_two(sm, xp0, xp1, min(SU, ATT_PF), pacc, tid, tid + NT, tid + NT < NG, SU, g,
+                    G4, gd, out_kvh);
+      for (int idx = tid + 2 * NT; idx < NG; idx += NT)
+        combine_out(sm, xp0, 0, pacc, idx, SU, g, G4, gd, out_kvh);
+    }
     if (tid == 0) a.counters[kvh] = 0;
     return;
   }
@@ -1323,7 +1375,7 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
     sm.m[tid] = mx;
   }
   __syncthreads();
-  for (int i = tid; i < SG; i += ATT_THREADS) {
+  for (int i = tid; i < SG; i += NT) {
     const float mi = w[i], wgt = mi == NEG_INF ? 0.f : exp2f(mi - sm.m[i % g]);
     w[i] = wgt;
     wl[i] *= wgt;
@@ -1336,8 +1388,8 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
   }
   __syncthreads();
   if (tid < NG) combine_out(sm, xp0, min(SU, ATT_PF), pacc, tid, SU, g, G4, gd, out_kvh);
-  if (tid + ATT_THREADS < NG) combine_out(sm, xp1, min(SU, ATT_PF), pacc, tid + ATT_THREADS, SU, g, G4, gd, out_kvh);
-  for (int idx = tid + 2 * ATT_THREADS; idx < NG; idx += ATT_THREADS)
+  if (tid + NT < NG) combine_out(sm, xp1, min(SU, ATT_PF), pacc, tid + NT, SU, g, G4, gd, out_kvh);
+  for (int idx = tid + 2 * NT; idx < NG; idx += NT)
     combine_out(sm, xp0, 0, pacc, idx, SU, g, G4, gd, out_kvh);
   if (tid == 0) a.counters[kvh] = 0;
 }
@@ -1351,7 +1403,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
   __shared__ __align__(16) AttnSmem sm;
   const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
   uint4 kq[ATT_NP], vq[ATT_NP];
-  attn_load(a, blockIdx.y * R * RK, kq, vq);              // the first round, before the position
+  attn_load<1>(a, blockIdx.y * R * RK, kq, vq);           // the first round, before the position
   const long long p = pos ? pos[0] : (long long)pos0;
   const int gd = g * D;
   const u16* qh = q + (size_t)blockIdx.x * gd;
@@ -1369,7 +1421,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
   }
   const int n = (int)(p + 1 < (long long)L ? p + 1 : (long long)L);   // keys 0..p (<= 0: none)
   __syncthreads();
-  attn_split<false>(sm, a, kq, vq, n, -1, gridDim.y);
+  attn_split<false, 1>(sm, a, kq, vq, n, -1, gridDim.y);
 }
 
 // q/k RMSNorm + RoPE + KV write + attention for one token in one launch: every split block makes
@@ -1387,7 +1439,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
   const int kvh = blockIdx.x, warp = threadIdx.x >> 5, g = Hq / Hkv, SK = R * RK;
   const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
   uint4 kq[ATT_NP], vq[ATT_NP];
-  attn_load(a, blockIdx.y * SK, kq, vq);                  // the first round, before the position
+  attn_load<1>(a, blockIdx.y * SK, kq, vq);               // the first round, before the position
   const int lane = threadIdx.x & 31;
   for (int h = warp; h <= g; h += ATT_THREADS / 32) {     // this warp's q rows (and the K row) into
     const u16* src = qkv + (size_t)(h == g ? Hq + kvh : kvh * g + h) * D;   // L1: one latency for all
@@ -1415,7 +1467,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     }
   }
   const int n = ok ? (int)(p + 1 < (long long)L ? p + 1 : (long long)L) : 0;
-  attn_split<false>(sm, a, kq, vq, n, writer ? (int)p : -1, gridDim.y);
+  attn_split<false, 1>(sm, a, kq, vq, n, writer ? (int)p : -1, gridDim.y);
 }
 
 // fused_rope_attn_e: fused_rope_attn's outputs in fewer serial steps. Only the SU = ceil(n / SK) splits
@@ -1425,19 +1477,22 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // first two passes and the V row are loaded before the position is read, the RoPE row once for all
 // passes. The writer (the split holding p; the last split with keys when p is past them) also makes the
 // K head (head g of the passes) and writes K/V row p with 16-byte stores.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    fused_rope_attn_e(const u16* qkv, const float* q_norm, const float* k_norm, const float* table,
-                      int table_rows, const long long* pos, int pos0, u16* k_store, u16* v_store,
-                      u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps,
-                      float scale2, int L, int RK, int R, int cpl) {
+// GR thread groups (ATT_GROUP): fused_rope_attn_e one group, fused_rope_attn_w two (256 threads: the RoPE
+// passes of twice the heads at once, each group half of a round's key passes).
+#define ROPE_ATTN_ARGS const u16 *qkv, const float *q_norm, const float *k_norm, const float *table, \
+    int table_rows, const long long *pos, int pos0, u16 *k_store, u16 *v_store, u16 *out, float *partials, \
+    int *counters, int Hq, int Hkv, int D, int C, float eps, float scale2, int L, int RK, int R, int cpl
+template <int GR>
+__device__ __forceinline__ void rope_attn_e_body(ROPE_ATTN_ARGS) {
+  constexpr int NT = ATT_THREADS * GR;
   pdl_trigger();
   pdl_wait();
   __shared__ __align__(16) AttnSmem sm;
   const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, g = Hq / Hkv, SK = R * RK;
   const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
-  uint4 kq[ATT_NP], vq[ATT_NP];
-  attn_load(a, split * SK, kq, vq);                       // the first round, before the position
-  const int c = tid & ((1 << cpl) - 1), hs = tid >> cpl, HP = ATT_THREADS >> cpl, half = D >> 1;
+  uint4 kq[ATT_NP / GR], vq[ATT_NP / GR];
+  attn_load<GR>(a, split * SK, kq, vq);                   // the first round, before the position
+  const int c = tid & ((1 << cpl) - 1), hs = tid >> cpl, HP = NT >> cpl, half = D >> 1;
   const bool on = 8 * c < D;
   const u16* vsrc = qkv + (size_t)(Hq + Hkv + kvh) * D;
   const uint4 vrow = tid < (D >> 3) ? *(const uint4*)(vsrc + 8 * tid) : make_uint4(0u, 0u, 0u, 0u);
@@ -1465,7 +1520,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
   const int SU = (n + SK - 1) / SK;                       // splits with keys (<= gridDim.y)
   if (SU == 0) {                                          // a bad position: NaN out, nothing written
     if (split == 0)
-      for (int i = tid; i < g * D; i += ATT_THREADS) out[(size_t)kvh * g * D + i] = (u16)0x7e00;
+      for (int i = tid; i < g * D; i += NT) out[(size_t)kvh * g * D + i] = (u16)0x7e00;
     return;
   }
   if (split >= SU) return;
@@ -1542,5 +1597,14 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                                           (u32)f2h(kf[6]) | ((u32)f2h(kf[7]) << 16));
     *(uint4*)(v_store + row) = vrow;
   }
-  attn_split<true>(sm, a, kq, vq, n, writer ? (int)p : -1, SU);
+  attn_split<true, GR>(sm, a, kq, vq, n, writer ? (int)p : -1, SU);
+}
+
+#define ROPE_ATTN_PASS qkv, q_norm, k_norm, table, table_rows, pos, pos0, k_store, v_store, out, partials, \
+    counters, Hq, Hkv, D, C, eps, scale2, L, RK, R, cpl
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) fused_rope_attn_e(ROPE_ATTN_ARGS) {
+  rope_attn_e_body<1>(ROPE_ATTN_PASS);
+}
+extern "C" __global__ void __launch_bounds__(2 * ATT_THREADS) fused_rope_attn_w(ROPE_ATTN_ARGS) {
+  rope_attn_e_body<2>(ROPE_ATTN_PASS);
 }

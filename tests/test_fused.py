@@ -202,14 +202,27 @@ def test_ref_rope_attn_is_rope_then_attention():
 
 
 def test_new_kernel_switch(monkeypatch):
-    """HYBRID_FUSED_NEW: unset = NEW_DEFAULT (every newer kernel), 0 = the older kernels, a list = those."""
+    """HYBRID_FUSED_NEW: unset = NEW_DEFAULT (every newer kernel but the wide attention), 0 = the older
+    kernels, 1 = all of them, a list = those."""
     monkeypatch.delenv("HYBRID_FUSED_NEW", raising=False)
     assert all(fused.new_kernel(p) == (p in fused.NEW_DEFAULT) for p in fused.NEW_PARTS)
-    assert fused.NEW_DEFAULT == frozenset(fused.NEW_PARTS)
+    assert fused.NEW_DEFAULT == frozenset(fused.NEW_PARTS) - {"wide"}
     monkeypatch.setenv("HYBRID_FUSED_NEW", "0")
     assert not any(fused.new_kernel(p) for p in fused.NEW_PARTS)
+    monkeypatch.setenv("HYBRID_FUSED_NEW", "1")
+    assert all(fused.new_kernel(p) for p in fused.NEW_PARTS)
     monkeypatch.setenv("HYBRID_FUSED_NEW", "router, attn")
-    assert [fused.new_kernel(p) for p in fused.NEW_PARTS] == [False, True, True, False]
+    assert [fused.new_kernel(p) for p in fused.NEW_PARTS] == [False, True, True, False, False]
+
+
+def test_wide_attention_shapes():
+    """fused_rope_attn_w takes at most ATT_HPT_W query heads per thread in P.V (128 / 2^cpl rows of heads);
+    its plan aims at ATT_W_BLOCKS_PER_SM blocks per SM."""
+    assert fused.wide_fits(8, 128) and fused.wide_fits(16, 128) and fused.wide_fits(16, 64)
+    assert fused.wide_fits(8, 256) and not fused.wide_fits(16, 256) and not fused.wide_fits(12, 256)
+    s1, r1, _, _ = fused.attn_plan(2048, 4, 8, 128, 132, 1.05)
+    s2, r2, _, _ = fused.attn_plan(2048, 4, 8, 128, 132)
+    assert s1 * r1 >= 64 and s2 * r2 >= 64 and 4 * s1 <= 1.05 * 132 + 4 < 4 * s2
 
 
 def test_fused_kernels_ab_tool_dry_run(capsys, monkeypatch):

@@ -55,10 +55,12 @@ def backend(request):
         fused.force_ptx(dev, None)
 
 
-@pytest.fixture(params=["old", "new"])
+@pytest.fixture(params=["old", "new", "wide"])
 def kernels(request, monkeypatch):
-    """The older and the newer kernels (HYBRID_FUSED_NEW) of add_norm_router and rope_attn."""
-    monkeypatch.setenv("HYBRID_FUSED_NEW", "all" if request.param == "new" else "0")
+    """The older and the newer kernels (HYBRID_FUSED_NEW) of add_norm_router and rope_attn; "wide": every newer
+    kernel, fused_rope_attn_w for rope_attn."""
+    on = {"old": "0", "new": ",".join(sorted(fused.NEW_DEFAULT)), "wide": "all"}[request.param]
+    monkeypatch.setenv("HYBRID_FUSED_NEW", on)
     return request.param
 
 

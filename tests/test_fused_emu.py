@@ -1,5 +1,5 @@
 """Kernels of cuda/fused.cu run on the CPU: the one-token attention (fused_decode_attn, fused_rope_attn,
-fused_rope_attn_e) and the add + RMSNorm (+ router) kernels (fused_add_rms_norm[_e],
+fused_rope_attn_e, fused_rope_attn_w) and the add + RMSNorm (+ router) kernels (fused_add_rms_norm[_e],
 fused_add_norm_router[_e]), their CUDA source compiled as C++ (g++ -std=c++20) under a small shim, a
 block's threads as OS threads (__syncthreads and the warp shuffles as barriers), blocks one after another
 (the router's also in reverse order), against the torch references and the older kernels. Catches
@@ -87,6 +87,13 @@ extern "C" void emu_rope_attn_e(int gx, int gy, const u16* qkv, const float* q_n
     u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps, float scale2,
     int L, int RK, int R, int cpl) {
   run_grid(gx, gy, ATT_THREADS, [&] { fused_rope_attn_e(qkv, q_norm, k_norm, table, table_rows, pos, pos0,
+      k_store, v_store, out, partials, counters, Hq, Hkv, D, C, eps, scale2, L, RK, R, cpl); });
+}
+extern "C" void emu_rope_attn_w(int gx, int gy, const u16* qkv, const float* q_norm, const float* k_norm,
+    const float* table, int table_rows, const long long* pos, int pos0, u16* k_store, u16* v_store,
+    u16* out, float* partials, int* counters, int Hq, int Hkv, int D, int C, float eps, float scale2,
+    int L, int RK, int R, int cpl) {
+  run_grid(gx, gy, 2 * ATT_THREADS, [&] { fused_rope_attn_w(qkv, q_norm, k_norm, table, table_rows, pos, pos0,
       k_store, v_store, out, partials, counters, Hq, Hkv, D, C, eps, scale2, L, RK, R, cpl); });
 }
 """
@@ -193,7 +200,10 @@ def test_emulated_attention(emu, hq, hkv, d, p, sms):
     rks, rvs = ks.float(), vs.float()
     want = fused.ref_rope_attn(qkv, qn, kn, table, rks, rvs, hq, hkv, d, 1e-6, bucket, start=p)
     outs = []
-    for kernel in ("emu_rope_attn", "emu_rope_attn_e"):
+    kernels = ["emu_rope_attn", "emu_rope_attn_e"]
+    if fused.wide_fits(hq // hkv, d):
+        kernels.append("emu_rope_attn_w")
+    for kernel in kernels:
         ks_k, vs_k = ks.clone(), vs.clone()
         got = emu_rope_attn(emu, qkv, qn, kn, table, ks_k, vs_k, hq, hkv, d, bucket, p, sms, kernel)
         assert not torch.isnan(got).any(), kernel
@@ -201,7 +211,8 @@ def test_emulated_attention(emu, hq, hkv, d, p, sms):
         assert torch.equal(vs_k.float(), rvs), kernel
         torch.testing.assert_close(ks_k.float(), rks, atol=2e-3, rtol=1e-3)
         outs.append(got)
-    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=2e-3, rtol=1e-3)   # new vs old
+    for got in outs[1:]:
+        torch.testing.assert_close(got.float(), outs[0].float(), atol=2e-3, rtol=1e-3)   # newer vs old
 
 
 def test_emulated_bad_position_is_nan(emu):
@@ -220,8 +231,9 @@ def test_emulated_rope_attn_e_bad_position_is_nan(emu):
     ks, vs = _fresh((cap, hkv, d), 2).half(), _fresh((cap, hkv, d), 3).half()
     ks0, vs0 = ks.clone(), vs.clone()
     for p in (-1, 150):
-        got = emu_rope_attn(emu, qkv, qn, kn, table, ks, vs, hq, hkv, d, 256, p, 132, "emu_rope_attn_e")
-        assert torch.isnan(got).all()
+        for kernel in ("emu_rope_attn_e", "emu_rope_attn_w"):
+            got = emu_rope_attn(emu, qkv, qn, kn, table, ks, vs, hq, hkv, d, 256, p, 132, kernel)
+            assert torch.isnan(got).all(), kernel
     assert torch.equal(ks, ks0) and torch.equal(vs, vs0)
 
 
@@ -238,9 +250,11 @@ def test_emulated_rope_attn_e_fewer_splits(emu, monkeypatch, min_rounds, p, sms)
     keys = min(-(-(p + 1) // 256) * 256, cap)
     rks, rvs = ks.float(), vs.float()
     want = fused.ref_rope_attn(qkv, qn, kn, table, rks, rvs, hq, hkv, d, 1e-6, keys, start=p)
-    got = emu_rope_attn(emu, qkv, qn, kn, table, ks, vs, hq, hkv, d, keys, p, sms, "emu_rope_attn_e")
-    torch.testing.assert_close(got.float(), want.float(), atol=3e-3, rtol=3e-3)
-    assert torch.equal(vs.float(), rvs)
+    for kernel in ("emu_rope_attn_e", "emu_rope_attn_w"):
+        ks_k, vs_k = ks.clone(), vs.clone()
+        got = emu_rope_attn(emu, qkv, qn, kn, table, ks_k, vs_k, hq, hkv, d, keys, p, sms, kernel)
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-3, rtol=3e-3)
+        assert torch.equal(vs_k.float(), rvs), kernel
 
 
 # ---------------------------------------------------------------------------- add + RMSNorm + router

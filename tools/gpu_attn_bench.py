@@ -8,9 +8,12 @@ Per record: GPU us per launch (CUDA events over graph replays), the split plan, 
 to the fp32 reference. One JSON line per record on stdout as measured (all of them, stamped, appended
 to $OUT/attn_bench.jsonl when $OUT is set). --sweep also times the fused kernels under other split
 plans (the tuning knobs hybrid.kernels.fused.ATT_PASSES, ATT_BLOCKS_PER_SM, ATT_COMBINE_Q), each
-record naming its knobs.
+record naming its knobs. --fused-new times rope_attn under each HYBRID_FUSED_NEW value given (e.g. the default
+set and "all", which runs fused_rope_attn_w), --w-per-sm under each fused.ATT_W_BLOCKS_PER_SM (the wide kernel's
+plan); rope_attn records carry the max abs difference of layer 0's output to the fp32 reference.
 
     PYTHONPATH=. python3 tools/gpu_attn_bench.py [--pos 300 3000] [--layers 48] [--heads 32 4 128] [--sweep]
+        [--only rope_attn] [--fused-new norm,router,attn,plan all] [--w-per-sm 1.05 2.1]
 """
 from __future__ import annotations
 
@@ -54,6 +57,13 @@ def replay_us(graph, replays: int, warm: int = 3) -> float:
     return start.elapsed_time(end) * 1000 / replays
 
 
+def _set_env(var: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(var, None)
+    else:
+        os.environ[var] = value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pos", type=int, nargs="+", default=[0, 300, 1000, 3000, 8000], help="decode positions")
@@ -63,6 +73,10 @@ def main(argv=None) -> int:
     p.add_argument("--ctx", type=int, default=8192, help="KV rows per layer (default 8192)")
     p.add_argument("--replays", type=int, default=50, help="graph replays timed (default 50)")
     p.add_argument("--sweep", action="store_true", help="the fused kernels under other split plans too")
+    p.add_argument("--only", nargs="+", help="variants timed (default: all of them)")
+    p.add_argument("--fused-new", nargs="+", default=[None], help="HYBRID_FUSED_NEW values rope_attn is timed under")
+    p.add_argument("--w-per-sm", type=float, nargs="+", default=[None],
+                   help="fused.ATT_W_BLOCKS_PER_SM values rope_attn is timed under (fused_rope_attn_w's plan)")
     args = p.parse_args(argv)
     from hybrid.baselines.report import append_jsonl, stamp
     from hybrid.kernels import fused
@@ -96,20 +110,38 @@ def main(argv=None) -> int:
                 keys, pos=pos),
         }
         want = fused.ref_decode_attn(qs[0].float().cpu(), ks[0].float().cpu(), vs[0].float().cpu(), keys, start=pv)
+        want_r = fused.ref_rope_attn(qkvs[0].cpu(), qn.cpu(), kn.cpu(), table.cpu(), ks[0].float().cpu(),
+                                     vs[0].float().cpu(), hq, hkv, d, 1e-6, keys, start=pv)
         default = (fused.ATT_PASSES, fused.ATT_BLOCKS_PER_SM, fused.ATT_COMBINE_Q)
         knobs = [default] + (SWEEP if args.sweep else [])
+        w_default, env0 = fused.ATT_W_BLOCKS_PER_SM, os.environ.get("HYBRID_FUSED_NEW")
         for name, call in variants.items():
-            for kn_ in knobs if name != "sdpa" else [default]:
-                fused.ATT_PASSES, fused.ATT_BLOCKS_PER_SM, fused.ATT_COMBINE_Q = kn_
-                us = measure(lambda: [call(i) for i in range(n)], args.replays) / n
-                rec = {"variant": name, "pos": pv, "keys": keys, "us_per_launch": round(us, 2),
-                       "heads": [hq, hkv, d], "plan": list(fused.attn_plan(keys, hkv, hq // hkv, d, sms)),
-                       "knobs": {"passes": kn_[0], "blocks_per_sm": kn_[1], "combine_q": kn_[2]}, "sms": sms}
-                if name in ("sdpa", "decode_attn"):
-                    rec["max_abs_diff_vs_ref"] = float((call(0).float().cpu() - want).abs().max())
-                recs.append(rec)
-                print(json.dumps(rec), flush=True)
-            fused.ATT_PASSES, fused.ATT_BLOCKS_PER_SM, fused.ATT_COMBINE_Q = default
+            if args.only and name not in args.only:
+                continue
+            settings = ([(fn, w) for fn in args.fused_new for w in args.w_per_sm] if name == "rope_attn"
+                        else [(None, None)])
+            for fn, wps in settings:
+                _set_env("HYBRID_FUSED_NEW", env0 if fn is None else fn)
+                fused.ATT_W_BLOCKS_PER_SM = w_default if wps is None else wps
+                wide = name == "rope_attn" and fused.new_kernel("attn") and fused.new_kernel("wide")
+                for kn_ in knobs if name != "sdpa" else [default]:
+                    fused.ATT_PASSES, fused.ATT_BLOCKS_PER_SM, fused.ATT_COMBINE_Q = kn_
+                    us = measure(lambda: [call(i) for i in range(n)], args.replays) / n
+                    plan = fused.attn_plan(keys, hkv, hq // hkv, d, sms, fused.ATT_W_BLOCKS_PER_SM if wide else None)
+                    rec = {"variant": name, "pos": pv, "keys": keys, "us_per_launch": round(us, 2),
+                           "heads": [hq, hkv, d], "plan": list(plan),
+                           "knobs": {"passes": kn_[0], "blocks_per_sm": kn_[1], "combine_q": kn_[2]}, "sms": sms}
+                    if name == "rope_attn":
+                        rec.update(fused_new=os.environ.get("HYBRID_FUSED_NEW"), wide=wide,
+                                   w_blocks_per_sm=fused.ATT_W_BLOCKS_PER_SM)
+                        rec["max_abs_diff_vs_ref"] = float((call(0).float().cpu() - want_r.float()).abs().max())
+                    if name in ("sdpa", "decode_attn"):
+                        rec["max_abs_diff_vs_ref"] = float((call(0).float().cpu() - want).abs().max())
+                    recs.append(rec)
+                    print(json.dumps(rec), flush=True)
+                fused.ATT_PASSES, fused.ATT_BLOCKS_PER_SM, fused.ATT_COMBINE_Q = default
+            _set_env("HYBRID_FUSED_NEW", env0)
+            fused.ATT_W_BLOCKS_PER_SM = w_default
     gpu = torch.cuda.get_device_name(0)
     recs = [{**r, **stamp("tools/gpu_attn_bench.py"), "gpu": gpu} for r in recs]
     for r in recs:

@@ -43,6 +43,8 @@ ATT_BLOCKS_PER_SM = 2.1   # tuning: split blocks per SM the plan aims at (2, wit
 # fastest of the plans timed there; against the earlier 1 block per SM and 32768 floats it takes 1.00x / 0.90x /
 # 0.88x / 0.84x / 0.78x the time with 32 / 4 heads and 0.82x / 0.67x / 0.53x with 64 / 4 (results/runtime.md 26)
 ATT_MIN_ROUNDS = 1        # tuning: rounds per split at least (fewer splits, less combining, for few keys)
+ATT_W_BLOCKS_PER_SM = 1.05   # tuning: the same for fused_rope_attn_w (256 threads, ~170 registers: one per SM)
+ATT_HPT_W = 2             # fused_rope_attn_w's query heads per thread in P.V: ceil(g / (128 / 2^cpl)) at most
 _DT = {torch.float16: 0, torch.float32: 1}
 
 
@@ -65,8 +67,11 @@ DEFAULT_PARTS = frozenset(PARTS)
 # 12.5 / 15.6 / 21.0; the GPU tests (and, run 2, the runtime's greedy-id tests) passed. results/runtime.md 16.
 # "plan": fused_add_norm_router_e also makes the grouped MoE kernels' routing when given a RoutePlan
 # (hybrid.kernels.moe_route: qpn_moe's own route launch, 2.8 us per layer on the H200, is not made).
-NEW_PARTS = ("norm", "router", "attn", "plan")
-NEW_DEFAULT: frozenset = frozenset(NEW_PARTS)
+# "wide" (with "attn"): fused_rope_attn_w, fused_rope_attn_e's rounds shared by two groups of 128 threads (each
+# group half of a round's key passes: its K/V loads, the scores of its keys for 8 heads at a time, P.V over its
+# keys), where wide_fits; not on by default until measured on a GPU.
+NEW_PARTS = ("norm", "router", "attn", "plan", "wide")
+NEW_DEFAULT: frozenset = frozenset(("norm", "router", "attn", "plan"))
 
 
 def _env_part(var: str, part: str, default) -> bool:
@@ -485,7 +490,7 @@ def decode_attn(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, k
 _LOG2E = 1.4426950408889634
 
 
-def _attn_setup(what, hq, hkv, d, keys, k_store, v_store, pos, start, rows, dev):
+def _attn_setup(what, hq, hkv, d, keys, k_store, v_store, pos, start, rows, dev, per_sm=None):
     """Shape checks of the one-token attention; -> (g, attn_plan(...), partials, counters,
     out [1, Hq*D])."""
     g = hq // hkv if hkv else 0
@@ -499,22 +504,34 @@ def _attn_setup(what, hq, hkv, d, keys, k_store, v_store, pos, start, rows, dev)
         raise ValueError(f"start: expected 0..{rows - 1}, got {start}")
     if k_store.data_ptr() % 16 or v_store.data_ptr() % 16:
         raise ValueError("k_store / v_store: data pointers must be 16-byte aligned")
-    plan = attn_plan(keys, hkv, g, d, _sm_count(dev))
+    plan = attn_plan(keys, hkv, g, d, _sm_count(dev), per_sm)
     splits = plan[0]
     part, cnt = _workspace(dev, hkv * splits * g * (d + 2) if splits > 1 else 0, hkv)
     return g, plan, part, cnt, torch.empty(1, hq * d, dtype=torch.float16, device=dev)
 
 
-def attn_plan(keys: int, hkv: int, g: int, d: int, sms: int) -> tuple[int, int, int, int]:
+def _cpl(d: int) -> int:
+    """log2 of the lanes per K/V row (16-byte chunks: 2^cpl >= D / 8)."""
+    return max(0, (d // 8 - 1).bit_length())
+
+
+def wide_fits(g: int, d: int) -> bool:
+    """Whether fused_rope_attn_w takes this shape: at most ATT_HPT_W query heads per thread in P.V."""
+    return -(-g // (ATT_THREADS >> _cpl(d))) <= ATT_HPT_W
+
+
+def attn_plan(keys: int, hkv: int, g: int, d: int, sms: int,
+              per_sm: float | None = None) -> tuple[int, int, int, int]:
     """Split plan of the one-token attention (flash-decoding) for `keys` rows ->
     (splits S, rounds R per split, keys RK per round, cpl). A round is ATT_PASSES (<= 4) passes of
     KP = 128 / 2^cpl keys (2^cpl >= D / 8 lanes per row), at most 128 keys; the splits fill about
     ATT_BLOCKS_PER_SM blocks per SM over the Hkv heads, no more than the combine reads cheaply
-    (S * g * D <= ATT_COMBINE_Q, S * g <= 1024); few keys take few splits (keys <= RK: one split)."""
-    cpl = max(0, (d // 8 - 1).bit_length())
+    (S * g * D <= ATT_COMBINE_Q, S * g <= 1024); few keys take few splits (keys <= RK: one split).
+    per_sm: the blocks per SM to aim at (default ATT_BLOCKS_PER_SM)."""
+    cpl = _cpl(d)
     rk = min(max(1, min(ATT_PASSES, 4)) * (ATT_THREADS >> cpl), ATT_MAX_ROUND)
     chunks = -(-keys // rk)
-    blocks = max(1, int(sms * ATT_BLOCKS_PER_SM))
+    blocks = max(1, int(sms * (ATT_BLOCKS_PER_SM if per_sm is None else per_sm)))
     most = max(1, min(-(-blocks // hkv), ATT_COMBINE_Q // (g * d), ATT_MAX_W // g))
     rounds = max(-(-chunks // most), min(ATT_MIN_ROUNDS, chunks))
     return -(-chunks // rounds), rounds, rk, cpl
@@ -551,11 +568,13 @@ def rope_attn(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
     _check_qkv(qkv, q_norm, k_norm, table, k_store, v_store, 1, hq, hkv, d, dev)
     _pos(pos, dev)
     cap = k_store.shape[0]
-    g, plan, part, cnt, out = _attn_setup("rope_attn", hq, hkv, d, keys, k_store, v_store, pos, start,
-                                          min(keys, table.shape[0]), dev)
-    splits, rounds, rk, cpl = plan
     new = new_kernel("attn") and _aligned(qkv, q_norm, k_norm, table)
-    _launch(dev, "fused_rope_attn_e" if new else "fused_rope_attn", (hkv, splits, 1), ATT_THREADS, [
+    wide = new and new_kernel("wide") and hq % hkv == 0 and wide_fits(hq // hkv, d)
+    g, plan, part, cnt, out = _attn_setup("rope_attn", hq, hkv, d, keys, k_store, v_store, pos, start,
+                                          min(keys, table.shape[0]), dev, ATT_W_BLOCKS_PER_SM if wide else None)
+    splits, rounds, rk, cpl = plan
+    name = "fused_rope_attn_w" if wide else "fused_rope_attn_e" if new else "fused_rope_attn"
+    _launch(dev, name, (hkv, splits, 1), ATT_THREADS * (2 if wide else 1), [
         _p(qkv), _p(q_norm), _p(k_norm), _p(table), ctypes.c_int(table.shape[0]), _p(pos), ctypes.c_int(start),
         _p(k_store), _p(v_store), _p(out), _p(part), _p(cnt[1:]), ctypes.c_int(hq), ctypes.c_int(hkv),
         ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps), ctypes.c_float(d ** -0.5 * _LOG2E),
