@@ -149,11 +149,12 @@ def generate_profile(session, tok, tokens: int = 40, top: int = 30) -> dict:
             "top": rc.top_functions(prof, n, top)}
 
 
-def generate_wall(session, tok, tokens: tuple[int, int] = (16, 56)) -> dict:
+def generate_wall(session, tok, tokens: tuple[int, int] = (16, 56), prompt: int = 32) -> dict:
     """The GPU's wall time (wall_times) per decoded token of hybrid.generate's overlapped decode, as hybrid-run runs
     it: two greedy generations of the same prompt, tokens[0] and tokens[1] tokens, under torch.profiler (CUDA
     activity only), and the difference of their figures over the difference of their token counts (the prefill
-    and the first steps cancel out). decode_tok_s: the longer generation's own, under the profiler."""
+    and the first steps cancel out). decode_tok_s: the longer generation's own, under the profiler. prompt: its
+    tokens (the attention's keys)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -161,7 +162,7 @@ def generate_wall(session, tok, tokens: tuple[int, int] = (16, 56)) -> dict:
     from hybrid.generate import generate
     from hybrid.sampler import Sampler, SamplerConfig
 
-    ids = prompt_ids(tok, 32)
+    ids = prompt_ids(tok, prompt)
     session.model.prompt_tokens = len(ids)
     greedy = Sampler(SamplerConfig())
     generate(session.model, tok, ids, 8, greedy, prefill_chunk=session.prefill_chunk)
@@ -199,7 +200,7 @@ def kernel_times(avg, steps: int, top: int = 25) -> dict:
 
 
 def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int, order: str, modes: list[str],
-         host_prof: bool = False, env: str = "HYBRID_MISS_GRAPH") -> None:
+         host_prof: bool = False, env: str = "HYBRID_MISS_GRAPH", prompts: tuple[int, ...] = (32,)) -> None:
     import torch
 
     from hybrid.bench.decode import measure
@@ -207,36 +208,39 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
     from hybrid.runtime import RuntimeOptions, open_session
 
     cfg, tok, ctx, cpu, eprof = tc.expert_profile_session(path, profile, tokens)
+    ctx = max(ctx, max(prompts) + max(tokens, 56) + 16)    # the sessions' KV rows: the prompt and the generations
     first: dict = {}
-    for label, kw in tc.configs(miss_slots, order):
-        for mode in modes:
-            check = f"{label}_miss_graph{mode}" if env == "HYBRID_MISS_GRAPH" else f"{label}_{env}={mode}"
-            if time.perf_counter() > deadline:
-                record({"check": check, "skipped": "device-time deadline"})
-                continue
-            os.environ[env] = mode                        # read when the session makes (captures) its graphs
-            if env == build.L2_ENV:                       # read when the QPN module is built: build it again
-                build.forget_modules()
-            rc.log(f"session {check}: {kw}")
-            s = open_session(path, RuntimeOptions(device="cuda", profile=profile, expert_profile=str(eprof), **kw),
-                             context=ctx, cpu=cpu)
-            try:
-                rec = measure(s, tok, 32, 16, tokens)
-                g = s.model.graphs
-                rec.update({"env": {env: mode}, "flags": kw, "linked_layers": len(g.links),
-                            "plan_split": list(s.plan.inputs.layer_split), **rc.graph_info(s)})
-                rec["cuda_calls_per_step"] = cuda_calls(s)
-                rec["generate_wall"] = generate_wall(s, tok)
-                if host_prof:
-                    rec["host_profile"] = host_profile(s)
-                    rec["generate_profile"] = generate_profile(s, tok)
-                head = rec["generated_ids_head"]
-                rec["ids_equal_first"] = first.setdefault(label, head) == head
-                record({"check": check, **rec})
-            finally:
-                s.close()
-                del s
-                torch.cuda.empty_cache()
+    for label, kw, prompt, mode in [(la, kw, pr, m) for la, kw in tc.configs(miss_slots, order) for pr in prompts
+                                    for m in modes]:
+        check = f"{label}_miss_graph{mode}" if env == "HYBRID_MISS_GRAPH" else f"{label}_{env}={mode}"
+        if len(prompts) > 1:
+            check += f"_prompt{prompt}"
+        if time.perf_counter() > deadline:
+            record({"check": check, "skipped": "device-time deadline"})
+            continue
+        os.environ[env] = mode                        # read when the session makes (captures) its graphs
+        if env == build.L2_ENV:                       # read when the QPN module is built: build it again
+            build.forget_modules()
+        rc.log(f"session {check}: {kw}")
+        s = open_session(path, RuntimeOptions(device="cuda", profile=profile, expert_profile=str(eprof), **kw),
+                         context=ctx, cpu=cpu)
+        try:
+            rec = measure(s, tok, prompt, 16, tokens)
+            g = s.model.graphs
+            rec.update({"env": {env: mode}, "flags": kw, "linked_layers": len(g.links), "prompt_tokens": prompt,
+                        "plan_split": list(s.plan.inputs.layer_split), **rc.graph_info(s)})
+            rec["cuda_calls_per_step"] = cuda_calls(s)
+            rec["generate_wall"] = generate_wall(s, tok, prompt=prompt)
+            if host_prof:
+                rec["host_profile"] = host_profile(s)
+                rec["generate_profile"] = generate_profile(s, tok)
+            head = rec["generated_ids_head"]
+            rec["ids_equal_first"] = first.setdefault((label, prompt), head) == head
+            record({"check": check, **rec})
+        finally:
+            s.close()
+            del s
+            torch.cuda.empty_cache()
     cpu.close()
 
 
@@ -245,6 +249,8 @@ def main() -> int:
     p.add_argument("--synth", type=Path, default=Path("/tmp/synth30"))
     p.add_argument("--skew", type=float, default=0.25)
     p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[32],
+                   help="prompt lengths of the measured generations (each with every mode, in this order)")
     p.add_argument("--budget-s", type=float, default=420, help="stop starting new sessions after this")
     p.add_argument("--miss-slots", type=int, default=1024, help="expert slots per card of the sessions with misses")
     p.add_argument("--profile", default="h200", help="hardware profile the plans use")
@@ -262,7 +268,7 @@ def main() -> int:
         return 2
     parts = [("synth_write", lambda: rc.make_synth(a.synth, a.skew, False)),
              ("ab_runs", lambda: runs(a.synth, deadline, a.tokens, a.profile, a.miss_slots, a.order, modes,
-                                        a.host_profile, a.env))]
+                                        a.host_profile, a.env, tuple(a.prompt_tokens)))]
     rc.run_parts(parts, deadline, record, rc.log)
     rc.log("done")
     return 0
