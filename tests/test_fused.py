@@ -202,11 +202,11 @@ def test_ref_rope_attn_is_rope_then_attention():
 
 
 def test_new_kernel_switch(monkeypatch):
-    """HYBRID_FUSED_NEW: unset = NEW_DEFAULT (every newer kernel but the wide attention), 0 = the older
-    kernels, 1 = all of them, a list = those."""
+    """HYBRID_FUSED_NEW: unset = NEW_DEFAULT (every newer kernel), 0 = the older kernels, 1 = all of them, a
+    list = those."""
     monkeypatch.delenv("HYBRID_FUSED_NEW", raising=False)
     assert all(fused.new_kernel(p) == (p in fused.NEW_DEFAULT) for p in fused.NEW_PARTS)
-    assert fused.NEW_DEFAULT == frozenset(fused.NEW_PARTS) - {"wide"}
+    assert fused.NEW_DEFAULT == frozenset(fused.NEW_PARTS)
     monkeypatch.setenv("HYBRID_FUSED_NEW", "0")
     assert not any(fused.new_kernel(p) for p in fused.NEW_PARTS)
     monkeypatch.setenv("HYBRID_FUSED_NEW", "1")

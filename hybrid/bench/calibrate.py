@@ -377,10 +377,10 @@ def _launch_us(i: int, reps: int, per: int) -> float:
 ATTN_HEADS = (32, 4, 128)          # query heads, KV heads, head dim: Qwen3-30B-A3B
 ATTN_KEYS = (2048, 8192)           # the two key counts whose time difference gives the per-key cost
 ATTN_LAYERS = 16                   # launches per timed graph, each on its own KV store
-ATTN_HOW = (f"one-token attention (hybrid.kernels.fused.decode_attn, {ATTN_HEADS[0]} query / {ATTN_HEADS[1]} KV "
-            f"heads of {ATTN_HEADS[2]}, fp16), {ATTN_LAYERS} launches on their own KV stores in one CUDA graph at "
-            f"{ATTN_KEYS[0]} and {ATTN_KEYS[1]} keys: K and V bytes per key / the time per extra key, median of "
-            f"the replays")
+ATTN_HOW = (f"one-token attention as the decode step runs it (hybrid.kernels.fused.rope_attn: q/k norm, RoPE, K/V row, "
+            f"attention; {ATTN_HEADS[0]} query / {ATTN_HEADS[1]} KV heads of {ATTN_HEADS[2]}, fp16), {ATTN_LAYERS} launches "
+            f"on their own KV stores in one CUDA graph at {ATTN_KEYS[0]} and {ATTN_KEYS[1]} keys: K and V bytes per key / "
+            f"the time per extra key, median of the replays")
 
 
 def kv_rate(t_us: tuple[float, float], keys: tuple[int, int], hkv: int, d: int) -> float:
@@ -394,10 +394,12 @@ def kv_rate(t_us: tuple[float, float], keys: tuple[int, int], hkv: int, d: int) 
 
 
 def _attn_kv_gbs(i: int, reps: int) -> float:
-    """kv_rate of fused.decode_attn on GPU i (ATTN_HEADS, ATTN_KEYS, ATTN_LAYERS per graph)."""
+    """kv_rate of fused.rope_attn (the decode step's attention kernel) on GPU i (ATTN_HEADS, ATTN_KEYS,
+    ATTN_LAYERS per graph)."""
     import torch
 
     from hybrid.kernels import fused
+    from hybrid.model.layers import Rotary
 
     dev = f"cuda:{i}"
     hq, hkv, d = ATTN_HEADS
@@ -406,11 +408,14 @@ def _attn_kv_gbs(i: int, reps: int) -> float:
         g = torch.Generator(device=dev).manual_seed(0)
         ks = [torch.randn(cap, hkv, d, generator=g, device=dev).half() for _ in range(ATTN_LAYERS)]
         vs = [torch.randn(cap, hkv, d, generator=g, device=dev).half() for _ in range(ATTN_LAYERS)]
-        q = torch.randn(1, hq, d, generator=g, device=dev).half()
+        qkv = torch.randn(1, (hq + 2 * hkv) * d, generator=g, device=dev).half()
+        norm = torch.ones(d, device=dev)
+        table = Rotary(d, 1e6).table(torch.device(dev), cap)
         times = []
         for keys in ATTN_KEYS:
             pos = torch.tensor([keys - 1], device=dev)
-            graph = _captured(dev, lambda: [fused.decode_attn(q, k, v, keys, pos=pos) for k, v in zip(ks, vs)])
+            graph = _captured(dev, lambda: [fused.rope_attn(qkv, norm, norm, table, k, v, hq, hkv, d, 1e-6, keys,
+                                                            pos=pos) for k, v in zip(ks, vs)])
             times.append(_events(dev, graph.replay, reps) * 1e6 / ATTN_LAYERS)
         del ks, vs
     return kv_rate(tuple(times), ATTN_KEYS, hkv, d)

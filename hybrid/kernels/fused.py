@@ -43,7 +43,9 @@ ATT_BLOCKS_PER_SM = 2.1   # tuning: split blocks per SM the plan aims at (2, wit
 # fastest of the plans timed there; against the earlier 1 block per SM and 32768 floats it takes 1.00x / 0.90x /
 # 0.88x / 0.84x / 0.78x the time with 32 / 4 heads and 0.82x / 0.67x / 0.53x with 64 / 4 (results/runtime.md 26)
 ATT_MIN_ROUNDS = 1        # tuning: rounds per split at least (fewer splits, less combining, for few keys)
-ATT_W_BLOCKS_PER_SM = 1.05   # tuning: the same for fused_rope_attn_w (256 threads, ~170 registers: one per SM)
+ATT_W_BLOCKS_PER_SM = 1.05   # tuning: the same for fused_rope_attn_w (256 threads, 163 registers: one per SM;
+#   H200 call 3: 0.55 / 0.8 / 1.05 take 15.7 / 13.7 / 11.5 us at 2000 keys, 43.7 / 31.7 / 26.5 at 8000; 2.1, two
+#   waves of blocks, 16.1 and 31.2)
 ATT_HPT_W = 2             # fused_rope_attn_w's query heads per thread in P.V: ceil(g / (128 / 2^cpl)) at most
 _DT = {torch.float16: 0, torch.float32: 1}
 
@@ -69,9 +71,12 @@ DEFAULT_PARTS = frozenset(PARTS)
 # (hybrid.kernels.moe_route: qpn_moe's own route launch, 2.8 us per layer on the H200, is not made).
 # "wide" (with "attn"): fused_rope_attn_w, fused_rope_attn_e's rounds shared by two groups of 128 threads (each
 # group half of a round's key passes: its K/V loads, the scores of its keys for 8 heads at a time, P.V over its
-# keys), where wide_fits; not on by default until measured on a GPU.
+# keys), where wide_fits, its plan one block per SM (ATT_W_BLOCKS_PER_SM). Default since the twenty-sixth
+# session (H200, git 48b85a2, results/runtime.md 36): per layer 4.9 / 7.2 / 9.0 / 11.5 / 16.5 / 26.5 us at 15 / 70 /
+# 1000 / 2000 / 4000 / 8000 keys against fused_rope_attn_e's 5.4 / 7.9 / 13.3 / 17.7 / 22.2 / 30.9; decode of the
+# synth 30B-A3B 476 vs 460 tok/s at a 32-token prompt, 395 vs 361 at 2000 (greedy ids equal).
 NEW_PARTS = ("norm", "router", "attn", "plan", "wide")
-NEW_DEFAULT: frozenset = frozenset(("norm", "router", "attn", "plan"))
+NEW_DEFAULT: frozenset = frozenset(NEW_PARTS)
 
 
 def _env_part(var: str, part: str, default) -> bool:
