@@ -1,7 +1,7 @@
 """A few eager launches of the one-token rope + attention (hybrid.kernels.fused.rope_attn) at one position, for a
 profiler to pick one (32 query / 4 KV heads of 128, 8192 KV rows, keys = the graph bucket of position + 1):
 
-    ncu --kernel-name fused_rope_attn_e --launch-skip 3 --launch-count 1 --section WarpStateStats \\
+    ncu --kernel-name fused_rope_attn_w --launch-skip 3 --launch-count 1 --section WarpStateStats \\
         python3 tools/gpu_attn_one.py 2000
 """
 import sys
@@ -24,7 +24,10 @@ def main(p: int) -> None:
     for _ in range(4):
         fused.rope_attn(qkv, qn, kn, table, ks, vs, hq, hkv, d, 1e-6, keys, pos=torch.tensor([p], device=dev))
     torch.cuda.synchronize()
-    print("plan", fused.attn_plan(keys, hkv, hq // hkv, d, torch.cuda.get_device_properties(0).multi_processor_count))
+    wide = fused.new_kernel("attn") and fused.new_kernel("wide") and fused.wide_fits(hq // hkv, d)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("plan", fused.attn_plan(keys, hkv, hq // hkv, d, sms, fused.ATT_W_BLOCKS_PER_SM if wide else None),
+          "fused_rope_attn_w" if wide else "fused_rope_attn_e")
 
 
 if __name__ == "__main__":
