@@ -61,17 +61,6 @@ typedef unsigned short u16;
 // (pdl_trigger), and waits for the one before it to finish, its writes visible, before it reads or writes
 // anything (pdl_wait). No-ops without the launch attribute and below sm_90.
 // QPN_SHARED: pdl_trigger pdl_wait
-// fused_add_rms_norm_e, fused_add_norm_router_e and the rope + attention kernels read what no kernel of the launch
-// chain writes before their pdl_wait: weights (norm, router, RoPE table), the position (written before the chain:
-// the decode graph's position is filled before its replay) and K/V rows of earlier positions (written by kernels at
-// least one QPN GEMV earlier, which lets its dependents go only after its own wait); so those loads are in flight
-// while the previous kernel ends. Built with FUSED_WAIT_AT_START (hybrid.kernels.fused_build, HYBRID_FUSED_EARLY=0)
-// they wait at their start, as the other fused kernels do.
-__device__ __forceinline__ void wait_at_start() {
-#ifdef FUSED_WAIT_AT_START
-  pdl_wait();
-#endif
-}
 
 // ---------------------------------------------------------------- conversions, reductions
 __device__ __forceinline__ float h2f(u16 h) {
@@ -562,18 +551,14 @@ __device__ __forceinline__ void add_rms_norm_e_body(const void* x, const void* d
   uint4 xr[ARN_NJ], dr[ARN_NJ];
   float4 ww[ARN_NJ];
 #pragma unroll
-  for (int j = 0; j < ARN_NJ; ++j) {                     // the weight before the wait (wait_at_start)
-    const int gi = tid + 256 * j;
-    ww[j] = gi < NG ? *(const float4*)(w + 4 * gi) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  pdl_wait();
-#pragma unroll
   for (int j = 0; j < ARN_NJ; ++j) {
     const int gi = tid + 256 * j;
     xr[j] = dr[j] = make_uint4(0u, 0u, 0u, 0u);
+    ww[j] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (gi < NG) {
       xr[j] = ld4<XF>(x, row + 4 * gi);
       if (DM) dr[j] = ld4<DM == 2>(delta, row + 4 * gi);
+      ww[j] = *(const float4*)(w + 4 * gi);
     }
   }
   float v[ARN_NJ][4];
@@ -626,7 +611,7 @@ extern "C" __global__ void __launch_bounds__(256)
     fused_add_rms_norm_e(const void* x, const void* delta, const float* w, void* x_out, void* h,
                          float* hf, int H, float eps, int x_f32, int delta_f32) {
   pdl_trigger();
-  wait_at_start();                                        // else after the weight's loads (the body)
+  pdl_wait();
   __shared__ float part[8];
   DISPATCH_XD(add_rms_norm_e_body, x, delta, w, x_out, h, hf, H, eps, part);
 }
@@ -641,20 +626,13 @@ __device__ __forceinline__ void anre_body(const void* x, const void* delta, cons
   float4 rr[ANRE_NJ], ww[ANRE_NJ];
   uint4 xr[ANRE_NJ], dr[ANRE_NJ];
 #pragma unroll
-  for (int j = 0; j < ANRE_NJ; ++j) {                     // the router row and norm weight before the wait
+  for (int j = 0; j < ANRE_NJ; ++j) {                     // every load of token 0 first: one latency
     const int gi = tid + 128 * j;
     rr[j] = ww[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    xr[j] = dr[j] = make_uint4(0u, 0u, 0u, 0u);
     if (gi < NG) {
       rr[j] = *(const float4*)(wr + 4 * gi);
       ww[j] = *(const float4*)(w + 4 * gi);
-    }
-  }
-  pdl_wait();
-#pragma unroll
-  for (int j = 0; j < ANRE_NJ; ++j) {                     // every load of token 0 at once: one latency
-    const int gi = tid + 128 * j;
-    xr[j] = dr[j] = make_uint4(0u, 0u, 0u, 0u);
-    if (gi < NG) {
       xr[j] = ld4<XF>(x, 4 * gi);
       if (DM) dr[j] = ld4<DM == 2>(delta, 4 * gi);
     }
@@ -820,7 +798,7 @@ extern "C" __global__ void __launch_bounds__(128)
                             const int* slot_table, int* slots, float* route_row, int S, int* offsets,
                             int* perm, int* active, float* zero, int nzero) {
   pdl_trigger();
-  wait_at_start();                                        // else after the router row's loads (the body)
+  pdl_wait();
   __shared__ __align__(16) float hs[ANR_MAXH];           // H > 2048: the residual
   __shared__ float pss[ROUTER_MAXT][4], pacc[ROUTER_MAXT][4];
   __shared__ int si[32];                                  // T > 1: assignment a's slot, for the MoE plan
@@ -1495,9 +1473,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // fused_rope_attn_e: fused_rope_attn's outputs in fewer serial steps. Only the SU = ceil(n / SK) splits
 // with keys run (the others return at once) and only they count into the combine; a lone split with keys
 // writes the output itself. The heads: one per Cp = 2^cpl lanes (the attention's layout), lane c holds
-// the pairs (i, i + D/2), i in [4c, 4c + 4), loaded 8 bytes at a time; the first round's K/V rows, the norm
-// weights of the first two passes, the position and the RoPE row (once for all passes) are loaded before the
-// programmatic-launch wait (wait_at_start), the q rows of those passes and the V row right after it. The writer (the split holding p; the last split with keys when p is past them) also makes the
+// the pairs (i, i + D/2), i in [4c, 4c + 4), loaded 8 bytes at a time; the q rows and norm weights of the
+// first two passes and the V row are loaded before the position is read, the RoPE row once for all
+// passes. The writer (the split holding p; the last split with keys when p is past them) also makes the
 // K head (head g of the passes) and writes K/V row p with 16-byte stores.
 // GR thread groups (ATT_GROUP): fused_rope_attn_e one group, fused_rope_attn_w two (256 threads: the RoPE
 // passes of twice the heads at once, each group half of a round's key passes).
@@ -1508,7 +1486,7 @@ template <int GR>
 __device__ __forceinline__ void rope_attn_e_body(ROPE_ATTN_ARGS) {
   constexpr int NT = ATT_THREADS * GR;
   pdl_trigger();
-  wait_at_start();                                        // else after the position, K/V, norm and RoPE loads
+  pdl_wait();
   __shared__ __align__(16) AttnSmem sm;
   const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, g = Hq / Hkv, SK = R * RK;
   const AttnArgs a{k_store, v_store, out, partials, counters, Hkv, g, D, L, RK, R, cpl, scale2};
@@ -1516,50 +1494,46 @@ __device__ __forceinline__ void rope_attn_e_body(ROPE_ATTN_ARGS) {
   attn_load<GR>(a, split * SK, kq, vq);                   // the first round, before the position
   const int c = tid & ((1 << cpl) - 1), hs = tid >> cpl, HP = NT >> cpl, half = D >> 1;
   const bool on = 8 * c < D;
-  float4 na[2], nb[2];                                    // passes 0, 1: head hs + HP u (g: the K head)
+  const u16* vsrc = qkv + (size_t)(Hq + Hkv + kvh) * D;
+  const uint4 vrow = tid < (D >> 3) ? *(const uint4*)(vsrc + 8 * tid) : make_uint4(0u, 0u, 0u, 0u);
+  uint2 xa[2], xb[2];                                     // passes 0, 1: head hs + HP u (g: the K head)
+  float4 na[2], nb[2];
 #pragma unroll
-  for (int u = 0; u < 2; ++u) {                           // their norm weights
+  for (int u = 0; u < 2; ++u) {
     const int h = hs + HP * u;
+    xa[u] = xb[u] = make_uint2(0u, 0u);
     na[u] = nb[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (on && h <= g && q_norm) {
-      const float* nw = h < g ? q_norm : k_norm;
-      na[u] = *(const float4*)(nw + 4 * c);
-      nb[u] = *(const float4*)(nw + half + 4 * c);
+    if (on && h <= g) {
+      const u16* src = qkv + (size_t)(h < g ? kvh * g + h : Hq + kvh) * D;
+      xa[u] = *(const uint2*)(src + 4 * c);
+      xb[u] = *(const uint2*)(src + half + 4 * c);
+      if (q_norm) {
+        const float* nw = h < g ? q_norm : k_norm;
+        na[u] = *(const float4*)(nw + 4 * c);
+        nb[u] = *(const float4*)(nw + half + 4 * c);
+      }
     }
   }
   const long long p = pos ? pos[0] : (long long)pos0;
   const bool ok = p >= 0 && p < C && p < table_rows;
   const int n = ok ? (int)(p + 1 < (long long)L ? p + 1 : (long long)L) : 0;
   const int SU = (n + SK - 1) / SK;                       // splits with keys (<= gridDim.y)
-  if (SU == 0 ? split != 0 : split >= SU) return;         // no keys here (writes nothing)
+  if (SU == 0) {                                          // a bad position: NaN out, nothing written
+    if (split == 0)
+      for (int i = tid; i < g * D; i += NT) out[(size_t)kvh * g * D + i] = (u16)0x7e00;
+    return;
+  }
+  if (split >= SU) return;
+  const long long ps = p / SK;
+  const bool writer = split == (ps < SU - 1 ? (int)ps : SU - 1);
   float4 ca = make_float4(0.f, 0.f, 0.f, 0.f), cb = ca, sa = ca, sb = ca;   // cos / signed sin of i, i + D/2
-  if (on && SU > 0) {
+  if (on) {
     const float* cs = table + (size_t)p * 2 * D;
     ca = *(const float4*)(cs + 4 * c);
     cb = *(const float4*)(cs + half + 4 * c);
     sa = *(const float4*)(cs + D + 4 * c);
     sb = *(const float4*)(cs + D + half + 4 * c);
   }
-  pdl_wait();                                             // qkv: the previous kernel's output
-  const u16* vsrc = qkv + (size_t)(Hq + Hkv + kvh) * D;
-  const uint4 vrow = tid < (D >> 3) ? *(const uint4*)(vsrc + 8 * tid) : make_uint4(0u, 0u, 0u, 0u);
-  uint2 xa[2], xb[2];
-#pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    const int h = hs + HP * u;
-    xa[u] = xb[u] = make_uint2(0u, 0u);
-    if (on && h <= g) {
-      const u16* src = qkv + (size_t)(h < g ? kvh * g + h : Hq + kvh) * D;
-      xa[u] = *(const uint2*)(src + 4 * c);
-      xb[u] = *(const uint2*)(src + half + 4 * c);
-    }
-  }
-  if (SU == 0) {                                          // a bad position: NaN out, nothing written
-    for (int i = tid; i < g * D; i += NT) out[(size_t)kvh * g * D + i] = (u16)0x7e00;
-    return;
-  }
-  const long long ps = p / SK;
-  const bool writer = split == (ps < SU - 1 ? (int)ps : SU - 1);
   const int nh = g + (writer ? 1 : 0), passes = (nh + HP - 1) / HP;
   for (int u = 0; u < passes; ++u) {
     const int h = hs + HP * u;

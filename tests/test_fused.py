@@ -245,19 +245,3 @@ def test_fused_kernels_ab_tool_dry_run(capsys, monkeypatch):
     assert got == [("old", 1), ("new", 1), ("new_bare", 1), ("new_plan", 1), ("old", 8), ("new", 8), ("new_bare", 8),
                    ("in_context", 1), ("in_context_plan", 1), ("in_context", 8)]
     assert recs[1]["ids_equal_ref"] == recs[5]["ids_equal_ref"] == "1/1"
-
-
-def test_fused_early_switch(monkeypatch):
-    """HYBRID_FUSED_EARLY: unset / 1 = constant reads before the programmatic-launch wait (the source as it is);
-    0 = FUSED_WAIT_AT_START defined (every fused kernel waits at its start); anything else a clear error."""
-    from hybrid.errors import HybridError
-    from hybrid.kernels import fused_build
-
-    monkeypatch.delenv(fused_build.EARLY_ENV, raising=False)
-    assert fused_build.early_reads() and fused_build.built_source() == fused_build.source()
-    monkeypatch.setenv(fused_build.EARLY_ENV, "0")
-    assert not fused_build.early_reads()
-    assert fused_build.built_source().startswith("#define FUSED_WAIT_AT_START 1\n")
-    monkeypatch.setenv(fused_build.EARLY_ENV, "yes")
-    with pytest.raises(HybridError, match="HYBRID_FUSED_EARLY"):
-        fused_build.early_reads()

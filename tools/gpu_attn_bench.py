@@ -10,11 +10,10 @@ to $OUT/attn_bench.jsonl when $OUT is set). --sweep also times the fused kernels
 plans (the tuning knobs hybrid.kernels.fused.ATT_PASSES, ATT_BLOCKS_PER_SM, ATT_COMBINE_Q), each
 record naming its knobs. --fused-new times rope_attn under each HYBRID_FUSED_NEW value given (e.g. the default
 set and "all", which runs fused_rope_attn_w), --w-per-sm under each fused.ATT_W_BLOCKS_PER_SM (the wide kernel's
-plan), --fused-early under each HYBRID_FUSED_EARLY (the fused module built again for each); rope_attn records carry
-the max abs difference of layer 0's output to the fp32 reference.
+plan); rope_attn records carry the max abs difference of layer 0's output to the fp32 reference.
 
     PYTHONPATH=. python3 tools/gpu_attn_bench.py [--pos 300 3000] [--layers 48] [--heads 32 4 128] [--sweep]
-        [--only rope_attn] [--fused-new norm,router,attn,plan all] [--w-per-sm 1.05 2.1] [--fused-early 1 0]
+        [--only rope_attn] [--fused-new norm,router,attn,plan all] [--w-per-sm 1.05 2.1]
 """
 from __future__ import annotations
 
@@ -78,10 +77,9 @@ def main(argv=None) -> int:
     p.add_argument("--fused-new", nargs="+", default=[None], help="HYBRID_FUSED_NEW values rope_attn is timed under")
     p.add_argument("--w-per-sm", type=float, nargs="+", default=[None],
                    help="fused.ATT_W_BLOCKS_PER_SM values rope_attn is timed under (fused_rope_attn_w's plan)")
-    p.add_argument("--fused-early", nargs="+", default=[None], help="HYBRID_FUSED_EARLY values rope_attn is timed under")
     args = p.parse_args(argv)
     from hybrid.baselines.report import append_jsonl, stamp
-    from hybrid.kernels import fused, fused_build
+    from hybrid.kernels import fused
     from hybrid.model.layers import Attention, Rotary, attn_keys, decode_mask
 
     hq, hkv, d = args.heads
@@ -117,17 +115,13 @@ def main(argv=None) -> int:
         default = (fused.ATT_PASSES, fused.ATT_BLOCKS_PER_SM, fused.ATT_COMBINE_Q)
         knobs = [default] + (SWEEP if args.sweep else [])
         w_default, env0 = fused.ATT_W_BLOCKS_PER_SM, os.environ.get("HYBRID_FUSED_NEW")
-        early0 = os.environ.get(fused_build.EARLY_ENV)
         for name, call in variants.items():
             if args.only and name not in args.only:
                 continue
-            settings = ([(fn, w, e) for fn in args.fused_new for w in args.w_per_sm for e in args.fused_early]
-                        if name == "rope_attn" else [(None, None, None)])
-            for fn, wps, early in settings:
+            settings = ([(fn, w) for fn in args.fused_new for w in args.w_per_sm] if name == "rope_attn"
+                        else [(None, None)])
+            for fn, wps in settings:
                 _set_env("HYBRID_FUSED_NEW", env0 if fn is None else fn)
-                if os.environ.get(fused_build.EARLY_ENV) != (early0 if early is None else early):
-                    _set_env(fused_build.EARLY_ENV, early0 if early is None else early)
-                    fused_build.forget_modules()
                 fused.ATT_W_BLOCKS_PER_SM = w_default if wps is None else wps
                 wide = name == "rope_attn" and fused.new_kernel("attn") and fused.new_kernel("wide")
                 for kn_ in knobs if name != "sdpa" else [default]:
@@ -139,7 +133,7 @@ def main(argv=None) -> int:
                            "knobs": {"passes": kn_[0], "blocks_per_sm": kn_[1], "combine_q": kn_[2]}, "sms": sms}
                     if name == "rope_attn":
                         rec.update(fused_new=os.environ.get("HYBRID_FUSED_NEW"), wide=wide,
-                                   w_blocks_per_sm=fused.ATT_W_BLOCKS_PER_SM, early=fused_build.early_reads())
+                                   w_blocks_per_sm=fused.ATT_W_BLOCKS_PER_SM)
                         rec["max_abs_diff_vs_ref"] = float((call(0).float().cpu() - want_r.float()).abs().max())
                     if name in ("sdpa", "decode_attn"):
                         rec["max_abs_diff_vs_ref"] = float((call(0).float().cpu() - want).abs().max())
@@ -148,9 +142,6 @@ def main(argv=None) -> int:
                 fused.ATT_PASSES, fused.ATT_BLOCKS_PER_SM, fused.ATT_COMBINE_Q = default
             _set_env("HYBRID_FUSED_NEW", env0)
             fused.ATT_W_BLOCKS_PER_SM = w_default
-            if os.environ.get(fused_build.EARLY_ENV) != early0:
-                _set_env(fused_build.EARLY_ENV, early0)
-                fused_build.forget_modules()
     gpu = torch.cuda.get_device_name(0)
     recs = [{**r, **stamp("tools/gpu_attn_bench.py"), "gpu": gpu} for r in recs]
     for r in recs:

@@ -204,7 +204,7 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
     import torch
 
     from hybrid.bench.decode import measure
-    from hybrid.kernels import build, fused_build
+    from hybrid.kernels import build
     from hybrid.runtime import RuntimeOptions, open_session
 
     cfg, tok, ctx, cpu, eprof = tc.expert_profile_session(path, profile, tokens)
@@ -221,8 +221,6 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
         os.environ[env] = mode                        # read when the session makes (captures) its graphs
         if env == build.L2_ENV:                       # read when the QPN module is built: build it again
             build.forget_modules()
-        if env == fused_build.EARLY_ENV:              # read when the fused module is built: the same
-            fused_build.forget_modules()
         rc.log(f"session {check}: {kw}")
         s = open_session(path, RuntimeOptions(device="cuda", profile=profile, expert_profile=str(eprof), **kw),
                          context=ctx, cpu=cpu)

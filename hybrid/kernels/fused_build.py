@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 from pathlib import Path
 
 import torch
@@ -34,30 +33,6 @@ def source() -> str:
 
 _MODULES: dict = {}
 _FORCE_PTX: dict[int, int] = {}
-EARLY_ENV = "HYBRID_FUSED_EARLY"
-
-
-def early_reads() -> bool:
-    """HYBRID_FUSED_EARLY: 1 (default) = the norm, router and attention kernels issue their constant reads (weights,
-    the position, earlier K/V rows) before their programmatic-launch wait (cuda/fused.cu, wait_at_start); 0 = they
-    wait at their start (FUSED_WAIT_AT_START). Read when a device's module is built (forget_modules to switch);
-    sm_70 has no such wait, so its prebuilt PTX serves both."""
-    v = os.environ.get(EARLY_ENV, "1").strip().lower() or "1"
-    if v not in ("0", "1"):
-        from hybrid.errors import HybridError
-
-        raise HybridError(f"{EARLY_ENV}={v!r}: expected 0 or 1")
-    return v == "1"
-
-
-def built_source() -> str:
-    """source() as a device's module is built from it (HYBRID_FUSED_EARLY=0: FUSED_WAIT_AT_START defined)."""
-    return source() if early_reads() else "#define FUSED_WAIT_AT_START 1\n" + source()
-
-
-def forget_modules() -> None:
-    """Drop the loaded modules: the next launch on each device builds (or loads from the disk cache) again."""
-    _MODULES.clear()
 
 
 def force_ptx(device, sm: int | None) -> None:
@@ -74,12 +49,11 @@ def module(device: torch.device):
     from hybrid.kernels.driver import Module
 
     forced = _FORCE_PTX.get(device.index)
-    key = (device.index, forced, early_reads())
-    mod = _MODULES.get(key)
+    mod = _MODULES.get((device.index, forced))
     if mod is None:
         major, minor = torch.cuda.get_device_capability(device)
         sm = forced or major * 10 + minor
-        mod = _MODULES[key] = Module(image_for(sm, forced is not None), device)
+        mod = _MODULES[(device.index, forced)] = Module(image_for(sm, forced is not None), device)
         mod.sm = sm   # the target the kernels were built for (forced PTX: compute_<forced>)
     return mod
 
@@ -89,7 +63,7 @@ def image_for(sm: int, ptx: bool) -> bytes:
     target sm (NVRTC 13 and sm_70), a PTX prebuilt for this exact source by `--emit` (below)."""
     from hybrid.kernels.build import _image_for
 
-    return _image_for(sm, ptx, src=built_source(), prebuilt=prebuilt_path)
+    return _image_for(sm, ptx, src=source(), prebuilt=prebuilt_path)
 
 
 def prebuilt_path(sm: int, folder: Path | None = None) -> Path:
