@@ -72,7 +72,7 @@ DEFAULT_PARTS = frozenset(PARTS)
 # "wide" (with "attn"): fused_rope_attn_w, fused_rope_attn_e's rounds shared by two groups of 128 threads (each
 # group half of a round's key passes: its K/V loads, the scores of its keys for 8 heads at a time, P.V over its
 # keys), where wide_fits, its plan one block per SM (ATT_W_BLOCKS_PER_SM). Default since the twenty-sixth
-# session (H200, git 48b85a2, results/runtime.md 36): per layer 4.9 / 7.2 / 9.0 / 11.5 / 16.5 / 26.5 us at 15 / 70 /
+# session (H200, git 48b85a2, results/runtime.md 36): per layer 4.9 / 7.3 / 9.0 / 11.5 / 16.5 / 26.5 us at 15 / 70 /
 # 1000 / 2000 / 4000 / 8000 keys against fused_rope_attn_e's 5.4 / 7.9 / 13.3 / 17.7 / 22.2 / 30.9; decode of the
 # synth 30B-A3B 476 vs 460 tok/s at a 32-token prompt, 395 vs 361 at 2000 (greedy ids equal).
 NEW_PARTS = ("norm", "router", "attn", "plan", "wide")
