@@ -215,9 +215,17 @@ def test_new_kernel_switch(monkeypatch):
     assert [fused.new_kernel(p) for p in fused.NEW_PARTS] == [False, True, True, False, False]
 
 
-def test_wide_attention_shapes():
+def test_wide_attention_shapes(monkeypatch):
     """fused_rope_attn_w takes at most ATT_HPT_W query heads per thread in P.V (128 / 2^cpl rows of heads);
-    its plan aims at ATT_W_BLOCKS_PER_SM blocks per SM."""
+    its plan aims at ATT_W_BLOCKS_PER_SM blocks per SM; rope_attn_kernel picks it by HYBRID_FUSED_NEW."""
+    monkeypatch.delenv("HYBRID_FUSED_NEW", raising=False)
+    assert fused.rope_attn_kernel(32, 4, 128) == ("fused_rope_attn_w", fused.ATT_W_BLOCKS_PER_SM)
+    assert fused.rope_attn_kernel(32, 2, 256) == ("fused_rope_attn_e", None)          # 16 heads of 256: too many
+    assert fused.rope_attn_kernel(32, 4, 128, aligned=False) == ("fused_rope_attn", None)
+    monkeypatch.setenv("HYBRID_FUSED_NEW", "norm,router,attn,plan")
+    assert fused.rope_attn_kernel(32, 4, 128) == ("fused_rope_attn_e", None)
+    monkeypatch.setenv("HYBRID_FUSED_NEW", "0")
+    assert fused.rope_attn_kernel(32, 4, 128) == ("fused_rope_attn", None)
     assert fused.wide_fits(8, 128) and fused.wide_fits(16, 128) and fused.wide_fits(16, 64)
     assert fused.wide_fits(8, 256) and not fused.wide_fits(16, 256) and not fused.wide_fits(12, 256)
     s1, r1, _, _ = fused.attn_plan(2048, 4, 8, 128, 132, 1.05)

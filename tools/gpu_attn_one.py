@@ -24,10 +24,9 @@ def main(p: int) -> None:
     for _ in range(4):
         fused.rope_attn(qkv, qn, kn, table, ks, vs, hq, hkv, d, 1e-6, keys, pos=torch.tensor([p], device=dev))
     torch.cuda.synchronize()
-    wide = fused.new_kernel("attn") and fused.new_kernel("wide") and fused.wide_fits(hq // hkv, d)
+    name, per_sm = fused.rope_attn_kernel(hq, hkv, d)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print("plan", fused.attn_plan(keys, hkv, hq // hkv, d, sms, fused.ATT_W_BLOCKS_PER_SM if wide else None),
-          "fused_rope_attn_w" if wide else "fused_rope_attn_e")
+    print("plan", fused.attn_plan(keys, hkv, hq // hkv, d, sms, per_sm), name)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ DEFAULT_PARTS = frozenset(PARTS)
 # "wide" (with "attn"): fused_rope_attn_w, fused_rope_attn_e's rounds shared by two groups of 128 threads (each
 # group half of a round's key passes: its K/V loads, the scores of its keys for 8 heads at a time, P.V over its
 # keys), where wide_fits, its plan one block per SM (ATT_W_BLOCKS_PER_SM). Default since the twenty-sixth
-# session (H200, git 48b85a2, results/runtime.md 36): per layer 4.9 / 7.3 / 9.0 / 11.5 / 16.5 / 26.5 us at 15 / 70 /
+# session (H200, git 5745a1b / 48b85a2, results/runtime.md 36): per layer 4.9 / 7.3 / 9.0 / 11.5 / 16.5 / 26.5 us at 15 / 70 /
 # 1000 / 2000 / 4000 / 8000 keys against fused_rope_attn_e's 5.4 / 7.9 / 13.3 / 17.7 / 22.2 / 30.9; decode of the
 # synth 30B-A3B 476 vs 460 tok/s at a 32-token prompt, 395 vs 361 at 2000 (greedy ids equal).
 NEW_PARTS = ("norm", "router", "attn", "plan", "wide")
@@ -525,6 +525,15 @@ def wide_fits(g: int, d: int) -> bool:
     return -(-g // (ATT_THREADS >> _cpl(d))) <= ATT_HPT_W
 
 
+def rope_attn_kernel(hq: int, hkv: int, d: int, aligned: bool = True) -> tuple[str, float | None]:
+    """The kernel rope_attn launches for these heads under HYBRID_FUSED_NEW and the blocks per SM its plan aims
+    at (None: ATT_BLOCKS_PER_SM); aligned: qkv, the norms and the table 16-byte aligned (the newer kernels' loads)."""
+    new = new_kernel("attn") and aligned
+    if new and new_kernel("wide") and hkv > 0 and hq % hkv == 0 and wide_fits(hq // hkv, d):
+        return "fused_rope_attn_w", ATT_W_BLOCKS_PER_SM
+    return ("fused_rope_attn_e" if new else "fused_rope_attn"), None
+
+
 def attn_plan(keys: int, hkv: int, g: int, d: int, sms: int,
               per_sm: float | None = None) -> tuple[int, int, int, int]:
     """Split plan of the one-token attention (flash-decoding) for `keys` rows ->
@@ -573,13 +582,11 @@ def rope_attn(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
     _check_qkv(qkv, q_norm, k_norm, table, k_store, v_store, 1, hq, hkv, d, dev)
     _pos(pos, dev)
     cap = k_store.shape[0]
-    new = new_kernel("attn") and _aligned(qkv, q_norm, k_norm, table)
-    wide = new and new_kernel("wide") and hq % hkv == 0 and wide_fits(hq // hkv, d)
+    name, per_sm = rope_attn_kernel(hq, hkv, d, _aligned(qkv, q_norm, k_norm, table))
     g, plan, part, cnt, out = _attn_setup("rope_attn", hq, hkv, d, keys, k_store, v_store, pos, start,
-                                          min(keys, table.shape[0]), dev, ATT_W_BLOCKS_PER_SM if wide else None)
+                                          min(keys, table.shape[0]), dev, per_sm)
     splits, rounds, rk, cpl = plan
-    name = "fused_rope_attn_w" if wide else "fused_rope_attn_e" if new else "fused_rope_attn"
-    _launch(dev, name, (hkv, splits, 1), ATT_THREADS * (2 if wide else 1), [
+    _launch(dev, name, (hkv, splits, 1), ATT_THREADS * (2 if name == "fused_rope_attn_w" else 1), [
         _p(qkv), _p(q_norm), _p(k_norm), _p(table), ctypes.c_int(table.shape[0]), _p(pos), ctypes.c_int(start),
         _p(k_store), _p(v_store), _p(out), _p(part), _p(cnt[1:]), ctypes.c_int(hq), ctypes.c_int(hkv),
         ctypes.c_int(d), ctypes.c_int(cap), ctypes.c_float(eps), ctypes.c_float(d ** -0.5 * _LOG2E),
