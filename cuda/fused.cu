@@ -50,6 +50,9 @@
 //       (the entries of slots with work), perm [T*k], active [min(T*k, S)]; zero [nzero] fp32 zeroed (the
 //       MoE output: one launch per layer fewer)
 //   fused_rope_attn_e        grid (Hkv, S), block 128: only the splits with keys run and combine
+//   fused_rope_attn_w        grid (Hkv, S), block 256: fused_rope_attn_e with a split's rounds on two groups of
+//       128 threads (each half of a round's key passes; HYBRID_FUSED_NEW part "wide", where a thread has at
+//       most ATT_HPT_W query heads in P.V)
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -1118,7 +1121,7 @@ __device__ __forceinline__ void attn_round(AttnSmem& sm, const AttnArgs& a, uint
       }
     }
   } else
-  for (int h = warp; h < g; h += NT / 32) {             // online softmax, a warp per head
+  for (int h = warp; h < g; h += NT / 32) {              // online softmax, a warp per head
     float v[ATT_MAXRK / 32], mx = NEG_INF;
 #pragma unroll
     for (int i = 0; i < ATT_MAXRK / 32; ++i) {
@@ -1324,7 +1327,7 @@ __device__ __forceinline__ void attn_split(AttnSmem& sm, const AttnArgs& a, uint
     if (GR == 1 && u < SU && tid + NT < NG) xp1[u] = ld_cg4(pacc + (size_t)u * gd + 4 * (tid + NT));
   }
   float *w = sm.u.c.w, *wl = sm.u.c.wl;
-  for (int i = tid; i < SG; i += NT) {          // (max, sum) of every split: one latency
+  for (int i = tid; i < SG; i += NT) {                   // (max, sum) of every split: one latency
     w[i] = ld_cg(pml + 2 * i);
     wl[i] = ld_cg(pml + 2 * i + 1);
   }
