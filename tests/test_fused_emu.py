@@ -141,8 +141,8 @@ def _fresh(shape, seed, scale=1.0, shift=0.0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale + shift
 
 
-def _work(hkv, g, d, keys, sms):
-    splits, rounds, rk, cpl = fused.attn_plan(keys, hkv, g, d, sms)
+def _work(hkv, g, d, keys, sms, per_sm=None):
+    splits, rounds, rk, cpl = fused.attn_plan(keys, hkv, g, d, sms, per_sm)
     part = torch.full((max(hkv * splits * g * (d + 2), 1),), float("nan"))   # unwritten partials: NaN
     return (splits, rounds, rk, cpl), part, torch.zeros(hkv, dtype=torch.int32)
 
@@ -160,7 +160,8 @@ def emu_decode_attn(lib, q, ks, vs, keys, p, device_pos, sms):
 
 
 def emu_rope_attn(lib, qkv, qn, kn, table, ks, vs, hq, hkv, d, keys, p, sms, kernel="emu_rope_attn"):
-    (splits, rounds, rk, cpl), part, cnt = _work(hkv, hq // hkv, d, keys, sms)
+    per_sm = fused.ATT_W_BLOCKS_PER_SM if kernel == "emu_rope_attn_w" else None    # each kernel's own plan
+    (splits, rounds, rk, cpl), part, cnt = _work(hkv, hq // hkv, d, keys, sms, per_sm)
     out = torch.full((1, hq * d), float("nan")).half()
     getattr(lib, kernel)(I(hkv), I(splits), P(qkv), P(qn), P(kn), P(table), I(table.shape[0]), P(None), I(p), P(ks),
                       P(vs), P(out), P(part), P(cnt), I(hq), I(hkv), I(d), I(ks.shape[0]), F(1e-6),
