@@ -123,12 +123,12 @@ def main(argv=None) -> int:
             for fn, wps in settings:
                 _set_env("HYBRID_FUSED_NEW", env0 if fn is None else fn)
                 fused.ATT_W_BLOCKS_PER_SM = w_default if wps is None else wps
-                kernel, per_sm = fused.rope_attn_kernel(hq, hkv, d)
-                wide = name == "rope_attn" and kernel == "fused_rope_attn_w"
+                kernel, per_sm = fused.rope_attn_kernel(hq, hkv, d) if name == "rope_attn" else (None, None)
+                wide = kernel == "fused_rope_attn_w"
                 for kn_ in knobs if name != "sdpa" else [default]:
                     fused.ATT_PASSES, fused.ATT_BLOCKS_PER_SM, fused.ATT_COMBINE_Q = kn_
                     us = measure(lambda: [call(i) for i in range(n)], args.replays) / n
-                    plan = fused.attn_plan(keys, hkv, hq // hkv, d, sms, per_sm if wide else None)
+                    plan = fused.attn_plan(keys, hkv, hq // hkv, d, sms, per_sm)
                     rec = {"variant": name, "pos": pv, "keys": keys, "us_per_launch": round(us, 2),
                            "heads": [hq, hkv, d], "plan": list(plan),
                            "knobs": {"passes": kn_[0], "blocks_per_sm": kn_[1], "combine_q": kn_[2]}, "sms": sms}

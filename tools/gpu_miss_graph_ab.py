@@ -21,6 +21,7 @@ or the QPN weight stream's L2 evict-first hint (sm_80+; the QPN module is built 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -210,16 +211,15 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
     cfg, tok, ctx, cpu, eprof = tc.expert_profile_session(path, profile, tokens)
     ctx = max(ctx, max(prompts) + max(tokens, 56) + 16)    # the sessions' KV rows: the prompt and the generations
     first: dict = {}
-    for label, kw, prompt, mode in [(la, kw, pr, m) for la, kw in tc.configs(miss_slots, order) for pr in prompts
-                                    for m in modes]:
+    for (label, kw), prompt, mode in itertools.product(tc.configs(miss_slots, order), prompts, modes):
         check = f"{label}_miss_graph{mode}" if env == "HYBRID_MISS_GRAPH" else f"{label}_{env}={mode}"
         if len(prompts) > 1:
             check += f"_prompt{prompt}"
         if time.perf_counter() > deadline:
             record({"check": check, "skipped": "device-time deadline"})
             continue
-        os.environ[env] = mode                        # read when the session makes (captures) its graphs
-        if env == build.L2_ENV:                       # read when the QPN module is built: build it again
+        os.environ[env] = mode                    # read when the session makes (captures) its graphs
+        if env == build.L2_ENV:                   # read when the QPN module is built: build it again
             build.forget_modules()
         rc.log(f"session {check}: {kw}")
         s = open_session(path, RuntimeOptions(device="cuda", profile=profile, expert_profile=str(eprof), **kw),
