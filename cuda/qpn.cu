@@ -54,8 +54,6 @@
 //                              shared memory instead of registers (Hopper needs ~30 KB of loads in
 //                              flight per SM to reach its bandwidth; Volta, at a fifth of the
 //                              bandwidth, is served by the register pipeline)
-//   qpn2_linear_m1_as_norm     sm_80+: qpn2_linear_m1_as after the decode step's residual add + RMSNorm, made
-//                              by every block into shared memory (pre_norm; fused_add_rms_norm_e's bits)
 //   qpn{2,8}_gemm_<BM>x<BN>    prefill (M > 16): shared-memory tiled GEMM, weights decoded once per
 //                              block tile into double-buffered fp16 shared memory, WMMA over BM rows;
 //                              grid (ceil(M/BM), ceil(N/BN), K splits); tiles 128x128, 64x128, 64x64,
@@ -537,12 +535,10 @@ __device__ __forceinline__ void lds_scales(u32 (&sw)[NT], u32 saddr) {
 }
 
 // NT tiles per warp share the activation loads, the zero-or-x B operands and the ring's bookkeeping.
-// XS: x is in shared memory (the normed kernel's h); wait: what runs after the ring's start, before x is read
-// (the programmatic-launch wait; the normed kernel's add + RMSNorm as well).
-template <int ST, int NT, bool XS = false, class Wait>
+template <int ST, int NT>
 __device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* const (&wt)[NT],
                                               const u64* const (&st)[NT], int c0, int c1, const u16* x,
-                                              int lane, unsigned char* ring, Wait&& wait) {
+                                              int lane, unsigned char* ring) {
 #if QPN_MMA >= 2
   static_assert(ST % 2 == 0, "chunk pairs must not straddle the ring's end");
   const int n = lane >> 2, q = lane & 3;
@@ -550,15 +546,14 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* 
   const u32x4* wp[NT];
   const u64* sp[NT];
   ring_start<2, ST, NT>(wp, sp, wt, st, c0, c1, lane, wbase, sbase);
-  wait();  // x was written by an earlier kernel; the weights in flight were not
+  pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
   for (int c = c0; c < c1; c += ST) {
 #pragma unroll
     for (int s = 0; s < ST; s += 2) {
       if (c + s < c1) {
         const bool two = c + s + 1 < c1;
         // group 4 (c + s) + n of the pair: this lane's only non-zero B operand
-        const u16* xp = x + (size_t)(c + s) * 64 + n * 16 + 4 * q;
-        const u64 xv = (n < 4 || two) ? (XS ? lds64(smem_addr(xp)) : ld_act(xp)) : 0ull;
+        const u64 xv = (n < 4 || two) ? ld_act(x + (size_t)(c + s) * 64 + n * 16 + 4 * q) : 0ull;
         float d[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
@@ -614,92 +609,12 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* 
 #endif
 }
 
-// The decode step's add + RMSNorm before a GEMV (qpn2_linear_m1_as_norm), made by every block of it into
-// shared memory: x2 = x + delta (x fp16; delta fp16 (dm 1), fp32 (dm 2) or none (dm 0)), h = rms_norm(x2) * nw
-// rounded to fp16 into xs[K]; block 0 writes x2 to x_out (dm > 0). fused.cu's fused_add_rms_norm_e arithmetic
-// (256 threads, thread t the groups of 4 elements t + 256 j, its sum of squares in that order, the warps' sums
-// in warp order, rsqrtf(sum / K + eps), (v * rstd) * nw), so h, x2 and the GEMV's y are the two launches' bits.
-#define NORM_MAX_K 4096
-#define NORM_NJ (NORM_MAX_K / 4 / THREADS)
-__device__ __forceinline__ float h_to_f(u32 h) {
-  float f;
-  asm("{.reg .b16 l;\n cvt.u16.u32 l, %1;\n cvt.f32.f16 %0, l;}" : "=f"(f) : "r"(h));
-  return f;
-}
-__device__ __forceinline__ void pre_norm(const u16* __restrict__ x, const void* __restrict__ delta, int dm,
-                                         const float* __restrict__ nw, u16* __restrict__ x_out, float eps, int K,
-                                         u16* xs, float* part) {
-  const int tid = threadIdx.x, NG = K >> 2;
-  uint2 xr[NORM_NJ];
-  uint4 dr[NORM_NJ];
-  float4 wr[NORM_NJ];
-#pragma unroll
-  for (int j = 0; j < NORM_NJ; ++j) {                      // every load at once
-    const int gi = tid + THREADS * j;
-    xr[j] = make_uint2(0u, 0u), dr[j] = make_uint4(0u, 0u, 0u, 0u), wr[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (gi < NG) {
-      xr[j] = *(const uint2*)(x + 4 * gi);
-      if (dm == 2) dr[j] = *(const uint4*)((const float*)delta + 4 * gi);
-      else if (dm == 1) { const uint2 d = *(const uint2*)((const u16*)delta + 4 * gi); dr[j] = make_uint4(d.x, d.y, 0u, 0u); }
-      wr[j] = *(const float4*)(nw + 4 * gi);
-    }
-  }
-  float v[NORM_NJ][4];
-  float ss = 0.f;
-#pragma unroll
-  for (int j = 0; j < NORM_NJ; ++j) {
-    const u32 xw[4] = {xr[j].x, xr[j].x >> 16, xr[j].y, xr[j].y >> 16};
-    const u32 dw[4] = {dr[j].x, dr[j].y, dr[j].z, dr[j].w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[j][i] = h_to_f(xw[i]);
-      if (dm) {                                            // delta.to(fp16), then x + that rounded to fp16
-        const float d = dm == 2 ? h_to_f(f_to_h(__uint_as_float(dw[i]))) : h_to_f(i & 1 ? dw[i >> 1] >> 16 : dw[i >> 1]);
-        v[j][i] = h_to_f(f_to_h(v[j][i] + d));
-      }
-      ss = fmaf(v[j][i], v[j][i], ss);
-    }
-    const int gi = tid + THREADS * j;
-    if (dm && blockIdx.x == 0 && gi < NG)
-      *(uint2*)(x_out + 4 * gi) = make_uint2((u32)f_to_h(v[j][0]) | ((u32)f_to_h(v[j][1]) << 16),
-                                             (u32)f_to_h(v[j][2]) | ((u32)f_to_h(v[j][3]) << 16));
-  }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((tid & 31) == 0) part[tid >> 5] = ss;
-  __syncthreads();
-  float tot = 0.f;
-#pragma unroll
-  for (int j = 0; j < WARPS; ++j) tot += part[j];
-  const float rstd = rsqrtf(tot / (float)K + eps);
-#pragma unroll
-  for (int j = 0; j < NORM_NJ; ++j) {
-    const int gi = tid + THREADS * j;
-    if (gi < NG) {
-      const u32 h0 = f_to_h(v[j][0] * rstd * wr[j].x), h1 = f_to_h(v[j][1] * rstd * wr[j].y);
-      const u32 h2 = f_to_h(v[j][2] * rstd * wr[j].z), h3 = f_to_h(v[j][3] * rstd * wr[j].w);
-      *(uint2*)(xs + 4 * gi) = make_uint2(h0 | (h1 << 16), h2 | (h3 << 16));
-    }
-  }
-  __syncthreads();
-}
-
-// The normed kernel's inputs beyond the GEMV's (x: the residual stream, fp16)
-struct PreNorm {
-  const void* delta;
-  const float* nw;
-  u16* x_out;
-  float eps;
-  int dm;
-};
-
 // y[1, N] = x[1, K] . W^T for NVFP4 (same arguments as the LINEAR kernels; M must be 1, P = 1).
 // A warp group (KS warps splitting K) does NT consecutive tiles; grid.x = ceil(tiles / (TG NT)).
-// NORM: y = rms_norm(x + delta) . W^T (pre_norm; K <= NORM_MAX_K).
-template <int ST, int NT, bool NORM = false>
+template <int ST, int NT>
 __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                                float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                               int N, int K, int KS, PreNorm pn = PreNorm{}) {
+                                               int N, int K, int KS) {
   constexpr int RING = ST * NT * 32 * 24;
   __shared__ __align__(16) unsigned char smem[RING * WARPS];
   float (*red)[NT * 16] = reinterpret_cast<float (*)[NT * 16]>(smem);  // red[warp][row], aliases the rings
@@ -713,19 +628,10 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
   tile_ptrs<NT>(wt, st, w, s, t0, tiles, C);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.f;
-  if constexpr (NORM) {   // every warp (past the tiles: no chunks) through the block's norm and its barriers
-    __shared__ __align__(16) u16 xs[NORM_MAX_K];            // h
-    __shared__ float part[WARPS];
-    const int c0 = wk * C / KS, c1 = t0 < tiles ? (wk + 1) * C / KS : c0;
-    warp_m1_async<ST, NT, true>(tot, wt, st, c0, c1, xs, lane, smem + warp * RING, [&] {
-      pdl_wait();
-      pre_norm(x, pn.delta, pn.dm, pn.nw, pn.x_out, pn.eps, K, xs, part);
-    });
-  } else if (t0 < tiles) {
-    warp_m1_async<ST, NT>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, x, lane, smem + warp * RING, [] { pdl_wait(); });
-  } else {
+  if (t0 < tiles)
+    warp_m1_async<ST, NT>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, x, lane, smem + warp * RING);
+  else
     pdl_wait();     // this thread writes y below
-  }
   pdl_trigger();    // late: see pdl_trigger
   __syncthreads();  // red aliases the rings
 #pragma unroll
@@ -757,14 +663,6 @@ extern "C" __global__ void qpn2_linear_m1_as2(const u32x4* __restrict__ w, const
                                               float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                               int M, int N, int K, int KS, int P) {
   linear_m1_body<4, 2>(w, s, gs, x, y, N, K, KS);
-}
-// the add + RMSNorm before it (pre_norm): x the residual stream [1, K] fp16, delta [1, K] (dm 1 fp16, 2 fp32)
-// or null (dm 0), nw [K] fp32, x_out [1, K] fp16 (x + delta; written when dm > 0), K <= NORM_MAX_K
-extern "C" __global__ void qpn2_linear_m1_as_norm(const u32x4* __restrict__ w, const u64* __restrict__ s,
-                                                  float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                                  int M, int N, int K, int KS, int P, const void* delta, int dm,
-                                                  const float* nw, u16* x_out, float eps) {
-  linear_m1_body<6, 1, true>(w, s, gs, x, y, N, K, KS, PreNorm{delta, nw, x_out, eps, dm});
 }
 
 // ---------------------------------------------------------------- NVFP4, M = 2..8 as M = 1 does, sm_80+

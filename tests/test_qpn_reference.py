@@ -173,26 +173,3 @@ def test_moe_with_router_plan_matches_plain_moe(qtype):
         fused.add_norm_router(x[:1], torch.ones(h), 1e-6, router, k, True, None, table, slots[:k], row[:1], plan=plan)
     with pytest.raises(ValueError, match="plan: needs slot_table"):
         fused.add_norm_router(x, torch.ones(h), 1e-6, router, k, True, plan=plan)
-
-
-@pytest.mark.parametrize("dk", [None, torch.float16, torch.float32])
-def test_norm_linear_reference(dk):
-    """qpn_linear_norm in CPU mode: the residual add (delta rounded to fp16 first), RMSNorm in fp32 rounded to
-    fp16, then the linear; no kernel (norm_linear_fits is False off CUDA)."""
-    from hybrid.kernels.qpn import norm_linear_fits, qpn_linear_norm
-
-    qw = nvfp4(48, 128, seed=3)
-    w = QPNWeight.from_qweight(qw, "cpu")
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(1, 128, generator=g).half()
-    nw = 1 + 0.1 * torch.randn(128, generator=g)
-    delta = None if dk is None else torch.randn(1, 128, generator=g).to(dk)
-    assert not norm_linear_fits(x, w)
-    x2, y = qpn_linear_norm(x, w, nw, 1e-6, delta)
-    want_x2 = x if delta is None else (x.float() + delta.half().float()).half()
-    assert torch.equal(x2, want_x2)
-    h = (F.rms_norm(want_x2.float(), (128,), eps=1e-6) * nw).half()
-    ref = h.double() @ qw.dequantize(torch.float64).t()
-    torch.testing.assert_close(y.double(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
-    with pytest.raises(ValueError, match="QPNWeight"):
-        qpn_linear_norm(x, qw, nw, 1e-6)

@@ -75,10 +75,8 @@ DEFAULT_PARTS = frozenset(PARTS)
 # session (H200, git 5745a1b / 48b85a2, results/runtime.md 36): per layer 4.9 / 7.3 / 9.0 / 11.5 / 16.5 / 26.5 us at 15 / 70 /
 # 1000 / 2000 / 4000 / 8000 keys against fused_rope_attn_e's 5.4 / 7.9 / 13.3 / 17.7 / 22.2 / 30.9; decode of the
 # synth 30B-A3B 476 vs 460 tok/s at a 32-token prompt, 395 vs 361 at 2000 (greedy ids equal).
-# "prenorm": the decode step's residual add + RMSNorm before the attention made inside the fused q/k/v GEMV's
-# blocks (hybrid.kernels.qpn.qpn_linear_norm: NVFP4, one token, sm_80+) instead of fused_add_rms_norm_e.
-NEW_PARTS = ("norm", "router", "attn", "plan", "wide", "prenorm")
-NEW_DEFAULT: frozenset = frozenset(NEW_PARTS) - {"prenorm"}
+NEW_PARTS = ("norm", "router", "attn", "plan", "wide")
+NEW_DEFAULT: frozenset = frozenset(NEW_PARTS)
 
 
 def _env_part(var: str, part: str, default) -> bool:

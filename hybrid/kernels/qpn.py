@@ -493,17 +493,10 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
         _launch_gemm(mod, plan, w, x, y)
         return y
     mt = _mt(m, mod.sm)
-    _launch_linear(mod, linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n), w, x, y, -(-m // (8 * mt)))
-    return y
-
-
-def _launch_linear(mod, name: str, w: "QPNWeight", x: torch.Tensor, y: torch.Tensor, passes: int,
-                   extra: list | None = None) -> None:
-    """An M <= 8 (or 8-row-tile) linear kernel's launch: its warps splitting K and its grid, then its arguments
-    (the LINEAR kernels' own, then `extra`)."""
-    m, (n, k) = x.shape[0], w.shape
+    passes = -(-m // (8 * mt))
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
+    name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n)
     units = -(-tiles // 2) if name.endswith(PAIR_KERNELS) else tiles   # warp work units (tile pairs)
     sms = _sms(w.device)
     ks = (_linear_ks(units, chunks, sms, mod.occupancy(name, THREADS)) if passes == 1
@@ -511,49 +504,8 @@ def _launch_linear(mod, name: str, w: "QPNWeight", x: torch.Tensor, y: torch.Ten
     grid = (-(-units // (WARPS // ks)) * passes, 1, 1)
     args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
-    mod.launch(name, grid, THREADS, args + (extra or []), pdl=pdl(mod.sm))
-
-
-NORM_MAX_K = 4096   # qpn2_linear_m1_as_norm keeps h [K] fp16 in shared memory (cuda/qpn.cu NORM_MAX_K)
-
-
-def norm_linear_fits(x: torch.Tensor, w: "QPNWeight") -> bool:
-    """Whether qpn_linear_norm runs as one kernel (qpn2_linear_m1_as_norm): a CUDA NVFP4 weight packed for the
-    kernels, one fp16 row x with K % 4 == 0, K <= NORM_MAX_K, 16-byte aligned, kernels built for sm_80+."""
-    k = w.shape[1]
-    return (w.device.type == "cuda" and w.dense is None and w.qtype is QType.NVFP4 and x.dim() == 2
-            and x.shape[0] == 1 and x.dtype == torch.float16 and k % 4 == 0 and k <= NORM_MAX_K
-            and x.data_ptr() % 16 == 0 and _module(w.device).sm >= 80)
-
-
-def qpn_linear_norm(x: torch.Tensor, w: "QPNWeight", weight: torch.Tensor, eps: float,
-                    delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x2, y): x2 = x + delta.to(fp16) (x itself without delta), y = qpn_linear(rms_norm(x2) * weight, w): the
-    decode step's residual add + RMSNorm and the GEMV after it. x [1, K] fp16, delta [1, K] fp16 | fp32 or None,
-    weight [K] fp32. One launch where norm_linear_fits (qpn2_linear_m1_as_norm: every block makes the norm into
-    shared memory after its ring's first weight loads; x2 and y are those of fused.add_rms_norm + qpn_linear bit
-    for bit), else those two calls."""
-    from hybrid.kernels import fused
-
-    if not isinstance(w, QPNWeight):
-        raise ValueError(f"w: expected a QPNWeight, got {type(w).__name__}")
-    k = w.shape[1]
-    if not norm_linear_fits(x, w) or (delta is not None and delta.data_ptr() % 16) or weight.data_ptr() % 16:
-        x2, h, _ = fused.add_rms_norm(x, weight, eps, delta=delta)
-        return x2, qpn_linear(h.to(torch.float16), w)
-    _check_tensor(x, "x", torch.float16, (1, k), w.device)
-    _check_tensor(weight, "weight", torch.float32, (k,), w.device)
-    if delta is not None:
-        if delta.dtype not in (torch.float16, torch.float32):
-            raise ValueError(f"delta: expected float16 or float32, got {delta.dtype}")
-        _check_tensor(delta, "delta", delta.dtype, (1, k), w.device)
-    x2 = torch.empty_like(x) if delta is not None else x
-    y = torch.empty(1, w.shape[0], dtype=torch.float16, device=w.device)
-    dm = 0 if delta is None else 1 if delta.dtype == torch.float16 else 2
-    _launch_linear(_module(w.device), "qpn2_linear_m1_as_norm", w, x, y, 1,
-                   [_p(delta) if delta is not None else ctypes.c_void_p(0), ctypes.c_int(dm), _p(weight),
-                    _p(x2), ctypes.c_float(eps)])
-    return x2, y
+    mod.launch(name, grid, THREADS, args, pdl=pdl(mod.sm))
+    return y
 
 
 def pdl(sm: int, part: str = "qpn") -> bool:

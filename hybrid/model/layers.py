@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from hybrid.kernels import fused
-from hybrid.model.linear import FusedLinear, Linear, fused_linear
+from hybrid.model.linear import Linear, fused_linear
 
 
 BUCKET = 256   # one-token attention reads KV rows in buckets of this many (one graph per bucket)
@@ -322,30 +322,6 @@ class Attention:
             out = self._sdpa1(q, cache.k_store[layer][:keys], cache.v_store[layer][:keys], mask)
         return self.o(out)
 
-    def prenorm_ok(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, cache: KVCache,
-                   layer: int) -> bool:
-        """Whether decode_prenorm applies: the fused rope + attention, q/k/v fused into one NVFP4 weight whose
-        GEMV takes the residual add + RMSNorm (HYBRID_FUSED_NEW part "prenorm"; FusedLinear.normed_fits)."""
-        if not (fused.new_kernel("prenorm") and self.fused_rope_attn_ok(x, cache, layer)
-                and weight.dtype == torch.float32 and weight.is_cuda and weight.is_contiguous()):
-            return False
-        if delta is not None and not (delta.shape == x.shape and delta.is_contiguous()
-                                      and delta.dtype in (torch.float16, torch.float32)):
-            return False
-        if self._qkv is None:
-            self._qkv = fused_linear([self.q, self.k, self.v])
-        return isinstance(self._qkv, FusedLinear) and self._qkv.normed_fits(x)
-
-    def decode_prenorm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                       layer: int, cache: KVCache, pos: torch.Tensor, keys: int, table: torch.Tensor):
-        """decode() of rms_norm(x + delta) * weight with the add + norm inside the q/k/v GEMV (prenorm_ok):
-        x [1, H] fp16 the residual stream -> (x + delta, attention output [1, H])."""
-        x2, qkv = self._qkv.normed(x, delta, weight, eps)
-        qn, kn = self._qk_norms()
-        out = fused.rope_attn(qkv, qn, kn, table, cache.k_store[layer], cache.v_store[layer], self.n_heads,
-                              self.n_kv, self.head_dim, self.eps, keys, pos=pos, start=0)
-        return x2, self.o(out)
-
     # ---- CUDA, fused kernels (hybrid.kernels.fused) -----------------------------------------------
     def fused_rope_ok(self, x: torch.Tensor, cache: KVCache, layer: int) -> bool:
         """q/k norm + RoPE + KV write as one kernel: fp16 activations and KV store, D even <= 256."""
@@ -375,14 +351,10 @@ class Attention:
         """x [T, H] -> (qkv [T, (Hq+2Hkv)*D] contiguous, (q_norm, k_norm) [D] fp32 or Nones)."""
         if self._qkv is None:
             self._qkv = fused_linear([self.q, self.k, self.v])
-        return self._qkv(x).contiguous(), self._qk_norms()
-
-    def _qk_norms(self):
-        """(q_norm, k_norm) [D] fp32, or (None, None) without them."""
         if self._qk_n is None:
             self._qk_n = ((None, None) if self.q_norm is None else
                           (self.q_norm.float().reshape(-1).contiguous(), self.k_norm.float().reshape(-1).contiguous()))
-        return self._qk_n
+        return self._qkv(x).contiguous(), self._qk_n
 
     def _rope_attn(self, x: torch.Tensor, layer: int, cache: KVCache, table: torch.Tensor,
                    pos: torch.Tensor | None, start: int, keys: int) -> torch.Tensor:

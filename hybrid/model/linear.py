@@ -91,19 +91,6 @@ class FusedLinear:
         y = qpn_linear(x.to(torch.float16), self.weight).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def normed_fits(self, x: torch.Tensor) -> bool:
-        """Whether normed(x, ...) is one kernel (hybrid.kernels.qpn.norm_linear_fits, no bias)."""
-        from hybrid.kernels.qpn import norm_linear_fits
-
-        return self.bias is None and norm_linear_fits(x, self.weight)
-
-    def normed(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
-        """(x2 = x + delta, rms_norm(x2) * weight through these linears) (qpn_linear_norm); x [1, K] fp16."""
-        from hybrid.kernels.qpn import qpn_linear_norm
-
-        x2, y = qpn_linear_norm(x, self.weight, weight, eps, delta)
-        return x2, y if self.bias is None else y + self.bias.to(y.dtype)
-
 
 def can_fuse(parts: list[Linear]) -> bool:
     """Quantized weights of one type, same in-features, out-features % 16 == 0, equal global scale."""

@@ -219,14 +219,11 @@ class MoEModel:
         Attention.decode). route_out: buffers the routing is also written into (RouteOut)."""
         layer, eps = self.layers[i], self.cfg.rms_norm_eps
         table = self.rope_table(x.device)                                    # [R, 2, D]
-        if layer.attn.prenorm_ok(x, residual, layer.input_norm, self.cache, i):   # the add + norm in the q/k/v GEMV
-            x, a = layer.attn.decode_prenorm(x, residual, layer.input_norm, eps, i, self.cache, pos, keys, table)
+        if residual is not None:
+            x, h = add_rms_norm(x, residual, layer.input_norm, eps)
         else:
-            if residual is not None:
-                x, h = add_rms_norm(x, residual, layer.input_norm, eps)
-            else:
-                h = rms_norm(x, layer.input_norm, eps)
-            a = layer.attn.decode(h, i, self.cache, pos, None, keys, mask, table=table)
+            h = rms_norm(x, layer.input_norm, eps)
+        a = layer.attn.decode(h, i, self.cache, pos, None, keys, mask, table=table)
         x, h, routed = self._post_attn(i, x, a, route_out)
         ids, weights = self.route(i, h, route_out) if routed is None else routed
         return x, h, ids, weights
