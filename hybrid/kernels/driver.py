@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from contextlib import nullcontext
 
 import torch
 
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+CARVEOUT_ENV = "HYBRID_SMEM_CARVEOUT"   # A/B: every kernel's preferred shared-memory carveout (% of the maximum)
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -95,6 +98,7 @@ class Module:
         self._funcs: dict[str, ctypes.c_void_p] = {}
         self._smem: dict[str, int] = {}                 # dynamic shared memory limits raised (launch's smem)
         self._occupancy: dict[tuple[str, int], int] = {}
+        self._carve: dict[str, str] = {}                # preferred carveouts set ($HYBRID_SMEM_CARVEOUT)
 
     def function(self, name: str) -> ctypes.c_void_p:
         fn = self._funcs.get(name)
@@ -135,6 +139,11 @@ class Module:
     def _with_smem(self, name: str, smem: int) -> ctypes.c_void_p:
         """function(name), its dynamic shared memory limit raised to smem where it is below."""
         fn = self.function(name)
+        carve = os.environ.get(CARVEOUT_ENV)
+        if carve and self._carve.get(name) != carve:
+            check(_cuda().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, int(carve)),
+                  f"cuFuncSetAttribute({name}, carveout {carve})")
+            self._carve[name] = carve
         if smem and self._smem.get(name, 0) < smem:
             check(_cuda().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
                   f"cuFuncSetAttribute({name}, {smem} B)")

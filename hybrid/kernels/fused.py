@@ -530,7 +530,7 @@ def rope_attn_kernel(hq: int, hkv: int, d: int, aligned: bool = True) -> tuple[s
     at (None: ATT_BLOCKS_PER_SM); aligned: qkv, the norms and the table 16-byte aligned (the newer kernels' loads)."""
     new = new_kernel("attn") and aligned
     if new and new_kernel("wide") and hkv > 0 and hq % hkv == 0 and wide_fits(hq // hkv, d):
-        return "fused_rope_attn_w", ATT_W_BLOCKS_PER_SM
+        return "fused_rope_attn_w", float(os.environ.get("HYBRID_ATT_W_PER_SM") or ATT_W_BLOCKS_PER_SM)
     return ("fused_rope_attn_e" if new else "fused_rope_attn"), None
 
 
