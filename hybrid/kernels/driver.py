@@ -16,7 +16,16 @@ import torch
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
-CARVEOUT_ENV = "HYBRID_SMEM_CARVEOUT"   # A/B: every kernel's preferred shared-memory carveout (% of the maximum)
+# Every kernel's preferred shared-memory carveout (% of the SM's maximum; -1 the driver's choice), set on sm_90+
+# where the decode kernels go out as programmatic dependent launches: a kernel's blocks then start beside the
+# previous kernel's, which they can only do where the SM's shared-memory configuration holds both. At the driver's
+# choice an SM running one block of the 2000-key attention (35 KB) had no room for the o_proj GEMV's blocks
+# (36 KB), so that GEMV's launch and weight ramp waited for the attention's end; at 100 they overlap it (H200,
+# synth 30B-A3B decode at a 2000-token prompt 410.0-411.0 vs 395.5-396.4 tok/s, at 32 tokens 473.6-476.1 vs
+# 473.1-476.0; results/runtime.md §37). Below sm_90 (no dependent launches) the driver's choice stays.
+# HYBRID_SMEM_CARVEOUT overrides it on any card (-1 = the driver's choice; A/B runs).
+CARVEOUT_ENV = "HYBRID_SMEM_CARVEOUT"
+CARVEOUT_SM90 = 100
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -85,6 +94,23 @@ def _ensure_context(device: torch.device) -> None:
             check(_cuda().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+def carveout(default: int | None) -> int | None:
+    """A kernel's preferred shared-memory carveout (None: the driver's choice): $HYBRID_SMEM_CARVEOUT, read at every
+    launch (A/B runs switch it between sessions), else `default` (a module's: CARVEOUT_SM90 on sm_90+)."""
+    v = os.environ.get(CARVEOUT_ENV)
+    if not v:
+        return default
+    try:
+        c = int(v)
+    except ValueError:
+        c = -2
+    if not -1 <= c <= 100:
+        from hybrid.errors import HybridError
+
+        raise HybridError(f"{CARVEOUT_ENV}={v!r}: expected a percentage 0..100, or -1 for the driver's choice")
+    return c
+
+
 class Module:
     """A loaded module; kernels by name; launch(name, grid, block, args, stream)."""
 
@@ -97,8 +123,9 @@ class Module:
             check(_cuda().cuModuleLoadData(ctypes.byref(self._handle), buf), "cuModuleLoadData")
         self._funcs: dict[str, ctypes.c_void_p] = {}
         self._smem: dict[str, int] = {}                 # dynamic shared memory limits raised (launch's smem)
-        self._occupancy: dict[tuple[str, int], int] = {}
-        self._carve: dict[str, str] = {}                # preferred carveouts set ($HYBRID_SMEM_CARVEOUT)
+        self._occupancy: dict[tuple, int] = {}
+        self._carve: dict[str, int] = {}                # preferred carveouts set (carveout())
+        self._carve_default = CARVEOUT_SM90 if torch.cuda.get_device_capability(device) >= (9, 0) else None
 
     def function(self, name: str) -> ctypes.c_void_p:
         fn = self._funcs.get(name)
@@ -107,11 +134,20 @@ class Module:
             check(_cuda().cuModuleGetFunction(ctypes.byref(fn), self._handle, name.encode()),
                   f"cuModuleGetFunction({name})")
             self._funcs[name] = fn
+        carve = self.carveout()
+        if carve is not None and self._carve.get(name) != carve:
+            check(_cuda().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, carve),
+                  f"cuFuncSetAttribute({name}, carveout {carve})")
+            self._carve[name] = carve
         return fn
+
+    def carveout(self) -> int | None:
+        """The preferred shared-memory carveout this module's kernels launch with (carveout())."""
+        return carveout(self._carve_default)
 
     def occupancy(self, name: str, block: int) -> int:
         """Resident blocks per SM of kernel name at block threads (static shared memory only)."""
-        key = (name, block)
+        key = (name, block, self.carveout())
         n = self._occupancy.get(key)
         if n is None:
             c = ctypes.c_int()
@@ -139,11 +175,6 @@ class Module:
     def _with_smem(self, name: str, smem: int) -> ctypes.c_void_p:
         """function(name), its dynamic shared memory limit raised to smem where it is below."""
         fn = self.function(name)
-        carve = os.environ.get(CARVEOUT_ENV)
-        if carve and self._carve.get(name) != carve:
-            check(_cuda().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, int(carve)),
-                  f"cuFuncSetAttribute({name}, carveout {carve})")
-            self._carve[name] = carve
         if smem and self._smem.get(name, 0) < smem:
             check(_cuda().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
                   f"cuFuncSetAttribute({name}, {smem} B)")

@@ -525,12 +525,28 @@ def wide_fits(g: int, d: int) -> bool:
     return -(-g // (ATT_THREADS >> _cpl(d))) <= ATT_HPT_W
 
 
+def _w_per_sm() -> float:
+    """ATT_W_BLOCKS_PER_SM, or $HYBRID_ATT_W_PER_SM (A/B runs: read at each launch, > 0)."""
+    v = os.environ.get("HYBRID_ATT_W_PER_SM")
+    if not v:
+        return ATT_W_BLOCKS_PER_SM
+    try:
+        f = float(v)
+    except ValueError:
+        f = 0.0
+    if not 0 < f <= 8:
+        from hybrid.errors import HybridError
+
+        raise HybridError(f"HYBRID_ATT_W_PER_SM={v!r}: expected blocks per SM, a number in (0, 8]")
+    return f
+
+
 def rope_attn_kernel(hq: int, hkv: int, d: int, aligned: bool = True) -> tuple[str, float | None]:
     """The kernel rope_attn launches for these heads under HYBRID_FUSED_NEW and the blocks per SM its plan aims
     at (None: ATT_BLOCKS_PER_SM); aligned: qkv, the norms and the table 16-byte aligned (the newer kernels' loads)."""
     new = new_kernel("attn") and aligned
     if new and new_kernel("wide") and hkv > 0 and hq % hkv == 0 and wide_fits(hq // hkv, d):
-        return "fused_rope_attn_w", float(os.environ.get("HYBRID_ATT_W_PER_SM") or ATT_W_BLOCKS_PER_SM)
+        return "fused_rope_attn_w", _w_per_sm()
     return ("fused_rope_attn_e" if new else "fused_rope_attn"), None
 
 
