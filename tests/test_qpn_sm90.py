@@ -371,8 +371,21 @@ def test_module_launch_raises_the_dynamic_shared_memory_limit_once(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     mod = object.__new__(driver.Module)
     mod.device, mod._handle, mod._funcs, mod._smem = torch.device("cuda", 0), ctypes.c_void_p(), {}, {}
+    mod._carve, mod._carve_default = {}, None                 # a card below sm_90: no carveout set
+    monkeypatch.delenv(driver.CARVEOUT_ENV, raising=False)
     for smem in (0, 1000, 1000, 500, 2000):
         mod.launch("k", (1, 1, 1), 256, [ctypes.c_int(1)], smem=smem)
     assert calls == [("get", b"k"), ("launch", 0), ("attr", driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 1000),
                      ("launch", 1000), ("launch", 1000), ("launch", 500),
                      ("attr", driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 2000), ("launch", 2000)]
+    # sm_90+: every function's preferred carveout set once before its first launch, again when the A/B switch
+    # names another value
+    calls.clear()
+    mod._carve_default = driver.CARVEOUT_SM90
+    carve = driver.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    mod.launch("k", (1, 1, 1), 256, [ctypes.c_int(1)])
+    mod.launch("k", (1, 1, 1), 256, [ctypes.c_int(1)])
+    monkeypatch.setenv(driver.CARVEOUT_ENV, "-1")
+    mod.launch("k", (1, 1, 1), 256, [ctypes.c_int(1)])
+    assert calls == [("attr", carve, driver.CARVEOUT_SM90), ("launch", 0), ("launch", 0), ("attr", carve, -1),
+                     ("launch", 0)]
