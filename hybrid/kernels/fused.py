@@ -45,7 +45,8 @@ ATT_BLOCKS_PER_SM = 2.1   # tuning: split blocks per SM the plan aims at (2, wit
 ATT_MIN_ROUNDS = 1        # tuning: rounds per split at least (fewer splits, less combining, for few keys)
 ATT_W_BLOCKS_PER_SM = 1.05   # tuning: the same for fused_rope_attn_w (256 threads, 163 registers: one per SM;
 #   H200 call 3: 0.55 / 0.8 / 1.05 take 15.7 / 13.7 / 11.5 us at 2000 keys, 43.7 / 31.7 / 26.5 at 8000; 2.1, two
-#   waves of blocks, 16.1 and 31.2)
+#   waves of blocks, 16.1 and 31.2); in the decode at the sm_90 carveout (hybrid.kernels.driver) 1.05 against 0.8:
+#   410.9 vs 404.0 tok/s at 2000 keys, 369.8 vs 357.3 at 4000 (results/runtime.md 37.1). $HYBRID_ATT_W_PER_SM: A/B
 ATT_HPT_W = 2             # fused_rope_attn_w's query heads per thread in P.V: ceil(g / (128 / 2^cpl)) at most
 _DT = {torch.float16: 0, torch.float32: 1}
 
