@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybrid.errors import HybridError
 from hybrid.kernels import fused
 from hybrid.model.layers import Attention, KVCache, Rotary, decode_mask, rms_norm
 from hybrid.model.moe import route
@@ -219,6 +220,7 @@ def test_wide_attention_shapes(monkeypatch):
     """fused_rope_attn_w takes at most ATT_HPT_W query heads per thread in P.V (128 / 2^cpl rows of heads);
     its plan aims at ATT_W_BLOCKS_PER_SM blocks per SM; rope_attn_kernel picks it by HYBRID_FUSED_NEW."""
     monkeypatch.delenv("HYBRID_FUSED_NEW", raising=False)
+    monkeypatch.delenv("HYBRID_ATT_W_PER_SM", raising=False)
     assert fused.rope_attn_kernel(32, 4, 128) == ("fused_rope_attn_w", fused.ATT_W_BLOCKS_PER_SM)
     assert fused.rope_attn_kernel(32, 2, 256) == ("fused_rope_attn_e", None)          # 16 heads of 256: too many
     assert fused.rope_attn_kernel(32, 4, 128, aligned=False) == ("fused_rope_attn", None)
@@ -228,6 +230,13 @@ def test_wide_attention_shapes(monkeypatch):
     assert fused.rope_attn_kernel(32, 4, 128) == ("fused_rope_attn", None)
     assert fused.wide_fits(8, 128) and fused.wide_fits(16, 128) and fused.wide_fits(16, 64)
     assert fused.wide_fits(8, 256) and not fused.wide_fits(16, 256) and not fused.wide_fits(12, 256)
+    monkeypatch.delenv("HYBRID_FUSED_NEW")
+    monkeypatch.setenv("HYBRID_ATT_W_PER_SM", "0.8")                                 # the A/B switch
+    assert fused.rope_attn_kernel(32, 4, 128) == ("fused_rope_attn_w", 0.8)
+    for bad in ("0", "x", "9"):
+        monkeypatch.setenv("HYBRID_ATT_W_PER_SM", bad)
+        with pytest.raises(HybridError, match="HYBRID_ATT_W_PER_SM"):   # one line, not a traceback
+            fused.attn_w_per_sm()
     s1, r1, _, _ = fused.attn_plan(2048, 4, 8, 128, 132, 1.05)
     s2, r2, _, _ = fused.attn_plan(2048, 4, 8, 128, 132)
     assert s1 * r1 >= 64 and s2 * r2 >= 64 and 4 * s1 <= 1.05 * 132 + 4 < 4 * s2

@@ -175,11 +175,10 @@ def test_moe_with_router_plan_matches_plain_moe(qtype):
         fused.add_norm_router(x, torch.ones(h), 1e-6, router, k, True, plan=plan)
 
 
-def test_tuning_env_switches(monkeypatch):
-    """HYBRID_SMEM_CARVEOUT (the kernels' preferred shared-memory carveout) and HYBRID_ATT_W_PER_SM (the two-group
-    attention's blocks per SM): the default where unset, the value where valid, a one-line HybridError otherwise."""
+def test_carveout_switch(monkeypatch):
+    """HYBRID_SMEM_CARVEOUT (the kernels' preferred shared-memory carveout): the default where unset, the value
+    where valid, a one-line HybridError otherwise."""
     from hybrid.errors import HybridError
-    from hybrid.kernels import fused
     from hybrid.kernels.driver import CARVEOUT_ENV, carveout
 
     monkeypatch.delenv(CARVEOUT_ENV, raising=False)
@@ -191,11 +190,3 @@ def test_tuning_env_switches(monkeypatch):
         monkeypatch.setenv(CARVEOUT_ENV, bad)
         with pytest.raises(HybridError, match=CARVEOUT_ENV):
             carveout(100)
-    monkeypatch.delenv("HYBRID_ATT_W_PER_SM", raising=False)
-    assert fused._w_per_sm() == fused.ATT_W_BLOCKS_PER_SM
-    monkeypatch.setenv("HYBRID_ATT_W_PER_SM", "0.8")
-    assert fused._w_per_sm() == 0.8
-    for bad in ("0", "x", "9"):
-        monkeypatch.setenv("HYBRID_ATT_W_PER_SM", bad)
-        with pytest.raises(HybridError, match="HYBRID_ATT_W_PER_SM"):
-            fused._w_per_sm()

@@ -526,8 +526,9 @@ def wide_fits(g: int, d: int) -> bool:
     return -(-g // (ATT_THREADS >> _cpl(d))) <= ATT_HPT_W
 
 
-def _w_per_sm() -> float:
-    """ATT_W_BLOCKS_PER_SM, or $HYBRID_ATT_W_PER_SM (A/B runs: read at each launch, > 0)."""
+def attn_w_per_sm() -> float:
+    """ATT_W_BLOCKS_PER_SM, or $HYBRID_ATT_W_PER_SM (A/B runs: read at each launch, > 0; a CUDA session checks it
+    when it opens)."""
     v = os.environ.get("HYBRID_ATT_W_PER_SM")
     if not v:
         return ATT_W_BLOCKS_PER_SM
@@ -547,7 +548,7 @@ def rope_attn_kernel(hq: int, hkv: int, d: int, aligned: bool = True) -> tuple[s
     at (None: ATT_BLOCKS_PER_SM); aligned: qkv, the norms and the table 16-byte aligned (the newer kernels' loads)."""
     new = new_kernel("attn") and aligned
     if new and new_kernel("wide") and hkv > 0 and hq % hkv == 0 and wide_fits(hq // hkv, d):
-        return "fused_rope_attn_w", _w_per_sm()
+        return "fused_rope_attn_w", attn_w_per_sm()
     return ("fused_rope_attn_e" if new else "fused_rope_attn"), None
 
 
