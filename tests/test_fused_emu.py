@@ -104,10 +104,16 @@ def _section(src: str, begin: str, end: str | None) -> str:
     return src[a: src.index(end, a) if end else len(src)]
 
 
+def _head(src: str, rule: str) -> str:
+    """fused.cu up to its first section, with qpn.cu's shared helpers; ld_cg (inline PTX) is the shim's."""
+    head = _section(src, "typedef unsigned int u32;", rule)
+    return re.sub(r"__device__ __forceinline__ float ld_cg\(.*?\n\}\n", "", head, flags=re.S)
+
+
 def _reductions(src: str) -> str:
-    """fused.cu's warp reductions and arrive_last, its acq_rel atomic as the C++ one."""
-    found = "".join(re.findall(r"__device__ __forceinline__ (?:float warp_(?:sum|max)\(float v\)|bool arrive_last\([^)]*\)) \{.*?\n\}\n",
-                               src, re.S))
+    """fused.cu's arrive_last, its acq_rel atomic as the C++ one (the warp reductions come with the head: qpn.cu's,
+    through the QPN_SHARED lines)."""
+    found = "".join(re.findall(r"__device__ __forceinline__ bool arrive_last\([^)]*\) \{.*?\n\}\n", src, re.S))
     atom = re.compile(r'asm volatile\("atom\.acq_rel\.gpu\.global\.add\.s32 [^\n]*\);$', re.M)
     if len(atom.findall(found)) != 1:
         raise AssertionError("arrive_last: expected one atom.acq_rel.gpu add")
@@ -119,7 +125,7 @@ def emu_source() -> str:
     the inline-PTX helpers are the shim's."""
     src = fused_build.source()
     rule = "// " + "-" * 64 + " "
-    head = _section(src, "typedef unsigned int u32;", rule)
+    head = _head(src, rule)
     reductions = _reductions(src)
     rope = _section(src, rule + "q/k RMSNorm", rule + "router")
     attn = _section(src, rule + "one-token GQA attention", None)
@@ -286,7 +292,7 @@ def router_emu_source() -> str:
     """The residual add + RMSNorm and router parts of cuda/fused.cu under SHIM."""
     src = fused_build.source()
     rule = "// " + "-" * 64 + " "
-    head = _section(src, "typedef unsigned int u32;", rule)
+    head = _head(src, rule)
     reductions = _reductions(src)
     norm = _section(src, rule + "residual add + RMSNorm", rule + "q/k RMSNorm")
     router = _section(src, rule + "router softmax + top-k", rule + "one-token GQA attention")

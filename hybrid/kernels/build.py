@@ -66,11 +66,13 @@ def device_functions(names: list[str], src: str | None = None) -> str:
 
 def with_shared(src: str, what: str) -> str:
     """Another kernel source (`what`, for the error) with qpn.cu's device functions named on its
-    `// QPN_SHARED: name ...` line put in after that line."""
-    line = re.search(r"^// QPN_SHARED: (.*)$", src, re.M)
-    if line is None:
+    `// QPN_SHARED: name ...` lines put in after the last of them."""
+    lines = list(re.finditer(r"^// QPN_SHARED: (.*)$", src, re.M))
+    if not lines:
         raise ValueError(f"{what}: no '// QPN_SHARED:' line")
-    return src[:line.end()] + "\n" + device_functions(line.group(1).split()) + src[line.end():]
+    names = [n for line in lines for n in line.group(1).split()]
+    end = lines[-1].end()
+    return src[:end] + "\n" + device_functions(names) + src[end:]
 
 
 def cache_dir() -> Path:
