@@ -661,25 +661,13 @@ __device__ __forceinline__ void route_tokens(const float* logits, int T, int E, 
   if (plan && threadIdx.x < 32) route_plan_warp(own_slot, T * k, S, offsets, perm, active);
 }
 
-extern "C" __global__ void __launch_bounds__(128)
-    fused_add_norm_router_e(const void* x, const void* delta, const float* w, void* x_out, void* hout,
-                            int H, float eps, int x_f32, int delta_f32, const float* router, float* logits,
-                            int* counter, int T, int E, int k, int renorm, long long* ids, float* weights,
-                            const int* slot_table, int* slots, float* route_row, int S, int* offsets,
-                            int* perm, int* active, float* zero, int nzero) {
-  pdl_trigger();
-  pdl_wait();
-  __shared__ __align__(16) float hs[ANR_MAXH];           // H > 2048: the residual
-  __shared__ float pss[ROUTER_MAXT][4], pacc[ROUTER_MAXT][4];
-  __shared__ int si[32];                                  // T > 1: assignment a's slot, for the MoE plan
-  __shared__ int last;
-  if (slots != nullptr && 32 * threadIdx.x < E)           // the slot table's 128-byte lines into every SM's L1:
-    asm volatile("prefetch.global.L1 [%0];" :: "l"(slot_table + 32 * threadIdx.x));   // the last block's hit
-  DISPATCH_XD(anre_body, x, delta, w, x_out, hout, H, eps, router, logits, T, E, hs, pss, pacc);
-  const bool is_last = arrive_last(counter, gridDim.x, &last);
-  for (int j = 4 * (blockIdx.x * 128 + threadIdx.x); j < nzero; j += 4 * 128 * gridDim.x)   // the MoE output
-    *(float4*)(zero + j) = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (!is_last) return;
+// The last block's routing (route_tokens of the instantiation E needs) as one function, not inlined, so that its code
+// exists once: with warm set every block of the router kernel first runs it dry before its pdl_wait, while the
+// kernel before it still runs (outputs into the block's own shared memory, no plan: S = 0, stale inputs), and the
+// last block then finds those instructions in its SM's instruction cache instead of fetching them cold.
+__device__ __noinline__ void route_all(const float* logits, int T, int E, int k, int renorm, long long* ids,
+                                       float* weights, const int* slot_table, int* slots, float* route_row, int S,
+                                       int* offsets, int* perm, int* active, int* si) {
   const int nv = TOPK_NV(E);                              // one instantiation's code runs (and is fetched)
   if (nv == 4) route_tokens<4>(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets, perm,
                                active, si);
@@ -687,6 +675,33 @@ extern "C" __global__ void __launch_bounds__(128)
                                     perm, active, si);
   else route_tokens<ROUTE_MAXV>(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets,
                                 perm, active, si);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    fused_add_norm_router_e(const void* x, const void* delta, const float* w, void* x_out, void* hout,
+                            int H, float eps, int x_f32, int delta_f32, const float* router, float* logits,
+                            int* counter, int T, int E, int k, int renorm, long long* ids, float* weights,
+                            const int* slot_table, int* slots, float* route_row, int S, int* offsets,
+                            int* perm, int* active, float* zero, int nzero, int warm) {
+  __shared__ __align__(16) float hs[ANR_MAXH];           // H > 2048: the residual
+  __shared__ float pss[ROUTER_MAXT][4], pacc[ROUTER_MAXT][4];
+  __shared__ int si[32];                                  // T > 1: assignment a's slot, for the MoE plan
+  __shared__ int last;
+  pdl_trigger();
+  if (warm && counter != nullptr) {                       // route_all's code into this SM's instruction cache
+    route_all(logits, T, E, k, renorm, (long long*)hs, hs + 512, slot_table, slots ? (int*)(hs + 768) : nullptr,
+              route_row ? hs + 1024 : nullptr, 0, offsets, perm, active, si);   // hs: T * k <= 256 outputs
+    __syncthreads();                                      // (hs is the body's)
+  }
+  pdl_wait();
+  if (slots != nullptr && 32 * threadIdx.x < E)           // the slot table's 128-byte lines into every SM's L1:
+    asm volatile("prefetch.global.L1 [%0];" :: "l"(slot_table + 32 * threadIdx.x));   // the last block's hit
+  DISPATCH_XD(anre_body, x, delta, w, x_out, hout, H, eps, router, logits, T, E, hs, pss, pacc);
+  const bool is_last = arrive_last(counter, gridDim.x, &last);
+  for (int j = 4 * (blockIdx.x * 128 + threadIdx.x); j < nzero; j += 4 * 128 * gridDim.x)   // the MoE output
+    *(float4*)(zero + j) = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (!is_last) return;
+  route_all(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets, perm, active, si);
   if (threadIdx.x == 0) *counter = 0;
 }
 

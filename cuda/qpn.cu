@@ -1780,14 +1780,15 @@ struct MoeRoute {
   int* perm;                // [k] out
   int* active;              // [min(k, S)] out
   int E, k, renorm, S;
+  int warm;                 // rank once dry before the grid dependency wait (route_block's code into the I-cache)
 };
 
 template <int NV>
-__device__ __forceinline__ int route_block_nv(const MoeRoute& r, int y, int& beg, int& a0) {
+__device__ __forceinline__ int route_block_nv(const MoeRoute& r, int y, int& beg, int& a0, int dry) {
   float w, total;
   int id;
   int s = rank_warp<NV>(r.logits, r.E, r.k, r.slot_table, w, id, total);
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 32) {
+  if (!dry && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 32) {
     write_choice(0, r.k, threadIdx.x, w, total, id, s, r.renorm, r.ids, r.weights, r.slots, r.route_row);
     route_plan_warp(s, r.k, r.S, r.offsets, r.perm, r.active);
   }
@@ -1802,10 +1803,11 @@ __device__ __forceinline__ int route_block_nv(const MoeRoute& r, int y, int& beg
   return __shfl_sync(0xffffffffu, s, a0);
 }
 // this block's (slot (-1: no work), first row, first assignment); every warp computes it (no barrier). E <= 256
-// (MOE_RT_MAX_E: 16 values per lane for more experts would need more registers).
-__device__ __forceinline__ int3 route_block(const MoeRoute& r, int y) {
+// (MOE_RT_MAX_E: 16 values per lane for more experts would need more registers). Not inlined: one copy of the code,
+// run dry (nothing written) before the grid dependency wait where r.warm says, then for real.
+__device__ __noinline__ int3 route_block(const MoeRoute& r, int y, int dry) {
   int3 v = make_int3(-1, 0, 0);
-  v.x = r.E <= 128 ? route_block_nv<4>(r, y, v.y, v.z) : route_block_nv<8>(r, y, v.y, v.z);
+  v.x = r.E <= 128 ? route_block_nv<4>(r, y, v.y, v.z, dry) : route_block_nv<8>(r, y, v.y, v.z, dry);
   return v;
 }
 
@@ -1824,10 +1826,13 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
   __shared__ __align__(16) unsigned char smem[Smem<MT, 2, ST>::BYTES];
   float (*red)[2][8 * MT][16] = reinterpret_cast<float (*)[2][8 * MT][16]>(smem);
   pdl_trigger();
+  if constexpr (RT) {
+    if (rt->warm) route_block(*rt, blockIdx.y, 1);
+  }
   pdl_wait();  // the routing (active, offsets, perm) and the activations come from earlier kernels
   int slot, beg, cnt, a0 = 0;
   if constexpr (RT) {                                     // this block's slot ranked from the logits (one token)
-    const int3 v = route_block(*rt, blockIdx.y);
+    const int3 v = route_block(*rt, blockIdx.y, 0);
     slot = v.x, beg = v.y, a0 = v.z, cnt = 1;           // one token: a slot has one row (a count that
     if (slot < 0) return;                                 // ptxas cannot see cost 16 registers more)
   } else {
@@ -1970,7 +1975,7 @@ MOE(8, 1, _as, 3, 6)
       const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
       long long wstride, long long sstride, const u16* __restrict__ x,                             \
       const int* __restrict__ token_idx, u16* __restrict__ h, int H, int I, int KS,                \
-      const MoeRoute rt) {                                                                         \
+      const __grid_constant__ MoeRoute rt) {                                                       \
     gateup_body<FMT, 1, ST1, true>(w13, s13, gs, wstride, sstride, x, token_idx, rt.offsets,       \
                                    rt.perm, rt.active, h, H, I, KS, &rt);                          \
   }

@@ -235,17 +235,20 @@ def test_add_norm_router_route_plan(backend, monkeypatch, t, k, e, s, planned):
 @pytest.mark.parametrize("k,e,s,fmt", [(8, 128, 128, "nvfp4"), (8, 128, 40, "nvfp4"), (4, 200, 64, "fp8"),
                                        (8, 256, 300, "nvfp4"), (1, 8, 8, "nvfp4"), (6, 60, 24, "fp8")])
 @pytest.mark.parametrize("variant", [None, ""])
-def test_add_norm_router_ranked_in_moe(backend, monkeypatch, k, e, s, fmt, variant):
+@pytest.mark.parametrize("warm", ["0", "1"])
+def test_add_norm_router_ranked_in_moe(backend, monkeypatch, k, e, s, fmt, variant, warm):
     """HYBRID_FUSED_NEW part "moeroute" (one token): the router's launch makes the logits only and the routed
     gate/up kernel's blocks rank them: ids, weights, slots, the route row and the plan bit-identical to the router's
     own routing (part off), the MoE output as qpn_moe's over that routing (absent experts dropped); the ring
-    kernels (variant None on sm_80+) and the register-pipeline ones ("")."""
+    kernels (variant None on sm_80+) and the register-pipeline ones (""); with and without the ranking's dry
+    warm-up run (HYBRID_ROUTE_WARM) in both kernels."""
     from hybrid.checkpoint.formats import QType
     from hybrid.kernels import QPNExpertSlots, qpn, qpn_moe
     from hybrid.kernels.moe_route import RoutePlan
     from tests.test_qpn_layout import fp8, nvfp4
 
     monkeypatch.setattr(qpn, "MOE_VARIANT", [variant])
+    monkeypatch.setenv("HYBRID_ROUTE_WARM", warm)
     h, i = 256, 128
     qt, make = (QType.NVFP4, nvfp4) if fmt == "nvfp4" else (QType.FP8, fp8)
     experts = QPNExpertSlots(s, h, i, qt, DEV)

@@ -218,8 +218,11 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
         if time.perf_counter() > deadline:
             record({"check": check, "skipped": "device-time deadline"})
             continue
-        os.environ[env] = mode                    # read when the session makes (captures) its graphs
-        if env == build.L2_ENV:                   # read when the QPN module is built: build it again
+        names, values = env.split("+"), mode.split("+")   # several switches: VAR1+VAR2, modes v1+v2
+        if len(names) != len(values):
+            raise SystemExit(f"--modes: {mode!r} has {len(values)} values for the {len(names)} switches of --env {env}")
+        os.environ.update(zip(names, values))     # read when the session makes (captures) its graphs
+        if build.L2_ENV in names:                 # read when the QPN module is built: build it again
             build.forget_modules()
         rc.log(f"session {check}: {kw}")
         s = open_session(path, RuntimeOptions(device="cuda", profile=profile, expert_profile=str(eprof), **kw),
@@ -227,7 +230,7 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
         try:
             rec = measure(s, tok, prompt, 16, tokens)
             g = s.model.graphs
-            rec.update({"env": {env: mode}, "flags": kw, "linked_layers": len(g.links), "prompt_tokens": prompt,
+            rec.update({"env": dict(zip(names, values)), "flags": kw, "linked_layers": len(g.links), "prompt_tokens": prompt,
                         "plan_split": list(s.plan.inputs.layer_split), **rc.graph_info(s)})
             rec["cuda_calls_per_step"] = cuda_calls(s)
             rec["generate_wall"] = generate_wall(s, tok, prompt=prompt)
@@ -257,7 +260,8 @@ def main() -> int:
     p.add_argument("--order", default="synth_one_gpu_slots1024", help="configuration labels (gpu_two_cards.configs)")
     p.add_argument("--modes", default="0,1,0,1",
                    help="values of --env, in order, per label (separated by ';' where a value holds commas)")
-    p.add_argument("--env", default="HYBRID_MISS_GRAPH", help="the environment switch the sessions differ in")
+    p.add_argument("--env", default="HYBRID_MISS_GRAPH",
+                   help="the environment switch the sessions differ in (several: VAR1+VAR2, each mode v1+v2)")
     p.add_argument("--host-profile", action="store_true", help="also cProfile 32 graphed decode steps per session")
     a = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)

@@ -51,12 +51,13 @@ def source() -> str:
 
 def device_functions(names: list[str], src: str | None = None) -> str:
     """The text of qpn.cu's device functions `names` (each `__device__ __forceinline__ ... name(...)
+    (or __noinline__)
     {...}` through its closing brace at the start of a line, with a template line before it), in
     that order: the helpers another kernel source shares instead of copying them."""
     src = source() if src is None else src
     out = []
     for name in names:
-        m = re.search(r"(template <[^>]*>\n)?__device__ __forceinline__ [\w ]+? " + re.escape(name) + r"\(.*?\n\}\n",
+        m = re.search(r"(template <[^>]*>\n)?__device__ __(?:force|no)inline__ [\w ]+? " + re.escape(name) + r"\(.*?\n\}\n",
                       src, re.S)
         if m is None:
             raise ValueError(f"{SOURCE_NAME}: no device function {name!r}")

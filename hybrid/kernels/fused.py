@@ -100,6 +100,20 @@ def new_kernel(part: str) -> bool:
     return _env_part("HYBRID_FUSED_NEW", part, NEW_DEFAULT)
 
 
+def route_warm() -> bool:
+    """$HYBRID_ROUTE_WARM (0 / 1, default ROUTE_WARM_DEFAULT): whether the kernel that ranks the router's logits (the
+    router's last block, or the routed MoE gate/up kernel's blocks) first runs its ranking code dry in every block
+    before its grid dependency wait, so that the real run finds it in the SM's instruction cache. Read at each
+    launch (A/B runs switch it)."""
+    v = os.environ.get("HYBRID_ROUTE_WARM", ROUTE_WARM_DEFAULT).strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"HYBRID_ROUTE_WARM: expected 0 or 1, got {v!r}")
+    return v == "1"
+
+
+ROUTE_WARM_DEFAULT = "0"
+
+
 def _aligned(*ts) -> bool:
     return all(t is None or t.data_ptr() % 16 == 0 for t in ts)
 
@@ -419,7 +433,7 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
     e_kernel = new_kernel("router") and hd % 4 == 0 and _aligned(x, delta, weight, router)
     ranking = None
     if plan is not None and e_kernel and new_kernel("moeroute") and MoeRanking.fits(t, e, k):
-        ranking = MoeRanking(logits, slot_table, ids, weights, slots, row, k, bool(renorm))
+        ranking = MoeRanking(logits, slot_table, ids, weights, slots, row, k, bool(renorm), route_warm())
     args = [_p(x), _p(delta), _p(weight), _p(x2 if delta is not None else None), _p(h), ctypes.c_int(hd),
             ctypes.c_float(eps), ctypes.c_int(_DT[x.dtype]),
             ctypes.c_int(_DT[delta.dtype] if delta is not None else 0), _p(router), _p(logits),
@@ -439,6 +453,7 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
         args += ([ctypes.c_int(plan.slots), _p(plan.offsets), _p(plan.perm), _p(plan.active), _p(plan.y),
                   ctypes.c_int(t * hd)] if plan is not None else
                  [ctypes.c_int(0), _p(None), _p(None), _p(None), _p(None), ctypes.c_int(0)])
+        args.append(ctypes.c_int(int(route_warm())))
     else:
         name, grid = "fused_add_norm_router", -(-e // 4)         # a warp per expert; no plan
     _launch(dev, name, (grid, 1, 1), 128, args)

@@ -46,6 +46,7 @@ class MoeRanking:
     row: torch.Tensor | None
     k: int
     renorm: bool
+    warm: bool = False          # rank once dry before the grid dependency wait (fused.route_warm)
 
     @staticmethod
     def fits(t: int, e: int, k: int) -> bool:
@@ -56,7 +57,7 @@ class MoeRanking:
         p = lambda t: t.data_ptr() if t is not None else None   # noqa: E731
         return MoeRouteArgs(p(self.logits), p(self.slot_table), p(self.ids), p(self.weights), p(self.slots),
                             p(self.row), p(plan.offsets), p(plan.perm), p(plan.active), self.logits.shape[-1],
-                            self.k, int(bool(self.renorm)), plan.slots)
+                            self.k, int(bool(self.renorm)), plan.slots, int(bool(self.warm)))
 
 
 class MoeRouteArgs(ctypes.Structure):
@@ -65,7 +66,8 @@ class MoeRouteArgs(ctypes.Structure):
     _fields_ = [("logits", ctypes.c_void_p), ("slot_table", ctypes.c_void_p), ("ids", ctypes.c_void_p),
                 ("weights", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("route_row", ctypes.c_void_p),
                 ("offsets", ctypes.c_void_p), ("perm", ctypes.c_void_p), ("active", ctypes.c_void_p),
-                ("E", ctypes.c_int), ("k", ctypes.c_int), ("renorm", ctypes.c_int), ("S", ctypes.c_int)]
+                ("E", ctypes.c_int), ("k", ctypes.c_int), ("renorm", ctypes.c_int), ("S", ctypes.c_int),
+                ("warm", ctypes.c_int)]
 
 
 @dataclass
