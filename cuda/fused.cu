@@ -63,8 +63,7 @@ typedef unsigned short u16;
 // HYBRID_PDL=1): every kernel lets the next one in the stream be scheduled on free SMs at its start
 // (pdl_trigger), and waits for the one before it to finish, its writes visible, before it reads or writes
 // anything (pdl_wait). No-ops without the launch attribute and below sm_90.
-// QPN_SHARED: pdl_trigger pdl_wait warp_sum warp_max ld_cg softmax_lanes argmax_round select_k write_choice
-// QPN_SHARED: plan_lane route_plan_warp rank_warp
+// QPN_SHARED: pdl_trigger pdl_wait
 
 // ---------------------------------------------------------------- conversions, reductions
 __device__ __forceinline__ float h2f(u16 h) {
@@ -77,6 +76,16 @@ __device__ __forceinline__ u16 f2h(float f) {
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
 }
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
 
 // True in the last of `blocks` blocks to arrive at counter, where every write the arriving blocks made
 // before is visible: a barrier, then one thread's acq_rel atomic at gpu scope (its release orders what the
@@ -84,7 +93,6 @@ __device__ __forceinline__ u16 f2h(float f) {
 // CUTLASS's semaphores). One MEMBAR and one L1 invalidation on sm_90 where a fence + atomic + fence had two
 // of each: the router's tail 0.2-0.3 us shorter per layer on the H200 (results/runtime.md §32). sm_70+ PTX.
 __device__ __forceinline__ bool arrive_last(int* counter, int blocks, int* flag) {
-  if (counter == nullptr) return false;                   // (uniform) no arrival: nobody is last
   __syncthreads();
   if (threadIdx.x == 0) {
     int old;
@@ -93,6 +101,12 @@ __device__ __forceinline__ bool arrive_last(int* counter, int blocks, int* flag)
   }
   __syncthreads();
   return *flag;
+}
+
+__device__ __forceinline__ float ld_cg(const float* p) {   // L2, not a possibly stale L1 line
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
 }
 
 // ---------------------------------------------------------------- residual add + RMSNorm
@@ -254,6 +268,77 @@ extern "C" __global__ void __launch_bounds__(128)
 // ---------------------------------------------------------------- router softmax + top-k
 #define ROUTE_MAXV 16   // experts per lane: E <= 512
 #define ROUTER_MAXT 8   // tokens of fused_router_topk
+
+// A warp's softmax in place: v[j] the logit of expert lane + 32 j (NEG_INF past E) -> its probability (-1 past
+// E: below every probability); the max and sum by warp reductions.
+template <int NV>
+__device__ __forceinline__ void softmax_lanes(float (&v)[NV], int E, int lane) {
+  float m = NEG_INF;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) m = fmaxf(m, v[j]);
+  m = warp_max(m);
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    v[j] = lane + 32 * j < E ? expf(v[j] - m) : 0.f;
+    s += v[j];
+  }
+  s = warp_sum(s);
+#pragma unroll
+  for (int j = 0; j < NV; ++j) v[j] = lane + 32 * j < E ? v[j] / s : -1.f;   // probs >= 0
+}
+
+// One round of a warp's top-k: the largest probability left in v (ties to the lowest id) in every lane as
+// (best, bi), then marked taken (-2) in the lane that holds it.
+template <int NV>
+__device__ __forceinline__ void argmax_round(float (&v)[NV], int lane, float& best, int& bi) {
+  best = -2.f;
+  bi = 0x7fffffff;
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+    if (v[j] > best) { best = v[j]; bi = lane + 32 * j; }   // ascending ids: keeps the lowest
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+  }
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+    if (lane + 32 * j == bi) v[j] = -2.f;                    // taken
+}
+
+// k rounds of argmax_round: lane r < k keeps the r-th choice (weight, id); total = the k weights' sum
+template <int NV>
+__device__ __forceinline__ void select_k(float (&v)[NV], int lane, int k, float& mine_w, int& mine_id,
+                                         float& total) {
+  mine_w = 0.f, total = 0.f;
+  mine_id = 0;
+#pragma unroll 1
+  for (int r = 0; r < k; ++r) {
+    float best;
+    int bi;
+    argmax_round<NV>(v, lane, best, bi);
+    if (lane == r) { mine_w = best; mine_id = bi; }
+    total += best;
+  }
+}
+
+// Lane r < k of token t writes its choice: weight (renormalised by the k chosen weights' total), id, slot and
+// the route row (ids, then weights).
+__device__ __forceinline__ void write_choice(int t, int k, int lane, float w, float total, int id, int slot,
+                                             int renorm, long long* ids, float* weights, int* slots,
+                                             float* route_row) {
+  if (lane >= k) return;
+  const float wt = renorm ? w / total : w;
+  weights[(size_t)t * k + lane] = wt;
+  ids[(size_t)t * k + lane] = id;
+  if (slots) slots[(size_t)t * k + lane] = slot;
+  if (route_row) {
+    route_row[(size_t)t * 2 * k + lane] = (float)id;
+    route_row[(size_t)t * 2 * k + k + lane] = wt;
+  }
+}
 
 // One warp: softmax over row[0..E), top-k (descending, ties to the lowest id), optional renorm;
 // lane r < k writes the r-th choice of token t (and the runtime's slot id and route row).
@@ -417,9 +502,7 @@ extern "C" __global__ void __launch_bounds__(128)
 // dtype) and its share of the dot product; token t + 1's x / delta loads are in flight during token t's
 // math. Groups j >= ANRE_NJ (H > 2048) go through shared memory. The last block (arrive_last; the counter
 // left zero) routes each token with topk_warp (a warp per token: topk_row's outputs, the slot table read with
-// the logits, prefetched into every SM's L1 at the start), then warp 0 makes the MoE plan. Without a counter
-// (null) the launch makes the logits (and zeroes the MoE output) only: the routed MoE gate/up kernel
-// (qpn.cu, qpn{2,8}_moe_gateup_mt1{,_as}_rt) ranks them in each of its blocks.
+// the logits, prefetched into every SM's L1 at the start), then warp 0 makes the MoE plan.
 #define ANRE_NJ 4         // groups of 4 elements per thread kept in registers: H <= 2048
 
 template <bool F32>
@@ -632,11 +715,61 @@ __device__ __forceinline__ void anre_body(const void* x, const void* delta, cons
 template <int NV>
 __device__ __forceinline__ int topk_warp(const float* row, int t, int E, int k, int renorm, long long* ids,
                                          float* weights, const int* slot_table, int* slots, float* route_row) {
-  float w, total;
-  int id;
-  const int slot = rank_warp<NV>(row, E, k, slots ? slot_table : nullptr, w, id, total);
-  write_choice(t, k, threadIdx.x & 31, w, total, id, slot, renorm, ids, weights, slots, route_row);
-  return slot;
+  const int lane = threadIdx.x & 31;
+  float v[NV];
+  int tv[NV];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < E ? ld_cg(row + e) : NEG_INF;
+    tv[j] = slots && e < E ? slot_table[e] : -1;
+  }
+  softmax_lanes<NV>(v, E, lane);
+  float mine_w, total;
+  int mine_id;
+  select_k<NV>(v, lane, k, mine_w, mine_id, total);
+  int slot = -1;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {                          // choice mine_id's slot from lane mine_id % 32
+    const int sj = __shfl_sync(0xffffffffu, tv[j], mine_id & 31);
+    if ((mine_id >> 5) == j) slot = sj;
+  }
+  write_choice(t, k, lane, mine_w, total, mine_id, slot, renorm, ids, weights, slots, route_row);
+  return slots && lane < k ? slot : -1;
+}
+
+// The grouped MoE kernels' routing (qpn.cu's qpn_moe_route outputs) from A = T * k <= 32 slot ids, by warp 0
+// of the router's last block, lane a holding assignment a's slot s (ids outside [0, S) dropped): offsets[s],
+// offsets[s + 1] of every slot s with an assignment (the only entries the expert kernels read), perm [A']
+// (the kept assignments grouped by slot, ascending, each slot's in assignment order), active [min(A, S)]
+// (the slots with work, ascending; -1 after). No shared memory, no barrier, no atomics (the block's tail
+// is on the decode step's critical path): the lanes of s from __match_any_sync, the kept and the
+// first-of-their-slot lanes from ballots, one pass of shuffles for the kept ids below s and the distinct
+// slots below s. perm's order within a slot is fixed (qpn_moe_route's follows its shared-memory atomics).
+__device__ __forceinline__ void route_plan_warp(int s, int A, int S, int* offsets, int* perm, int* active) {
+  const unsigned full = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  if (lane >= A) s = -1;
+  const bool valid = lane < A && s >= 0 && s < S;
+  const unsigned mine = __match_any_sync(full, s);        // lanes with slot s
+  const bool first = valid && __ffs(mine) - 1 == lane;
+  const unsigned vm = __ballot_sync(full, valid), fm = __ballot_sync(full, first);
+  int before = 0, dless = 0;                              // kept ids below s; distinct slots below s
+  for (int b = 0; b < A; ++b) {
+    const int less = __shfl_sync(full, s, b) < s;
+    before += less & (int)((vm >> b) & 1u);
+    dless += less & (int)((fm >> b) & 1u);
+  }
+  if (valid) {
+    perm[before + __popc(mine & ((1u << lane) - 1u))] = lane;
+    if (first) {
+      active[dless] = s;
+      offsets[s] = before;
+      offsets[s + 1] = before + __popc(mine);
+    }
+  }
+  const int na = A < S ? A : S;
+  for (int i = __popc(fm) + lane; i < na; i += 32) active[i] = -1;
 }
 
 // The router's last block: each token routed by topk_warp<NV> (a warp per token), then (offsets given, with
@@ -661,39 +794,18 @@ __device__ __forceinline__ void route_tokens(const float* logits, int T, int E, 
   if (plan && threadIdx.x < 32) route_plan_warp(own_slot, T * k, S, offsets, perm, active);
 }
 
-// The last block's routing (route_tokens of the instantiation E needs) as one function, not inlined, so that its code
-// exists once: with warm set every block of the router kernel first runs it dry before its pdl_wait, while the
-// kernel before it still runs (outputs into the block's own shared memory, no plan: S = 0, stale inputs), and the
-// last block then finds those instructions in its SM's instruction cache instead of fetching them cold.
-__device__ __noinline__ void route_all(const float* logits, int T, int E, int k, int renorm, long long* ids,
-                                       float* weights, const int* slot_table, int* slots, float* route_row, int S,
-                                       int* offsets, int* perm, int* active, int* si) {
-  const int nv = TOPK_NV(E);                              // one instantiation's code runs (and is fetched)
-  if (nv == 4) route_tokens<4>(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets, perm,
-                               active, si);
-  else if (nv == 8) route_tokens<8>(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets,
-                                    perm, active, si);
-  else route_tokens<ROUTE_MAXV>(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets,
-                                perm, active, si);
-}
-
 extern "C" __global__ void __launch_bounds__(128)
     fused_add_norm_router_e(const void* x, const void* delta, const float* w, void* x_out, void* hout,
                             int H, float eps, int x_f32, int delta_f32, const float* router, float* logits,
                             int* counter, int T, int E, int k, int renorm, long long* ids, float* weights,
                             const int* slot_table, int* slots, float* route_row, int S, int* offsets,
-                            int* perm, int* active, float* zero, int nzero, int warm) {
+                            int* perm, int* active, float* zero, int nzero) {
+  pdl_trigger();
+  pdl_wait();
   __shared__ __align__(16) float hs[ANR_MAXH];           // H > 2048: the residual
   __shared__ float pss[ROUTER_MAXT][4], pacc[ROUTER_MAXT][4];
   __shared__ int si[32];                                  // T > 1: assignment a's slot, for the MoE plan
   __shared__ int last;
-  pdl_trigger();
-  if (warm && counter != nullptr) {                       // route_all's code into this SM's instruction cache
-    route_all(logits, T, E, k, renorm, (long long*)hs, hs + 512, slot_table, slots ? (int*)(hs + 768) : nullptr,
-              route_row ? hs + 1024 : nullptr, 0, offsets, perm, active, si);   // hs: T * k <= 256 outputs
-    __syncthreads();                                      // (hs is the body's)
-  }
-  pdl_wait();
   if (slots != nullptr && 32 * threadIdx.x < E)           // the slot table's 128-byte lines into every SM's L1:
     asm volatile("prefetch.global.L1 [%0];" :: "l"(slot_table + 32 * threadIdx.x));   // the last block's hit
   DISPATCH_XD(anre_body, x, delta, w, x_out, hout, H, eps, router, logits, T, E, hs, pss, pacc);
@@ -701,7 +813,13 @@ extern "C" __global__ void __launch_bounds__(128)
   for (int j = 4 * (blockIdx.x * 128 + threadIdx.x); j < nzero; j += 4 * 128 * gridDim.x)   // the MoE output
     *(float4*)(zero + j) = make_float4(0.f, 0.f, 0.f, 0.f);
   if (!is_last) return;
-  route_all(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets, perm, active, si);
+  const int nv = TOPK_NV(E);                              // one instantiation's code runs (and is fetched)
+  if (nv == 4) route_tokens<4>(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets, perm,
+                               active, si);
+  else if (nv == 8) route_tokens<8>(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets,
+                                    perm, active, si);
+  else route_tokens<ROUTE_MAXV>(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets,
+                                perm, active, si);
   if (threadIdx.x == 0) *counter = 0;
 }
 

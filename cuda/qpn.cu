@@ -68,8 +68,6 @@
 //   qpn{2,8}_moe_gateup_mt{1,4} grid (I/16 / TG, min(A, S)): h[A, I] fp16 = silu(gate x) * up x  (sorted rows)
 //   qpn{2,8}_moe_down_mt{1,4}   grid (H/16 / TG, min(A, S)): y[T, H] fp32 += route_w * down h (atomicAdd)
 //   qpn{2,8}_moe_{gateup,down}_mt1_as  sm_80+: the same with cp.async rings
-//   qpn{2,8}_moe_gateup_mt1{,_as}_rt   one token: the gate/up kernel whose blocks rank the router's logits
-//                              themselves and write the routing and the down kernel's plan (MoeRoute)
 //   qpn{2,8}_moe_gemm_{gateup,down}_<BM>x128  MoE prefill (many rows per expert): the tiled WMMA GEMM
 //                              per active slot, grid (N tiles, min(A, S)), rows gathered through perm
 //   qpn{2,8}_moe_gemmf_{gateup_<BM>x256,down_<BM>x128}  sm_80+: the same on gemmf's machinery
@@ -1598,223 +1596,10 @@ extern "C" __global__ void __launch_bounds__(1024)
   }
 }
 
-// ---------------------------------------------------------------- router softmax + top-k (one warp)
-// fused.cu takes these (its QPN_SHARED lines): the router kernel's last block ranks a token's experts with them,
-// and so does every block of the routed MoE gate/up kernel below (qpn{2,8}_moe_gateup_mt1{,_as}_rt): the same
-// code, so both make bit-identical routing.
-#define NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ __forceinline__ float ld_cg(const float* p) {   // L2, not a possibly stale L1 line
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-
-// A warp's softmax in place: v[j] the logit of expert lane + 32 j (NEG_INF past E) -> its probability (-1 past
-// E: below every probability); the max and sum by warp reductions.
-template <int NV>
-__device__ __forceinline__ void softmax_lanes(float (&v)[NV], int E, int lane) {
-  float m = NEG_INF;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) m = fmaxf(m, v[j]);
-  m = warp_max(m);
-  float s = 0.f;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    v[j] = lane + 32 * j < E ? expf(v[j] - m) : 0.f;
-    s += v[j];
-  }
-  s = warp_sum(s);
-#pragma unroll
-  for (int j = 0; j < NV; ++j) v[j] = lane + 32 * j < E ? v[j] / s : -1.f;   // probs >= 0
-}
-
-// One round of a warp's top-k: the largest probability left in v (ties to the lowest id) in every lane as
-// (best, bi), then marked taken (-2) in the lane that holds it.
-template <int NV>
-__device__ __forceinline__ void argmax_round(float (&v)[NV], int lane, float& best, int& bi) {
-  best = -2.f;
-  bi = 0x7fffffff;
-#pragma unroll
-  for (int j = 0; j < NV; ++j)
-    if (v[j] > best) { best = v[j]; bi = lane + 32 * j; }   // ascending ids: keeps the lowest
-#pragma unroll
-  for (int o = 16; o; o >>= 1) {
-    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-  }
-#pragma unroll
-  for (int j = 0; j < NV; ++j)
-    if (lane + 32 * j == bi) v[j] = -2.f;                    // taken
-}
-
-// k rounds of argmax_round: lane r < k keeps the r-th choice (weight, id); total = the k weights' sum
-template <int NV>
-__device__ __forceinline__ void select_k(float (&v)[NV], int lane, int k, float& mine_w, int& mine_id,
-                                         float& total) {
-  mine_w = 0.f, total = 0.f;
-  mine_id = 0;
-#pragma unroll 1
-  for (int r = 0; r < k; ++r) {
-    float best;
-    int bi;
-    argmax_round<NV>(v, lane, best, bi);
-    if (lane == r) { mine_w = best; mine_id = bi; }
-    total += best;
-  }
-}
-
-// Lane r < k of token t writes its choice: weight (renormalised by the k chosen weights' total), id, slot and
-// the route row (ids, then weights).
-__device__ __forceinline__ void write_choice(int t, int k, int lane, float w, float total, int id, int slot,
-                                             int renorm, long long* ids, float* weights, int* slots,
-                                             float* route_row) {
-  if (lane >= k) return;
-  const float wt = renorm ? w / total : w;
-  weights[(size_t)t * k + lane] = wt;
-  ids[(size_t)t * k + lane] = id;
-  if (slots) slots[(size_t)t * k + lane] = slot;
-  if (route_row) {
-    route_row[(size_t)t * 2 * k + lane] = (float)id;
-    route_row[(size_t)t * 2 * k + k + lane] = wt;
-  }
-}
-
-// The grouped MoE kernels' routing (qpn.cu's qpn_moe_route outputs) from A = T * k <= 32 slot ids, by warp 0
-// of the router's last block, lane a holding assignment a's slot s (ids outside [0, S) dropped): offsets[s],
-// offsets[s + 1] of every slot s with an assignment (the only entries the expert kernels read), perm [A']
-// (the kept assignments grouped by slot, ascending, each slot's in assignment order), active [min(A, S)]
-// (the slots with work, ascending; -1 after). No shared memory, no barrier, no atomics (the block's tail
-// is on the decode step's critical path): the lanes of s from __match_any_sync, the kept and the
-// first-of-their-slot lanes from ballots, one pass of shuffles for the kept ids below s and the distinct
-// slots below s. perm's order within a slot is fixed (qpn_moe_route's follows its shared-memory atomics).
-__device__ __forceinline__ void plan_lane(int& s, int A, int S, bool& valid, bool& first, unsigned& mine,
-                                          unsigned& fm, int& before, int& dless) {
-  const unsigned full = 0xffffffffu;
-  const int lane = threadIdx.x & 31;
-  if (lane >= A) s = -1;
-  valid = lane < A && s >= 0 && s < S;
-  mine = __match_any_sync(full, s);                       // lanes with slot s
-  first = valid && __ffs(mine) - 1 == lane;
-  const unsigned vm = __ballot_sync(full, valid);
-  fm = __ballot_sync(full, first);
-  before = 0, dless = 0;                                  // kept ids below s; distinct slots below s
-  for (int b = 0; b < A; ++b) {
-    const int less = __shfl_sync(full, s, b) < s;
-    before += less & (int)((vm >> b) & 1u);
-    dless += less & (int)((fm >> b) & 1u);
-  }
-}
-__device__ __forceinline__ void route_plan_warp(int s, int A, int S, int* offsets, int* perm, int* active) {
-  const int lane = threadIdx.x & 31;
-  bool valid, first;
-  unsigned mine, fm;
-  int before, dless;
-  plan_lane(s, A, S, valid, first, mine, fm, before, dless);
-  if (valid) {
-    perm[before + __popc(mine & ((1u << lane) - 1u))] = lane;
-    if (first) {
-      active[dless] = s;
-      offsets[s] = before;
-      offsets[s + 1] = before + __popc(mine);
-    }
-  }
-  const int na = A < S ? A : S;
-  for (int i = __popc(fm) + lane; i < na; i += 32) active[i] = -1;
-}
-
-// Softmax + top-k of one token's logits row[0..E) by one warp at NV values per lane (E <= 32 NV): lane r < k gets
-// choice r (weight w before renormalisation, id) and every lane the k weights' total; with a slot table (loaded
-// with the logits, NV entries per lane, each choice's slot fetched by shuffles) lane r < k returns choice r's
-// slot, else -1. Logits through the L2 (written by other blocks or the previous kernel).
-template <int NV>
-__device__ __forceinline__ int rank_warp(const float* row, int E, int k, const int* slot_table, float& w, int& id,
-                                         float& total) {
-  const int lane = threadIdx.x & 31;
-  float v[NV];
-  int tv[NV];
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int e = lane + 32 * j;
-    v[j] = e < E ? ld_cg(row + e) : NEG_INF;
-    tv[j] = slot_table && e < E ? slot_table[e] : -1;
-  }
-  softmax_lanes<NV>(v, E, lane);
-  select_k<NV>(v, lane, k, w, id, total);
-  int slot = -1;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {                          // choice id's slot from lane id % 32
-    const int sj = __shfl_sync(0xffffffffu, tv[j], id & 31);
-    if ((id >> 5) == j) slot = sj;
-  }
-  return slot_table && lane < k ? slot : -1;
-}
-
-// ---------------------------------------------------------------- MoE routing inside the gate/up kernel
-// The routed gate/up kernels (qpn{2,8}_moe_gateup_mt1{,_as}_rt, one token): the router's launch makes only the
-// logits (fused.cu, fused_add_norm_router_e without a counter), and every warp of every gate/up block ranks
-// them with the router's own code (rank_warp: bit-identical ids, weights, slots). Block (0, 0)'s warp 0 writes
-// what the router's last block wrote (ids, weights, slots, the host's route row: write_choice) and the down
-// kernel's plan (offsets, perm, active: route_plan_warp); block (x, y) takes the y-th slot with work in
-// ascending order (route_plan_warp's active[y]) and its one row beg of h. What goes: the router's
-// arrival (fence, counter), its last block's hand-off and the gate/up blocks' dependent loads of the plan.
-struct MoeRoute {
-  const float* logits;      // [E] fp32
-  const int* slot_table;    // [E] expert -> slot (-1: none)
-  long long* ids;           // [k] out
-  float* weights;           // [k] out (renormalised where renorm)
-  int* slots;               // [k] out
-  float* route_row;         // [2k] out (ids as floats, weights) or null
-  int* offsets;             // [S + 1] out: the entries of slots with work
-  int* perm;                // [k] out
-  int* active;              // [min(k, S)] out
-  int E, k, renorm, S;
-  int warm;                 // rank once dry before the grid dependency wait (route_block's code into the I-cache)
-};
-
-template <int NV>
-__device__ __forceinline__ int route_block_nv(const MoeRoute& r, int y, int& beg, int& a0, int dry) {
-  float w, total;
-  int id;
-  int s = rank_warp<NV>(r.logits, r.E, r.k, r.slot_table, w, id, total);
-  if (!dry && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 32) {
-    write_choice(0, r.k, threadIdx.x, w, total, id, s, r.renorm, r.ids, r.weights, r.slots, r.route_row);
-    route_plan_warp(s, r.k, r.S, r.offsets, r.perm, r.active);
-  }
-  bool valid, first;
-  unsigned mine, fm;
-  int before, dless;
-  plan_lane(s, r.k, r.S, valid, first, mine, fm, before, dless);
-  const unsigned hit = __ballot_sync(0xffffffffu, first && dless == y);
-  if (!hit) return -1;                                    // fewer slots with work than y + 1
-  a0 = __ffs(hit) - 1;                                    // the slot's assignment (one token: its only one)
-  beg = __shfl_sync(0xffffffffu, before, a0);
-  return __shfl_sync(0xffffffffu, s, a0);
-}
-// this block's (slot (-1: no work), first row, first assignment); every warp computes it (no barrier). E <= 256
-// (MOE_RT_MAX_E: 16 values per lane for more experts would need more registers). Not inlined: one copy of the code,
-// run dry (nothing written) before the grid dependency wait where r.warm says, then for real.
-__device__ __noinline__ int3 route_block(const MoeRoute& r, int y, int dry) {
-  int3 v = make_int3(-1, 0, 0);
-  v.x = r.E <= 128 ? route_block_nv<4>(r, y, v.y, v.z, dry) : route_block_nv<8>(r, y, v.y, v.z, dry);
-  return v;
-}
-
 // ---------------------------------------------------------------- MoE gate+up (fused SiLU * mul)
 // w13: per slot [2 * I/16 tiles (gate then up), H/CK, 32, 4] u32; s13 likewise; gs [S, 3].
 // x [T, H] fp16; h [A, I] fp16 indexed by position in perm. grid (ceil(I/16 / TG), S).
-template <int FMT, int MT, int ST, bool RT = false>
+template <int FMT, int MT, int ST>
 __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const u64* __restrict__ s13,
                                             const float* __restrict__ gs, long long wstride,
                                             long long sstride, const u16* __restrict__ x,
@@ -1822,25 +1607,15 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
                                             const int* __restrict__ offsets,
                                             const int* __restrict__ perm,
                                             const int* __restrict__ active, u16* __restrict__ h,
-                                            int H, int I, int KS, const MoeRoute* rt = nullptr) {
+                                            int H, int I, int KS) {
   __shared__ __align__(16) unsigned char smem[Smem<MT, 2, ST>::BYTES];
   float (*red)[2][8 * MT][16] = reinterpret_cast<float (*)[2][8 * MT][16]>(smem);
   pdl_trigger();
-  if constexpr (RT) {
-    if (rt->warm) route_block(*rt, blockIdx.y, 1);
-  }
   pdl_wait();  // the routing (active, offsets, perm) and the activations come from earlier kernels
-  int slot, beg, cnt, a0 = 0;
-  if constexpr (RT) {                                     // this block's slot ranked from the logits (one token)
-    const int3 v = route_block(*rt, blockIdx.y, 0);
-    slot = v.x, beg = v.y, a0 = v.z, cnt = 1;           // one token: a slot has one row (a count that
-    if (slot < 0) return;                                 // ptxas cannot see cost 16 registers more)
-  } else {
-    slot = active[blockIdx.y];
-    if (slot < 0) return;
-    beg = offsets[slot], cnt = offsets[slot + 1] - beg;
-    if (cnt <= 0) return;
-  }
+  const int slot = active[blockIdx.y];
+  if (slot < 0) return;
+  const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
+  if (cnt <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int CK = FMT == 2 ? 64 : 32, C = H / CK, It = I >> 4;
@@ -1858,7 +1633,7 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         int i = base + 8 * mt + lane_tok(lane);
-        xr[mt] = x + (size_t)token_idx[RT ? a0 : perm[beg + (i < cnt ? i : cnt - 1)]] * H + lane_k(lane);
+        xr[mt] = x + (size_t)token_idx[perm[beg + (i < cnt ? i : cnt - 1)]] * H + lane_k(lane);
       }
       if constexpr (ST > 0)
         warp_gemm_async<FMT, MT, 2, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
@@ -1967,22 +1742,6 @@ MOE(8, 4, , 0, 0)
 // sm_80+ only: cp.async rings (gate+up: 3 stages of two tiles; down: 6 stages)
 MOE(2, 1, _as, 3, 6)
 MOE(8, 1, _as, 3, 6)
-
-// The routed gate/up kernels (one token; see MoeRoute): the gate/up kernel's arguments less the plan's, then the
-// routing's as one struct parameter (param space: its fields hold no registers through the main loop).
-#define MOE_RT(FMT, SFX, ST1)                                                                      \
-  extern "C" __global__ void qpn##FMT##_moe_gateup_mt1##SFX##_rt(                                   \
-      const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
-      long long wstride, long long sstride, const u16* __restrict__ x,                             \
-      const int* __restrict__ token_idx, u16* __restrict__ h, int H, int I, int KS,                \
-      const __grid_constant__ MoeRoute rt) {                                                       \
-    gateup_body<FMT, 1, ST1, true>(w13, s13, gs, wstride, sstride, x, token_idx, rt.offsets,       \
-                                   rt.perm, rt.active, h, H, I, KS, &rt);                          \
-  }
-MOE_RT(2, , 0)
-MOE_RT(8, , 0)
-MOE_RT(2, _as, 3)
-MOE_RT(8, _as, 3)
 
 // ---------------------------------------------------------------- MoE prefill: grouped tiled GEMM
 // The prefill GEMM's machinery (TileLoads, tile_store, mma_stage: weights decoded once per block

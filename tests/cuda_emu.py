@@ -25,8 +25,6 @@ static std::barrier<>* warp_bar[32];
 #define __device__
 #define __global__
 #define __forceinline__ inline
-#define __noinline__ __attribute__((noinline))
-#define __grid_constant__
 #define __launch_bounds__(...)
 #define __shared__ static
 #define __restrict__ __restrict

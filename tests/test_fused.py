@@ -207,13 +207,13 @@ def test_new_kernel_switch(monkeypatch):
     list = those."""
     monkeypatch.delenv("HYBRID_FUSED_NEW", raising=False)
     assert all(fused.new_kernel(p) == (p in fused.NEW_DEFAULT) for p in fused.NEW_PARTS)
-    assert fused.NEW_DEFAULT == frozenset(fused.NEW_PARTS) - {"moeroute"}
+    assert fused.NEW_DEFAULT == frozenset(fused.NEW_PARTS)
     monkeypatch.setenv("HYBRID_FUSED_NEW", "0")
     assert not any(fused.new_kernel(p) for p in fused.NEW_PARTS)
     monkeypatch.setenv("HYBRID_FUSED_NEW", "1")
     assert all(fused.new_kernel(p) for p in fused.NEW_PARTS)
     monkeypatch.setenv("HYBRID_FUSED_NEW", "router, attn")
-    assert [fused.new_kernel(p) for p in fused.NEW_PARTS] == [False, True, True, False, False, False]
+    assert [fused.new_kernel(p) for p in fused.NEW_PARTS] == [False, True, True, False, False]
 
 
 def test_wide_attention_shapes(monkeypatch):
@@ -262,40 +262,3 @@ def test_fused_kernels_ab_tool_dry_run(capsys, monkeypatch):
     assert got == [("old", 1), ("new", 1), ("new_bare", 1), ("new_plan", 1), ("old", 8), ("new", 8), ("new_bare", 8),
                    ("in_context", 1), ("in_context_plan", 1), ("in_context", 8)]
     assert recs[1]["ids_equal_ref"] == recs[5]["ids_equal_ref"] == "1/1"
-
-
-def test_route_warm_switch(monkeypatch):
-    """HYBRID_ROUTE_WARM: 0 / 1 (unset: ROUTE_WARM_DEFAULT); anything else a one-line error naming it."""
-    monkeypatch.delenv("HYBRID_ROUTE_WARM", raising=False)
-    assert fused.route_warm() == (fused.ROUTE_WARM_DEFAULT == "1")
-    monkeypatch.setenv("HYBRID_ROUTE_WARM", "1")
-    assert fused.route_warm()
-    monkeypatch.setenv("HYBRID_ROUTE_WARM", "yes")
-    with pytest.raises(ValueError, match="HYBRID_ROUTE_WARM"):
-        fused.route_warm()
-
-
-def test_moe_route_struct_matches_kernel():
-    """MoeRouteArgs is cuda/qpn.cu's struct MoeRoute field for field (names, order, pointer or int), so the routed
-    gate/up kernel reads its parameter as the launcher wrote it; MoeRanking.fits: one token, E <= MOE_RT_MAX_E."""
-    import ctypes
-    import re
-    from pathlib import Path
-
-    from hybrid.kernels.moe_route import MOE_RT_MAX_E, MoeRanking, MoeRouteArgs
-
-    src = (Path(fused.__file__).with_name("qpn.cu")).read_text()
-    body = re.search(r"struct MoeRoute \{(.*?)\n\};", src, re.S).group(1)
-    fields = []
-    for line in body.splitlines():
-        decl = line.split("//")[0].strip().rstrip(";")
-        if not decl:
-            continue
-        first, *rest = decl.split(",")
-        typ, name = re.match(r"(.*[\s*])(\w+)$", first.strip()).groups()
-        fields += [(n.strip(), "*" in typ) for n in [name] + rest]
-    got = [(name, t is ctypes.c_void_p) for name, t in MoeRouteArgs._fields_]
-    assert got == fields
-    assert ctypes.sizeof(MoeRouteArgs) == 8 * sum(p for _, p in fields) + -(-4 * sum(not p for _, p in fields) // 8) * 8
-    assert MoeRanking.fits(1, 128, 8) and MoeRanking.fits(1, MOE_RT_MAX_E, 8)
-    assert not MoeRanking.fits(2, 128, 8) and not MoeRanking.fits(1, MOE_RT_MAX_E + 1, 8)

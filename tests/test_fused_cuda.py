@@ -231,60 +231,6 @@ def test_add_norm_router_route_plan(backend, monkeypatch, t, k, e, s, planned):
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4 * max(want.abs().max().item(), 1e-3))
 
 
-@gpu_only
-@pytest.mark.parametrize("k,e,s,fmt", [(8, 128, 128, "nvfp4"), (8, 128, 40, "nvfp4"), (4, 200, 64, "fp8"),
-                                       (8, 256, 300, "nvfp4"), (1, 8, 8, "nvfp4"), (6, 60, 24, "fp8")])
-@pytest.mark.parametrize("variant", [None, ""])
-@pytest.mark.parametrize("warm", ["0", "1"])
-def test_add_norm_router_ranked_in_moe(backend, monkeypatch, k, e, s, fmt, variant, warm):
-    """HYBRID_FUSED_NEW part "moeroute" (one token): the router's launch makes the logits only and the routed
-    gate/up kernel's blocks rank them: ids, weights, slots, the route row and the plan bit-identical to the router's
-    own routing (part off), the MoE output as qpn_moe's over that routing (absent experts dropped); the ring
-    kernels (variant None on sm_80+) and the register-pipeline ones (""); with and without the ranking's dry
-    warm-up run (HYBRID_ROUTE_WARM) in both kernels."""
-    from hybrid.checkpoint.formats import QType
-    from hybrid.kernels import QPNExpertSlots, qpn, qpn_moe
-    from hybrid.kernels.moe_route import RoutePlan
-    from tests.test_qpn_layout import fp8, nvfp4
-
-    monkeypatch.setattr(qpn, "MOE_VARIANT", [variant])
-    monkeypatch.setenv("HYBRID_ROUTE_WARM", warm)
-    h, i = 256, 128
-    qt, make = (QType.NVFP4, nvfp4) if fmt == "nvfp4" else (QType.FP8, fp8)
-    experts = QPNExpertSlots(s, h, i, qt, DEV)
-    used = min(s, 40)
-    for j in range(used):
-        experts.load(j, make(i, h, seed=5 * j), make(i, h, seed=5 * j + 1), make(h, i, seed=5 * j + 2))
-    g = torch.Generator().manual_seed(k * 1000 + e + s)
-    table = torch.randperm(used, generator=g)[:e].to(torch.int32)      # distinct slots: a resident layer's table
-    table = torch.cat([table, torch.full((e - table.numel(),), -1, dtype=torch.int32)])[torch.randperm(e, generator=g)]
-    x, d = fresh((1, h), torch.float16), fresh((1, h), torch.float16, scale=0.5)
-    w, router = fresh((h,), scale=0.2, shift=1.0), fresh((e, h), scale=3.0 / h ** 0.5)
-    tok = torch.zeros(k, dtype=torch.int32, device=DEV)
-    runs = {}
-    for part in ("norm,router,attn,plan", "norm,router,attn,plan,moeroute"):
-        monkeypatch.setenv("HYBRID_FUSED_NEW", part)
-        sl = torch.full((k,), -7, dtype=torch.int32, device=DEV)
-        row = torch.full((1, 2 * k), float("nan"), device=DEV)
-        plan = RoutePlan.new(1, k, s, h, DEV)
-        for b in (plan.offsets, plan.perm, plan.active):
-            b.fill_(-9)
-        plan.y.fill_(float("nan"))
-        _, hn, ids, wt = fused.add_norm_router(x.to(DEV), w.to(DEV), EPS, router.to(DEV), k, True, d.to(DEV),
-                                               table.to(DEV), sl, row, plan=plan)
-        assert plan.made and (plan.ranking is not None) == part.endswith("moeroute")
-        y = qpn_moe(hn.half(), experts, sl, tok, wt.reshape(-1), plan=plan)
-        assert y is plan.y and not plan.made and plan.ranking is None
-        runs[part] = (ids.cpu(), wt.cpu(), sl.cpu(), row.cpu(), plan.offsets.cpu(), plan.perm.cpu(),
-                      plan.active.cpu(), y.cpu(), hn)
-    a, b = runs.values()
-    for got, want in zip(b[:7], a[:7]):
-        assert torch.equal(got, want)
-    keep = a[2] >= 0
-    want = qpn_moe(a[8].half(), experts, a[2][keep].to(DEV), tok[keep.to(DEV)], a[1].reshape(-1)[keep].to(DEV)).cpu()
-    torch.testing.assert_close(b[7], want, rtol=1e-4, atol=1e-4 * max(want.abs().max().item(), 1e-3))
-
-
 def test_route_topk_ties_take_lowest_ids(backend):
     ids, w = fused.route_topk(torch.zeros(2, 16, device=DEV), 4, False)
     if GPU:                                   # torch.topk leaves ties unspecified; the kernel does not

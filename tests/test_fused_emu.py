@@ -25,8 +25,6 @@ inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
-struct int3 { int x, y, z; };
-inline int3 make_int3(int a, int b, int c) { return {a, b, c}; }
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
@@ -106,16 +104,10 @@ def _section(src: str, begin: str, end: str | None) -> str:
     return src[a: src.index(end, a) if end else len(src)]
 
 
-def _head(src: str, rule: str) -> str:
-    """fused.cu up to its first section, with qpn.cu's shared helpers; ld_cg (inline PTX) is the shim's."""
-    head = _section(src, "typedef unsigned int u32;", rule)
-    return re.sub(r"__device__ __forceinline__ float ld_cg\(.*?\n\}\n", "", head, flags=re.S)
-
-
 def _reductions(src: str) -> str:
-    """fused.cu's arrive_last, its acq_rel atomic as the C++ one (the warp reductions come with the head: qpn.cu's,
-    through the QPN_SHARED lines)."""
-    found = "".join(re.findall(r"__device__ __forceinline__ bool arrive_last\([^)]*\) \{.*?\n\}\n", src, re.S))
+    """fused.cu's warp reductions and arrive_last, its acq_rel atomic as the C++ one."""
+    found = "".join(re.findall(r"__device__ __forceinline__ (?:float warp_(?:sum|max)\(float v\)|bool arrive_last\([^)]*\)) \{.*?\n\}\n",
+                               src, re.S))
     atom = re.compile(r'asm volatile\("atom\.acq_rel\.gpu\.global\.add\.s32 [^\n]*\);$', re.M)
     if len(atom.findall(found)) != 1:
         raise AssertionError("arrive_last: expected one atom.acq_rel.gpu add")
@@ -127,7 +119,7 @@ def emu_source() -> str:
     the inline-PTX helpers are the shim's."""
     src = fused_build.source()
     rule = "// " + "-" * 64 + " "
-    head = _head(src, rule)
+    head = _section(src, "typedef unsigned int u32;", rule)
     reductions = _reductions(src)
     rope = _section(src, rule + "q/k RMSNorm", rule + "router")
     attn = _section(src, rule + "one-token GQA attention", None)
@@ -271,11 +263,11 @@ ROUTER_ENTRY = r"""
 extern "C" void emu_anr(int e_kernel, int reverse, const void* x, const void* delta, const float* w, void* x_out,
     void* hout, int H, float eps, int x_f32, int delta_f32, const float* router, float* logits, int* counter,
     int T, int E, int k, int renorm, long long* ids, float* weights, const int* slot_table, int* slots,
-    float* route_row, int S, int* offsets, int* perm, int* active, float* zero, int nzero, int warm) {
+    float* route_row, int S, int* offsets, int* perm, int* active, float* zero, int nzero) {
   if (e_kernel)
     run_grid(E, 1, 128, [&] { fused_add_norm_router_e(x, delta, w, x_out, hout, H, eps, x_f32, delta_f32, router,
         logits, counter, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets, perm, active,
-        zero, nzero, warm); }, 1, reverse);
+        zero, nzero); }, 1, reverse);
   else
     run_grid((E + 3) / 4, 1, 128, [&] { fused_add_norm_router(x, delta, w, x_out, hout, H, eps, x_f32, delta_f32,
         router, logits, counter, T, E, k, renorm, ids, weights, slot_table, slots, route_row); }, 1, reverse);
@@ -290,39 +282,16 @@ extern "C" void emu_arn(int e_kernel, int T, const void* x, const void* delta, c
 """
 
 
-RANK_ENTRY = r"""
-extern "C" void emu_route_block(MoeRoute r, int gy, int dry, int* out) {   // out [gy, 8 warps, 3]
-  run_grid(1, gy, 256, [&] {
-    const int3 v = route_block(r, blockIdx.y, dry);
-    if ((threadIdx.x & 31) == 0) {
-      int* o = out + (blockIdx.y * 8 + (threadIdx.x >> 5)) * 3;
-      o[0] = v.x, o[1] = v.y, o[2] = v.z;
-    }
-  });
-}
-"""
-
-
-def _rank_source() -> str:
-    """qpn.cu's routing inside the gate/up kernel: struct MoeRoute, route_block_nv, route_block."""
-    from hybrid.kernels.build import device_functions, source
-
-    src = source()
-    struct = re.search(r"struct MoeRoute \{.*?\n\};\n", src, re.S).group(0)
-    return struct + device_functions(["route_block_nv", "route_block"], src) + RANK_ENTRY
-
-
 def router_emu_source() -> str:
-    """The residual add + RMSNorm and router parts of cuda/fused.cu under SHIM, and qpn.cu's routing inside the
-    gate/up kernel (it runs on the same shared helpers)."""
+    """The residual add + RMSNorm and router parts of cuda/fused.cu under SHIM."""
     src = fused_build.source()
     rule = "// " + "-" * 64 + " "
-    head = _head(src, rule)
+    head = _section(src, "typedef unsigned int u32;", rule)
     reductions = _reductions(src)
     norm = _section(src, rule + "residual add + RMSNorm", rule + "q/k RMSNorm")
     router = _section(src, rule + "router softmax + top-k", rule + "one-token GQA attention")
     router = re.sub(r'asm volatile\("prefetch[^"]*"[^;]*;', ";", router)      # cache hints: none here
-    return SHIM + HELPERS + head + reductions + norm + router + ROUTER_ENTRY + _rank_source()
+    return SHIM + HELPERS + head + reductions + norm + router + ROUTER_ENTRY
 
 
 @pytest.fixture(scope="module")
@@ -330,9 +299,8 @@ def router_emu(tmp_path_factory):
     return compile_emu(tmp_path_factory, "fused_router_emu", router_emu_source())
 
 
-def emu_add_norm_router(lib, kernel_e, x, w, router, k, delta=None, reverse=False, table=None, plan=None, warm=False):
-    """plan (a RoutePlan, block-per-expert kernel only): the MoE routing made too, into its buffers. warm: every
-    block runs the routing dry first (the kernel's warm argument)."""
+def emu_add_norm_router(lib, kernel_e, x, w, router, k, delta=None, reverse=False, table=None, plan=None):
+    """plan (a RoutePlan, block-per-expert kernel only): the MoE routing made too, into its buffers."""
     t, h = x.shape
     e = router.shape[0]
     x2, hn = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
@@ -347,7 +315,7 @@ def emu_add_norm_router(lib, kernel_e, x, w, router, k, delta=None, reverse=Fals
           else (I(0), P(None), P(None), P(None), P(None), I(0)))
     lib.emu_anr(I(int(kernel_e)), I(int(reverse)), P(x), P(delta), P(w), P(x2 if delta is not None else None), P(hn),
                 I(h), F(1e-6), I(dt[x.dtype]), I(dt[delta.dtype] if delta is not None else 0), P(router), P(logits),
-                P(cnt), I(t), I(e), I(k), I(1), P(ids), P(wt), P(table), P(slots), P(row), *pl, I(int(warm)))
+                P(cnt), I(t), I(e), I(k), I(1), P(ids), P(wt), P(table), P(slots), P(row), *pl)
     assert cnt.item() == 0                                   # the counter is left zero
     assert torch.equal(slots, table[ids.reshape(-1)]) and torch.equal(row[:, k:], wt)
     assert torch.equal(row[:, :k], ids.float())
@@ -371,8 +339,8 @@ def test_emulated_add_norm_router_e(router_emu, t, h, e, xdt, ddt):
     w = torch.randn(h, generator=g) * 0.2 + 1.0
     router = torch.randn(e, h, generator=g) * 3.0 / h ** 0.5
     old = emu_add_norm_router(router_emu, False, x, w, router, k, d)
-    for reverse in (False, True):                            # the second time also with the dry warm-up run
-        new = emu_add_norm_router(router_emu, True, x, w, router, k, d, reverse, warm=reverse)
+    for reverse in (False, True):
+        new = emu_add_norm_router(router_emu, True, x, w, router, k, d, reverse)
         assert torch.equal(new[0], old[0])
         torch.testing.assert_close(new[1], old[1], atol=1e-3 if xdt == torch.float16 else 1e-6, rtol=1e-3)
         rid, rw = fused.ref_router_topk(new[1], router, k, True)
@@ -405,8 +373,7 @@ def test_emulated_router_route_plan(router_emu, t, k, e, s, absent):
         i32 = dict(dtype=torch.int32)
         plan = RoutePlan(torch.full((s + 1,), -9, **i32), torch.full((a,), -9, **i32),
                          torch.full((min(a, s),), -9, **i32), torch.full((t, h), float("nan")), s)
-        _, _, ids, _ = emu_add_norm_router(router_emu, True, x, torch.ones(h), router, k, None, reverse, table, plan,
-                                           warm=reverse)
+        _, _, ids, _ = emu_add_norm_router(router_emu, True, x, torch.ones(h), router, k, None, reverse, table, plan)
         assert torch.equal(plan.y, torch.zeros(t, h))
         if not RoutePlan.fits(t, k):
             assert (plan.offsets == -9).all() and (plan.perm == -9).all() and (plan.active == -9).all()
@@ -448,64 +415,3 @@ def test_emulated_add_rms_norm_e(router_emu, t, h, xdt, ddt):
     if d is not None:
         assert torch.equal(outs[1][0], outs[0][0])
     torch.testing.assert_close(outs[1][1], outs[0][1], atol=1e-3 if xdt == F16 else 1e-6, rtol=1e-3)
-
-
-@pytest.mark.parametrize("k,e,s,absent", [(8, 128, 128, 0.0), (8, 128, 40, 0.3), (4, 200, 64, 0.1), (1, 8, 8, 0.0),
-                                          (8, 256, 300, 0.5), (6, 60, 24, 1.0)])
-def test_emulated_route_block(router_emu, k, e, s, absent):
-    """The routed gate/up kernel's routing (qpn.cu route_block; one token): block (0, 0) writes ids, weights, slots
-    and the route row as the router kernel's last block does for the same logits (bit-identical) and the plan as
-    ref_route_plan of those slots; every warp of block y gets the y-th slot with work (active[y]), its row
-    (offsets[slot]) and its assignment (perm[row]), or -1 past the slots with work; a dry run writes nothing."""
-    from hybrid.kernels.moe_route import MoeRanking, RoutePlan, ref_route_plan
-
-    h = 64
-    g = torch.Generator().manual_seed(k * 100 + e + s)
-    x = torch.randn(1, h, generator=g)
-    router = torch.randn(e, h, generator=g)
-    table = torch.randperm(max(s, e), generator=g)[:e].to(torch.int32) % s     # distinct where s >= e
-    table[torch.rand(e, generator=g) < absent] = -1
-    i32 = dict(dtype=torch.int32)
-    want_plan = RoutePlan(torch.full((s + 1,), -9, **i32), torch.full((k,), -9, **i32),
-                          torch.full((min(k, s),), -9, **i32), torch.full((1, h), float("nan")), s)
-    _, _, ids, wt = emu_add_norm_router(router_emu, True, x, torch.ones(h), router, k, None, table=table,
-                                        plan=want_plan)
-    lg = torch.full((1, e), float("nan"))    # the router kernel's own logits are what the blocks rank
-    emu_add_norm_router_logits(router_emu, x, router, k, lg)
-    for dry in (1, 0):
-        out = torch.full((1, k), -5, dtype=torch.int64), torch.full((1, k), float("nan"))
-        sl, row = torch.full((k,), -7, **i32), torch.full((1, 2 * k), float("nan"))
-        plan = RoutePlan(torch.full((s + 1,), -9, **i32), torch.full((k,), -9, **i32),
-                         torch.full((min(k, s),), -9, **i32), torch.full((1, h), float("nan")), s)
-        rank = MoeRanking(lg, table, out[0], out[1], sl, row, k, True)
-        gy = min(k, s)
-        res = torch.full((gy, 8, 3), -3, **i32)
-        router_emu.emu_route_block(rank.struct(plan), I(gy), I(dry), P(res))
-        assert (res == res[:, :1]).all()                                  # every warp the same
-        if dry:
-            assert (out[0] == -5).all() and (sl == -7).all() and (plan.perm == -9).all() and (plan.active == -9).all()
-            continue
-        assert torch.equal(out[0], ids) and torch.equal(out[1], wt)
-        assert torch.equal(sl, table[ids.reshape(-1)]) and torch.equal(row, torch.cat([ids.float(), wt], 1))
-        offsets, perm, active = ref_route_plan(sl, s)
-        assert torch.equal(plan.active, active) and torch.equal(plan.perm[: perm.numel()], perm)
-        for y in range(gy):
-            slot = active[y].item()
-            if slot < 0:
-                assert res[y, 0, 0].item() == -1
-                continue
-            beg = offsets[slot].item()
-            assert res[y, 0].tolist() == [slot, beg, perm[beg].item()]
-            assert plan.offsets[slot].item() == beg and plan.offsets[slot + 1].item() == offsets[slot + 1].item()
-
-
-def emu_add_norm_router_logits(lib, x, router, k, logits):
-    """The router kernel without a counter (the routed gate/up kernel's mode): logits only, nothing routed."""
-    t, h = x.shape
-    e = router.shape[0]
-    hn, w = torch.full_like(x, float("nan")), torch.ones(h)
-    ids, wt = torch.full((t, k), -1, dtype=torch.int64), torch.full((t, k), float("nan"))
-    lib.emu_anr(I(1), I(0), P(x), P(None), P(w), P(None), P(hn), I(h), F(1e-6), I(1), I(0), P(router),
-                P(logits), P(None), I(t), I(e), I(k), I(1), P(ids), P(wt), P(None), P(None), P(None), I(0), P(None),
-                P(None), P(None), P(None), I(0), I(1))
-    assert (ids == -1).all() and wt.isnan().all()

@@ -32,7 +32,7 @@ def test_probe_source_adds_the_probe_kernels(probe):
     assert "arrive_last" in empty and "topk_warp" not in empty and "*counter = 0" in empty
     stamps = out[out.index("fused_add_norm_router_e_stamps("):]
     stamps = stamps[: stamps.index("\n}\n")]
-    assert "route_all(" in stamps and all(f"STAMP({n})" in stamps for n in range(5))
+    assert "route_tokens<4>(" in stamps and all(f"STAMP({n})" in stamps for n in range(5))
     with pytest.raises(ValueError, match="stamps probe"):
         probe.probe_source(src.replace("gridDim.x, &last);\n", "gridDim.x,\n                                    &last);\n", 1))
     with pytest.raises(ValueError, match="zeroing loop"):

@@ -89,7 +89,7 @@ def stamps_source(kern: str) -> str:
     """The stamps probe: the kernel copied with `STAMP(n)` (thread 0 notes clock64() in shared pst[n]) at the
     ends of the phases; the last block's thread 0 adds the differences to probe_stamps."""
     k = kern.replace(f"{KERNEL}(", f"{KERNEL}_stamps(")
-    marks = [("  pdl_wait();\n", "  pdl_wait();\n  __shared__ long long pst[8];\n  STAMP(0)\n"),
+    marks = [("  __shared__ int last;\n", "  __shared__ int last;\n  __shared__ long long pst[8];\n  STAMP(0)\n"),
              ("  const bool is_last = arrive_last(", "  STAMP(1)\n  const bool is_last = arrive_last("),
              ("gridDim.x, &last);\n", "gridDim.x, &last);\n  STAMP(2)\n"),
              ("  if (!is_last) return;\n", "  if (!is_last) return;\n  STAMP(3)\n"),

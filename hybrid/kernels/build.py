@@ -51,13 +51,12 @@ def source() -> str:
 
 def device_functions(names: list[str], src: str | None = None) -> str:
     """The text of qpn.cu's device functions `names` (each `__device__ __forceinline__ ... name(...)
-    (or __noinline__)
     {...}` through its closing brace at the start of a line, with a template line before it), in
     that order: the helpers another kernel source shares instead of copying them."""
     src = source() if src is None else src
     out = []
     for name in names:
-        m = re.search(r"(template <[^>]*>\n)?__device__ __(?:force|no)inline__ [\w ]+? " + re.escape(name) + r"\(.*?\n\}\n",
+        m = re.search(r"(template <[^>]*>\n)?__device__ __forceinline__ [\w ]+? " + re.escape(name) + r"\(.*?\n\}\n",
                       src, re.S)
         if m is None:
             raise ValueError(f"{SOURCE_NAME}: no device function {name!r}")
@@ -67,13 +66,11 @@ def device_functions(names: list[str], src: str | None = None) -> str:
 
 def with_shared(src: str, what: str) -> str:
     """Another kernel source (`what`, for the error) with qpn.cu's device functions named on its
-    `// QPN_SHARED: name ...` lines put in after the last of them."""
-    lines = list(re.finditer(r"^// QPN_SHARED: (.*)$", src, re.M))
-    if not lines:
+    `// QPN_SHARED: name ...` line put in after that line."""
+    line = re.search(r"^// QPN_SHARED: (.*)$", src, re.M)
+    if line is None:
         raise ValueError(f"{what}: no '// QPN_SHARED:' line")
-    names = [n for line in lines for n in line.group(1).split()]
-    end = lines[-1].end()
-    return src[:end] + "\n" + device_functions(names) + src[end:]
+    return src[:line.end()] + "\n" + device_functions(line.group(1).split()) + src[line.end():]
 
 
 def cache_dir() -> Path:

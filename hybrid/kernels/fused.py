@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid.kernels.fused_build import KERNELS, force_ptx, module as _module  # noqa: F401
-from hybrid.kernels.moe_route import MoeRanking, RoutePlan
+from hybrid.kernels.moe_route import RoutePlan
 
 PARTS = ("norm", "rope", "route", "attn", "rope_attn")
 ROUTE_MAX_E, ROUTE_MAX_K, ROUTER_MAX_T = 512, 32, 8
@@ -76,10 +76,8 @@ DEFAULT_PARTS = frozenset(PARTS)
 # session (H200, git 5745a1b / 48b85a2, results/runtime.md 36): per layer 4.9 / 7.3 / 9.0 / 11.5 / 16.5 / 26.5 us at 15 / 70 /
 # 1000 / 2000 / 4000 / 8000 keys against fused_rope_attn_e's 5.4 / 7.9 / 13.3 / 17.7 / 22.2 / 30.9; decode of the
 # synth 30B-A3B 476 vs 460 tok/s at a 32-token prompt, 395 vs 361 at 2000 (greedy ids equal).
-# "moeroute" (with "router" and "plan"; one token, E <= 256): the router's launch makes the logits only and the MoE
-# launch's gate/up blocks rank them (hybrid.kernels.moe_route.MoeRanking; not in the default until measured).
-NEW_PARTS = ("norm", "router", "attn", "plan", "wide", "moeroute")
-NEW_DEFAULT: frozenset = frozenset(NEW_PARTS) - {"moeroute"}
+NEW_PARTS = ("norm", "router", "attn", "plan", "wide")
+NEW_DEFAULT: frozenset = frozenset(NEW_PARTS)
 
 
 def _env_part(var: str, part: str, default) -> bool:
@@ -98,20 +96,6 @@ def _env_part(var: str, part: str, default) -> bool:
 def new_kernel(part: str) -> bool:
     """HYBRID_FUSED_NEW (see NEW_PARTS): whether the newer kernel of `part` runs where it applies."""
     return _env_part("HYBRID_FUSED_NEW", part, NEW_DEFAULT)
-
-
-def route_warm() -> bool:
-    """$HYBRID_ROUTE_WARM (0 / 1, default ROUTE_WARM_DEFAULT): whether the kernel that ranks the router's logits (the
-    router's last block, or the routed MoE gate/up kernel's blocks) first runs its ranking code dry in every block
-    before its grid dependency wait, so that the real run finds it in the SM's instruction cache. Read at each
-    launch (A/B runs switch it)."""
-    v = os.environ.get("HYBRID_ROUTE_WARM", ROUTE_WARM_DEFAULT).strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"HYBRID_ROUTE_WARM: expected 0 or 1, got {v!r}")
-    return v == "1"
-
-
-ROUTE_WARM_DEFAULT = "0"
 
 
 def _aligned(*ts) -> bool:
@@ -391,8 +375,7 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
     """add_rms_norm(x, weight, eps, delta) then router_topk(h, router, k, renorm, ...) in one launch
     (T <= 8) -> (x2, h, ids, weights). plan (with slots): the grouped MoE kernels' routing from the slot
     ids is also made (hybrid.kernels.moe_route; plan.made says whether it was: the block-per-expert
-    kernel makes it for T * k <= 32, the older one does not), or, with HYBRID_FUSED_NEW part "moeroute" for one
-    token, left with the whole routing to the MoE launch (plan.ranking: ids and weights are written by it)."""
+    kernel makes it for T * k <= 32, the older one does not)."""
     if x.dim() != 2 or router.dim() != 2:
         raise ValueError(f"x, router: expected [T, H] and [E, H], got {list(x.shape)} and {list(router.shape)}")
     t, hd = x.shape
@@ -402,7 +385,7 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
     if plan is not None:
         if slots is None:
             raise ValueError("plan: needs slot_table and slots (the ids it groups)")
-        plan.made, plan.ranking = False, None
+        plan.made = False
         plan.check(t * k, t, hd, plan.slots)
         if not new_kernel("plan") or not RoutePlan.fits(t, k):
             plan = None                                          # qpn_moe routes itself
@@ -430,18 +413,12 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
     logits = torch.empty(t, e, dtype=torch.float32, device=dev)
     ids = torch.empty(t, k, dtype=torch.int64, device=dev)
     weights = torch.empty(t, k, dtype=torch.float32, device=dev)
-    e_kernel = new_kernel("router") and hd % 4 == 0 and _aligned(x, delta, weight, router)
-    ranking = None
-    if plan is not None and e_kernel and new_kernel("moeroute") and MoeRanking.fits(t, e, k):
-        ranking = MoeRanking(logits, slot_table, ids, weights, slots, row, k, bool(renorm), route_warm())
     args = [_p(x), _p(delta), _p(weight), _p(x2 if delta is not None else None), _p(h), ctypes.c_int(hd),
             ctypes.c_float(eps), ctypes.c_int(_DT[x.dtype]),
-            ctypes.c_int(_DT[delta.dtype] if delta is not None else 0), _p(router), _p(logits),
-            _p(cnt if ranking is None else None),               # no counter: the logits only
+            ctypes.c_int(_DT[delta.dtype] if delta is not None else 0), _p(router), _p(logits), _p(cnt),
             ctypes.c_int(t), ctypes.c_int(e), ctypes.c_int(k), ctypes.c_int(int(bool(renorm))), _p(ids),
-            _p(weights), _p(slot_table if ranking is None else None), _p(slots if ranking is None else None),
-            _p(row if ranking is None else None)]
-    if e_kernel:
+            _p(weights), _p(slot_table), _p(slots), _p(row)]
+    if new_kernel("router") and hd % 4 == 0 and _aligned(x, delta, weight, router):
         name, grid = "fused_add_norm_router_e", e                # a block per expert
         if plan is not None:
             for part in ("offsets", "perm", "active"):
@@ -453,12 +430,11 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
         args += ([ctypes.c_int(plan.slots), _p(plan.offsets), _p(plan.perm), _p(plan.active), _p(plan.y),
                   ctypes.c_int(t * hd)] if plan is not None else
                  [ctypes.c_int(0), _p(None), _p(None), _p(None), _p(None), ctypes.c_int(0)])
-        args.append(ctypes.c_int(int(route_warm())))
     else:
         name, grid = "fused_add_norm_router", -(-e // 4)         # a warp per expert; no plan
     _launch(dev, name, (grid, 1, 1), 128, args)
     if plan is not None and name == "fused_add_norm_router_e":
-        plan.made, plan.ranking = True, ranking
+        plan.made = True
     return x2, h, ids, weights
 
 

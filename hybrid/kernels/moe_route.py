@@ -13,61 +13,15 @@ plan and launches only the expert kernels.
 
 `made` is a host flag set by the launch that wrote the plan and cleared by the one that used it, so a
 router path that cannot write it (another kernel, more tokens) leaves qpn_moe to route as before.
-
-Ranked in the MoE launch (HYBRID_FUSED_NEW part "moeroute", one token, E <= MOE_RT_MAX_E): the router's launch
-makes only the logits and leaves `plan.ranking` (a MoeRanking: the logits and every buffer the router would
-have written); qpn_moe then launches the routed gate/up kernel, each of whose blocks ranks the logits itself
-(cuda/qpn.cu, MoeRoute) and block (0, 0) writes ids, weights, slots, the route row and the plan. The ids and
-weights add_norm_router returned are filled by that launch: nothing may read them in between.
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
 
 
 MAX_ASSIGNMENTS = 32      # t * k: the router kernel's plan is one warp's (a lane per assignment)
-MOE_RT_MAX_E = 256        # experts the routed gate/up kernel ranks (8 logits per lane)
-
-
-@dataclass
-class MoeRanking:
-    """One token's routing left to the routed gate/up kernel: the router's logits [1, E] fp32 and the buffers the
-    router's last block would have written (ids [1, k] int64, weights [1, k] fp32, slots [k] int32 from
-    slot_table [E] int32, row [1, 2k] fp32 or None)."""
-
-    logits: torch.Tensor
-    slot_table: torch.Tensor
-    ids: torch.Tensor
-    weights: torch.Tensor
-    slots: torch.Tensor
-    row: torch.Tensor | None
-    k: int
-    renorm: bool
-    warm: bool = False          # rank once dry before the grid dependency wait (fused.route_warm)
-
-    @staticmethod
-    def fits(t: int, e: int, k: int) -> bool:
-        return t == 1 and 1 <= k <= MAX_ASSIGNMENTS and k <= e <= MOE_RT_MAX_E
-
-    def struct(self, plan: RoutePlan) -> MoeRouteArgs:
-        """The kernel's MoeRoute parameter (cuda/qpn.cu), the plan's buffers as its outputs."""
-        p = lambda t: t.data_ptr() if t is not None else None   # noqa: E731
-        return MoeRouteArgs(p(self.logits), p(self.slot_table), p(self.ids), p(self.weights), p(self.slots),
-                            p(self.row), p(plan.offsets), p(plan.perm), p(plan.active), self.logits.shape[-1],
-                            self.k, int(bool(self.renorm)), plan.slots, int(bool(self.warm)))
-
-
-class MoeRouteArgs(ctypes.Structure):
-    """cuda/qpn.cu's struct MoeRoute, passed by value to qpn{2,8}_moe_gateup_mt1{,_as}_rt."""
-
-    _fields_ = [("logits", ctypes.c_void_p), ("slot_table", ctypes.c_void_p), ("ids", ctypes.c_void_p),
-                ("weights", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("route_row", ctypes.c_void_p),
-                ("offsets", ctypes.c_void_p), ("perm", ctypes.c_void_p), ("active", ctypes.c_void_p),
-                ("E", ctypes.c_int), ("k", ctypes.c_int), ("renorm", ctypes.c_int), ("S", ctypes.c_int),
-                ("warm", ctypes.c_int)]
 
 
 @dataclass
@@ -80,7 +34,6 @@ class RoutePlan:
     y: torch.Tensor            # [t, h] fp32, zeroed by the router's launch
     slots: int
     made: bool = False
-    ranking: MoeRanking | None = None   # set with made: the routing is left to the MoE launch (module doc)
 
     @staticmethod
     def fits(t: int, k: int) -> bool:

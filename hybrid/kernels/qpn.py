@@ -766,9 +766,7 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
     """y[T, H] fp32 = sum_a route_w[a] * down_s(silu(gate_s x[t]) * up_s x[t]), s = slot_ids[a],
     t = token_idx[a]. CUDA: route + fused gate/up + down kernels; CPU: torch reference.
     plan (hybrid.kernels.moe_route) with plan.made: the routing of slot_ids already made (by the router's
-    launch), into plan.y: no route launch; the CPU reference then follows the plan's groups. With plan.ranking
-    (one token): the routing itself is made by the gate/up launch (the _rt kernel), slot_ids and route_w being
-    the buffers it writes."""
+    launch), into plan.y: no route launch; the CPU reference then follows the plan's groups."""
     if not isinstance(slots, QPNExpertSlots):
         raise ValueError(f"slots: expected QPNExpertSlots, got {type(slots).__name__}")
     dev, h, i = slots.device, slots.hidden, slots.inter
@@ -780,16 +778,9 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
     t = x.shape[0]
     s = slots.num_slots
     planned = plan is not None and plan.made
-    ranking = plan.ranking if planned else None
-    rt_args = ranking.struct(plan) if ranking is not None else None   # (plan is reused below)
     if planned:
         plan.check(a, t, h, s)
-        plan.made, plan.ranking = False, None              # one use per making
-        if ranking is not None and (dev.type != "cuda" or t != 1 or a != ranking.k
-                                    or route_w.data_ptr() != ranking.weights.data_ptr()
-                                    or slot_ids.data_ptr() != ranking.slots.data_ptr()):
-            raise ValueError("plan.ranking: one token on CUDA, slot_ids / route_w the ranking's slots / weights "
-                             f"(got {t} tokens, {a} assignments on {dev})")
+        plan.made = False                                  # one use per making
     if dev.type != "cuda":
         if planned:
             return ref_moe_planned(x, slots.host, plan, token_idx, route_w)
@@ -833,17 +824,10 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
                     _p(perm), _p(slot_list), _p(y), ctypes.c_int(h), ctypes.c_int(i)])
         return y
     ks = _pick_ks(i // 16 * active, h // ck, sms)
-    gu_grid = (-(-(i // 16) // (WARPS // ks)), rows, 1)
-    gu_args = [_p(slots.w13), _p(slots.s13), _p(slots.gs), ctypes.c_longlong(ws13), ctypes.c_longlong(ss13), _p(x),
-               _p(token_idx)]
-    if ranking is not None:         # its blocks rank the router's logits and write the routing and the plan
-        mod.launch(f"qpn{fmt}_moe_gateup_mt1{sfx}_rt", gu_grid, THREADS,
-                   gu_args + [_p(hbuf), ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks), rt_args],
-                   pdl=pdl(mod.sm))
-    else:
-        mod.launch(f"qpn{fmt}_moe_gateup_mt{mt}{sfx}", gu_grid, THREADS,
-                   gu_args + [_p(offsets), _p(perm), _p(slot_list), _p(hbuf), ctypes.c_int(h), ctypes.c_int(i),
-                              ctypes.c_int(ks)], pdl=pdl(mod.sm))
+    mod.launch(f"qpn{fmt}_moe_gateup_mt{mt}{sfx}", (-(-(i // 16) // (WARPS // ks)), rows, 1), THREADS,
+               [_p(slots.w13), _p(slots.s13), _p(slots.gs), ctypes.c_longlong(ws13),
+                ctypes.c_longlong(ss13), _p(x), _p(token_idx), _p(offsets), _p(perm), _p(slot_list), _p(hbuf),
+                ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)], pdl=pdl(mod.sm))
     ks = _pick_ks(h // 16 * active, i // ck, sms)
     while t > 1 and ks > 1 and (i // ck) / ks < MOE_DOWN_MIN_CHUNKS:   # several tokens: longer warp items
         ks //= 2
