@@ -17,6 +17,8 @@ event records / waits / syncs) and the GPU time per step by kernel (cuda_calls_p
     --env HYBRID_FUSED_NEW --modes "all;norm,router,attn;all;norm,router,attn"
 or the QPN weight stream's L2 evict-first hint (sm_80+; the QPN module is built again per session):
     --env HYBRID_QPN_L2 --modes "normal;evict_first;normal;evict_first"
+and several switches at once, VAR1+VAR2 with each mode's values joined the same way:
+    --env HYBRID_PDL+HYBRID_SMEM_CARVEOUT --modes "1+100;1+-1;0+100"
 """
 from __future__ import annotations
 
