@@ -1,6 +1,7 @@
-"""tools/gpu_miss_graph_ab.py's wall_times on the CPU: a profiled GPU timeline's exposed time per kernel (overlapping
-kernels charged only what they add to the latest end), its idle gaps and each kernel's start after the previous
-one's end, per step."""
+"""tools/gpu_miss_graph_ab.py on the CPU: wall_times (a profiled GPU timeline's exposed time per kernel, overlapping
+kernels charged only what they add to the latest end, its idle gaps and each kernel's start after the previous one's
+end, per step) and mode_env (the switches of one mode)."""
+import pytest
 import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,3 +34,11 @@ def test_wall_times_overlap_idle_and_steps():
     assert w["start_after_prev"]["b"] == -5.0 and w["start_after_prev"]["d"] == -4.0
     assert w["start_after_prev"]["a"] == 6.0          # (0 - 0 + 30 - 18) / 2
     assert tool.wall_times([ev("cpu", 0, 1, "CPU")], 1) == {}
+
+
+def test_mode_env_one_or_several_switches():
+    tool = load_tool()
+    assert tool.mode_env("HYBRID_FUSED_NEW", "norm,router+x") == {"HYBRID_FUSED_NEW": "norm,router+x"}
+    assert tool.mode_env("HYBRID_PDL+HYBRID_SMEM_CARVEOUT", "1+-1") == {"HYBRID_PDL": "1", "HYBRID_SMEM_CARVEOUT": "-1"}
+    with pytest.raises(SystemExit, match="2 switches"):
+        tool.mode_env("HYBRID_PDL+HYBRID_SMEM_CARVEOUT", "1")

@@ -202,6 +202,16 @@ def kernel_times(avg, steps: int, top: int = 25) -> dict:
             "top": [[n, round(us, 2), round(c, 2)] for n, us, c in rows[:top]]}
 
 
+def mode_env(env: str, mode: str) -> dict[str, str]:
+    """--env / one --modes entry -> the switches a session sets: one name (the whole mode its value, plus signs
+    included) or several, VAR1+VAR2 with values v1+v2."""
+    names = env.split("+")
+    values = mode.split("+") if len(names) > 1 else [mode]
+    if len(names) != len(values) or not all(names):
+        raise SystemExit(f"--modes: {mode!r} has {len(values)} values for the {len(names)} switches of --env {env}")
+    return dict(zip(names, values))
+
+
 def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int, order: str, modes: list[str],
          host_prof: bool = False, env: str = "HYBRID_MISS_GRAPH", prompts: tuple[int, ...] = (32,)) -> None:
     import torch
@@ -220,11 +230,9 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
         if time.perf_counter() > deadline:
             record({"check": check, "skipped": "device-time deadline"})
             continue
-        names, values = env.split("+"), mode.split("+")   # several switches: VAR1+VAR2, modes v1+v2
-        if len(names) != len(values):
-            raise SystemExit(f"--modes: {mode!r} has {len(values)} values for the {len(names)} switches of --env {env}")
-        os.environ.update(zip(names, values))     # read when the session makes (captures) its graphs
-        if build.L2_ENV in names:                 # read when the QPN module is built: build it again
+        switches = mode_env(env, mode)
+        os.environ.update(switches)               # read when the session makes (captures) its graphs
+        if build.L2_ENV in switches:              # read when the QPN module is built: build it again
             build.forget_modules()
         rc.log(f"session {check}: {kw}")
         s = open_session(path, RuntimeOptions(device="cuda", profile=profile, expert_profile=str(eprof), **kw),
@@ -232,7 +240,7 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
         try:
             rec = measure(s, tok, prompt, 16, tokens)
             g = s.model.graphs
-            rec.update({"env": dict(zip(names, values)), "flags": kw, "linked_layers": len(g.links), "prompt_tokens": prompt,
+            rec.update({"env": switches, "flags": kw, "linked_layers": len(g.links), "prompt_tokens": prompt,
                         "plan_split": list(s.plan.inputs.layer_split), **rc.graph_info(s)})
             rec["cuda_calls_per_step"] = cuda_calls(s)
             rec["generate_wall"] = generate_wall(s, tok, prompt=prompt)
