@@ -159,6 +159,27 @@ def detect_gpus(notes: list[str] | None = None) -> tuple[GPUInfo, ...]:
         pynvml.nvmlShutdown()
 
 
+def driver_version() -> str | None:
+    """The NVIDIA driver's version as NVML reports it (e.g. "580.159.04"); None without pynvml or a driver.
+    Benchmark records carry it: the same code can time differently under another driver (results/cuda_kernels.md,
+    twenty-eighth session)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def _gpu(nv, i: int) -> GPUInfo:
     h = nv.nvmlDeviceGetHandleByIndex(i)
     name = nv.nvmlDeviceGetName(h)

@@ -66,6 +66,7 @@ def _fake_pynvml(fail_init=False):
     m.nvmlDeviceGetCurrPcieLinkWidth = unsupported
     m.nvmlDeviceGetMaxPcieLinkGeneration = lambda h: 3
     m.nvmlDeviceGetMaxPcieLinkWidth = lambda h: 16
+    m.nvmlSystemGetDriverVersion = lambda: b"580.159.04"
     return m
 
 
@@ -83,6 +84,16 @@ def test_detect_gpus_without_driver(monkeypatch):
     notes: list[str] = []
     assert hardware.detect_gpus(notes) == ()
     assert "NVML unavailable (Driver Not Loaded)" in notes[0]
+
+
+def test_driver_version(monkeypatch):
+    """The driver's version from NVML for the benchmark records; None without a driver or without pynvml."""
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
+    assert hardware.driver_version() == "580.159.04"
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(fail_init=True))
+    assert hardware.driver_version() is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)          # import pynvml raises ImportError
+    assert hardware.driver_version() is None
 
 
 def test_detect_this_machine():

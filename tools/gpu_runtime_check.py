@@ -59,6 +59,13 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
 
 
+def gpu_fields() -> dict:
+    """A device record's GPU: its name and the driver's version (the same code can time differently under another)."""
+    from hybrid.hardware import driver_version
+
+    return {"gpu": gpu_name(), "driver": driver_version()}
+
+
 def recorder(tool: str, jsonl: str, keys: tuple, machine=None):
     """record(rec) for a device tool: the record stamped with machine, command and git sha (the
     device copy has no .git: HYBRID_GIT_SHA) and the GPU (or machine()'s fields), appended to
@@ -66,7 +73,7 @@ def recorder(tool: str, jsonl: str, keys: tuple, machine=None):
     def record(rec: dict) -> None:
         from hybrid.baselines.report import stamp
 
-        rec = {**rec, **stamp(tool), **(machine() if machine else {"gpu": gpu_name()})}
+        rec = {**rec, **stamp(tool), **(machine() if machine else gpu_fields())}
         if os.environ.get("HYBRID_GIT_SHA"):
             rec["git_sha"] = os.environ["HYBRID_GIT_SHA"]
         with (OUT / jsonl).open("a") as f:

@@ -39,7 +39,7 @@ record = rc.recorder("tools/gpu_two_cards.py", JSONL,
                      ("ok", "decode_tok_s", "measured_over_predicted", "match_cpu_reference",
                       "match_cuda_reference", "skipped", "error", "hop", "summary", "ids_equal_two_gpus",
                       "forced_vs_first"),
-                     machine=lambda: {"gpus_seen": gpu_names()})
+                     machine=lambda: {"gpus_seen": gpu_names(), "driver": rc.gpu_fields()["driver"]})
 
 
 rc.record = record                                 # tiny_checks, make_synth, ... record here too

@@ -462,8 +462,8 @@ def render(args) -> int:
     recs = [r for r in allr if r["git_sha"] == sha]
     if not recs:
         raise HybridError(f"--git-sha: no records of {sha} in {args.from_jsonl}")
-    env = {k: recs[0][k] for k in ("gpu", "sm", "torch", "nvrtc", "git_sha", "command", "read_gbs",
-                                   "copy_gbs")}
+    env = {k: recs[0].get(k) for k in ("gpu", "sm", "torch", "nvrtc", "driver", "git_sha", "command", "read_gbs",
+                                       "copy_gbs")}
     if args.promote:
         recs = promote(recs, *args.promote.split(":"))
     text = markdown(env, recs, args.note) + history(allr, sha)
@@ -515,8 +515,10 @@ def _environment(args) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     mod = module(dev)
     nv = load_nvrtc()
+    from hybrid.hardware import driver_version
+
     return dict(gpu=torch.cuda.get_device_name(dev), sm=mod.sm, torch=torch.__version__,
-                nvrtc=f"{nv.version[0]}.{nv.version[1]}", host=platform.node(), git_sha=sha,
+                nvrtc=f"{nv.version[0]}.{nv.version[1]}", driver=driver_version(), host=platform.node(), git_sha=sha,
                 command=args.command or " ".join(["hybrid-bench", "cuda-kernels", *sys.argv[2:]]))
 
 
@@ -531,7 +533,8 @@ def write_results(out: Path, env: dict, recs: list[dict]) -> None:
 def markdown(env: dict, recs: list[dict], note: str = "") -> str:
     lines = [f"# QPN CUDA kernels on {env['gpu']}", "", *([note, ""] if note else []),
              f"- command: `{env['command']}`", f"- git sha: `{env['git_sha']}`",
-             f"- torch {env['torch']}, NVRTC {env['nvrtc']}, native sm_{env['sm']}",
+             f"- torch {env['torch']}, NVRTC {env['nvrtc']}, driver {env.get('driver') or 'not recorded'}, "
+             f"native sm_{env['sm']}",
              f"- measured read bandwidth {env['read_gbs']:.0f} GB/s (2 GiB fp32 sum), "
              f"copy {env['copy_gbs']:.0f} GB/s (read + write)",
              "- eff = packed bytes (weights + scales) / median kernel time / read bandwidth; "
