@@ -1,10 +1,11 @@
 """tools/gpu_miss_graph_ab.py on the CPU: wall_times (a profiled GPU timeline's exposed time per kernel, overlapping
 kernels charged only what they add to the latest end, its idle gaps and each kernel's start after the previous one's
 end, per step) and mode_env (the switches of one mode)."""
-import pytest
 import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 PATH = Path(__file__).resolve().parents[1] / "tools" / "gpu_miss_graph_ab.py"
 

@@ -508,6 +508,7 @@ def _environment(args) -> dict:
     import torch
 
     from hybrid.baselines.report import git_sha
+    from hybrid.hardware import driver_version
     from hybrid.kernels.build import module
     from hybrid.kernels.nvrtc import load_nvrtc
 
@@ -515,8 +516,6 @@ def _environment(args) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     mod = module(dev)
     nv = load_nvrtc()
-    from hybrid.hardware import driver_version
-
     return dict(gpu=torch.cuda.get_device_name(dev), sm=mod.sm, torch=torch.__version__,
                 nvrtc=f"{nv.version[0]}.{nv.version[1]}", driver=driver_version(), host=platform.node(), git_sha=sha,
                 command=args.command or " ".join(["hybrid-bench", "cuda-kernels", *sys.argv[2:]]))
