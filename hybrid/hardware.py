@@ -180,6 +180,33 @@ def driver_version() -> str | None:
         pynvml.nvmlShutdown()
 
 
+def sm_clocks(index: int = 0) -> dict | None:
+    """NVML GPU `index`'s SM clock now and its maximum (MHz) and the clock event (throttle) reasons as a hex mask;
+    None without pynvml or a driver. Benchmarks sample it right after their timed launches, while the clock is
+    still the one they ran at."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        out = {"sm_clock_mhz": int(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+               "sm_clock_max_mhz": int(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM))}
+        try:
+            out["clock_event_reasons"] = hex(int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)))
+        except (pynvml.NVMLError, AttributeError):
+            pass
+        return out
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def _gpu(nv, i: int) -> GPUInfo:
     h = nv.nvmlDeviceGetHandleByIndex(i)
     name = nv.nvmlDeviceGetName(h)

@@ -67,6 +67,10 @@ def _fake_pynvml(fail_init=False):
     m.nvmlDeviceGetMaxPcieLinkGeneration = lambda h: 3
     m.nvmlDeviceGetMaxPcieLinkWidth = lambda h: 16
     m.nvmlSystemGetDriverVersion = lambda: b"580.159.04"
+    m.NVML_CLOCK_SM = 1
+    m.nvmlDeviceGetClockInfo = lambda h, kind: 1980 if kind == 1 else 0
+    m.nvmlDeviceGetMaxClockInfo = lambda h, kind: 1980 if kind == 1 else 0
+    m.nvmlDeviceGetCurrentClocksEventReasons = lambda h: 4
     return m
 
 
@@ -94,6 +98,14 @@ def test_driver_version(monkeypatch):
     assert hardware.driver_version() is None
     monkeypatch.setitem(sys.modules, "pynvml", None)          # import pynvml raises ImportError
     assert hardware.driver_version() is None
+
+
+def test_sm_clocks(monkeypatch):
+    """The SM clock now and at most, and the clock event reasons, for the benchmark records; None without a driver."""
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
+    assert hardware.sm_clocks(0) == {"sm_clock_mhz": 1980, "sm_clock_max_mhz": 1980, "clock_event_reasons": "0x4"}
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(fail_init=True))
+    assert hardware.sm_clocks(0) is None
 
 
 def test_detect_this_machine():

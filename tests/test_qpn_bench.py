@@ -47,6 +47,18 @@ def test_render_from_jsonl(tmp_path):
     assert "| dense_up | 16 | 64 | nvfp4 | 8 |" in text and "## Targets" in text
     assert markdown({"gpu": "G", "command": "c", "git_sha": "s", "torch": "t", "nvrtc": "n", "sm": 90,
                      "read_gbs": 1.0, "copy_gbs": 1.0}, []).startswith("# QPN CUDA kernels on G")
+    assert "driver not recorded" in text                    # records from before the driver was recorded
+
+
+def test_markdown_names_driver_and_clock():
+    """The run's driver and the SM clock right after its timings head the table (the same code times differently
+    on another driver or clock: results/cuda_kernels.md, twenty-eighth session)."""
+    env = {"gpu": "G", "command": "c", "git_sha": "s", "torch": "t", "nvrtc": "n", "sm": 90, "read_gbs": 1.0,
+           "copy_gbs": 1.0, "driver": "580.159.04",
+           "clocks": {"sm_clock_mhz": 1980, "sm_clock_max_mhz": 1980, "clock_event_reasons": "0x0"}}
+    md = markdown(env, [])
+    assert ("driver 580.159.04, native sm_90; SM clock after the timings 1980 of 1980 MHz (clock event reasons 0x0)"
+            in md)
 
 
 def test_render_missing_file_is_a_user_error(tmp_path, capsys):

@@ -422,7 +422,10 @@ def bench(args) -> int:
             recs += bench_linear(name, n, k, qtype, ms, args.reps, read_bw)
         if args.shapes == "all" or "moe" in args.shapes:
             recs += bench_moe(qtype, [m for m in ms if m <= 16], args.reps, read_bw)
+    from hybrid.hardware import sm_clocks
     from hybrid.kernels import qpn
+
+    env["clocks"] = sm_clocks(torch.cuda.current_device())   # right after the timings: the clock they ran at
 
     def kernel(r):
         if r["shape"] == "moe_8_experts":
@@ -462,8 +465,8 @@ def render(args) -> int:
     recs = [r for r in allr if r["git_sha"] == sha]
     if not recs:
         raise HybridError(f"--git-sha: no records of {sha} in {args.from_jsonl}")
-    env = {k: recs[0].get(k) for k in ("gpu", "sm", "torch", "nvrtc", "driver", "git_sha", "command", "read_gbs",
-                                       "copy_gbs")}
+    env = {k: recs[0].get(k) for k in ("gpu", "sm", "torch", "nvrtc", "driver", "clocks", "git_sha", "command",
+                                       "read_gbs", "copy_gbs")}
     if args.promote:
         recs = promote(recs, *args.promote.split(":"))
     text = markdown(env, recs, args.note) + history(allr, sha)
@@ -529,11 +532,19 @@ def write_results(out: Path, env: dict, recs: list[dict]) -> None:
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.jsonl')}")
 
 
+def _clock_text(clocks: dict | None) -> str:
+    if not clocks:
+        return ""
+    reasons = clocks.get("clock_event_reasons")
+    return (f"; SM clock after the timings {clocks['sm_clock_mhz']} of {clocks['sm_clock_max_mhz']} MHz"
+            + (f" (clock event reasons {reasons})" if reasons else ""))
+
+
 def markdown(env: dict, recs: list[dict], note: str = "") -> str:
     lines = [f"# QPN CUDA kernels on {env['gpu']}", "", *([note, ""] if note else []),
              f"- command: `{env['command']}`", f"- git sha: `{env['git_sha']}`",
              f"- torch {env['torch']}, NVRTC {env['nvrtc']}, driver {env.get('driver') or 'not recorded'}, "
-             f"native sm_{env['sm']}",
+             f"native sm_{env['sm']}" + _clock_text(env.get("clocks")),
              f"- measured read bandwidth {env['read_gbs']:.0f} GB/s (2 GiB fp32 sum), "
              f"copy {env['copy_gbs']:.0f} GB/s (read + write)",
              "- eff = packed bytes (weights + scales) / median kernel time / read bandwidth; "
