@@ -60,10 +60,11 @@ def gpu_name() -> str:
 
 
 def gpu_fields() -> dict:
-    """A device record's GPU: its name and the driver's version (the same code can time differently under another)."""
-    from hybrid.hardware import driver_version
+    """A device record's GPU: its name, the driver's version and the SM clock as the record is made, right after
+    what it measured (the same code can time differently under another driver or clock)."""
+    from hybrid.hardware import driver_version, sm_clocks
 
-    return {"gpu": gpu_name(), "driver": driver_version()}
+    return {"gpu": gpu_name(), "driver": driver_version(), "clocks": sm_clocks(0)}
 
 
 def recorder(tool: str, jsonl: str, keys: tuple, machine=None):
