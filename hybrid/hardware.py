@@ -6,6 +6,7 @@ The parse_* functions take file text so they can be tested with fixtures.
 from __future__ import annotations
 
 import platform
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -159,52 +160,57 @@ def detect_gpus(notes: list[str] | None = None) -> tuple[GPUInfo, ...]:
         pynvml.nvmlShutdown()
 
 
+@contextmanager
+def _nvml():
+    """pynvml, initialised for the block and shut down after it; None without pynvml or a driver."""
+    try:
+        import pynvml
+    except ImportError:
+        yield None
+        return
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        yield None
+        return
+    try:
+        yield pynvml
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def driver_version() -> str | None:
     """The NVIDIA driver's version as NVML reports it (e.g. "580.159.04"); None without pynvml or a driver.
     Benchmark records carry it: the same code can time differently under another driver (results/cuda_kernels.md,
     twenty-eighth session)."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return None
-    try:
-        v = pynvml.nvmlSystemGetDriverVersion()
+    with _nvml() as nv:
+        if nv is None:
+            return None
+        try:
+            v = nv.nvmlSystemGetDriverVersion()
+        except nv.NVMLError:
+            return None
         return v.decode() if isinstance(v, bytes) else str(v)
-    except pynvml.NVMLError:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def sm_clocks(index: int = 0) -> dict | None:
     """NVML GPU `index`'s SM clock now and its maximum (MHz) and the clock event (throttle) reasons as a hex mask;
     None without pynvml or a driver. Benchmarks sample it right after their timed launches, while the clock is
     still the one they ran at."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return None
-    try:
-        h = pynvml.nvmlDeviceGetHandleByIndex(index)
-        out = {"sm_clock_mhz": int(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
-               "sm_clock_max_mhz": int(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM))}
+    with _nvml() as nv:
+        if nv is None:
+            return None
         try:
-            out["clock_event_reasons"] = hex(int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)))
-        except (pynvml.NVMLError, AttributeError):
+            h = nv.nvmlDeviceGetHandleByIndex(index)
+            out = {"sm_clock_mhz": int(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+                   "sm_clock_max_mhz": int(nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM))}
+        except nv.NVMLError:
+            return None
+        try:
+            out["clock_event_reasons"] = hex(int(nv.nvmlDeviceGetCurrentClocksEventReasons(h)))
+        except (nv.NVMLError, AttributeError):
             pass
         return out
-    except pynvml.NVMLError:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def _gpu(nv, i: int) -> GPUInfo:
