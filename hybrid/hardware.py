@@ -141,42 +141,32 @@ def detect_memory(meminfo_text: str | None = None) -> MemoryInfo:
     return MemoryInfo(vm.total, vm.available, 0, 0, 2 * 2**20)
 
 
-def detect_gpus(notes: list[str] | None = None) -> tuple[GPUInfo, ...]:
-    """Every GPU NVML sees; () with a note when pynvml or the driver is missing."""
+@contextmanager
+def _nvml(notes: list[str] | None = None):
+    """pynvml, initialised for the block and shut down after it; None without pynvml or a driver (why, into notes)."""
     notes = [] if notes is None else notes
     try:
         import pynvml
     except ImportError:
         notes.append("pynvml not installed (pip install nvidia-ml-py): no GPU detection")
-        return ()
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        notes.append(f"NVML unavailable ({exc}): no NVIDIA driver, or no GPU")
-        return ()
-    try:
-        return tuple(_gpu(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount()))
-    finally:
-        pynvml.nvmlShutdown()
-
-
-@contextmanager
-def _nvml():
-    """pynvml, initialised for the block and shut down after it; None without pynvml or a driver."""
-    try:
-        import pynvml
-    except ImportError:
         yield None
         return
     try:
         pynvml.nvmlInit()
-    except pynvml.NVMLError:
+    except pynvml.NVMLError as exc:
+        notes.append(f"NVML unavailable ({exc}): no NVIDIA driver, or no GPU")
         yield None
         return
     try:
         yield pynvml
     finally:
         pynvml.nvmlShutdown()
+
+
+def detect_gpus(notes: list[str] | None = None) -> tuple[GPUInfo, ...]:
+    """Every GPU NVML sees; () with a note when pynvml or the driver is missing."""
+    with _nvml(notes) as nv:
+        return () if nv is None else tuple(_gpu(nv, i) for i in range(nv.nvmlDeviceGetCount()))
 
 
 def driver_version() -> str | None:

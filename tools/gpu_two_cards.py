@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_runtime_check as rc  # noqa: E402  - its log/record/run_cli/tiny/synthetic helpers
+from hybrid.hardware import driver_version  # noqa: E402
 
 rc.OUT = OUT = Path(os.environ.get("OUT", "scratch/out"))
 JSONL = "two_cards.jsonl"
@@ -39,7 +40,7 @@ record = rc.recorder("tools/gpu_two_cards.py", JSONL,
                      ("ok", "decode_tok_s", "measured_over_predicted", "match_cpu_reference",
                       "match_cuda_reference", "skipped", "error", "hop", "summary", "ids_equal_two_gpus",
                       "forced_vs_first"),
-                     machine=lambda: {"gpus_seen": gpu_names(), "driver": rc.gpu_fields()["driver"]})
+                     machine=lambda: {"gpus_seen": gpu_names(), "driver": driver_version()})
 
 
 rc.record = record                                 # tiny_checks, make_synth, ... record here too
