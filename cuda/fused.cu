@@ -48,7 +48,7 @@
 //       the last block's top-k by a warp per token; optionally (offsets given, with slots, T * k <= 32) also
 //       the grouped MoE kernels' routing for S slots, as qpn_moe_route makes it from slots: offsets [S+1]
 //       (the entries of slots with work), perm [T*k], active [min(T*k, S)]; zero [nzero] fp32 zeroed (the
-//       MoE output: one launch per layer fewer)
+//       MoE output: one launch per layer fewer); rank (RANK_*): how the last block ranks the probabilities
 //   fused_rope_attn_e        grid (Hkv, S), block 128: only the splits with keys run and combine
 //   fused_rope_attn_w        grid (Hkv, S), block 256: fused_rope_attn_e with a split's rounds on two groups of
 //       128 threads (each half of a round's key passes; HYBRID_FUSED_NEW part "wide", where a thread has at
@@ -322,6 +322,142 @@ __device__ __forceinline__ void select_k(float (&v)[NV], int lane, int k, float&
     if (lane == r) { mine_w = best; mine_id = bi; }
     total += best;
   }
+}
+
+// The last block's ranking (its kernel argument `rank`, fused.py's HYBRID_ROUTE_RANK): RANK_ROUNDS = select_k's k
+// rounds of a 5-level shuffle argmax; RANK_MERGE = one butterfly over the lanes' sorted top-8 lists (k <= 8);
+// RANK_REDUX = select_k's rounds with the warp max / min in one redux.sync each (sm_80+; Volta: the rounds).
+// All three choose the same experts in the same order with the same weights (ties to the lowest id).
+#define RANK_ROUNDS 0
+#define RANK_MERGE 1
+#define RANK_REDUX 2
+typedef unsigned long long u64;
+
+// (probability p >= 0, id) -> a key whose order is topk's: larger p first, then the lower id; 0 below every
+// probability (past E, NaN)
+__device__ __forceinline__ u64 rank_key(float p, int id) {
+  return p >= 0.f ? ((u64)(__float_as_uint(p) + 1u) << 32) | (u32)~id : 0ull;
+}
+__device__ __forceinline__ float key_prob(u64 key) { return __uint_as_float((u32)(key >> 32) - 1u); }
+__device__ __forceinline__ int key_id(u64 key) { return (int)~(u32)key; }
+__device__ __forceinline__ void key_order(u64& a, u64& b) {   // a, b -> max, min
+  const u64 hi = a > b ? a : b, lo = a > b ? b : a;
+  a = hi;
+  b = lo;
+}
+// c: a bitonic sequence of 8 keys -> descending
+__device__ __forceinline__ void bitonic_clean8(u64 (&c)[8]) {
+#pragma unroll
+  for (int d = 4; d; d >>= 1)
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if ((i & d) == 0) key_order(c[i], c[i + d]);
+}
+// a, b descending -> a = the largest 8 of both, descending
+__device__ __forceinline__ void merge_top8(u64 (&a)[8], const u64 (&b)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a[i] = a[i] > b[7 - i] ? a[i] : b[7 - i];
+  bitonic_clean8(a);
+}
+// 8 keys -> descending (bitonic sort: halves of 2 and 4 made bitonic, then cleaned)
+__device__ __forceinline__ void sort8(u64 (&c)[8]) {
+#pragma unroll
+  for (int s = 2; s <= 8; s <<= 1)
+#pragma unroll
+    for (int d = s >> 1; d; d >>= 1)
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if ((i & d) == 0) {
+          if ((i & s) == 0) key_order(c[i], c[i + d]);           // descending run
+          else key_order(c[i + d], c[i]);                        // ascending run
+        }
+}
+
+// RANK_MERGE: each lane's NV probabilities as a descending list of 8 keys, then 5 butterfly levels each merging
+// the partner lane's list (every lane ends with the warp's top 8, descending); lane r < k takes entry r. The
+// same outputs as select_k: its k rounds add the chosen weights in rank order, as this does. The level loop is
+// not unrolled (the last block runs from a cold instruction cache).
+template <int NV>
+__device__ __forceinline__ void select_k_merge(const float (&v)[NV], int lane, int k, float& mine_w, int& mine_id,
+                                               float& total) {
+  u64 a[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a[i] = i < NV ? rank_key(v[i < NV ? i : 0], lane + 32 * i) : 0ull;
+  if (NV == 4) {                                            // the first four sorted (5 compare-exchanges)
+    key_order(a[0], a[1]); key_order(a[2], a[3]); key_order(a[0], a[2]); key_order(a[1], a[3]);
+    key_order(a[1], a[2]);
+  } else {
+    sort8(a);
+  }
+#pragma unroll
+  for (int h = 1; h < NV / 8; ++h) {                        // NV = 16: the lane's second 8 merged in
+    u64 b[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) b[i] = rank_key(v[8 * h + i], lane + 32 * (8 * h + i));
+    sort8(b);
+    merge_top8(a, b);
+  }
+#pragma unroll 1
+  for (int o = 1; o < 32; o <<= 1) {
+    u64 b[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) b[i] = __shfl_xor_sync(0xffffffffu, a[i], o);
+    merge_top8(a, b);
+  }
+  mine_w = 0.f, total = 0.f;
+  mine_id = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if (i < k) total += key_prob(a[i]);
+    if (i == lane) { mine_w = key_prob(a[i]); mine_id = key_id(a[i]); }
+  }
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+// RANK_REDUX: select_k's rounds with the warp's largest key half (the probability) by one redux.sync max and the
+// lowest id holding it by one redux.sync min.
+template <int NV>
+__device__ __forceinline__ void select_k_redux(const float (&v)[NV], int lane, int k, float& mine_w, int& mine_id,
+                                               float& total) {
+  u32 key[NV];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) key[j] = (u32)(rank_key(v[j], 0) >> 32);
+  mine_w = 0.f, total = 0.f;
+  mine_id = 0;
+#pragma unroll 1
+  for (int r = 0; r < k; ++r) {
+    u32 b = key[0];
+    int bj = 0;
+#pragma unroll
+    for (int j = 1; j < NV; ++j)
+      if (key[j] > b) { b = key[j]; bj = j; }                // the lane's largest, lowest j first
+    const u32 m = __reduce_max_sync(0xffffffffu, b);
+    const u32 bi = __reduce_min_sync(0xffffffffu, b == m ? (u32)(lane + 32 * bj) : 0xffffffffu);
+    const float best = __uint_as_float(m - 1u);
+    if (lane == r) { mine_w = best; mine_id = (int)bi; }
+    total += best;
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+      if (lane + 32 * j == (int)bi) key[j] = 0u;             // taken
+  }
+}
+#endif
+
+// The last block's ranking of one token's probabilities v (softmax_lanes), by `rank` (RANK_*)
+template <int NV>
+__device__ __forceinline__ void select_k_by(int rank, float (&v)[NV], int lane, int k, float& mine_w, int& mine_id,
+                                            float& total) {
+  if (rank == RANK_MERGE && k <= 8) {
+    select_k_merge<NV>(v, lane, k, mine_w, mine_id, total);
+    return;
+  }
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  if (rank == RANK_REDUX) {
+    select_k_redux<NV>(v, lane, k, mine_w, mine_id, total);
+    return;
+  }
+#endif
+  select_k<NV>(v, lane, k, mine_w, mine_id, total);
 }
 
 // Lane r < k of token t writes its choice: weight (renormalised by the k chosen weights' total), id, slot and
@@ -714,7 +850,8 @@ __device__ __forceinline__ void anre_body(const void* x, const void* delta, cons
 // per lane whatever E, took 12.5 us per layer in the model; this 9.6).
 template <int NV>
 __device__ __forceinline__ int topk_warp(const float* row, int t, int E, int k, int renorm, long long* ids,
-                                         float* weights, const int* slot_table, int* slots, float* route_row) {
+                                         float* weights, const int* slot_table, int* slots, float* route_row,
+                                         int rank) {
   const int lane = threadIdx.x & 31;
   float v[NV];
   int tv[NV];
@@ -727,7 +864,7 @@ __device__ __forceinline__ int topk_warp(const float* row, int t, int E, int k, 
   softmax_lanes<NV>(v, E, lane);
   float mine_w, total;
   int mine_id;
-  select_k<NV>(v, lane, k, mine_w, mine_id, total);
+  select_k_by<NV>(rank, v, lane, k, mine_w, mine_id, total);
   int slot = -1;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {                          // choice mine_id's slot from lane mine_id % 32
@@ -779,11 +916,12 @@ __device__ __forceinline__ void route_plan_warp(int s, int A, int S, int* offset
 template <int NV>
 __device__ __forceinline__ void route_tokens(const float* logits, int T, int E, int k, int renorm, long long* ids,
                                              float* weights, const int* slot_table, int* slots, float* route_row,
-                                             int S, int* offsets, int* perm, int* active, int* si) {
+                                             int S, int* offsets, int* perm, int* active, int* si, int rank) {
   const bool plan = offsets != nullptr && slots != nullptr && T * k <= 32;
   int own_slot = -1;
   for (int t = threadIdx.x >> 5; t < T; t += 4) {         // a warp per token
-    const int s = topk_warp<NV>(logits + (size_t)t * E, t, E, k, renorm, ids, weights, slot_table, slots, route_row);
+    const int s = topk_warp<NV>(logits + (size_t)t * E, t, E, k, renorm, ids, weights, slot_table, slots, route_row,
+                                rank);
     if (T == 1) own_slot = s;
     else if (plan && (threadIdx.x & 31) < k) si[t * k + (threadIdx.x & 31)] = s;
   }
@@ -799,7 +937,7 @@ extern "C" __global__ void __launch_bounds__(128)
                             int H, float eps, int x_f32, int delta_f32, const float* router, float* logits,
                             int* counter, int T, int E, int k, int renorm, long long* ids, float* weights,
                             const int* slot_table, int* slots, float* route_row, int S, int* offsets,
-                            int* perm, int* active, float* zero, int nzero) {
+                            int* perm, int* active, float* zero, int nzero, int rank) {
   pdl_trigger();
   pdl_wait();
   __shared__ __align__(16) float hs[ANR_MAXH];           // H > 2048: the residual
@@ -815,11 +953,11 @@ extern "C" __global__ void __launch_bounds__(128)
   if (!is_last) return;
   const int nv = TOPK_NV(E);                              // one instantiation's code runs (and is fetched)
   if (nv == 4) route_tokens<4>(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets, perm,
-                               active, si);
+                               active, si, rank);
   else if (nv == 8) route_tokens<8>(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets,
-                                    perm, active, si);
+                                    perm, active, si, rank);
   else route_tokens<ROUTE_MAXV>(logits, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets,
-                                perm, active, si);
+                                perm, active, si, rank);
   if (threadIdx.x == 0) *counter = 0;
 }
 

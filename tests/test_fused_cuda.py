@@ -231,6 +231,36 @@ def test_add_norm_router_route_plan(backend, monkeypatch, t, k, e, s, planned):
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4 * max(want.abs().max().item(), 1e-3))
 
 
+@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (2, 200, 8), (1, 512, 8), (3, 64, 4), (1, 64, 16)])
+def test_add_norm_router_ranks_agree(backend, monkeypatch, t, e, k):
+    """The router's last block ranked every way (HYBRID_ROUTE_RANK: rounds, merge, redux; redux is the rounds on
+    the compute_70 PTX): the same ids, weights bit for bit, slots, route rows and MoE plan, router rows repeated so
+    that logits tie."""
+    from hybrid.kernels.moe_route import RoutePlan
+
+    h = 256
+    x, w = fresh((t, h), torch.float16), fresh((h,), scale=0.2, shift=1.0)
+    router = fresh((e, h), scale=3.0 / h ** 0.5)
+    router[1::3] = router[0::3][: router[1::3].shape[0]]
+    table = torch.randperm(e, generator=torch.Generator().manual_seed(e)).to(torch.int32).to(DEV)
+    got = {}
+    for name in fused.ROUTE_RANKS:
+        monkeypatch.setenv("HYBRID_ROUTE_RANK", name)
+        sl = torch.full((t * k,), -7, dtype=torch.int32, device=DEV)
+        row = torch.full((t, 2 * k), float("nan"), device=DEV)
+        plan = RoutePlan.new(t, k, e, h, DEV)
+        for b in (plan.offsets, plan.perm, plan.active):
+            b.fill_(-9)                          # entries the kernel leaves alone compare equal
+        _, hn, ids, wt = fused.add_norm_router(x.to(DEV), w.to(DEV), EPS, router.to(DEV), k, True, None, table, sl,
+                                               row, plan=plan)
+        got[name] = [a.cpu() for a in (ids, wt, sl, row, plan.offsets, plan.perm, plan.active)]
+        _, rw = fused.ref_router_topk(hn.cpu(), router, k, True)
+        torch.testing.assert_close(wt.cpu(), rw, atol=1e-5, rtol=1e-4)
+    for name, outs in got.items():
+        for a, b in zip(outs, got["rounds"]):
+            assert torch.equal(a.nan_to_num(-5), b.nan_to_num(-5)), name
+
+
 def test_route_topk_ties_take_lowest_ids(backend):
     ids, w = fused.route_topk(torch.zeros(2, 16, device=DEV), 4, False)
     if GPU:                                   # torch.topk leaves ties unspecified; the kernel does not

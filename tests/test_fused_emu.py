@@ -17,6 +17,7 @@ from hybrid.model.layers import Rotary
 from tests.cuda_emu import SHIM, compile_emu
 
 HELPERS = r"""
+#include <algorithm>
 static uint32_t xch[1024];
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
@@ -58,6 +59,21 @@ inline unsigned __match_any_sync(unsigned, int v) {
   for (int i = 0; i < 32; ++i) m |= ((int)warp_xch((uint32_t)v, i) == v ? 1u : 0u) << i;
   return m;
 }
+inline int __shfl_xor_sync(unsigned, int v, int o) { return (int)shfl_bits((uint32_t)v, o); }
+inline unsigned long long __shfl_xor_sync(unsigned, unsigned long long v, int o) {
+  return shfl_bits((uint32_t)v, o) | (unsigned long long)shfl_bits((uint32_t)(v >> 32), o) << 32;
+}
+inline unsigned __reduce_max_sync(unsigned, unsigned v) {
+  unsigned m = 0;
+  for (int i = 0; i < 32; ++i) m = std::max(m, warp_xch(v, i));
+  return m;
+}
+inline unsigned __reduce_min_sync(unsigned, unsigned v) {
+  unsigned m = 0xffffffffu;
+  for (int i = 0; i < 32; ++i) m = std::min(m, warp_xch(v, i));
+  return m;
+}
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline int __ffs(unsigned v) { return __builtin_ffs(v); }
 inline int atomicAdd(int* p, int v) { const int o = *p; *p += v; return o; }
@@ -263,11 +279,11 @@ ROUTER_ENTRY = r"""
 extern "C" void emu_anr(int e_kernel, int reverse, const void* x, const void* delta, const float* w, void* x_out,
     void* hout, int H, float eps, int x_f32, int delta_f32, const float* router, float* logits, int* counter,
     int T, int E, int k, int renorm, long long* ids, float* weights, const int* slot_table, int* slots,
-    float* route_row, int S, int* offsets, int* perm, int* active, float* zero, int nzero) {
+    float* route_row, int S, int* offsets, int* perm, int* active, float* zero, int nzero, int rank) {
   if (e_kernel)
     run_grid(E, 1, 128, [&] { fused_add_norm_router_e(x, delta, w, x_out, hout, H, eps, x_f32, delta_f32, router,
         logits, counter, T, E, k, renorm, ids, weights, slot_table, slots, route_row, S, offsets, perm, active,
-        zero, nzero); }, 1, reverse);
+        zero, nzero, rank); }, 1, reverse);
   else
     run_grid((E + 3) / 4, 1, 128, [&] { fused_add_norm_router(x, delta, w, x_out, hout, H, eps, x_f32, delta_f32,
         router, logits, counter, T, E, k, renorm, ids, weights, slot_table, slots, route_row); }, 1, reverse);
@@ -299,8 +315,10 @@ def router_emu(tmp_path_factory):
     return compile_emu(tmp_path_factory, "fused_router_emu", router_emu_source())
 
 
-def emu_add_norm_router(lib, kernel_e, x, w, router, k, delta=None, reverse=False, table=None, plan=None):
-    """plan (a RoutePlan, block-per-expert kernel only): the MoE routing made too, into its buffers."""
+def emu_add_norm_router(lib, kernel_e, x, w, router, k, delta=None, reverse=False, table=None, plan=None,
+                        rank=0):
+    """plan (a RoutePlan, block-per-expert kernel only): the MoE routing made too, into its buffers; rank: the last
+    block's ranking (fused.ROUTE_RANKS)."""
     t, h = x.shape
     e = router.shape[0]
     x2, hn = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
@@ -315,7 +333,7 @@ def emu_add_norm_router(lib, kernel_e, x, w, router, k, delta=None, reverse=Fals
           else (I(0), P(None), P(None), P(None), P(None), I(0)))
     lib.emu_anr(I(int(kernel_e)), I(int(reverse)), P(x), P(delta), P(w), P(x2 if delta is not None else None), P(hn),
                 I(h), F(1e-6), I(dt[x.dtype]), I(dt[delta.dtype] if delta is not None else 0), P(router), P(logits),
-                P(cnt), I(t), I(e), I(k), I(1), P(ids), P(wt), P(table), P(slots), P(row), *pl)
+                P(cnt), I(t), I(e), I(k), I(1), P(ids), P(wt), P(table), P(slots), P(row), *pl, I(rank))
     assert cnt.item() == 0                                   # the counter is left zero
     assert torch.equal(slots, table[ids.reshape(-1)]) and torch.equal(row[:, k:], wt)
     assert torch.equal(row[:, :k], ids.float())
@@ -385,6 +403,50 @@ def test_emulated_router_route_plan(router_emu, t, k, e, s, absent):
             assert plan.offsets[slot].item() == offsets[slot].item()
             assert plan.offsets[slot + 1].item() == offsets[slot + 1].item()
         assert torch.equal(plan.perm[: perm.numel()], perm)
+
+
+@pytest.mark.parametrize("t,h,e,k,absent", [(1, 64, 128, 8, 0.0), (3, 32, 128, 8, 0.3), (2, 64, 200, 8, 0.0),
+                                             (1, 32, 256, 6, 0.0), (2, 32, 512, 8, 0.1), (1, 32, 8, 8, 0.0),
+                                             (4, 16, 16, 4, 0.5), (1, 32, 64, 1, 0.0), (1, 32, 64, 16, 0.0),
+                                             (1, 32, 40, 2, 0.0)])
+def test_emulated_route_ranks_agree(router_emu, t, h, e, k, absent):
+    """Every ranking of the router's last block (fused.ROUTE_RANKS: the shuffle rounds, the butterfly merge of
+    sorted top-8 lists, redux.sync rounds) writes the same ids, weights (bit for bit), slots, route rows and MoE
+    plan, and ref_router_topk's weights, on logits with exact ties (rows repeated in the router) and a slot table
+    with absent experts; k > 8 takes the rounds in the merge mode."""
+    from hybrid.kernels.moe_route import RoutePlan
+
+    g = torch.Generator().manual_seed(t * 1000 + e + k)
+    x = torch.randn(t, h, generator=g)
+    router = torch.randn(e, h, generator=g)
+    router[1::3] = router[0::3][: router[1::3].shape[0]]               # equal logits: ties to the lowest id
+    table = torch.randperm(e, generator=g).to(torch.int32)
+    table[torch.rand(e, generator=g) < absent] = -1
+    outs = {}
+    for name, rank in fused.ROUTE_RANKS.items():
+        i32 = dict(dtype=torch.int32)
+        plan = RoutePlan(torch.full((e + 1,), -9, **i32), torch.full((t * k,), -9, **i32),
+                         torch.full((min(t * k, e),), -9, **i32), torch.full((t, h), float("nan")), e)
+        _, hn, ids, wt = emu_add_norm_router(router_emu, True, x, torch.ones(h), router, k, None, False, table, plan,
+                                             rank)
+        outs[name] = (ids, wt, plan.offsets, plan.perm, plan.active)
+        _, rw = fused.ref_router_topk(hn, router, k, True)          # its ties are in no set order: weights only
+        torch.testing.assert_close(wt, rw, atol=1e-6, rtol=1e-5)
+        assert all(len(set(r)) == k for r in ids.tolist()) and ids.min() >= 0 and ids.max() < e
+    for name, got in outs.items():
+        for a, b in zip(got, outs["rounds"]):
+            assert torch.equal(a, b), name
+
+
+def test_route_rank_switch(monkeypatch):
+    """$HYBRID_ROUTE_RANK names the ranking; unset = ROUTE_RANK_DEFAULT; anything else a clear error."""
+    monkeypatch.delenv("HYBRID_ROUTE_RANK", raising=False)
+    assert fused.route_rank() == fused.ROUTE_RANKS[fused.ROUTE_RANK_DEFAULT]
+    monkeypatch.setenv("HYBRID_ROUTE_RANK", "merge")
+    assert fused.route_rank() == 1
+    monkeypatch.setenv("HYBRID_ROUTE_RANK", "fast")
+    with pytest.raises(ValueError, match="HYBRID_ROUTE_RANK: expected one of rounds, merge, redux"):
+        fused.route_rank()
 
 
 def test_emulated_topk_ties_take_lowest_ids(router_emu):

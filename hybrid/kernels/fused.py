@@ -98,6 +98,22 @@ def new_kernel(part: str) -> bool:
     return _env_part("HYBRID_FUSED_NEW", part, NEW_DEFAULT)
 
 
+# How the router's last block ranks a token's expert probabilities (fused_add_norm_router_e's `rank`, cuda/fused.cu
+# RANK_*): "rounds" = k rounds of a warp argmax by shuffles; "merge" = one butterfly of the lanes' sorted top-8
+# lists (k <= 8; else the rounds); "redux" = the rounds with redux.sync (sm_80+; else the rounds). Same outputs.
+ROUTE_RANKS = {"rounds": 0, "merge": 1, "redux": 2}
+ROUTE_RANK_DEFAULT = "rounds"
+
+
+def route_rank() -> int:
+    """$HYBRID_ROUTE_RANK (a ROUTE_RANKS name, default ROUTE_RANK_DEFAULT), read at each launch (A/B runs switch
+    it) -> the kernel's rank argument."""
+    v = os.environ.get("HYBRID_ROUTE_RANK", "").strip().lower() or ROUTE_RANK_DEFAULT
+    if v not in ROUTE_RANKS:
+        raise ValueError(f"HYBRID_ROUTE_RANK: expected one of {', '.join(ROUTE_RANKS)}, got {v!r}")
+    return ROUTE_RANKS[v]
+
+
 def _aligned(*ts) -> bool:
     return all(t is None or t.data_ptr() % 16 == 0 for t in ts)
 
@@ -430,6 +446,7 @@ def add_norm_router(x: torch.Tensor, weight: torch.Tensor, eps: float, router: t
         args += ([ctypes.c_int(plan.slots), _p(plan.offsets), _p(plan.perm), _p(plan.active), _p(plan.y),
                   ctypes.c_int(t * hd)] if plan is not None else
                  [ctypes.c_int(0), _p(None), _p(None), _p(None), _p(None), ctypes.c_int(0)])
+        args.append(ctypes.c_int(route_rank()))
     else:
         name, grid = "fused_add_norm_router", -(-e // 4)         # a warp per expert; no plan
     _launch(dev, name, (grid, 1, 1), 128, args)
