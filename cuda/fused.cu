@@ -325,7 +325,8 @@ __device__ __forceinline__ void select_k(float (&v)[NV], int lane, int k, float&
 }
 
 // The last block's ranking (its kernel argument `rank`, fused.py's HYBRID_ROUTE_RANK): RANK_ROUNDS = select_k's k
-// rounds of a 5-level shuffle argmax; RANK_MERGE = one butterfly over the lanes' sorted top-8 lists (k <= 8);
+// rounds of a 5-level shuffle argmax; RANK_MERGE = one butterfly over the lanes' sorted top-8 lists (k <= 8,
+// E <= 256; else the rounds);
 // RANK_REDUX = select_k's rounds with the warp max / min in one redux.sync each (sm_80+; Volta: the rounds).
 // All three choose the same experts in the same order with the same weights (ties to the lowest id).
 #define RANK_ROUNDS 0
@@ -353,12 +354,6 @@ __device__ __forceinline__ void bitonic_clean8(u64 (&c)[8]) {
     for (int i = 0; i < 8; ++i)
       if ((i & d) == 0) key_order(c[i], c[i + d]);
 }
-// a, b descending -> a = the largest 8 of both, descending
-__device__ __forceinline__ void merge_top8(u64 (&a)[8], const u64 (&b)[8]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) a[i] = a[i] > b[7 - i] ? a[i] : b[7 - i];
-  bitonic_clean8(a);
-}
 // 8 keys -> descending (bitonic sort: halves of 2 and 4 made bitonic, then cleaned)
 __device__ __forceinline__ void sort8(u64 (&c)[8]) {
 #pragma unroll
@@ -373,13 +368,16 @@ __device__ __forceinline__ void sort8(u64 (&c)[8]) {
         }
 }
 
-// RANK_MERGE: each lane's NV probabilities as a descending list of 8 keys, then 5 butterfly levels each merging
-// the partner lane's list (every lane ends with the warp's top 8, descending); lane r < k takes entry r. The
-// same outputs as select_k: its k rounds add the chosen weights in rank order, as this does. The level loop is
-// not unrolled (the last block runs from a cold instruction cache).
+// RANK_MERGE (NV <= 8: E <= 256; k <= 8): each lane's NV probabilities as a descending list of 8 keys, then 5
+// butterfly levels each merging the partner lane's list (the larger of a[i] and the partner's a[7 - i] is a
+// bitonic top 8; cleaned): every lane ends with the warp's top 8, descending; lane r < k takes entry r. The same
+// outputs as select_k: its k rounds add the chosen weights in rank order, as this does. The level loop is not
+// unrolled (the last block runs from a cold instruction cache). (NV = 16 took the kernel past 128 registers on
+// sm_90 into spills: E > 256 takes the rounds.)
 template <int NV>
 __device__ __forceinline__ void select_k_merge(const float (&v)[NV], int lane, int k, float& mine_w, int& mine_id,
                                                float& total) {
+  static_assert(NV <= 8, "RANK_MERGE: 8 probabilities per lane at most");
   u64 a[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) a[i] = i < NV ? rank_key(v[i < NV ? i : 0], lane + 32 * i) : 0ull;
@@ -389,20 +387,15 @@ __device__ __forceinline__ void select_k_merge(const float (&v)[NV], int lane, i
   } else {
     sort8(a);
   }
-#pragma unroll
-  for (int h = 1; h < NV / 8; ++h) {                        // NV = 16: the lane's second 8 merged in
-    u64 b[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) b[i] = rank_key(v[8 * h + i], lane + 32 * (8 * h + i));
-    sort8(b);
-    merge_top8(a, b);
-  }
 #pragma unroll 1
-  for (int o = 1; o < 32; o <<= 1) {
-    u64 b[8];
+  for (int o = 1; o < 32; o <<= 1) {                      // merge_top8 with the partner's list, a pair at a time
 #pragma unroll
-    for (int i = 0; i < 8; ++i) b[i] = __shfl_xor_sync(0xffffffffu, a[i], o);
-    merge_top8(a, b);
+    for (int i = 0; i < 4; ++i) {
+      const u64 bi = __shfl_xor_sync(0xffffffffu, a[7 - i], o), bj = __shfl_xor_sync(0xffffffffu, a[i], o);
+      a[i] = a[i] > bi ? a[i] : bi;
+      a[7 - i] = a[7 - i] > bj ? a[7 - i] : bj;
+    }
+    bitonic_clean8(a);
   }
   mine_w = 0.f, total = 0.f;
   mine_id = 0;
@@ -447,9 +440,11 @@ __device__ __forceinline__ void select_k_redux(const float (&v)[NV], int lane, i
 template <int NV>
 __device__ __forceinline__ void select_k_by(int rank, float (&v)[NV], int lane, int k, float& mine_w, int& mine_id,
                                             float& total) {
-  if (rank == RANK_MERGE && k <= 8) {
-    select_k_merge<NV>(v, lane, k, mine_w, mine_id, total);
-    return;
+  if constexpr (NV <= 8) {
+    if (rank == RANK_MERGE && k <= 8) {
+      select_k_merge<NV>(v, lane, k, mine_w, mine_id, total);
+      return;
+    }
   }
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   if (rank == RANK_REDUX) {

@@ -100,7 +100,7 @@ def new_kernel(part: str) -> bool:
 
 # How the router's last block ranks a token's expert probabilities (fused_add_norm_router_e's `rank`, cuda/fused.cu
 # RANK_*): "rounds" = k rounds of a warp argmax by shuffles; "merge" = one butterfly of the lanes' sorted top-8
-# lists (k <= 8; else the rounds); "redux" = the rounds with redux.sync (sm_80+; else the rounds). Same outputs.
+# lists (k <= 8, E <= 256; else the rounds); "redux" = the rounds with redux.sync (sm_80+; else the rounds). Same outputs.
 ROUTE_RANKS = {"rounds": 0, "merge": 1, "redux": 2}
 ROUTE_RANK_DEFAULT = "rounds"
 
