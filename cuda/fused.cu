@@ -325,96 +325,23 @@ __device__ __forceinline__ void select_k(float (&v)[NV], int lane, int k, float&
 }
 
 // The last block's ranking (its kernel argument `rank`, fused.py's HYBRID_ROUTE_RANK): RANK_ROUNDS = select_k's k
-// rounds of a 5-level shuffle argmax; RANK_MERGE = one butterfly over the lanes' sorted top-8 lists (k <= 8,
-// E <= 256; else the rounds);
-// RANK_REDUX = select_k's rounds with the warp max / min in one redux.sync each (sm_80+; Volta: the rounds).
-// All three choose the same experts in the same order with the same weights (ties to the lowest id).
+// rounds of a 5-level shuffle argmax; RANK_REDUX = the same rounds with the warp's max and the lowest id holding it
+// by one redux.sync each (sm_80+; on Volta the shuffle rounds). The same experts, order and weights (ties to the
+// lowest id). H200 (results/runtime.md §39): the router 0.45-0.55 us per layer faster with redux; a butterfly merge
+// of the lanes' sorted top-8 lists (fewer dependent shuffles, more instructions) was 0.55 us slower than the rounds.
 #define RANK_ROUNDS 0
-#define RANK_MERGE 1
-#define RANK_REDUX 2
-typedef unsigned long long u64;
-
-// (probability p >= 0, id) -> a key whose order is topk's: larger p first, then the lower id; 0 below every
-// probability (past E, NaN)
-__device__ __forceinline__ u64 rank_key(float p, int id) {
-  return p >= 0.f ? ((u64)(__float_as_uint(p) + 1u) << 32) | (u32)~id : 0ull;
-}
-__device__ __forceinline__ float key_prob(u64 key) { return __uint_as_float((u32)(key >> 32) - 1u); }
-__device__ __forceinline__ int key_id(u64 key) { return (int)~(u32)key; }
-__device__ __forceinline__ void key_order(u64& a, u64& b) {   // a, b -> max, min
-  const u64 hi = a > b ? a : b, lo = a > b ? b : a;
-  a = hi;
-  b = lo;
-}
-// c: a bitonic sequence of 8 keys -> descending
-__device__ __forceinline__ void bitonic_clean8(u64 (&c)[8]) {
-#pragma unroll
-  for (int d = 4; d; d >>= 1)
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if ((i & d) == 0) key_order(c[i], c[i + d]);
-}
-// 8 keys -> descending (bitonic sort: halves of 2 and 4 made bitonic, then cleaned)
-__device__ __forceinline__ void sort8(u64 (&c)[8]) {
-#pragma unroll
-  for (int s = 2; s <= 8; s <<= 1)
-#pragma unroll
-    for (int d = s >> 1; d; d >>= 1)
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        if ((i & d) == 0) {
-          if ((i & s) == 0) key_order(c[i], c[i + d]);           // descending run
-          else key_order(c[i + d], c[i]);                        // ascending run
-        }
-}
-
-// RANK_MERGE (NV <= 8: E <= 256; k <= 8): each lane's NV probabilities as a descending list of 8 keys, then 5
-// butterfly levels each merging the partner lane's list (the larger of a[i] and the partner's a[7 - i] is a
-// bitonic top 8; cleaned): every lane ends with the warp's top 8, descending; lane r < k takes entry r. The same
-// outputs as select_k: its k rounds add the chosen weights in rank order, as this does. The level loop is not
-// unrolled (the last block runs from a cold instruction cache). (NV = 16 took the kernel past 128 registers on
-// sm_90 into spills: E > 256 takes the rounds.)
-template <int NV>
-__device__ __forceinline__ void select_k_merge(const float (&v)[NV], int lane, int k, float& mine_w, int& mine_id,
-                                               float& total) {
-  static_assert(NV <= 8, "RANK_MERGE: 8 probabilities per lane at most");
-  u64 a[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) a[i] = i < NV ? rank_key(v[i < NV ? i : 0], lane + 32 * i) : 0ull;
-  if (NV == 4) {                                            // the first four sorted (5 compare-exchanges)
-    key_order(a[0], a[1]); key_order(a[2], a[3]); key_order(a[0], a[2]); key_order(a[1], a[3]);
-    key_order(a[1], a[2]);
-  } else {
-    sort8(a);
-  }
-#pragma unroll 1
-  for (int o = 1; o < 32; o <<= 1) {                      // merge_top8 with the partner's list, a pair at a time
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const u64 bi = __shfl_xor_sync(0xffffffffu, a[7 - i], o), bj = __shfl_xor_sync(0xffffffffu, a[i], o);
-      a[i] = a[i] > bi ? a[i] : bi;
-      a[7 - i] = a[7 - i] > bj ? a[7 - i] : bj;
-    }
-    bitonic_clean8(a);
-  }
-  mine_w = 0.f, total = 0.f;
-  mine_id = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    if (i < k) total += key_prob(a[i]);
-    if (i == lane) { mine_w = key_prob(a[i]); mine_id = key_id(a[i]); }
-  }
-}
+#define RANK_REDUX 1
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-// RANK_REDUX: select_k's rounds with the warp's largest key half (the probability) by one redux.sync max and the
-// lowest id holding it by one redux.sync min.
+// select_k on keys: a probability p >= 0 as its bits + 1 (their order is the floats'), 0 past E (p = -1) and once
+// taken; per round the lane's largest key (lowest j first), the warp's by redux.sync max, then the lowest id whose
+// key it is by redux.sync min.
 template <int NV>
 __device__ __forceinline__ void select_k_redux(const float (&v)[NV], int lane, int k, float& mine_w, int& mine_id,
                                                float& total) {
   u32 key[NV];
 #pragma unroll
-  for (int j = 0; j < NV; ++j) key[j] = (u32)(rank_key(v[j], 0) >> 32);
+  for (int j = 0; j < NV; ++j) key[j] = v[j] >= 0.f ? __float_as_uint(v[j]) + 1u : 0u;
   mine_w = 0.f, total = 0.f;
   mine_id = 0;
 #pragma unroll 1
@@ -423,7 +350,7 @@ __device__ __forceinline__ void select_k_redux(const float (&v)[NV], int lane, i
     int bj = 0;
 #pragma unroll
     for (int j = 1; j < NV; ++j)
-      if (key[j] > b) { b = key[j]; bj = j; }                // the lane's largest, lowest j first
+      if (key[j] > b) { b = key[j]; bj = j; }
     const u32 m = __reduce_max_sync(0xffffffffu, b);
     const u32 bi = __reduce_min_sync(0xffffffffu, b == m ? (u32)(lane + 32 * bj) : 0xffffffffu);
     const float best = __uint_as_float(m - 1u);
@@ -440,12 +367,6 @@ __device__ __forceinline__ void select_k_redux(const float (&v)[NV], int lane, i
 template <int NV>
 __device__ __forceinline__ void select_k_by(int rank, float (&v)[NV], int lane, int k, float& mine_w, int& mine_id,
                                             float& total) {
-  if constexpr (NV <= 8) {
-    if (rank == RANK_MERGE && k <= 8) {
-      select_k_merge<NV>(v, lane, k, mine_w, mine_id, total);
-      return;
-    }
-  }
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   if (rank == RANK_REDUX) {
     select_k_redux<NV>(v, lane, k, mine_w, mine_id, total);

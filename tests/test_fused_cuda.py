@@ -233,7 +233,7 @@ def test_add_norm_router_route_plan(backend, monkeypatch, t, k, e, s, planned):
 
 @pytest.mark.parametrize("t,e,k", [(1, 128, 8), (2, 200, 8), (1, 512, 8), (3, 64, 4), (1, 64, 16)])
 def test_add_norm_router_ranks_agree(backend, monkeypatch, t, e, k):
-    """The router's last block ranked every way (HYBRID_ROUTE_RANK: rounds, merge, redux; redux is the rounds on
+    """The router's last block ranked both ways (HYBRID_ROUTE_RANK: rounds, redux; redux is the rounds on
     the compute_70 PTX): the same ids, weights bit for bit, slots, route rows and MoE plan, router rows repeated so
     that logits tie."""
     from hybrid.kernels.moe_route import RoutePlan

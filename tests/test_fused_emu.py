@@ -316,9 +316,9 @@ def router_emu(tmp_path_factory):
 
 
 def emu_add_norm_router(lib, kernel_e, x, w, router, k, delta=None, reverse=False, table=None, plan=None,
-                        rank=0):
+                        rank=None):
     """plan (a RoutePlan, block-per-expert kernel only): the MoE routing made too, into its buffers; rank: the last
-    block's ranking (fused.ROUTE_RANKS)."""
+    block's ranking (fused.ROUTE_RANKS; None = the launcher's default)."""
     t, h = x.shape
     e = router.shape[0]
     x2, hn = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
@@ -333,7 +333,8 @@ def emu_add_norm_router(lib, kernel_e, x, w, router, k, delta=None, reverse=Fals
           else (I(0), P(None), P(None), P(None), P(None), I(0)))
     lib.emu_anr(I(int(kernel_e)), I(int(reverse)), P(x), P(delta), P(w), P(x2 if delta is not None else None), P(hn),
                 I(h), F(1e-6), I(dt[x.dtype]), I(dt[delta.dtype] if delta is not None else 0), P(router), P(logits),
-                P(cnt), I(t), I(e), I(k), I(1), P(ids), P(wt), P(table), P(slots), P(row), *pl, I(rank))
+                P(cnt), I(t), I(e), I(k), I(1), P(ids), P(wt), P(table), P(slots), P(row), *pl,
+                I(fused.ROUTE_RANKS[fused.ROUTE_RANK_DEFAULT] if rank is None else rank))
     assert cnt.item() == 0                                   # the counter is left zero
     assert torch.equal(slots, table[ids.reshape(-1)]) and torch.equal(row[:, k:], wt)
     assert torch.equal(row[:, :k], ids.float())
@@ -410,10 +411,9 @@ def test_emulated_router_route_plan(router_emu, t, k, e, s, absent):
                                              (4, 16, 16, 4, 0.5), (1, 32, 64, 1, 0.0), (1, 32, 64, 16, 0.0),
                                              (1, 32, 40, 2, 0.0)])
 def test_emulated_route_ranks_agree(router_emu, t, h, e, k, absent):
-    """Every ranking of the router's last block (fused.ROUTE_RANKS: the shuffle rounds, the butterfly merge of
-    sorted top-8 lists, redux.sync rounds) writes the same ids, weights (bit for bit), slots, route rows and MoE
-    plan, and ref_router_topk's weights, on logits with exact ties (rows repeated in the router) and a slot table
-    with absent experts; k > 8 takes the rounds in the merge mode."""
+    """Both rankings of the router's last block (fused.ROUTE_RANKS: the shuffle rounds, the redux.sync rounds) write
+    the same ids, weights (bit for bit), slots, route rows and MoE plan, and ref_router_topk's weights, on logits
+    with exact ties (rows repeated in the router) and a slot table with absent experts."""
     from hybrid.kernels.moe_route import RoutePlan
 
     g = torch.Generator().manual_seed(t * 1000 + e + k)
@@ -442,10 +442,10 @@ def test_route_rank_switch(monkeypatch):
     """$HYBRID_ROUTE_RANK names the ranking; unset = ROUTE_RANK_DEFAULT; anything else a clear error."""
     monkeypatch.delenv("HYBRID_ROUTE_RANK", raising=False)
     assert fused.route_rank() == fused.ROUTE_RANKS[fused.ROUTE_RANK_DEFAULT]
-    monkeypatch.setenv("HYBRID_ROUTE_RANK", "merge")
-    assert fused.route_rank() == 1
+    monkeypatch.setenv("HYBRID_ROUTE_RANK", "rounds")
+    assert fused.route_rank() == 0
     monkeypatch.setenv("HYBRID_ROUTE_RANK", "fast")
-    with pytest.raises(ValueError, match="HYBRID_ROUTE_RANK: expected one of rounds, merge, redux"):
+    with pytest.raises(ValueError, match="HYBRID_ROUTE_RANK: expected one of rounds, redux"):
         fused.route_rank()
 
 
