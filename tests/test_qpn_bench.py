@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hybrid.bench.cuda_kernels import markdown, promote, spin_mhz, targets
+from hybrid.bench.cuda_kernels import clock_from_spins, markdown, promote, targets
 from hybrid.cli.bench import main
 
 
@@ -74,11 +74,11 @@ def test_sm_clock_column():
     assert "| lm_head | 16 | 64 | nvfp4 | 1 | 10.0 | 80.0% | 20.0 | 90.0% | 2.00 |  |  |  |  |  |" in md
 
 
-def test_spin_mhz():
-    """The SM clock from a spin of known cycles and its time; a non-positive time is refused."""
-    assert spin_mhz(200_000, 0.125) == pytest.approx(1600.0)
-    with pytest.raises(ValueError, match="expected a positive time"):
-        spin_mhz(200_000, 0.0)
+def test_clock_from_spins():
+    """Cycles over time of the two spins' difference: a fixed launch cost in both cancels."""
+    assert clock_from_spins(50_000, 0.030 + 0.005, 250_000, 0.150 + 0.005) == pytest.approx(1666.67, rel=1e-4)
+    with pytest.raises(ValueError, match="expected the longer to take longer"):
+        clock_from_spins(50_000, 0.03, 250_000, 0.03)
 
 
 def test_render_missing_file_is_a_user_error(tmp_path, capsys):

@@ -115,12 +115,9 @@ def _next(fns):
     return fns[_NEXT[0] % len(fns)]
 
 
-def time_ms(fns, reps: int, clock: list | None = None) -> float:
+def time_ms(fns, reps: int) -> float:
     """Median GPU time of one call, calls rotating over fns (continuing across measurements, so a
-    copy is reused only after the others' bytes went by), queued behind a GPU sleep. clock (a list): the SM
-    clock right after the timed calls appended (MHz): a spin of SPIN_CYCLES queued behind them, with no idle gap
-    between (NVML read after the measurement can already show the idle boost clock: the lent H200s held 1.6-1.8
-    GHz under sustained lm_head reads at their 700 W cap; results/cuda_kernels.md, twenty-ninth session)."""
+    copy is reused only after the others' bytes went by), queued behind a GPU sleep."""
     import torch
 
     for _ in range(min(len(fns), 3)):
@@ -133,25 +130,34 @@ def time_ms(fns, reps: int, clock: list | None = None) -> float:
         a.record()
         _next(fns)()
         b.record()
-    if clock is not None:
-        spin = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        spin[0].record()
-        torch.cuda._sleep(SPIN_CYCLES)
-        spin[1].record()
     torch.cuda.synchronize()
-    if clock is not None:
-        clock.append(spin_mhz(SPIN_CYCLES, spin[0].elapsed_time(spin[1])))
     return statistics.median(a.elapsed_time(b) for a, b in evs)
 
 
-SPIN_CYCLES = 200_000   # the clock spin after a measurement: ~0.1 ms at 1.98 GHz
+def sm_clock_mhz(short: int = 50_000, long: int = 250_000) -> float:
+    """The SM clock now (MHz), measured on the GPU: two spins of `short` and `long` SM cycles (torch.cuda._sleep)
+    timed by CUDA events, cycles over time of their difference (the launch's fixed cost cancels). Taken right
+    after a measurement it is the clock that ran it: NVML read then can already show the idle boost clock (the
+    lent H200s held 1.6-1.8 GHz under sustained lm_head reads at their 700 W cap and 1.98 GHz once idle:
+    results/cuda_kernels.md, twenty-ninth session)."""
+    import torch
+
+    ts = []
+    for cycles in (short, long):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(cycles)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return clock_from_spins(short, ts[0], long, ts[1])
 
 
-def spin_mhz(cycles: int, ms: float) -> float:
-    """The SM clock (MHz) of a GPU spin of `cycles` SM cycles (torch.cuda._sleep) that took `ms` milliseconds."""
-    if ms <= 0:
-        raise ValueError(f"a spin of {cycles} cycles took {ms} ms: expected a positive time")
-    return cycles / (ms * 1e3)
+def clock_from_spins(c1: int, ms1: float, c2: int, ms2: float) -> float:
+    """MHz from two spins of c1 < c2 cycles that took ms1, ms2 milliseconds."""
+    if c2 <= c1 or ms2 <= ms1:
+        raise ValueError(f"spins of {c1} and {c2} cycles took {ms1} and {ms2} ms: expected the longer to take longer")
+    return (c2 - c1) / ((ms2 - ms1) * 1e3)
 
 
 def bandwidths() -> tuple[float, float]:
@@ -222,13 +228,13 @@ def bench_linear(name, n, k, qtype, ms, reps, read_bw):
     out = []
     for m in ms:
         x = torch.randn(m, k, device=dev, dtype=torch.float16)
-        mhz: list[float] = []
-        t = time_ms([lambda w=w: qpn_linear(x, w) for w in ws], reps, mhz)
+        t = time_ms([lambda w=w: qpn_linear(x, w) for w in ws], reps)
+        mhz = sm_clock_mhz()                                     # right after ours, as it ran
         tc = time_ms([lambda d=d: x @ d.t() for d in dense], reps)
         rec = dict(shape=name, n=n, k=k, format=qtype.value, m=m, bytes=base.nbytes, t_us=t * 1e3,
                    eff_read=base.nbytes / t / 1e6 / read_bw, cublas_t_us=tc * 1e3,
                    cublas_eff_read=wd.numel() * 2 / tc / 1e6 / read_bw, speedup_vs_cublas=tc / t,
-                   sm_clock_mhz=mhz[0])
+                   sm_clock_mhz=mhz)
         if m == 1:
             td = time_ms([lambda: x @ _gpu_dequant(qw).half().t()], max(5, reps // 8))
             rec.update(dequant_matmul_t_us=td * 1e3, speedup_vs_dequant=td / t,
@@ -573,7 +579,7 @@ def markdown(env: dict, recs: list[dict], note: str = "") -> str:
              "cuBLAS = torch FP16 matmul on pre-dequantized weights (FP16 bytes); "
              "x = cuBLAS time / our time; read us = a kernel that only reads as many bytes as ours (qpn_read; M = 1 rows), "
              "of read = that time / ours (1.00: as fast as a plain read of the same bytes); "
-             "SM MHz = the SM clock right after ours was timed (a GPU spin of known cycles queued behind it, timed by events)", "",
+             "SM MHz = the SM clock right after ours was timed (sm_clock_mhz: GPU spins timed by events)", "",
              "| shape | N | K | fmt | M | ours us | ours eff | cuBLAS us | cuBLAS eff | x vs cuBLAS "
              "| x vs dequant+matmul | read us | of read | kernel | SM MHz |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
