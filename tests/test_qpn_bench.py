@@ -2,9 +2,7 @@
 target checks compute met / not met from the numbers."""
 import json
 
-import pytest
-
-from hybrid.bench.cuda_kernels import clock_from_spins, markdown, promote, targets
+from hybrid.bench.cuda_kernels import markdown, promote, targets
 from hybrid.cli.bench import main
 
 
@@ -61,24 +59,6 @@ def test_markdown_names_driver_and_clock():
     md = markdown(env, [])
     assert ("driver 580.159.04, native sm_90; SM clock after the timings 1980 of 1980 MHz (clock event reasons 0x0)"
             in md)
-
-
-def test_sm_clock_column():
-    """Each row's SM clock measured right after its timing (sm_clock_mhz) is the table's last column; older records
-    without it leave the cell empty."""
-    env = {"gpu": "G", "command": "c", "git_sha": "s", "torch": "t", "nvrtc": "n", "sm": 90, "read_gbs": 1.0,
-           "copy_gbs": 1.0}
-    md = markdown(env, [rec("lm_head", "nvfp4", 8, 12.0, 0.7, 0.9, sm_clock_mhz=1712.4, kernel="mt1_t2u1"),
-                        rec("lm_head", "nvfp4", 1, 10.0, 0.8, 0.9)])
-    assert "| mt1_t2u1 | 1712 |" in md and md.count("| 1712 |") == 1
-    assert "| lm_head | 16 | 64 | nvfp4 | 1 | 10.0 | 80.0% | 20.0 | 90.0% | 2.00 |  |  |  |  |  |" in md
-
-
-def test_clock_from_spins():
-    """Cycles over time of the two spins' difference: a fixed launch cost in both cancels."""
-    assert clock_from_spins(50_000, 0.030 + 0.005, 250_000, 0.150 + 0.005) == pytest.approx(1666.67, rel=1e-4)
-    with pytest.raises(ValueError, match="expected the longer to take longer"):
-        clock_from_spins(50_000, 0.03, 250_000, 0.03)
 
 
 def test_render_missing_file_is_a_user_error(tmp_path, capsys):

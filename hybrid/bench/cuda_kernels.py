@@ -134,32 +134,6 @@ def time_ms(fns, reps: int) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in evs)
 
 
-def sm_clock_mhz(short: int = 50_000, long: int = 250_000) -> float:
-    """The SM clock now (MHz), measured on the GPU: two spins of `short` and `long` SM cycles (torch.cuda._sleep)
-    timed by CUDA events, cycles over time of their difference (the launch's fixed cost cancels). Taken right
-    after a measurement it is the clock that ran it: NVML read then can already show the idle boost clock (the
-    lent H200s held 1.6-1.8 GHz under sustained lm_head reads at their 700 W cap and 1.98 GHz once idle:
-    results/cuda_kernels.md, twenty-ninth session)."""
-    import torch
-
-    ts = []
-    for cycles in (short, long):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.cuda._sleep(cycles)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return clock_from_spins(short, ts[0], long, ts[1])
-
-
-def clock_from_spins(c1: int, ms1: float, c2: int, ms2: float) -> float:
-    """MHz from two spins of c1 < c2 cycles that took ms1, ms2 milliseconds."""
-    if c2 <= c1 or ms2 <= ms1:
-        raise ValueError(f"spins of {c1} and {c2} cycles took {ms1} and {ms2} ms: expected the longer to take longer")
-    return (c2 - c1) / ((ms2 - ms1) * 1e3)
-
-
 def bandwidths() -> tuple[float, float]:
     """(read GB/s of a 2 GiB fp32 sum, copy GB/s counting read + write of 1 GiB), medians."""
     import torch
@@ -229,12 +203,10 @@ def bench_linear(name, n, k, qtype, ms, reps, read_bw):
     for m in ms:
         x = torch.randn(m, k, device=dev, dtype=torch.float16)
         t = time_ms([lambda w=w: qpn_linear(x, w) for w in ws], reps)
-        mhz = sm_clock_mhz()                                     # right after ours, as it ran
         tc = time_ms([lambda d=d: x @ d.t() for d in dense], reps)
         rec = dict(shape=name, n=n, k=k, format=qtype.value, m=m, bytes=base.nbytes, t_us=t * 1e3,
                    eff_read=base.nbytes / t / 1e6 / read_bw, cublas_t_us=tc * 1e3,
-                   cublas_eff_read=wd.numel() * 2 / tc / 1e6 / read_bw, speedup_vs_cublas=tc / t,
-                   sm_clock_mhz=mhz)
+                   cublas_eff_read=wd.numel() * 2 / tc / 1e6 / read_bw, speedup_vs_cublas=tc / t)
         if m == 1:
             td = time_ms([lambda: x @ _gpu_dequant(qw).half().t()], max(5, reps // 8))
             rec.update(dequant_matmul_t_us=td * 1e3, speedup_vs_dequant=td / t,
@@ -578,19 +550,17 @@ def markdown(env: dict, recs: list[dict], note: str = "") -> str:
              "- eff = packed bytes (weights + scales) / median kernel time / read bandwidth; "
              "cuBLAS = torch FP16 matmul on pre-dequantized weights (FP16 bytes); "
              "x = cuBLAS time / our time; read us = a kernel that only reads as many bytes as ours (qpn_read; M = 1 rows), "
-             "of read = that time / ours (1.00: as fast as a plain read of the same bytes); "
-             "SM MHz = the SM clock right after ours was timed (sm_clock_mhz: GPU spins timed by events)", "",
+             "of read = that time / ours (1.00: as fast as a plain read of the same bytes)", "",
              "| shape | N | K | fmt | M | ours us | ours eff | cuBLAS us | cuBLAS eff | x vs cuBLAS "
-             "| x vs dequant+matmul | read us | of read | kernel | SM MHz |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| x vs dequant+matmul | read us | of read | kernel |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
         dq = f"{r['speedup_vs_dequant']:.1f}" if "speedup_vs_dequant" in r else ""
         rd = f"{r['read_t_us']:.1f} | {r['read_t_us'] / r['t_us']:.2f}" if "read_t_us" in r else " | "
-        mhz = f"{r['sm_clock_mhz']:.0f}" if r.get("sm_clock_mhz") else ""    # not in records before it was measured
         lines.append(f"| {r['shape']} | {r['n']} | {r['k']} | {r['format']} | {r['m']} | "
                      f"{r['t_us']:.1f} | {100 * r['eff_read']:.1f}% | {r['cublas_t_us']:.1f} | "
                      f"{100 * r['cublas_eff_read']:.1f}% | {r['speedup_vs_cublas']:.2f} | {dq} | {rd} | "
-                     f"{r.get('kernel', '')} | {mhz} |")
+                     f"{r.get('kernel', '')} |")
     return "\n".join(lines + [""] + targets(recs)) + "\n"
 
 
