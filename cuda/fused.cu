@@ -327,7 +327,7 @@ __device__ __forceinline__ void select_k(float (&v)[NV], int lane, int k, float&
 // The last block's ranking (its kernel argument `rank`, fused.py's HYBRID_ROUTE_RANK): RANK_ROUNDS = select_k's k
 // rounds of a 5-level shuffle argmax; RANK_REDUX = the same rounds with the warp's max and the lowest id holding it
 // by one redux.sync each (sm_80+; on Volta the shuffle rounds). The same experts, order and weights (ties to the
-// lowest id). H200 (results/runtime.md §39): the router 0.45-0.55 us per layer faster with redux; a butterfly merge
+// lowest id). H200 (results/runtime.md §39): the router 0.45-0.68 us per layer faster with redux; a butterfly merge
 // of the lanes' sorted top-8 lists (fewer dependent shuffles, more instructions) was 0.55 us slower than the rounds.
 #define RANK_ROUNDS 0
 #define RANK_REDUX 1
