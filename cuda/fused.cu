@@ -329,8 +329,10 @@ __device__ __forceinline__ void select_k(float (&v)[NV], int lane, int k, float&
 // by one redux.sync each (sm_80+; on Volta the shuffle rounds). The same experts, order and weights (ties to the
 // lowest id). H200 (results/runtime.md §39): the router 0.45-0.68 us per layer faster with redux; a butterfly merge
 // of the lanes' sorted top-8 lists (fewer dependent shuffles, more instructions) was 0.55 us slower than the rounds.
+// RANK_LOGITS (sm_80+): the redux rounds on the logits, no softmax over all E (select_k_logits).
 #define RANK_ROUNDS 0
 #define RANK_REDUX 1
+#define RANK_LOGITS 2   // RANK_REDUX on the logits themselves, no softmax over all E (see select_k_logits)
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 // select_k on keys: a probability p >= 0 as its bits + 1 (their order is the floats'), 0 past E (p = -1) and once
@@ -359,6 +361,57 @@ __device__ __forceinline__ void select_k_redux(const float (&v)[NV], int lane, i
 #pragma unroll
     for (int j = 0; j < NV; ++j)
       if (lane + 32 * j == (int)bi) key[j] = 0u;             // taken
+  }
+}
+#endif
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+// order-preserving float -> u32 (a larger float, a larger key; -0 as +0); 0 is below every logit but one NaN
+// pattern, and is what past E and the taken hold
+__device__ __forceinline__ u32 logit_key(float x) {
+  const u32 b = __float_as_uint(x + 0.f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float key_logit(u32 key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// RANK_LOGITS: the k rounds of select_k_redux on the logits (softmax is monotonic: the same experts, ties to the
+// lowest id, where distinct logits do not round to one probability), each round's weight exp(logit - top logit)
+// (round 0's logit is the largest: no warp max), the total their sum in rank order. The probabilities of all E are
+// made only without renorm (the softmax's sum). Weights within an ulp or two of the softmax route's.
+template <int NV>
+__device__ __forceinline__ void select_k_logits(const float (&l)[NV], int lane, int E, int k, int renorm,
+                                                float& mine_w, int& mine_id, float& total) {
+  u32 key[NV];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) key[j] = lane + 32 * j < E ? logit_key(l[j]) : 0u;
+  float top = 0.f;
+  mine_w = 0.f, total = 0.f;
+  mine_id = 0;
+#pragma unroll 1
+  for (int r = 0; r < k; ++r) {
+    u32 b = key[0];
+    int bj = 0;
+#pragma unroll
+    for (int j = 1; j < NV; ++j)
+      if (key[j] > b) { b = key[j]; bj = j; }
+    const u32 m = __reduce_max_sync(0xffffffffu, b);
+    const u32 bi = __reduce_min_sync(0xffffffffu, b == m ? (u32)(lane + 32 * bj) : 0xffffffffu);
+    const float x = key_logit(m);
+    if (r == 0) top = x;
+    const float e = expf(x - top);
+    if (lane == r) { mine_w = e; mine_id = (int)bi; }
+    total += e;
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+      if (lane + 32 * j == (int)bi) key[j] = 0u;             // taken
+  }
+  if (!renorm) {                                            // the softmax's sum over all E
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) s += lane + 32 * j < E ? expf(l[j] - top) : 0.f;
+    mine_w /= warp_sum(s);
   }
 }
 #endif
@@ -777,10 +830,17 @@ __device__ __forceinline__ int topk_warp(const float* row, int t, int E, int k, 
     v[j] = e < E ? ld_cg(row + e) : NEG_INF;
     tv[j] = slots && e < E ? slot_table[e] : -1;
   }
-  softmax_lanes<NV>(v, E, lane);
   float mine_w, total;
   int mine_id;
-  select_k_by<NV>(rank, v, lane, k, mine_w, mine_id, total);
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  if (rank == RANK_LOGITS) {
+    select_k_logits<NV>(v, lane, E, k, renorm, mine_w, mine_id, total);
+  } else
+#endif
+  {
+    softmax_lanes<NV>(v, E, lane);
+    select_k_by<NV>(rank, v, lane, k, mine_w, mine_id, total);
+  }
   int slot = -1;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {                          // choice mine_id's slot from lane mine_id % 32

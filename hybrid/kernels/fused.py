@@ -100,9 +100,10 @@ def new_kernel(part: str) -> bool:
 
 # How the router's last block ranks a token's expert probabilities (fused_add_norm_router_e's `rank`, cuda/fused.cu
 # RANK_*): "rounds" = k rounds of a warp argmax by shuffles; "redux" = the same rounds by redux.sync (sm_80+; the
-# compute_70 build takes the rounds). Same outputs. Default "redux": the router 0.45-0.68 us per layer faster on the
+# compute_70 build takes the rounds), the same outputs; "logits" = the redux rounds on the logits with no softmax
+# over all E (sm_80+; weights within an ulp or two). Default "redux": the router 0.45-0.68 us per layer faster on the
 # H200 (decode +0.1-2.3%; results/runtime.md §39).
-ROUTE_RANKS = {"rounds": 0, "redux": 1}
+ROUTE_RANKS = {"rounds": 0, "redux": 1, "logits": 2}
 ROUTE_RANK_DEFAULT = "redux"
 
 
