@@ -324,46 +324,13 @@ __device__ __forceinline__ void select_k(float (&v)[NV], int lane, int k, float&
   }
 }
 
-// The last block's ranking (its kernel argument `rank`, fused.py's HYBRID_ROUTE_RANK): RANK_ROUNDS = select_k's k
-// rounds of a 5-level shuffle argmax; RANK_REDUX = the same rounds with the warp's max and the lowest id holding it
-// by one redux.sync each (sm_80+; on Volta the shuffle rounds). The same experts, order and weights (ties to the
-// lowest id). H200 (results/runtime.md §39): the router 0.45-0.68 us per layer faster with redux; a butterfly merge
-// of the lanes' sorted top-8 lists (fewer dependent shuffles, more instructions) was 0.55 us slower than the rounds.
-// RANK_LOGITS (sm_80+): the redux rounds on the logits, no softmax over all E (select_k_logits).
+// The last block's ranking (its kernel argument `rank`, fused.py's HYBRID_ROUTE_RANK): RANK_ROUNDS = softmax_lanes,
+// then select_k's k rounds of a 5-level shuffle argmax (Volta always; bit-identical to topk_row); RANK_LOGITS
+// (sm_80+) = select_k_logits. H200 (results/runtime.md §39): the rounds with redux.sync on the probabilities saved
+// 0.45-0.68 us per layer of the router, on the logits with no softmax over all E 0.5 more; a butterfly merge of the
+// lanes' sorted top-8 lists (fewer dependent shuffles, more instructions) was 0.55 us slower than the rounds.
 #define RANK_ROUNDS 0
-#define RANK_REDUX 1
-#define RANK_LOGITS 2   // RANK_REDUX on the logits themselves, no softmax over all E (see select_k_logits)
-
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-// select_k on keys: a probability p >= 0 as its bits + 1 (their order is the floats'), 0 past E (p = -1) and once
-// taken; per round the lane's largest key (lowest j first), the warp's by redux.sync max, then the lowest id whose
-// key it is by redux.sync min.
-template <int NV>
-__device__ __forceinline__ void select_k_redux(const float (&v)[NV], int lane, int k, float& mine_w, int& mine_id,
-                                               float& total) {
-  u32 key[NV];
-#pragma unroll
-  for (int j = 0; j < NV; ++j) key[j] = v[j] >= 0.f ? __float_as_uint(v[j]) + 1u : 0u;
-  mine_w = 0.f, total = 0.f;
-  mine_id = 0;
-#pragma unroll 1
-  for (int r = 0; r < k; ++r) {
-    u32 b = key[0];
-    int bj = 0;
-#pragma unroll
-    for (int j = 1; j < NV; ++j)
-      if (key[j] > b) { b = key[j]; bj = j; }
-    const u32 m = __reduce_max_sync(0xffffffffu, b);
-    const u32 bi = __reduce_min_sync(0xffffffffu, b == m ? (u32)(lane + 32 * bj) : 0xffffffffu);
-    const float best = __uint_as_float(m - 1u);
-    if (lane == r) { mine_w = best; mine_id = (int)bi; }
-    total += best;
-#pragma unroll
-    for (int j = 0; j < NV; ++j)
-      if (lane + 32 * j == (int)bi) key[j] = 0u;             // taken
-  }
-}
-#endif
+#define RANK_LOGITS 1
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 // order-preserving float -> u32 (a larger float, a larger key; -0 as +0); 0 is below every logit but one NaN
@@ -376,10 +343,11 @@ __device__ __forceinline__ float key_logit(u32 key) {
   return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
-// RANK_LOGITS: the k rounds of select_k_redux on the logits (softmax is monotonic: the same experts, ties to the
-// lowest id, where distinct logits do not round to one probability), each round's weight exp(logit - top logit)
-// (round 0's logit is the largest: no warp max), the total their sum in rank order. The probabilities of all E are
-// made only without renorm (the softmax's sum). Weights within an ulp or two of the softmax route's.
+// RANK_LOGITS: k rounds, each the lane's largest key (lowest j first), the warp's by one redux.sync max and the
+// lowest id holding it by one redux.sync min, on the logits (softmax is monotonic: the same experts as the rounds on
+// probabilities, ties to the lowest id, where distinct logits do not round to one probability); each round's
+// weight exp(logit - top logit) (round 0's logit is the largest: no warp max), the total their sum in rank order.
+// The probabilities of all E are made only without renorm (the softmax's sum). Weights within 2e-6 of the rounds'.
 template <int NV>
 __device__ __forceinline__ void select_k_logits(const float (&l)[NV], int lane, int E, int k, int renorm,
                                                 float& mine_w, int& mine_id, float& total) {
@@ -415,19 +383,6 @@ __device__ __forceinline__ void select_k_logits(const float (&l)[NV], int lane, 
   }
 }
 #endif
-
-// The last block's ranking of one token's probabilities v (softmax_lanes), by `rank` (RANK_*)
-template <int NV>
-__device__ __forceinline__ void select_k_by(int rank, float (&v)[NV], int lane, int k, float& mine_w, int& mine_id,
-                                            float& total) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  if (rank == RANK_REDUX) {
-    select_k_redux<NV>(v, lane, k, mine_w, mine_id, total);
-    return;
-  }
-#endif
-  select_k<NV>(v, lane, k, mine_w, mine_id, total);
-}
 
 // Lane r < k of token t writes its choice: weight (renormalised by the k chosen weights' total), id, slot and
 // the route row (ids, then weights).
@@ -839,7 +794,7 @@ __device__ __forceinline__ int topk_warp(const float* row, int t, int E, int k, 
 #endif
   {
     softmax_lanes<NV>(v, E, lane);
-    select_k_by<NV>(rank, v, lane, k, mine_w, mine_id, total);
+    select_k<NV>(v, lane, k, mine_w, mine_id, total);
   }
   int slot = -1;
 #pragma unroll

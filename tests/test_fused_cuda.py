@@ -233,9 +233,9 @@ def test_add_norm_router_route_plan(backend, monkeypatch, t, k, e, s, planned):
 
 @pytest.mark.parametrize("t,e,k", [(1, 128, 8), (2, 200, 8), (1, 512, 8), (3, 64, 4), (1, 64, 16)])
 def test_add_norm_router_ranks_agree(backend, monkeypatch, t, e, k):
-    """The router's last block ranked every way (HYBRID_ROUTE_RANK: rounds, redux, logits; the last two are the rounds
-    on the compute_70 PTX): the same ids, slots and MoE plan, weights and route rows bit for bit between rounds and
-    redux and within 2e-6 for logits (no softmax over all E), router rows repeated so that logits tie."""
+    """The router's last block ranked both ways (HYBRID_ROUTE_RANK: rounds, logits; logits is the rounds on the
+    compute_70 PTX): the same ids, slots and MoE plan, weights and route rows within 2e-6 (no softmax over all E in
+    logits), router rows repeated so that logits tie."""
     from hybrid.kernels.moe_route import RoutePlan
 
     h = 256

@@ -412,10 +412,10 @@ def test_emulated_router_route_plan(router_emu, t, k, e, s, absent):
                                                     (4, 16, 16, 4, 0.5, False), (1, 32, 64, 1, 0.0, True),
                                                     (1, 32, 64, 16, 0.0, True), (1, 32, 40, 2, 0.0, False)])
 def test_emulated_route_ranks_agree(router_emu, t, h, e, k, absent, renorm):
-    """Every ranking of the router's last block (fused.ROUTE_RANKS: the shuffle rounds, the redux.sync rounds, the
-    redux rounds on the logits) writes the same ids, slots and MoE plan, weights bit for bit between the first two
-    and within 2e-6 for the logits' (no softmax over all E), and ref_router_topk's weights, on logits with exact ties
-    (rows repeated in the router) and a slot table with absent experts, renormalised or not."""
+    """Both rankings of the router's last block (fused.ROUTE_RANKS: the shuffle rounds on the probabilities, the
+    redux.sync rounds on the logits) write the same ids, slots and MoE plan, weights within 2e-6 (no softmax over all
+    E in the second), and ref_router_topk's weights, on logits with exact ties (rows repeated in the router) and a
+    slot table with absent experts, renormalised or not."""
     from hybrid.kernels.moe_route import RoutePlan
 
     g = torch.Generator().manual_seed(t * 1000 + e + k)
@@ -450,7 +450,7 @@ def test_route_rank_switch(monkeypatch):
     monkeypatch.setenv("HYBRID_ROUTE_RANK", "rounds")
     assert fused.route_rank() == 0
     monkeypatch.setenv("HYBRID_ROUTE_RANK", "fast")
-    with pytest.raises(ValueError, match="HYBRID_ROUTE_RANK: expected one of rounds, redux, logits"):
+    with pytest.raises(ValueError, match="HYBRID_ROUTE_RANK: expected one of rounds, logits"):
         fused.route_rank()
 
 

@@ -98,13 +98,13 @@ def new_kernel(part: str) -> bool:
     return _env_part("HYBRID_FUSED_NEW", part, NEW_DEFAULT)
 
 
-# How the router's last block ranks a token's expert probabilities (fused_add_norm_router_e's `rank`, cuda/fused.cu
-# RANK_*): "rounds" = k rounds of a warp argmax by shuffles; "redux" = the same rounds by redux.sync (sm_80+; the
-# compute_70 build takes the rounds), the same outputs; "logits" = the redux rounds on the logits with no softmax
-# over all E (sm_80+; weights within an ulp or two). Default "redux": the router 0.45-0.68 us per layer faster on the
-# H200 (decode +0.1-2.3%; results/runtime.md §39).
-ROUTE_RANKS = {"rounds": 0, "redux": 1, "logits": 2}
-ROUTE_RANK_DEFAULT = "redux"
+# How the router's last block ranks a token's experts (fused_add_norm_router_e's `rank`, cuda/fused.cu RANK_*):
+# "rounds" = the softmax over all E, then k rounds of a warp argmax by shuffles (what the compute_70 build always
+# runs); "logits" = k rounds of two redux.sync each on the logits, each chosen weight exp(logit - top) (sm_80+;
+# the same experts, weights within 2e-6). Default "logits": the router ~1 us per layer faster on the H200 than the
+# rounds (decode +1.3-3.3%; results/runtime.md §39).
+ROUTE_RANKS = {"rounds": 0, "logits": 1}
+ROUTE_RANK_DEFAULT = "logits"
 
 
 def route_rank() -> int:
