@@ -101,8 +101,8 @@ def new_kernel(part: str) -> bool:
 # How the router's last block ranks a token's experts (fused_add_norm_router_e's `rank`, cuda/fused.cu RANK_*):
 # "rounds" = the softmax over all E, then k rounds of a warp argmax by shuffles (what the compute_70 build always
 # runs); "logits" = k rounds of two redux.sync each on the logits, each chosen weight exp(logit - top) (sm_80+;
-# the same experts, weights within 2e-6). Default "logits": the router ~1 us per layer faster on the H200 than the
-# rounds (decode +1.3-3.3%; results/runtime.md §39).
+# the same experts, weights within 2e-6). Default "logits": the router 1.19 us per layer faster on the H200 than the
+# rounds (decode +2.1-2.5% at a 32-token prompt; results/runtime.md §39).
 ROUTE_RANKS = {"rounds": 0, "logits": 1}
 ROUTE_RANK_DEFAULT = "logits"
 
