@@ -48,7 +48,7 @@
 //       the last block's top-k by a warp per token; optionally (offsets given, with slots, T * k <= 32) also
 //       the grouped MoE kernels' routing for S slots, as qpn_moe_route makes it from slots: offsets [S+1]
 //       (the entries of slots with work), perm [T*k], active [min(T*k, S)]; zero [nzero] fp32 zeroed (the
-//       MoE output: one launch per layer fewer); rank (RANK_*): how the last block ranks the probabilities
+//       MoE output: one launch per layer fewer); rank (RANK_*): how the last block ranks the experts
 //   fused_rope_attn_e        grid (Hkv, S), block 128: only the splits with keys run and combine
 //   fused_rope_attn_w        grid (Hkv, S), block 256: fused_rope_attn_e with a split's rounds on two groups of
 //       128 threads (each half of a round's key passes; HYBRID_FUSED_NEW part "wide", where a thread has at

@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 
+from hybrid.errors import HybridError
 from hybrid.kernels import fused, fused_build
 from hybrid.model.layers import Rotary
 from tests.cuda_emu import SHIM, compile_emu
@@ -60,9 +61,6 @@ inline unsigned __match_any_sync(unsigned, int v) {
   return m;
 }
 inline int __shfl_xor_sync(unsigned, int v, int o) { return (int)shfl_bits((uint32_t)v, o); }
-inline unsigned long long __shfl_xor_sync(unsigned, unsigned long long v, int o) {
-  return shfl_bits((uint32_t)v, o) | (unsigned long long)shfl_bits((uint32_t)(v >> 32), o) << 32;
-}
 inline unsigned __reduce_max_sync(unsigned, unsigned v) {
   unsigned m = 0;
   for (int i = 0; i < 32; ++i) m = std::max(m, warp_xch(v, i));
@@ -444,13 +442,13 @@ def test_emulated_route_ranks_agree(router_emu, t, h, e, k, absent, renorm):
 
 
 def test_route_rank_switch(monkeypatch):
-    """$HYBRID_ROUTE_RANK names the ranking; unset = ROUTE_RANK_DEFAULT; anything else a clear error."""
+    """$HYBRID_ROUTE_RANK names the ranking; unset = ROUTE_RANK_DEFAULT; anything else a one-line user error."""
     monkeypatch.delenv("HYBRID_ROUTE_RANK", raising=False)
     assert fused.route_rank() == fused.ROUTE_RANKS[fused.ROUTE_RANK_DEFAULT]
     monkeypatch.setenv("HYBRID_ROUTE_RANK", "rounds")
     assert fused.route_rank() == 0
     monkeypatch.setenv("HYBRID_ROUTE_RANK", "fast")
-    with pytest.raises(ValueError, match="HYBRID_ROUTE_RANK: expected one of rounds, logits"):
+    with pytest.raises(HybridError, match="HYBRID_ROUTE_RANK='fast': expected one of rounds, logits"):
         fused.route_rank()
 
 

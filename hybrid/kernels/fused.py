@@ -110,9 +110,11 @@ ROUTE_RANK_DEFAULT = "logits"
 def route_rank() -> int:
     """$HYBRID_ROUTE_RANK (a ROUTE_RANKS name, default ROUTE_RANK_DEFAULT), read at each launch (A/B runs switch
     it) -> the kernel's rank argument."""
+    from hybrid.errors import HybridError
+
     v = os.environ.get("HYBRID_ROUTE_RANK", "").strip().lower() or ROUTE_RANK_DEFAULT
     if v not in ROUTE_RANKS:
-        raise ValueError(f"HYBRID_ROUTE_RANK: expected one of {', '.join(ROUTE_RANKS)}, got {v!r}")
+        raise HybridError(f"HYBRID_ROUTE_RANK={v!r}: expected one of {', '.join(ROUTE_RANKS)}")
     return ROUTE_RANKS[v]
 
 
