@@ -216,6 +216,17 @@ def test_new_kernel_switch(monkeypatch):
     assert [fused.new_kernel(p) for p in fused.NEW_PARTS] == [False, True, True, False, False]
 
 
+def test_route_rank_switch(monkeypatch):
+    """$HYBRID_ROUTE_RANK names the ranking; unset = ROUTE_RANK_DEFAULT; anything else a one-line user error."""
+    monkeypatch.delenv("HYBRID_ROUTE_RANK", raising=False)
+    assert fused.route_rank() == fused.ROUTE_RANKS[fused.ROUTE_RANK_DEFAULT]
+    monkeypatch.setenv("HYBRID_ROUTE_RANK", "rounds")
+    assert fused.route_rank() == 0
+    monkeypatch.setenv("HYBRID_ROUTE_RANK", "fast")
+    with pytest.raises(HybridError, match="HYBRID_ROUTE_RANK='fast': expected one of rounds, logits"):
+        fused.route_rank()
+
+
 def test_wide_attention_shapes(monkeypatch):
     """fused_rope_attn_w takes at most ATT_HPT_W query heads per thread in P.V (128 / 2^cpl rows of heads);
     its plan aims at ATT_W_BLOCKS_PER_SM blocks per SM; rope_attn_kernel picks it by HYBRID_FUSED_NEW."""

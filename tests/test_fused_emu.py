@@ -12,7 +12,6 @@ import re
 import pytest
 import torch
 
-from hybrid.errors import HybridError
 from hybrid.kernels import fused, fused_build
 from hybrid.model.layers import Rotary
 from tests.cuda_emu import SHIM, compile_emu
@@ -439,17 +438,6 @@ def test_emulated_route_ranks_agree(router_emu, t, h, e, k, absent, renorm):
                 torch.testing.assert_close(a, b, atol=0, rtol=2e-6)
             else:
                 assert torch.equal(a, b), name
-
-
-def test_route_rank_switch(monkeypatch):
-    """$HYBRID_ROUTE_RANK names the ranking; unset = ROUTE_RANK_DEFAULT; anything else a one-line user error."""
-    monkeypatch.delenv("HYBRID_ROUTE_RANK", raising=False)
-    assert fused.route_rank() == fused.ROUTE_RANKS[fused.ROUTE_RANK_DEFAULT]
-    monkeypatch.setenv("HYBRID_ROUTE_RANK", "rounds")
-    assert fused.route_rank() == 0
-    monkeypatch.setenv("HYBRID_ROUTE_RANK", "fast")
-    with pytest.raises(HybridError, match="HYBRID_ROUTE_RANK='fast': expected one of rounds, logits"):
-        fused.route_rank()
 
 
 def test_emulated_topk_ties_take_lowest_ids(router_emu):

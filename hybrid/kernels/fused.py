@@ -109,7 +109,7 @@ ROUTE_RANK_DEFAULT = "logits"
 
 def route_rank() -> int:
     """$HYBRID_ROUTE_RANK (a ROUTE_RANKS name, default ROUTE_RANK_DEFAULT), read at each launch (A/B runs switch
-    it) -> the kernel's rank argument."""
+    it; a CUDA session checks it when it opens) -> the kernel's rank argument."""
     from hybrid.errors import HybridError
 
     v = os.environ.get("HYBRID_ROUTE_RANK", "").strip().lower() or ROUTE_RANK_DEFAULT
