@@ -185,8 +185,9 @@ def driver_version() -> str | None:
 
 def sm_clocks(index: int = 0) -> dict | None:
     """NVML GPU `index`'s SM clock now and its maximum (MHz) and the clock event (throttle) reasons as a hex mask;
-    None without pynvml or a driver. Benchmarks sample it right after their timed launches, while the clock is
-    still the one they ran at."""
+    None without pynvml or a driver. Benchmarks sample it right after their timed launches: the clock then, which
+    need not be the one they ran at (twenty-ninth session: NVML read 1980 MHz after runs whose kernels ncu measured
+    at 1.79-1.80 GHz; results/cuda_kernels.md)."""
     with _nvml() as nv:
         if nv is None:
             return None

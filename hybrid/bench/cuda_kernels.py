@@ -425,7 +425,7 @@ def bench(args) -> int:
     from hybrid.hardware import sm_clocks
     from hybrid.kernels import qpn
 
-    env["clocks"] = sm_clocks(torch.cuda.current_device())   # right after the timings: the clock they ran at
+    env["clocks"] = sm_clocks(torch.cuda.current_device())   # right after the timings (not always their clock)
 
     def kernel(r):
         if r["shape"] == "moe_8_experts":
