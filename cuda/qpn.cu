@@ -210,6 +210,36 @@ __device__ __forceinline__ u64 lds64(u32 a) {
 }
 #endif
 
+// sm_90+: bulk async copies (cp.async.bulk: the copy engine's plain, non-tensor form) into shared memory, each
+// completing on an mbarrier by its bytes (the transaction count). One lane issues a whole stage; the others wait.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define QPN_BULK 1
+__device__ __forceinline__ void mbar_init(u32 bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {  // the inits visible to the copy engine (the async proxy)
+  asm volatile("fence.mbarrier_init.release.cluster;\n fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {  // this thread's arrival + the bytes to come
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {  // until the phase of this parity completes
+  asm volatile("{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+               " @!p bra WAIT;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {  // weight words / scales
+#if QPN_L2_EVICT_FIRST
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(weight_policy()) : "memory");
+#else
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+#endif
+}
+#else
+#define QPN_BULK 0
+#endif
+
 // ---------------------------------------------------------------- programmatic dependent launch
 // sm_90+: pdl_trigger() lets the next kernel in the stream, if launched with a programmatic dependency
 // (qpn.py: the M <= 8 linear and MoE kernels; fused.py: fused.cu's, which takes these two), be scheduled
@@ -501,6 +531,67 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], cons
   cp_wait<0>();
 #else
   __trap();  // never launched below sm_80 (the launchers pick these kernels on sm_80+ only)
+#endif
+}
+
+// sm_90+ alternative: the same ring per warp, filled by bulk copies: one lane issues a chunk's NT x 512 bytes of
+// words and NT x 64 of scales (contiguous in the packed layout) against the slot's mbarrier; every lane waits on
+// the barrier's phase and reads its 16 bytes of words and its rows' scale word back. No per-lane copies, no
+// commit groups. Slot layout: NT x 512 bytes of words, then NT x 64 of scales. As in warp_gemm_async, the slot of
+// chunk c + s - 1 takes chunk c + s + ST - 1 once c + s - 1's MMAs (warp-collective: every lane's reads of that
+// slot are in them) are done.
+#define BULK_SLOT(NT) ((NT) * 576)
+template <int FMT, int MT, int NT, int ST>
+__device__ __forceinline__ void warp_gemm_bulk(float (&acc)[NT][MT][ACCN], const u32x4* const (&wt)[NT],
+                                               const u64* const (&st)[NT], int c0, int c1,
+                                               const u16* const (&xr)[MT], int lane, unsigned char* ring,
+                                               unsigned long long* bars) {
+#if QPN_BULK
+  const int CK = FMT == 2 ? 64 : 32;
+  constexpr u32 TX = NT * (FMT == 2 ? 576 : 512);  // bytes per chunk
+  const u32 rbase = smem_addr(ring), bbase = smem_addr(bars);
+  if (lane == 0) {
+#pragma unroll
+    for (int s = 0; s < ST; ++s) mbar_init(bbase + 8 * s);
+    mbar_init_fence();
+  }
+  __syncwarp();
+  auto issue = [&](int c, int slot) {  // lane 0: chunk c into slot
+    const u32 bar = bbase + 8 * slot, dst = rbase + slot * BULK_SLOT(NT);
+    mbar_expect(bar, TX);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      bulk_copy(dst + nt * 512, wt[nt] + (size_t)c * 32, 512, bar);
+      if (FMT == 2) bulk_copy(dst + NT * 512 + nt * 64, st[nt] + (size_t)c * 8, 64, bar);
+    }
+  };
+  if (lane == 0) {
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s)
+      if (c0 + s < c1) issue(c0 + s, s);
+  }
+  u32 parity = 0;
+  for (int c = c0; c < c1; c += ST) {
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      if (c + s < c1) {
+        mbar_wait(bbase + 8 * s, parity);
+        const u32 slot = rbase + s * BULK_SLOT(NT);
+        u32x4 wv[NT];
+        u64 sv[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          wv[nt] = lds128(slot + nt * 512 + lane * 16);
+          sv[nt] = FMT == 2 ? lds64(slot + NT * 512 + nt * 64 + (lane >> 2) * 8) : 0ull;
+        }
+        if (lane == 0 && c + s + ST - 1 < c1) issue(c + s + ST - 1, (s + ST - 1) % ST);
+        chunk<FMT, MT, NT>(acc, wv, sv, xr, (c + s) * CK);
+      }
+    }
+    parity ^= 1u;
+  }
+#else
+  __trap();  // never launched below sm_90 (the launchers pick these kernels on sm_90 only)
 #endif
 }
 
@@ -814,11 +905,14 @@ LINEAR_MP(8)
 
 // shared memory of one block: the partials (red) and, for ST > 0, the rings, which red aliases
 // (a barrier separates the last ring read from the first partial written)
+// (ST < 0: a -ST-slot bulk-copy ring, warp_gemm_bulk, and its mbarriers after the rings)
 template <int MT, int NT, int ST>
 struct Smem {
   static constexpr int RED = WARPS * NT * 8 * MT * 16 * 4;
-  static constexpr int RING = ST * NT * 32 * 24;  // per warp
-  static constexpr int BYTES = RING * WARPS > RED ? RING * WARPS : RED;
+  static constexpr int RING = ST > 0 ? ST * NT * 32 * 24 : -ST * BULK_SLOT(NT);  // per warp
+  static constexpr int RINGS = RING * WARPS > RED ? RING * WARPS : RED;
+  static constexpr int BARS = ST < 0 ? -ST * 8 : 0;   // per warp
+  static constexpr int BYTES = RINGS + BARS * WARPS;
 };
 
 // ---------------------------------------------------------------- partial sums through shared memory
@@ -907,11 +1001,16 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
     if constexpr (ST > 0)
       warp_gemm_async<FMT, MT, NT, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
                                        smem + warp * Smem<MT, NT, ST>::RING);
+    else if constexpr (ST < 0)
+      warp_gemm_bulk<FMT, MT, NT, -ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
+                                       smem + warp * Smem<MT, NT, ST>::RING,
+                                       reinterpret_cast<unsigned long long*>(smem + Smem<MT, NT, ST>::RINGS +
+                                                                             warp * Smem<MT, NT, ST>::BARS));
     else
       warp_gemm<FMT, MT, NT, U>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
   }
   pdl_trigger();  // late: see pdl_trigger
-  if constexpr (ST > 0) __syncthreads();  // red aliases the rings
+  if constexpr (ST != 0) __syncthreads();  // red aliases the rings
   store_partials<MT, NT>(red, warp, lane, acc);
   __syncthreads();
   for (int o = threadIdx.x; o < TG * NT * 8 * MT * 16; o += THREADS) {
@@ -954,6 +1053,20 @@ LINEAR2(qpn2_linear_mt1_t2, 2, 2)
 LINEAR2(qpn8_linear_mt1_t2, 8, 2)
 LINEAR2(qpn2_linear_mt1_t2u1, 2, 1)
 LINEAR2(qpn8_linear_mt1_t2u1, 8, 1)
+// sm_90+ only: two tiles per warp through a bulk-copy ring of ST slots (warp_gemm_bulk)
+#define LINEAR_TB(NAME, FMT, ST, MINB)                                                            \
+  extern "C" __global__ void __launch_bounds__(THREADS, MINB)                                       \
+  NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,                            \
+                                  const u16* __restrict__ x, u16* __restrict__ y, int M, int N,     \
+                                  int K, int KS, int P) {                                           \
+    linear_body<FMT, 1, 1, -(ST), 2>(w, s, gs, x, y, M, N, K, KS, P);                              \
+  }
+LINEAR_TB(qpn2_linear_mt1_tb, 2, 5, 3)
+LINEAR_TB(qpn8_linear_mt1_tb, 8, 5, 3)
+LINEAR_TB(qpn2_linear_mt1_tb4, 2, 4, 4)
+LINEAR_TB(qpn8_linear_mt1_tb4, 8, 4, 4)
+LINEAR_TB(qpn2_linear_mt1_tb3, 2, 3, 4)
+LINEAR_TB(qpn8_linear_mt1_tb3, 8, 3, 4)
 
 // ---------------------------------------------------------------- prefill: shared-memory tiled GEMM
 // y[M, N] = x[M, K] . W^T for M > 16. Block tile BM activation rows x BN weight rows. Global loads
@@ -1641,7 +1754,7 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
       else
         warp_gemm<FMT, MT, 2>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
     }
-    if constexpr (ST > 0) __syncthreads();  // red aliases the rings
+    if constexpr (ST != 0) __syncthreads();  // red aliases the rings
     store_partials<MT, 2>(red, warp, lane, acc);
     __syncthreads();
     for (int o = threadIdx.x; o < TG * 8 * MT * 16; o += THREADS) {
@@ -1700,7 +1813,7 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
         warp_gemm<FMT, MT, 1>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
     }
     pdl_trigger();  // late (see pdl_trigger); again on later passes: a no-op
-    if constexpr (ST > 0) __syncthreads();  // red aliases the rings
+    if constexpr (ST != 0) __syncthreads();  // red aliases the rings
     store_partials<MT, 1>(red, warp, lane, acc);
     __syncthreads();
     for (int o = threadIdx.x; o < TG * 8 * MT * 16; o += THREADS) {

@@ -27,7 +27,8 @@ MAX_SLOTS = 1024
 # per 8 groups in fp32; otherwise the register pipeline, measured at least as fast as the rings on
 # the H200 for M = 2..8); "", "_u4" (deeper register pipeline), "_as", "_as4" (6- and 4-stage
 # cp.async rings, sm_80+), "_m1", "_m1x2" (the M = 1 NVFP4 kernels, one or two tiles per warp; see
-# linear_kernel), "_t2", "_t2u1" (register pipeline, two tiles per warp, 2 or 1 chunks per stage):
+# linear_kernel), "_t2", "_t2u1" (register pipeline, two tiles per warp, 2 or 1 chunks per stage), "_tb",
+# "_tb4", "_tb3" (two tiles per warp, a ring of 5, 4 or 3 chunks filled by bulk async copies, sm_90+):
 # benchmark, tests.
 LINEAR_VARIANT: list[str | None] = [None]
 MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
@@ -78,6 +79,8 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
         if m1:
             return M1_KERNELS[choice]
         choice = None
+    if choice in TB_KERNELS and sm < 90:         # the bulk-copy rings: sm_90+ only, else the default
+        choice = None
     if choice in ("_mp", "_mpx2"):               # forced where the column-trick kernels apply, else the default
         if mp:
             pair = choice == "_mpx2" or -(-n // 16) >= PAIR_MIN_TILES
@@ -95,7 +98,8 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
 
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
 M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2"}  # LINEAR_VARIANT choices
-PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2")  # two tiles per warp
+PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2", "_mt1_tb", "_mt1_tb3", "_mt1_tb4")  # two tiles per warp
+TB_KERNELS = ("_tb", "_tb4", "_tb3")  # LINEAR_VARIANT choices: two tiles per warp, a bulk-copy ring of 5 / 4 / 3 slots (sm_90+)
 # NVFP4 at 2 <= M <= MP_DEFAULT_MAX on sm_80+: the column-trick kernels qpn2_linear_mp{2,4,8}_as{,2} (M = 1's
 # scales in fp32 once per set of 8 / MP groups); above it the 8-column kernels; "_mp" forces them (M <= 8),
 # "_mpx2" their two-tiles-per-warp form
@@ -497,6 +501,8 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n)
+    if "_mt1_tb" in name and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows
+        name = f"qpn{fmt}_linear_mt1_t2u1"
     units = -(-tiles // 2) if name.endswith(PAIR_KERNELS) else tiles   # warp work units (tile pairs)
     sms = _sms(w.device)
     ks = (_linear_ks(units, chunks, sms, mod.occupancy(name, THREADS)) if passes == 1
