@@ -534,21 +534,20 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], cons
 #endif
 }
 
-// sm_90+ alternative: the same ring per warp, filled by bulk copies: one lane issues a chunk's NT x 512 bytes of
-// words and NT x 64 of scales (contiguous in the packed layout) against the slot's mbarrier; every lane waits on
-// the barrier's phase and reads its 16 bytes of words and its rows' scale word back. No per-lane copies, no
-// commit groups. Slot layout: NT x 512 bytes of words, then NT x 64 of scales. As in warp_gemm_async, the slot of
-// chunk c + s - 1 takes chunk c + s + ST - 1 once c + s - 1's MMAs (warp-collective: every lane's reads of that
-// slot are in them) are done.
-#define BULK_SLOT(NT) ((NT) * 576)
-template <int FMT, int MT, int NT, int ST>
+// sm_90+ alternative: the same ring per warp, filled by bulk copies: one lane issues a slot's U chunks of each of
+// the NT tiles -- per tile U x 512 bytes of words and U x 64 of scales, contiguous in the packed layout -- against
+// the slot's mbarrier; every lane waits on the barrier's phase and reads its 16 bytes of words and its rows' scale
+// word of each chunk back. No per-lane copies, no commit groups. Slot layout: NT x U x 512 bytes of words, then
+// NT x U x 64 of scales. As in warp_gemm_async, the slot before takes the chunks ST - 1 slots ahead once its MMAs
+// (warp-collective: every lane's reads of that slot are in them) are done.
+#define BULK_SLOT(NT, U) ((NT) * (U) * 576)
+template <int FMT, int MT, int NT, int ST, int U>
 __device__ __forceinline__ void warp_gemm_bulk(float (&acc)[NT][MT][ACCN], const u32x4* const (&wt)[NT],
                                                const u64* const (&st)[NT], int c0, int c1,
                                                const u16* const (&xr)[MT], int lane, unsigned char* ring,
                                                unsigned long long* bars) {
 #if QPN_BULK
   const int CK = FMT == 2 ? 64 : 32;
-  constexpr u32 TX = NT * (FMT == 2 ? 576 : 512);  // bytes per chunk
   const u32 rbase = smem_addr(ring), bbase = smem_addr(bars);
   if (lane == 0) {
 #pragma unroll
@@ -556,36 +555,43 @@ __device__ __forceinline__ void warp_gemm_bulk(float (&acc)[NT][MT][ACCN], const
     mbar_init_fence();
   }
   __syncwarp();
-  auto issue = [&](int c, int slot) {  // lane 0: chunk c into slot
-    const u32 bar = bbase + 8 * slot, dst = rbase + slot * BULK_SLOT(NT);
-    mbar_expect(bar, TX);
+  auto issue = [&](int c, int slot) {  // lane 0: chunks c .. c + U - 1 (those below c1) into slot
+    const int n = c1 - c < U ? c1 - c : U;
+    const u32 bar = bbase + 8 * slot, dst = rbase + slot * BULK_SLOT(NT, U);
+    mbar_expect(bar, NT * n * (FMT == 2 ? 576 : 512));
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      bulk_copy(dst + nt * 512, wt[nt] + (size_t)c * 32, 512, bar);
-      if (FMT == 2) bulk_copy(dst + NT * 512 + nt * 64, st[nt] + (size_t)c * 8, 64, bar);
+      bulk_copy(dst + nt * U * 512, wt[nt] + (size_t)c * 32, n * 512, bar);
+      if (FMT == 2) bulk_copy(dst + NT * U * 512 + nt * U * 64, st[nt] + (size_t)c * 8, n * 64, bar);
     }
   };
   if (lane == 0) {
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s)
-      if (c0 + s < c1) issue(c0 + s, s);
+      if (c0 + s * U < c1) issue(c0 + s * U, s);
   }
   u32 parity = 0;
-  for (int c = c0; c < c1; c += ST) {
+  for (int c = c0; c < c1; c += ST * U) {
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
-      if (c + s < c1) {
+      const int cs = c + s * U;
+      if (cs < c1) {
         mbar_wait(bbase + 8 * s, parity);
-        const u32 slot = rbase + s * BULK_SLOT(NT);
-        u32x4 wv[NT];
-        u64 sv[NT];
+        if (lane == 0 && cs + (ST - 1) * U < c1) issue(cs + (ST - 1) * U, (s + ST - 1) % ST);
+        const u32 slot = rbase + s * BULK_SLOT(NT, U);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          wv[nt] = lds128(slot + nt * 512 + lane * 16);
-          sv[nt] = FMT == 2 ? lds64(slot + NT * 512 + nt * 64 + (lane >> 2) * 8) : 0ull;
+        for (int u = 0; u < U; ++u) {
+          if (cs + u < c1) {
+            u32x4 wv[NT];
+            u64 sv[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              wv[nt] = lds128(slot + (nt * U + u) * 512 + lane * 16);
+              sv[nt] = FMT == 2 ? lds64(slot + NT * U * 512 + (nt * U + u) * 64 + (lane >> 2) * 8) : 0ull;
+            }
+            chunk<FMT, MT, NT>(acc, wv, sv, xr, (cs + u) * CK);
+          }
         }
-        if (lane == 0 && c + s + ST - 1 < c1) issue(c + s + ST - 1, (s + ST - 1) % ST);
-        chunk<FMT, MT, NT>(acc, wv, sv, xr, (c + s) * CK);
       }
     }
     parity ^= 1u;
@@ -905,11 +911,11 @@ LINEAR_MP(8)
 
 // shared memory of one block: the partials (red) and, for ST > 0, the rings, which red aliases
 // (a barrier separates the last ring read from the first partial written)
-// (ST < 0: a -ST-slot bulk-copy ring, warp_gemm_bulk, and its mbarriers after the rings)
-template <int MT, int NT, int ST>
+// (ST < 0: a -ST-slot bulk-copy ring of U chunks per slot, warp_gemm_bulk, and its mbarriers after the rings)
+template <int MT, int NT, int ST, int U = 1>
 struct Smem {
   static constexpr int RED = WARPS * NT * 8 * MT * 16 * 4;
-  static constexpr int RING = ST > 0 ? ST * NT * 32 * 24 : -ST * BULK_SLOT(NT);  // per warp
+  static constexpr int RING = ST > 0 ? ST * NT * 32 * 24 : -ST * BULK_SLOT(NT, U);  // per warp
   static constexpr int RINGS = RING * WARPS > RED ? RING * WARPS : RED;
   static constexpr int BARS = ST < 0 ? -ST * 8 : 0;   // per warp
   static constexpr int BYTES = RINGS + BARS * WARPS;
@@ -978,7 +984,8 @@ template <int FMT, int MT, int U, int ST, int NT = 1>
 __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                             float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                             int M, int N, int K, int KS, int P) {
-  __shared__ __align__(16) unsigned char smem[Smem<MT, NT, ST>::BYTES];
+  using SM = Smem<MT, NT, ST, (ST < 0 ? U : 1)>;
+  __shared__ __align__(16) unsigned char smem[SM::BYTES];
   float (*red)[NT][8 * MT][16] = reinterpret_cast<float (*)[NT][8 * MT][16]>(smem);
   pdl_wait();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -999,13 +1006,10 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
       xr[mt] = x + (size_t)(m < M ? m : M - 1) * K + lane_k(lane);
     }
     if constexpr (ST > 0)
-      warp_gemm_async<FMT, MT, NT, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
-                                       smem + warp * Smem<MT, NT, ST>::RING);
+      warp_gemm_async<FMT, MT, NT, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane, smem + warp * SM::RING);
     else if constexpr (ST < 0)
-      warp_gemm_bulk<FMT, MT, NT, -ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
-                                       smem + warp * Smem<MT, NT, ST>::RING,
-                                       reinterpret_cast<unsigned long long*>(smem + Smem<MT, NT, ST>::RINGS +
-                                                                             warp * Smem<MT, NT, ST>::BARS));
+      warp_gemm_bulk<FMT, MT, NT, -ST, U>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane, smem + warp * SM::RING,
+                                          reinterpret_cast<unsigned long long*>(smem + SM::RINGS + warp * SM::BARS));
     else
       warp_gemm<FMT, MT, NT, U>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
   }
@@ -1053,20 +1057,23 @@ LINEAR2(qpn2_linear_mt1_t2, 2, 2)
 LINEAR2(qpn8_linear_mt1_t2, 8, 2)
 LINEAR2(qpn2_linear_mt1_t2u1, 2, 1)
 LINEAR2(qpn8_linear_mt1_t2u1, 8, 1)
-// sm_90+ only: two tiles per warp through a bulk-copy ring of ST slots (warp_gemm_bulk)
-#define LINEAR_TB(NAME, FMT, ST, MINB)                                                            \
+// sm_90+ only: NT tiles per warp through a bulk-copy ring of ST slots of U chunks (warp_gemm_bulk)
+#define LINEAR_TB(NAME, FMT, ST, U, NT, MINB)                                                     \
   extern "C" __global__ void __launch_bounds__(THREADS, MINB)                                       \
   NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,                            \
-                                  const u16* __restrict__ x, u16* __restrict__ y, int M, int N,     \
-                                  int K, int KS, int P) {                                           \
-    linear_body<FMT, 1, 1, -(ST), 2>(w, s, gs, x, y, M, N, K, KS, P);                              \
+       const u16* __restrict__ x, u16* __restrict__ y, int M, int N, int K, int KS, int P) {        \
+    linear_body<FMT, 1, U, -(ST), NT>(w, s, gs, x, y, M, N, K, KS, P);                             \
   }
-LINEAR_TB(qpn2_linear_mt1_tb, 2, 5, 3)
-LINEAR_TB(qpn8_linear_mt1_tb, 8, 5, 3)
-LINEAR_TB(qpn2_linear_mt1_tb4, 2, 4, 4)
-LINEAR_TB(qpn8_linear_mt1_tb4, 8, 4, 4)
-LINEAR_TB(qpn2_linear_mt1_tb3, 2, 3, 4)
-LINEAR_TB(qpn8_linear_mt1_tb3, 8, 3, 4)
+LINEAR_TB(qpn2_linear_mt1_tb, 2, 5, 1, 2, 3)
+LINEAR_TB(qpn8_linear_mt1_tb, 8, 5, 1, 2, 3)
+LINEAR_TB(qpn2_linear_mt1_tb3, 2, 3, 1, 2, 4)
+LINEAR_TB(qpn8_linear_mt1_tb3, 8, 3, 1, 2, 4)
+LINEAR_TB(qpn2_linear_mt1_tbu2, 2, 2, 2, 2, 4)
+LINEAR_TB(qpn8_linear_mt1_tbu2, 8, 2, 2, 2, 4)
+LINEAR_TB(qpn2_linear_mt1_tb1u4, 2, 2, 4, 1, 4)
+LINEAR_TB(qpn8_linear_mt1_tb1u4, 8, 2, 4, 1, 4)
+LINEAR_TB(qpn2_linear_mt1_tb1u2, 2, 4, 2, 1, 4)
+LINEAR_TB(qpn8_linear_mt1_tb1u2, 8, 4, 2, 1, 4)
 
 // ---------------------------------------------------------------- prefill: shared-memory tiled GEMM
 // y[M, N] = x[M, K] . W^T for M > 16. Block tile BM activation rows x BN weight rows. Global loads

@@ -98,8 +98,8 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
 
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
 M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2"}  # LINEAR_VARIANT choices
-PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2", "_mt1_tb", "_mt1_tb3", "_mt1_tb4")  # two tiles per warp
-TB_KERNELS = ("_tb", "_tb4", "_tb3")  # LINEAR_VARIANT choices: two tiles per warp, a bulk-copy ring of 5 / 4 / 3 slots (sm_90+)
+PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2", "_mt1_tb", "_mt1_tb3", "_mt1_tbu2")  # two tiles per warp
+TB_KERNELS = ("_tb", "_tb3", "_tbu2", "_tb1u4", "_tb1u2")  # LINEAR_VARIANT choices: bulk-copy rings (sm_90+; qpn.cu)
 # NVFP4 at 2 <= M <= MP_DEFAULT_MAX on sm_80+: the column-trick kernels qpn2_linear_mp{2,4,8}_as{,2} (M = 1's
 # scales in fp32 once per set of 8 / MP groups); above it the 8-column kernels; "_mp" forces them (M <= 8),
 # "_mpx2" their two-tiles-per-warp form
