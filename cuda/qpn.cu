@@ -985,7 +985,10 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
                                             float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                             int M, int N, int K, int KS, int P) {
   using SM = Smem<MT, NT, ST, (ST < 0 ? U : 1)>;
-  __shared__ __align__(16) unsigned char smem[SM::BYTES];
+  // the bulk-copy rings (ST < 0) are in dynamic shared memory, SM::BYTES of it (qpn.py's tb_smem: up to ~75 KB)
+  __shared__ __align__(16) unsigned char smem_static[ST < 0 ? 16 : SM::BYTES];
+  extern __shared__ __align__(16) unsigned char smem_dynamic[];
+  unsigned char* const smem = ST < 0 ? smem_dynamic : smem_static;
   float (*red)[NT][8 * MT][16] = reinterpret_cast<float (*)[NT][8 * MT][16]>(smem);
   pdl_wait();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1064,16 +1067,17 @@ LINEAR2(qpn8_linear_mt1_t2u1, 8, 1)
        const u16* __restrict__ x, u16* __restrict__ y, int M, int N, int K, int KS, int P) {        \
     linear_body<FMT, 1, U, -(ST), NT>(w, s, gs, x, y, M, N, K, KS, P);                             \
   }
-LINEAR_TB(qpn2_linear_mt1_tb, 2, 5, 1, 2, 3)
-LINEAR_TB(qpn8_linear_mt1_tb, 8, 5, 1, 2, 3)
-LINEAR_TB(qpn2_linear_mt1_tb3, 2, 3, 1, 2, 4)
-LINEAR_TB(qpn8_linear_mt1_tb3, 8, 3, 1, 2, 4)
+// (ST, U, NT) of each: qpn.py's TB_KERNELS
 LINEAR_TB(qpn2_linear_mt1_tbu2, 2, 2, 2, 2, 4)
 LINEAR_TB(qpn8_linear_mt1_tbu2, 8, 2, 2, 2, 4)
+LINEAR_TB(qpn2_linear_mt1_tbu4, 2, 2, 4, 2, 3)
+LINEAR_TB(qpn8_linear_mt1_tbu4, 8, 2, 4, 2, 3)
 LINEAR_TB(qpn2_linear_mt1_tb1u4, 2, 2, 4, 1, 4)
 LINEAR_TB(qpn8_linear_mt1_tb1u4, 8, 2, 4, 1, 4)
-LINEAR_TB(qpn2_linear_mt1_tb1u2, 2, 4, 2, 1, 4)
-LINEAR_TB(qpn8_linear_mt1_tb1u2, 8, 4, 2, 1, 4)
+LINEAR_TB(qpn2_linear_mt1_tb1u4s3, 2, 3, 4, 1, 4)
+LINEAR_TB(qpn8_linear_mt1_tb1u4s3, 8, 3, 4, 1, 4)
+LINEAR_TB(qpn2_linear_mt1_tb1u8, 2, 2, 8, 1, 3)
+LINEAR_TB(qpn8_linear_mt1_tb1u8, 8, 2, 8, 1, 3)
 
 // ---------------------------------------------------------------- prefill: shared-memory tiled GEMM
 // y[M, N] = x[M, K] . W^T for M > 16. Block tile BM activation rows x BN weight rows. Global loads

@@ -145,15 +145,15 @@ class Module:
         """The preferred shared-memory carveout this module's kernels launch with (carveout())."""
         return carveout(self._carve_default)
 
-    def occupancy(self, name: str, block: int) -> int:
-        """Resident blocks per SM of kernel name at block threads (static shared memory only)."""
-        key = (name, block, self.carveout())
+    def occupancy(self, name: str, block: int, smem: int = 0) -> int:
+        """Resident blocks per SM of kernel name at block threads and smem bytes of dynamic shared memory."""
+        key = (name, block, smem, self.carveout())
         n = self._occupancy.get(key)
         if n is None:
             c = ctypes.c_int()
             with torch.cuda.device(self.device):
                 check(_cuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                    ctypes.byref(c), self.function(name), block, ctypes.c_size_t(0)),
+                    ctypes.byref(c), self._with_smem(name, smem), block, ctypes.c_size_t(smem)),
                     f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})")
             n = self._occupancy[key] = max(1, c.value)
         return n

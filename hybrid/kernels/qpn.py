@@ -98,8 +98,17 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
 
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
 M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2"}  # LINEAR_VARIANT choices
-PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2", "_mt1_tb", "_mt1_tb3", "_mt1_tbu2")  # two tiles per warp
-TB_KERNELS = ("_tb", "_tb3", "_tbu2", "_tb1u4", "_tb1u2")  # LINEAR_VARIANT choices: bulk-copy rings (sm_90+; qpn.cu)
+PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2", "_mt1_tbu2", "_mt1_tbu4")  # two tiles per warp
+# LINEAR_VARIANT choices: the M <= 8 kernels fed by bulk-copy rings (sm_90+), suffix -> (ST slots, U chunks per
+# slot, NT tiles per warp) as qpn.cu's LINEAR_TB lines build them
+TB_KERNELS = {"_tbu2": (2, 2, 2), "_tbu4": (2, 4, 2), "_tb1u4": (2, 4, 1), "_tb1u4s3": (3, 4, 1), "_tb1u8": (2, 8, 1)}
+
+
+def tb_smem(suffix: str) -> int:
+    """Dynamic shared memory of a bulk-ring kernel (qpn.cu's Smem for ST < 0): the WARPS rings of ST slots of
+    NT x U x 576 bytes (or the block's partial sums, if larger) and ST 8-byte mbarriers per warp."""
+    st, u, nt = TB_KERNELS[suffix]
+    return max(WARPS * st * nt * u * 576, WARPS * nt * 8 * 16 * 4) + WARPS * st * 8
 # NVFP4 at 2 <= M <= MP_DEFAULT_MAX on sm_80+: the column-trick kernels qpn2_linear_mp{2,4,8}_as{,2} (M = 1's
 # scales in fp32 once per set of 8 / MP groups); above it the 8-column kernels; "_mp" forces them (M <= 8),
 # "_mpx2" their two-tiles-per-warp form
@@ -501,16 +510,18 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n)
-    if "_mt1_tb" in name and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows
-        name = f"qpn{fmt}_linear_mt1_t2u1"
+    tb = name[len(f"qpn{fmt}_linear_mt1"):] if "_mt1_tb" in name else None
+    if tb and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows
+        name, tb = f"qpn{fmt}_linear_mt1_t2u1", None
+    smem = tb_smem(tb) if tb else 0
     units = -(-tiles // 2) if name.endswith(PAIR_KERNELS) else tiles   # warp work units (tile pairs)
     sms = _sms(w.device)
-    ks = (_linear_ks(units, chunks, sms, mod.occupancy(name, THREADS)) if passes == 1
+    ks = (_linear_ks(units, chunks, sms, mod.occupancy(name, THREADS, smem)) if passes == 1
           else _pick_ks(units * passes, chunks, sms))
     grid = (-(-units // (WARPS // ks)) * passes, 1, 1)
     args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
-    mod.launch(name, grid, THREADS, args, pdl=pdl(mod.sm))
+    mod.launch(name, grid, THREADS, args, smem=smem, pdl=pdl(mod.sm))
     return y
 
 
