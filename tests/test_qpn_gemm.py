@@ -326,9 +326,10 @@ def test_prefill_variant_from_environment():
     assert out.stdout.strip() == "mt"
 
 
-def test_m1_kernel_choice():
+def test_m1_kernel_choice(monkeypatch):
     from hybrid.kernels.qpn import PAIR_MIN_TILES, linear_kernel
 
+    monkeypatch.setenv("HYBRID_QPN_TB", "0")   # the register-pipeline picks (the bulk rings: test_tb_kernel_choice)
     big, small = 16 * PAIR_MIN_TILES, 16 * PAIR_MIN_TILES - 16
     assert linear_kernel(2, 1, 1, 90, n=big) == "qpn2_linear_m1_as2"     # two tiles per warp
     assert linear_kernel(2, 1, 1, 90, n=small) == "qpn2_linear_m1_as"
@@ -350,6 +351,36 @@ def test_m1_kernel_choice():
     assert linear_kernel(2, 1, 1, 90, "_m1x2", n=16) == "qpn2_linear_m1_as2"
     assert linear_kernel(2, 1, 1, 70, "_m1x2", n=big) == "qpn2_linear_mt1"
     assert linear_kernel(2, 1, 8, 90, "_m1x2", n=small) == "qpn2_linear_mt1"
+
+
+def test_tb_kernel_choice(monkeypatch):
+    """sm_90+: the bulk-copy ring kernels where the H200 measured them faster (FP8 at any M, NVFP4 at M = 3..8 below
+    PAIR_MIN_TILES tiles; FP8 above it), never below sm_90, never with HYBRID_QPN_TB=0; a bad value is one line."""
+    from hybrid.errors import HybridError
+    from hybrid.kernels.qpn import PAIR_MIN_TILES, linear_kernel, tb_smem
+
+    big, small = 16 * PAIR_MIN_TILES, 16 * PAIR_MIN_TILES - 16
+    monkeypatch.delenv("HYBRID_QPN_TB", raising=False)
+    assert linear_kernel(2, 1, 3, 90, n=small) == "qpn2_linear_mt1_tb1u4"
+    assert linear_kernel(2, 1, 8, 90, n=small) == "qpn2_linear_mt1_tb1u4"
+    assert linear_kernel(2, 1, 8, 90, n=big) == "qpn2_linear_mt1_t2u1"    # lm_head-sized NVFP4: the register pipeline
+    assert linear_kernel(2, 1, 1, 90, n=small) == "qpn2_linear_m1_as"      # M = 1, 2 NVFP4: the column trick stays
+    assert linear_kernel(2, 1, 2, 90, n=small) == "qpn2_linear_mp2_as"
+    assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1_tb1u4"
+    assert linear_kernel(8, 1, 8, 90, n=big) == "qpn8_linear_mt1_tbu2"
+    assert linear_kernel(8, 1, 1, 80, n=small) == "qpn8_linear_mt1"        # sm_80: no bulk copies
+    assert linear_kernel(2, 1, 5, 70, n=small) == "qpn2_linear_mt1"
+    assert linear_kernel(8, 1, 4, 80, "_tb1u4", n=small) == "qpn8_linear_mt1"   # forced below sm_90: the default
+    assert linear_kernel(2, 2, 9, 90, n=big) == "qpn2_linear_mt2"
+    monkeypatch.setenv("HYBRID_QPN_TB", "0")
+    assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1"
+    assert linear_kernel(8, 1, 4, 90, "_tbu4", n=small) == "qpn8_linear_mt1_tbu4"   # forced: still the ring
+    monkeypatch.setenv("HYBRID_QPN_TB", "yes")
+    with pytest.raises(HybridError, match="HYBRID_QPN_TB='yes'"):
+        linear_kernel(8, 1, 1, 90, n=small)
+    # dynamic shared memory: 8 warps x 2 slots x NT x U x 576 bytes + 8-byte barriers
+    assert tb_smem("_tb1u4") == 8 * 2 * 4 * 576 + 8 * 2 * 8
+    assert tb_smem("_tbu4") == 8 * 2 * 2 * 4 * 576 + 8 * 2 * 8
 
 
 def test_pdl_launch_config_layout_and_switch(monkeypatch):

@@ -222,7 +222,8 @@ def bench_variants(fmts, reps, read_bw):
     """The other M <= 8 kernels beside the default, same run: '' (register pipeline, 2 chunks per
     stage), '_u4' (4 chunks per stage), '_as4' (4-stage cp.async ring; sm_80+), '_m1' / '_m1x2' (the
     M = 1 NVFP4 kernel with one or two tiles per warp; sm_80+), '_t2' / '_t2u1' (two tiles per warp,
-    register pipeline of 2 / 1 chunks per stage), the MoE kernels
+    register pipeline of 2 / 1 chunks per stage), '_tb1u4' / '_tbu2' (one / two tiles per warp through a
+    bulk-copy ring; sm_90+), the MoE kernels
     without the ring (''), at M = 64, 128, 512 the 8-row-tile kernels ([mt]) that the tiled
     GEMM replaced, each tile of the tiled GEMM forced ([BMxBN], NVFP4, M = 128, 512), and the
     picked tile with 1 and 4 K splits forced ([s1], [s4]; NVFP4 q_proj, o_proj, dense_down, M = 64,
@@ -232,9 +233,9 @@ def bench_variants(fmts, reps, read_bw):
 
     out = []
     sm = torch_sm()
-    for v in ("", "_u4", "_as", "_as4", "_m1", "_m1x2", "_t2", "_t2u1"):
+    for v in ("", "_u4", "_as", "_as4", "_m1", "_m1x2", "_t2", "_t2u1", "_tb1u4", "_tbu2"):
         m1 = v.startswith("_m1")   # the M = 1 NVFP4 kernels, one or two tiles per warp (sm_80+)
-        if (sm < 80) if m1 else qpn.variant(v, sm) != v:
+        if (sm < 80) if m1 else qpn.variant(v, sm) != v or (v in qpn.TB_KERNELS and sm < 90):
             continue  # not on this device
         try:
             qpn.LINEAR_VARIANT[0] = v

@@ -68,9 +68,11 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     lm_head NVFP4 M = 1 52.4 vs 55.3 us, M = 8 59.0 vs 67.3; dense_up M = 1 27.5 vs 30.0, M = 8 33.3 vs
     36.3; slower on 320 tiles; sm_80+ only, unmeasured on Volta): NVFP4 at M = 1 on sm_80+
     qpn2_linear_m1_as2 (else qpn2_linear_m1_as), NVFP4 at 2 <= M <= MP_DEFAULT_MAX on sm_80+
-    qpn2_linear_mp{2,4,8}_as2 (else _as), M <= 8 otherwise qpn{fmt}_linear_mt1_t2u1 (else
-    qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2" (M1_KERNELS) forces one of the M = 1 NVFP4 kernels,
-    "_mp" / "_mpx2" the column-trick ones, where they apply (benchmark, tests)."""
+    qpn2_linear_mp{2,4,8}_as2 (else _as), on sm_90+ FP8 and NVFP4 M = 3..8 below PAIR_MIN_TILES tiles
+    qpn{fmt}_linear_mt1_tb1u4 and FP8 from PAIR_MIN_TILES tiles qpn8_linear_mt1_tbu2 (bulk-copy rings; see
+    tb_enabled), M <= 8 otherwise qpn{fmt}_linear_mt1_t2u1 (else qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2"
+    (M1_KERNELS) forces one of the M = 1 NVFP4 kernels, "_mp" / "_mpx2" the column-trick ones, a TB_KERNELS
+    suffix a bulk-ring kernel (sm_90+), where they apply (benchmark, tests)."""
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
     m1 = sm >= 80 and fmt == 2 and m == 1
@@ -92,6 +94,8 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
             return "qpn2_linear_m1_as2" if pair else "qpn2_linear_m1_as"
         if mp and m <= MP_DEFAULT_MAX[0]:
             return f"qpn2_linear_mp{mp_rows(m)}_as{'2' if pair else ''}"
+        if sm >= 90 and tb_enabled() and (fmt == 8 or not pair):
+            return f"qpn{fmt}_linear_mt1{'_tbu2' if pair else '_tb1u4'}"
         return f"qpn{fmt}_linear_mt1_t2u1" if pair else f"qpn{fmt}_linear_mt1"
     return f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
 
@@ -102,6 +106,23 @@ PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8
 # LINEAR_VARIANT choices: the M <= 8 kernels fed by bulk-copy rings (sm_90+), suffix -> (ST slots, U chunks per
 # slot, NT tiles per warp) as qpn.cu's LINEAR_TB lines build them
 TB_KERNELS = {"_tbu2": (2, 2, 2), "_tbu4": (2, 4, 2), "_tb1u4": (2, 4, 1), "_tb1u4s3": (3, 4, 1), "_tb1u8": (2, 8, 1)}
+
+
+TB_ENV = "HYBRID_QPN_TB"
+
+
+def tb_enabled() -> bool:
+    """$HYBRID_QPN_TB (default 1): on sm_90+ the M <= 8 kernels that the bulk-copy rings beat on the H200 are
+    replaced by them -- FP8 at any M and NVFP4 at M = 3..8 below PAIR_MIN_TILES tiles by _tb1u4 (one tile per warp,
+    two slots of 4 chunks), FP8 from PAIR_MIN_TILES tiles by _tbu2 (two tiles, two slots of 2 chunks); 0 keeps the
+    register-pipeline kernels (read at each launch: A/B runs switch it). HybridError naming the variable on
+    anything but 0 or 1 (checked when a CUDA session opens)."""
+    v = os.environ.get(TB_ENV, "").strip() or "1"
+    if v not in ("0", "1"):
+        from hybrid.errors import HybridError
+
+        raise HybridError(f"{TB_ENV}={v!r}: expected 1 (the bulk-copy ring kernels where faster) or 0 (never)")
+    return v == "1"
 
 
 def tb_smem(suffix: str) -> int:
