@@ -596,11 +596,6 @@ __device__ __forceinline__ void warp_gemm_bulk(float (&acc)[NT][MT][ACCN], const
     }
     parity ^= 1u;
   }
-  __syncwarp();
-  if (lane == 0) {  // every phase waited for: the barriers may be initialized again (the MoE kernels' next pass)
-#pragma unroll
-    for (int s = 0; s < ST; ++s) asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bbase + 8 * s) : "memory");
-  }
 #else
   __trap();  // never launched below sm_90 (the launchers pick these kernels on sm_90 only)
 #endif
@@ -1728,7 +1723,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 // ---------------------------------------------------------------- MoE gate+up (fused SiLU * mul)
 // w13: per slot [2 * I/16 tiles (gate then up), H/CK, 32, 4] u32; s13 likewise; gs [S, 3].
 // x [T, H] fp16; h [A, I] fp16 indexed by position in perm. grid (ceil(I/16 / TG), S).
-template <int FMT, int MT, int ST, int U = 1>
+template <int FMT, int MT, int ST>
 __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const u64* __restrict__ s13,
                                             const float* __restrict__ gs, long long wstride,
                                             long long sstride, const u16* __restrict__ x,
@@ -1737,10 +1732,7 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
                                             const int* __restrict__ perm,
                                             const int* __restrict__ active, u16* __restrict__ h,
                                             int H, int I, int KS) {
-  using SM = Smem<MT, 2, ST, (ST < 0 ? U : 1)>;
-  __shared__ __align__(16) unsigned char smem_static[ST < 0 ? 16 : SM::BYTES];   // as linear_body
-  extern __shared__ __align__(16) unsigned char smem_dynamic[];
-  unsigned char* const smem = ST < 0 ? smem_dynamic : smem_static;
+  __shared__ __align__(16) unsigned char smem[Smem<MT, 2, ST>::BYTES];
   float (*red)[2][8 * MT][16] = reinterpret_cast<float (*)[2][8 * MT][16]>(smem);
   pdl_trigger();
   pdl_wait();  // the routing (active, offsets, perm) and the activations come from earlier kernels
@@ -1768,10 +1760,8 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
         xr[mt] = x + (size_t)token_idx[perm[beg + (i < cnt ? i : cnt - 1)]] * H + lane_k(lane);
       }
       if constexpr (ST > 0)
-        warp_gemm_async<FMT, MT, 2, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane, smem + warp * SM::RING);
-      else if constexpr (ST < 0)
-        warp_gemm_bulk<FMT, MT, 2, -ST, U>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane, smem + warp * SM::RING,
-                                           reinterpret_cast<unsigned long long*>(smem + SM::RINGS + warp * SM::BARS));
+        warp_gemm_async<FMT, MT, 2, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
+                                        smem + warp * Smem<MT, 2, ST>::RING);
       else
         warp_gemm<FMT, MT, 2>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
     }
@@ -1793,7 +1783,7 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
 
 // ---------------------------------------------------------------- MoE down + weighted sum
 // w2: per slot [H/16, I/CK, 32, 4] u32; h [A, I] fp16 (perm order); y [T, H] fp32 (+=).
-template <int FMT, int MT, int ST, int U = 1>
+template <int FMT, int MT, int ST>
 __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u64* __restrict__ s2,
                                           const float* __restrict__ gs, long long wstride,
                                           long long sstride, const u16* __restrict__ h,
@@ -1803,10 +1793,7 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
                                           const int* __restrict__ perm,
                                           const int* __restrict__ active, float* __restrict__ y,
                                           int H, int I, int KS) {
-  using SM = Smem<MT, 1, ST, (ST < 0 ? U : 1)>;
-  __shared__ __align__(16) unsigned char smem_static[ST < 0 ? 16 : SM::BYTES];   // as linear_body
-  extern __shared__ __align__(16) unsigned char smem_dynamic[];
-  unsigned char* const smem = ST < 0 ? smem_dynamic : smem_static;
+  __shared__ __align__(16) unsigned char smem[Smem<MT, 1, ST>::BYTES];
   float (*red)[1][8 * MT][16] = reinterpret_cast<float (*)[1][8 * MT][16]>(smem);
   pdl_wait();  // the routing (active, offsets, perm) and the activations come from earlier kernels
   const int slot = active[blockIdx.y];
@@ -1831,10 +1818,8 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
         xr[mt] = h + (size_t)(beg + (i < cnt ? i : cnt - 1)) * I + lane_k(lane);
       }
       if constexpr (ST > 0)
-        warp_gemm_async<FMT, MT, 1, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane, smem + warp * SM::RING);
-      else if constexpr (ST < 0)
-        warp_gemm_bulk<FMT, MT, 1, -ST, U>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane, smem + warp * SM::RING,
-                                           reinterpret_cast<unsigned long long*>(smem + SM::RINGS + warp * SM::BARS));
+        warp_gemm_async<FMT, MT, 1, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
+                                        smem + warp * Smem<MT, 1, ST>::RING);
       else
         warp_gemm<FMT, MT, 1>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
     }
@@ -1874,26 +1859,6 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
     down_body<FMT, (MT < MTMAX ? MT : MTMAX), ST2>(w2, s2, gs, wstride, sstride, h, token_idx,     \
                                                    route_w, offsets, perm, active, y, H, I, KS);   \
   }
-// sm_90+: gate+up through a bulk-copy ring of ST1 slots of U1 chunks, down ST2 / U2 (ST < 0); MINB blocks per SM
-#define MOE_TB(FMT, MT, SFX, ST1, U1, ST2, U2, MINB)                                                \
-  extern "C" __global__ void __launch_bounds__(THREADS, MINB) qpn##FMT##_moe_gateup_mt##MT##SFX(    \
-      const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
-      long long wstride, long long sstride, const u16* __restrict__ x,                             \
-      const int* __restrict__ token_idx, const int* __restrict__ offsets,                          \
-      const int* __restrict__ perm, const int* __restrict__ active, u16* __restrict__ h, int H,    \
-      int I, int KS) {                                                                             \
-    gateup_body<FMT, (MT < MTMAX ? MT : MTMAX), ST1, U1>(w13, s13, gs, wstride, sstride, x, token_idx, \
-                                                     offsets, perm, active, h, H, I, KS);          \
-  }                                                                                                \
-  extern "C" __global__ void __launch_bounds__(THREADS, MINB) qpn##FMT##_moe_down_mt##MT##SFX(      \
-      const u32x4* __restrict__ w2, const u64* __restrict__ s2, const float* __restrict__ gs,      \
-      long long wstride, long long sstride, const u16* __restrict__ h,                             \
-      const int* __restrict__ token_idx, const float* __restrict__ route_w,                        \
-      const int* __restrict__ offsets, const int* __restrict__ perm,                               \
-      const int* __restrict__ active, float* __restrict__ y, int H, int I, int KS) {               \
-    down_body<FMT, (MT < MTMAX ? MT : MTMAX), ST2, U2>(w2, s2, gs, wstride, sstride, h, token_idx,     \
-                                                   route_w, offsets, perm, active, y, H, I, KS);   \
-  }
 MOE(2, 1, , 0, 0)
 MOE(2, 4, , 0, 0)
 MOE(8, 1, , 0, 0)
@@ -1901,9 +1866,6 @@ MOE(8, 4, , 0, 0)
 // sm_80+ only: cp.async rings (gate+up: 3 stages of two tiles; down: 6 stages)
 MOE(2, 1, _as, 3, 6)
 MOE(8, 1, _as, 3, 6)
-// sm_90+ only: bulk-copy rings of 2 slots of 4 chunks (qpn.py's MOE_TB)
-MOE_TB(2, 1, _tb, -2, 4, -2, 4, 3)
-MOE_TB(8, 1, _tb, -2, 4, -2, 4, 3)
 
 // ---------------------------------------------------------------- MoE prefill: grouped tiled GEMM
 // The prefill GEMM's machinery (TileLoads, tile_store, mma_stage: weights decoded once per block

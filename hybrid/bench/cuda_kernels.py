@@ -223,8 +223,8 @@ def bench_variants(fmts, reps, read_bw):
     stage), '_u4' (4 chunks per stage), '_as4' (4-stage cp.async ring; sm_80+), '_m1' / '_m1x2' (the
     M = 1 NVFP4 kernel with one or two tiles per warp; sm_80+), '_t2' / '_t2u1' (two tiles per warp,
     register pipeline of 2 / 1 chunks per stage), '_tb1u4' / '_tbu2' (one / two tiles per warp through a
-    bulk-copy ring; sm_90+), the MoE kernels that are not the default (register pipeline '[reg]', cp.async rings
-    '[_as]'), at M = 64, 128, 512 the 8-row-tile kernels ([mt]) that the tiled
+    bulk-copy ring; sm_90+), the MoE kernels
+    without the ring (''), at M = 64, 128, 512 the 8-row-tile kernels ([mt]) that the tiled
     GEMM replaced, each tile of the tiled GEMM forced ([BMxBN], NVFP4, M = 128, 512), and the
     picked tile with 1 and 4 K splits forced ([s1], [s4]; NVFP4 q_proj, o_proj, dense_down, M = 64,
     128, 512)."""
@@ -273,13 +273,11 @@ def bench_variants(fmts, reps, read_bw):
     finally:
         qpn.PREFILL_VARIANT[0] = None
         qpn.PREFILL_SPLIT[0] = None
-    for mv in ("", "_as"):   # the MoE kernels that are not the default here: register pipeline, cp.async rings
-        if qpn.variant(None, sm) == mv or qpn.variant(mv, sm) != mv:
-            continue
+    if qpn.variant(None, sm) != "":
         try:
-            qpn.MOE_VARIANT[0] = mv
+            qpn.MOE_VARIANT[0] = ""
             for qtype in fmts:
-                out += [{**r, "shape": r["shape"] + f"[{mv or 'reg'}]"} for r in bench_moe(qtype, [1, 8], reps, read_bw)]
+                out += [{**r, "shape": r["shape"] + "[reg]"} for r in bench_moe(qtype, [1, 8], reps, read_bw)]
         finally:
             qpn.MOE_VARIANT[0] = None
     return out

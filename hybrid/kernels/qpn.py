@@ -31,7 +31,7 @@ MAX_SLOTS = 1024
 # "_tb4", "_tb3" (two tiles per warp, a ring of 5, 4 or 3 chunks filled by bulk async copies, sm_90+):
 # benchmark, tests.
 LINEAR_VARIANT: list[str | None] = [None]
-MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (the default: see variant), "", "_as" or "_tb"
+MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
 # M > PREFILL_MIN linear kernel: None = on sm_80+ the register-fragment GEMM (qpn{2,8}_gemmf_*,
 # tile by gemmf_tile) or the shared-memory tiled WMMA GEMM (qpn{2,8}_gemm_*, tile by gemm_tile),
 # whichever the H200 cost model (gemmf_cost vs gemm_us) says is faster, below sm_80 the WMMA GEMM;
@@ -56,10 +56,9 @@ MOE_GEMM_TILES = ((64, 128), (32, 128))  # (BM, BN) of the MoE prefill WMMA grou
 
 
 def variant(choice: str | None, sm: int) -> str:
-    """The MoE kernel-name suffix for a variant choice on an sm_<sm> device (cp.async rings "_as" need sm_80+,
-    bulk-copy rings "_tb" sm_90+; the default: "_tb" where tb_enabled(), else "_as", else "")."""
-    if choice is None or (choice == "_tb" and sm < 90):
-        return "_tb" if sm >= 90 and tb_enabled() else "_as" if sm >= 80 else ""
+    """The MoE kernel-name suffix for a variant choice on an sm_<sm> device (rings need sm_80+)."""
+    if choice is None:
+        return "_as" if sm >= 80 else ""
     return "" if choice.startswith("_as") and sm < 80 else choice
 
 
@@ -126,18 +125,10 @@ def tb_enabled() -> bool:
     return v == "1"
 
 
-# the MoE kernels' bulk-copy rings (suffix "_tb"): (ST, U, NT) of gate+up and of down, as qpn.cu's MOE_TB lines
-MOE_TB = {"gateup": (2, 4, 2), "down": (2, 4, 1)}
-
-
 def tb_smem(suffix: str) -> int:
-    """Dynamic shared memory of a bulk-ring linear kernel (TB_KERNELS)."""
-    return ring_smem(*TB_KERNELS[suffix])
-
-
-def ring_smem(st: int, u: int, nt: int) -> int:
-    """Dynamic shared memory of a bulk-ring kernel (qpn.cu's Smem for ST < 0, M <= 8): the WARPS rings of ST slots
-    of NT x U x 576 bytes (or the block's partial sums, if larger) and ST 8-byte mbarriers per warp."""
+    """Dynamic shared memory of a bulk-ring kernel (qpn.cu's Smem for ST < 0): the WARPS rings of ST slots of
+    NT x U x 576 bytes (or the block's partial sums, if larger) and ST 8-byte mbarriers per warp."""
+    st, u, nt = TB_KERNELS[suffix]
     return max(WARPS * st * nt * u * 576, WARPS * nt * 8 * 16 * 4) + WARPS * st * 8
 # NVFP4 at 2 <= M <= MP_DEFAULT_MAX on sm_80+: the column-trick kernels qpn2_linear_mp{2,4,8}_as{,2} (M = 1's
 # scales in fp32 once per set of 8 / MP groups); above it the 8-column kernels; "_mp" forces them (M <= 8),
@@ -870,13 +861,11 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
                     ctypes.c_longlong(ss2), _p(hbuf), _p(token_idx), _p(route_w), _p(offsets),
                     _p(perm), _p(slot_list), _p(y), ctypes.c_int(h), ctypes.c_int(i)])
         return y
-    tb = sfx == "_tb"
     ks = _pick_ks(i // 16 * active, h // ck, sms)
     mod.launch(f"qpn{fmt}_moe_gateup_mt{mt}{sfx}", (-(-(i // 16) // (WARPS // ks)), rows, 1), THREADS,
                [_p(slots.w13), _p(slots.s13), _p(slots.gs), ctypes.c_longlong(ws13),
                 ctypes.c_longlong(ss13), _p(x), _p(token_idx), _p(offsets), _p(perm), _p(slot_list), _p(hbuf),
-                ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)],
-               smem=ring_smem(*MOE_TB["gateup"]) if tb else 0, pdl=pdl(mod.sm))
+                ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)], pdl=pdl(mod.sm))
     ks = _pick_ks(h // 16 * active, i // ck, sms)
     while t > 1 and ks > 1 and (i // ck) / ks < MOE_DOWN_MIN_CHUNKS:   # several tokens: longer warp items
         ks //= 2
@@ -884,7 +873,7 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
                [_p(slots.w2), _p(slots.s2), _p(slots.gs), ctypes.c_longlong(ws2),
                 ctypes.c_longlong(ss2), _p(hbuf), _p(token_idx), _p(route_w), _p(offsets),
                 _p(perm), _p(slot_list), _p(y), ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)],
-               smem=ring_smem(*MOE_TB["down"]) if tb else 0, pdl=pdl(mod.sm))
+               pdl=pdl(mod.sm))
     return y
 
 
