@@ -1070,14 +1070,8 @@ LINEAR2(qpn8_linear_mt1_t2u1, 8, 1)
 // (ST, U, NT) of each: qpn.py's TB_KERNELS
 LINEAR_TB(qpn2_linear_mt1_tbu2, 2, 2, 2, 2, 4)
 LINEAR_TB(qpn8_linear_mt1_tbu2, 8, 2, 2, 2, 4)
-LINEAR_TB(qpn2_linear_mt1_tbu4, 2, 2, 4, 2, 3)
-LINEAR_TB(qpn8_linear_mt1_tbu4, 8, 2, 4, 2, 3)
 LINEAR_TB(qpn2_linear_mt1_tb1u4, 2, 2, 4, 1, 4)
 LINEAR_TB(qpn8_linear_mt1_tb1u4, 8, 2, 4, 1, 4)
-LINEAR_TB(qpn2_linear_mt1_tb1u4s3, 2, 3, 4, 1, 4)
-LINEAR_TB(qpn8_linear_mt1_tb1u4s3, 8, 3, 4, 1, 4)
-LINEAR_TB(qpn2_linear_mt1_tb1u8, 2, 2, 8, 1, 3)
-LINEAR_TB(qpn8_linear_mt1_tb1u8, 8, 2, 8, 1, 3)
 
 // ---------------------------------------------------------------- prefill: shared-memory tiled GEMM
 // y[M, N] = x[M, K] . W^T for M > 16. Block tile BM activation rows x BN weight rows. Global loads

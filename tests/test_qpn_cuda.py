@@ -48,8 +48,8 @@ def backend(request):
     force_ptx(dev, None)
 
 
-@pytest.fixture(params=[None, "", "_u4", "_as", "_as4", "_m1", "_m1x2", "_mp", "_mpx2", "_t2", "_t2u1", "_tbu2", "_tbu4",
-                        "_tb1u4", "_tb1u4s3", "_tb1u8"])
+@pytest.fixture(params=[None, "", "_u4", "_as", "_as4", "_m1", "_m1x2", "_mp", "_mpx2", "_t2", "_t2u1", "_tbu2",
+                        "_tb1u4"])
 def variant(request):
     from hybrid.kernels import qpn
 

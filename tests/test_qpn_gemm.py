@@ -374,13 +374,13 @@ def test_tb_kernel_choice(monkeypatch):
     assert linear_kernel(2, 2, 9, 90, n=big) == "qpn2_linear_mt2"
     monkeypatch.setenv("HYBRID_QPN_TB", "0")
     assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1"
-    assert linear_kernel(8, 1, 4, 90, "_tbu4", n=small) == "qpn8_linear_mt1_tbu4"   # forced: still the ring
+    assert linear_kernel(8, 1, 4, 90, "_tbu2", n=small) == "qpn8_linear_mt1_tbu2"   # forced: still the ring
     monkeypatch.setenv("HYBRID_QPN_TB", "yes")
     with pytest.raises(HybridError, match="HYBRID_QPN_TB='yes'"):
         linear_kernel(8, 1, 1, 90, n=small)
     # dynamic shared memory: 8 warps x 2 slots x NT x U x 576 bytes + 8-byte barriers
     assert tb_smem("_tb1u4") == 8 * 2 * 4 * 576 + 8 * 2 * 8
-    assert tb_smem("_tbu4") == 8 * 2 * 2 * 4 * 576 + 8 * 2 * 8
+    assert tb_smem("_tbu2") == 8 * 2 * 2 * 2 * 576 + 8 * 2 * 8
 
 
 def test_pdl_launch_config_layout_and_switch(monkeypatch):

@@ -25,7 +25,7 @@ OPTIONS = ["-std=c++17", "-default-device", "--restrict"]
 
 KERNELS = tuple(
     [f"qpn{f}_linear_mt{m}" for f in (2, 8) for m in (1, 2, 4)]
-    + [f"qpn{f}_linear_mt1{v}" for f in (2, 8) for v in ("_u4", "_as", "_as4", "_t2", "_t2u1", "_tbu2", "_tbu4", "_tb1u4", "_tb1u4s3", "_tb1u8")]
+    + [f"qpn{f}_linear_mt1{v}" for f in (2, 8) for v in ("_u4", "_as", "_as4", "_t2", "_t2u1", "_tbu2", "_tb1u4")]
     + ["qpn2_linear_m1_as", "qpn2_linear_m1_as2"]
     + [f"qpn2_linear_mp{m}_as{t}" for m in (2, 4, 8) for t in ("", "2")]
     + [f"qpn{f}_gemm_{t}" for f in (2, 8) for t in ("128x128", "64x128", "64x64", "32x64")]

@@ -102,10 +102,10 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
 
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
 M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2"}  # LINEAR_VARIANT choices
-PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2", "_mt1_tbu2", "_mt1_tbu4")  # two tiles per warp
+PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2", "_mt1_tbu2")  # two tiles per warp
 # LINEAR_VARIANT choices: the M <= 8 kernels fed by bulk-copy rings (sm_90+), suffix -> (ST slots, U chunks per
 # slot, NT tiles per warp) as qpn.cu's LINEAR_TB lines build them
-TB_KERNELS = {"_tbu2": (2, 2, 2), "_tbu4": (2, 4, 2), "_tb1u4": (2, 4, 1), "_tb1u4s3": (3, 4, 1), "_tb1u8": (2, 8, 1)}
+TB_KERNELS = {"_tbu2": (2, 2, 2), "_tb1u4": (2, 4, 1)}
 
 
 TB_ENV = "HYBRID_QPN_TB"
