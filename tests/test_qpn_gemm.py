@@ -363,7 +363,8 @@ def test_tb_kernel_choice(monkeypatch):
     monkeypatch.delenv("HYBRID_QPN_TB", raising=False)
     assert linear_kernel(2, 1, 3, 90, n=small) == "qpn2_linear_mt1_tb1u4"
     assert linear_kernel(2, 1, 8, 90, n=small) == "qpn2_linear_mt1_tb1u4"
-    assert linear_kernel(2, 1, 8, 90, n=big) == "qpn2_linear_mt1_t2u1"    # lm_head-sized NVFP4: the register pipeline
+    assert linear_kernel(2, 1, 8, 90, n=big, k=2048) == "qpn2_linear_mt1_t2u1"   # lm_head: the register pipeline
+    assert linear_kernel(2, 1, 8, 90, n=big, k=5120) == "qpn2_linear_mt1_tbu2"   # long rows: the two-tile ring
     assert linear_kernel(2, 1, 1, 90, n=small) == "qpn2_linear_m1_as"      # M = 1, 2 NVFP4: the column trick stays
     assert linear_kernel(2, 1, 2, 90, n=small) == "qpn2_linear_mp2_as"
     assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1_tb1u4"

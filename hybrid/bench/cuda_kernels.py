@@ -441,7 +441,7 @@ def bench(args) -> int:
                                 qpn.PREFILL_SPLIT[0])
         if plan is not None:
             return plan.label
-        return qpn.linear_kernel(fmt, qpn._mt(r["m"], env["sm"]), r["m"], env["sm"], n=r["n"]).split("linear_")[1]
+        return qpn.linear_kernel(fmt, qpn._mt(r["m"], env["sm"]), r["m"], env["sm"], n=r["n"], k=r["k"]).split("linear_")[1]
 
     sms = torch_sms()
 

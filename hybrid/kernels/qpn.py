@@ -62,15 +62,16 @@ def variant(choice: str | None, sm: int) -> str:
     return "" if choice.startswith("_as") and sm < 80 else choice
 
 
-def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None, n: int = 0) -> str:
+def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None, n: int = 0, k: int = 0) -> str:
     """The kernel qpn_linear launches for M rows (N out features) in passes of mt 8-row tiles on an
     sm_<sm> device. From PAIR_MIN_TILES 16-row tiles on, a warp does two tiles (measured on the H200:
     lm_head NVFP4 M = 1 52.4 vs 55.3 us, M = 8 59.0 vs 67.3; dense_up M = 1 27.5 vs 30.0, M = 8 33.3 vs
     36.3; slower on 320 tiles; sm_80+ only, unmeasured on Volta): NVFP4 at M = 1 on sm_80+
     qpn2_linear_m1_as2 (else qpn2_linear_m1_as), NVFP4 at 2 <= M <= MP_DEFAULT_MAX on sm_80+
     qpn2_linear_mp{2,4,8}_as2 (else _as), on sm_90+ FP8 and NVFP4 M = 3..8 below PAIR_MIN_TILES tiles
-    qpn{fmt}_linear_mt1_tb1u4 and FP8 from PAIR_MIN_TILES tiles qpn8_linear_mt1_tbu2 (bulk-copy rings; see
-    tb_enabled), M <= 8 otherwise qpn{fmt}_linear_mt1_t2u1 (else qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2"
+    qpn{fmt}_linear_mt1_tb1u4, from PAIR_MIN_TILES tiles FP8, and NVFP4 with K >= TB_PAIR_MIN_K,
+    qpn{fmt}_linear_mt1_tbu2 (bulk-copy rings; see tb_enabled), M <= 8 otherwise qpn{fmt}_linear_mt1_t2u1 (else
+    qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2"
     (M1_KERNELS) forces one of the M = 1 NVFP4 kernels, "_mp" / "_mpx2" the column-trick ones, a TB_KERNELS
     suffix a bulk-ring kernel (sm_90+), where they apply (benchmark, tests)."""
     if mt != 1:
@@ -94,7 +95,7 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
             return "qpn2_linear_m1_as2" if pair else "qpn2_linear_m1_as"
         if mp and m <= MP_DEFAULT_MAX[0]:
             return f"qpn2_linear_mp{mp_rows(m)}_as{'2' if pair else ''}"
-        if sm >= 90 and tb_enabled() and (fmt == 8 or not pair):
+        if sm >= 90 and tb_enabled() and (fmt == 8 or not pair or k >= TB_PAIR_MIN_K):
             return f"qpn{fmt}_linear_mt1{'_tbu2' if pair else '_tb1u4'}"
         return f"qpn{fmt}_linear_mt1_t2u1" if pair else f"qpn{fmt}_linear_mt1"
     return f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
@@ -109,14 +110,19 @@ TB_KERNELS = {"_tbu2": (2, 2, 2), "_tb1u4": (2, 4, 1)}
 
 
 TB_ENV = "HYBRID_QPN_TB"
+# NVFP4 from PAIR_MIN_TILES tiles takes the two-tile bulk ring (_tbu2) only with rows of at least this many k: H200,
+# M = 3 / 4 / 6 / 8 (results/cuda_kernels.md, thirtieth session, call 9): dense_up (K 5120) 33.8 / 34.6 / 35.5 / 36.0
+# vs 35.7 / 36.1 / 36.9 / 38.5 us with the register pipeline; lm_head (K 2048) 60.1 / 61.1 / 64.6 / 68.6 vs 61.0 /
+# 61.7 / 62.9 / 64.5
+TB_PAIR_MIN_K = 4096
 
 
 def tb_enabled() -> bool:
     """$HYBRID_QPN_TB (default 1): on sm_90+ the M <= 8 kernels that the bulk-copy rings beat on the H200 are
     replaced by them -- FP8 at any M and NVFP4 at M = 3..8 below PAIR_MIN_TILES tiles by _tb1u4 (one tile per warp,
-    two slots of 4 chunks), FP8 from PAIR_MIN_TILES tiles by _tbu2 (two tiles, two slots of 2 chunks); 0 keeps the
-    register-pipeline kernels (read at each launch: A/B runs switch it). HybridError naming the variable on
-    anything but 0 or 1 (checked when a CUDA session opens)."""
+    two slots of 4 chunks), FP8 and NVFP4 with K >= TB_PAIR_MIN_K from PAIR_MIN_TILES tiles by _tbu2 (two tiles, two
+    slots of 2 chunks); 0 keeps the register-pipeline kernels (read at each launch: A/B runs switch it). HybridError
+    naming the variable on anything but 0 or 1 (checked when a CUDA session opens)."""
     v = os.environ.get(TB_ENV, "").strip() or "1"
     if v not in ("0", "1"):
         from hybrid.errors import HybridError
@@ -530,7 +536,7 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     passes = -(-m // (8 * mt))
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
-    name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n)
+    name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n, k)
     tb = name[len(f"qpn{fmt}_linear_mt1"):] if "_mt1_tb" in name else None
     if tb and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows
         name, tb = f"qpn{fmt}_linear_mt1_t2u1", None
