@@ -54,6 +54,8 @@
 //                              shared memory instead of registers (Hopper needs ~30 KB of loads in
 //                              flight per SM to reach its bandwidth; Volta, at a fifth of the
 //                              bandwidth, is served by the register pipeline)
+//   qpn{2,8}_linear_mt1_tb1u4, _tbu2  sm_90+: the M <= 8 kernel with one / two tiles per warp fed by a ring of
+//                              bulk async copies (cp.async.bulk on mbarriers, 2 slots of 4 / 2 chunks; warp_gemm_bulk)
 //   qpn{2,8}_gemm_<BM>x<BN>    prefill (M > 16): shared-memory tiled GEMM, weights decoded once per
 //                              block tile into double-buffered fp16 shared memory, WMMA over BM rows;
 //                              grid (ceil(M/BM), ceil(N/BN), K splits); tiles 128x128, 64x128, 64x64,
@@ -985,7 +987,7 @@ __device__ __forceinline__ void linear_body(const u32x4* __restrict__ w, const u
                                             float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                             int M, int N, int K, int KS, int P) {
   using SM = Smem<MT, NT, ST, (ST < 0 ? U : 1)>;
-  // the bulk-copy rings (ST < 0) are in dynamic shared memory, SM::BYTES of it (qpn.py's tb_smem: up to ~75 KB)
+  // the bulk-copy rings (ST < 0) are in dynamic shared memory, SM::BYTES of it (qpn.py's tb_smem)
   __shared__ __align__(16) unsigned char smem_static[ST < 0 ? 16 : SM::BYTES];
   extern __shared__ __align__(16) unsigned char smem_dynamic[];
   unsigned char* const smem = ST < 0 ? smem_dynamic : smem_static;
