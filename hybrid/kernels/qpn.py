@@ -27,9 +27,8 @@ MAX_SLOTS = 1024
 # per 8 groups in fp32; otherwise the register pipeline, measured at least as fast as the rings on
 # the H200 for M = 2..8); "", "_u4" (deeper register pipeline), "_as", "_as4" (6- and 4-stage
 # cp.async rings, sm_80+), "_m1", "_m1x2" (the M = 1 NVFP4 kernels, one or two tiles per warp; see
-# linear_kernel), "_t2", "_t2u1" (register pipeline, two tiles per warp, 2 or 1 chunks per stage), "_tb",
-# "_tb4", "_tb3" (two tiles per warp, a ring of 5, 4 or 3 chunks filled by bulk async copies, sm_90+):
-# benchmark, tests.
+# linear_kernel), "_t2", "_t2u1" (register pipeline, two tiles per warp, 2 or 1 chunks per stage), "_tb1u4",
+# "_tbu2" (TB_KERNELS: one or two tiles per warp fed by bulk async copies, sm_90+): benchmark, tests.
 LINEAR_VARIANT: list[str | None] = [None]
 MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
 # M > PREFILL_MIN linear kernel: None = on sm_80+ the register-fragment GEMM (qpn{2,8}_gemmf_*,
@@ -136,6 +135,8 @@ def tb_smem(suffix: str) -> int:
     NT x U x 576 bytes (or the block's partial sums, if larger) and ST 8-byte mbarriers per warp."""
     st, u, nt = TB_KERNELS[suffix]
     return max(WARPS * st * nt * u * 576, WARPS * nt * 8 * 16 * 4) + WARPS * st * 8
+
+
 # NVFP4 at 2 <= M <= MP_DEFAULT_MAX on sm_80+: the column-trick kernels qpn2_linear_mp{2,4,8}_as{,2} (M = 1's
 # scales in fp32 once per set of 8 / MP groups); above it the 8-column kernels; "_mp" forces them (M <= 8),
 # "_mpx2" their two-tiles-per-warp form
@@ -538,8 +539,8 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     chunks = k // layout.CHUNK[w.qtype]
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n, k)
     tb = name[len(f"qpn{fmt}_linear_mt1"):] if "_mt1_tb" in name else None
-    if tb and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows
-        name, tb = f"qpn{fmt}_linear_mt1_t2u1", None
+    if tb and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows: the register pipeline
+        name, tb = f"qpn{fmt}_linear_mt1{'_t2u1' if tb == '_tbu2' else ''}", None
     smem = tb_smem(tb) if tb else 0
     units = -(-tiles // 2) if name.endswith(PAIR_KERNELS) else tiles   # warp work units (tile pairs)
     sms = _sms(w.device)
