@@ -1761,7 +1761,7 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
       else
         warp_gemm<FMT, MT, 2>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
     }
-    if constexpr (ST != 0) __syncthreads();  // red aliases the rings
+    if constexpr (ST > 0) __syncthreads();  // red aliases the rings
     store_partials<MT, 2>(red, warp, lane, acc);
     __syncthreads();
     for (int o = threadIdx.x; o < TG * 8 * MT * 16; o += THREADS) {
@@ -1820,7 +1820,7 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
         warp_gemm<FMT, MT, 1>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
     }
     pdl_trigger();  // late (see pdl_trigger); again on later passes: a no-op
-    if constexpr (ST != 0) __syncthreads();  // red aliases the rings
+    if constexpr (ST > 0) __syncthreads();  // red aliases the rings
     store_partials<MT, 1>(red, warp, lane, acc);
     __syncthreads();
     for (int o = threadIdx.x; o < TG * 8 * MT * 16; o += THREADS) {

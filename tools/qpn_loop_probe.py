@@ -7,7 +7,8 @@ an ncu profile is taken over).
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \\
         python3 tools/qpn_loop_probe.py --shape lm_head --m 1,8 --launches 6
 
-The weight and three copies rotate past the L2, as hybrid-bench cuda-kernels times them. Clock rows: what, launches,
+The weight and its copies rotate past the L2 (hybrid.bench.cuda_kernels.copies_for, as hybrid-bench cuda-kernels
+times them). Clock rows: what, launches,
 samples, min / median / max MHz, power at the end (W); after the M loops a GPU spin (torch.cuda._sleep) as a light
 load. NVML's clock is a sample of the card's state, not the clock a given kernel ran at (results/cuda_kernels.md,
 twenty-ninth session: ncu measured 1.79-1.80 GHz where NVML read 1980 afterwards). The twenty-ninth session's
@@ -38,7 +39,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("qpn_loop_probe: no CUDA device", file=sys.stderr)
         return 2
-    from hybrid.bench.cuda_kernels import SHAPES, _clone_weight, random_qweight
+    from hybrid.bench.cuda_kernels import SHAPES, _clone_weight, copies_for, random_qweight
     from hybrid.checkpoint.formats import QType
     from hybrid.kernels import QPNWeight, qpn_linear
 
@@ -49,7 +50,7 @@ def main() -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     n, k = dims[a.shape]
     base = QPNWeight.from_qweight(random_qweight(QType(a.format), n, k, dev), dev)
-    ws = [base] + [_clone_weight(base) for _ in range(3)]
+    ws = [base] + [_clone_weight(base) for _ in range(copies_for(base.nbytes) - 1)]
     ms = [int(v) for v in a.m.split(",")]
     if a.launches is not None:
         for m in ms:
