@@ -210,6 +210,11 @@ __device__ __forceinline__ u64 lds64(u32 a) {
   asm volatile("ld.shared.u64 %0, [%1];" : "=l"(v) : "r"(a));
   return v;
 }
+__device__ __forceinline__ u32 lds32(u32 a) {
+  u32 v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
 #endif
 
 // sm_90+: bulk async copies (cp.async.bulk: the copy engine's plain, non-tensor form) into shared memory, each
@@ -630,7 +635,7 @@ __device__ __forceinline__ float e4m3_mag_f32(u32 b) {  // 7-bit e4m3 magnitude 
 template <int NT>
 __device__ __forceinline__ void lds_scales(u32 (&sw)[NT], u32 saddr) {
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sw[nt]) : "r"(saddr + nt * 256));
+  for (int nt = 0; nt < NT; ++nt) sw[nt] = lds32(saddr + nt * 256);
 }
 
 // NT tiles per warp share the activation loads, the zero-or-x B operands and the ring's bookkeeping.
@@ -708,14 +713,117 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* 
 #endif
 }
 
+// sm_90+: the same column trick fed by bulk copies (warp_gemm_bulk's ring: ST slots of U chunks per tile, lane 0
+// copying a slot's U x 512 bytes of words and U x 64 of scales per tile against the slot's mbarrier). A slot holds
+// U / 2 chunk pairs (U even: a pair never straddles two slots); the x words of a slot's pairs are loaded before its
+// wait. Slot layout as warp_gemm_bulk's: NT x U x 512 bytes of words, then NT x U x 64 of scales.
+template <int ST, int NT, int U>
+__device__ __forceinline__ void warp_m1_bulk(float (&tot)[NT][4], const u32x4* const (&wt)[NT],
+                                             const u64* const (&st)[NT], int c0, int c1, const u16* x,
+                                             int lane, unsigned char* ring, unsigned long long* bars) {
+#if QPN_BULK
+  static_assert(U % 2 == 0, "chunk pairs must not straddle two slots");
+  const int n = lane >> 2, q = lane & 3;
+  const u32 rbase = smem_addr(ring), bbase = smem_addr(bars);
+  if (lane == 0) {
+#pragma unroll
+    for (int s = 0; s < ST; ++s) mbar_init(bbase + 8 * s);
+    mbar_init_fence();
+  }
+  __syncwarp();
+  auto issue = [&](int c, int slot) {  // lane 0: chunks c .. c + U - 1 (those below c1) into slot
+    const int cnt = c1 - c < U ? c1 - c : U;
+    const u32 bar = bbase + 8 * slot, dst = rbase + slot * BULK_SLOT(NT, U);
+    mbar_expect(bar, NT * cnt * 576);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      bulk_copy(dst + nt * U * 512, wt[nt] + (size_t)c * 32, cnt * 512, bar);
+      bulk_copy(dst + NT * U * 512 + nt * U * 64, st[nt] + (size_t)c * 8, cnt * 64, bar);
+    }
+  };
+  if (lane == 0) {
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s)
+      if (c0 + s * U < c1) issue(c0 + s * U, s);
+  }
+  pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
+  u32 parity = 0;
+  for (int c = c0; c < c1; c += ST * U) {
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      const int cs = c + s * U;
+      if (cs < c1) {
+        u64 xv[U / 2];  // group 4 p + n of each pair p: this lane's only non-zero B operand
+#pragma unroll
+        for (int p = 0; p < U; p += 2)
+          xv[p / 2] = cs + p < c1 && (n < 4 || cs + p + 1 < c1) ? ld_act(x + (size_t)(cs + p) * 64 + n * 16 + 4 * q)
+                                                                : 0ull;
+        mbar_wait(bbase + 8 * s, parity);
+        if (lane == 0 && cs + (ST - 1) * U < c1) issue(cs + (ST - 1) * U, (s + ST - 1) % ST);
+        const u32 slot = rbase + s * BULK_SLOT(NT, U);
+#pragma unroll
+        for (int p = 0; p < U; p += 2) {
+          if (cs + p < c1) {
+            const bool two = cs + p + 1 < c1;
+            // scale bytes [s(r,2q') s(r,2q'+1) s(r+8,2q') s(r+8,2q'+1)] of chunk cs + p + q/2, q' = q%2
+            u32 sw[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+              sw[nt] = two || q < 2 ? lds32(slot + NT * U * 512 + (nt * U + p + (q >> 1)) * 64 + n * 8 + 4 * (q & 1)) : 0u;
+            float d[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              if (h == 0 || two) {
+                u32x4 wv[NT];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) wv[nt] = lds128(slot + (nt * U + p + h) * 512 + lane * 16);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                  const bool mine = n == 4 * h + j;
+                  const u32 b0 = mine ? (u32)xv[p / 2] : 0u, b1 = mine ? (u32)(xv[p / 2] >> 32) : 0u;
+#pragma unroll
+                  for (int nt = 0; nt < NT; ++nt) {
+                    u32 p0, p1, p2, p3;
+                    dec_fp4(j == 0 ? wv[nt].x : j == 1 ? wv[nt].y : j == 2 ? wv[nt].z : wv[nt].w, p0, p1, p2, p3);
+                    mma_tile(d[nt], p0, p1, p2, p3, b0, b1);
+                  }
+                }
+              }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              tot[nt][0] = fmaf(d[nt][0], e4m3_mag_f32(sw[nt] << 20), tot[nt][0]);
+              tot[nt][1] = fmaf(d[nt][1], e4m3_mag_f32(sw[nt] << 12), tot[nt][1]);
+              tot[nt][2] = fmaf(d[nt][2], e4m3_mag_f32(sw[nt] << 4), tot[nt][2]);
+              tot[nt][3] = fmaf(d[nt][3], e4m3_mag_f32(sw[nt] >> 4), tot[nt][3]);
+            }
+          }
+        }
+      }
+    }
+    parity ^= 1u;
+  }
+#else
+  __trap();  // never launched below sm_90 (the launchers pick these kernels on sm_90+ only)
+#endif
+}
+
 // y[1, N] = x[1, K] . W^T for NVFP4 (same arguments as the LINEAR kernels; M must be 1, P = 1).
 // A warp group (KS warps splitting K) does NT consecutive tiles; grid.x = ceil(tiles / (TG NT)).
-template <int ST, int NT>
+// ST > 0: warp_m1_async's cp.async ring in static shared memory; ST < 0: warp_m1_bulk's ring of -ST slots of U
+// chunks in dynamic shared memory (qpn.py's tb_smem), its mbarriers after the rings.
+template <int ST, int NT, int U = 1>
 __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                                float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                                int N, int K, int KS) {
-  constexpr int RING = ST * NT * 32 * 24;
-  __shared__ __align__(16) unsigned char smem[RING * WARPS];
+  constexpr int RING = ST > 0 ? ST * NT * 32 * 24 : -ST * BULK_SLOT(NT, U);  // per warp
+  constexpr int RED = WARPS * NT * 16 * 4;
+  constexpr int RINGS = RING * WARPS > RED ? RING * WARPS : RED;
+  __shared__ __align__(16) unsigned char smem_static[ST < 0 ? 16 : RINGS];
+  extern __shared__ __align__(16) unsigned char smem_dynamic[];
+  unsigned char* const smem = ST < 0 ? smem_dynamic : smem_static;
   float (*red)[NT * 16] = reinterpret_cast<float (*)[NT * 16]>(smem);  // red[warp][row], aliases the rings
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
@@ -727,10 +835,15 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
   tile_ptrs<NT>(wt, st, w, s, t0, tiles, C);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.f;
-  if (t0 < tiles)
-    warp_m1_async<ST, NT>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, x, lane, smem + warp * RING);
-  else
+  if (t0 < tiles) {
+    if constexpr (ST > 0)
+      warp_m1_async<ST, NT>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, x, lane, smem + warp * RING);
+    else
+      warp_m1_bulk<-ST, NT, U>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, x, lane, smem + warp * RING,
+                               reinterpret_cast<unsigned long long*>(smem + RINGS + warp * -ST * 8));
+  } else {
     pdl_wait();     // this thread writes y below
+  }
   pdl_trigger();    // late: see pdl_trigger
   __syncthreads();  // red aliases the rings
 #pragma unroll
@@ -763,6 +876,19 @@ extern "C" __global__ void qpn2_linear_m1_as2(const u32x4* __restrict__ w, const
                                               int M, int N, int K, int KS, int P) {
   linear_m1_body<4, 2>(w, s, gs, x, y, N, K, KS);
 }
+// sm_90+ only: NT tiles per warp through a bulk-copy ring of ST slots of U chunks (warp_m1_bulk); (ST, U, NT) of
+// each: qpn.py's M1_TB_KERNELS
+#define LINEAR_M1_TB(NAME, ST, U, NT)                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1)                                           \
+  NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x, \
+       u16* __restrict__ y, int M, int N, int K, int KS, int P) {                                    \
+    linear_m1_body<-(ST), NT, U>(w, s, gs, x, y, N, K, KS);                                          \
+  }
+LINEAR_M1_TB(qpn2_linear_m1_tbu4, 2, 4, 1)
+LINEAR_M1_TB(qpn2_linear_m1_tbs3, 3, 4, 1)
+LINEAR_M1_TB(qpn2_linear_m1_tbu8, 2, 8, 1)
+LINEAR_M1_TB(qpn2_linear_m1_tb2u2, 2, 2, 2)
+LINEAR_M1_TB(qpn2_linear_m1_tb2u4, 2, 4, 2)
 
 // ---------------------------------------------------------------- NVFP4, M = 2..8 as M = 1 does, sm_80+
 // The M = 1 kernel's column trick for MP = 2, 4 or 8 rows: column n of the MMA carries row n % MP of x for

@@ -83,6 +83,25 @@ inline char* smem_ptr(u32 a) { return (char*)(smem_hi | a); }
 """
 
 
+# __shfl_xor_sync (float and int) for the emulations: a warp's values exchanged through a static array between two warp
+# barriers (every lane of the warp must call it, as on the GPU)
+SHFL_XOR = r"""
+static uint32_t xch[1024];
+inline uint32_t shfl_bits(uint32_t v, int o) {
+  const int t = threadIdx.x, w = t >> 5;
+  xch[t] = v;
+  warp_bar[w]->arrive_and_wait();
+  const uint32_t r = xch[(t & ~31) | ((t & 31) ^ o)];
+  warp_bar[w]->arrive_and_wait();
+  return r;
+}
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+  uint32_t b; memcpy(&b, &v, 4); b = shfl_bits(b, o); memcpy(&v, &b, 4); return v;
+}
+inline int __shfl_xor_sync(unsigned, int v, int o) { return (int)shfl_bits((uint32_t)v, o); }
+"""
+
+
 def mma_shim(name: str) -> str:
     """C++ for `name`(float (&d)[4], a0, a1, a2, a3, b0, b1): mma.sync.m16n8k16.row.col f32.f16.f16.f32 with the PTX
     ISA's fragment layout (g = lane / 4, c = lane % 4): A a0 (g, 2c..2c+1) a1 (g+8, ..) a2 (g, 2c+8..) a3 (g+8,

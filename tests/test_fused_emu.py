@@ -14,11 +14,10 @@ import torch
 
 from hybrid.kernels import fused, fused_build
 from hybrid.model.layers import Rotary
-from tests.cuda_emu import SHIM, compile_emu
+from tests.cuda_emu import SHFL_XOR, SHIM, compile_emu
 
-HELPERS = r"""
+HELPERS = SHFL_XOR + r"""
 #include <algorithm>
-static uint32_t xch[1024];
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) uint2 { unsigned x, y; };
@@ -29,17 +28,6 @@ inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c,
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
-inline uint32_t shfl_bits(uint32_t v, int o) {
-  const int t = threadIdx.x, w = t >> 5;
-  xch[t] = v;
-  warp_bar[w]->arrive_and_wait();
-  const uint32_t r = xch[(t & ~31) | ((t & 31) ^ o)];
-  warp_bar[w]->arrive_and_wait();
-  return r;
-}
-inline float __shfl_xor_sync(unsigned, float v, int o) {
-  uint32_t b; memcpy(&b, &v, 4); b = shfl_bits(b, o); memcpy(&v, &b, 4); return v;
-}
 inline uint32_t warp_xch(uint32_t v, int src) {   // lane src's v (src outside 0..31: 0)
   const int t = threadIdx.x, w = t >> 5;
   xch[t] = v;
@@ -59,7 +47,6 @@ inline unsigned __match_any_sync(unsigned, int v) {
   for (int i = 0; i < 32; ++i) m |= ((int)warp_xch((uint32_t)v, i) == v ? 1u : 0u) << i;
   return m;
 }
-inline int __shfl_xor_sync(unsigned, int v, int o) { return (int)shfl_bits((uint32_t)v, o); }
 inline unsigned __reduce_max_sync(unsigned, unsigned v) {
   unsigned m = 0;
   for (int i = 0; i < 32; ++i) m = std::max(m, warp_xch(v, i));

@@ -14,14 +14,14 @@ import torch
 
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build, layout
-from hybrid.kernels.qpn import TB_KERNELS, tb_smem
-from tests.cuda_emu import GEMM_HELPERS, SHIM, compile_emu, mma_shim
+from hybrid.kernels.qpn import M1_TB_KERNELS, TB_KERNELS, m1_tb_name, tb_smem
+from tests.cuda_emu import GEMM_HELPERS, SHFL_XOR, SHIM, compile_emu, mma_shim
 from tests.test_qpn_layout import fp8, nvfp4
 
 RULE = "// " + "-" * 64 + " "
 DYN = 80 * 1024   # the emulation's dynamic shared memory (each kernel's tb_smem is checked below it)
 
-HELPERS = GEMM_HELPERS + r"""
+HELPERS = GEMM_HELPERS + SHFL_XOR + r"""
 #include <chrono>
 #define QPN_BULK 1
 inline void __trap() { abort(); }
@@ -30,6 +30,8 @@ inline void pdl_trigger() {}
 inline u64 ld_act(const u16* p) { u64 v; memcpy(&v, p, 8); return v; }
 inline u32x4 lds128(u32 a) { u32x4 v; memcpy(&v, smem_ptr(a), 16); return v; }
 inline u64 lds64(u32 a) { u64 v; memcpy(&v, smem_ptr(a), 8); return v; }
+inline u32 lds32(u32 a) { u32 v; memcpy(&v, smem_ptr(a), 4); return v; }
+inline float __int_as_float(u32 b) { float f; memcpy(&f, &b, 4); return f; }
 // the weight's words and scales ([lo, hi) per tensor, set by the entry point): a bulk copy reads nothing else
 static const char *w_lo, *w_hi, *s_lo, *s_hi;
 // an mbarrier of one expected arrival: completed phases, arrivals in the current phase, bytes still owed
@@ -70,10 +72,15 @@ inline void mbar_wait(u32 bar, u32 parity) {
     std::this_thread::yield();
   }
 }
+// linear_m1_body's cp.async branch (ST > 0), never instantiated here
+template <int ST, int NT>
+void warp_m1_async(float (&)[NT][4], const u32x4* const (&)[NT], const u64* const (&)[NT], int, int, const u16*, int,
+                   unsigned char*);
 """ + mma_shim("mma_tile")
 
 FUNCS = ["dec_fp4", "dec_fp8", "lane_tok", "lane_k", "mma_group", "group_fp4", "group_fp8", "load_x", "chunk",
-         "warp_gemm_bulk", "tile_ptrs", "store_partials", "red_sum", "zero_acc", "linear_body"]
+         "warp_gemm_bulk", "tile_ptrs", "store_partials", "red_sum", "zero_acc", "linear_body", "e4m3_mag_f32",
+         "warp_m1_bulk", "linear_m1_body"]
 
 
 def emu_source() -> str:
@@ -83,17 +90,22 @@ def emu_source() -> str:
     smem = src[src.index("template <int MT, int NT, int ST, int U = 1>\nstruct Smem {"):]
     smem = smem[: smem.index("};\n") + 3]
     funcs = build.device_functions(FUNCS, src)
-    funcs = funcs.replace("extern __shared__ __align__(16) unsigned char smem_dynamic[];",
-                          f"__shared__ __align__(16) unsigned char smem_dynamic[{DYN}];")
-    assert f"smem_dynamic[{DYN}]" in funcs, "linear_body's dynamic shared memory declaration moved"
+    decl = "extern __shared__ __align__(16) unsigned char smem_dynamic[];"
+    assert funcs.count(decl) == 2, "linear_body's / linear_m1_body's dynamic shared memory declaration moved"
+    funcs = funcs.replace(decl, f"__shared__ __align__(16) unsigned char smem_dynamic[{DYN}];")
     tb = src[src.index("#define LINEAR_TB("): src.index(RULE + "prefill: shared-memory tiled GEMM")]
+    tb += src[src.index("#define LINEAR_M1_TB("): src.index(RULE + "NVFP4, M = 2..8 as M = 1 does")]
     assert "asm" not in slot + smem + funcs + tb, "an inline-PTX helper the shim does not replace"
     entry = "".join(
         f'extern "C" void emu_{f}{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
         f'u16* y, int M, int N, int K, int KS) {{ w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
         f's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ qpn{f}_linear_mt1{v}(w, s, gs, x, y, M, N, K, KS, 1); '
         f'}}); }}\n'
-        for f in (2, 8) for v in TB_KERNELS)
+        for f in (2, 8) for v in TB_KERNELS) + "".join(
+        f'extern "C" void emu_2{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
+        f'u16* y, int M, int N, int K, int KS) {{ w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
+        f's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ {m1_tb_name(v)}(w, s, gs, x, y, M, N, K, KS, 1); }}); }}\n'
+        for v in M1_TB_KERNELS)
     return (SHIM + "#define __CUDA_ARCH__ 900\n#include <cstdlib>\n" + head + HELPERS + slot + smem + funcs + tb
             + entry)
 
@@ -115,7 +127,7 @@ def run(lib, x, qw, variant, ks):
         words, scales = layout.pack_fp8(qw), torch.zeros(16, dtype=torch.uint8)
     gs = layout.global_scale(qw)
     fmt = 2 if qw.qtype is QType.NVFP4 else 8
-    nt = TB_KERNELS[variant][2]
+    nt = {**TB_KERNELS, **M1_TB_KERNELS}[variant][2]
     units = -(-(-(-n // 16)) // nt)
     y = torch.full((m, n), float("nan")).half()
     nb = lambda t: ctypes.c_long(t.numel() * t.element_size())   # noqa: E731
@@ -125,7 +137,7 @@ def run(lib, x, qw, variant, ks):
 
 
 def test_emulated_dynamic_shared_memory_fits():
-    assert max(tb_smem(v) for v in TB_KERNELS) <= DYN
+    assert max(tb_smem(v) for v in [*TB_KERNELS, *M1_TB_KERNELS]) <= DYN
 
 
 @pytest.mark.parametrize("variant", sorted(TB_KERNELS))
@@ -139,6 +151,24 @@ def test_emulated_dynamic_shared_memory_fits():
 def test_emulated_bulk_linear(emu, variant, qtype, n, k, m, ks):
     qw = {QType.NVFP4: nvfp4, QType.FP8: fp8}[qtype](n, k, seed=n + k + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + ks)).half()
+    y = run(emu, x, qw, variant, ks)
+    assert not torch.isnan(y).any(), "unwritten outputs"
+    ref = x.double() @ qw.dequantize(torch.float64).t()
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-3, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("variant", sorted(M1_TB_KERNELS))
+@pytest.mark.parametrize("n,k,ks", [
+    (200, 320, 1),     # 5 chunks: the last pair one chunk (its scales' upper half unread), the last slot short
+    (48, 1024, 4),     # 16 chunks over 4 warps: 4 each, the ring turning
+    (40, 448, 2),      # 7 chunks over 2 warps (3 and 4): an odd tail in one of them
+    (16, 3072, 1),     # 48 chunks on one warp: the parity over many turns
+])
+def test_emulated_bulk_m1(emu, variant, n, k, ks):
+    """The M = 1 NVFP4 column-trick kernels fed by bulk copies (warp_m1_bulk)."""
+    qw = nvfp4(n, k, seed=n + k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(ks)).half()
     y = run(emu, x, qw, variant, ks)
     assert not torch.isnan(y).any(), "unwritten outputs"
     ref = x.double() @ qw.dequantize(torch.float64).t()

@@ -81,6 +81,10 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
         if m1:
             return M1_KERNELS[choice]
         choice = None
+    if choice in M1_TB_KERNELS:                  # forced where the M = 1 kernels apply on sm_90+, else the default
+        if m1 and sm >= 90:
+            return m1_tb_name(choice)
+        choice = None
     if choice in TB_KERNELS and sm < 90:         # the bulk-copy rings: sm_90+ only, else the default
         choice = None
     if choice in ("_mp", "_mpx2"):               # forced where the column-trick kernels apply, else the default
@@ -106,6 +110,27 @@ PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8
 # LINEAR_VARIANT choices: the M <= 8 kernels fed by bulk-copy rings (sm_90+), suffix -> (ST slots, U chunks per
 # slot, NT tiles per warp) as qpn.cu's LINEAR_TB lines build them
 TB_KERNELS = {"_tbu2": (2, 2, 2), "_tb1u4": (2, 4, 1)}
+# LINEAR_VARIANT choices: the M = 1 NVFP4 column-trick kernels fed by bulk-copy rings (sm_90+; qpn.cu's LINEAR_M1_TB
+# lines), suffix -> (ST, U, NT) as in TB_KERNELS; kernel qpn2_linear_m1_<suffix after "_m1">
+M1_TB_KERNELS = {"_m1tbu4": (2, 4, 1), "_m1tbs3": (3, 4, 1), "_m1tbu8": (2, 8, 1), "_m1tb2u2": (2, 2, 2),
+                 "_m1tb2u4": (2, 4, 2)}
+
+
+def m1_tb_name(suffix: str) -> str:
+    """The kernel of an M1_TB_KERNELS suffix ("_m1tbu4" -> "qpn2_linear_m1_tbu4")."""
+    return f"qpn2_linear_m1_{suffix[3:]}"
+
+
+def bulk_geometry(name: str) -> tuple[int, int, int, int] | None:
+    """(ST slots, U chunks per slot, NT tiles per warp, fp32 partials per tile) of a bulk-ring linear kernel, else
+    None."""
+    for suffix, g in TB_KERNELS.items():
+        if name.endswith("_mt1" + suffix):
+            return (*g, 8 * 16)
+    for suffix, g in M1_TB_KERNELS.items():
+        if name == m1_tb_name(suffix):
+            return (*g, 16)
+    return None
 
 
 TB_ENV = "HYBRID_QPN_TB"
@@ -131,10 +156,15 @@ def tb_enabled() -> bool:
 
 
 def tb_smem(suffix: str) -> int:
-    """Dynamic shared memory of a bulk-ring kernel (qpn.cu's Smem for ST < 0): the WARPS rings of ST slots of
-    NT x U x 576 bytes (or the block's partial sums, if larger) and ST 8-byte mbarriers per warp."""
-    st, u, nt = TB_KERNELS[suffix]
-    return max(WARPS * st * nt * u * 576, WARPS * nt * 8 * 16 * 4) + WARPS * st * 8
+    """Dynamic shared memory of a bulk-ring kernel (a TB_KERNELS or M1_TB_KERNELS suffix, or a kernel name;
+    qpn.cu's Smem for ST < 0, linear_m1_body's): the WARPS rings of ST slots of NT x U x 576 bytes (or the block's
+    partial sums, if larger) and ST 8-byte mbarriers per warp."""
+    if suffix in M1_TB_KERNELS:
+        suffix = m1_tb_name(suffix)
+    elif suffix in TB_KERNELS:
+        suffix = "_mt1" + suffix
+    st, u, nt, part = bulk_geometry(suffix)
+    return max(WARPS * st * nt * u * 576, WARPS * nt * part * 4) + WARPS * st * 8
 
 
 # NVFP4 at 2 <= M <= MP_DEFAULT_MAX on sm_80+: the column-trick kernels qpn2_linear_mp{2,4,8}_as{,2} (M = 1's
@@ -538,11 +568,13 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n, k)
-    tb = name[len(f"qpn{fmt}_linear_mt1"):] if "_mt1_tb" in name else None
-    if tb and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows: the register pipeline
-        name, tb = f"qpn{fmt}_linear_mt1{'_t2u1' if tb == '_tbu2' else ''}", None
-    smem = tb_smem(tb) if tb else 0
-    units = -(-tiles // 2) if name.endswith(PAIR_KERNELS) else tiles   # warp work units (tile pairs)
+    geo = bulk_geometry(name)
+    if geo and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows: the cp.async / register kernels
+        name = (f"qpn2_linear_m1_as{'2' if geo[2] == 2 else ''}" if "_m1_" in name
+                else f"qpn{fmt}_linear_mt1{'_t2u1' if geo[2] == 2 else ''}")
+        geo = None
+    smem = tb_smem(name) if geo else 0
+    units = -(-tiles // 2) if name.endswith(PAIR_KERNELS) or (geo and geo[2] == 2) else tiles   # warp work units
     sms = _sms(w.device)
     ks = (_linear_ks(units, chunks, sms, mod.occupancy(name, THREADS, smem)) if passes == 1
           else _pick_ks(units * passes, chunks, sms))
