@@ -541,13 +541,75 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], cons
 #endif
 }
 
+#define BULK_SLOT(NT, U) ((NT) * (U) * 576)
+// lane 0: chunks c .. c + U - 1 of the NT tiles (those below c1) into slot `slot` of the ring at rbase, against that
+// slot's mbarrier (bars at bbase, 8 bytes each)
+template <int FMT, int NT, int U>
+__device__ __forceinline__ void bulk_issue(const u32x4* const (&wt)[NT], const u64* const (&st)[NT], int c, int c1,
+                                           int slot, u32 rbase, u32 bbase) {
+#if QPN_BULK
+  const int n = c1 - c < U ? c1 - c : U;
+  const u32 bar = bbase + 8 * slot, dst = rbase + slot * BULK_SLOT(NT, U);
+  mbar_expect(bar, NT * n * (FMT == 2 ? 576 : 512));
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    bulk_copy(dst + nt * U * 512, wt[nt] + (size_t)c * 32, n * 512, bar);
+    if (FMT == 2) bulk_copy(dst + NT * U * 512 + nt * U * 64, st[nt] + (size_t)c * 8, n * 64, bar);
+  }
+#endif
+}
+
+// A warp's ring's start: its ST mbarriers initialised, the first ST - 1 slots issued (lane 0)
+template <int FMT, int ST, int NT, int U>
+__device__ __forceinline__ void bulk_start(const u32x4* const (&wt)[NT], const u64* const (&st)[NT], int c0, int c1,
+                                           int lane, u32 rbase, u32 bbase) {
+#if QPN_BULK
+  if (lane == 0) {
+#pragma unroll
+    for (int s = 0; s < ST; ++s) mbar_init(bbase + 8 * s);
+    mbar_init_fence();
+  }
+  __syncwarp();
+  if (lane == 0) {
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s)
+      if (c0 + s * U < c1) bulk_issue<FMT, NT, U>(wt, st, c0 + s * U, c1, s, rbase, bbase);
+  }
+#endif
+}
+
+// The ring's turns, unrolled over one turn (every slot offset a constant): body(cs, slot, ready) for each slot of
+// chunks cs .. cs + U - 1 (cs < c1), slot its shared address; the body calls ready() before it reads the slot --
+// the wait on the slot's phase, then lane 0's refill of the slot before (its reads, warp-collective through the
+// MMAs that used them, are done) with the chunks ST - 1 slots ahead -- and may load what does not depend on the
+// slot (activations) before it.
+template <int FMT, int ST, int NT, int U, class Body>
+__device__ __forceinline__ void bulk_loop(const u32x4* const (&wt)[NT], const u64* const (&st)[NT], int c0, int c1,
+                                          int lane, u32 rbase, u32 bbase, Body body) {
+#if QPN_BULK
+  u32 parity = 0;
+  for (int c = c0; c < c1; c += ST * U) {
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      const int cs = c + s * U;
+      if (cs < c1) {
+        body(cs, rbase + s * BULK_SLOT(NT, U), [&] {
+          mbar_wait(bbase + 8 * s, parity);
+          if (lane == 0 && cs + (ST - 1) * U < c1)
+            bulk_issue<FMT, NT, U>(wt, st, cs + (ST - 1) * U, c1, (s + ST - 1) % ST, rbase, bbase);
+        });
+      }
+    }
+    parity ^= 1u;
+  }
+#endif
+}
+
 // sm_90+ alternative: the same ring per warp, filled by bulk copies: one lane issues a slot's U chunks of each of
 // the NT tiles -- per tile U x 512 bytes of words and U x 64 of scales, contiguous in the packed layout -- against
 // the slot's mbarrier; every lane waits on the barrier's phase and reads its 16 bytes of words and its rows' scale
 // word of each chunk back. No per-lane copies, no commit groups. Slot layout: NT x U x 512 bytes of words, then
-// NT x U x 64 of scales. As in warp_gemm_async, the slot before takes the chunks ST - 1 slots ahead once its MMAs
-// (warp-collective: every lane's reads of that slot are in them) are done.
-#define BULK_SLOT(NT, U) ((NT) * (U) * 576)
+// NT x U x 64 of scales (bulk_issue, bulk_start, bulk_loop).
 template <int FMT, int MT, int NT, int ST, int U>
 __device__ __forceinline__ void warp_gemm_bulk(float (&acc)[NT][MT][ACCN], const u32x4* const (&wt)[NT],
                                                const u64* const (&st)[NT], int c0, int c1,
@@ -556,55 +618,25 @@ __device__ __forceinline__ void warp_gemm_bulk(float (&acc)[NT][MT][ACCN], const
 #if QPN_BULK
   const int CK = FMT == 2 ? 64 : 32;
   const u32 rbase = smem_addr(ring), bbase = smem_addr(bars);
-  if (lane == 0) {
+  bulk_start<FMT, ST, NT, U>(wt, st, c0, c1, lane, rbase, bbase);
+  bulk_loop<FMT, ST, NT, U>(wt, st, c0, c1, lane, rbase, bbase, [&](int cs, u32 slot, auto ready) {
+    ready();
 #pragma unroll
-    for (int s = 0; s < ST; ++s) mbar_init(bbase + 8 * s);
-    mbar_init_fence();
-  }
-  __syncwarp();
-  auto issue = [&](int c, int slot) {  // lane 0: chunks c .. c + U - 1 (those below c1) into slot
-    const int n = c1 - c < U ? c1 - c : U;
-    const u32 bar = bbase + 8 * slot, dst = rbase + slot * BULK_SLOT(NT, U);
-    mbar_expect(bar, NT * n * (FMT == 2 ? 576 : 512));
+    for (int u = 0; u < U; ++u) {
+      if (cs + u < c1) {
+        u32x4 wv[NT];
+        u64 sv[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      bulk_copy(dst + nt * U * 512, wt[nt] + (size_t)c * 32, n * 512, bar);
-      if (FMT == 2) bulk_copy(dst + NT * U * 512 + nt * U * 64, st[nt] + (size_t)c * 8, n * 64, bar);
-    }
-  };
-  if (lane == 0) {
-#pragma unroll
-    for (int s = 0; s < ST - 1; ++s)
-      if (c0 + s * U < c1) issue(c0 + s * U, s);
-  }
-  u32 parity = 0;
-  for (int c = c0; c < c1; c += ST * U) {
-#pragma unroll
-    for (int s = 0; s < ST; ++s) {
-      const int cs = c + s * U;
-      if (cs < c1) {
-        mbar_wait(bbase + 8 * s, parity);
-        if (lane == 0 && cs + (ST - 1) * U < c1) issue(cs + (ST - 1) * U, (s + ST - 1) % ST);
-        const u32 slot = rbase + s * BULK_SLOT(NT, U);
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          if (cs + u < c1) {
-            u32x4 wv[NT];
-            u64 sv[NT];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              wv[nt] = lds128(slot + (nt * U + u) * 512 + lane * 16);
-              sv[nt] = FMT == 2 ? lds64(slot + NT * U * 512 + (nt * U + u) * 64 + (lane >> 2) * 8) : 0ull;
-            }
-            chunk<FMT, MT, NT>(acc, wv, sv, xr, (cs + u) * CK);
-          }
+        for (int nt = 0; nt < NT; ++nt) {
+          wv[nt] = lds128(slot + (nt * U + u) * 512 + lane * 16);
+          sv[nt] = FMT == 2 ? lds64(slot + NT * U * 512 + (nt * U + u) * 64 + (lane >> 2) * 8) : 0ull;
         }
+        chunk<FMT, MT, NT>(acc, wv, sv, xr, (cs + u) * CK);
       }
     }
-    parity ^= 1u;
-  }
+  });
 #else
-  __trap();  // never launched below sm_90 (the launchers pick these kernels on sm_90 only)
+  __trap();  // never launched below sm_90 (the launchers pick these kernels on sm_90+ only)
 #endif
 }
 
@@ -636,6 +668,35 @@ template <int NT>
 __device__ __forceinline__ void lds_scales(u32 (&sw)[NT], u32 saddr) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) sw[nt] = lds32(saddr + nt * 256);
+}
+
+// chunk h (0, 1) of a pair: its 4 groups' MMAs into d, column n carrying x (xv) for group 4 h + j only
+template <int NT>
+__device__ __forceinline__ void m1_mmas(float (&d)[NT][4], const u32x4 (&wv)[NT], int h, u64 xv, int n) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const bool mine = n == 4 * h + j;
+    const u32 b0 = mine ? (u32)xv : 0u, b1 = mine ? (u32)(xv >> 32) : 0u;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      u32 p0, p1, p2, p3;
+      dec_fp4(j == 0 ? wv[nt].x : j == 1 ? wv[nt].y : j == 2 ? wv[nt].z : wv[nt].w, p0, p1, p2, p3);
+      mma_tile(d[nt], p0, p1, p2, p3, b0, b1);
+    }
+  }
+}
+
+// a pair's sums d scaled in fp32 into tot: sw[nt] the scale bytes [s(r,g) s(r,g+1) s(r+8,g) s(r+8,g+1)] of the
+// lane's groups
+template <int NT>
+__device__ __forceinline__ void m1_scale(float (&tot)[NT][4], const float (&d)[NT][4], const u32 (&sw)[NT]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    tot[nt][0] = fmaf(d[nt][0], e4m3_mag_f32(sw[nt] << 20), tot[nt][0]);
+    tot[nt][1] = fmaf(d[nt][1], e4m3_mag_f32(sw[nt] << 12), tot[nt][1]);
+    tot[nt][2] = fmaf(d[nt][2], e4m3_mag_f32(sw[nt] << 4), tot[nt][2]);
+    tot[nt][3] = fmaf(d[nt][3], e4m3_mag_f32(sw[nt] >> 4), tot[nt][3]);
+  }
 }
 
 // NT tiles per warp share the activation loads, the zero-or-x B operands and the ring's bookkeeping.
@@ -681,27 +742,11 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* 
             u32x4 wv[NT];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) wv[nt] = lds128(wbase + ((s + h) * NT + nt) * 512);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const bool mine = n == 4 * h + j;
-              const u32 b0 = mine ? (u32)xv : 0u, b1 = mine ? (u32)(xv >> 32) : 0u;
-#pragma unroll
-              for (int nt = 0; nt < NT; ++nt) {
-                u32 p0, p1, p2, p3;
-                dec_fp4(j == 0 ? wv[nt].x : j == 1 ? wv[nt].y : j == 2 ? wv[nt].z : wv[nt].w, p0, p1, p2, p3);
-                mma_tile(d[nt], p0, p1, p2, p3, b0, b1);
-              }
-            }
+            m1_mmas<NT>(d, wv, h, xv, n);
           }
         }
         if (!two && q < 2) lds_scales<NT>(sw, saddr);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          tot[nt][0] = fmaf(d[nt][0], e4m3_mag_f32(sw[nt] << 20), tot[nt][0]);
-          tot[nt][1] = fmaf(d[nt][1], e4m3_mag_f32(sw[nt] << 12), tot[nt][1]);
-          tot[nt][2] = fmaf(d[nt][2], e4m3_mag_f32(sw[nt] << 4), tot[nt][2]);
-          tot[nt][3] = fmaf(d[nt][3], e4m3_mag_f32(sw[nt] >> 4), tot[nt][3]);
-        }
+        m1_scale<NT>(tot, d, sw);
       }
     }
 #pragma unroll
@@ -725,86 +770,39 @@ __device__ __forceinline__ void warp_m1_bulk(float (&tot)[NT][4], const u32x4* c
   static_assert(U % 2 == 0, "chunk pairs must not straddle two slots");
   const int n = lane >> 2, q = lane & 3;
   const u32 rbase = smem_addr(ring), bbase = smem_addr(bars);
-  if (lane == 0) {
-#pragma unroll
-    for (int s = 0; s < ST; ++s) mbar_init(bbase + 8 * s);
-    mbar_init_fence();
-  }
-  __syncwarp();
-  auto issue = [&](int c, int slot) {  // lane 0: chunks c .. c + U - 1 (those below c1) into slot
-    const int cnt = c1 - c < U ? c1 - c : U;
-    const u32 bar = bbase + 8 * slot, dst = rbase + slot * BULK_SLOT(NT, U);
-    mbar_expect(bar, NT * cnt * 576);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      bulk_copy(dst + nt * U * 512, wt[nt] + (size_t)c * 32, cnt * 512, bar);
-      bulk_copy(dst + NT * U * 512 + nt * U * 64, st[nt] + (size_t)c * 8, cnt * 64, bar);
-    }
-  };
-  if (lane == 0) {
-#pragma unroll
-    for (int s = 0; s < ST - 1; ++s)
-      if (c0 + s * U < c1) issue(c0 + s * U, s);
-  }
+  bulk_start<2, ST, NT, U>(wt, st, c0, c1, lane, rbase, bbase);
   pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
-  u32 parity = 0;
-  for (int c = c0; c < c1; c += ST * U) {
+  bulk_loop<2, ST, NT, U>(wt, st, c0, c1, lane, rbase, bbase, [&](int cs, u32 slot, auto ready) {
+    u64 xv[U / 2];  // group 4 p + n of each pair p: this lane's only non-zero B operand
 #pragma unroll
-    for (int s = 0; s < ST; ++s) {
-      const int cs = c + s * U;
-      if (cs < c1) {
-        u64 xv[U / 2];  // group 4 p + n of each pair p: this lane's only non-zero B operand
+    for (int p = 0; p < U; p += 2)
+      xv[p / 2] = cs + p < c1 && (n < 4 || cs + p + 1 < c1) ? ld_act(x + (size_t)(cs + p) * 64 + n * 16 + 4 * q) : 0ull;
+    ready();
 #pragma unroll
-        for (int p = 0; p < U; p += 2)
-          xv[p / 2] = cs + p < c1 && (n < 4 || cs + p + 1 < c1) ? ld_act(x + (size_t)(cs + p) * 64 + n * 16 + 4 * q)
-                                                                : 0ull;
-        mbar_wait(bbase + 8 * s, parity);
-        if (lane == 0 && cs + (ST - 1) * U < c1) issue(cs + (ST - 1) * U, (s + ST - 1) % ST);
-        const u32 slot = rbase + s * BULK_SLOT(NT, U);
+    for (int p = 0; p < U; p += 2) {
+      if (cs + p < c1) {
+        const bool two = cs + p + 1 < c1;
+        // scale bytes [s(r,2q') s(r,2q'+1) s(r+8,2q') s(r+8,2q'+1)] of chunk cs + p + q/2, q' = q%2
+        u32 sw[NT];
 #pragma unroll
-        for (int p = 0; p < U; p += 2) {
-          if (cs + p < c1) {
-            const bool two = cs + p + 1 < c1;
-            // scale bytes [s(r,2q') s(r,2q'+1) s(r+8,2q') s(r+8,2q'+1)] of chunk cs + p + q/2, q' = q%2
-            u32 sw[NT];
+        for (int nt = 0; nt < NT; ++nt)
+          sw[nt] = two || q < 2 ? lds32(slot + NT * U * 512 + (nt * U + p + (q >> 1)) * 64 + n * 8 + 4 * (q & 1)) : 0u;
+        float d[NT][4];
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-              sw[nt] = two || q < 2 ? lds32(slot + NT * U * 512 + (nt * U + p + (q >> 1)) * 64 + n * 8 + 4 * (q & 1)) : 0u;
-            float d[NT][4];
+        for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
+        for (int h = 0; h < 2; ++h) {
+          if (h == 0 || two) {
+            u32x4 wv[NT];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              if (h == 0 || two) {
-                u32x4 wv[NT];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) wv[nt] = lds128(slot + (nt * U + p + h) * 512 + lane * 16);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                  const bool mine = n == 4 * h + j;
-                  const u32 b0 = mine ? (u32)xv[p / 2] : 0u, b1 = mine ? (u32)(xv[p / 2] >> 32) : 0u;
-#pragma unroll
-                  for (int nt = 0; nt < NT; ++nt) {
-                    u32 p0, p1, p2, p3;
-                    dec_fp4(j == 0 ? wv[nt].x : j == 1 ? wv[nt].y : j == 2 ? wv[nt].z : wv[nt].w, p0, p1, p2, p3);
-                    mma_tile(d[nt], p0, p1, p2, p3, b0, b1);
-                  }
-                }
-              }
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              tot[nt][0] = fmaf(d[nt][0], e4m3_mag_f32(sw[nt] << 20), tot[nt][0]);
-              tot[nt][1] = fmaf(d[nt][1], e4m3_mag_f32(sw[nt] << 12), tot[nt][1]);
-              tot[nt][2] = fmaf(d[nt][2], e4m3_mag_f32(sw[nt] << 4), tot[nt][2]);
-              tot[nt][3] = fmaf(d[nt][3], e4m3_mag_f32(sw[nt] >> 4), tot[nt][3]);
-            }
+            for (int nt = 0; nt < NT; ++nt) wv[nt] = lds128(slot + (nt * U + p + h) * 512 + lane * 16);
+            m1_mmas<NT>(d, wv, h, xv[p / 2], n);
           }
         }
+        m1_scale<NT>(tot, d, sw);
       }
     }
-    parity ^= 1u;
-  }
+  });
 #else
   __trap();  // never launched below sm_90 (the launchers pick these kernels on sm_90+ only)
 #endif
@@ -877,7 +875,7 @@ extern "C" __global__ void qpn2_linear_m1_as2(const u32x4* __restrict__ w, const
   linear_m1_body<4, 2>(w, s, gs, x, y, N, K, KS);
 }
 // sm_90+ only: NT tiles per warp through a bulk-copy ring of ST slots of U chunks (warp_m1_bulk); (ST, U, NT) of
-// each: qpn.py's M1_TB_KERNELS
+// each: qpn.py's CT_TB_KERNELS
 #define LINEAR_M1_TB(NAME, ST, U, NT)                                                                \
   extern "C" __global__ void __launch_bounds__(THREADS, 1)                                           \
   NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x, \
@@ -885,9 +883,7 @@ extern "C" __global__ void qpn2_linear_m1_as2(const u32x4* __restrict__ w, const
     linear_m1_body<-(ST), NT, U>(w, s, gs, x, y, N, K, KS);                                          \
   }
 LINEAR_M1_TB(qpn2_linear_m1_tbu4, 2, 4, 1)
-LINEAR_M1_TB(qpn2_linear_m1_tbs3, 3, 4, 1)
 LINEAR_M1_TB(qpn2_linear_m1_tbu8, 2, 8, 1)
-LINEAR_M1_TB(qpn2_linear_m1_tb2u2, 2, 2, 2)
 LINEAR_M1_TB(qpn2_linear_m1_tb2u4, 2, 4, 2)
 
 // ---------------------------------------------------------------- NVFP4, M = 2..8 as M = 1 does, sm_80+
@@ -898,6 +894,44 @@ LINEAR_M1_TB(qpn2_linear_m1_tb2u4, 2, 4, 2)
 // over M = 1 in the 8-column kernel: results/cuda_kernels.md, twenty-fourth session).
 // tot[0..3]: (tile row r, x row t0), (r, t0 + 1), (r + 8, t0), (r + 8, t0 + 1), t0 = 2q % MP, summed over the
 // groups of slot 2q / MP of every set (r = lane / 4, q = lane % 4).
+// One chunk's MMAs (its SETS sets of GS groups) and their fp32 scaling into tot: wv / sv the chunk's words and the
+// lane's scale word of each tile, xv this lane's x (group slot `slot` of each set), gq the lane's group in a set.
+template <int NT, int MP>
+__device__ __forceinline__ void mp_chunk(float (&tot)[NT][4], const u32x4 (&wv)[NT], const u64 (&sv)[NT],
+                                         const u64 (&xv)[4 / (8 / MP)], int slot, int gq) {
+  constexpr int GS = 8 / MP, SETS = 4 / GS;
+#pragma unroll
+  for (int j = 0; j < SETS; ++j) {
+    float d[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
+#pragma unroll
+    for (int i = 0; i < GS; ++i) {
+      const int k = j * GS + i;  // group of the chunk
+      const bool mine = slot == i;
+      const u32 b0 = mine ? (u32)xv[j] : 0u, b1 = mine ? (u32)(xv[j] >> 32) : 0u;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        u32 p0, p1, p2, p3;
+        dec_fp4(k == 0 ? wv[nt].x : k == 1 ? wv[nt].y : k == 2 ? wv[nt].z : wv[nt].w, p0, p1, p2, p3);
+        mma_tile(d[nt], p0, p1, p2, p3, b0, b1);
+      }
+    }
+    // scale bytes of group j * GS + gq: [s(r,g0) s(r,g1) s(r+8,g0) s(r+8,g1)] in the low word for
+    // groups 0, 1, the high word for 2, 3
+    const int k = j * GS + gq;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const u32 b = (u32)(sv[nt] >> (k >= 2 ? 32 : 0)) >> (8 * (k & 1));
+      const float sr = e4m3_mag_f32(b << 20), sr8 = e4m3_mag_f32(b << 4);
+      tot[nt][0] = fmaf(d[nt][0], sr, tot[nt][0]);
+      tot[nt][1] = fmaf(d[nt][1], sr, tot[nt][1]);
+      tot[nt][2] = fmaf(d[nt][2], sr8, tot[nt][2]);
+      tot[nt][3] = fmaf(d[nt][3], sr8, tot[nt][3]);
+    }
+  }
+}
+
 template <int ST, int NT, int MP>
 __device__ __forceinline__ void warp_mp_async(float (&tot)[NT][4], const u32x4* const (&wt)[NT],
                                               const u64* const (&st)[NT], int c0, int c1, const u16* xt,
@@ -928,36 +962,7 @@ __device__ __forceinline__ void warp_mp_async(float (&tot)[NT][4], const u32x4* 
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) wv[nt] = lds128(wbase + (s * NT + nt) * 512), sv[nt] = lds64(sbase + (s * NT + nt) * 256);
         issue_chunk<2, NT>(w, g, c + s + ST - 1 < c1, wbase + ns * NT * 512, sbase + ns * NT * 256);
-#pragma unroll
-        for (int j = 0; j < SETS; ++j) {
-          float d[NT][4];
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
-#pragma unroll
-          for (int i = 0; i < GS; ++i) {
-            const int k = j * GS + i;  // group of the chunk
-            const bool mine = slot == i;
-            const u32 b0 = mine ? (u32)xv[j] : 0u, b1 = mine ? (u32)(xv[j] >> 32) : 0u;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              u32 p0, p1, p2, p3;
-              dec_fp4(k == 0 ? wv[nt].x : k == 1 ? wv[nt].y : k == 2 ? wv[nt].z : wv[nt].w, p0, p1, p2, p3);
-              mma_tile(d[nt], p0, p1, p2, p3, b0, b1);
-            }
-          }
-          // scale bytes of group j * GS + gq: [s(r,g0) s(r,g1) s(r+8,g0) s(r+8,g1)] in the low word for
-          // groups 0, 1, the high word for 2, 3
-          const int k = j * GS + gq;
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const u32 b = (u32)(sv[nt] >> (k >= 2 ? 32 : 0)) >> (8 * (k & 1));
-            const float sr = e4m3_mag_f32(b << 20), sr8 = e4m3_mag_f32(b << 4);
-            tot[nt][0] = fmaf(d[nt][0], sr, tot[nt][0]);
-            tot[nt][1] = fmaf(d[nt][1], sr, tot[nt][1]);
-            tot[nt][2] = fmaf(d[nt][2], sr8, tot[nt][2]);
-            tot[nt][3] = fmaf(d[nt][3], sr8, tot[nt][3]);
-          }
-        }
+        mp_chunk<NT, MP>(tot, wv, sv, xv, slot, gq);
       }
     }
 #pragma unroll
@@ -969,14 +974,56 @@ __device__ __forceinline__ void warp_mp_async(float (&tot)[NT][4], const u32x4* 
 #endif
 }
 
+// sm_90+: the same, fed by bulk copies (warp_m1_bulk's ring; a slot's x words loaded before its wait)
+template <int ST, int NT, int MP, int U>
+__device__ __forceinline__ void warp_mp_bulk(float (&tot)[NT][4], const u32x4* const (&wt)[NT],
+                                             const u64* const (&st)[NT], int c0, int c1, const u16* xt,
+                                             int lane, unsigned char* ring, unsigned long long* bars) {
+#if QPN_BULK
+  constexpr int GS = 8 / MP, SETS = 4 / GS;  // groups per set; sets per chunk (4 groups)
+  const int slot = (lane >> 2) / MP, gq = 2 * (lane & 3) / MP;
+  const u32 rbase = smem_addr(ring), bbase = smem_addr(bars);
+  bulk_start<2, ST, NT, U>(wt, st, c0, c1, lane, rbase, bbase);
+  pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
+  bulk_loop<2, ST, NT, U>(wt, st, c0, c1, lane, rbase, bbase, [&](int cs, u32 sa, auto ready) {
+    u64 xv[U][SETS];  // this lane's x: group slot `slot` of each set of each chunk
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < SETS; ++j)
+        xv[u][j] = cs + u < c1 ? ld_act(xt + (size_t)(cs + u) * 64 + (j * GS + slot) * 16) : 0ull;
+    ready();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (cs + u < c1) {
+        u32x4 wv[NT];
+        u64 sv[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          wv[nt] = lds128(sa + (nt * U + u) * 512 + lane * 16);
+          sv[nt] = lds64(sa + NT * U * 512 + (nt * U + u) * 64 + (lane >> 2) * 8);
+        }
+        mp_chunk<NT, MP>(tot, wv, sv, xv[u], slot, gq);
+      }
+    }
+  });
+#else
+  __trap();  // never launched below sm_90 (the launchers pick these kernels on sm_90+ only)
+#endif
+}
+
 // y[M, N] = x[M, K] . W^T for NVFP4, 2 <= M <= MP (same arguments as the LINEAR kernels; P = 1).
-template <int ST, int NT, int MP>
+// ST < 0: warp_mp_bulk's ring of -ST slots of U chunks in dynamic shared memory (qpn.py's tb_smem), its mbarriers
+// after the rings.
+template <int ST, int NT, int MP, int U = 1>
 __device__ __forceinline__ void linear_mp_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                                float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                                int M, int N, int K, int KS) {
-  constexpr int RING = ST * NT * 32 * 24;
+  constexpr int RING = ST > 0 ? ST * NT * 32 * 24 : -ST * BULK_SLOT(NT, U);  // per warp
   static_assert(WARPS * NT * MP * 16 * 4 <= RING * WARPS, "partials fit in the rings");
-  __shared__ __align__(16) unsigned char smem[RING * WARPS];
+  __shared__ __align__(16) unsigned char smem_static[ST < 0 ? 16 : RING * WARPS];
+  extern __shared__ __align__(16) unsigned char smem_dynamic[];
+  unsigned char* const smem = ST < 0 ? smem_dynamic : smem_static;
   float (*red)[NT][MP][16] = reinterpret_cast<float (*)[NT][MP][16]>(smem);  // red[warp][nt][row of x][row]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
@@ -989,11 +1036,16 @@ __device__ __forceinline__ void linear_mp_body(const u32x4* __restrict__ w, cons
   tile_ptrs<NT>(wt, st, w, s, t0, tiles, C);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.f;
-  if (t0 < tiles)
-    warp_mp_async<ST, NT, MP>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS,
-                              x + (size_t)(m < M ? m : M - 1) * K + 4 * q, lane, smem + warp * RING);
-  else
+  const u16* const xt = x + (size_t)(m < M ? m : M - 1) * K + 4 * q;
+  if (t0 < tiles) {
+    if constexpr (ST > 0)
+      warp_mp_async<ST, NT, MP>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, xt, lane, smem + warp * RING);
+    else
+      warp_mp_bulk<-ST, NT, MP, U>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, xt, lane, smem + warp * RING,
+                                   reinterpret_cast<unsigned long long*>(smem + RING * WARPS + warp * -ST * 8));
+  } else {
     pdl_wait();     // this thread writes y below
+  }
   pdl_trigger();    // late: see pdl_trigger
   __syncthreads();  // red aliases the rings
   const int xr = 2 * q % MP;  // x rows xr, xr + 1 of tot
@@ -1036,6 +1088,17 @@ __device__ __forceinline__ void linear_mp_body(const u32x4* __restrict__ w, cons
 LINEAR_MP(2)
 LINEAR_MP(4)
 LINEAR_MP(8)
+// sm_90+ only: M = 2 through a bulk-copy ring of ST slots of U chunks, NT tiles per warp (warp_mp_bulk); (ST, U,
+// NT) of each: qpn.py's CT_TB_KERNELS
+#define LINEAR_MP_TB(NAME, MP, ST, U, NT)                                                            \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1)                                           \
+  NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x, \
+       u16* __restrict__ y, int M, int N, int K, int KS, int P) {                                    \
+    linear_mp_body<-(ST), NT, MP, U>(w, s, gs, x, y, M, N, K, KS);                                   \
+  }
+LINEAR_MP_TB(qpn2_linear_mp2_tbu4, 2, 2, 4, 1)
+LINEAR_MP_TB(qpn2_linear_mp2_tbu8, 2, 2, 8, 1)
+LINEAR_MP_TB(qpn2_linear_mp2_tb2u4, 2, 2, 4, 2)
 
 // shared memory of one block: the partials (red) and, for ST > 0, the rings, which red aliases
 // (a barrier separates the last ring read from the first partial written)

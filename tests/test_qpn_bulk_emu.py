@@ -14,7 +14,7 @@ import torch
 
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build, layout
-from hybrid.kernels.qpn import M1_TB_KERNELS, TB_KERNELS, m1_tb_name, tb_smem
+from hybrid.kernels.qpn import CT_TB_KERNELS, TB_KERNELS, ct_tb_m, ct_tb_name, tb_smem
 from tests.cuda_emu import GEMM_HELPERS, SHFL_XOR, SHIM, compile_emu, mma_shim
 from tests.test_qpn_layout import fp8, nvfp4
 
@@ -72,15 +72,19 @@ inline void mbar_wait(u32 bar, u32 parity) {
     std::this_thread::yield();
   }
 }
-// linear_m1_body's cp.async branch (ST > 0), never instantiated here
+// linear_m1_body's / linear_mp_body's cp.async branches (ST > 0), never instantiated here
 template <int ST, int NT>
 void warp_m1_async(float (&)[NT][4], const u32x4* const (&)[NT], const u64* const (&)[NT], int, int, const u16*, int,
+                   unsigned char*);
+template <int ST, int NT, int MP>
+void warp_mp_async(float (&)[NT][4], const u32x4* const (&)[NT], const u64* const (&)[NT], int, int, const u16*, int,
                    unsigned char*);
 """ + mma_shim("mma_tile")
 
 FUNCS = ["dec_fp4", "dec_fp8", "lane_tok", "lane_k", "mma_group", "group_fp4", "group_fp8", "load_x", "chunk",
-         "warp_gemm_bulk", "tile_ptrs", "store_partials", "red_sum", "zero_acc", "linear_body", "e4m3_mag_f32",
-         "warp_m1_bulk", "linear_m1_body"]
+         "bulk_issue", "bulk_start", "bulk_loop", "warp_gemm_bulk", "tile_ptrs", "store_partials", "red_sum",
+         "zero_acc", "linear_body", "e4m3_mag_f32", "m1_mmas", "m1_scale", "warp_m1_bulk", "linear_m1_body", "mp_chunk",
+         "warp_mp_bulk", "linear_mp_body"]
 
 
 def emu_source() -> str:
@@ -91,10 +95,12 @@ def emu_source() -> str:
     smem = smem[: smem.index("};\n") + 3]
     funcs = build.device_functions(FUNCS, src)
     decl = "extern __shared__ __align__(16) unsigned char smem_dynamic[];"
-    assert funcs.count(decl) == 2, "linear_body's / linear_m1_body's dynamic shared memory declaration moved"
+    assert funcs.count(decl) == 3, "linear_body's / linear_m1_body's / linear_mp_body's dynamic shared memory moved"
     funcs = funcs.replace(decl, f"__shared__ __align__(16) unsigned char smem_dynamic[{DYN}];")
     tb = src[src.index("#define LINEAR_TB("): src.index(RULE + "prefill: shared-memory tiled GEMM")]
     tb += src[src.index("#define LINEAR_M1_TB("): src.index(RULE + "NVFP4, M = 2..8 as M = 1 does")]
+    last = src.index("\n", src.rindex("LINEAR_MP_TB(qpn2_")) + 1
+    tb += src[src.index("#define LINEAR_MP_TB("): last]
     assert "asm" not in slot + smem + funcs + tb, "an inline-PTX helper the shim does not replace"
     entry = "".join(
         f'extern "C" void emu_{f}{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
@@ -104,8 +110,8 @@ def emu_source() -> str:
         for f in (2, 8) for v in TB_KERNELS) + "".join(
         f'extern "C" void emu_2{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
         f'u16* y, int M, int N, int K, int KS) {{ w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
-        f's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ {m1_tb_name(v)}(w, s, gs, x, y, M, N, K, KS, 1); }}); }}\n'
-        for v in M1_TB_KERNELS)
+        f's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ {ct_tb_name(v)}(w, s, gs, x, y, M, N, K, KS, 1); }}); }}\n'
+        for v in CT_TB_KERNELS)
     return (SHIM + "#define __CUDA_ARCH__ 900\n#include <cstdlib>\n" + head + HELPERS + slot + smem + funcs + tb
             + entry)
 
@@ -127,7 +133,7 @@ def run(lib, x, qw, variant, ks):
         words, scales = layout.pack_fp8(qw), torch.zeros(16, dtype=torch.uint8)
     gs = layout.global_scale(qw)
     fmt = 2 if qw.qtype is QType.NVFP4 else 8
-    nt = {**TB_KERNELS, **M1_TB_KERNELS}[variant][2]
+    nt = {**TB_KERNELS, **CT_TB_KERNELS}[variant][2]
     units = -(-(-(-n // 16)) // nt)
     y = torch.full((m, n), float("nan")).half()
     nb = lambda t: ctypes.c_long(t.numel() * t.element_size())   # noqa: E731
@@ -137,7 +143,7 @@ def run(lib, x, qw, variant, ks):
 
 
 def test_emulated_dynamic_shared_memory_fits():
-    assert max(tb_smem(v) for v in [*TB_KERNELS, *M1_TB_KERNELS]) <= DYN
+    assert max(tb_smem(v) for v in [*TB_KERNELS, *CT_TB_KERNELS]) <= DYN
 
 
 @pytest.mark.parametrize("variant", sorted(TB_KERNELS))
@@ -158,17 +164,19 @@ def test_emulated_bulk_linear(emu, variant, qtype, n, k, m, ks):
     assert err < 1e-3, f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("variant", sorted(M1_TB_KERNELS))
+@pytest.mark.parametrize("variant", sorted(CT_TB_KERNELS))
 @pytest.mark.parametrize("n,k,ks", [
     (200, 320, 1),     # 5 chunks: the last pair one chunk (its scales' upper half unread), the last slot short
     (48, 1024, 4),     # 16 chunks over 4 warps: 4 each, the ring turning
     (40, 448, 2),      # 7 chunks over 2 warps (3 and 4): an odd tail in one of them
     (16, 3072, 1),     # 48 chunks on one warp: the parity over many turns
 ])
-def test_emulated_bulk_m1(emu, variant, n, k, ks):
-    """The M = 1 NVFP4 column-trick kernels fed by bulk copies (warp_m1_bulk)."""
+def test_emulated_bulk_column_trick(emu, variant, n, k, ks):
+    """The NVFP4 column-trick kernels fed by bulk copies: M = 1 (warp_m1_bulk), M = 2 (warp_mp_bulk; also at M = 1,
+    where the kernel re-reads row 0 for its second column and writes one row)."""
     qw = nvfp4(n, k, seed=n + k)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(ks)).half()
+    m = ct_tb_m(variant) if ks != 2 else 1
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(ks)).half()
     y = run(emu, x, qw, variant, ks)
     assert not torch.isnan(y).any(), "unwritten outputs"
     ref = x.double() @ qw.dequantize(torch.float64).t()

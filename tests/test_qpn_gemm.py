@@ -354,8 +354,9 @@ def test_m1_kernel_choice(monkeypatch):
 
 
 def test_tb_kernel_choice(monkeypatch):
-    """sm_90+: the bulk-copy ring kernels where the H200 measured them faster (FP8 at any M, NVFP4 at M = 3..8 below
-    PAIR_MIN_TILES tiles; FP8 above it), never below sm_90, never with HYBRID_QPN_TB=0; a bad value is one line."""
+    """sm_90+: the bulk-copy ring kernels where the H200 measured them faster (FP8 at any M, NVFP4 at M = 1 and
+    M = 3..8 below PAIR_MIN_TILES tiles; FP8 above it), never below sm_90, never with HYBRID_QPN_TB=0, not at NVFP4
+    M = 1 with =mt; a bad value is one line."""
     from hybrid.errors import HybridError
     from hybrid.kernels.qpn import PAIR_MIN_TILES, linear_kernel, tb_smem
 
@@ -365,16 +366,30 @@ def test_tb_kernel_choice(monkeypatch):
     assert linear_kernel(2, 1, 8, 90, n=small) == "qpn2_linear_mt1_tb1u4"
     assert linear_kernel(2, 1, 8, 90, n=big, k=2048) == "qpn2_linear_mt1_t2u1"   # lm_head: the register pipeline
     assert linear_kernel(2, 1, 8, 90, n=big, k=5120) == "qpn2_linear_mt1_tbu2"   # long rows: the two-tile ring
-    assert linear_kernel(2, 1, 1, 90, n=small) == "qpn2_linear_m1_as"      # M = 1, 2 NVFP4: the column trick stays
+    # NVFP4 M = 1: the column trick through a bulk ring, slots of 4 or (long rows, or lm_head's K) 8 chunks, two
+    # tiles per warp in slots of 4 on a large grid of long rows; M = 2: the cp.async column trick
+    assert linear_kernel(2, 1, 1, 90, n=small, k=4096) == "qpn2_linear_m1_tbu4"
+    assert linear_kernel(2, 1, 1, 90, n=small, k=25600) == "qpn2_linear_m1_tbu8"
+    assert linear_kernel(2, 1, 1, 90, n=big, k=2048) == "qpn2_linear_m1_tbu8"
+    assert linear_kernel(2, 1, 1, 90, n=big, k=5120) == "qpn2_linear_m1_tb2u4"
+    assert linear_kernel(2, 1, 1, 80, n=small, k=4096) == "qpn2_linear_m1_as"
     assert linear_kernel(2, 1, 2, 90, n=small) == "qpn2_linear_mp2_as"
+    assert linear_kernel(2, 1, 2, 90, "_mp2tbu8", n=small) == "qpn2_linear_mp2_tbu8"   # forced
+    assert linear_kernel(2, 1, 3, 90, "_mp2tbu8", n=small) == "qpn2_linear_mt1_tb1u4"  # forced at the wrong M: default
+    assert linear_kernel(8, 1, 1, 90, "_m1tbu4", n=small) == "qpn8_linear_mt1_tb1u4"   # not NVFP4: the default
     assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1_tb1u4"
     assert linear_kernel(8, 1, 8, 90, n=big) == "qpn8_linear_mt1_tbu2"
     assert linear_kernel(8, 1, 1, 80, n=small) == "qpn8_linear_mt1"        # sm_80: no bulk copies
     assert linear_kernel(2, 1, 5, 70, n=small) == "qpn2_linear_mt1"
     assert linear_kernel(8, 1, 4, 80, "_tb1u4", n=small) == "qpn8_linear_mt1"   # forced below sm_90: the default
     assert linear_kernel(2, 2, 9, 90, n=big) == "qpn2_linear_mt2"
+    monkeypatch.setenv("HYBRID_QPN_TB", "mt")   # all but NVFP4 M = 1
+    assert linear_kernel(2, 1, 1, 90, n=small, k=4096) == "qpn2_linear_m1_as"
+    assert linear_kernel(2, 1, 1, 90, n=big, k=2048) == "qpn2_linear_m1_as2"
+    assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1_tb1u4"
     monkeypatch.setenv("HYBRID_QPN_TB", "0")
     assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1"
+    assert linear_kernel(2, 1, 1, 90, n=small, k=4096) == "qpn2_linear_m1_as"
     assert linear_kernel(8, 1, 4, 90, "_tbu2", n=small) == "qpn8_linear_mt1_tbu2"   # forced: still the ring
     monkeypatch.setenv("HYBRID_QPN_TB", "yes")
     with pytest.raises(HybridError, match="HYBRID_QPN_TB='yes'"):
@@ -382,6 +397,8 @@ def test_tb_kernel_choice(monkeypatch):
     # dynamic shared memory: 8 warps x 2 slots x NT x U x 576 bytes + 8-byte barriers
     assert tb_smem("_tb1u4") == 8 * 2 * 4 * 576 + 8 * 2 * 8
     assert tb_smem("_tbu2") == 8 * 2 * 2 * 2 * 576 + 8 * 2 * 8
+    assert tb_smem("_m1tbu8") == tb_smem("qpn2_linear_m1_tbu8") == 8 * 2 * 8 * 576 + 8 * 2 * 8
+    assert tb_smem("_mp2tb2u4") == 8 * 2 * 2 * 4 * 576 + 8 * 2 * 8
 
 
 def test_pdl_launch_config_layout_and_switch(monkeypatch):

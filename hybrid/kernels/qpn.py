@@ -65,14 +65,14 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     """The kernel qpn_linear launches for M rows (N out features) in passes of mt 8-row tiles on an
     sm_<sm> device. From PAIR_MIN_TILES 16-row tiles on, a warp does two tiles (measured on the H200:
     lm_head NVFP4 M = 1 52.4 vs 55.3 us, M = 8 59.0 vs 67.3; dense_up M = 1 27.5 vs 30.0, M = 8 33.3 vs
-    36.3; slower on 320 tiles; sm_80+ only, unmeasured on Volta): NVFP4 at M = 1 on sm_80+
-    qpn2_linear_m1_as2 (else qpn2_linear_m1_as), NVFP4 at 2 <= M <= MP_DEFAULT_MAX on sm_80+
-    qpn2_linear_mp{2,4,8}_as2 (else _as), on sm_90+ FP8 and NVFP4 M = 3..8 below PAIR_MIN_TILES tiles
-    qpn{fmt}_linear_mt1_tb1u4, from PAIR_MIN_TILES tiles FP8, and NVFP4 with K >= TB_PAIR_MIN_K,
-    qpn{fmt}_linear_mt1_tbu2 (bulk-copy rings; see tb_enabled), M <= 8 otherwise qpn{fmt}_linear_mt1_t2u1 (else
-    qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2"
-    (M1_KERNELS) forces one of the M = 1 NVFP4 kernels, "_mp" / "_mpx2" the column-trick ones, a TB_KERNELS
-    suffix a bulk-ring kernel (sm_90+), where they apply (benchmark, tests)."""
+    36.3; slower on 320 tiles; sm_80+ only, unmeasured on Volta): NVFP4 at M = 1 on sm_90+ the bulk-ring
+    column-trick kernel m1_tb_choice picks, on sm_80 qpn2_linear_m1_as2 (else qpn2_linear_m1_as), NVFP4 at
+    2 <= M <= MP_DEFAULT_MAX on sm_80+ qpn2_linear_mp{2,4,8}_as2 (else _as), on sm_90+ FP8 and NVFP4 M = 3..8
+    below PAIR_MIN_TILES tiles qpn{fmt}_linear_mt1_tb1u4, from PAIR_MIN_TILES tiles FP8, and NVFP4 with
+    K >= TB_PAIR_MIN_K, qpn{fmt}_linear_mt1_tbu2 (bulk-copy rings; see tb_mode), M <= 8 otherwise
+    qpn{fmt}_linear_mt1_t2u1 (else qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2" (M1_KERNELS) forces one of the
+    M = 1 NVFP4 cp.async-ring kernels, "_mp" / "_mpx2" the column-trick ones, a TB_KERNELS or CT_TB_KERNELS suffix
+    a bulk-ring kernel (sm_90+), where they apply (benchmark, tests)."""
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
     m1 = sm >= 80 and fmt == 2 and m == 1
@@ -81,9 +81,9 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
         if m1:
             return M1_KERNELS[choice]
         choice = None
-    if choice in M1_TB_KERNELS:                  # forced where the M = 1 kernels apply on sm_90+, else the default
-        if m1 and sm >= 90:
-            return m1_tb_name(choice)
+    if choice in CT_TB_KERNELS:                  # forced where its M is on sm_90+ (NVFP4), else the default
+        if fmt == 2 and sm >= 90 and m == ct_tb_m(choice):
+            return ct_tb_name(choice)
         choice = None
     if choice in TB_KERNELS and sm < 90:         # the bulk-copy rings: sm_90+ only, else the default
         choice = None
@@ -94,11 +94,14 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
         choice = None
     if choice is None:
         pair = sm >= 80 and -(-n // 16) >= PAIR_MIN_TILES   # measured on sm_90 only: Volta keeps one
+        tb = tb_mode() if sm >= 90 else "0"
         if m1:
+            if tb == "1":
+                return ct_tb_name(m1_tb_choice(pair, k))
             return "qpn2_linear_m1_as2" if pair else "qpn2_linear_m1_as"
         if mp and m <= MP_DEFAULT_MAX[0]:
             return f"qpn2_linear_mp{mp_rows(m)}_as{'2' if pair else ''}"
-        if sm >= 90 and tb_enabled() and (fmt == 8 or not pair or k >= TB_PAIR_MIN_K):
+        if tb != "0" and (fmt == 8 or not pair or k >= TB_PAIR_MIN_K):
             return f"qpn{fmt}_linear_mt1{'_tbu2' if pair else '_tb1u4'}"
         return f"qpn{fmt}_linear_mt1_t2u1" if pair else f"qpn{fmt}_linear_mt1"
     return f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
@@ -110,26 +113,32 @@ PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8
 # LINEAR_VARIANT choices: the M <= 8 kernels fed by bulk-copy rings (sm_90+), suffix -> (ST slots, U chunks per
 # slot, NT tiles per warp) as qpn.cu's LINEAR_TB lines build them
 TB_KERNELS = {"_tbu2": (2, 2, 2), "_tb1u4": (2, 4, 1)}
-# LINEAR_VARIANT choices: the M = 1 NVFP4 column-trick kernels fed by bulk-copy rings (sm_90+; qpn.cu's LINEAR_M1_TB
-# lines), suffix -> (ST, U, NT) as in TB_KERNELS; kernel qpn2_linear_m1_<suffix after "_m1">
-M1_TB_KERNELS = {"_m1tbu4": (2, 4, 1), "_m1tbs3": (3, 4, 1), "_m1tbu8": (2, 8, 1), "_m1tb2u2": (2, 2, 2),
-                 "_m1tb2u4": (2, 4, 2)}
+# LINEAR_VARIANT choices: the NVFP4 column-trick kernels for M = 1 ("_m1tb...") and M = 2 ("_mp2tb...") fed by
+# bulk-copy rings (sm_90+; qpn.cu's LINEAR_M1_TB / LINEAR_MP_TB lines), suffix -> (ST, U, NT) as in TB_KERNELS
+CT_TB_KERNELS = {"_m1tbu4": (2, 4, 1), "_m1tbu8": (2, 8, 1), "_m1tb2u4": (2, 4, 2), "_mp2tbu4": (2, 4, 1),
+                 "_mp2tbu8": (2, 8, 1), "_mp2tb2u4": (2, 4, 2)}
 
 
-def m1_tb_name(suffix: str) -> str:
-    """The kernel of an M1_TB_KERNELS suffix ("_m1tbu4" -> "qpn2_linear_m1_tbu4")."""
-    return f"qpn2_linear_m1_{suffix[3:]}"
+def ct_tb_name(suffix: str) -> str:
+    """The kernel of a CT_TB_KERNELS suffix ("_m1tbu4" -> "qpn2_linear_m1_tbu4", "_mp2tb2u4" ->
+    "qpn2_linear_mp2_tb2u4")."""
+    return "qpn2_linear_" + suffix[1:].replace("tb", "_tb", 1)
+
+
+def ct_tb_m(suffix: str) -> int:
+    """The M a CT_TB_KERNELS kernel serves (1 or 2)."""
+    return 1 if suffix.startswith("_m1") else 2
 
 
 def bulk_geometry(name: str) -> tuple[int, int, int, int] | None:
-    """(ST slots, U chunks per slot, NT tiles per warp, fp32 partials per tile) of a bulk-ring linear kernel, else
-    None."""
+    """(ST slots, U chunks per slot, NT tiles per warp, fp32 partials per tile per warp) of a bulk-ring linear kernel,
+    else None."""
     for suffix, g in TB_KERNELS.items():
         if name.endswith("_mt1" + suffix):
             return (*g, 8 * 16)
-    for suffix, g in M1_TB_KERNELS.items():
-        if name == m1_tb_name(suffix):
-            return (*g, 16)
+    for suffix, g in CT_TB_KERNELS.items():
+        if name == ct_tb_name(suffix):
+            return (*g, ct_tb_m(suffix) * 16)
     return None
 
 
@@ -141,26 +150,42 @@ TB_ENV = "HYBRID_QPN_TB"
 TB_PAIR_MIN_K = 4096
 
 
-def tb_enabled() -> bool:
+def tb_mode() -> str:
     """$HYBRID_QPN_TB (default 1): on sm_90+ the M <= 8 kernels that the bulk-copy rings beat on the H200 are
     replaced by them -- FP8 at any M and NVFP4 at M = 3..8 below PAIR_MIN_TILES tiles by _tb1u4 (one tile per warp,
     two slots of 4 chunks), FP8 and NVFP4 with K >= TB_PAIR_MIN_K from PAIR_MIN_TILES tiles by _tbu2 (two tiles, two
-    slots of 2 chunks); 0 keeps the register-pipeline kernels (read at each launch: A/B runs switch it). HybridError
-    naming the variable on anything but 0 or 1 (checked when a CUDA session opens)."""
+    slots of 2 chunks), NVFP4 M = 1 by the column-trick rings m1_tb_choice picks; "mt" all but the last (the M = 1
+    NVFP4 kernels keep their cp.async rings), 0 none: the register-pipeline / cp.async kernels (read at each launch:
+    A/B runs switch it). HybridError naming the variable on anything else (checked when a CUDA session opens)."""
     v = os.environ.get(TB_ENV, "").strip() or "1"
-    if v not in ("0", "1"):
+    if v not in ("0", "1", "mt"):
         from hybrid.errors import HybridError
 
-        raise HybridError(f"{TB_ENV}={v!r}: expected 1 (the bulk-copy ring kernels where faster) or 0 (never)")
-    return v == "1"
+        raise HybridError(f"{TB_ENV}={v!r}: expected 1 (the bulk-copy ring kernels where faster), mt (not for NVFP4 "
+                          f"M = 1) or 0 (never)")
+    return v
+
+
+def m1_tb_choice(pair: bool, k: int) -> str:
+    """The CT_TB_KERNELS suffix of NVFP4 M = 1 on sm_90+ (pair: PAIR_MIN_TILES tiles or more). H200, against the
+    cp.async ring kernels (results/cuda_kernels.md, thirty-first session, call 1): below PAIR_MIN_TILES tiles one tile
+    per warp in slots of 4 chunks (o_proj 7.07 vs 7.81 us, k_proj 5.76 vs 6.03, q_proj 7.26 vs 7.34), of 8 from
+    CT_U8_MIN_K k (dense_down 28.7 vs 30.4); from PAIR_MIN_TILES tiles two tiles per warp in slots of 4 with rows of
+    TB_PAIR_MIN_K k or more (dense_up 27.4 vs 28.9), else one in slots of 8 (lm_head 50.6 vs 51.6)."""
+    if pair:
+        return "_m1tb2u4" if k >= TB_PAIR_MIN_K else "_m1tbu8"
+    return "_m1tbu8" if k >= CT_U8_MIN_K else "_m1tbu4"
+
+
+CT_U8_MIN_K = 8192
 
 
 def tb_smem(suffix: str) -> int:
-    """Dynamic shared memory of a bulk-ring kernel (a TB_KERNELS or M1_TB_KERNELS suffix, or a kernel name;
-    qpn.cu's Smem for ST < 0, linear_m1_body's): the WARPS rings of ST slots of NT x U x 576 bytes (or the block's
+    """Dynamic shared memory of a bulk-ring kernel (a TB_KERNELS or CT_TB_KERNELS suffix, or a kernel name;
+    qpn.cu's Smem for ST < 0, linear_m1_body's, linear_mp_body's): the WARPS rings of ST slots of NT x U x 576 bytes (or the block's
     partial sums, if larger) and ST 8-byte mbarriers per warp."""
-    if suffix in M1_TB_KERNELS:
-        suffix = m1_tb_name(suffix)
+    if suffix in CT_TB_KERNELS:
+        suffix = ct_tb_name(suffix)
     elif suffix in TB_KERNELS:
         suffix = "_mt1" + suffix
     st, u, nt, part = bulk_geometry(suffix)
@@ -570,8 +595,9 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n, k)
     geo = bulk_geometry(name)
     if geo and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows: the cp.async / register kernels
-        name = (f"qpn2_linear_m1_as{'2' if geo[2] == 2 else ''}" if "_m1_" in name
-                else f"qpn{fmt}_linear_mt1{'_t2u1' if geo[2] == 2 else ''}")
+        pair = "2" if geo[2] == 2 else ""
+        name = (f"qpn2_linear_m1_as{pair}" if "_m1_" in name else f"qpn2_linear_mp2_as{pair}" if "_mp2_" in name
+                else f"qpn{fmt}_linear_mt1{'_t2u1' if pair else ''}")
         geo = None
     smem = tb_smem(name) if geo else 0
     units = -(-tiles // 2) if name.endswith(PAIR_KERNELS) or (geo and geo[2] == 2) else tiles   # warp work units

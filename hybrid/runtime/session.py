@@ -17,7 +17,7 @@ from hybrid.experts.popularity import ExpertProfile, load_profile as load_expert
 from hybrid.experts.trace import TraceHeader, TraceWriter
 from hybrid.kernels.driver import carveout
 from hybrid.kernels.fused import attn_w_per_sm, route_rank
-from hybrid.kernels.qpn import moe_gemm_mode, tb_enabled
+from hybrid.kernels.qpn import moe_gemm_mode, tb_mode
 from hybrid.model.config import ModelConfig
 from hybrid.model.layers import sdpa_gqa_mode
 from hybrid.runtime.cpu_card import hold_dense
@@ -180,7 +180,7 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
         carveout(None)
         attn_w_per_sm()
         route_rank()
-        tb_enabled()
+        tb_mode()
         from_store = promote_mode() == "store" and any(c.slots for c in placement.cards)   # slots to fill
         if hasattr(cpu, "store_source") and (offload_min or from_store):
             source = cpu.store_source()       # prefill offload / promotions read the pinned store
