@@ -1088,17 +1088,21 @@ __device__ __forceinline__ void linear_mp_body(const u32x4* __restrict__ w, cons
 LINEAR_MP(2)
 LINEAR_MP(4)
 LINEAR_MP(8)
-// sm_90+ only: M = 2 through a bulk-copy ring of ST slots of U chunks, NT tiles per warp (warp_mp_bulk); (ST, U,
-// NT) of each: qpn.py's CT_TB_KERNELS
+// sm_90+ only: M <= MP through a bulk-copy ring of ST slots of U chunks, NT tiles per warp (warp_mp_bulk); (ST,
+// U, NT) of each: qpn.py's CT_TB_KERNELS
 #define LINEAR_MP_TB(NAME, MP, ST, U, NT)                                                            \
   extern "C" __global__ void __launch_bounds__(THREADS, 1)                                           \
   NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x, \
        u16* __restrict__ y, int M, int N, int K, int KS, int P) {                                    \
     linear_mp_body<-(ST), NT, MP, U>(w, s, gs, x, y, M, N, K, KS);                                   \
   }
-LINEAR_MP_TB(qpn2_linear_mp2_tbu4, 2, 2, 4, 1)
-LINEAR_MP_TB(qpn2_linear_mp2_tbu8, 2, 2, 8, 1)
-LINEAR_MP_TB(qpn2_linear_mp2_tb2u4, 2, 2, 4, 2)
+#define LINEAR_MP_TBS(MP)                                        \
+  LINEAR_MP_TB(qpn2_linear_mp##MP##_tbu4, MP, 2, 4, 1)          \
+  LINEAR_MP_TB(qpn2_linear_mp##MP##_tbu8, MP, 2, 8, 1)          \
+  LINEAR_MP_TB(qpn2_linear_mp##MP##_tb2u4, MP, 2, 4, 2)
+LINEAR_MP_TBS(2)
+LINEAR_MP_TBS(4)
+LINEAR_MP_TBS(8)
 
 // shared memory of one block: the partials (red) and, for ST > 0, the rings, which red aliases
 // (a barrier separates the last ring read from the first partial written)

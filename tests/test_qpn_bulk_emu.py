@@ -99,7 +99,7 @@ def emu_source() -> str:
     funcs = funcs.replace(decl, f"__shared__ __align__(16) unsigned char smem_dynamic[{DYN}];")
     tb = src[src.index("#define LINEAR_TB("): src.index(RULE + "prefill: shared-memory tiled GEMM")]
     tb += src[src.index("#define LINEAR_M1_TB("): src.index(RULE + "NVFP4, M = 2..8 as M = 1 does")]
-    last = src.index("\n", src.rindex("LINEAR_MP_TB(qpn2_")) + 1
+    last = src.index("\n", src.rindex("\nLINEAR_MP_TBS(") + 1) + 1
     tb += src[src.index("#define LINEAR_MP_TB("): last]
     assert "asm" not in slot + smem + funcs + tb, "an inline-PTX helper the shim does not replace"
     entry = "".join(
@@ -172,10 +172,10 @@ def test_emulated_bulk_linear(emu, variant, qtype, n, k, m, ks):
     (16, 3072, 1),     # 48 chunks on one warp: the parity over many turns
 ])
 def test_emulated_bulk_column_trick(emu, variant, n, k, ks):
-    """The NVFP4 column-trick kernels fed by bulk copies: M = 1 (warp_m1_bulk), M = 2 (warp_mp_bulk; also at M = 1,
-    where the kernel re-reads row 0 for its second column and writes one row)."""
+    """The NVFP4 column-trick kernels fed by bulk copies: M = 1 (warp_m1_bulk), M <= MP = 2, 4, 8 (warp_mp_bulk; also
+    below MP, where the kernel re-reads row M - 1 for the columns past M and writes M rows)."""
     qw = nvfp4(n, k, seed=n + k)
-    m = ct_tb_m(variant) if ks != 2 else 1
+    m = {1: ct_tb_m(variant), 2: 1, 4: max(1, ct_tb_m(variant) - 1)}[ks]   # all rows, one, all but one
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(ks)).half()
     y = run(emu, x, qw, variant, ks)
     assert not torch.isnan(y).any(), "unwritten outputs"

@@ -82,7 +82,7 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
             return M1_KERNELS[choice]
         choice = None
     if choice in CT_TB_KERNELS:                  # forced where its M is on sm_90+ (NVFP4), else the default
-        if fmt == 2 and sm >= 90 and m == ct_tb_m(choice):
+        if fmt == 2 and sm >= 90 and (m == 1) == (ct_tb_m(choice) == 1) and m <= ct_tb_m(choice):
             return ct_tb_name(choice)
         choice = None
     if choice in TB_KERNELS and sm < 90:         # the bulk-copy rings: sm_90+ only, else the default
@@ -113,10 +113,11 @@ PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8
 # LINEAR_VARIANT choices: the M <= 8 kernels fed by bulk-copy rings (sm_90+), suffix -> (ST slots, U chunks per
 # slot, NT tiles per warp) as qpn.cu's LINEAR_TB lines build them
 TB_KERNELS = {"_tbu2": (2, 2, 2), "_tb1u4": (2, 4, 1)}
-# LINEAR_VARIANT choices: the NVFP4 column-trick kernels for M = 1 ("_m1tb...") and M = 2 ("_mp2tb...") fed by
-# bulk-copy rings (sm_90+; qpn.cu's LINEAR_M1_TB / LINEAR_MP_TB lines), suffix -> (ST, U, NT) as in TB_KERNELS
-CT_TB_KERNELS = {"_m1tbu4": (2, 4, 1), "_m1tbu8": (2, 8, 1), "_m1tb2u4": (2, 4, 2), "_mp2tbu4": (2, 4, 1),
-                 "_mp2tbu8": (2, 8, 1), "_mp2tb2u4": (2, 4, 2)}
+# LINEAR_VARIANT choices: the NVFP4 column-trick kernels for M = 1 ("_m1tb...") and M <= MP = 2, 4, 8
+# ("_mp<MP>tb...") fed by bulk-copy rings (sm_90+; qpn.cu's LINEAR_M1_TB / LINEAR_MP_TB lines), suffix -> (ST, U, NT)
+# as in TB_KERNELS
+CT_TB_KERNELS = {f"_{m}{v}": g for m in ("m1", "mp2", "mp4", "mp8")
+                 for v, g in (("tbu4", (2, 4, 1)), ("tbu8", (2, 8, 1)), ("tb2u4", (2, 4, 2)))}
 
 
 def ct_tb_name(suffix: str) -> str:
@@ -126,8 +127,8 @@ def ct_tb_name(suffix: str) -> str:
 
 
 def ct_tb_m(suffix: str) -> int:
-    """The M a CT_TB_KERNELS kernel serves (1 or 2)."""
-    return 1 if suffix.startswith("_m1") else 2
+    """The most rows a CT_TB_KERNELS kernel serves (1, or MP: M = 2..MP)."""
+    return 1 if suffix.startswith("_m1") else int(suffix[3])
 
 
 def bulk_geometry(name: str) -> tuple[int, int, int, int] | None:
