@@ -1096,13 +1096,11 @@ LINEAR_MP(8)
        u16* __restrict__ y, int M, int N, int K, int KS, int P) {                                    \
     linear_mp_body<-(ST), NT, MP, U>(w, s, gs, x, y, M, N, K, KS);                                   \
   }
-#define LINEAR_MP_TBS(MP)                                        \
-  LINEAR_MP_TB(qpn2_linear_mp##MP##_tbu4, MP, 2, 4, 1)          \
-  LINEAR_MP_TB(qpn2_linear_mp##MP##_tbu8, MP, 2, 8, 1)          \
-  LINEAR_MP_TB(qpn2_linear_mp##MP##_tb2u4, MP, 2, 4, 2)
-LINEAR_MP_TBS(2)
-LINEAR_MP_TBS(4)
-LINEAR_MP_TBS(8)
+LINEAR_MP_TB(qpn2_linear_mp2_tbu4, 2, 2, 4, 1)
+LINEAR_MP_TB(qpn2_linear_mp2_tbu8, 2, 2, 8, 1)
+LINEAR_MP_TB(qpn2_linear_mp2_tb2u4, 2, 2, 4, 2)
+LINEAR_MP_TB(qpn2_linear_mp4_tbu4, 4, 2, 4, 1)
+LINEAR_MP_TB(qpn2_linear_mp4_tb2u4, 4, 2, 4, 2)
 
 // shared memory of one block: the partials (red) and, for ST > 0, the rings, which red aliases
 // (a barrier separates the last ring read from the first partial written)

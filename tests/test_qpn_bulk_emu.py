@@ -99,7 +99,7 @@ def emu_source() -> str:
     funcs = funcs.replace(decl, f"__shared__ __align__(16) unsigned char smem_dynamic[{DYN}];")
     tb = src[src.index("#define LINEAR_TB("): src.index(RULE + "prefill: shared-memory tiled GEMM")]
     tb += src[src.index("#define LINEAR_M1_TB("): src.index(RULE + "NVFP4, M = 2..8 as M = 1 does")]
-    last = src.index("\n", src.rindex("\nLINEAR_MP_TBS(") + 1) + 1
+    last = src.index("\n", src.rindex("\nLINEAR_MP_TB(qpn2_") + 1) + 1
     tb += src[src.index("#define LINEAR_MP_TB("): last]
     assert "asm" not in slot + smem + funcs + tb, "an inline-PTX helper the shim does not replace"
     entry = "".join(

@@ -354,15 +354,15 @@ def test_m1_kernel_choice(monkeypatch):
 
 
 def test_tb_kernel_choice(monkeypatch):
-    """sm_90+: the bulk-copy ring kernels where the H200 measured them faster (FP8 at any M, NVFP4 at M = 1 and
-    M = 3..8 below PAIR_MIN_TILES tiles; FP8 above it), never below sm_90, never with HYBRID_QPN_TB=0, not at NVFP4
-    M = 1 with =mt; a bad value is one line."""
+    """sm_90+: the bulk-copy ring kernels where the H200 measured them faster (FP8 at any M, NVFP4 at M = 1..4 through
+    the column trick, at M = 5..8 below PAIR_MIN_TILES tiles; FP8 above it), never below sm_90, never with
+    HYBRID_QPN_TB=0, not the column-trick ones with =mt; a bad value is one line."""
     from hybrid.errors import HybridError
     from hybrid.kernels.qpn import PAIR_MIN_TILES, linear_kernel, tb_smem
 
     big, small = 16 * PAIR_MIN_TILES, 16 * PAIR_MIN_TILES - 16
     monkeypatch.delenv("HYBRID_QPN_TB", raising=False)
-    assert linear_kernel(2, 1, 3, 90, n=small) == "qpn2_linear_mt1_tb1u4"
+    assert linear_kernel(2, 1, 5, 90, n=small) == "qpn2_linear_mt1_tb1u4"
     assert linear_kernel(2, 1, 8, 90, n=small) == "qpn2_linear_mt1_tb1u4"
     assert linear_kernel(2, 1, 8, 90, n=big, k=2048) == "qpn2_linear_mt1_t2u1"   # lm_head: the register pipeline
     assert linear_kernel(2, 1, 8, 90, n=big, k=5120) == "qpn2_linear_mt1_tbu2"   # long rows: the two-tile ring
@@ -373,9 +373,20 @@ def test_tb_kernel_choice(monkeypatch):
     assert linear_kernel(2, 1, 1, 90, n=big, k=2048) == "qpn2_linear_m1_tbu8"
     assert linear_kernel(2, 1, 1, 90, n=big, k=5120) == "qpn2_linear_m1_tb2u4"
     assert linear_kernel(2, 1, 1, 80, n=small, k=4096) == "qpn2_linear_m1_as"
-    assert linear_kernel(2, 1, 2, 90, n=small) == "qpn2_linear_mp2_as"
+    # M = 2 as M = 1 (its column-trick kernel, two rows); M = 3, 4 the four-row one, slots of 4, two tiles per warp
+    # only on a large grid of long rows
+    assert linear_kernel(2, 1, 2, 90, n=small, k=2048) == "qpn2_linear_mp2_tbu4"
+    assert linear_kernel(2, 1, 2, 90, n=small, k=25600) == "qpn2_linear_mp2_tbu8"
+    assert linear_kernel(2, 1, 2, 90, n=big, k=2048) == "qpn2_linear_mp2_tbu8"
+    assert linear_kernel(2, 1, 2, 90, n=big, k=5120) == "qpn2_linear_mp2_tb2u4"
+    assert linear_kernel(2, 1, 3, 90, n=small, k=25600) == "qpn2_linear_mp4_tbu4"
+    assert linear_kernel(2, 1, 4, 90, n=big, k=2048) == "qpn2_linear_mp4_tbu4"
+    assert linear_kernel(2, 1, 4, 90, n=big, k=5120) == "qpn2_linear_mp4_tb2u4"
+    assert linear_kernel(2, 1, 2, 80, n=small) == "qpn2_linear_mp2_as"
     assert linear_kernel(2, 1, 2, 90, "_mp2tbu8", n=small) == "qpn2_linear_mp2_tbu8"   # forced
-    assert linear_kernel(2, 1, 3, 90, "_mp2tbu8", n=small) == "qpn2_linear_mt1_tb1u4"  # forced at the wrong M: default
+    assert linear_kernel(2, 1, 3, 90, "_mp4tb2u4", n=small) == "qpn2_linear_mp4_tb2u4"  # forced, below MP rows
+    assert linear_kernel(2, 1, 3, 90, "_mp2tbu8", n=small) == "qpn2_linear_mp4_tbu4"   # forced at the wrong M: default
+    assert linear_kernel(2, 1, 1, 90, "_mp2tbu8", n=small, k=4096) == "qpn2_linear_m1_tbu4"   # M = 1: its own kernels
     assert linear_kernel(8, 1, 1, 90, "_m1tbu4", n=small) == "qpn8_linear_mt1_tb1u4"   # not NVFP4: the default
     assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1_tb1u4"
     assert linear_kernel(8, 1, 8, 90, n=big) == "qpn8_linear_mt1_tbu2"
@@ -383,9 +394,11 @@ def test_tb_kernel_choice(monkeypatch):
     assert linear_kernel(2, 1, 5, 70, n=small) == "qpn2_linear_mt1"
     assert linear_kernel(8, 1, 4, 80, "_tb1u4", n=small) == "qpn8_linear_mt1"   # forced below sm_90: the default
     assert linear_kernel(2, 2, 9, 90, n=big) == "qpn2_linear_mt2"
-    monkeypatch.setenv("HYBRID_QPN_TB", "mt")   # all but NVFP4 M = 1
+    monkeypatch.setenv("HYBRID_QPN_TB", "mt")   # all but the NVFP4 M <= 4 column-trick rings
     assert linear_kernel(2, 1, 1, 90, n=small, k=4096) == "qpn2_linear_m1_as"
     assert linear_kernel(2, 1, 1, 90, n=big, k=2048) == "qpn2_linear_m1_as2"
+    assert linear_kernel(2, 1, 2, 90, n=small) == "qpn2_linear_mp2_as"
+    assert linear_kernel(2, 1, 4, 90, n=small) == "qpn2_linear_mt1_tb1u4"
     assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1_tb1u4"
     monkeypatch.setenv("HYBRID_QPN_TB", "0")
     assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1"

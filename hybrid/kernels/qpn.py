@@ -65,10 +65,11 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     """The kernel qpn_linear launches for M rows (N out features) in passes of mt 8-row tiles on an
     sm_<sm> device. From PAIR_MIN_TILES 16-row tiles on, a warp does two tiles (measured on the H200:
     lm_head NVFP4 M = 1 52.4 vs 55.3 us, M = 8 59.0 vs 67.3; dense_up M = 1 27.5 vs 30.0, M = 8 33.3 vs
-    36.3; slower on 320 tiles; sm_80+ only, unmeasured on Volta): NVFP4 at M = 1 on sm_90+ the bulk-ring
-    column-trick kernel m1_tb_choice picks, on sm_80 qpn2_linear_m1_as2 (else qpn2_linear_m1_as), NVFP4 at
-    2 <= M <= MP_DEFAULT_MAX on sm_80+ qpn2_linear_mp{2,4,8}_as2 (else _as), on sm_90+ FP8 and NVFP4 M = 3..8
-    below PAIR_MIN_TILES tiles qpn{fmt}_linear_mt1_tb1u4, from PAIR_MIN_TILES tiles FP8, and NVFP4 with
+    36.3; slower on 320 tiles; sm_80+ only, unmeasured on Volta): NVFP4 at M <= 4 on sm_90+ the bulk-ring
+    column-trick kernel ct_tb_choice picks; otherwise (sm_80, or tb_mode not 1) NVFP4 at M = 1 on sm_80+
+    qpn2_linear_m1_as2 (else qpn2_linear_m1_as), NVFP4 at 2 <= M <= MP_DEFAULT_MAX on sm_80+
+    qpn2_linear_mp{2,4,8}_as2 (else _as); on sm_90+ FP8 and NVFP4 M = 5..8 (3..8 with tb_mode mt) below
+    PAIR_MIN_TILES tiles qpn{fmt}_linear_mt1_tb1u4, from PAIR_MIN_TILES tiles FP8, and NVFP4 with
     K >= TB_PAIR_MIN_K, qpn{fmt}_linear_mt1_tbu2 (bulk-copy rings; see tb_mode), M <= 8 otherwise
     qpn{fmt}_linear_mt1_t2u1 (else qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2" (M1_KERNELS) forces one of the
     M = 1 NVFP4 cp.async-ring kernels, "_mp" / "_mpx2" the column-trick ones, a TB_KERNELS or CT_TB_KERNELS suffix
@@ -95,9 +96,9 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     if choice is None:
         pair = sm >= 80 and -(-n // 16) >= PAIR_MIN_TILES   # measured on sm_90 only: Volta keeps one
         tb = tb_mode() if sm >= 90 else "0"
+        if (m1 or mp) and tb == "1" and m <= 4:
+            return ct_tb_name(ct_tb_choice(m, pair, k))
         if m1:
-            if tb == "1":
-                return ct_tb_name(m1_tb_choice(pair, k))
             return "qpn2_linear_m1_as2" if pair else "qpn2_linear_m1_as"
         if mp and m <= MP_DEFAULT_MAX[0]:
             return f"qpn2_linear_mp{mp_rows(m)}_as{'2' if pair else ''}"
@@ -113,11 +114,11 @@ PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8
 # LINEAR_VARIANT choices: the M <= 8 kernels fed by bulk-copy rings (sm_90+), suffix -> (ST slots, U chunks per
 # slot, NT tiles per warp) as qpn.cu's LINEAR_TB lines build them
 TB_KERNELS = {"_tbu2": (2, 2, 2), "_tb1u4": (2, 4, 1)}
-# LINEAR_VARIANT choices: the NVFP4 column-trick kernels for M = 1 ("_m1tb...") and M <= MP = 2, 4, 8
+# LINEAR_VARIANT choices: the NVFP4 column-trick kernels for M = 1 ("_m1tb...") and M <= MP = 2, 4
 # ("_mp<MP>tb...") fed by bulk-copy rings (sm_90+; qpn.cu's LINEAR_M1_TB / LINEAR_MP_TB lines), suffix -> (ST, U, NT)
 # as in TB_KERNELS
-CT_TB_KERNELS = {f"_{m}{v}": g for m in ("m1", "mp2", "mp4", "mp8")
-                 for v, g in (("tbu4", (2, 4, 1)), ("tbu8", (2, 8, 1)), ("tb2u4", (2, 4, 2)))}
+CT_TB_KERNELS = {f"_{m}{v}": g for m in ("m1", "mp2", "mp4")
+                 for v, g in (("tbu4", (2, 4, 1)), ("tbu8", (2, 8, 1)), ("tb2u4", (2, 4, 2))) if (m, v) != ("mp4", "tbu8")}
 
 
 def ct_tb_name(suffix: str) -> str:
@@ -155,27 +156,35 @@ def tb_mode() -> str:
     """$HYBRID_QPN_TB (default 1): on sm_90+ the M <= 8 kernels that the bulk-copy rings beat on the H200 are
     replaced by them -- FP8 at any M and NVFP4 at M = 3..8 below PAIR_MIN_TILES tiles by _tb1u4 (one tile per warp,
     two slots of 4 chunks), FP8 and NVFP4 with K >= TB_PAIR_MIN_K from PAIR_MIN_TILES tiles by _tbu2 (two tiles, two
-    slots of 2 chunks), NVFP4 M = 1 by the column-trick rings m1_tb_choice picks; "mt" all but the last (the M = 1
-    NVFP4 kernels keep their cp.async rings), 0 none: the register-pipeline / cp.async kernels (read at each launch:
+    slots of 2 chunks), NVFP4 M = 1..4 by the column-trick rings ct_tb_choice picks; "mt" all but the last (NVFP4
+    M = 1, 2 keep the cp.async column trick, M = 3, 4 take the 8-column rings), 0 none: the register-pipeline / cp.async kernels (read at each launch:
     A/B runs switch it). HybridError naming the variable on anything else (checked when a CUDA session opens)."""
     v = os.environ.get(TB_ENV, "").strip() or "1"
     if v not in ("0", "1", "mt"):
         from hybrid.errors import HybridError
 
-        raise HybridError(f"{TB_ENV}={v!r}: expected 1 (the bulk-copy ring kernels where faster), mt (not for NVFP4 "
-                          f"M = 1) or 0 (never)")
+        raise HybridError(f"{TB_ENV}={v!r}: expected 1 (the bulk-copy ring kernels where faster), mt (not the "
+                          f"NVFP4 M <= 4 column-trick ones) or 0 (never)")
     return v
 
 
-def m1_tb_choice(pair: bool, k: int) -> str:
-    """The CT_TB_KERNELS suffix of NVFP4 M = 1 on sm_90+ (pair: PAIR_MIN_TILES tiles or more). H200, against the
-    cp.async ring kernels (results/cuda_kernels.md, thirty-first session, call 1): below PAIR_MIN_TILES tiles one tile
-    per warp in slots of 4 chunks (o_proj 7.07 vs 7.81 us, k_proj 5.76 vs 6.03, q_proj 7.26 vs 7.34), of 8 from
-    CT_U8_MIN_K k (dense_down 28.7 vs 30.4); from PAIR_MIN_TILES tiles two tiles per warp in slots of 4 with rows of
-    TB_PAIR_MIN_K k or more (dense_up 27.4 vs 28.9), else one in slots of 8 (lm_head 50.6 vs 51.6)."""
+def ct_tb_choice(m: int, pair: bool, k: int) -> str:
+    """The CT_TB_KERNELS suffix of NVFP4 at M = 1..4 on sm_90+ (pair: PAIR_MIN_TILES tiles or more). H200, against
+    the cp.async column-trick kernels at M = 1, 2 and the 8-column bulk-ring kernels at M = 3, 4 (results/
+    cuda_kernels.md, thirty-first session, calls 1-3). M = 1 and 2 (m1, mp2): below PAIR_MIN_TILES tiles one tile per
+    warp in slots of 4 chunks (M = 1: o_proj 7.07 vs 7.81 us, k_proj 5.76 vs 6.03; M = 2: o_proj 7.26 vs 8.35), of 8
+    from CT_U8_MIN_K k (dense_down M = 1 28.7 vs 30.4, M = 2 29.1 vs 31.6); from PAIR_MIN_TILES tiles two tiles per
+    warp in slots of 4 with rows of TB_PAIR_MIN_K k or more (dense_up M = 1 27.4 vs 28.9, M = 2 27.8 vs 29.3), else
+    one in slots of 8 (lm_head M = 1 50.6 vs 51.6, M = 2 51.3 vs 56.7). M = 3, 4 (mp4): two tiles in slots of 4 on
+    large grids of long rows (dense_up M = 4 30.9 vs 34.7), else one in slots of 4 (lm_head 54.7 vs 62.1, dense_down
+    31.1 vs 32.5, o_proj 7.4 vs 8.0; q_proj 7.8 vs 7.6, the one shape it loses)."""
+    wide = pair and k >= TB_PAIR_MIN_K
+    if m >= 3:
+        return "_mp4" + ("tb2u4" if wide else "tbu4")
+    rows = "_m1" if m == 1 else "_mp2"
     if pair:
-        return "_m1tb2u4" if k >= TB_PAIR_MIN_K else "_m1tbu8"
-    return "_m1tbu8" if k >= CT_U8_MIN_K else "_m1tbu4"
+        return rows + ("tb2u4" if wide else "tbu8")
+    return rows + ("tbu8" if k >= CT_U8_MIN_K else "tbu4")
 
 
 CT_U8_MIN_K = 8192
