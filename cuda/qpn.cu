@@ -886,6 +886,75 @@ LINEAR_M1_TB(qpn2_linear_m1_tbu4, 2, 4, 1)
 LINEAR_M1_TB(qpn2_linear_m1_tbu8, 2, 8, 1)
 LINEAR_M1_TB(qpn2_linear_m1_tb2u4, 2, 4, 2)
 
+// sm_90+: M = 1 with one wave of resident blocks. Tile t's chunks follow tile t - 1's in the packed layout, so a
+// warp that owns the consecutive tiles [t0, t1) streams chunks t0 C .. t1 C - 1 through one bulk ring without a
+// break; after each tile's last slot its 16 rows are summed across the lane quads and written (no block reduction).
+// Warps own tiles / (gridDim.x WARPS) tiles each (+1 for the first remainder). Needs C % U == 0 (slots never
+// straddle two tiles); qpn.py launches it with that only.
+template <int ST, int U>
+__device__ __forceinline__ void linear_m1_stream_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                                      float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                                      int N, int K) {
+#if QPN_BULK
+  extern __shared__ __align__(16) unsigned char smem_dynamic[];
+  constexpr int RING = ST * BULK_SLOT(1, U);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = lane >> 2, q = lane & 3;
+  const int C = K / 64, tiles = (N + 15) >> 4;
+  const long long gw = (long long)blockIdx.x * WARPS + warp, GW = (long long)gridDim.x * WARPS;
+  const int t0 = (int)(tiles * gw / GW), t1 = (int)(tiles * (gw + 1) / GW);
+  const u32x4* const wt[1] = {w};
+  const u64* const st[1] = {s};
+  const int c0 = t0 * C, c1 = t1 * C;
+  const u32 rbase = smem_addr(smem_dynamic + warp * RING);
+  const u32 bbase = smem_addr(smem_dynamic + WARPS * RING + warp * ST * 8);
+  const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
+  float tot[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  bulk_start<2, ST, 1, U>(wt, st, c0, c1, lane, rbase, bbase);
+  pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
+  bulk_loop<2, ST, 1, U>(wt, st, c0, c1, lane, rbase, bbase, [&](int cs, u32 slot, auto ready) {
+    const int ck = cs % C;  // the slot's first chunk within its tile
+    u64 xv[U / 2];
+#pragma unroll
+    for (int p = 0; p < U; p += 2) xv[p / 2] = ld_act(x + (size_t)(ck + p) * 64 + n * 16 + 4 * q);
+    ready();
+#pragma unroll
+    for (int p = 0; p < U; p += 2) {
+      u32 sw[1] = {lds32(slot + U * 512 + (p + (q >> 1)) * 64 + n * 8 + 4 * (q & 1))};
+      float d[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const u32x4 wv[1] = {lds128(slot + (p + h) * 512 + lane * 16)};
+        m1_mmas<1>(d, wv, h, xv[p / 2], n);
+      }
+      m1_scale<1>(tot, d, sw);
+    }
+    if (ck + U == C) {  // the tile's last slot: its rows out
+      float vr = tot[0][0] + tot[0][1], vr8 = tot[0][2] + tot[0][3];
+      vr += __shfl_xor_sync(0xffffffffu, vr, 1);
+      vr += __shfl_xor_sync(0xffffffffu, vr, 2);
+      vr8 += __shfl_xor_sync(0xffffffffu, vr8, 1);
+      vr8 += __shfl_xor_sync(0xffffffffu, vr8, 2);
+      const int row = (cs / C) * 16 + n;
+      if (q == 0 && row < N) y[row] = f_to_h(vr * g);
+      if (q == 0 && row + 8 < N) y[row + 8] = f_to_h(vr8 * g);
+      tot[0][0] = tot[0][1] = tot[0][2] = tot[0][3] = 0.f;
+    }
+  });
+  pdl_trigger();  // late: see pdl_trigger
+#else
+  __trap();  // never launched below sm_90
+#endif
+}
+#define LINEAR_M1_STREAM(NAME, ST, U)                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1)                                           \
+  NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x, \
+       u16* __restrict__ y, int M, int N, int K, int KS, int P) {                                    \
+    linear_m1_stream_body<ST, U>(w, s, gs, x, y, N, K);                                             \
+  }
+LINEAR_M1_STREAM(qpn2_linear_m1_sbu8, 2, 8)
+LINEAR_M1_STREAM(qpn2_linear_m1_sbu4, 2, 4)
+LINEAR_M1_STREAM(qpn2_linear_m1_sb3u4, 3, 4)
+
 // ---------------------------------------------------------------- NVFP4, M = 2..8 as M = 1 does, sm_80+
 // The M = 1 kernel's column trick for MP = 2, 4 or 8 rows: column n of the MMA carries row n % MP of x for
 // group slot n / MP of each set of GS = 8 / MP consecutive groups (zeros otherwise), so after a set's GS MMAs
