@@ -14,7 +14,7 @@ import torch
 
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build, layout
-from hybrid.kernels.qpn import CT_TB_KERNELS, STREAM_KERNELS, TB_KERNELS, ct_tb_m, ct_tb_name, stream_smem, tb_smem
+from hybrid.kernels.qpn import CT_TB_KERNELS, TB_KERNELS, ct_tb_m, ct_tb_name, tb_smem
 from tests.cuda_emu import GEMM_HELPERS, SHFL_XOR, SHIM, compile_emu, mma_shim
 from tests.test_qpn_layout import fp8, nvfp4
 
@@ -84,7 +84,7 @@ void warp_mp_async(float (&)[NT][4], const u32x4* const (&)[NT], const u64* cons
 FUNCS = ["dec_fp4", "dec_fp8", "lane_tok", "lane_k", "mma_group", "group_fp4", "group_fp8", "load_x", "chunk",
          "bulk_issue", "bulk_start", "bulk_loop", "warp_gemm_bulk", "tile_ptrs", "store_partials", "red_sum",
          "zero_acc", "linear_body", "e4m3_mag_f32", "m1_mmas", "m1_scale", "warp_m1_bulk", "linear_m1_body", "mp_chunk",
-         "warp_mp_bulk", "linear_mp_body", "linear_m1_stream_body"]
+         "warp_mp_bulk", "linear_mp_body"]
 
 
 def emu_source() -> str:
@@ -95,14 +95,12 @@ def emu_source() -> str:
     smem = smem[: smem.index("};\n") + 3]
     funcs = build.device_functions(FUNCS, src)
     decl = "extern __shared__ __align__(16) unsigned char smem_dynamic[];"
-    assert funcs.count(decl) == 4, "a bulk-ring body's dynamic shared memory declaration moved"
+    assert funcs.count(decl) == 3, "linear_body's / linear_m1_body's / linear_mp_body's dynamic shared memory moved"
     funcs = funcs.replace(decl, f"__shared__ __align__(16) unsigned char smem_dynamic[{DYN}];")
     tb = src[src.index("#define LINEAR_TB("): src.index(RULE + "prefill: shared-memory tiled GEMM")]
-    tb += src[src.index("#define LINEAR_M1_TB("): src.index("// sm_90+: M = 1 with one wave")]
+    tb += src[src.index("#define LINEAR_M1_TB("): src.index(RULE + "NVFP4, M = 2..8 as M = 1 does")]
     last = src.index("\n", src.rindex("\nLINEAR_MP_TB(qpn2_") + 1) + 1
     tb += src[src.index("#define LINEAR_MP_TB("): last]
-    last = src.index("\n", src.rindex("\nLINEAR_M1_STREAM(qpn2_") + 1) + 1
-    tb += src[src.index("#define LINEAR_M1_STREAM("): last]
     assert "asm" not in slot + smem + funcs + tb, "an inline-PTX helper the shim does not replace"
     entry = "".join(
         f'extern "C" void emu_{f}{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
@@ -113,12 +111,7 @@ def emu_source() -> str:
         f'extern "C" void emu_2{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
         f'u16* y, int M, int N, int K, int KS) {{ w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
         f's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ {ct_tb_name(v)}(w, s, gs, x, y, M, N, K, KS, 1); }}); }}\n'
-        for v in CT_TB_KERNELS) + "".join(
-        f'extern "C" void emu_2{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
-        f'u16* y, int M, int N, int K, int KS) {{ w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
-        f's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ qpn2_linear_m1_{v[3:]}(w, s, gs, x, y, M, N, K, KS, 1); '
-        f'}}); }}\n'
-        for v in STREAM_KERNELS)
+        for v in CT_TB_KERNELS)
     return (SHIM + "#define __CUDA_ARCH__ 900\n#include <cstdlib>\n" + head + HELPERS + slot + smem + funcs + tb
             + entry)
 
@@ -151,7 +144,6 @@ def run(lib, x, qw, variant, ks):
 
 def test_emulated_dynamic_shared_memory_fits():
     assert max(tb_smem(v) for v in [*TB_KERNELS, *CT_TB_KERNELS]) <= DYN
-    assert max(stream_smem(v) for v in STREAM_KERNELS) <= DYN
 
 
 @pytest.mark.parametrize("variant", sorted(TB_KERNELS))
@@ -186,30 +178,6 @@ def test_emulated_bulk_column_trick(emu, variant, n, k, ks):
     m = {1: ct_tb_m(variant), 2: 1, 4: max(1, ct_tb_m(variant) - 1)}[ks]   # all rows, one, all but one
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(ks)).half()
     y = run(emu, x, qw, variant, ks)
-    assert not torch.isnan(y).any(), "unwritten outputs"
-    ref = x.double() @ qw.dequantize(torch.float64).t()
-    err = ((y.double() - ref).norm() / ref.norm()).item()
-    assert err < 1e-3, f"relative error {err:.2e}"
-
-
-@pytest.mark.parametrize("variant", sorted(STREAM_KERNELS))
-@pytest.mark.parametrize("n,k,blocks", [
-    (600, 512, 2),     # 38 tiles over 16 warps (2 or 3 each), 8 chunks per row: a tile is one or two slots
-    (72, 1024, 1),     # 5 tiles over 8 warps: 3 warps without a tile; the last tile 8 rows short
-    (40, 2048, 1),     # 3 tiles, 32 chunks each: the ring turning inside and across tiles
-])
-def test_emulated_stream_m1(emu, variant, n, k, blocks):
-    """The one-wave M = 1 kernels: each warp streams its consecutive tiles through one bulk ring, writing each
-    tile's rows after its last slot."""
-    qw = nvfp4(n, k, seed=n + k)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(n)).half()
-    words, scales = layout.pack_nvfp4(qw)
-    y = torch.full((1, n), float("nan")).half()
-    ptr = lambda t: ctypes.c_void_p(t.data_ptr())   # noqa: E731
-    nb = lambda t: ctypes.c_long(t.numel() * t.element_size())   # noqa: E731
-    i = ctypes.c_int
-    getattr(emu, f"emu_2{variant}")(i(blocks), ptr(words), nb(words), ptr(scales), nb(scales),
-                                    ctypes.c_float(layout.global_scale(qw)), ptr(x), ptr(y), i(1), i(n), i(k), i(1))
     assert not torch.isnan(y).any(), "unwritten outputs"
     ref = x.double() @ qw.dequantize(torch.float64).t()
     err = ((y.double() - ref).norm() / ref.norm()).item()
