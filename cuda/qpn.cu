@@ -499,9 +499,7 @@ __device__ __forceinline__ void ring_start(const u32x4* (&wp)[NT], const u64* (&
 }
 
 // The loop is unrolled over one turn of the ring, so every slot offset is a constant.
-// WAIT: pdl_wait() once the ring's first chunks are issued (a kernel whose weights do not depend on the previous
-// kernel's output, only its activations: the MoE down kernel's early form)
-template <int FMT, int MT, int NT, int ST, bool WAIT = false>
+template <int FMT, int MT, int NT, int ST>
 __device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], const u32x4* const (&wt)[NT],
                                                 const u64* const (&st)[NT], int c0, int c1,
                                                 const u16* const (&xr)[MT], int lane,
@@ -512,7 +510,6 @@ __device__ __forceinline__ void warp_gemm_async(float (&acc)[NT][MT][ACCN], cons
   const u32x4* wp[NT];  // this lane's words / scales of chunk c (advanced by one ring turn)
   const u64* sp[NT];
   ring_start<FMT, ST, NT>(wp, sp, wt, st, c0, c1, lane, wbase, sbase);
-  if constexpr (WAIT) pdl_wait();
   for (int c = c0; c < c1; c += ST) {
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
@@ -1913,9 +1910,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 // ---------------------------------------------------------------- MoE gate+up (fused SiLU * mul)
 // w13: per slot [2 * I/16 tiles (gate then up), H/CK, 32, 4] u32; s13 likewise; gs [S, 3].
 // x [T, H] fp16; h [A, I] fp16 indexed by position in perm. grid (ceil(I/16 / TG), S).
-// EARLY: the programmatic trigger after the wait, so the down kernel (EARLY too) may read the routing before its
-// own wait: its blocks start only once every block here has seen the router's grid complete.
-template <int FMT, int MT, int ST, bool EARLY = false>
+template <int FMT, int MT, int ST>
 __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const u64* __restrict__ s13,
                                             const float* __restrict__ gs, long long wstride,
                                             long long sstride, const u16* __restrict__ x,
@@ -1926,9 +1921,8 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
                                             int H, int I, int KS) {
   __shared__ __align__(16) unsigned char smem[Smem<MT, 2, ST>::BYTES];
   float (*red)[2][8 * MT][16] = reinterpret_cast<float (*)[2][8 * MT][16]>(smem);
-  if constexpr (!EARLY) pdl_trigger();
+  pdl_trigger();
   pdl_wait();  // the routing (active, offsets, perm) and the activations come from earlier kernels
-  if constexpr (EARLY) pdl_trigger();
   const int slot = active[blockIdx.y];
   if (slot < 0) return;
   const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
@@ -1976,10 +1970,7 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
 
 // ---------------------------------------------------------------- MoE down + weighted sum
 // w2: per slot [H/16, I/CK, 32, 4] u32; h [A, I] fp16 (perm order); y [T, H] fp32 (+=).
-// EARLY (with gateup_body's EARLY as the previous kernel): the routing read through L2 before the wait -- the
-// router's grid has completed by the time these blocks start -- and the ring's first weight chunks issued, so
-// only h waits for the gate/up kernel; every thread waits before the outputs (y was zeroed by the router).
-template <int FMT, int MT, int ST, bool EARLY = false>
+template <int FMT, int MT, int ST>
 __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u64* __restrict__ s2,
                                           const float* __restrict__ gs, long long wstride,
                                           long long sstride, const u16* __restrict__ h,
@@ -1991,11 +1982,10 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
                                           int H, int I, int KS) {
   __shared__ __align__(16) unsigned char smem[Smem<MT, 1, ST>::BYTES];
   float (*red)[1][8 * MT][16] = reinterpret_cast<float (*)[1][8 * MT][16]>(smem);
-  if constexpr (!EARLY) pdl_wait();  // the routing (active, offsets, perm) and the activations come from earlier kernels
-  const int slot = EARLY ? __ldcg(active + blockIdx.y) : active[blockIdx.y];
+  pdl_wait();  // the routing (active, offsets, perm) and the activations come from earlier kernels
+  const int slot = active[blockIdx.y];
   if (slot < 0) return;
-  const int beg = EARLY ? __ldcg(offsets + slot) : offsets[slot];
-  const int cnt = (EARLY ? __ldcg(offsets + slot + 1) : offsets[slot + 1]) - beg;
+  const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
   if (cnt <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
@@ -2015,12 +2005,11 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
         xr[mt] = h + (size_t)(beg + (i < cnt ? i : cnt - 1)) * I + lane_k(lane);
       }
       if constexpr (ST > 0)
-        warp_gemm_async<FMT, MT, 1, ST, EARLY>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
-                                               smem + warp * Smem<MT, 1, ST>::RING);
+        warp_gemm_async<FMT, MT, 1, ST>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane,
+                                        smem + warp * Smem<MT, 1, ST>::RING);
       else
         warp_gemm<FMT, MT, 1>(acc, wt, st, wk * C / KS, (wk + 1) * C / KS, xr, lane);
     }
-    if constexpr (EARLY) pdl_wait();  // warps without a tile too: they write y below (a no-op once waited)
     pdl_trigger();  // late (see pdl_trigger); again on later passes: a no-op
     if constexpr (ST > 0) __syncthreads();  // red aliases the rings
     store_partials<MT, 1>(red, warp, lane, acc);
@@ -2038,16 +2027,15 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
   }
 }
 
-#define MOE(FMT, MT, SFX, ST1, ST2, EARLY)                                                         \
+#define MOE(FMT, MT, SFX, ST1, ST2)                                                                \
   extern "C" __global__ void qpn##FMT##_moe_gateup_mt##MT##SFX(                                     \
       const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
       long long wstride, long long sstride, const u16* __restrict__ x,                             \
       const int* __restrict__ token_idx, const int* __restrict__ offsets,                          \
       const int* __restrict__ perm, const int* __restrict__ active, u16* __restrict__ h, int H,    \
       int I, int KS) {                                                                             \
-    gateup_body<FMT, (MT < MTMAX ? MT : MTMAX), ST1, EARLY>(w13, s13, gs, wstride, sstride, x,     \
-                                                            token_idx, offsets, perm, active, h, H, \
-                                                            I, KS);                                 \
+    gateup_body<FMT, (MT < MTMAX ? MT : MTMAX), ST1>(w13, s13, gs, wstride, sstride, x, token_idx, \
+                                                     offsets, perm, active, h, H, I, KS);          \
   }                                                                                                \
   extern "C" __global__ void qpn##FMT##_moe_down_mt##MT##SFX(                                       \
       const u32x4* __restrict__ w2, const u64* __restrict__ s2, const float* __restrict__ gs,      \
@@ -2055,20 +2043,16 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
       const int* __restrict__ token_idx, const float* __restrict__ route_w,                        \
       const int* __restrict__ offsets, const int* __restrict__ perm,                               \
       const int* __restrict__ active, float* __restrict__ y, int H, int I, int KS) {               \
-    down_body<FMT, (MT < MTMAX ? MT : MTMAX), ST2, EARLY>(w2, s2, gs, wstride, sstride, h,         \
-                                                          token_idx, route_w, offsets, perm, active, \
-                                                          y, H, I, KS);                             \
+    down_body<FMT, (MT < MTMAX ? MT : MTMAX), ST2>(w2, s2, gs, wstride, sstride, h, token_idx,     \
+                                                   route_w, offsets, perm, active, y, H, I, KS);   \
   }
-MOE(2, 1, , 0, 0, false)
-MOE(2, 4, , 0, 0, false)
-MOE(8, 1, , 0, 0, false)
-MOE(8, 4, , 0, 0, false)
-// sm_80+ only: cp.async rings (gate+up: 3 stages of two tiles; down: 6 stages); _ase: the down kernel's weights
-// issued before its wait (EARLY; a pair: launch both or neither)
-MOE(2, 1, _as, 3, 6, false)
-MOE(8, 1, _as, 3, 6, false)
-MOE(2, 1, _ase, 3, 6, true)
-MOE(8, 1, _ase, 3, 6, true)
+MOE(2, 1, , 0, 0)
+MOE(2, 4, , 0, 0)
+MOE(8, 1, , 0, 0)
+MOE(8, 4, , 0, 0)
+// sm_80+ only: cp.async rings (gate+up: 3 stages of two tiles; down: 6 stages)
+MOE(2, 1, _as, 3, 6)
+MOE(8, 1, _as, 3, 6)
 
 // ---------------------------------------------------------------- MoE prefill: grouped tiled GEMM
 // The prefill GEMM's machinery (TileLoads, tile_store, mma_stage: weights decoded once per block

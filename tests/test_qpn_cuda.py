@@ -59,7 +59,7 @@ def variant(request):
     qpn.LINEAR_VARIANT[0] = None
 
 
-@pytest.fixture(params=[None, "", "_ase"])
+@pytest.fixture(params=[None, ""])
 def moe_variant(request):
     from hybrid.kernels import qpn
 

@@ -414,22 +414,6 @@ def test_tb_kernel_choice(monkeypatch):
     assert tb_smem("_mp2tb2u4") == 8 * 2 * 2 * 4 * 576 + 8 * 2 * 8
 
 
-def test_moe_early_switch(monkeypatch):
-    """$HYBRID_MOE_EARLY: 0 / 1 (default MOE_EARLY_DEFAULT), anything else one line naming the variable."""
-    from hybrid.errors import HybridError
-    from hybrid.kernels.qpn import MOE_EARLY_DEFAULT, moe_early
-
-    monkeypatch.delenv("HYBRID_MOE_EARLY", raising=False)
-    assert moe_early() is (MOE_EARLY_DEFAULT == "1")
-    monkeypatch.setenv("HYBRID_MOE_EARLY", "1")
-    assert moe_early() is True
-    monkeypatch.setenv("HYBRID_MOE_EARLY", "0")
-    assert moe_early() is False
-    monkeypatch.setenv("HYBRID_MOE_EARLY", "on")
-    with pytest.raises(HybridError, match="HYBRID_MOE_EARLY='on'"):
-        moe_early()
-
-
 def test_pdl_launch_config_layout_and_switch(monkeypatch):
     """cuLaunchKernelEx's CUlaunchConfig / CUlaunchAttribute as the driver lays them out (x86-64), and the
     programmatic dependent launch only on sm_90+ and as $HYBRID_PDL says."""

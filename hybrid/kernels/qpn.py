@@ -30,25 +30,7 @@ MAX_SLOTS = 1024
 # linear_kernel), "_t2", "_t2u1" (register pipeline, two tiles per warp, 2 or 1 chunks per stage), "_tb1u4",
 # "_tbu2" (TB_KERNELS: one or two tiles per warp fed by bulk async copies, sm_90+): benchmark, tests.
 LINEAR_VARIANT: list[str | None] = [None]
-MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+, "_ase" where
-#                                          moe_early says), "", "_as" or "_ase"
-MOE_EARLY_ENV = "HYBRID_MOE_EARLY"
-MOE_EARLY_DEFAULT = "0"
-
-
-def moe_early() -> bool:
-    """$HYBRID_MOE_EARLY (default MOE_EARLY_DEFAULT): 1 launches the M <= 8 MoE kernels' early pair on sm_90+ under
-    programmatic dependent launch (qpn{2,8}_moe_{gateup,down}_mt1_ase: the gate/up kernel lets the down kernel go
-    after its own wait, and the down kernel reads the routing and issues its first weight chunks before waiting for
-    h), 0 the plain pair. Read at each launch (A/B runs switch it); HybridError naming the variable on anything
-    else (checked when a CUDA session opens)."""
-    v = os.environ.get(MOE_EARLY_ENV, "").strip() or MOE_EARLY_DEFAULT
-    if v not in ("0", "1"):
-        from hybrid.errors import HybridError
-
-        raise HybridError(f"{MOE_EARLY_ENV}={v!r}: expected 1 (the down kernel's weights issued before its wait) "
-                          f"or 0")
-    return v == "1"
+MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
 # M > PREFILL_MIN linear kernel: None = on sm_80+ the register-fragment GEMM (qpn{2,8}_gemmf_*,
 # tile by gemmf_tile) or the shared-memory tiled WMMA GEMM (qpn{2,8}_gemm_*, tile by gemm_tile),
 # whichever the H200 cost model (gemmf_cost vs gemm_us) says is faster, below sm_80 the WMMA GEMM;
@@ -937,8 +919,6 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
                     ctypes.c_int(nzero)])
     mt = 1 if t <= 8 else 4
     sfx = variant(MOE_VARIANT[0], mod.sm) if mt == 1 else ""
-    if sfx == "_as" and MOE_VARIANT[0] is None and moe_early() and pdl(mod.sm):
-        sfx = "_ase"
     fmt, ck, sms = _fmt(slots.qtype), layout.CHUNK[slots.qtype], _sms(dev)
     active = min(a, s)
     ws13, ws2 = slots.w13[0].numel() // 4, slots.w2[0].numel() // 4
