@@ -15,7 +15,6 @@ the overlap (H200: 352 vs 198-204 tok/s all resident, results/runtime.md section
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -23,6 +22,7 @@ from typing import Callable
 import torch
 
 from hybrid.sampler import DeviceSampler, Sampler
+from hybrid.switches import env_flag
 from hybrid.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -49,7 +49,7 @@ class GenerationResult:
 def overlap_enabled() -> bool:
     """Overlapped decode on CUDA (module doc) unless HYBRID_DECODE_OVERLAP=0: then the host samples
     each step, then launches the next (the loop before overlap, for A/B runs)."""
-    return os.environ.get("HYBRID_DECODE_OVERLAP", "1") not in ("0", "off", "false", "no")
+    return env_flag("HYBRID_DECODE_OVERLAP")
 
 
 def generate(model, tok: Tokenizer, prompt_ids: list[int], max_tokens: int, sampler: Sampler,

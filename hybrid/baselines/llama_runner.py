@@ -15,7 +15,6 @@ HYBRID_LLAMA_EXTRA_BUFTS=auto|on|off (`extra_bufts`); result records carry the c
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from hybrid.errors import HybridError
+from hybrid.switches import env_choice
 
 FLASH_ATTN = False
 
@@ -46,9 +46,7 @@ def extra_bufts(system: str | None = None) -> bool:
     Sapphire Rapids VM (2 vCPUs) died with SIGILL at `tileloadd` in ggml_backend_amx_mul_mat on its
     first multi-threaded evaluation, while a multi-threaded AMX test program ran there; without the
     extra buffers the same GGUFs evaluate normally. The AVX2 rigs have no AMX: auto changes nothing there."""
-    choice = os.environ.get(EXTRA_BUFTS_ENV, "auto").strip().lower()
-    if choice not in ("auto", "on", "off"):
-        raise HybridError(f"{EXTRA_BUFTS_ENV}={choice!r}: expected auto, on or off")
+    choice = env_choice(EXTRA_BUFTS_ENV, ("auto", "on", "off"), "auto", "auto, on or off")
     if choice != "auto":
         return choice == "on"
     if system is None:                       # libggml's system info (llama_cpp_info passes what it read)

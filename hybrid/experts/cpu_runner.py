@@ -40,6 +40,7 @@ from numba import njit
 
 from hybrid.errors import HybridError
 from hybrid.hardware import physical_cores
+from hybrid.switches import env_flag
 from cpu.dataflow import (LINE as LINE_I64, PF_NEXT, dataflow_part, dataflow_prepare, experts_dataflow,
                           experts_dataflow_on, spin_while_equal)
 from cpu.expert import experts_forward, experts_parallel
@@ -191,7 +192,7 @@ class CpuExpertRunner:
             raise HybridError(f"{SCHEDULE_ENV}={self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
         self._kernel = schedule_kernel(self.schedule, prefetch)
         self.inline_bytes = int(inline_bytes)
-        self.join = (os.environ.get(JOIN_ENV, "0").strip() not in ("", "0") if join is None else bool(join)) \
+        self.join = (env_flag(JOIN_ENV, False) if join is None else bool(join)) \
             and self.schedule == "dataflow"
         self.threads = int(threads or physical_cores())
         if self.threads < 1:

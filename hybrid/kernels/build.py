@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from hybrid.kernels.nvrtc import Nvrtc, NvrtcError, load_nvrtc, wheel_dir
+from hybrid.switches import env_choice
 
 SOURCE_NAME = "qpn.cu"
 OPTIONS = ["-std=c++17", "-default-device", "--restrict"]
@@ -144,11 +145,7 @@ def l2_mode(sm: int) -> str:
     sm_80+ (qpn.cu; measured on the H200, results/runtime.md §32); `normal` builds without it. The mode a device
     of sm_<sm> builds with (`normal` below sm_80, which has no L2 policies). Read when a device's module is
     built (forget_modules() makes the next launch build again: an A/B of the setting in one process)."""
-    mode = os.environ.get(L2_ENV, "evict_first").strip().lower() or "evict_first"
-    if mode not in L2_MODES:
-        from hybrid.errors import HybridError
-
-        raise HybridError(f"{L2_ENV}={mode!r}: expected one of {', '.join(L2_MODES)}")
+    mode = env_choice(L2_ENV, L2_MODES, "evict_first")
     return mode if sm >= 80 else "normal"
 
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from hybrid.kernels.fused_build import KERNELS, force_ptx, module as _module  # noqa: F401
 from hybrid.kernels.moe_route import RoutePlan
+from hybrid.switches import env_choice
 
 PARTS = ("norm", "rope", "route", "attn", "rope_attn")
 ROUTE_MAX_E, ROUTE_MAX_K, ROUTER_MAX_T = 512, 32, 8
@@ -110,12 +111,7 @@ ROUTE_RANK_DEFAULT = "logits"
 def route_rank() -> int:
     """$HYBRID_ROUTE_RANK (a ROUTE_RANKS name, default ROUTE_RANK_DEFAULT), read at each launch (A/B runs switch
     it; a CUDA session checks it when it opens) -> the kernel's rank argument."""
-    from hybrid.errors import HybridError
-
-    v = os.environ.get("HYBRID_ROUTE_RANK", "").strip().lower() or ROUTE_RANK_DEFAULT
-    if v not in ROUTE_RANKS:
-        raise HybridError(f"HYBRID_ROUTE_RANK={v!r}: expected one of {', '.join(ROUTE_RANKS)}")
-    return ROUTE_RANKS[v]
+    return ROUTE_RANKS[env_choice("HYBRID_ROUTE_RANK", ROUTE_RANKS, ROUTE_RANK_DEFAULT)]
 
 
 def _aligned(*ts) -> bool:

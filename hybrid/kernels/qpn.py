@@ -19,6 +19,7 @@ from hybrid.checkpoint.qweight import QWeight
 from hybrid.kernels import layout
 from hybrid.kernels.moe_route import RoutePlan
 from hybrid.kernels.reference import ref_linear, ref_moe, ref_moe_planned
+from hybrid.switches import env_choice
 
 THREADS = 256
 WARPS = 8
@@ -159,13 +160,9 @@ def tb_mode() -> str:
     slots of 2 chunks), NVFP4 M = 1..4 by the column-trick rings ct_tb_choice picks; "mt" all but the last (NVFP4
     M = 1, 2 keep the cp.async column trick, M = 3, 4 take the 8-column rings), 0 none: the register-pipeline / cp.async kernels (read at each launch:
     A/B runs switch it). HybridError naming the variable on anything else (checked when a CUDA session opens)."""
-    v = os.environ.get(TB_ENV, "").strip() or "1"
-    if v not in ("0", "1", "mt"):
-        from hybrid.errors import HybridError
-
-        raise HybridError(f"{TB_ENV}={v!r}: expected 1 (the bulk-copy ring kernels where faster), mt (not the "
-                          f"NVFP4 M <= 4 column-trick ones) or 0 (never)")
-    return v
+    return env_choice(TB_ENV, ("0", "1", "mt"), "1",
+                      "1 (the bulk-copy ring kernels where faster), mt (not the NVFP4 M <= 4 column-trick ones) or 0 "
+                      "(never)")
 
 
 def ct_tb_choice(m: int, pair: bool, k: int) -> str:

@@ -14,7 +14,6 @@ torch ops (A/B measurements).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +21,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from hybrid.kernels import fused
 from hybrid.model.linear import Linear, fused_linear
+from hybrid.switches import env_choice, env_flag
 
 
 BUCKET = 256   # one-token attention reads KV rows in buckets of this many (one graph per bucket)
@@ -42,15 +42,9 @@ def decode_mask(pos, keys: int, dtype: torch.dtype, device) -> torch.Tensor:
 def sdpa_gqa_mode() -> str | None:
     """HYBRID_SDPA_GQA checked: None (unset or auto: by the device), "native" or "expand"; HybridError naming
     it on anything else (a CUDA session checks it when it opens: a bad value is a one-line error)."""
-    mode = os.environ.get("HYBRID_SDPA_GQA", "") or None
-    if mode in (None, "auto"):
-        return None
-    if mode not in ("native", "expand"):
-        from hybrid.errors import HybridError
-
-        raise HybridError(f"HYBRID_SDPA_GQA={mode!r}: expected auto, native (enable_gqa) or expand "
-                          f"(stride-0 keys)")
-    return mode
+    mode = env_choice("HYBRID_SDPA_GQA", ("auto", "native", "expand"), "auto",
+                      "auto, native (enable_gqa) or expand (stride-0 keys)")
+    return None if mode == "auto" else mode
 
 
 def gqa_native(device: torch.device) -> bool:
@@ -88,7 +82,7 @@ def later_chunk_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, 
     causal bias (no [T, P + T] mask is built; kernels that take the bias need no score matrix), or with
     HYBRID_PREFILL_MASK=1 the boolean mask as before."""
     t, keys = qh.shape[2], kh.shape[2]
-    if os.environ.get("HYBRID_PREFILL_MASK", "0") not in ("0", ""):
+    if env_flag("HYBRID_PREFILL_MASK", False):
         pos_k = torch.arange(keys, device=qh.device)
         mask = pos_k[None, :] <= pos_k[start:, None]                           # [T, P+T] True = attend
         return gqa_attention(qh, kh, vh, attn_mask=mask)

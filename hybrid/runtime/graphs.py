@@ -37,7 +37,6 @@ on that card; the host's table, indexed by host ids, serves the other steps).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -46,15 +45,16 @@ from hybrid.kernels import driver
 from hybrid.model.layers import BUCKET, KVCache, attn_keys
 from hybrid.runtime.hybrid_experts import pack_route
 from hybrid.runtime.miss_link import MissLink
+from hybrid.switches import env_flag
 
 
 def graphs_enabled() -> bool:
-    return os.environ.get("HYBRID_CUDA_GRAPHS", "1") not in ("0", "off", "false", "no")
+    return env_flag("HYBRID_CUDA_GRAPHS")
 
 
 def miss_graph_enabled() -> bool:
     """HYBRID_MISS_GRAPH=0: a can-miss layer's hits run eagerly after the host sync (the old path)."""
-    return os.environ.get("HYBRID_MISS_GRAPH", "1") not in ("0", "off", "false", "no")
+    return env_flag("HYBRID_MISS_GRAPH")
 
 
 # Host operations per can-miss layer with misses in a graphed decode step (tests/test_miss_graph.py
@@ -370,7 +370,7 @@ def capture_stream(dev: torch.device) -> torch.cuda.Stream | None:
     the kept stream none, results/runtime.md §23). On the kept stream the first warm-up, outside any
     capture, puts it in the ordinary pool once and every capture reuses it (the graphs replay one
     after another on the caller's stream)."""
-    if os.environ.get("HYBRID_GRAPH_STREAM", "1") in ("0", "off", "false", "no"):
+    if not env_flag("HYBRID_GRAPH_STREAM"):
         return None
     if dev.index not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[dev.index] = torch.cuda.Stream(dev)

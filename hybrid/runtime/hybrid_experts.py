@@ -43,7 +43,6 @@ stored bytes count as PCIe kind "prefill_stream". Decode steps and `linked` neve
 """
 from __future__ import annotations
 
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -57,12 +56,13 @@ from hybrid.runtime.prefill_stream import PrefillStream
 from hybrid.runtime.store_stage import promote_mode
 from hybrid.runtime.slots import CardSlots
 from hybrid.runtime.stats import RuntimeStats
+from hybrid.switches import env_flag
 
 
 def cpu_direct_enabled() -> bool:
     """HYBRID_CPU_DIRECT=0: a graphed can-miss layer hands its misses to the CPU runner's pool thread
     and waits (submit + sync) instead of running them on the calling thread (runner.run)."""
-    return os.environ.get("HYBRID_CPU_DIRECT", "1") not in ("0", "off", "false", "no")
+    return env_flag("HYBRID_CPU_DIRECT")
 
 
 ACT_WITH_IDS = 8    # up to this many tokens, a layer that may miss copies x with its routed ids

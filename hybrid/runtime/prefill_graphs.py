@@ -40,7 +40,6 @@ capture rule).
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import torch
@@ -48,6 +47,7 @@ import torch
 from hybrid.kernels import driver
 from hybrid.model.layers import KVCache, rms_norm
 from hybrid.runtime.graphs import Segment, SegmentGraphs, _Runner, capture_runner, device_scalar, graphs_enabled
+from hybrid.switches import env_flag
 
 PREFILL_GRAPH_MIN = 16      # the smallest bucket (prompts of 2..16 tokens share it)
 PREFILL_GRAPH_MAX = 512     # longer prefill steps run eagerly: the card, not the host, sets their time
@@ -68,13 +68,13 @@ PREFILL_CHUNK_GRAPH_FREE_MIB = 256    # later chunks: a new graph is captured on
 
 def prefill_graphs_enabled() -> bool:
     """HYBRID_PREFILL_GRAPHS=0 turns the prefill graphs off; HYBRID_CUDA_GRAPHS=0 turns off every graph."""
-    return graphs_enabled() and os.environ.get("HYBRID_PREFILL_GRAPHS", "1") not in ("0", "off", "false", "no")
+    return graphs_enabled() and env_flag("HYBRID_PREFILL_GRAPHS")
 
 
 def prefill_chunk_graphs_enabled() -> bool:
     """A long prompt's later chunks (start > 0) run through graphs too, one per (bucket, start), unless
     HYBRID_PREFILL_GRAPH_CHUNKS=0 (H200, 2048 tokens in chunks of 512: 94 vs 137 ms with them eager)."""
-    return os.environ.get("HYBRID_PREFILL_GRAPH_CHUNKS", "1") not in ("0", "off", "false", "no")
+    return env_flag("HYBRID_PREFILL_GRAPH_CHUNKS")
 
 
 def bucket_for(t: int, lo: int = PREFILL_GRAPH_MIN, hi: int = PREFILL_GRAPH_MAX) -> int | None:

@@ -30,7 +30,6 @@ The global scales come from the store's `scales`, folded as hybrid.kernels.layou
 from __future__ import annotations
 
 import logging
-import os
 import time
 from contextlib import nullcontext
 
@@ -39,9 +38,9 @@ import torch
 
 from cpu import layout as cpu_layout
 from cpu.expert import FP8, NVFP4_F32, NVFP4_I16
-from hybrid.errors import HybridError
 from hybrid.kernels.layout import FOLD
 from hybrid.runtime.stage_pack import finish_group, pack_group
+from hybrid.switches import env_choice
 
 log = logging.getLogger("hybrid.runtime")
 
@@ -55,10 +54,7 @@ _INV_RECODE: dict = {}
 def source_mode(env: str = SOURCE_ENV, default: str = "store") -> str:
     """HYBRID_PREFILL_SOURCE (or `env`, module doc); HybridError naming the variable on anything else
     (checked when a CUDA session opens, so a bad value is a one-line error before any work)."""
-    mode = os.environ.get(env, "").strip().lower() or default
-    if mode not in SOURCES:
-        raise HybridError(f"{env}={mode!r}: expected one of {', '.join(SOURCES)}")
-    return mode
+    return env_choice(env, SOURCES, default)
 
 
 def stage_kernel_enabled() -> bool:
@@ -67,10 +63,7 @@ def stage_kernel_enabled() -> bool:
     (~40 launches); 0 restores the latter. Bit-exact (tests/test_stage_pack_emu.py, the CUDA tests);
     H200, 512-token prompt, every expert on the CPU: 3210-3558 vs 2448-2478 tok/s (results/runtime.md
     §20). HybridError naming the variable on anything but 0 or 1 (checked when a CUDA session opens)."""
-    v = os.environ.get(STAGE_KERNEL_ENV, "").strip() or "1"
-    if v not in ("0", "1"):
-        raise HybridError(f"{STAGE_KERNEL_ENV}={v!r}: expected 1 (the stage-pack kernel) or 0 (unpack + torch pack)")
-    return v == "1"
+    return env_choice(STAGE_KERNEL_ENV, ("0", "1"), "1", "1 (the stage-pack kernel) or 0 (unpack + torch pack)") == "1"
 
 
 def promote_mode() -> str:
