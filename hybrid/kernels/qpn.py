@@ -84,7 +84,8 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
             return M1_KERNELS[choice]
         choice = None
     if choice in CT_TB_KERNELS:                  # forced where its M is on sm_90+ (NVFP4), else the default
-        if fmt == 2 and sm >= 90 and (m == 1) == (ct_tb_m(choice) == 1) and m <= ct_tb_m(choice):
+        rows = ct_tb_m(choice)                   # an m1 kernel serves M = 1, an mp<MP> one M = 2..MP
+        if fmt == 2 and sm >= 90 and (m == 1 if rows == 1 else 2 <= m <= rows):
             return ct_tb_name(choice)
         choice = None
     if choice in TB_KERNELS and sm < 90:         # the bulk-copy rings: sm_90+ only, else the default
@@ -97,7 +98,7 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     if choice is None:
         pair = sm >= 80 and -(-n // 16) >= PAIR_MIN_TILES   # measured on sm_90 only: Volta keeps one
         tb = tb_mode() if sm >= 90 else "0"
-        if (m1 or mp) and tb == "1" and m <= 4:
+        if (m1 or mp) and tb == "1" and m <= CT_TB_MAX_M:
             return ct_tb_name(ct_tb_choice(m, pair, k))
         if m1:
             return "qpn2_linear_m1_as2" if pair else "qpn2_linear_m1_as"
@@ -119,7 +120,9 @@ TB_KERNELS = {"_tbu2": (2, 2, 2), "_tb1u4": (2, 4, 1)}
 # ("_mp<MP>tb...") fed by bulk-copy rings (sm_90+; qpn.cu's LINEAR_M1_TB / LINEAR_MP_TB lines), suffix -> (ST, U, NT)
 # as in TB_KERNELS
 CT_TB_KERNELS = {f"_{m}{v}": g for m in ("m1", "mp2", "mp4")
-                 for v, g in (("tbu4", (2, 4, 1)), ("tbu8", (2, 8, 1)), ("tb2u4", (2, 4, 2))) if (m, v) != ("mp4", "tbu8")}
+                 for v, g in (("tbu4", (2, 4, 1)), ("tbu8", (2, 8, 1)), ("tb2u4", (2, 4, 2)))
+                 if (m, v) != ("mp4", "tbu8")}
+CT_TB_MAX_M = 4   # the column-trick rings serve M = 1..CT_TB_MAX_M (M = 5..8: the 8-column kernels)
 
 
 def ct_tb_name(suffix: str) -> str:
@@ -158,8 +161,9 @@ def tb_mode() -> str:
     replaced by them -- FP8 at any M and NVFP4 at M = 3..8 below PAIR_MIN_TILES tiles by _tb1u4 (one tile per warp,
     two slots of 4 chunks), FP8 and NVFP4 with K >= TB_PAIR_MIN_K from PAIR_MIN_TILES tiles by _tbu2 (two tiles, two
     slots of 2 chunks), NVFP4 M = 1..4 by the column-trick rings ct_tb_choice picks; "mt" all but the last (NVFP4
-    M = 1, 2 keep the cp.async column trick, M = 3, 4 take the 8-column rings), 0 none: the register-pipeline / cp.async kernels (read at each launch:
-    A/B runs switch it). HybridError naming the variable on anything else (checked when a CUDA session opens)."""
+    M = 1, 2 keep the cp.async column trick, M = 3, 4 take the 8-column rings), 0 none: the register-pipeline /
+    cp.async kernels. Read at each launch (A/B runs switch it); HybridError naming the variable on anything else
+    (checked when a CUDA session opens)."""
     return env_choice(TB_ENV, ("0", "1", "mt"), "1",
                       "1 (the bulk-copy ring kernels where faster), mt (not the NVFP4 M <= 4 column-trick ones) or 0 "
                       "(never)")
@@ -189,8 +193,8 @@ CT_U8_MIN_K = 8192
 
 def tb_smem(suffix: str) -> int:
     """Dynamic shared memory of a bulk-ring kernel (a TB_KERNELS or CT_TB_KERNELS suffix, or a kernel name;
-    qpn.cu's Smem for ST < 0, linear_m1_body's, linear_mp_body's): the WARPS rings of ST slots of NT x U x 576 bytes (or the block's
-    partial sums, if larger) and ST 8-byte mbarriers per warp."""
+    qpn.cu's Smem for ST < 0, linear_m1_body's, linear_mp_body's): the WARPS rings of ST slots of NT x U x 576
+    bytes (or the block's partial sums, if larger) and ST 8-byte mbarriers per warp."""
     if suffix in CT_TB_KERNELS:
         suffix = ct_tb_name(suffix)
     elif suffix in TB_KERNELS:
@@ -601,7 +605,7 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     chunks = k // layout.CHUNK[w.qtype]
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n, k)
     geo = bulk_geometry(name)
-    if geo and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows: the cp.async / register kernels
+    if geo and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows: the cp.async / register ones
         pair = "2" if geo[2] == 2 else ""
         name = (f"qpn2_linear_m1_as{pair}" if "_m1_" in name else f"qpn2_linear_mp2_as{pair}" if "_mp2_" in name
                 else f"qpn{fmt}_linear_mt1{'_t2u1' if pair else ''}")
