@@ -605,6 +605,16 @@ __device__ __forceinline__ void bulk_loop(const u32x4* const (&wt)[NT], const u6
 #endif
 }
 
+// chunk u of a bulk-ring slot: this lane's 16 bytes of words and (NVFP4) its rows' scale word, per tile
+template <int FMT, int NT, int U>
+__device__ __forceinline__ void slot_chunk(u32x4 (&wv)[NT], u64 (&sv)[NT], u32 slot, int u, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    wv[nt] = lds128(slot + (nt * U + u) * 512 + lane * 16);
+    sv[nt] = FMT == 2 ? lds64(slot + NT * U * 512 + (nt * U + u) * 64 + (lane >> 2) * 8) : 0ull;
+  }
+}
+
 // sm_90+ alternative: the same ring per warp, filled by bulk copies: one lane issues a slot's U chunks of each of
 // the NT tiles -- per tile U x 512 bytes of words and U x 64 of scales, contiguous in the packed layout -- against
 // the slot's mbarrier; every lane waits on the barrier's phase and reads its 16 bytes of words and its rows' scale
@@ -626,11 +636,7 @@ __device__ __forceinline__ void warp_gemm_bulk(float (&acc)[NT][MT][ACCN], const
       if (cs + u < c1) {
         u32x4 wv[NT];
         u64 sv[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          wv[nt] = lds128(slot + (nt * U + u) * 512 + lane * 16);
-          sv[nt] = FMT == 2 ? lds64(slot + NT * U * 512 + (nt * U + u) * 64 + (lane >> 2) * 8) : 0ull;
-        }
+        slot_chunk<FMT, NT, U>(wv, sv, slot, u, lane);
         chunk<FMT, MT, NT>(acc, wv, sv, xr, (cs + u) * CK);
       }
     }
@@ -998,11 +1004,7 @@ __device__ __forceinline__ void warp_mp_bulk(float (&tot)[NT][4], const u32x4* c
       if (cs + u < c1) {
         u32x4 wv[NT];
         u64 sv[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          wv[nt] = lds128(sa + (nt * U + u) * 512 + lane * 16);
-          sv[nt] = lds64(sa + NT * U * 512 + (nt * U + u) * 64 + (lane >> 2) * 8);
-        }
+        slot_chunk<2, NT, U>(wv, sv, sa, u, lane);
         mp_chunk<NT, MP>(tot, wv, sv, xv[u], slot, gq);
       }
     }

@@ -368,20 +368,14 @@ def test_tb_kernel_choice(monkeypatch):
     assert linear_kernel(2, 1, 8, 90, n=big, k=5120) == "qpn2_linear_mt1_tbu2"   # long rows: the two-tile ring
     # NVFP4 M = 1: the column trick through a bulk ring, slots of 4 or (long rows, or lm_head's K) 8 chunks, two
     # tiles per warp in slots of 4 on a large grid of long rows; M = 2: the cp.async column trick
-    assert linear_kernel(2, 1, 1, 90, n=small, k=4096) == "qpn2_linear_m1_tbu4"
-    assert linear_kernel(2, 1, 1, 90, n=small, k=25600) == "qpn2_linear_m1_tbu8"
-    assert linear_kernel(2, 1, 1, 90, n=big, k=2048) == "qpn2_linear_m1_tbu8"
-    assert linear_kernel(2, 1, 1, 90, n=big, k=5120) == "qpn2_linear_m1_tb2u4"
-    assert linear_kernel(2, 1, 1, 80, n=small, k=4096) == "qpn2_linear_m1_as"
     # M = 2 as M = 1 (its column-trick kernel, two rows); M = 3, 4 the four-row one, slots of 4, two tiles per warp
     # only on a large grid of long rows
-    assert linear_kernel(2, 1, 2, 90, n=small, k=2048) == "qpn2_linear_mp2_tbu4"
-    assert linear_kernel(2, 1, 2, 90, n=small, k=25600) == "qpn2_linear_mp2_tbu8"
-    assert linear_kernel(2, 1, 2, 90, n=big, k=2048) == "qpn2_linear_mp2_tbu8"
-    assert linear_kernel(2, 1, 2, 90, n=big, k=5120) == "qpn2_linear_mp2_tb2u4"
-    assert linear_kernel(2, 1, 3, 90, n=small, k=25600) == "qpn2_linear_mp4_tbu4"
-    assert linear_kernel(2, 1, 4, 90, n=big, k=2048) == "qpn2_linear_mp4_tbu4"
-    assert linear_kernel(2, 1, 4, 90, n=big, k=5120) == "qpn2_linear_mp4_tb2u4"
+    for m, n, k, want in ((1, small, 4096, "m1_tbu4"), (1, small, 25600, "m1_tbu8"), (1, big, 2048, "m1_tbu8"),
+                          (1, big, 5120, "m1_tb2u4"), (2, small, 2048, "mp2_tbu4"), (2, small, 25600, "mp2_tbu8"),
+                          (2, big, 2048, "mp2_tbu8"), (2, big, 5120, "mp2_tb2u4"), (3, small, 25600, "mp4_tbu4"),
+                          (4, big, 2048, "mp4_tbu4"), (4, big, 5120, "mp4_tb2u4")):
+        assert linear_kernel(2, 1, m, 90, n=n, k=k) == f"qpn2_linear_{want}", (m, n, k)
+    assert linear_kernel(2, 1, 1, 80, n=small, k=4096) == "qpn2_linear_m1_as"
     assert linear_kernel(2, 1, 2, 80, n=small) == "qpn2_linear_mp2_as"
     assert linear_kernel(2, 1, 2, 90, "_mp2tbu8", n=small) == "qpn2_linear_mp2_tbu8"   # forced
     assert linear_kernel(2, 1, 3, 90, "_mp4tb2u4", n=small) == "qpn2_linear_mp4_tb2u4"  # forced, below MP rows
