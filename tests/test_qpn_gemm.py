@@ -3,6 +3,8 @@ loads which packed word, where its decoded fp16 values land in shared memory (ti
 K tail (FP8 K = 32 mod 64), rows past M / N; and the launcher's tile choice. The bit decode itself
 is layout.py's (tested in test_qpn_layout.py); the WMMA products are checked on a GPU
 (test_qpn_cuda.py)."""
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -382,6 +384,8 @@ def test_tb_kernel_choice(monkeypatch):
     assert linear_kernel(2, 1, 3, 90, "_mp2tbu8", n=small) == "qpn2_linear_mp4_tbu4"   # forced at the wrong M: default
     assert linear_kernel(2, 1, 1, 90, "_mp2tbu8", n=small, k=4096) == "qpn2_linear_m1_tbu4"   # M = 1: its own kernels
     assert linear_kernel(8, 1, 1, 90, "_m1tbu4", n=small) == "qpn8_linear_mt1_tb1u4"   # not NVFP4: the default
+    with pytest.raises(ValueError, match="LINEAR_VARIANT '_m2x'"):   # no such kernel: said, not launched
+        linear_kernel(2, 1, 2, 90, "_m2x", n=small)
     assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1_tb1u4"
     assert linear_kernel(8, 1, 8, 90, n=big) == "qpn8_linear_mt1_tbu2"
     assert linear_kernel(8, 1, 1, 80, n=small) == "qpn8_linear_mt1"        # sm_80: no bulk copies
@@ -426,3 +430,16 @@ def test_pdl_launch_config_layout_and_switch(monkeypatch):
     assert qpn.pdl(90) and not qpn.pdl(90, "fused")
     monkeypatch.setenv("HYBRID_PDL", "0")
     assert not qpn.pdl(90) and not qpn.pdl(90, "fused")
+
+
+def test_every_forced_linear_variant_resolves():
+    """Every LINEAR_VARIANT choice the GPU tests and the benchmark force names a kernel qpn.cu builds, for both
+    formats, M = 1..8, sm_70 / 80 / 90, small and large grids (a choice that does not apply falls back)."""
+    from hybrid.kernels.build import KERNELS
+    from hybrid.kernels.qpn import CT_TB_KERNELS, M1_KERNELS, PAIR_MIN_TILES, TB_KERNELS, linear_kernel
+
+    choices = [None, "", "_u4", "_as", "_as4", "_mp", "_mpx2", "_t2", "_t2u1", *M1_KERNELS, *TB_KERNELS,
+               *CT_TB_KERNELS]
+    for choice, fmt, m, sm, n, k in itertools.product(choices, (2, 8), range(1, 9), (70, 80, 90),
+                                                      (16 * PAIR_MIN_TILES - 16, 16 * PAIR_MIN_TILES), (2048, 5120)):
+        assert linear_kernel(fmt, 1, m, sm, choice, n=n, k=k) in KERNELS, (choice, fmt, m, sm, n, k)

@@ -107,7 +107,12 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
         if tb != "0" and (fmt == 8 or not pair or k >= TB_PAIR_MIN_K):
             return f"qpn{fmt}_linear_mt1{'_tbu2' if pair else '_tb1u4'}"
         return f"qpn{fmt}_linear_mt1_t2u1" if pair else f"qpn{fmt}_linear_mt1"
-    return f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
+    name = f"qpn{fmt}_linear_mt1{'' if choice.startswith('_as') and sm < 80 else choice}"
+    from hybrid.kernels.build import KERNELS
+
+    if name not in KERNELS:   # a forced choice of another family that does not apply here, or a typo
+        raise ValueError(f"LINEAR_VARIANT {choice!r}: no M <= 8 kernel {name} (format {fmt}, M = {m}, sm_{sm})")
+    return name
 
 
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
