@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hybrid.kernels import layout
-from hybrid.kernels.qpn import PAIR_KERNELS, WARPS, _linear_ks
+from hybrid.kernels.qpn import WARPS, _linear_ks, tiles_per_warp
 from hybrid.checkpoint.formats import QType
 
 PROBES = Path(__file__).resolve().parents[1] / "results" / "cuda_kernels_probes.jsonl"
@@ -51,7 +51,7 @@ def test_picks_against_measured_rows():
         n, k = rows[0]["n"], rows[0]["k"]
         qt = QType.NVFP4 if fmt == "nvfp4" else QType.FP8
         tiles = -(-n // 16)
-        units = -(-tiles // 2) if kernel.endswith(PAIR_KERNELS) else tiles
+        units = -(-tiles // tiles_per_warp(kernel))
         ks = _linear_ks(units, k // layout.CHUNK[qt], 132, rows[0]["per_sm"])
         by_ks = {r["ks"]: r["t_us"] for r in rows}
         assert rows[0]["grid"] == -(-units // (WARPS // rows[0]["ks"]))

@@ -76,7 +76,7 @@ def main() -> int:
                 if fmt == 2 and m == 1:
                     names += ["qpn2_linear_m1_as", "qpn2_linear_m1_as2"]
                 for name in names:
-                    units = -(-tiles // 2) if "_t2" in name or name.endswith(qpn.PAIR_KERNELS) else tiles
+                    units = -(-tiles // qpn.tiles_per_warp(name))
                     per_sm = occupancy(mod, name)
                     for ks in (1, 2, 4, 8):
                         if chunks // ks < 2:

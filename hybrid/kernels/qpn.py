@@ -117,7 +117,7 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
 
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
 M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2"}  # LINEAR_VARIANT choices
-PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2", "_mt1_tbu2")  # two tiles per warp
+PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2")  # two tiles per warp (+ bulk NT 2)
 # LINEAR_VARIANT choices: the M <= 8 kernels fed by bulk-copy rings (sm_90+), suffix -> (ST slots, U chunks per
 # slot, NT tiles per warp) as qpn.cu's LINEAR_TB lines build them
 TB_KERNELS = {"_tbu2": (2, 2, 2), "_tb1u4": (2, 4, 1)}
@@ -141,6 +141,7 @@ def ct_tb_m(suffix: str) -> int:
     return 1 if suffix.startswith("_m1") else int(suffix[3])
 
 
+@functools.lru_cache(maxsize=None)
 def bulk_geometry(name: str) -> tuple[int, int, int, int] | None:
     """(ST slots, U chunks per slot, NT tiles per warp, fp32 partials per tile per warp) of a bulk-ring linear kernel,
     else None."""
@@ -151,6 +152,13 @@ def bulk_geometry(name: str) -> tuple[int, int, int, int] | None:
         if name == ct_tb_name(suffix):
             return (*g, ct_tb_m(suffix) * 16)
     return None
+
+
+def tiles_per_warp(name: str) -> int:
+    """16-row tiles a warp of M <= 8 linear kernel `name` works on (its launch's work units are tile pairs when 2):
+    PAIR_KERNELS and the bulk-ring kernels of NT = 2."""
+    geo = bulk_geometry(name)
+    return 2 if name.endswith(PAIR_KERNELS) or (geo is not None and geo[2] == 2) else 1
 
 
 TB_ENV = "HYBRID_QPN_TB"
@@ -616,7 +624,7 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
                 else f"qpn{fmt}_linear_mt1{'_t2u1' if pair else ''}")
         geo = None
     smem = tb_smem(name) if geo else 0
-    units = -(-tiles // 2) if name.endswith(PAIR_KERNELS) or (geo and geo[2] == 2) else tiles   # warp work units
+    units = -(-tiles // tiles_per_warp(name))   # warp work units
     sms = _sms(w.device)
     ks = (_linear_ks(units, chunks, sms, mod.occupancy(name, THREADS, smem)) if passes == 1
           else _pick_ks(units * passes, chunks, sms))
