@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from hybrid.kernels.fused_build import KERNELS, force_ptx, module as _module  # noqa: F401
 from hybrid.kernels.moe_route import RoutePlan
-from hybrid.switches import env_choice
+from hybrid.switches import OFF, env_choice
 
 PARTS = ("norm", "rope", "route", "attn", "rope_attn")
 ROUTE_MAX_E, ROUTE_MAX_K, ROUTER_MAX_T = 512, 32, 8
@@ -89,7 +89,7 @@ def _env_part(var: str, part: str, default) -> bool:
         return part in default
     if v in ("1", "on", "true", "yes", "all"):
         return True
-    if v in ("0", "off", "false", "no", "none"):
+    if v in OFF or v == "none":
         return False
     return part in {p.strip() for p in v.split(",")}
 
