@@ -214,7 +214,10 @@ def test_graphs_match_eager_on_cuda(model_dir, warm, place, gpus, miss_graph, mo
             assert planned == {layer for layer in range(LAYERS) if want_full[layer]}
     (i0, l0), (i1, l1) = runs
     assert i0 == i1
-    torch.testing.assert_close(l1, l0, atol=1e-3, rtol=1e-3)   # the same kernels, replayed
+    # the same kernels, replayed, yet not always bit for bit: on the H200 every eager run gave the same logits and
+    # a session's graphs one of two results, within 2.93e-3 of the eager ones (one or two fp16 roundings of logits
+    # of magnitude 2-4; results/runtime.md §42). 1e-2 is a few roundings, far below a wrong kernel's error.
+    torch.testing.assert_close(l1, l0, atol=1e-2, rtol=1e-2)
 
 
 @cuda

@@ -219,6 +219,25 @@ def test_device_sampler_on_cuda(cfg):
     assert diff == 0 if not cfg.get("temperature") else diff <= 2
 
 
+def same_records(a: list[dict], b: list[dict], atol: float = 1e-3) -> bool:
+    """Trace records equal, their routing weights within atol: two sessions' CUDA graphs of the same step can
+    differ by an fp16 rounding (results/runtime.md §42), which moves the weights in their fifth decimal."""
+    def close(x: dict, y: dict) -> bool:
+        if x.keys() != y.keys() or any(x[k] != y[k] for k in x if k != "weights"):
+            return False
+        return "weights" not in x or np.allclose(np.asarray(x["weights"]), np.asarray(y["weights"]), atol=atol, rtol=0)
+
+    return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+
+
+def test_same_records():
+    rec = {"type": "step", "ids": [[[1, 2]]], "weights": [[[0.6, 0.4]]], "hits": [2]}
+    assert same_records([rec], [dict(rec, weights=[[[0.6004, 0.3996]]])])
+    assert not same_records([rec], [dict(rec, weights=[[[0.61, 0.39]]])])
+    assert not same_records([rec], [dict(rec, ids=[[[1, 3]]])])
+    assert not same_records([rec], [rec, rec])
+
+
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("place", ["all_resident", "mixed"])
@@ -253,11 +272,11 @@ def test_overlap_on_cuda(model_dir, warm, place, tmp_path):
     (o0, t0, _), (o1, t1, c1) = session_run(False), session_run(True)
     assert o0[0] == o1[0] and o0[3:] == o1[3:] and o1[6] is None
     assert all(np.array_equal(a, b) for a, b in zip(o0[1] + o0[2], o1[1] + o1[2]))
-    assert t0[1:] == t1[1:]
+    assert same_records(t0[1:], t1[1:])
     assert c1.enqueued == (11 if place == "all_resident" else 0)
     eos = o0[0][5]
     first = o0[0].index(eos)                                   # the generation ends at its first occurrence
     (e0, u0, _), (e1, u1, d1) = session_run(False, eos=eos), session_run(True, eos=eos)
-    assert e0[0] == e1[0] == o0[0][:first] and e0[3:] == e1[3:] and u0[1:] == u1[1:]
+    assert e0[0] == e1[0] == o0[0][:first] and e0[3:] == e1[3:] and same_records(u0[1:], u1[1:])
     assert all(np.array_equal(a, b) for a, b in zip(e0[1] + e0[2], e1[1] + e1[2]))
     assert d1.discarded == (1 if place == "all_resident" and first > 0 else 0)
