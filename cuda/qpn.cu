@@ -68,7 +68,8 @@
 //   qpn_moe_route              one block: slot_ids[A] -> offsets[S+1], perm[A] (grouped by slot),
 //                              active[min(A, S)] (the slots with work, in slot order; -1 after)
 //   qpn{2,8}_moe_gateup_mt{1,4} grid (I/16 / TG, min(A, S)): h[A, I] fp16 = silu(gate x) * up x  (sorted rows)
-//   qpn{2,8}_moe_down_mt{1,4}   grid (H/16 / TG, min(A, S)): y[T, H] fp32 += route_w * down h (atomicAdd)
+//   qpn{2,8}_moe_down_mt{1,4}   grid (H/16 / TG, min(A, S)): y[T, H] fp32 += route_w * down h (atomicAdd, or
+//                              _ord: partials per pair, summed in slot order by the last block; moe_ordered_sum)
 //   qpn{2,8}_moe_{gateup,down}_mt1_as  sm_80+: the same with cp.async rings
 //   qpn{2,8}_moe_gemm_{gateup,down}_<BM>x128  MoE prefill (many rows per expert): the tiled WMMA GEMM
 //                              per active slot, grid (N tiles, min(A, S)), rows gathered through perm
@@ -1972,7 +1973,41 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
 
 // ---------------------------------------------------------------- MoE down + weighted sum
 // w2: per slot [H/16, I/CK, 32, 4] u32; h [A, I] fp16 (perm order); y [T, H] fp32 (+=).
-template <int FMT, int MT, int ST>
+// ORD false: each block adds its rows into y with fp32 atomics (their order is the blocks' timing, so the sums can
+// differ run to run in the last bit; part and done unused). ORD (the _ord kernels): a block stores its rows'
+// route_w * down h into part [A, H] fp32 (row a = the pair), and the last of the gridDim.y blocks of a column group
+// to arrive (done[blockIdx.x] counts them; zero before, left zero) adds them into y one column per thread, the
+// pairs in the order of active's slots: each y element summed in the same order every launch (a token's pairs are
+// in distinct slots). A template flag, not a run-time test: the atomic kernels keep their registers.
+__device__ __forceinline__ void moe_ordered_sum(float* __restrict__ y, const float* __restrict__ part,
+                                                int* __restrict__ done, const int* __restrict__ token_idx,
+                                                const int* __restrict__ offsets, const int* __restrict__ perm,
+                                                const int* __restrict__ active, int H, int cols) {
+  __shared__ int last;
+  __threadfence();  // this block's partials are visible before its arrival is counted
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(done + blockIdx.x, 1) == (int)gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int c = threadIdx.x; c < cols; c += THREADS) {
+    const int n = blockIdx.x * cols + c;
+    if (n >= H) break;
+#pragma unroll 1
+    for (int j = 0; j < (int)gridDim.y; ++j) {
+      const int slot = active[j];
+      if (slot < 0) continue;
+#pragma unroll 1
+      for (int r = offsets[slot]; r < offsets[slot + 1]; ++r) {
+        const int a = perm[r];
+        y[(size_t)token_idx[a] * H + n] += ld_part(part + (size_t)a * H + n);
+      }
+    }
+  }
+  if (threadIdx.x == 0) done[blockIdx.x] = 0;
+}
+
+template <int FMT, int MT, int ST, bool ORD>
 __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u64* __restrict__ s2,
                                           const float* __restrict__ gs, long long wstride,
                                           long long sstride, const u16* __restrict__ h,
@@ -1981,14 +2016,14 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
                                           const int* __restrict__ offsets,
                                           const int* __restrict__ perm,
                                           const int* __restrict__ active, float* __restrict__ y,
+                                          float* __restrict__ part, int* __restrict__ done,
                                           int H, int I, int KS) {
   __shared__ __align__(16) unsigned char smem[Smem<MT, 1, ST>::BYTES];
   float (*red)[1][8 * MT][16] = reinterpret_cast<float (*)[1][8 * MT][16]>(smem);
   pdl_wait();  // the routing (active, offsets, perm) and the activations come from earlier kernels
   const int slot = active[blockIdx.y];
-  if (slot < 0) return;
-  const int beg = offsets[slot], cnt = offsets[slot + 1] - beg;
-  if (cnt <= 0) return;
+  const int beg = slot < 0 ? 0 : offsets[slot], cnt = slot < 0 ? 0 : offsets[slot + 1] - beg;
+  if (cnt <= 0 && !ORD) return;  // (ordered: every block is counted)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int CK = FMT == 2 ? 64 : 32, C = I / CK, Ht = H >> 4;
@@ -2021,12 +2056,16 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
       int n = (blockIdx.x * TG + g) * 16 + row, i = base + tok;
       if (n < H && i < cnt) {
         int a = perm[beg + i];
-        atomicAdd(y + (size_t)token_idx[a] * H + n,
-                  route_w[a] * red_sum<MT, 1>(red, g, KS, 0, tok, row) * gd);
+        const float v = route_w[a] * red_sum<MT, 1>(red, g, KS, 0, tok, row) * gd;
+        if constexpr (ORD)
+          part[(size_t)a * H + n] = v;
+        else
+          atomicAdd(y + (size_t)token_idx[a] * H + n, v);
       }
     }
     __syncthreads();
   }
+  if constexpr (ORD) moe_ordered_sum(y, part, done, token_idx, offsets, perm, active, H, TG * 16);
 }
 
 #define MOE(FMT, MT, SFX, ST1, ST2)                                                                \
@@ -2044,9 +2083,11 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
       long long wstride, long long sstride, const u16* __restrict__ h,                             \
       const int* __restrict__ token_idx, const float* __restrict__ route_w,                        \
       const int* __restrict__ offsets, const int* __restrict__ perm,                               \
-      const int* __restrict__ active, float* __restrict__ y, int H, int I, int KS) {               \
-    down_body<FMT, (MT < MTMAX ? MT : MTMAX), ST2>(w2, s2, gs, wstride, sstride, h, token_idx,     \
-                                                   route_w, offsets, perm, active, y, H, I, KS);   \
+      const int* __restrict__ active, float* __restrict__ y, float* __restrict__ part,             \
+      int* __restrict__ done, int H, int I, int KS) {                                              \
+    down_body<FMT, (MT < MTMAX ? MT : MTMAX), ST2, false>(w2, s2, gs, wstride, sstride, h,         \
+                                                          token_idx, route_w, offsets, perm,       \
+                                                          active, y, part, done, H, I, KS);        \
   }
 MOE(2, 1, , 0, 0)
 MOE(2, 4, , 0, 0)
@@ -2055,6 +2096,22 @@ MOE(8, 4, , 0, 0)
 // sm_80+ only: cp.async rings (gate+up: 3 stages of two tiles; down: 6 stages)
 MOE(2, 1, _as, 3, 6)
 MOE(8, 1, _as, 3, 6)
+// qpn{2,8}_moe_down_mt1{,_as}_ord: the ordered sum (moe_ordered_sum; HYBRID_MOE_REDUCE=ordered), the same arguments
+#define MOE_DOWN_ORD(FMT, SFX, ST)                                                                 \
+  extern "C" __global__ void qpn##FMT##_moe_down_mt1##SFX##_ord(                                    \
+      const u32x4* __restrict__ w2, const u64* __restrict__ s2, const float* __restrict__ gs,      \
+      long long wstride, long long sstride, const u16* __restrict__ h,                             \
+      const int* __restrict__ token_idx, const float* __restrict__ route_w,                        \
+      const int* __restrict__ offsets, const int* __restrict__ perm,                               \
+      const int* __restrict__ active, float* __restrict__ y, float* __restrict__ part,             \
+      int* __restrict__ done, int H, int I, int KS) {                                              \
+    down_body<FMT, 1, ST, true>(w2, s2, gs, wstride, sstride, h, token_idx, route_w, offsets,       \
+                                perm, active, y, part, done, H, I, KS);                            \
+  }
+MOE_DOWN_ORD(2, , 0)
+MOE_DOWN_ORD(8, , 0)
+MOE_DOWN_ORD(2, _as, 6)
+MOE_DOWN_ORD(8, _as, 6)
 
 // ---------------------------------------------------------------- MoE prefill: grouped tiled GEMM
 // The prefill GEMM's machinery (TileLoads, tile_store, mma_stage: weights decoded once per block

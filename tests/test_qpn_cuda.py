@@ -68,6 +68,13 @@ def moe_variant(request):
     qpn.MOE_VARIANT[0] = None
 
 
+@pytest.fixture(params=["atomic", "ordered"])
+def moe_reduce(request, monkeypatch):
+    """HYBRID_MOE_REDUCE: the M <= 8 down kernel's fp32 atomics, or its ordered sum (the _ord kernels)."""
+    monkeypatch.setenv("HYBRID_MOE_REDUCE", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("qtype,n,k", [(QType.NVFP4, 200, 320), (QType.FP8, 200, 352),
                                        (QType.NVFP4, 1024, 4096), (QType.FP8, 48, 1024)])
 def test_linear_matches_reference_all_m(backend, variant, qtype, n, k):
@@ -236,7 +243,7 @@ def make_slots(qtype, s, h, i, seed, stride=7):
 
 @pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
 @pytest.mark.parametrize("t", [1, 3, 8, 20])
-def test_moe_matches_reference(backend, moe_variant, qtype, t):
+def test_moe_matches_reference(backend, moe_variant, moe_reduce, qtype, t):
     s, h, i, topk = 6, 256, 128, 4
     slots, experts = make_slots(qtype, s, h, i, t, stride=10)
     g = torch.Generator().manual_seed(t)
@@ -251,7 +258,7 @@ def test_moe_matches_reference(backend, moe_variant, qtype, t):
     assert err < 3e-3, f"{backend} {qtype.value} T={t}: relative error {err:.2e}"
 
 
-def test_moe_many_idle_slots(moe_variant):
+def test_moe_many_idle_slots(moe_variant, moe_reduce):
     """Decode shape: a few routed experts among many cached slots (the kernels launch one block
     row per active slot, listed by the route kernel)."""
     s, h, i, t, topk = 40, 256, 128, 2, 3
@@ -269,6 +276,40 @@ def test_moe_many_idle_slots(moe_variant):
     y = qpn_moe(x.cuda(), slots, ids.cuda(), tok.cuda(), rw.cuda()).cpu()
     err = rel_err(y, ref_moe(x, experts, ids, tok, rw).double())
     assert err < 3e-3, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+def test_moe_ordered_sum_repeats_bit_for_bit(backend, moe_variant, qtype, monkeypatch):
+    """HYBRID_MOE_REDUCE=ordered: 1 and 5 tokens (a miss among them), launched 30 times and replayed from a CUDA
+    graph 30 times: every output the same bits as the first launch's (the atomic form may differ in the last bit
+    between launches), within the reference's tolerance."""
+    monkeypatch.setenv("HYBRID_MOE_REDUCE", "ordered")
+    s, h, i, topk = 8, 512, 256, 4
+    slots, experts = make_slots(qtype, s, h, i, 3, stride=10)
+    for t in (1, 5):
+        g = torch.Generator().manual_seed(t)
+        ids = torch.stack([torch.randperm(s, generator=g)[:topk] for _ in range(t)]).flatten().int()
+        ids[1] = -1                                                   # a miss: no slot, not summed here
+        tok = torch.arange(t, dtype=torch.int32).repeat_interleave(topk)
+        rw = torch.rand(t * topk, generator=g)
+        x = fresh((t, h)) * 4
+        args = (x.cuda(), slots, ids.cuda(), tok.cuda(), rw.cuda())
+        first = qpn_moe(*args).clone()
+        keep = ids >= 0
+        ref = ref_moe(x, experts, ids[keep], tok[keep], rw[keep]).double()
+        assert rel_err(first.cpu(), ref) < 3e-3
+        for _ in range(30):
+            assert torch.equal(qpn_moe(*args), first)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            qpn_moe(*args)                                           # warm-up on the capture stream
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                out = qpn_moe(*args)
+        for _ in range(30):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, first)
 
 
 def test_launcher_rejects_device_and_alignment_errors():

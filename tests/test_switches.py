@@ -41,6 +41,13 @@ def test_switches_through_it(monkeypatch):
 
     monkeypatch.setenv("HYBRID_QPN_TB", "MT")
     assert qpn.tb_mode() == "mt"
+    monkeypatch.delenv("HYBRID_MOE_REDUCE", raising=False)
+    assert qpn.moe_reduce() == "atomic"
+    monkeypatch.setenv("HYBRID_MOE_REDUCE", "Ordered")
+    assert qpn.moe_reduce() == "ordered"
+    monkeypatch.setenv("HYBRID_MOE_REDUCE", "exact")
+    with pytest.raises(HybridError, match="HYBRID_MOE_REDUCE='exact'"):
+        qpn.moe_reduce()
     monkeypatch.setenv("HYBRID_SDPA_GQA", "auto")
     assert sdpa_gqa_mode() is None
     monkeypatch.setenv("HYBRID_SDPA_GQA", "expand")

@@ -702,8 +702,8 @@ def _linear_torch(x: torch.Tensor, w: QPNWeight) -> torch.Tensor:
     return x @ w.dense.t() if w.device.type == "cuda" else (x.float() @ w.dense.float().t()).half()
 
 
-def _p(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
 
 
 # ---------------------------------------------------------------------------- MoE expert slots
@@ -826,6 +826,33 @@ MOE_DOWN_MIN_CHUNKS = 6
 # qpn_moe: outputs of at most this many fp32 values are zeroed by the route kernel (one block) instead
 # of a separate memset (8 decode tokens x hidden 4096 = 32768)
 ROUTE_ZERO_MAX = 32768
+MOE_REDUCES = ("atomic", "ordered")
+MOE_ORDERED_MIN_PAIRS = 256   # the ordered reduction's partials: room for this many pairs at first use
+
+
+def moe_reduce() -> str:
+    """$HYBRID_MOE_REDUCE, read at each launch: how the M <= 8 MoE down kernel (decode, verify steps) sums the
+    experts of a token. "atomic" (the default): fp32 atomic adds into y, whose order is the blocks' timing (a
+    CUDA graph's replays can differ from the eager launches in the last bit). "ordered": each pair's output stored,
+    then summed per column in the slots' order by the last block of its column group (moe_ordered_sum in
+    cuda/qpn.cu): the same bits every launch. Not the default until timed on a GPU."""
+    return env_choice("HYBRID_MOE_REDUCE", MOE_REDUCES, "atomic")
+
+
+_MOE_WORK: dict = {}   # device -> (part, done, older buffers that captured graphs may still point at)
+
+
+def _moe_workspace(dev: torch.device, pairs: int, h: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ordered down kernel's partials (>= pairs x h fp32) and column-group counters (>= groups int32, zero and
+    left zero by every launch) on dev; grow-only. Launches on one device are ordered on one stream (as the
+    runtime's are)."""
+    part, done, old = _MOE_WORK.get(dev, (None, None, []))
+    if part is None or part.numel() < pairs * h or done.numel() < groups:
+        old = old + [part, done]
+        part = torch.empty(max(pairs, MOE_ORDERED_MIN_PAIRS) * h, dtype=torch.float32, device=dev)
+        done = torch.zeros(max(groups, 0 if done is None else done.numel()), dtype=torch.int32, device=dev)
+        _MOE_WORK[dev] = (part, done, old)
+    return part, done
 # MoE prefill: a grouped GEMM per expert slot instead of the mt4 kernels (each slot's packed weights
 # decoded once per BM rows instead of once per 4 tokens) for steps of more than 8 tokens (decode and
 # verify steps keep the mt1 kernels), where the average rows per block row, A / min(A, S), reach the
@@ -958,10 +985,15 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
     ks = _pick_ks(h // 16 * active, i // ck, sms)
     while t > 1 and ks > 1 and (i // ck) / ks < MOE_DOWN_MIN_CHUNKS:   # several tokens: longer warp items
         ks //= 2
-    mod.launch(f"qpn{fmt}_moe_down_mt{mt}{sfx}", (-(-(h // 16) // (WARPS // ks)), rows, 1), THREADS,
+    groups = -(-(h // 16) // (WARPS // ks))
+    part = done = None
+    if mt == 1 and moe_reduce() == "ordered":
+        part, done = _moe_workspace(dev, a, h, groups)
+    mod.launch(f"qpn{fmt}_moe_down_mt{mt}{sfx}{'' if part is None else '_ord'}", (groups, rows, 1), THREADS,
                [_p(slots.w2), _p(slots.s2), _p(slots.gs), ctypes.c_longlong(ws2),
                 ctypes.c_longlong(ss2), _p(hbuf), _p(token_idx), _p(route_w), _p(offsets),
-                _p(perm), _p(slot_list), _p(y), ctypes.c_int(h), ctypes.c_int(i), ctypes.c_int(ks)],
+                _p(perm), _p(slot_list), _p(y), _p(part), _p(done), ctypes.c_int(h), ctypes.c_int(i),
+                ctypes.c_int(ks)],
                pdl=pdl(mod.sm))
     return y
 
