@@ -2068,6 +2068,19 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
   if constexpr (ORD) moe_ordered_sum(y, part, done, token_idx, offsets, perm, active, H, TG * 16);
 }
 
+// qpn{2,8}_moe_down_mt{1,4}{,_as}: the atomic sum; qpn{2,8}_moe_down_mt1{,_as}_ord: the ordered sum
+// (moe_ordered_sum; HYBRID_MOE_REDUCE=ordered), the same arguments
+#define MOE_DOWN(NAME, FMT, MT, ST, ORD)                                                           \
+  extern "C" __global__ void NAME(                                                                 \
+      const u32x4* __restrict__ w2, const u64* __restrict__ s2, const float* __restrict__ gs,      \
+      long long wstride, long long sstride, const u16* __restrict__ h,                             \
+      const int* __restrict__ token_idx, const float* __restrict__ route_w,                        \
+      const int* __restrict__ offsets, const int* __restrict__ perm,                               \
+      const int* __restrict__ active, float* __restrict__ y, float* __restrict__ part,             \
+      int* __restrict__ done, int H, int I, int KS) {                                              \
+    down_body<FMT, MT, ST, ORD>(w2, s2, gs, wstride, sstride, h, token_idx, route_w, offsets,       \
+                                perm, active, y, part, done, H, I, KS);                            \
+  }
 #define MOE(FMT, MT, SFX, ST1, ST2)                                                                \
   extern "C" __global__ void qpn##FMT##_moe_gateup_mt##MT##SFX(                                     \
       const u32x4* __restrict__ w13, const u64* __restrict__ s13, const float* __restrict__ gs,    \
@@ -2078,17 +2091,7 @@ __device__ __forceinline__ void down_body(const u32x4* __restrict__ w2, const u6
     gateup_body<FMT, (MT < MTMAX ? MT : MTMAX), ST1>(w13, s13, gs, wstride, sstride, x, token_idx, \
                                                      offsets, perm, active, h, H, I, KS);          \
   }                                                                                                \
-  extern "C" __global__ void qpn##FMT##_moe_down_mt##MT##SFX(                                       \
-      const u32x4* __restrict__ w2, const u64* __restrict__ s2, const float* __restrict__ gs,      \
-      long long wstride, long long sstride, const u16* __restrict__ h,                             \
-      const int* __restrict__ token_idx, const float* __restrict__ route_w,                        \
-      const int* __restrict__ offsets, const int* __restrict__ perm,                               \
-      const int* __restrict__ active, float* __restrict__ y, float* __restrict__ part,             \
-      int* __restrict__ done, int H, int I, int KS) {                                              \
-    down_body<FMT, (MT < MTMAX ? MT : MTMAX), ST2, false>(w2, s2, gs, wstride, sstride, h,         \
-                                                          token_idx, route_w, offsets, perm,       \
-                                                          active, y, part, done, H, I, KS);        \
-  }
+  MOE_DOWN(qpn##FMT##_moe_down_mt##MT##SFX, FMT, (MT < MTMAX ? MT : MTMAX), ST2, false)
 MOE(2, 1, , 0, 0)
 MOE(2, 4, , 0, 0)
 MOE(8, 1, , 0, 0)
@@ -2096,22 +2099,10 @@ MOE(8, 4, , 0, 0)
 // sm_80+ only: cp.async rings (gate+up: 3 stages of two tiles; down: 6 stages)
 MOE(2, 1, _as, 3, 6)
 MOE(8, 1, _as, 3, 6)
-// qpn{2,8}_moe_down_mt1{,_as}_ord: the ordered sum (moe_ordered_sum; HYBRID_MOE_REDUCE=ordered), the same arguments
-#define MOE_DOWN_ORD(FMT, SFX, ST)                                                                 \
-  extern "C" __global__ void qpn##FMT##_moe_down_mt1##SFX##_ord(                                    \
-      const u32x4* __restrict__ w2, const u64* __restrict__ s2, const float* __restrict__ gs,      \
-      long long wstride, long long sstride, const u16* __restrict__ h,                             \
-      const int* __restrict__ token_idx, const float* __restrict__ route_w,                        \
-      const int* __restrict__ offsets, const int* __restrict__ perm,                               \
-      const int* __restrict__ active, float* __restrict__ y, float* __restrict__ part,             \
-      int* __restrict__ done, int H, int I, int KS) {                                              \
-    down_body<FMT, 1, ST, true>(w2, s2, gs, wstride, sstride, h, token_idx, route_w, offsets,       \
-                                perm, active, y, part, done, H, I, KS);                            \
-  }
-MOE_DOWN_ORD(2, , 0)
-MOE_DOWN_ORD(8, , 0)
-MOE_DOWN_ORD(2, _as, 6)
-MOE_DOWN_ORD(8, _as, 6)
+MOE_DOWN(qpn2_moe_down_mt1_ord, 2, 1, 0, true)
+MOE_DOWN(qpn8_moe_down_mt1_ord, 8, 1, 0, true)
+MOE_DOWN(qpn2_moe_down_mt1_as_ord, 2, 1, 6, true)
+MOE_DOWN(qpn8_moe_down_mt1_as_ord, 8, 1, 6, true)
 
 // ---------------------------------------------------------------- MoE prefill: grouped tiled GEMM
 // The prefill GEMM's machinery (TileLoads, tile_store, mma_stage: weights decoded once per block

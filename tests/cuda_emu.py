@@ -83,6 +83,16 @@ inline char* smem_ptr(u32 a) { return (char*)(smem_hi | a); }
 """
 
 
+def qpn_preamble(src: str) -> str:
+    """The text of cuda/qpn.cu (src) the warp-loop emulations share: its typedefs and macros (up to the loads
+    section), BULK_SLOT and the Smem sizes."""
+    rule = "// " + "-" * 64 + " "
+    head = src[src.index("typedef unsigned int u32;"): src.index(rule + "loads, conversions")]
+    slot = src[src.index("#define BULK_SLOT"): src.index("\n", src.index("#define BULK_SLOT")) + 1]
+    smem = src[src.index("template <int MT, int NT, int ST, int U = 1>\nstruct Smem {"):]
+    return head + slot + smem[: smem.index("};\n") + 3]
+
+
 # __shfl_xor_sync (float and int) for the emulations: a warp's values exchanged through a static array between two warp
 # barriers (every lane of the warp must call it, as on the GPU)
 SHFL_XOR = r"""

@@ -15,7 +15,7 @@ import torch
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build, layout
 from hybrid.kernels.qpn import CT_TB_KERNELS, TB_KERNELS, ct_tb_m, ct_tb_name, tb_smem
-from tests.cuda_emu import GEMM_HELPERS, SHFL_XOR, SHIM, compile_emu, mma_shim
+from tests.cuda_emu import GEMM_HELPERS, SHFL_XOR, SHIM, compile_emu, mma_shim, qpn_preamble
 from tests.test_qpn_layout import fp8, nvfp4
 
 RULE = "// " + "-" * 64 + " "
@@ -89,10 +89,7 @@ FUNCS = ["dec_fp4", "dec_fp8", "lane_tok", "lane_k", "mma_group", "group_fp4", "
 
 def emu_source() -> str:
     src = build.source()
-    head = src[src.index("typedef unsigned int u32;"): src.index(RULE + "loads, conversions")]
-    slot = src[src.index("#define BULK_SLOT"): src.index("\n", src.index("#define BULK_SLOT")) + 1]
-    smem = src[src.index("template <int MT, int NT, int ST, int U = 1>\nstruct Smem {"):]
-    smem = smem[: smem.index("};\n") + 3]
+    pre = qpn_preamble(src)
     funcs = build.device_functions(FUNCS, src)
     decl = "extern __shared__ __align__(16) unsigned char smem_dynamic[];"
     assert funcs.count(decl) == 3, "linear_body's / linear_m1_body's / linear_mp_body's dynamic shared memory moved"
@@ -101,7 +98,7 @@ def emu_source() -> str:
     tb += src[src.index("#define LINEAR_M1_TB("): src.index(RULE + "NVFP4, M = 2..8 as M = 1 does")]
     last = src.index("\n", src.rindex("\nLINEAR_MP_TB(qpn2_") + 1) + 1
     tb += src[src.index("#define LINEAR_MP_TB("): last]
-    assert "asm" not in slot + smem + funcs + tb, "an inline-PTX helper the shim does not replace"
+    assert "asm" not in pre[pre.index("#define BULK_SLOT"):] + funcs + tb, "an inline-PTX helper the shim does not replace"
     entry = "".join(
         f'extern "C" void emu_{f}{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
         f'u16* y, int M, int N, int K, int KS) {{ w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
@@ -112,8 +109,7 @@ def emu_source() -> str:
         f'u16* y, int M, int N, int K, int KS) {{ w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
         f's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ {ct_tb_name(v)}(w, s, gs, x, y, M, N, K, KS, 1); }}); }}\n'
         for v in CT_TB_KERNELS)
-    return (SHIM + "#define __CUDA_ARCH__ 900\n#include <cstdlib>\n" + head + HELPERS + slot + smem + funcs + tb
-            + entry)
+    return SHIM + "#define __CUDA_ARCH__ 900\n#include <cstdlib>\n" + pre + HELPERS + funcs + tb + entry
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,9 @@ import torch
 
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build, layout
-from tests.cuda_emu import GEMM_HELPERS, SHFL_XOR, SHIM, compile_emu, mma_shim
+from tests.cuda_emu import GEMM_HELPERS, SHFL_XOR, SHIM, compile_emu, mma_shim, qpn_preamble
 from tests.test_qpn_layout import fp8, nvfp4
 
-RULE = "// " + "-" * 64 + " "
 HELPERS = GEMM_HELPERS + SHFL_XOR + r"""
 inline void pdl_wait() {}
 inline void pdl_trigger() {}
@@ -35,18 +34,15 @@ ARGS = ("const u32x4* w, const u64* s, const float* gs, long long ws, long long 
 
 def emu_source() -> str:
     src = build.source()
-    head = src[src.index("typedef unsigned int u32;"): src.index(RULE + "loads, conversions")]
-    slot = src[src.index("#define BULK_SLOT"): src.index("\n", src.index("#define BULK_SLOT")) + 1]
-    smem = src[src.index("template <int MT, int NT, int ST, int U = 1>\nstruct Smem {"):]
-    smem = smem[: smem.index("};\n") + 3]
+    pre = qpn_preamble(src)
     funcs = build.device_functions(FUNCS, src)
-    assert "asm" not in slot + smem + funcs, "an inline-PTX helper the shim does not replace"
+    assert "asm" not in pre[pre.index("#define BULK_SLOT"):] + funcs, "an inline-PTX helper the shim does not replace"
     entry = "".join(
         f'extern "C" void emu_down_{f}{"_ord" if o else ""}(int gx, int gy, int reverse, {ARGS}) {{ '
         f'run_grid(gx, gy, THREADS, [&] {{ down_body<{f}, 1, 0, {"true" if o else "false"}>(w, s, gs, ws, ss, h, '
         f'tok, rw, off, perm, act, y, part, done, H, I, KS); }}, 1, reverse); }}\n'
         for f in (2, 8) for o in (False, True))
-    return SHIM + "#define __CUDA_ARCH__ 900\n#include <cstdlib>\n" + head + HELPERS + slot + smem + funcs + entry
+    return SHIM + "#define __CUDA_ARCH__ 900\n#include <cstdlib>\n" + pre + HELPERS + funcs + entry
 
 
 @pytest.fixture(scope="module")
