@@ -832,10 +832,10 @@ MOE_ORDERED_MIN_PAIRS = 256   # the ordered reduction's partials: room for this 
 
 def moe_reduce() -> str:
     """$HYBRID_MOE_REDUCE, read at each launch: how the M <= 8 MoE down kernel (decode, verify steps) sums the
-    experts of a token. "atomic" (the default): fp32 atomic adds into y, whose order is the blocks' timing (a
-    CUDA graph's replays can differ from the eager launches in the last bit). "ordered": each pair's output stored,
-    then summed per column in the slots' order by the last block of its column group (moe_ordered_sum in
-    cuda/qpn.cu): the same bits every launch. Not the default until timed on a GPU."""
+    experts of a token. "atomic" (the default): fp32 atomic adds into y in the order the blocks happen to run (two
+    launches can differ in the last bit). "ordered": each pair's output stored, then summed per column in the
+    slots' order by the last block of its column group (moe_ordered_sum in cuda/qpn.cu): the same bits every
+    launch. Not the default until timed on a GPU."""
     return env_choice("HYBRID_MOE_REDUCE", MOE_REDUCES, "atomic")
 
 
@@ -853,6 +853,8 @@ def _moe_workspace(dev: torch.device, pairs: int, h: int, groups: int) -> tuple[
         done = torch.zeros(max(groups, 0 if done is None else done.numel()), dtype=torch.int32, device=dev)
         _MOE_WORK[dev] = (part, done, old)
     return part, done
+
+
 # MoE prefill: a grouped GEMM per expert slot instead of the mt4 kernels (each slot's packed weights
 # decoded once per BM rows instead of once per 4 tokens) for steps of more than 8 tokens (decode and
 # verify steps keep the mt1 kernels), where the average rows per block row, A / min(A, S), reach the
