@@ -125,3 +125,22 @@ def test_emulated_moe_down(emu, qtype, hdim, idim, t, k, s, misses, ks):
                 assert (done == 0).all(), "the column groups' counters must be left zero"
             got[ordered, reverse] = y
     assert torch.equal(got[True, False], got[True, True]), "the ordered sum depends on the blocks' order"
+
+
+def test_moe_workspace_grows_only():
+    """The ordered kernel's workspace: room for at least MOE_ORDERED_MIN_PAIRS pairs at first use, kept while it
+    fits, replaced by a larger one when a launch needs more (the old buffers kept: captured graphs point at them),
+    counters zero."""
+    from hybrid.kernels import qpn
+
+    dev = torch.device("cpu")
+    qpn._MOE_WORK.pop(dev, None)
+    try:
+        part, done = qpn._moe_workspace(dev, 8, 64, 3)
+        assert part.numel() == qpn.MOE_ORDERED_MIN_PAIRS * 64 and done.numel() == 3 and not done.any()
+        assert qpn._moe_workspace(dev, 8, 64, 2)[0] is part                     # fits: the same buffers
+        big, done2 = qpn._moe_workspace(dev, qpn.MOE_ORDERED_MIN_PAIRS + 1, 64, 5)
+        assert big.numel() == (qpn.MOE_ORDERED_MIN_PAIRS + 1) * 64 and done2.numel() == 5 and not done2.any()
+        assert any(t is part for t in qpn._MOE_WORK[dev][2])                    # the old one kept alive
+    finally:
+        qpn._MOE_WORK.pop(dev, None)
