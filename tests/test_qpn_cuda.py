@@ -310,6 +310,10 @@ def test_moe_ordered_sum_repeats_bit_for_bit(backend, moe_variant, qtype, monkey
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, first)
+    from hybrid.kernels import qpn
+
+    works = [v for d, v in qpn._MOE_WORK.items() if d.type == "cuda"]
+    assert works and not works[0][1].any(), "the ordered kernels ran and left their counters zero"
 
 
 def test_launcher_rejects_device_and_alignment_errors():
