@@ -5,7 +5,7 @@ import torch
 
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import QPNExpertSlots, QPNWeight, qpn_linear, qpn_moe
-from hybrid.kernels import layout
+from hybrid.kernels import layout, qpn
 from hybrid.kernels.qpn import force_ptx
 from hybrid.kernels.reference import ref_moe
 from tests.test_qpn_layout import fp8, nvfp4
@@ -310,8 +310,6 @@ def test_moe_ordered_sum_repeats_bit_for_bit(backend, moe_variant, qtype, monkey
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, first)
-    from hybrid.kernels import qpn
-
     works = [v for d, v in qpn._MOE_WORK.items() if d.type == "cuda"]
     assert works and not works[0][1].any(), "the ordered kernels ran and left their counters zero"
 
