@@ -194,3 +194,17 @@ class Module:
 
 def ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
+
+
+def grow_workspace(store: dict, dev: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kernel family's per-device scratch kept in store[dev]: fp32 partials (>= floats) and int32 counters (>=
+    counters; zero, and left zero by every launch of the kernels that use them). Grow-only: a larger request
+    replaces both with buffers at least as large as before, the older ones kept alive (captured graphs may point
+    at them). Launches on one device are ordered on one stream (as the runtime's are)."""
+    part, cnt, old = store.get(dev, (None, None, []))
+    if part is None or part.numel() < floats or cnt.numel() < counters:
+        old = old + [part, cnt]
+        part = torch.empty(max(floats, 0 if part is None else part.numel()), dtype=torch.float32, device=dev)
+        cnt = torch.zeros(max(counters, 0 if cnt is None else cnt.numel()), dtype=torch.int32, device=dev)
+        store[dev] = (part, cnt, old)
+    return part, cnt

@@ -25,6 +25,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from hybrid.kernels.driver import grow_workspace
 from hybrid.kernels.fused_build import KERNELS, force_ptx, module as _module  # noqa: F401
 from hybrid.kernels.moe_route import RoutePlan
 from hybrid.switches import OFF, env_choice
@@ -474,13 +475,7 @@ def _workspace(dev: torch.device, n: int, heads: int) -> tuple[torch.Tensor, tor
     """Per-device attention split partials (grow-only; older buffers are kept alive, captured graphs
     may point at them) and counters (zero, and left zero by every launch): [0] the router's, [1 + h]
     KV head h's. Launches on one device are ordered on one stream (as the runtime's are)."""
-    part, cnt, old = _WORK.get(dev, (None, None, []))
-    if part is None or part.numel() < n or cnt.numel() < heads + 1:
-        old = old + [part, cnt]
-        part = torch.empty(max(n, 1 if part is None else part.numel()), dtype=torch.float32, device=dev)
-        cnt = torch.zeros(max(heads + 1, 65, 0 if cnt is None else cnt.numel()), dtype=torch.int32, device=dev)
-        _WORK[dev] = (part, cnt, old)
-    return part, cnt
+    return grow_workspace(_WORK, dev, max(n, 1), max(heads + 1, 65))
 
 
 def decode_attn(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, keys: int,

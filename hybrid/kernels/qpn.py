@@ -17,6 +17,7 @@ import torch
 from hybrid.checkpoint.formats import QType
 from hybrid.checkpoint.qweight import QWeight
 from hybrid.kernels import layout
+from hybrid.kernels.driver import grow_workspace
 from hybrid.kernels.moe_route import RoutePlan
 from hybrid.kernels.reference import ref_linear, ref_moe, ref_moe_planned
 from hybrid.switches import env_choice
@@ -843,16 +844,9 @@ _MOE_WORK: dict = {}   # device -> (part, done, older buffers that captured grap
 
 
 def _moe_workspace(dev: torch.device, pairs: int, h: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ordered down kernel's partials (>= pairs x h fp32) and column-group counters (>= groups int32, zero and
-    left zero by every launch) on dev; grow-only. Launches on one device are ordered on one stream (as the
-    runtime's are)."""
-    part, done, old = _MOE_WORK.get(dev, (None, None, []))
-    if part is None or part.numel() < pairs * h or done.numel() < groups:
-        old = old + [part, done]
-        part = torch.empty(max(pairs, MOE_ORDERED_MIN_PAIRS) * h, dtype=torch.float32, device=dev)
-        done = torch.zeros(max(groups, 0 if done is None else done.numel()), dtype=torch.int32, device=dev)
-        _MOE_WORK[dev] = (part, done, old)
-    return part, done
+    """The ordered down kernel's partials (>= pairs x h fp32) and column-group counters (>= groups) on dev
+    (driver.grow_workspace)."""
+    return grow_workspace(_MOE_WORK, dev, max(pairs, MOE_ORDERED_MIN_PAIRS) * h, groups)
 
 
 # MoE prefill: a grouped GEMM per expert slot instead of the mt4 kernels (each slot's packed weights
