@@ -615,6 +615,20 @@ __device__ __forceinline__ void slot_chunk(u32x4 (&wv)[NT], u64 (&sv)[NT], u32 s
     sv[nt] = FMT == 2 ? lds64(slot + NT * U * 512 + (nt * U + u) * 64 + (lane >> 2) * 8) : 0ull;
   }
 }
+// the slot's chunks u = 0..U-1 that lie before c1 (the slot's first is chunk cs), each read back (slot_chunk) and
+// handed to f(u, wv, sv)
+template <int FMT, int NT, int U, class F>
+__device__ __forceinline__ void slot_chunks(int cs, int c1, u32 slot, int lane, F&& f) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (cs + u < c1) {
+      u32x4 wv[NT];
+      u64 sv[NT];
+      slot_chunk<FMT, NT, U>(wv, sv, slot, u, lane);
+      f(u, wv, sv);
+    }
+  }
+}
 
 // sm_90+ alternative: the same ring per warp, filled by bulk copies: one lane issues a slot's U chunks of each of
 // the NT tiles -- per tile U x 512 bytes of words and U x 64 of scales, contiguous in the packed layout -- against
@@ -632,15 +646,9 @@ __device__ __forceinline__ void warp_gemm_bulk(float (&acc)[NT][MT][ACCN], const
   bulk_start<FMT, ST, NT, U>(wt, st, c0, c1, lane, rbase, bbase);
   bulk_loop<FMT, ST, NT, U>(wt, st, c0, c1, lane, rbase, bbase, [&](int cs, u32 slot, auto ready) {
     ready();
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (cs + u < c1) {
-        u32x4 wv[NT];
-        u64 sv[NT];
-        slot_chunk<FMT, NT, U>(wv, sv, slot, u, lane);
-        chunk<FMT, MT, NT>(acc, wv, sv, xr, (cs + u) * CK);
-      }
-    }
+    slot_chunks<FMT, NT, U>(cs, c1, slot, lane, [&](int u, const u32x4 (&wv)[NT], const u64 (&sv)[NT]) {
+      chunk<FMT, MT, NT>(acc, wv, sv, xr, (cs + u) * CK);
+    });
   });
 #else
   __trap();  // never launched below sm_90 (the launchers pick these kernels on sm_90+ only)
@@ -1000,15 +1008,9 @@ __device__ __forceinline__ void warp_mp_bulk(float (&tot)[NT][4], const u32x4* c
       for (int j = 0; j < SETS; ++j)
         xv[u][j] = cs + u < c1 ? ld_act(xt + (size_t)(cs + u) * 64 + (j * GS + slot) * 16) : 0ull;
     ready();
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (cs + u < c1) {
-        u32x4 wv[NT];
-        u64 sv[NT];
-        slot_chunk<2, NT, U>(wv, sv, sa, u, lane);
-        mp_chunk<NT, MP>(tot, wv, sv, xv[u], slot, gq);
-      }
-    }
+    slot_chunks<2, NT, U>(cs, c1, sa, lane, [&](int u, const u32x4 (&wv)[NT], const u64 (&sv)[NT]) {
+      mp_chunk<NT, MP>(tot, wv, sv, xv[u], slot, gq);
+    });
   });
 #else
   __trap();  // never launched below sm_90 (the launchers pick these kernels on sm_90+ only)
