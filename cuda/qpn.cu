@@ -1499,6 +1499,18 @@ __device__ __forceinline__ void sum_parts(float (&v)[8], const float* p, size_t 
     }
   }
 }
+// True in the last of `blocks` blocks to arrive at counter, every arriving block's writes before it visible to it
+// (fence, barrier, one thread's atomic into the caller's __shared__ flag, barrier; the last block fences again).
+// The split-K GEMMs' and the ordered MoE sum's "last block adds the partials".
+__device__ __forceinline__ bool last_arrival(int* counter, int blocks, int& flag) {
+  __threadfence();  // this block's partials are visible before its arrival is counted
+  __syncthreads();
+  if (threadIdx.x == 0) flag = atomicAdd(counter, 1) == blocks - 1;
+  __syncthreads();
+  if (!flag) return false;
+  __threadfence();
+  return true;
+}
 
 template <int FMT, int BM, int BN, int PF>
 __device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
@@ -1570,12 +1582,7 @@ __device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64
     }
   }
   if (splits == 1) return;
-  __threadfence();  // this block's partials are visible before its arrival is counted
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(cnt + blockIdx.y * gridDim.x + blockIdx.x, 1) == splits - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!last_arrival(cnt + blockIdx.y * gridDim.x + blockIdx.x, splits, last)) return;
 #pragma unroll 1  // (rolled: no registers to index; unrolled, this loop was most of the kernel's PTX)
   for (int i = 0; i < FM; ++i) {
 #pragma unroll 1
@@ -1827,12 +1834,7 @@ __device__ __forceinline__ void gemmf_body(const u32x4* __restrict__ w, const u6
     __syncwarp();
   }
   if (splits == 1) return;
-  __threadfence();  // this block's partials are visible before its arrival is counted
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(cnt + blockIdx.y * gridDim.x + blockIdx.x, 1) == splits - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!last_arrival(cnt + blockIdx.y * gridDim.x + blockIdx.x, splits, last)) return;
 #pragma unroll 1
   for (int j = 0; j < MJ; ++j) {
     const int m = m0 + 8 * j + tt;
@@ -1986,12 +1988,7 @@ __device__ __forceinline__ void moe_ordered_sum(float* __restrict__ y, const flo
                                                 const int* __restrict__ offsets, const int* __restrict__ perm,
                                                 const int* __restrict__ active, int H, int cols) {
   __shared__ int last;
-  __threadfence();  // this block's partials are visible before its arrival is counted
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(done + blockIdx.x, 1) == (int)gridDim.y - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!last_arrival(done + blockIdx.x, gridDim.y, last)) return;
   for (int c = threadIdx.x; c < cols; c += THREADS) {
     const int n = blockIdx.x * cols + c;
     if (n >= H) break;

@@ -32,7 +32,7 @@ def emu_source() -> str:
     src = build.source()
     head = src[src.index("typedef unsigned int u32;"): src.index(RULE + "loads, conversions")]
     helpers = build.device_functions(["dec_fp4", "dec_fp8", "tile_ptrs", "store_y", "store_part", "add_part",
-                                      "sum_parts"], src)
+                                      "sum_parts", "last_arrival"], src)
     gemmf = src[src.index(RULE + "prefill GEMM, sm_80+"): src.index(RULE + "MoE routing")]
     assert "asm" not in gemmf + helpers, "an inline-PTX helper the shim does not replace"
     part4 = "inline f32x4 ld_part4(const float* p) { f32x4 v; memcpy(&v, p, 16); return v; }\n"

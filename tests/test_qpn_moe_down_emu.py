@@ -26,7 +26,8 @@ void warp_gemm_async(float (&)[NT][MT][ACCN], const u32x4* const (&)[NT], const 
                      const u16* const (&)[MT], int, unsigned char*);
 """ + mma_shim("mma_tile")
 FUNCS = ["dec_fp4", "dec_fp8", "lane_tok", "lane_k", "lane_src", "mma_group", "group_fp4", "group_fp8", "load_x",
-         "chunk", "load_stage", "warp_gemm", "store_partials", "red_sum", "zero_acc", "moe_ordered_sum", "down_body"]
+         "chunk", "load_stage", "warp_gemm", "store_partials", "red_sum", "zero_acc", "last_arrival", "moe_ordered_sum",
+         "down_body"]
 ARGS = ("const u32x4* w, const u64* s, const float* gs, long long ws, long long ss, const u16* h, const int* tok, "
         "const float* rw, const int* off, const int* perm, const int* act, float* y, float* part, int* done, int H, "
         "int I, int KS")
