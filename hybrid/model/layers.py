@@ -14,7 +14,6 @@ torch ops (A/B measurements).
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
