@@ -1980,26 +1980,70 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
 // ORD false: each block adds its rows into y with fp32 atomics (their order is the blocks' timing, so the sums can
 // differ run to run in the last bit; part and done unused). ORD (the _ord kernels): a block stores its rows'
 // route_w * down h into part [A, H] fp32 (row a = the pair), and the last of the gridDim.y blocks of a column group
-// to arrive (done[blockIdx.x] counts them; zero before, left zero) adds them into y one column per thread, the
-// pairs in the order of active's slots: each y element summed in the same order every launch (a token's pairs are
-// in distinct slots). A template flag, not a run-time test: the atomic kernels keep their registers.
+// to arrive (done[blockIdx.x] counts them; zero before, left zero) adds them into y, one column per thread, each
+// token's pairs in the order of their slots: each y element summed in the same order every launch. The last block
+// first reads the routing into shared memory in parallel (the listed slots' row ranges, then each row's pair and
+// token), so a column's partials are independent loads and its sum a chain of adds in registers: a serial walk
+// through active / offsets / perm / token_idx per pair left a chain of dependent L2 loads in the kernel's tail
+// (H200, 30B-A3B decode: 25.3 against 16.2 us per launch; results/runtime.md §43). perm groups a step's hit pairs
+// by slot in slot order (within a slot their order is the route kernel's atomics', but a token has at most one
+// pair in a slot). Up to PAIRS hit pairs and 8 tokens (the mt1 kernels' steps); beyond, the serial walk.
+// A template flag, not a run-time test: the atomic kernels keep their registers.
 __device__ __forceinline__ void moe_ordered_sum(float* __restrict__ y, const float* __restrict__ part,
                                                 int* __restrict__ done, const int* __restrict__ token_idx,
                                                 const int* __restrict__ offsets, const int* __restrict__ perm,
                                                 const int* __restrict__ active, int H, int cols) {
-  __shared__ int last;
+  constexpr int PAIRS = 256;
+  __shared__ int last, nhit, pa[PAIRS];
+  __shared__ unsigned char pt[PAIRS];
   if (!last_arrival(done + blockIdx.x, gridDim.y, last)) return;
-  for (int c = threadIdx.x; c < cols; c += THREADS) {
-    const int n = blockIdx.x * cols + c;
-    if (n >= H) break;
+  const int rows = gridDim.y;
+  if (threadIdx.x == 0) nhit = 0;
+  __syncthreads();
+  for (int j = threadIdx.x; j < rows; j += THREADS) {  // the listed slots are in slot order, -1 after
+    const int slot = active[j];
+    if (slot >= 0 && (j + 1 == rows || active[j + 1] < 0)) nhit = offsets[slot + 1];  // one writer
+  }
+  __syncthreads();
+  const int nh = nhit;
+  if (nh <= PAIRS) {
+    for (int r = threadIdx.x; r < nh; r += THREADS) {
+      const int a = perm[r], tk = token_idx[a];
+      pa[r] = a;
+      pt[r] = tk < 8 ? tk : 255;
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < cols; c += THREADS) {
+      const int n = blockIdx.x * cols + c;
+      if (n >= H) break;
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      unsigned seen = 0;
+#pragma unroll 4
+      for (int r = 0; r < nh; ++r) {
+        const float v = ld_part(part + (size_t)pa[r] * H + n);
+        const int tk = pt[r];
+        seen |= 1u << (tk & 31);
+#pragma unroll
+        for (int q = 0; q < 8; ++q)
+          if (q == tk) acc[q] += v;
+      }
+#pragma unroll
+      for (int q = 0; q < 8; ++q)
+        if (seen >> q & 1) y[(size_t)q * H + n] += acc[q];
+    }
+  } else {
+    for (int c = threadIdx.x; c < cols; c += THREADS) {
+      const int n = blockIdx.x * cols + c;
+      if (n >= H) break;
 #pragma unroll 1
-    for (int j = 0; j < (int)gridDim.y; ++j) {
-      const int slot = active[j];
-      if (slot < 0) continue;
+      for (int j = 0; j < rows; ++j) {
+        const int slot = active[j];
+        if (slot < 0) continue;
 #pragma unroll 1
-      for (int r = offsets[slot]; r < offsets[slot + 1]; ++r) {
-        const int a = perm[r];
-        y[(size_t)token_idx[a] * H + n] += ld_part(part + (size_t)a * H + n);
+        for (int r = offsets[slot]; r < offsets[slot + 1]; ++r) {
+          const int a = perm[r];
+          y[(size_t)token_idx[a] * H + n] += ld_part(part + (size_t)a * H + n);
+        }
       }
     }
   }

@@ -3,7 +3,8 @@ ordered form _ord) run on the CPU under the shim of tests/cuda_emu.py with QPN_M
 NVFP4 and FP8 slots, 1 and 5 tokens, misses (pairs with no slot), a slot listed active with no rows, K split over
 warps. The ordered form (HYBRID_MOE_REDUCE=ordered) gives the same bits whichever order its blocks run in (the
 emulation runs them forward and in reverse: another block is the last of its column group) and leaves its counters
-zero for the next launch; the atomic form sums in the blocks' order. The real atomics and fences are checked on a
+zero for the next launch; its serial walk (more hit pairs than its shared memory holds) gives the same bits as its
+usual sum; the atomic form sums in the blocks' order. The real atomics and fences are checked on a
 GPU (tests/test_qpn_cuda.py)."""
 import ctypes
 
@@ -33,8 +34,13 @@ ARGS = ("const u32x4* w, const u64* s, const float* gs, long long ws, long long 
         "int I, int KS")
 
 
-def emu_source() -> str:
+def emu_source(pairs: int | None = None) -> str:
+    """The emulation's C++; `pairs`: moe_ordered_sum's shared-memory room for hit pairs in place of the kernel's
+    (fewer than a step has: its serial walk)."""
     src = build.source()
+    if pairs is not None:
+        assert src.count("constexpr int PAIRS = 256;") == 1
+        src = src.replace("constexpr int PAIRS = 256;", f"constexpr int PAIRS = {pairs};")
     pre = qpn_preamble(src)
     funcs = build.device_functions(FUNCS, src)
     assert "asm" not in pre[pre.index("#define BULK_SLOT"):] + funcs, "an inline-PTX helper the shim does not replace"
@@ -49,6 +55,12 @@ def emu_source() -> str:
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
     return compile_emu(tmp_path_factory, "qpn_moe_down_emu", emu_source())
+
+
+@pytest.fixture(scope="module")
+def emu_serial(tmp_path_factory):
+    """moe_ordered_sum with room for 2 pairs: every test step takes its serial walk."""
+    return compile_emu(tmp_path_factory, "qpn_moe_down_emu_serial", emu_source(pairs=2))
 
 
 def routing(t, k, s, misses, seed):
@@ -105,7 +117,7 @@ def run_down(lib, qws, h_rows, route, t, ks, ordered, reverse):
     (QType.NVFP4, 32, 192, 5, 3, 4, 2, 4),      # 5 tokens over 4 slots: several rows per slot, shuffled
     (QType.FP8, 64, 96, 2, 2, 5, 1, 1),         # FP8: 3 chunks of 32 k; a slot listed with no rows
 ])
-def test_emulated_moe_down(emu, qtype, hdim, idim, t, k, s, misses, ks):
+def test_emulated_moe_down(emu, emu_serial, qtype, hdim, idim, t, k, s, misses, ks):
     make = {QType.NVFP4: nvfp4, QType.FP8: fp8}[qtype]
     qws = [make(hdim, idim, seed=10 * j + hdim) for j in range(s)]
     route = routing(t, k, s, misses, seed=hdim + t)
@@ -126,6 +138,9 @@ def test_emulated_moe_down(emu, qtype, hdim, idim, t, k, s, misses, ks):
                 assert (done == 0).all(), "the column groups' counters must be left zero"
             got[ordered, reverse] = y
     assert torch.equal(got[True, False], got[True, True]), "the ordered sum depends on the blocks' order"
+    serial, done = run_down(emu_serial, qws, h_rows, route, t, ks, True, True)
+    assert (done == 0).all()
+    assert torch.equal(serial, got[True, False]), "the serial walk and the shared-memory sum add in another order"
 
 
 def test_moe_workspace_grows_only():
