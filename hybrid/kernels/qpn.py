@@ -834,9 +834,10 @@ MOE_ORDERED_MIN_PAIRS = 256   # the ordered reduction's partials: room for this 
 def moe_reduce() -> str:
     """$HYBRID_MOE_REDUCE, read at each launch: how the M <= 8 MoE down kernel (decode, verify steps) sums the
     experts of a token. "atomic" (the default): fp32 atomic adds into y in the order the blocks happen to run (two
-    launches can differ in the last bit). "ordered": each pair's output stored, then summed per column in the
-    slots' order by the last block of its column group (moe_ordered_sum in cuda/qpn.cu): the same bits every
-    launch. Not the default until timed on a GPU."""
+    launches can differ in the last bit, so a graphed decode step may differ from the eager one by a rounding).
+    "ordered": each pair's output stored, then summed per column in the slots' order by the last block of its
+    column group (moe_ordered_sum in cuda/qpn.cu): the same bits every launch, graphs = eager bit for bit, at 14%
+    of the decode on the H200 (results/runtime.md §43), so not the default."""
     return env_choice("HYBRID_MOE_REDUCE", MOE_REDUCES, "atomic")
 
 
