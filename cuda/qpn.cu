@@ -1983,11 +1983,13 @@ __device__ __forceinline__ void gateup_body(const u32x4* __restrict__ w13, const
 // to arrive (done[blockIdx.x] counts them; zero before, left zero) adds them into y, one column per thread, each
 // token's pairs in the order of their slots: each y element summed in the same order every launch. The last block
 // first reads the routing into shared memory in parallel (the listed slots' row ranges, then each row's pair and
-// token), so a column's partials are independent loads and its sum a chain of adds in registers: a serial walk
-// through active / offsets / perm / token_idx per pair left a chain of dependent L2 loads in the kernel's tail
-// (H200, 30B-A3B decode: 25.3 against 16.2 us per launch; results/runtime.md §43). perm groups a step's hit pairs
-// by slot in slot order (within a slot their order is the route kernel's atomics', but a token has at most one
-// pair in a slot). Up to PAIRS hit pairs and 8 tokens (the mt1 kernels' steps); beyond, the serial walk.
+// token), so a column's partials are independent loads and its sum a chain of adds in registers, where a serial
+// walk through active / offsets / perm / token_idx per pair was a chain of dependent L2 loads. perm groups a
+// step's hit pairs by slot in slot order (within a slot their order is the route kernel's atomics', but a token
+// has at most one pair in a slot); the last listed slot's offsets[slot + 1] is their number (both route paths
+// write it). Up to PAIRS hit pairs and 8 tokens (the mt1 kernels' steps); beyond, the serial walk. Its price on
+// the H200 (30B-A3B decode, results/runtime.md §43): 24.3 us a launch against the atomic kernel's 16.2 (the
+// serial walk: 25.3), the rest being every block's fence and counter and the last block's second pass.
 // A template flag, not a run-time test: the atomic kernels keep their registers.
 __device__ __forceinline__ void moe_ordered_sum(float* __restrict__ y, const float* __restrict__ part,
                                                 int* __restrict__ done, const int* __restrict__ token_idx,
