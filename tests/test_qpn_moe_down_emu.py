@@ -13,6 +13,7 @@ import torch
 
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build, layout
+from hybrid.kernels.driver import ptr
 from tests.cuda_emu import GEMM_HELPERS, SHFL_XOR, SHIM, compile_emu, mma_shim, qpn_preamble
 from tests.test_qpn_layout import fp8, nvfp4
 
@@ -87,7 +88,6 @@ def routing(t, k, s, misses, seed):
 def run_down(lib, qws, h_rows, route, t, ks, ordered, reverse):
     """y [T, H] (zeroed first, as the route kernel does) from the emulated down kernel; part poisoned (NaN), done
     zero -> (y, done after)."""
-    ptr = lambda v: ctypes.c_void_p(v.data_ptr())   # noqa: E731
     i = ctypes.c_int
     slot_ids, token_idx, route_w, offsets, perm, active = route
     qt = qws[0].qtype

@@ -13,6 +13,7 @@ import torch
 
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build, layout
+from hybrid.kernels.driver import ptr
 from hybrid.kernels.qpn import MOE_GEMM_TILES, MOE_GEMMF_TILES
 from hybrid.kernels.reference import ref_moe
 from tests.cuda_emu import compile_emu
@@ -122,7 +123,7 @@ def test_emulated_moe_gemm(emu, qtype, h, i, bm, gz):
     ss2 = s2[0].numel() // 8 if s2.dim() > 1 else 0
     hbuf = torch.full((a, i), float("nan")).half()
     y = torch.zeros(t, h)
-    p, ci, ll = (lambda v: ctypes.c_void_p(v.data_ptr())), ctypes.c_int, ctypes.c_longlong
+    p, ci, ll = ptr, ctypes.c_int, ctypes.c_longlong
     fmt = 2 if qtype is QType.NVFP4 else 8
     getattr(lib, f"emu_gateup_{fmt}_{bm}")(ci(-(-i // hcols)), ci(rows), ci(gz), p(w13), p(s13), p(gs), ll(ws13),
                                            ll(ss13), p(x), p(token_idx), p(offsets), p(perm), p(active), p(hbuf),

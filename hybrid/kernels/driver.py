@@ -192,8 +192,9 @@ class Module:
               f"cuLaunchKernel({name})")
 
 
-def ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    """A kernel argument: t's device address, or a null pointer for None (an argument the kernel leaves unused)."""
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
 
 
 def grow_workspace(store: dict, dev: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:

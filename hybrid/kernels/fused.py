@@ -25,7 +25,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from hybrid.kernels.driver import grow_workspace
+from hybrid.kernels.driver import grow_workspace, ptr as _p
 from hybrid.kernels.fused_build import KERNELS, force_ptx, module as _module  # noqa: F401
 from hybrid.kernels.moe_route import RoutePlan
 from hybrid.switches import OFF, env_choice
@@ -163,10 +163,6 @@ def _explain(t, name: str, dtypes, shape: tuple, device) -> None:
         raise ValueError(f"{name}: on {t.device}, expected {device}")
     if not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous")
-
-
-def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(0 if t is None else t.data_ptr())
 
 
 def _pos(pos: torch.Tensor | None, device: torch.device) -> None:

@@ -17,7 +17,7 @@ import torch
 from hybrid.checkpoint.formats import QType
 from hybrid.checkpoint.qweight import QWeight
 from hybrid.kernels import layout
-from hybrid.kernels.driver import grow_workspace
+from hybrid.kernels.driver import grow_workspace, ptr as _p
 from hybrid.kernels.moe_route import RoutePlan
 from hybrid.kernels.reference import ref_linear, ref_moe, ref_moe_planned
 from hybrid.switches import env_choice
@@ -701,10 +701,6 @@ def _linear_torch(x: torch.Tensor, w: QPNWeight) -> torch.Tensor:
     if w.dense is None:
         return ref_linear(x, w.qweight)
     return x @ w.dense.t() if w.device.type == "cuda" else (x.float() @ w.dense.float().t()).half()
-
-
-def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(0 if t is None else t.data_ptr())
 
 
 # ---------------------------------------------------------------------------- MoE expert slots

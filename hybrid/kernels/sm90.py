@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from hybrid.checkpoint.formats import QType
+from hybrid.kernels.driver import ptr as _p
 
 SOURCE_NAME = "qpn_sm90.cu"
 ARCH = "90a"
@@ -250,10 +251,6 @@ def launch(mod, name: str, grid: tuple[int, int, int], smem: int, args: list) ->
     mod.launch(name, grid, block_threads(name), args, smem=smem)
 
 
-def _p(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
-
-
 # ---------------------------------------------------------------------------- launcher
 def linear(x: torch.Tensor, w, y: torch.Tensor, tile: tuple[int, int] | None = None,
            splits: int | None = None, pipe: str | None = None, diag: str = "") -> torch.Tensor:
@@ -274,7 +271,7 @@ def linear(x: torch.Tensor, w, y: torch.Tensor, tile: tuple[int, int] | None = N
     part = torch.empty(pl.grid[2], m, n, dtype=torch.float32, device=x.device) if pl.grid[2] > 1 else None
     launch(mod, pl.kernel + diag, pl.grid, pl.smem,
            [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(xp), _p(y),
-            _p(part) if part is not None else ctypes.c_void_p(0), ctypes.c_int(m), ctypes.c_int(n),
+            _p(part), ctypes.c_int(m), ctypes.c_int(n),
             ctypes.c_int(k), ctypes.c_int(pl.kp), ctypes.c_int(pl.ks)])
     if part is not None:
         y.copy_(part.sum(0).mul_(w.gscale))
