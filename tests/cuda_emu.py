@@ -83,11 +83,14 @@ inline char* smem_ptr(u32 a) { return (char*)(smem_hi | a); }
 """
 
 
+def qpn_head(src: str) -> str:
+    """cuda/qpn.cu's (src) typedefs and macros: its text from the first typedef up to the loads section."""
+    return src[src.index("typedef unsigned int u32;"): src.index("// " + "-" * 64 + " loads, conversions")]
+
+
 def qpn_preamble(src: str) -> str:
-    """The text of cuda/qpn.cu (src) the warp-loop emulations share: its typedefs and macros (up to the loads
-    section), BULK_SLOT and the Smem sizes."""
-    rule = "// " + "-" * 64 + " "
-    head = src[src.index("typedef unsigned int u32;"): src.index(rule + "loads, conversions")]
+    """The text of cuda/qpn.cu (src) the warp-loop emulations share: qpn_head, BULK_SLOT and the Smem sizes."""
+    head = qpn_head(src)
     slot = src[src.index("#define BULK_SLOT"): src.index("\n", src.index("#define BULK_SLOT")) + 1]
     smem = src[src.index("template <int MT, int NT, int ST, int U = 1>\nstruct Smem {"):]
     return head + slot + smem[: smem.index("};\n") + 3]

@@ -12,7 +12,7 @@ import torch
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build
 from hybrid.kernels.qpn import GEMM_TILES
-from tests.cuda_emu import GEMM_HELPERS, SHIM, compile_emu, run_gemm_emu
+from tests.cuda_emu import GEMM_HELPERS, SHIM, compile_emu, qpn_head, run_gemm_emu
 from tests.test_qpn_layout import fp8, nvfp4
 
 HELPERS = GEMM_HELPERS + r"""
@@ -55,7 +55,7 @@ TILE_NAMES = [f"{bm}x{bn}" for bm, bn in GEMM_TILES]
 def emu_source() -> str:
     src = build.source()
     rule = "// " + "-" * 64 + " "
-    head = src[src.index("typedef unsigned int u32;"): src.index(rule + "loads, conversions")]
+    head = qpn_head(src)
     decode = "".join(re.findall(r"__device__ __forceinline__ void dec_fp[48]\(.*?\n\}\n", src, re.S))
     gemm = src[src.index(rule + "prefill"): src.index(rule + "prefill GEMM, sm_80+")]
     # the inline-PTX helpers are the shim's

@@ -12,7 +12,7 @@ import torch
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build
 from hybrid.kernels.qpn import GEMMF_TILES
-from tests.cuda_emu import GEMM_HELPERS, SHIM, compile_emu, mma_shim, run_gemm_emu
+from tests.cuda_emu import GEMM_HELPERS, SHIM, compile_emu, mma_shim, qpn_head, run_gemm_emu
 from tests.test_qpn_layout import fp8, nvfp4
 
 HELPERS = GEMM_HELPERS + r"""
@@ -30,7 +30,7 @@ RULE = "// " + "-" * 64 + " "
 
 def emu_source() -> str:
     src = build.source()
-    head = src[src.index("typedef unsigned int u32;"): src.index(RULE + "loads, conversions")]
+    head = qpn_head(src)
     helpers = build.device_functions(["dec_fp4", "dec_fp8", "tile_ptrs", "store_y", "store_part", "add_part",
                                       "sum_parts", "last_arrival"], src)
     gemmf = src[src.index(RULE + "prefill GEMM, sm_80+"): src.index(RULE + "MoE routing")]
