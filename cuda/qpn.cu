@@ -2141,13 +2141,14 @@ MOE(2, 1, , 0, 0)
 MOE(2, 4, , 0, 0)
 MOE(8, 1, , 0, 0)
 MOE(8, 4, , 0, 0)
-// sm_80+ only: cp.async rings (gate+up: 3 stages of two tiles; down: 6 stages)
-MOE(2, 1, _as, 3, 6)
-MOE(8, 1, _as, 3, 6)
+// sm_80+ only: cp.async rings (gate+up: 3 stages of two tiles; down: MOE_AS_DOWN_ST stages, its _ord twins too)
+#define MOE_AS_DOWN_ST 6
+MOE(2, 1, _as, 3, MOE_AS_DOWN_ST)
+MOE(8, 1, _as, 3, MOE_AS_DOWN_ST)
 MOE_DOWN(qpn2_moe_down_mt1_ord, 2, 1, 0, true)
 MOE_DOWN(qpn8_moe_down_mt1_ord, 8, 1, 0, true)
-MOE_DOWN(qpn2_moe_down_mt1_as_ord, 2, 1, 6, true)
-MOE_DOWN(qpn8_moe_down_mt1_as_ord, 8, 1, 6, true)
+MOE_DOWN(qpn2_moe_down_mt1_as_ord, 2, 1, MOE_AS_DOWN_ST, true)
+MOE_DOWN(qpn8_moe_down_mt1_as_ord, 8, 1, MOE_AS_DOWN_ST, true)
 
 // ---------------------------------------------------------------- MoE prefill: grouped tiled GEMM
 // The prefill GEMM's machinery (TileLoads, tile_store, mma_stage: weights decoded once per block
