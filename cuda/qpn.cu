@@ -1512,6 +1512,122 @@ __device__ __forceinline__ bool last_arrival(int* counter, int blocks, int& flag
   return true;
 }
 
+// ---------------------------------------------------------------- NVFP4, M = 1 as one wave of equal runs, sm_90+
+// A grid of resident blocks only. Tile t's chunks follow tile t - 1's in the packed layout, so the weight is one
+// stream of S = tiles x C / U slots of U chunks (words and scales each contiguous): warp gw of GW streams slots
+// [S gw / GW, S (gw + 1) / GW) through one bulk ring with the M = 1 column trick's math, so the runs differ by one
+// slot at most and no warp is left running alone at the end (the thirty-first session's one-wave kernel gave each
+// warp whole tiles: 2 or 3 of lm_head's, and paid the imbalance as fixed cost). A tile whose slots all lie in one
+// run is written after its last slot; a tile split between warps f..l (the owner of slot s is ceil((s + 1) GW / S)
+// - 1) has each part's 16 row sums stored in ws (two places per warp: side 0 for the run's first tile, side 1 for
+// its last if the run began in an earlier tile), and the last of its warps to arrive (a counter per tile, left
+// zero) adds the parts in warp order: the same bits whichever arrives last. Needs C % U == 0 and GW <= S
+// (qpn.py's run_blocks); ws holds 32 floats per warp, cnt one int per tile.
+// True in every lane of the last of `parts` warps to arrive at counter (their ws stores visible to it).
+__device__ __forceinline__ bool warp_last_arrival(int* counter, int parts, int lane) {
+  __threadfence();  // this lane's stores before the warp's arrival
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(counter, 1) == parts - 1;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (last) __threadfence();
+  return last;
+}
+// A tile's part (vr: row r, vr8: row r + 8 of the lane quad's sums) from warp gw, whose run starts at slot b0:
+// stored, and if this warp is the tile's last to arrive, the parts summed in warp order into y.
+__device__ __forceinline__ void run_part(float* __restrict__ ws, int* __restrict__ cnt, u16* __restrict__ y,
+                                         float vr, float vr8, float g, int t, int N, long long gw, long long b0,
+                                         long long S, long long GW, int SPT, int lane) {
+  const long long t0 = (long long)t * SPT;                    // the tile's first slot
+  const long long f = ((t0 + 1) * GW + S - 1) / S - 1, l = ((t0 + SPT) * GW + S - 1) / S - 1;
+  const int n = lane >> 2;
+  float* const mine = ws + (gw * 2 + (b0 < t0 ? 1 : 0)) * 16;
+  if ((lane & 3) == 0) mine[n] = vr, mine[n + 8] = vr8;
+  if (!warp_last_arrival(cnt + t, (int)(l - f + 1), lane)) return;
+  if ((lane & 3) == 0) {
+    float v = 0.f, v8 = 0.f;
+    for (long long p = f; p <= l; ++p) {
+      const float* part = ws + (p * 2 + (S * p / GW < t0 ? 1 : 0)) * 16;
+      v += ld_part(part + n), v8 += ld_part(part + n + 8);
+    }
+    const int row = t * 16 + n;
+    if (row < N) y[row] = f_to_h(v * g);
+    if (row + 8 < N) y[row + 8] = f_to_h(v8 * g);
+  }
+  if (lane == 0) cnt[t] = 0;
+}
+template <int ST, int U>
+__device__ __forceinline__ void linear_m1_run_body(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,
+                                                   const u16* __restrict__ x, u16* __restrict__ y, int N, int K,
+                                                   float* __restrict__ ws, int* __restrict__ cnt) {
+#if QPN_BULK
+  static_assert(U % 2 == 0, "chunk pairs must not straddle two slots");
+  extern __shared__ __align__(16) unsigned char smem_dynamic[];
+  constexpr int RING = ST * BULK_SLOT(1, U);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = lane >> 2, q = lane & 3;
+  const int C = K / 64, SPT = C / U, tiles = (N + 15) >> 4;
+  const long long S = (long long)tiles * SPT, GW = (long long)gridDim.x * WARPS;
+  const long long gw = (long long)blockIdx.x * WARPS + warp, b0 = S * gw / GW;
+  const int c0 = (int)(b0 * U), c1 = (int)(S * (gw + 1) / GW * U);
+  const u32x4* const wt[1] = {w};
+  const u64* const st[1] = {s};
+  const u32 rbase = smem_addr(smem_dynamic + warp * RING);
+  const u32 bbase = smem_addr(smem_dynamic + WARPS * RING + warp * ST * 8);
+  const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
+  float tot[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  bulk_start<2, ST, 1, U>(wt, st, c0, c1, lane, rbase, bbase);
+  pdl_wait();  // x was written by an earlier kernel, and ws / cnt are used by the one before; the weights were not
+  bulk_loop<2, ST, 1, U>(wt, st, c0, c1, lane, rbase, bbase, [&](int cs, u32 slot, auto ready) {
+    const int ck = cs % C;  // the slot's first chunk within its tile
+    u64 xv[U / 2];
+#pragma unroll
+    for (int p = 0; p < U; p += 2) xv[p / 2] = ld_act(x + (size_t)(ck + p) * 64 + n * 16 + 4 * q);
+    ready();
+#pragma unroll
+    for (int p = 0; p < U; p += 2) {
+      u32 sw[1] = {lds32(slot + U * 512 + (p + (q >> 1)) * 64 + n * 8 + 4 * (q & 1))};
+      float d[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const u32x4 wv[1] = {lds128(slot + (p + h) * 512 + lane * 16)};
+        m1_mmas<1>(d, wv, h, xv[p / 2], n);
+      }
+      m1_scale<1>(tot, d, sw);
+    }
+    if (ck + U == C || cs + U == c1) {  // the tile's last slot, or the run's
+      float vr = tot[0][0] + tot[0][1], vr8 = tot[0][2] + tot[0][3];
+      vr += __shfl_xor_sync(0xffffffffu, vr, 1);
+      vr += __shfl_xor_sync(0xffffffffu, vr, 2);
+      vr8 += __shfl_xor_sync(0xffffffffu, vr8, 1);
+      vr8 += __shfl_xor_sync(0xffffffffu, vr8, 2);
+      const int t = cs / C;
+      if (ck + U == C && c0 <= t * C) {  // the whole tile in this run
+        const int row = t * 16 + n;
+        if (q == 0 && row < N) y[row] = f_to_h(vr * g);
+        if (q == 0 && row + 8 < N) y[row + 8] = f_to_h(vr8 * g);
+      } else {
+        run_part(ws, cnt, y, vr, vr8, g, t, N, gw, b0, S, GW, SPT, lane);
+      }
+      tot[0][0] = tot[0][1] = tot[0][2] = tot[0][3] = 0.f;
+    }
+  });
+  pdl_trigger();  // late: see pdl_trigger
+#else
+  __trap();  // never launched below sm_90
+#endif
+}
+// (ST, U) of each: qpn.py's RUN_KERNELS
+#define LINEAR_M1_RUN(NAME, ST, U)                                                                   \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1)                                           \
+  NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x, \
+       u16* __restrict__ y, int M, int N, int K, float* __restrict__ ws, int* __restrict__ cnt) {    \
+    linear_m1_run_body<ST, U>(w, s, gs, x, y, N, K, ws, cnt);                                       \
+  }
+LINEAR_M1_RUN(qpn2_linear_m1_rbu8, 2, 8)
+LINEAR_M1_RUN(qpn2_linear_m1_rbu4, 2, 4)
+LINEAR_M1_RUN(qpn2_linear_m1_rb3u4, 3, 4)
+LINEAR_M1_RUN(qpn2_linear_m1_rb4u4, 4, 4)
+
 template <int FMT, int BM, int BN, int PF>
 __device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                           float gs, const u16* __restrict__ x, u16* __restrict__ y,
