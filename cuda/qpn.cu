@@ -1556,7 +1556,7 @@ __device__ __forceinline__ void run_part(float* __restrict__ ws, int* __restrict
   }
   if (lane == 0) cnt[t] = 0;
 }
-template <int ST, int U, bool ROLL>
+template <int ST, int U>
 __device__ __forceinline__ void linear_m1_run_body(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,
                                                    const u16* __restrict__ x, u16* __restrict__ y, int N, int K,
                                                    float* __restrict__ ws, int* __restrict__ cnt) {
@@ -1579,27 +1579,20 @@ __device__ __forceinline__ void linear_m1_run_body(const u32x4* __restrict__ w, 
   pdl_wait();  // x was written by an earlier kernel, and ws / cnt are used by the one before; the weights were not
   bulk_loop<2, ST, 1, U>(wt, st, c0, c1, lane, rbase, bbase, [&](int cs, u32 slot, auto ready) {
     const int ck = cs % C;  // the slot's first chunk within its tile
-    auto pair = [&](int p, u64 xp) {
+    u64 xv[U / 2];
+#pragma unroll
+    for (int p = 0; p < U; p += 2) xv[p / 2] = ld_act(x + (size_t)(ck + p) * 64 + n * 16 + 4 * q);
+    ready();
+#pragma unroll
+    for (int p = 0; p < U; p += 2) {
       u32 sw[1] = {lds32(slot + U * 512 + (p + (q >> 1)) * 64 + n * 8 + 4 * (q & 1))};
       float d[1][4] = {{0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const u32x4 wv[1] = {lds128(slot + (p + h) * 512 + lane * 16)};
-        m1_mmas<1>(d, wv, h, xp, n);
+        m1_mmas<1>(d, wv, h, xv[p / 2], n);
       }
       m1_scale<1>(tot, d, sw);
-    };
-    if constexpr (ROLL) {  // one pair's code per slot (an instruction stream U / 2 times shorter)
-      ready();
-#pragma unroll 1
-      for (int p = 0; p < U; p += 2) pair(p, ld_act(x + (size_t)(ck + p) * 64 + n * 16 + 4 * q));
-    } else {
-      u64 xv[U / 2];
-#pragma unroll
-      for (int p = 0; p < U; p += 2) xv[p / 2] = ld_act(x + (size_t)(ck + p) * 64 + n * 16 + 4 * q);
-      ready();
-#pragma unroll
-      for (int p = 0; p < U; p += 2) pair(p, xv[p / 2]);
     }
     if (ck + U == C || cs + U == c1) {  // the tile's last slot, or the run's
       float vr = tot[0][0] + tot[0][1], vr8 = tot[0][2] + tot[0][3];
@@ -1623,19 +1616,17 @@ __device__ __forceinline__ void linear_m1_run_body(const u32x4* __restrict__ w, 
   __trap();  // never launched below sm_90
 #endif
 }
-// (ST, U, ROLL) of each: qpn.py's RUN_KERNELS
-#define LINEAR_M1_RUN(NAME, ST, U, ROLL)                                                             \
+// (ST, U) of each: qpn.py's RUN_KERNELS
+#define LINEAR_M1_RUN(NAME, ST, U)                                                                   \
   extern "C" __global__ void __launch_bounds__(THREADS, 1)                                           \
   NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x, \
        u16* __restrict__ y, int M, int N, int K, float* __restrict__ ws, int* __restrict__ cnt) {    \
-    linear_m1_run_body<ST, U, ROLL>(w, s, gs, x, y, N, K, ws, cnt);                                 \
+    linear_m1_run_body<ST, U>(w, s, gs, x, y, N, K, ws, cnt);                                       \
   }
-LINEAR_M1_RUN(qpn2_linear_m1_rbu8, 2, 8, false)
-LINEAR_M1_RUN(qpn2_linear_m1_rbu4, 2, 4, false)
-LINEAR_M1_RUN(qpn2_linear_m1_rb4u4, 4, 4, false)
-LINEAR_M1_RUN(qpn2_linear_m1_rru8, 2, 8, true)
-LINEAR_M1_RUN(qpn2_linear_m1_rr3u8, 3, 8, true)
-LINEAR_M1_RUN(qpn2_linear_m1_rru16, 2, 16, true)
+LINEAR_M1_RUN(qpn2_linear_m1_rbu8, 2, 8)
+LINEAR_M1_RUN(qpn2_linear_m1_rbu4, 2, 4)
+LINEAR_M1_RUN(qpn2_linear_m1_rb3u4, 3, 4)
+LINEAR_M1_RUN(qpn2_linear_m1_rb4u4, 4, 4)
 
 template <int FMT, int BM, int BN, int PF>
 __device__ __forceinline__ void gemm_body(const u32x4* __restrict__ w, const u64* __restrict__ s,

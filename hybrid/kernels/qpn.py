@@ -133,10 +133,8 @@ CT_TB_KERNELS = {f"_{m}{v}": g for m in ("m1", "mp2", "mp4")
 CT_TB_MAX_M = 4   # the column-trick rings serve M = 1..CT_TB_MAX_M (M = 5..8: the 8-column kernels)
 
 # LINEAR_VARIANT choices (sm_90+, NVFP4 M = 1, rows of a multiple of U chunks): one wave of resident blocks whose
-# warps stream equal runs of the weight's slots through one bulk ring (qpn.cu's LINEAR_M1_RUN), suffix -> (ST, U);
-# "rr": the slot's pairs in a rolled loop
-RUN_KERNELS = {"_m1rbu8": (2, 8), "_m1rbu4": (2, 4), "_m1rb4u4": (4, 4), "_m1rru8": (2, 8), "_m1rr3u8": (3, 8),
-               "_m1rru16": (2, 16)}
+# warps stream equal runs of the weight's slots through one bulk ring (qpn.cu's LINEAR_M1_RUN), suffix -> (ST, U)
+RUN_KERNELS = {"_m1rbu8": (2, 8), "_m1rbu4": (2, 4), "_m1rb3u4": (3, 4), "_m1rb4u4": (4, 4)}
 _RUN_WORK: dict = {}   # the run kernels' per-device parts (32 floats per warp) and tile counters
 
 
