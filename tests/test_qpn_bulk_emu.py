@@ -14,8 +14,7 @@ import torch
 
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build, layout
-from hybrid.kernels.qpn import (CT_TB_KERNELS, RUN_KERNELS, TB_KERNELS, ct_tb_m, ct_tb_name, run_blocks, run_name,
-                                run_smem, tb_smem)
+from hybrid.kernels.qpn import CT_TB_KERNELS, TB_KERNELS, ct_tb_m, ct_tb_name, tb_smem
 from tests.cuda_emu import GEMM_HELPERS, SHFL_XOR, SHIM, compile_emu, mma_shim, qpn_preamble
 from tests.test_qpn_layout import fp8, nvfp4
 
@@ -33,14 +32,6 @@ inline u32x4 lds128(u32 a) { u32x4 v; memcpy(&v, smem_ptr(a), 16); return v; }
 inline u64 lds64(u32 a) { u64 v; memcpy(&v, smem_ptr(a), 8); return v; }
 inline u32 lds32(u32 a) { u32 v; memcpy(&v, smem_ptr(a), 4); return v; }
 inline float __int_as_float(u32 b) { float f; memcpy(&f, &b, 4); return f; }
-inline int __shfl_sync(unsigned, int v, int src) {   // lane src's v to every lane of the warp
-  const int t = threadIdx.x, w = t >> 5;
-  xch[t] = (uint32_t)v;
-  warp_bar[w]->arrive_and_wait();
-  const int r = (int)xch[(t & ~31) | src];
-  warp_bar[w]->arrive_and_wait();
-  return r;
-}
 // the weight's words and scales ([lo, hi) per tensor, set by the entry point): a bulk copy reads nothing else
 static const char *w_lo, *w_hi, *s_lo, *s_hi;
 // an mbarrier of one expected arrival: completed phases, arrivals in the current phase, bytes still owed
@@ -93,7 +84,7 @@ void warp_mp_async(float (&)[NT][4], const u32x4* const (&)[NT], const u64* cons
 FUNCS = ["dec_fp4", "dec_fp8", "lane_tok", "lane_k", "mma_group", "group_fp4", "group_fp8", "load_x", "chunk",
          "bulk_issue", "bulk_start", "bulk_loop", "slot_chunk", "slot_chunks", "warp_gemm_bulk", "tile_ptrs", "store_partials", "red_sum",
          "zero_acc", "linear_body", "e4m3_mag_f32", "m1_mmas", "m1_scale", "warp_m1_bulk", "linear_m1_body", "mp_chunk",
-         "warp_mp_bulk", "linear_mp_body", "warp_last_arrival", "run_part", "linear_m1_run_body"]
+         "warp_mp_bulk", "linear_mp_body"]
 
 
 def emu_source() -> str:
@@ -101,14 +92,12 @@ def emu_source() -> str:
     pre = qpn_preamble(src)
     funcs = build.device_functions(FUNCS, src)
     decl = "extern __shared__ __align__(16) unsigned char smem_dynamic[];"
-    assert funcs.count(decl) == 4, "a bulk-ring body's dynamic shared memory declaration moved"
+    assert funcs.count(decl) == 3, "linear_body's / linear_m1_body's / linear_mp_body's dynamic shared memory moved"
     funcs = funcs.replace(decl, f"__shared__ __align__(16) unsigned char smem_dynamic[{DYN}];")
     tb = src[src.index("#define LINEAR_TB("): src.index(RULE + "prefill: shared-memory tiled GEMM")]
     tb += src[src.index("#define LINEAR_M1_TB("): src.index(RULE + "NVFP4, M = 2..8 as M = 1 does")]
     last = src.index("\n", src.rindex("\nLINEAR_MP_TB(qpn2_") + 1) + 1
     tb += src[src.index("#define LINEAR_MP_TB("): last]
-    last = src.index("\n", src.rindex("\nLINEAR_M1_RUN(qpn2_") + 1) + 1
-    tb += src[src.index("#define LINEAR_M1_RUN("): last]
     assert "asm" not in pre[pre.index("#define BULK_SLOT"):] + funcs + tb, "an inline-PTX helper the shim does not replace"
     entry = "".join(
         f'extern "C" void emu_{f}{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
@@ -119,12 +108,7 @@ def emu_source() -> str:
         f'extern "C" void emu_2{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
         f'u16* y, int M, int N, int K, int KS) {{ w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
         f's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ {ct_tb_name(v)}(w, s, gs, x, y, M, N, K, KS, 1); }}); }}\n'
-        for v in CT_TB_KERNELS) + "".join(
-        f'extern "C" void emu_2{v}(int gx, int reverse, const u32x4* w, long wn, const u64* s, long sn, float gs, '
-        f'const u16* x, u16* y, int N, int K, float* ws, int* cnt) {{ w_lo = (const char*)w, w_hi = w_lo + wn, '
-        f's_lo = (const char*)s, s_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ {run_name(v)}(w, s, gs, x, y, 1, '
-        f'N, K, ws, cnt); }}, 1, reverse); }}\n'
-        for v in RUN_KERNELS)
+        for v in CT_TB_KERNELS)
     return SHIM + "#define __CUDA_ARCH__ 900\n#include <cstdlib>\n" + pre + HELPERS + funcs + tb + entry
 
 
@@ -156,7 +140,6 @@ def run(lib, x, qw, variant, ks):
 
 def test_emulated_dynamic_shared_memory_fits():
     assert max(tb_smem(v) for v in [*TB_KERNELS, *CT_TB_KERNELS]) <= DYN
-    assert max(run_smem(v) for v in RUN_KERNELS) <= DYN
 
 
 @pytest.mark.parametrize("variant", sorted(TB_KERNELS))
@@ -195,50 +178,3 @@ def test_emulated_bulk_column_trick(emu, variant, n, k, ks):
     ref = x.double() @ qw.dequantize(torch.float64).t()
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-3, f"relative error {err:.2e}"
-
-
-def run_m1_runs(lib, x, qw, variant, blocks, reverse=False):
-    """y[1, N] from an emulated run kernel over `blocks` blocks (forward or reverse block order), y and the parts
-    poisoned; the tile counters must come back zero."""
-    ptr = lambda t: ctypes.c_void_p(t.data_ptr())   # noqa: E731
-    nb = lambda t: ctypes.c_long(t.numel() * t.element_size())   # noqa: E731
-    i = ctypes.c_int
-    n, k = qw.shape
-    words, scales = layout.pack_nvfp4(qw)
-    y = torch.full((1, n), float("nan")).half()
-    ws = torch.full((blocks * 8 * 32,), float("nan"))
-    cnt = torch.zeros(-(-n // 16), dtype=torch.int32)
-    getattr(lib, f"emu_2{variant}")(i(blocks), i(int(reverse)), ptr(words), nb(words), ptr(scales), nb(scales),
-                                    ctypes.c_float(layout.global_scale(qw)), ptr(x), ptr(y), i(n), i(k), ptr(ws),
-                                    ptr(cnt))
-    assert not cnt.any(), "a tile counter left non-zero"
-    return y
-
-
-@pytest.mark.parametrize("variant", sorted(RUN_KERNELS))
-@pytest.mark.parametrize("n,k,blocks", [
-    (600, 512, 1),     # 38 tiles of 8 chunks over 8 warps: runs of ~4.75 tiles, tiles split at run ends
-    (600, 1024, 2),    # two blocks, 16 warps: parts from warps of different blocks
-    (40, 2048, 1),     # 3 tiles of 32 chunks over 8 warps: a tile split among 3 or more warps; 8 rows short
-    (72, 1024, 1),     # 5 tiles, the last one 8 rows short
-])
-def test_emulated_m1_equal_runs(emu, variant, n, k, blocks):
-    """The one-wave M = 1 kernels with equal runs of slots per warp: against the reference, every output written,
-    the tile counters left zero, and the same bits with the blocks run in reverse (another warp arriving last)."""
-    u = RUN_KERNELS[variant][1]
-    assert run_blocks(-(-n // 16), k // 64, u, 132, 8) >= blocks, "the case needs a slot per warp"
-    qw = nvfp4(n, k, seed=n + k)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(n)).half()
-    y = run_m1_runs(emu, x, qw, variant, blocks)
-    assert not torch.isnan(y).any(), "unwritten outputs"
-    ref = x.double() @ qw.dequantize(torch.float64).t()
-    err = ((y.double() - ref).norm() / ref.norm()).item()
-    assert err < 1e-3, f"relative error {err:.2e}"
-    assert torch.equal(run_m1_runs(emu, x, qw, variant, blocks, reverse=True), y), "parts summed in arrival order"
-
-
-def test_run_blocks():
-    """Resident blocks, fewer where the weight has fewer slots than warps; none below one slot per warp."""
-    assert run_blocks(9496, 32, 8, 132, 2) == 264                     # lm_head: the resident blocks
-    assert run_blocks(20, 32, 8, 132, 2) == 10                        # 80 slots: 10 blocks of 8 warps
-    assert run_blocks(1, 8, 8, 132, 2) == 0                           # one slot

@@ -78,8 +78,6 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     a bulk-ring kernel (sm_90+), where they apply (benchmark, tests)."""
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
-    if choice in RUN_KERNELS:                    # qpn_linear launches those where run_applies; elsewhere the default
-        choice = None
     m1 = sm >= 80 and fmt == 2 and m == 1
     mp = sm >= 80 and fmt == 2 and 2 <= m <= 8
     if choice in M1_KERNELS:                     # forced where the M = 1 kernels apply, else the default
@@ -131,35 +129,6 @@ CT_TB_KERNELS = {f"_{m}{v}": g for m in ("m1", "mp2", "mp4")
                  for v, g in (("tbu4", (2, 4, 1)), ("tbu8", (2, 8, 1)), ("tb2u4", (2, 4, 2)))
                  if (m, v) != ("mp4", "tbu8")}
 CT_TB_MAX_M = 4   # the column-trick rings serve M = 1..CT_TB_MAX_M (M = 5..8: the 8-column kernels)
-
-# LINEAR_VARIANT choices (sm_90+, NVFP4 M = 1, rows of a multiple of U chunks): one wave of resident blocks whose
-# warps stream equal runs of the weight's slots through one bulk ring (qpn.cu's LINEAR_M1_RUN), suffix -> (ST, U)
-RUN_KERNELS = {"_m1rbu8": (2, 8), "_m1rbu4": (2, 4), "_m1rb3u4": (3, 4), "_m1rb4u4": (4, 4)}
-_RUN_WORK: dict = {}   # the run kernels' per-device parts (32 floats per warp) and tile counters
-
-
-def run_name(suffix: str) -> str:
-    """The kernel of a RUN_KERNELS suffix ("_m1rbu8" -> "qpn2_linear_m1_rbu8")."""
-    return "qpn2_linear_m1_" + suffix[3:]
-
-
-def run_smem(suffix: str) -> int:
-    """Dynamic shared memory of a RUN_KERNELS kernel: WARPS rings of ST slots of U x 576 bytes, ST mbarriers each."""
-    st, u = RUN_KERNELS[suffix]
-    return WARPS * st * u * 576 + WARPS * st * 8
-
-
-def run_blocks(tiles: int, chunks: int, u: int, sms: int, occupancy: int) -> int:
-    """Blocks of a run kernel: the resident ones (sms x occupancy), fewer where the weight has fewer than one slot
-    of U chunks per warp (tiles x chunks / U slots); 0 where it has fewer than one per warp of one block."""
-    return min(sms * occupancy, tiles * (chunks // u) // WARPS)
-
-
-def run_applies(suffix: str | None, fmt: int, m: int, sm: int, chunks: int, w: QPNWeight) -> bool:
-    """Whether a RUN_KERNELS choice applies: NVFP4 at M = 1 on sm_90+, rows of a multiple of U chunks, 16-byte
-    aligned scale rows (the bulk copies)."""
-    return (suffix in RUN_KERNELS and fmt == 2 and m == 1 and sm >= 90 and chunks % RUN_KERNELS[suffix][1] == 0
-            and w.scales.data_ptr() % 16 == 0)
 
 
 def ct_tb_name(suffix: str) -> str:
@@ -648,16 +617,6 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     passes = -(-m // (8 * mt))
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
-    if run_applies(LINEAR_VARIANT[0], fmt, m, mod.sm, chunks, w):
-        name, smem = run_name(LINEAR_VARIANT[0]), run_smem(LINEAR_VARIANT[0])
-        blocks = run_blocks(tiles, chunks, RUN_KERNELS[LINEAR_VARIANT[0]][1], _sms(w.device),
-                            mod.occupancy(name, THREADS, smem))
-        if blocks > 0:
-            ws, cnt = grow_workspace(_RUN_WORK, w.device, blocks * WARPS * 32, tiles)
-            args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
-                    ctypes.c_int(n), ctypes.c_int(k), _p(ws), _p(cnt)]
-            mod.launch(name, (blocks, 1, 1), THREADS, args, smem=smem, pdl=pdl(mod.sm))
-            return y
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n, k)
     geo = bulk_geometry(name)
     if geo and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows: the cp.async / register ones
