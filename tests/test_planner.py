@@ -963,3 +963,28 @@ def test_calibrate_decode_layers_run_on_cpu():
     x = _decode_layers(dev, [(lin, sl)], ids, torch.zeros(8, dtype=torch.int32), torch.full((8,), 0.125))()
     assert x.shape == (1, 2048) and x.dtype == torch.float16 and torch.isfinite(x.float()).all()
     assert FUSED_KEYS > 1
+
+
+def test_quantized_head_shrinks_the_last_card(tiny_dir, prof):
+    """--lm-head fp8 / nvfp4: the BF16 head's bytes as the load stores them, on the last card only; the prediction
+    reads it at the QPN kernels' rate; keep (or a head already quantized) changes nothing."""
+    mb = ModelBytes.from_folder(tiny_dir)
+    v, h = mb.config.vocab_size, mb.config.hidden_size
+    assert mb.head_unquantized and mb.with_head("keep") is mb
+    q8, q4 = mb.with_head("fp8"), mb.with_head("nvfp4")
+    assert (q8.lm_head, q4.lm_head) == (v * h + 8, v * h // 2 + v * h // 16 + 8)
+    assert not q4.head_unquantized and q4.with_head("fp8") is q4 and q4.embed == mb.embed
+    req = PlanRequest(gpus=(0, 1), layer_split=(2,), kv_tokens=1000, cache_slots=(0, 0))
+    base, small = make_plan(mb, prof, req), make_plan(q4, prof, req)
+    assert base.cards[0].dense_bytes == small.cards[0].dense_bytes
+    assert base.cards[1].dense_bytes - small.cards[1].dense_bytes == mb.lm_head - q4.lm_head
+    assert small.prediction.token_us < base.prediction.token_us
+
+
+def test_quantized_tied_head_is_a_copy_beside_the_embedding():
+    """A tied head quantized at load is a second tensor: on one card it adds its bytes to the embedding's."""
+    cfg = ModelConfig.from_dict(random_config("qwen3_moe", **TINY, tie_word_embeddings=True))
+    mb = ModelBytes.from_config(cfg, "nvfp4")
+    assert mb.tied and mb.head_bytes == mb.embed
+    q = mb.with_head("nvfp4")
+    assert not q.tied and q.head_bytes == q.lm_head < mb.embed and q.total == mb.total + q.lm_head

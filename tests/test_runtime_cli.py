@@ -137,3 +137,12 @@ def test_save_expert_profile_counts_the_run(tmp_path, capsys):
     assert rc == 0 and "slots filled at load (expert profile)" in err
     rc, _, err = run(["-n", "2", "--save-expert-profile", tmp_path / "no" / "p.json"], capsys)
     assert rc == 2 and "--save-expert-profile" in err and len(err.strip().splitlines()) == 1
+
+
+def test_quantized_head_same_tokens_on_both_paths(capsys):
+    """--lm-head nvfp4 reaches the reference path and the runtime alike: the same greedy tokens from both."""
+    rc, out, _ = run(BASE + ["--lm-head", "nvfp4"], capsys)
+    assert rc == 0
+    ref = json.loads(out)["generated_ids"]
+    rc, out, _ = run(BASE + ["--lm-head", "nvfp4", "--cache-slots", "128"], capsys)
+    assert rc == 0 and json.loads(out)["generated_ids"] == ref

@@ -75,6 +75,26 @@ def test_warm_fill_on_cuda(nvfp4, gpus):
     assert rep["cards"][0]["hit_rate"] == 1.0 and 0 < rep["cards"][1]["hit_rate"] < 1
 
 
+@pytest.mark.parametrize("head", ["fp8", "nvfp4"])
+def test_quantized_head_on_cuda(nvfp4, head):
+    """--lm-head fp8 / nvfp4: the head runs through the QPN kernels inside the decode graph (two logical cards,
+    the head on the second): the greedy ids of the reference path with the same head, logits close to the BF16
+    head's."""
+    want = greedy(load_model(nvfp4, device="cuda", lm_head=head), nvfp4)
+    s = open_session(nvfp4, RuntimeOptions(device="cuda", gpus=(0, 0), layer_split=(2,), cache_slots=(32,),
+                                           lm_head=head))
+    try:
+        got, err = greedy(s.model, nvfp4), s.model.graphs.error
+        qtype = s.model.lm_head.weight.qtype.value
+        ids = torch.arange(1, 33)
+        q = s.model.forward_logits(ids).float().cpu()
+    finally:
+        s.close()
+    base = load_model(nvfp4, device="cuda").forward_logits(ids.cuda()).float().cpu()
+    assert err is None and got == want and qtype == head
+    assert ((q - base).norm() / base.norm()).item() < {"fp8": 0.03, "nvfp4": 0.1}[head]
+
+
 def test_save_expert_profile_on_cuda(nvfp4, tmp_path):
     """--save-expert-profile through the graphed, overlapped decode: every routed token counted once (the steps
     run ahead included, none twice), a file the strict reader takes."""

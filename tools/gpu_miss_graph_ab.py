@@ -19,6 +19,8 @@ or the QPN weight stream's L2 evict-first hint (sm_80+; the QPN module is built 
     --env HYBRID_QPN_L2 --modes "normal;evict_first;normal;evict_first"
 and several switches at once, VAR1+VAR2 with each mode's values joined the same way:
     --env HYBRID_PDL+HYBRID_SMEM_CARVEOUT --modes "1+100;1+-1;0+100"
+A name opt:<field> sets a RuntimeOptions field instead of a variable (a hybrid-run flag), e.g. the head's storage:
+    --env opt:lm_head --modes "keep;nvfp4;fp8;keep;nvfp4;fp8"
 """
 from __future__ import annotations
 
@@ -231,12 +233,13 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
             record({"check": check, "skipped": "device-time deadline"})
             continue
         switches = mode_env(env, mode)
-        os.environ.update(switches)               # read when the session makes (captures) its graphs
+        fields = {k[4:]: v for k, v in switches.items() if k.startswith("opt:")}   # RuntimeOptions fields
+        os.environ.update({k: v for k, v in switches.items() if not k.startswith("opt:")})  # read at capture
         if build.L2_ENV in switches:              # read when the QPN module is built: build it again
             build.forget_modules()
         rc.log(f"session {check}: {kw}")
-        s = open_session(path, RuntimeOptions(device="cuda", profile=profile, expert_profile=str(eprof), **kw),
-                         context=ctx, cpu=cpu)
+        s = open_session(path, RuntimeOptions(device="cuda", profile=profile, expert_profile=str(eprof),
+                                              **{**kw, **fields}), context=ctx, cpu=cpu)
         try:
             rec = measure(s, tok, prompt, 16, tokens)
             g = s.model.graphs

@@ -18,6 +18,7 @@ from hybrid.baselines import report
 from hybrid.baselines.gguf_export import export_gguf
 from hybrid.baselines.quantize import TYPES, quantize_gguf
 from hybrid.errors import HybridError
+from hybrid.model.head import HEAD_TYPES
 
 HYBRID_RECIPES = ("bf16", "nvfp4", "mixed", "fp8")
 RECIPE_WEIGHTS = {
@@ -132,7 +133,8 @@ def source_fingerprint(src: Path) -> str:
 
 def placement_opts(where: str, name: str) -> dict:
     """'' | 'slots=N' (expert slots per card; 0 = every expert on the CPU runner) | 'split=L'
-    (two logical cards, layers split at L) | 'torch' (torch CPU expert engine) -> RuntimeOptions fields."""
+    (two logical cards, layers split at L) | 'torch' (torch CPU expert engine) | 'head=fp8' / 'head=nvfp4'
+    (hybrid-run --lm-head) -> RuntimeOptions fields."""
     if not where:
         return {}
     key, _, val = where.partition("=")
@@ -143,9 +145,12 @@ def placement_opts(where: str, name: str) -> dict:
             return {"gpus": (0, 0), "layer_split": (int(val),)}
     except ValueError:
         pass
+    if key == "head" and val in HEAD_TYPES:
+        return {"lm_head": val}
     if key == "torch" and not val:
         return {"cpu_engine": "torch"}
-    raise HybridError(f"--against {name!r}: placement {where!r}; expected slots=N, split=L or torch")
+    raise HybridError(f"--against {name!r}: placement {where!r}; expected slots=N, split=L, torch or "
+                      f"head={'/'.join(HEAD_TYPES)}")
 
 
 class CandidateMaker:
@@ -204,7 +209,9 @@ class CandidateMaker:
         low, _, where = name.lower().partition("@")
         if low in HYBRID_RECIPES:
             opts = {**self.hybrid_opts, **placement_opts(where, name)}
-            return HybridCandidate(name, RECIPE_WEIGHTS[low], self.hybrid_checkpoint(low), **opts)
+            weights = RECIPE_WEIGHTS[low] + (f"; lm_head quantized to {opts['lm_head'].upper()} at load (--lm-head)"
+                                             if opts.get("lm_head", "keep") != "keep" else "")
+            return HybridCandidate(name, weights, self.hybrid_checkpoint(low), **opts)
         if where:
             raise HybridError(f"--against {name!r}: @placement applies to hybrid recipes only")
         if low.startswith("gguf-") and low[5:] in HYBRID_RECIPES:

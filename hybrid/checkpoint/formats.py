@@ -150,10 +150,18 @@ def quantize_nvfp4(w: torch.Tensor, weight_scale_2: float | None = None):
     return packed, scale_fp8, torch.tensor(float(weight_scale_2), dtype=torch.float32)
 
 
-def quantize_fp8(w: torch.Tensor):
-    """float [N, K] -> (weight e4m3fn [N, K], weight_scale f32 []), per-tensor amax / 448."""
+def fp8_scale(amax: float) -> float:
+    """weight_scale = amax / 448; 1.0 for an all-zero tensor."""
+    amax = float(amax)
+    return amax / E4M3_MAX if amax > 0 else 1.0
+
+
+def quantize_fp8(w: torch.Tensor, scale: float | None = None):
+    """float [N, K] -> (weight e4m3fn [N, K], weight_scale f32 []), per-tensor amax / 448.
+
+    Pass scale to quantize part of a tensor with the whole tensor's scale."""
     w = w.detach().to(torch.float32)
-    amax = float(w.abs().max())
-    scale = amax / E4M3_MAX if amax > 0 else 1.0
+    if scale is None:
+        scale = fp8_scale(w.abs().max())
     q = (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, torch.tensor(scale, dtype=torch.float32)

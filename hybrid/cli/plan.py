@@ -32,6 +32,8 @@ def add_plan_arguments(p: argparse.ArgumentParser, profile_required: bool = True
                         "'none' = CPU only (default: every GPU of the profile)")
     p.add_argument("--kv-resident", type=int, default=4096, metavar="T", help="KV tokens kept per card (default 4096)")
     p.add_argument("--kv-dtype", default="fp16", choices=KV_DTYPES, help="KV cache type (default fp16)")
+    p.add_argument("--lm-head", default="keep", choices=["keep", "fp8", "nvfp4"],
+                   help="the output head as hybrid-run --lm-head stores it (default keep)")
     p.add_argument("--cache-slots", default="auto", metavar="N|auto",
                    help="expert-cache slots per card (one value or one per card); auto = fill what is left")
     p.add_argument("--vram-cap", default=None, metavar="GIB",
@@ -136,7 +138,7 @@ def plan_from_args(args) -> Plan:
     if not model.is_dir():
         raise HybridError(f"--model {args.model}: no such folder")
     prof = load_profile(args.profile)
-    mb = ModelBytes.from_folder(model, assume=getattr(args, "assume_quant", None))
+    mb = ModelBytes.from_folder(model, assume=getattr(args, "assume_quant", None)).with_head(args.lm_head)
     experts = Path(args.experts) if args.experts else find_popularity(model)
     pop = load_popularity(experts, mb.config) if experts else None
     req = request_from_args(args, len(prof.gpus))

@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads for the dense path in CPU mode (default: 1 per 1024 of "
                         "hidden size, at most the physical cores; small ops only lose time to more threads)")
+    p.add_argument("--lm-head", default="keep", choices=["keep", "fp8", "nvfp4"],
+                   help="the output head's storage: keep (default: as the checkpoint stores it; ModelOpt's NVFP4 / "
+                        "FP8 exports keep it in BF16) or fp8 / nvfp4: a 16-bit head quantized once at load, so "
+                        "its card holds and reads 2x / 3.6x fewer bytes per token (results/quality.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -223,7 +227,7 @@ def _set_torch_threads(args, cfg) -> None:
 def _reference_model(args, path):
     from hybrid.model import load_model
 
-    return load_model(path, device=args.device)
+    return load_model(path, device=args.device, lm_head=args.lm_head)
 
 
 def _chunk(text):
@@ -269,7 +273,7 @@ def options_from_args(args, num_layers: int):
                           profile=args.profile, vram_cap_gib=cap, expert_profile=args.expert_profile,
                           policy=args.cache_policy or "lfu-decay", cpu_engine=args.cpu_engine or "auto",
                           trace=args.trace, cache_warm=args.cache_warm or "auto",
-                          save_expert_profile=args.save_expert_profile, **offload)
+                          save_expert_profile=args.save_expert_profile, lm_head=args.lm_head, **offload)
 
 
 def _tokens(text: str) -> int:

@@ -9,6 +9,7 @@ from hybrid.checkpoint.names import Names
 from hybrid.checkpoint.qweight import QWeight
 from hybrid.checkpoint.formats import DENSE_DTYPES
 from hybrid.checkpoint.reader import Checkpoint
+from hybrid.model.head import quantize_head
 from hybrid.model.layers import Attention
 from hybrid.model.linear import Linear
 from hybrid.model.moe import ReferenceExperts, SwiGLU
@@ -56,11 +57,12 @@ class WeightSource:
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               layer_devices: list[torch.device] | None = None, experts=None) -> MoEModel:
+               layer_devices: list[torch.device] | None = None, experts=None, lm_head: str = "keep") -> MoEModel:
     """Load a model for generation. dtype: fp32 on CPU, fp16 on CUDA by default.
 
     experts: an ExpertExecutor; default runs every expert through the reference linear path
-    on the device of its layer.
+    on the device of its layer. lm_head: "keep" (as stored), "fp8" or "nvfp4": a 16/32-bit head
+    quantized once here (hybrid.model.head; a tied head's copy, the embedding stays as it is).
     """
     ckpt = Checkpoint(folder)
     ws = WeightSource(ckpt)
@@ -75,11 +77,12 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: to
     layers = [ws.layer(i, layer_devices[i]) for i in range(cfg.num_hidden_layers)]
     last = layer_devices[-1]
     if cfg.tie_word_embeddings and not ckpt.has(f"{nm.lm_head()}.weight"):
-        lm_head = Linear(QWeight(DENSE_DTYPES[embed.dtype], (v, h), embed, name=nm.lm_head())).to(last)
+        head = Linear(QWeight(DENSE_DTYPES[embed.dtype], (v, h), embed, name=nm.lm_head()))
     else:
-        lm_head = ws.linear(nm.lm_head(), v, h).to(last)
+        head = ws.linear(nm.lm_head(), v, h)
+    head = Linear(quantize_head(head.weight, lm_head), head.bias).to(last)
     final_norm = ckpt.dense(f"{nm.final_norm()}.weight", (h,)).to(last)
     experts = experts or ReferenceExperts(ws.expert)
-    model = MoEModel(cfg, embed, layers, final_norm, lm_head, experts, layer_devices, dtype)
+    model = MoEModel(cfg, embed, layers, final_norm, head, experts, layer_devices, dtype)
     model.weights = ws
     return model

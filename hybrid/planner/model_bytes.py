@@ -8,7 +8,7 @@ assumed quantization (what `hybrid-quantize --recipe` would write).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hybrid.checkpoint.files import read_header, shard_files
@@ -66,6 +66,14 @@ class ModelBytes:
         """Whether the head is stored at 16 bits or more (ModelOpt's BF16 lm_head, a tied embedding): the
         runtime runs it as a dense matmul (torch / cuBLAS), not a QPN kernel."""
         return self.head_bytes >= self.config.vocab_size * self.config.hidden_size * 2
+
+    def with_head(self, quant: str) -> "ModelBytes":
+        """These bytes with a 16/32-bit head quantized at load (`--lm-head fp8 / nvfp4`: hybrid.model.head; a tied
+        head becomes a quantized copy beside the embedding); "keep", or a head stored quantized: unchanged."""
+        if quant == "keep" or not self.head_unquantized:
+            return self
+        cfg = self.config
+        return replace(self, lm_head=linear_bytes(cfg.vocab_size, cfg.hidden_size, quant), tied=False)
 
     @property
     def total(self) -> int:

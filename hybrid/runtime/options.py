@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybrid.errors import HybridError
+from hybrid.model.head import HEAD_TYPES
 
 KV_DTYPES = ("fp16", "int8")
 HUGEPAGES = ("auto", "on", "off")
@@ -25,7 +26,8 @@ class RuntimeOptions:
     the card (0 = never; None = auto: see offload_min_for); cache_warm: what the expert slots hold at load
     (auto: the expert profile's most used experts, else experts in id order until the slots are full;
     profile: the profile's, else nothing; off: nothing; where nothing, the cache warms up online);
-    save_expert_profile: a file the run's routing counts go to when the session closes (routing_counts).
+    save_expert_profile: a file the run's routing counts go to when the session closes (routing_counts);
+    lm_head: the output head's storage (keep, or a 16-bit head quantized at load to fp8 / nvfp4: hybrid.model.head).
     """
 
     device: str = "cpu"
@@ -47,6 +49,7 @@ class RuntimeOptions:
     prefill_offload_min: int | None = None
     cache_warm: str = "auto"
     save_expert_profile: str | None = None
+    lm_head: str = "keep"
 
     def __post_init__(self) -> None:
         n = len(self.gpus)
@@ -83,6 +86,8 @@ class RuntimeOptions:
             raise HybridError(f"--cache-warm {self.cache_warm}: expected one of {', '.join(CACHE_WARM)}")
         if self.cpu_engine not in CPU_ENGINES:
             raise HybridError(f"--cpu-engine {self.cpu_engine}: expected one of {', '.join(CPU_ENGINES)}")
+        if self.lm_head not in HEAD_TYPES:
+            raise HybridError(f"--lm-head {self.lm_head}: expected one of {', '.join(HEAD_TYPES)}")
 
     @property
     def offload_min(self) -> int:

@@ -153,7 +153,8 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
                  Placement.manual(cfg.num_hidden_layers, cfg.num_experts, opts.gpus, opts.device,
                                   opts.layer_split, opts.cache_slots))
     t1 = time.perf_counter()
-    model = load_model(path, device=placement.cards[0].device, layer_devices=placement.layer_devices())
+    model = load_model(path, device=placement.cards[0].device, layer_devices=placement.layer_devices(),
+                       lm_head=opts.lm_head)
     held = hold_dense(model)                  # CPU cards: dense weights decoded once, not per call
     t2 = time.perf_counter()
     ws = model.weights
@@ -259,7 +260,7 @@ def _plan(path: Path, cfg: ModelConfig, opts: RuntimeOptions, prof, eprof: Exper
                       prefill_stage=PREFILL_STAGE_GROUP if opts.offload_min else 0,
                       prefill_offload_min=opts.prefill_offload_min,          # None: the cost model's
                       overlap=opts.device == "cuda" and overlap_enabled())   # what generate() does by default
-    return make_plan(ModelBytes.from_folder(path), prof, req, pop, model=path.resolve().name,
+    return make_plan(ModelBytes.from_folder(path).with_head(opts.lm_head), prof, req, pop, model=path.resolve().name,
                      experts_path=None if eprof_path is None else str(eprof_path))
 
 
