@@ -14,23 +14,26 @@ HEAD_TYPES = ("keep", "fp8", "nvfp4")
 ROWS = 8192   # rows quantized at a time: the fp32 transient of one chunk, not of the whole head
 
 
-def quantize_head(w: QWeight, to: str) -> QWeight:
+def quantize_head(w: QWeight, to: str, device: torch.device | str | None = None) -> QWeight:
     """A dense head [V, H] -> the same head stored as `to` ("fp8": e4m3 with one per-tensor scale; "nvfp4":
     E2M1 codes, e4m3 scales per 16 inputs, one global scale), quantized ROWS rows at a time (the same bits as
-    one call over the whole tensor: the per-tensor scale comes from the whole tensor's amax first). "keep", or
-    a head already stored quantized: w itself."""
+    one call over the whole tensor: the per-tensor scale comes from the whole tensor's amax first) on `device`
+    (default: where w is; the head's card at load, where a GPU does it in a fraction of the host's time), the
+    result there. "keep", or a head already stored quantized: w itself."""
     if to not in HEAD_TYPES:
         raise ValueError(f"lm_head type {to!r}: expected one of {', '.join(HEAD_TYPES)}")
     if to == "keep" or w.qtype.is_quantized:
         return w
     data = w.data
+    dev = data.device if device is None else torch.device(device)
     starts = range(0, data.shape[0], ROWS)
-    amax = max((float(data[i:i + ROWS].float().abs().max()) for i in starts), default=0.0)
+    rows = lambda i: data[i:i + ROWS].to(dev).float()  # noqa: E731
+    amax = max((float(rows(i).abs().max()) for i in starts), default=0.0)
     if to == "fp8":
         scale = fp8_scale(amax)
-        q = torch.cat([quantize_fp8(data[i:i + ROWS], scale)[0] for i in starts])
-        return QWeight(QType.FP8, w.shape, q, torch.tensor(scale, dtype=torch.float32), name=w.name)
+        q = torch.cat([quantize_fp8(rows(i), scale)[0] for i in starts])
+        return QWeight(QType.FP8, w.shape, q, torch.tensor(scale, dtype=torch.float32, device=dev), name=w.name)
     gs = nvfp4_global_scale(amax)
-    chunks = [quantize_nvfp4(data[i:i + ROWS].float(), gs) for i in starts]
+    chunks = [quantize_nvfp4(rows(i), gs) for i in starts]
     return QWeight(QType.NVFP4, w.shape, torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]),
-                   chunks[0][2], name=w.name)
+                   chunks[0][2].to(dev), name=w.name)

@@ -80,7 +80,7 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: to
         head = Linear(QWeight(DENSE_DTYPES[embed.dtype], (v, h), embed, name=nm.lm_head()))
     else:
         head = ws.linear(nm.lm_head(), v, h)
-    head = Linear(quantize_head(head.weight, lm_head), head.bias).to(last)
+    head = Linear(quantize_head(head.weight, lm_head, device=last), head.bias).to(last)
     final_norm = ckpt.dense(f"{nm.final_norm()}.weight", (h,)).to(last)
     experts = experts or ReferenceExperts(ws.expert)
     model = MoEModel(cfg, embed, layers, final_norm, head, experts, layer_devices, dtype)
