@@ -91,3 +91,14 @@ def test_loaded_head_is_quantized_and_close(to):
     a, b = base.forward_logits(ids).float(), model.forward_logits(ids).float()
     assert ((b - a).norm() / a.norm()).item() < {"fp8": 0.03, "nvfp4": 0.1}[to]
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_head_rows_are_not_placements():
+    """quality.md's placement-invariance line: an @head= row holds other weights, so it is not one of them."""
+    from hybrid.baselines.quality_report import placement_lines
+
+    row = lambda c, top: {"engine": "hybrid", "candidate": c, "count": 100, "same_top_pct": top, "mean_kld": 0.02,  # noqa: E731
+                          "ppl": 17.0}
+    lines = placement_lines([row("nvfp4", 92.0), row("nvfp4@slots=0", 92.0), row("nvfp4@head=nvfp4", 90.0)])
+    assert lines == ["- nvfp4 under 2 placements (nvfp4, nvfp4@slots=0): same top token at 92..92 of 100 positions "
+                     "(spread 0); mean KLD 0.02000..0.02000; PPL 17.000..17.000"]

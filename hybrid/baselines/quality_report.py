@@ -51,10 +51,11 @@ def _row(r: dict) -> str:
 
 
 def placement_lines(records: list[dict]) -> list[str]:
-    """One line per hybrid recipe measured under several placements: the spread of its row."""
+    """One line per hybrid recipe measured under several placements: the spread of its row (an @head= row is other
+    weights, not a placement: left out)."""
     groups: dict[str, list[dict]] = {}
     for r in records:
-        if r["engine"] == "hybrid":
+        if r["engine"] == "hybrid" and "@head=" not in r["candidate"]:
             groups.setdefault(r["candidate"].split("@")[0], []).append(r)
     out = []
     for recipe, rs in groups.items():

@@ -19,8 +19,8 @@ from hybrid.errors import HybridError
 from hybrid.metrics.kl import BaseLogProbs, KLAccumulator, chunk_tokens, score_rows, scored_rows
 
 HELP = "same-top-token %, KL divergence and perplexity vs the Q8_0 GGUF, llama.cpp-style"
-DEFAULT_AGAINST = ("bf16,nvfp4,mixed,gguf-nvfp4,gguf-mixed,Q4_K_M,IQ4_XS,IQ3_S,MXFP4_MOE,"
-                   "Q4_K_M-imat,IQ4_XS-imat,IQ3_S-imat")
+DEFAULT_AGAINST = ("bf16,nvfp4,nvfp4@head=fp8,nvfp4@head=nvfp4,mixed,gguf-nvfp4,gguf-mixed,Q4_K_M,IQ4_XS,IQ3_S,"
+                   "MXFP4_MOE,Q4_K_M-imat,IQ4_XS-imat,IQ3_S-imat")
 REFERENCE = "Q8_0"
 
 
@@ -28,7 +28,8 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="model folder (BF16 safetensors) or 'tiny' (default)")
     p.add_argument("--against", default=DEFAULT_AGAINST,
                    help="comma list of candidates: hybrid recipes (bf16, nvfp4, mixed, fp8) run by hybrid, "
-                        "optionally @slots=N, @split=L or @torch to pick the placement; "
+                        "optionally @slots=N, @split=L or @torch to pick the placement, or @head=fp8 / @head=nvfp4 "
+                        "(hybrid-run --lm-head); "
                         "gguf-<recipe> = hybrid's weights exported to GGUF, run by llama.cpp; llama.cpp "
                         f"types (Q8_0, Q4_K_M, IQ4_XS, IQ3_S, MXFP4_MOE, ...). Default: {DEFAULT_AGAINST}")
     p.add_argument("--quick", action="store_true", help="CI size: n_ctx 64, one chunk per prompt class")
