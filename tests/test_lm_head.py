@@ -49,10 +49,10 @@ def test_chunked_quantization_is_the_whole_tensor_one(to, monkeypatch):
     whole = (quantize_fp8 if to == "fp8" else quantize_nvfp4)(w.data.float())
     assert q.qtype is {"fp8": QType.FP8, "nvfp4": QType.NVFP4}[to] and q.shape == w.shape and q.name == "lm_head"
     assert torch.equal(q.data.view(torch.uint8), whole[0].view(torch.uint8))
-    assert torch.equal(q.scale.view(torch.uint8) if to == "nvfp4" else q.scale, whole[1].view(torch.uint8)
-                       if to == "nvfp4" else whole[1])
     if to == "nvfp4":
-        assert torch.equal(q.scale_2, whole[2])
+        assert torch.equal(q.scale.view(torch.uint8), whole[1].view(torch.uint8)) and torch.equal(q.scale_2, whole[2])
+    else:
+        assert torch.equal(q.scale, whole[1])
     err = (q.dequantize() - w.data.float()).norm() / w.data.float().norm()
     assert err < {"fp8": 0.05, "nvfp4": 0.15}[to]
 

@@ -988,3 +988,16 @@ def test_quantized_tied_head_is_a_copy_beside_the_embedding():
     assert mb.tied and mb.head_bytes == mb.embed
     q = mb.with_head("nvfp4")
     assert not q.tied and q.head_bytes == q.lm_head < mb.embed and q.total == mb.total + q.lm_head
+
+
+def test_cli_lm_head(tiny_dir, tmp_path, capsys):
+    """hybrid-plan --lm-head nvfp4 plans the last card with the head as hybrid-run --lm-head nvfp4 stores it."""
+    pfile = tmp_path / "rig.json"
+    pfile.write_text(json.dumps(profile_dict()))
+    base = ["--model", str(tiny_dir), "--profile", str(pfile), "--layer-split", "2", "--json"]
+    dense = []
+    for head in ("keep", "nvfp4"):
+        assert plan_main(base + ["--lm-head", head]) == 0
+        dense.append([c["dense_bytes"] for c in json.loads(capsys.readouterr().out)["cards"]])
+    mb = ModelBytes.from_folder(tiny_dir)
+    assert dense[0][0] == dense[1][0] and dense[0][1] - dense[1][1] == mb.lm_head - mb.with_head("nvfp4").lm_head

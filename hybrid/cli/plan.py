@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
 from hybrid.errors import HybridError, PlanError
+from hybrid.model.head import HEAD_TYPES
 from hybrid.planner import (ModelBytes, Plan, PlanRequest, find_popularity, load_popularity, load_profile,
                             make_plan)
 from hybrid.planner.build import AUTO_CHUNK_SLOT_LOSS, AUTO_CHUNKS, BASE_CHUNK
@@ -32,7 +33,7 @@ def add_plan_arguments(p: argparse.ArgumentParser, profile_required: bool = True
                         "'none' = CPU only (default: every GPU of the profile)")
     p.add_argument("--kv-resident", type=int, default=4096, metavar="T", help="KV tokens kept per card (default 4096)")
     p.add_argument("--kv-dtype", default="fp16", choices=KV_DTYPES, help="KV cache type (default fp16)")
-    p.add_argument("--lm-head", default="keep", choices=["keep", "fp8", "nvfp4"],
+    p.add_argument("--lm-head", default="keep", choices=HEAD_TYPES,
                    help="the output head as hybrid-run --lm-head stores it (default keep)")
     p.add_argument("--cache-slots", default="auto", metavar="N|auto",
                    help="expert-cache slots per card (one value or one per card); auto = fill what is left")

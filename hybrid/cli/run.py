@@ -14,6 +14,7 @@ import json
 import sys
 
 from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
+from hybrid.model.head import HEAD_TYPES
 
 RUNTIME_FLAGS = ("gpus", "layer_split", "kv_resident", "cache_slots", "cpu_threads", "hugepages",
                  "pcie_frac", "profile", "vram_cap", "stats", "stats_every", "trace", "expert_profile",
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads for the dense path in CPU mode (default: 1 per 1024 of "
                         "hidden size, at most the physical cores; small ops only lose time to more threads)")
-    p.add_argument("--lm-head", default="keep", choices=["keep", "fp8", "nvfp4"],
+    p.add_argument("--lm-head", default="keep", choices=HEAD_TYPES,
                    help="the output head's storage: keep (default: as the checkpoint stores it; ModelOpt's NVFP4 / "
                         "FP8 exports keep it in BF16) or fp8 / nvfp4: a 16-bit head quantized once at load, so "
                         "its card holds and reads 2x / 3.6x fewer bytes per token (results/quality.md)")
