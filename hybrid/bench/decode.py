@@ -19,7 +19,7 @@ CALIBRATION = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fi
 
 
 def add_arguments(p) -> None:
-    from hybrid.cli.run import _runtime_flags
+    from hybrid.cli.run import _runtime_flags, add_head_flag
 
     p.add_argument("--model", "-m", default=None, help="model folder or 'tiny' (default)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -30,6 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--llama-gguf", default=None, metavar="FILE", help="also time llama.cpp on this GGUF")
     p.add_argument("--out", default="results", help="folder for runtime.jsonl (default results/)")
     p.add_argument("--no-write", action="store_true", help="print only")
+    add_head_flag(p)
     _runtime_flags(p)
 
 

@@ -22,6 +22,14 @@ RUNTIME_FLAGS = ("gpus", "layer_split", "kv_resident", "cache_slots", "cpu_threa
                  "save_expert_profile")
 
 
+def add_head_flag(p) -> None:
+    """--lm-head, on hybrid-run and hybrid-bench decode (RuntimeOptions.lm_head; not a flag that turns the runtime on)."""
+    p.add_argument("--lm-head", default="keep", choices=HEAD_TYPES,
+                   help="the output head's storage: keep (default: as the checkpoint stores it; ModelOpt's NVFP4 / "
+                        "FP8 exports keep it in BF16) or fp8 / nvfp4: a 16-bit head quantized once at load, so "
+                        "its card holds and reads 2x / 3.6x fewer bytes per token (results/quality.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="hybrid-run", description=__doc__.splitlines()[0])
     p.add_argument("--model", "-m", default=None,
@@ -36,10 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads for the dense path in CPU mode (default: 1 per 1024 of "
                         "hidden size, at most the physical cores; small ops only lose time to more threads)")
-    p.add_argument("--lm-head", default="keep", choices=HEAD_TYPES,
-                   help="the output head's storage: keep (default: as the checkpoint stores it; ModelOpt's NVFP4 / "
-                        "FP8 exports keep it in BF16) or fp8 / nvfp4: a 16-bit head quantized once at load, so "
-                        "its card holds and reads 2x / 3.6x fewer bytes per token (results/quality.md)")
+    add_head_flag(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
