@@ -64,6 +64,10 @@ def test_keep_and_stored_quantized_heads_are_left_alone():
     assert quantize_head(q, "fp8") is q
     with pytest.raises(ValueError, match="lm_head type 'int4'"):
         quantize_head(w, "int4")
+    odd = QWeight(QType.BF16, (8, 40), torch.ones(8, 40, dtype=torch.bfloat16), name="lm_head")
+    with pytest.raises(HybridError, match="--lm-head nvfp4: lm_head has 40 in-features, not a multiple of 16"):
+        quantize_head(odd, "nvfp4")
+    assert quantize_head(odd, "fp8").qtype is QType.FP8
 
 
 def test_bad_option_is_one_line():

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.checkpoint.formats import QType, fp8_scale, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
+from hybrid.checkpoint.formats import GROUP, QType, fp8_scale, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
 from hybrid.checkpoint.qweight import QWeight
+from hybrid.errors import HybridError
 
 HEAD_TYPES = ("keep", "fp8", "nvfp4")
 ROWS = 8192   # rows quantized at a time: the fp32 transient of one chunk, not of the whole head
@@ -24,6 +25,9 @@ def quantize_head(w: QWeight, to: str, device: torch.device | str | None = None)
         raise ValueError(f"lm_head type {to!r}: expected one of {', '.join(HEAD_TYPES)}")
     if to == "keep" or w.qtype.is_quantized:
         return w
+    if to == "nvfp4" and w.shape[1] % GROUP:
+        raise HybridError(f"--lm-head nvfp4: {w.name or 'lm_head'} has {w.shape[1]} in-features, not a multiple of "
+                          f"{GROUP} (NVFP4's scale group); use fp8")
     data = w.data
     dev = data.device if device is None else torch.device(device)
     starts = range(0, data.shape[0], ROWS)
