@@ -19,7 +19,8 @@ or the QPN weight stream's L2 evict-first hint (sm_80+; the QPN module is built 
     --env HYBRID_QPN_L2 --modes "normal;evict_first;normal;evict_first"
 and several switches at once, VAR1+VAR2 with each mode's values joined the same way:
     --env HYBRID_PDL+HYBRID_SMEM_CARVEOUT --modes "1+100;1+-1;0+100"
-A name opt:<field> sets a RuntimeOptions field instead of a variable (a hybrid-run flag), e.g. the head's storage:
+A name opt:<field> sets a string-valued RuntimeOptions field instead of a variable (the mode's text as it is, so not
+a numeric or tuple field), e.g. the head's storage (hybrid-run --lm-head):
     --env opt:lm_head --modes "keep;nvfp4;fp8;keep;nvfp4;fp8"
 """
 from __future__ import annotations
