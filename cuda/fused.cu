@@ -41,6 +41,9 @@
 //   fused_rope_attn     grid (Hkv, S splits), block 128, one token: fused_qk_rope_kv + fused_decode_attn
 //       in one launch: qkv [1, (Hq + 2 Hkv) * D] fp16 -> out [Hq, D] fp16, K/V row p written by the
 //       block whose split holds p (the last split when p is past them), the queries made by every block
+//   fused_embed_rows    grid (T, ceil(H / 256)), block 256: ids [T] int64 -> out [T, H] (fp16 | fp32) = table[ids]
+//       converted once; table [V, H] fp16 | fp32 | bf16 (src: EMB_F16 / EMB_F32 / EMB_BF16) anywhere the card
+//       can read, e.g. pinned host memory (hybrid.runtime.host_embed). An id outside [0, V) writes NaN.
 // Newer versions of three of them (same arguments and outputs; the launcher picks them by HYBRID_FUSED_NEW
 // where H % 4 == 0 and the rows are 16-byte aligned):
 //   fused_add_rms_norm_e     grid T, block 256: every load of a row at once (groups of 4 elements)
@@ -56,6 +59,10 @@
 
 typedef unsigned int u32;
 typedef unsigned short u16;
+
+#define EMB_F16 0   // fused_embed_rows' table dtypes (fused.py _EMB)
+#define EMB_F32 1
+#define EMB_BF16 2
 
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -107,6 +114,36 @@ __device__ __forceinline__ float ld_cg(const float* p) {   // L2, not a possibly
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
+}
+
+// ---------------------------------------------------------------- embedding rows
+// One element per thread, every load of a launch at once: the table is read where it lies, which for the
+// runtime's decode graphs is pinned host memory mapped into the card's address space (one row of H
+// elements per token crosses the bus; the table is never copied to the card), so the only latency is one
+// round trip over the bus. The row's conversion is exact where torch's .to(dtype) is (one rounding, RNE).
+extern "C" __global__ void __launch_bounds__(256)
+    fused_embed_rows(const void* __restrict__ table, const long long* __restrict__ ids, void* __restrict__ out,
+                     int H, long long V, int src, int out_f32) {
+  pdl_trigger();
+  pdl_wait();
+  const int i = blockIdx.y * 256 + threadIdx.x;
+  if (i >= H) return;
+  const long long id = ids[blockIdx.x];
+  float v = __int_as_float(0x7fc00000);                  // an id outside the table: NaN
+  if (id >= 0 && id < V) {
+    const size_t at = (size_t)id * (size_t)H + (size_t)i;
+    if (src == EMB_F32)
+      v = ((const float*)table)[at];
+    else if (src == EMB_BF16)
+      v = __uint_as_float((u32)((const u16*)table)[at] << 16);
+    else
+      v = h2f(((const u16*)table)[at]);
+  }
+  const size_t o = (size_t)blockIdx.x * (size_t)H + (size_t)i;
+  if (out_f32)
+    ((float*)out)[o] = v;
+  else
+    ((u16*)out)[o] = f2h(v);
 }
 
 // ---------------------------------------------------------------- residual add + RMSNorm

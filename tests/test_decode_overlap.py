@@ -285,3 +285,31 @@ def test_overlap_on_cuda(model_dir, warm, place, reduce, tmp_path, monkeypatch):
     assert e0[0] == e1[0] == o0[0][:first] and e0[3:] == e1[3:] and same(u0[1:], u1[1:])
     assert all(np.array_equal(a, b) for a, b in zip(e0[1] + e0[2], e1[1] + e1[2]))
     assert d1.discarded == (1 if place == "all_resident" and first > 0 else 0)
+
+
+@cuda
+@pytest.mark.cuda
+def test_overlap_embeds_from_host_table(model_dir, warm, monkeypatch):
+    """Steps that run ahead embed their device-side id from the pinned host table (HYBRID_HOST_EMBED, the default):
+    no copy of the table on the card, the same greedy ids as with that copy (HYBRID_HOST_EMBED=0) and as the plain
+    loop."""
+    tok = tokenizer_for(model_dir)
+    ids = tok.encode(PROMPT)
+
+    def run(flag, overlap=True):
+        monkeypatch.setenv("HYBRID_HOST_EMBED", flag)
+        s = open_session(model_dir, RuntimeOptions(device="cuda", cache_slots=PLACES["all_resident"][0],
+                                                   expert_profile=warm, pcie_frac=0.0, cpu_engine="torch",
+                                                   cache_warm="profile"), context=len(ids) + 16)
+        try:
+            hm = s.model
+            hm.prompt_tokens = len(ids)
+            res = generate(hm, tok, ids, 12, Sampler(SamplerConfig()), overlap=overlap)
+            g = hm.graphs
+            return res.generated_ids, g._host_embed is not None, g._embed_table is not None, g.error
+        finally:
+            s.close()
+
+    host, card, plain = run("1"), run("0"), run("1", overlap=False)
+    assert host[1:] == (True, False, None) and card[1:] == (False, True, None)
+    assert host[0] == card[0] == plain[0]

@@ -85,6 +85,40 @@ def test_add_rms_norm(backend, kernels, t, h, xdt, ddt):
 
 
 # ---------------------------------------------------------------------------- q/k norm + RoPE + KV
+@gpu_only
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("out", [torch.float16, torch.float32])
+@pytest.mark.parametrize("v,h,t", [(40000, 2048, 1), (50, 300, 3), (7, 5, 2)])
+def test_embed_rows_from_pinned_host(backend, src, out, v, h, t):
+    """The table pinned and mapped on the host (hybrid.runtime.host_embed), ids on the card: the reference's
+    rows bit for bit, eagerly and replayed from a CUDA graph with new ids; the card's copy of the table the same;
+    an id outside the table a NaN row."""
+    from hybrid.runtime.host_embed import HostEmbedding
+
+    table = fresh((v, h), src, scale=4.0)
+    he = HostEmbedding.pin(table)
+    assert he is not None and he.table is table
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ids = torch.randint(0, v, (t,), generator=torch.Generator().manual_seed(v + h)).to(dev)
+    ids[0] = v - 1
+    poison(((t, h), out))
+    assert torch.equal(he.rows(ids, out).cpu(), fused.ref_embed_rows(table, ids.cpu(), out))
+    assert torch.equal(fused.embed_rows(table.to(dev), ids, out).cpu(), fused.ref_embed_rows(table, ids.cpu(), out))
+    static = ids.clone()
+    he.rows(static, out)                          # the module loaded before the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = he.rows(static, out)
+    for seed in (1, 2):
+        new = torch.randint(0, v, (t,), generator=torch.Generator().manual_seed(seed))
+        static.copy_(new)
+        g.replay()
+        assert torch.equal(got.cpu(), fused.ref_embed_rows(table, new, out))
+    bad = torch.tensor([v, -1][:t] + [0] * max(0, t - 2), device=dev)
+    assert he.rows(bad, out)[: min(t, 2)].isnan().all()
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 4, 128), (8, 8, 256), (6, 2, 96), (2, 1, 16)])
 @pytest.mark.parametrize("t", [1, 5])
 @pytest.mark.parametrize("norm", [True, False])

@@ -455,3 +455,43 @@ def test_emulated_add_rms_norm_e(router_emu, t, h, xdt, ddt):
     if d is not None:
         assert torch.equal(outs[1][0], outs[0][0])
     torch.testing.assert_close(outs[1][1], outs[0][1], atol=1e-3 if xdt == F16 else 1e-6, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------- embedding rows
+EMBED_ENTRY = r"""
+extern "C" void emu_embed_rows(int T, const void* table, const long long* ids, void* out, int H, long long V,
+                               int src, int out_f32) {
+  run_grid(T, (H + 255) / 256, 256, [&] { fused_embed_rows(table, ids, out, H, V, src, out_f32); });
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def embed_emu(tmp_path_factory):
+    src = fused_build.source()
+    rule = "// " + "-" * 64 + " "
+    head = _section(src, "typedef unsigned int u32;", rule)
+    rows = _section(src, rule + "embedding rows", rule + "residual add + RMSNorm")
+    return compile_emu(tmp_path_factory, "fused_embed_emu", SHIM + HELPERS + head + rows + EMBED_ENTRY)
+
+
+@pytest.mark.parametrize("src_dt,out_dt,h", [(torch.bfloat16, F16, 2048), (torch.bfloat16, F32, 300), (F16, F16, 5),
+                                             (F32, F16, 257), (F32, F32, 64), (F16, F32, 512)])
+def test_emulated_embed_rows(embed_emu, src_dt, out_dt, h):
+    v = 37
+    table = (_fresh((v, h), 11, 3.0) * torch.rand(v, h, generator=torch.Generator().manual_seed(2)) ** 8).to(src_dt)
+    table[3, :3] = torch.tensor([70000.0, -1e-7, 65504.0])           # past fp16's range, a subnormal, its largest
+    ids = torch.tensor([3, 0, v - 1, 3, 17])
+    out = torch.full((ids.numel(), h), float("nan"), dtype=out_dt)
+    embed_emu.emu_embed_rows(I(ids.numel()), P(table), P(ids), P(out), I(h), ctypes.c_longlong(v),
+                             I(fused._EMB[src_dt]), I(int(out_dt is F32)))
+    assert torch.equal(out, fused.ref_embed_rows(table, ids, out_dt))    # bit for bit: one rounding, as torch's
+
+
+def test_emulated_embed_rows_bad_id_is_nan(embed_emu):
+    table = _fresh((8, 40), 3).half()
+    ids = torch.tensor([2, 8, -1, 7])
+    out = torch.zeros(4, 40, dtype=F16)
+    embed_emu.emu_embed_rows(I(4), P(table), P(ids), P(out), I(40), ctypes.c_longlong(8), I(0), I(0))
+    assert torch.equal(out[0], table[2]) and torch.equal(out[3], table[7])
+    assert out[1:3].isnan().all()

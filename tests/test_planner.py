@@ -168,14 +168,15 @@ def test_card_arithmetic(tiny_dir, prof):
     plan = make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(1,), kv_tokens=1000, prefill_chunk=64))
     c0, c1 = plan.cards
     assert (c0.layers, c1.layers) == ((0, 1), (1, 4))
-    assert c0.dense_bytes == mb.layer_dense[0] + mb.embed
+    assert c0.dense_bytes == mb.layer_dense[0]                                # the embedding: host
     assert c1.dense_bytes == sum(mb.layer_dense[1:]) + mb.lm_head + mb.final_norm
     assert c1.kv_bytes == 1000 * 3 * 2 * 16 * 2 * 2 == kv_bytes(cfg, 1000, 3, "fp16")
     assert c0.workspace_bytes == workspace_bytes(cfg, 64, 100 * MIB, False)
     assert c1.workspace_bytes == workspace_bytes(cfg, 64, 100 * MIB, True)   # its own physical GPU
     assert (c0.slots, c1.slots) == (8, 24)                                   # auto: every expert fits
     assert c0.cap_bytes == 1024 * MIB and c0.free_bytes == c0.cap_bytes - c0.used_bytes
-    assert plan.host.expert_store_bytes == mb.expert_store
+    assert plan.host.expert_store_bytes == mb.expert_store and plan.host.dense_bytes == mb.embed
+    assert plan.host.used_bytes == mb.expert_store + mb.embed + plan.host.reserve_bytes
     assert plan.host.hugepages_2m == math.ceil(mb.expert_store / (2 * MIB))
     assert plan.prediction.hit_rate == 1.0 and plan.prediction.cpu_bytes == 0
 
@@ -236,8 +237,8 @@ def test_host_overflow():
     mb = ModelBytes.from_config(ModelConfig.from_dict(Q30))
     p = profile_dict(memory_mib=16160)
     p["host"]["ram_usable_gib"] = 10
-    with pytest.raises(PlanError, match=r"^host \(10.0 GiB usable RAM\): expert store 15.2 GiB \+ reserve "
-                                        r"1.0 GiB = 16.2 GiB exceeds 10.0 GiB by 6.2 GiB$"):
+    with pytest.raises(PlanError, match=r"^host \(10.0 GiB usable RAM\): expert store 15.2 GiB \+ embedding "
+                                        r"594 MiB \+ reserve 1.0 GiB = 16.8 GiB exceeds 10.0 GiB by 6.8 GiB$"):
         make_plan(mb, profile_from_dict(p), PlanRequest(gpus=(0, 1), layer_split=(24,), kv_tokens=16))
 
 
@@ -792,7 +793,8 @@ def test_tied_head_is_copied_to_the_last_card(tmp_path, prof):
     plan = make_plan(mb, prof, PlanRequest(gpus=(0, 1), layer_split=(1,)))
     assert plan.cards[1].dense_bytes == mb.layer_dense[1] + mb.embed + mb.final_norm
     one = make_plan(mb, profile_from_dict(profile_dict(gpus=1)), PlanRequest(gpus=(0,), layer_split=()))
-    assert one.cards[0].dense_bytes == sum(mb.layer_dense) + mb.embed + mb.final_norm   # shared, not copied
+    assert one.cards[0].dense_bytes == sum(mb.layer_dense) + mb.embed + mb.final_norm   # the head's copy
+    assert one.host.dense_bytes == mb.embed                               # the embedding itself
 
 
 def test_calibrate_small_kernel_mix_runs_on_cpu():
@@ -879,11 +881,11 @@ def test_auto_chunk_costs_few_slots():
         assert [x.slots for x in auto.cards] == slots[auto.inputs.prefill_chunk]
         picks[mib] = auto.inputs.prefill_chunk
         notes[mib] = auto.inputs.prefill_chunk_note
-    # 400 MiB: 1024 costs 70% of 30 slots; 600 MiB: every expert fits at 512, not at 1024 (246 of 256);
+    # 400 MiB: 1024 costs 67% of 30 slots; 600 MiB: every expert fits at 512, not at 1024 (247 of 256);
     # 650 MiB: all fit at 2048, not at 4096
     assert picks == {400: 512, 600: 512, 650: 2048, 3000: 4096}, picks
-    assert notes[400] == "auto: 4096 does not fit; 2048 does not fit; 1024 would cost card 0 21 of its 30 slots"
-    assert notes[600].startswith("auto: 4096 would cost card 0 134 of its 256 slots; 2048 would cost card 0 51")
+    assert notes[400] == "auto: 4096 does not fit; 2048 does not fit; 1024 would cost card 0 20 of its 30 slots"
+    assert notes[600].startswith("auto: 4096 would cost card 0 133 of its 256 slots; 2048 would cost card 0 51")
     assert re.fullmatch(r"auto: no expert slot lost; 4096 would cost card 0 \d+ of its 256 slots", notes[650])
     assert notes[3000] == "auto: no expert slot lost"
 

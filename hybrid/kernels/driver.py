@@ -197,6 +197,18 @@ def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(0 if t is None else t.data_ptr())
 
 
+def mapped_ptr(host_ptr: int, device: torch.device) -> int:
+    """The address at which `device`'s kernels read host memory registered as mapped (cudaHostRegisterMapped):
+    the host address itself under unified addressing, unless the device cannot use host pointers for registered
+    memory (cuMemHostGetDevicePointer tells)."""
+    with torch.cuda.device(device):
+        _ensure_context(device)
+        dptr = ctypes.c_uint64()
+        check(_cuda().cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ctypes.c_void_p(host_ptr), 0),
+              "cuMemHostGetDevicePointer")
+    return int(dptr.value)
+
+
 def grow_workspace(store: dict, dev: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A kernel family's per-device scratch kept in store[dev]: fp32 partials (>= floats) and int32 counters (>=
     counters; zero, and left zero by every launch of the kernels that use them). Grow-only: a larger request

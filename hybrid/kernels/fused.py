@@ -10,6 +10,7 @@ k experts per token, R rows of the RoPE table, C rows of the KV store, L keys at
     x2, h, ids, weights = add_norm_router(x, w, eps, router, k, renorm, delta)   # all of it (T <= 8)
     out = decode_attn(q, k_store, v_store, keys, pos=pos)   # one token, keys 0..pos
     out = rope_attn(qkv, q_norm, k_norm, table, k_store, v_store, Hq, Hkv, D, eps, keys, pos=pos)  # both
+    rows = embed_rows(table, ids, dtype, table_ptr=p)    # table [V, H] where the card reads it (host too)
 
 Each replaces several torch ops of the CUDA decode step with one launch on torch's current stream
 (graph-capturable). On CPU tensors the reference functions (ref_*) run, which are the torch ops of
@@ -210,6 +211,42 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
             ctypes.c_int(h), ctypes.c_float(eps), ctypes.c_int(_DT[x.dtype]),
             ctypes.c_int(_DT[delta.dtype] if delta is not None else 0)])
     return x_out, out, hf
+
+
+# ---------------------------------------------------------------------------- embedding rows
+_EMB = {torch.float16: 0, torch.float32: 1, torch.bfloat16: 2}      # fused.cu EMB_*
+
+
+def ref_embed_rows(table: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return table[ids.to(table.device)].to(dtype)
+
+
+def embed_rows(table: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, table_ptr: int | None = None) -> torch.Tensor:
+    """ids [T] int64 -> table[ids] [T, H] in dtype (fp16 | fp32) on ids' device. table [V, H] fp16 | fp32 | bf16: on
+    ids' card, or (table_ptr: its address in the card's address space) in pinned host memory mapped for the card,
+    which the kernel reads over the bus (hybrid.runtime.host_embed). An id outside [0, V) gives a NaN row on a card
+    (the device cannot raise); host ids run the reference."""
+    if table.dim() != 2:
+        raise ValueError(f"table: expected shape [V, H], got {list(table.shape)}")
+    if not ids.is_cuda:
+        return ref_embed_rows(table, ids, dtype)
+    v, h = table.shape
+    dev = _dev(ids.device)
+    _check(ids, "ids", torch.int64, (ids.shape[0],), dev)
+    if table.dtype not in _EMB or not table.is_contiguous():
+        raise ValueError(f"table: expected a contiguous fp16/fp32/bf16 tensor, got {table.dtype}")
+    if dtype not in _DT:
+        raise ValueError(f"dtype: expected torch.float16 or torch.float32, got {dtype}")
+    if table_ptr is None:
+        if _dev(table.device) != dev:
+            raise ValueError(f"table: on {table.device}, expected {dev} (or its mapped address as table_ptr)")
+        table_ptr = table.data_ptr()
+    out = torch.empty(ids.shape[0], h, dtype=dtype, device=dev)
+    if ids.shape[0] and h:
+        _launch(dev, "fused_embed_rows", (ids.shape[0], -(-h // 256), 1), 256, [
+            ctypes.c_void_p(table_ptr), _p(ids), _p(out), ctypes.c_int(h), ctypes.c_longlong(v),
+            ctypes.c_int(_EMB[table.dtype]), ctypes.c_int(_DT[dtype])])
+    return out
 
 
 # ---------------------------------------------------------------------------- q/k norm + RoPE + KV

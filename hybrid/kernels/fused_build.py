@@ -15,7 +15,7 @@ import torch
 
 KERNELS = ("fused_add_rms_norm", "fused_qk_rope_kv", "fused_route_topk", "fused_router_topk",
            "fused_add_rms_norm_e", "fused_add_norm_router_e", "fused_rope_attn_e", "fused_rope_attn_w",
-           "fused_add_norm_router", "fused_decode_attn", "fused_rope_attn")
+           "fused_add_norm_router", "fused_decode_attn", "fused_rope_attn", "fused_embed_rows")
 
 
 def _dev(d: torch.device) -> torch.device:

@@ -229,9 +229,8 @@ def _card(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, i: int, layer
     gpu = prof.gpus[g]
     first, last = i == 0, i == len(req.gpus) - 1
     dense = sum(mb.layer_dense[layers.start:layers.stop])
-    dense += mb.embed if first else 0
-    if last:
-        dense += mb.final_norm + (mb.lm_head if not mb.tied else (0 if first else mb.embed))
+    if last:                     # the embedding stays on the host (hybrid.runtime.host_embed); a tied head is a copy
+        dense += mb.final_norm + mb.head_bytes
     kv = kv_bytes(cfg, req.kv_tokens, len(layers), req.kv_dtype)
     ctx = int(gpu.context_mib.value * MIB) if req.gpus.index(g) == i else 0
     ws = workspace_bytes(cfg, req.prefill_chunk, ctx, last) + prefill_stage_bytes(mb.slot_bytes, req.prefill_stage)
@@ -250,18 +249,20 @@ def _card(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, i: int, layer
     return CardPlan(card=i, device=g, name=gpu.name, layers=(layers.start, layers.stop),
                     kv_tokens=req.kv_tokens, kv_dtype=req.kv_dtype, slots=slots,
                     slots_per_layer=per_layer, slot_bytes=slot, cap_bytes=cap, dense_bytes=dense,
-                    kv_bytes=kv, workspace_bytes=ws, holds_embed=first, holds_head=last)
+                    kv_bytes=kv, workspace_bytes=ws, holds_head=last)
 
 
 def _host(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, has_cards: bool,
           warnings: list[str]) -> HostPlan:
-    """All experts live in the host arena; on a CPU-only plan the dense weights and KV too."""
+    """All experts live in the host arena; the embedding table too (hybrid.runtime.host_embed); on a CPU-only plan
+    every dense weight and the KV."""
     store = mb.expert_store
-    dense = 0 if has_cards else mb.total - store
+    dense = mb.embed if has_cards else mb.total - store
     kv = 0 if has_cards else kv_bytes(mb.config, req.kv_tokens, mb.config.num_hidden_layers, req.kv_dtype)
     reserve = int(prof.host.reserve_gib * GIB)
     cap = int(prof.host.ram_usable_gib * GIB)
-    parts = [("expert store", store)] + ([("dense", dense), ("KV", kv)] if dense else []) + [("reserve", reserve)]
+    parts = [("expert store", store)] + ([("embedding", dense)] if has_cards else [("dense", dense), ("KV", kv)]) \
+        + [("reserve", reserve)]
     _check_fits(f"host ({gib(cap)} usable RAM)", parts, cap)
     pages, have = math.ceil(store / HUGEPAGE), prof.host.hugepages_2m_total
     if have < pages:

@@ -23,10 +23,9 @@ class CardPlan:
     slots_per_layer: tuple[int, ...]
     slot_bytes: int
     cap_bytes: int            # VRAM this card may use
-    dense_bytes: int          # attention/norm/router weights (+ embed on card 0, + head on the last)
+    dense_bytes: int          # attention/norm/router weights (+ norm and head on the last; the embedding: host)
     kv_bytes: int
     workspace_bytes: int      # context + activations + graph reserve (see planner.memory)
-    holds_embed: bool
     holds_head: bool
 
     @property
@@ -49,7 +48,7 @@ class CardPlan:
 @dataclass(frozen=True)
 class HostPlan:
     expert_store_bytes: int   # every expert of every layer, packed (the CPU runner's arena)
-    dense_bytes: int          # dense weights kept in host RAM (CPU-only plans)
+    dense_bytes: int          # dense weights in host RAM: the embedding table; on CPU-only plans all of them
     kv_bytes: int             # KV cache in host RAM (CPU-only plans)
     reserve_bytes: int
     ram_cap_bytes: int

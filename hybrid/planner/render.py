@@ -32,7 +32,8 @@ def render(plan: Plan, per_layer: bool = False) -> str:
                          "cache", "used", "cap", "free"], rows, left=4)
         lines.append("(GiB unless marked)")
     lines += ["", f"host     expert store {_g(h.expert_store_bytes)} GiB"
-              + (f" + dense {_g(h.dense_bytes)} GiB + KV {_g(h.kv_bytes)} GiB" if h.dense_bytes else "")
+              + (f" + embedding {_g(h.dense_bytes)} GiB" if plan.cards else
+                 f" + dense {_g(h.dense_bytes)} GiB + KV {_g(h.kv_bytes)} GiB")
               + f" + reserve {_g(h.reserve_bytes)} GiB = {_g(h.used_bytes)} of {_g(h.ram_cap_bytes)} GiB usable; "
               f"{h.hugepages_2m} x 2 MiB hugepages ({h.hugepages_2m_reserved} reserved)", ""]
     lines += [f"predicted decode @ {p.context} tokens context: {p.tok_s:.1f} tok/s "

@@ -31,9 +31,10 @@ after numbers). With capture=False the same pieces run eagerly (CPU tests of the
 
 A step whose segments are all resident (runs_ahead) needs the host only to launch it: hybrid.generate's
 overlapped decode enqueues it with the sampled id still on the device (HybridModel.enqueue). The id is
-then embedded on the device from a copy of the embedding table in the model dtype on the first
-layer's card (made at the first such step: vocab x hidden x 2 bytes, which the planner already counts
-on that card; the host's table, indexed by host ids, serves the other steps).
+then embedded on the first layer's card by fused_embed_rows reading its row from the host's table, pinned and
+mapped for the cards at the first such step (hybrid.runtime.host_embed: the table never takes card memory; the
+planner keeps it on the host). HYBRID_HOST_EMBED=0, or a table that cannot be pinned: a copy of the table in the
+model dtype on that card instead (vocab x hidden x 2 bytes, not in the plan). Host ids index the host table.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ import torch
 from hybrid.kernels import driver
 from hybrid.model.layers import BUCKET, KVCache, attn_keys
 from hybrid.runtime.hybrid_experts import pack_route
+from hybrid.runtime.host_embed import HostEmbedding, host_embed_enabled, owned_copy
 from hybrid.runtime.miss_link import MissLink
 from hybrid.switches import env_flag
 
@@ -185,7 +187,8 @@ class DecodeGraphs(SegmentGraphs):
         self.miss_graph = miss_graph_enabled() if miss_graph is None else miss_graph
         self.links: dict[int, MissLink] = {}         # can-miss layer -> its MissLink (miss_graph)
         self._pos: dict = {}
-        self._embed_table = None             # [V, H] model dtype on the first layer's card (_embed)
+        self._host_embed: HostEmbedding | None = None   # the host table, pinned and mapped (_embed)
+        self._embed_table = None             # or its copy [V, H] in the model dtype on the first layer's card
 
     def usable(self, ids: torch.Tensor, start: int) -> bool:
         return self._usable(int(ids.shape[0]), start)
@@ -258,16 +261,31 @@ class DecodeGraphs(SegmentGraphs):
             return self.links[layer].combine(self.model, layer)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [1] -> [1, H]: the model's own lookup for host ids; ids on a device are looked up in a
-        copy of the table on the first layer's card (no host sync; the same values: the model dtype's
-        rounding of each row, made once)."""
+        """ids [1] -> [1, H]: the model's own lookup for host ids; ids on a device are embedded on the first
+        layer's card with no host sync, from the pinned host table (or its copy on that card: see the module
+        doc), the same values either way (the model dtype's rounding of each row)."""
         m = self.model
         if ids.device == m.embed.device:
             return m.embed_tokens(ids)
         dev = m.layer_devices[0]
-        if self._embed_table is None:
-            self._embed_table = m.embed.to(dev, m.dtype)
+        if self._host_embed is None and self._embed_table is None:
+            self._host_embed = self._pin_embed()
+            if self._host_embed is None:
+                self._embed_table = m.embed.to(dev, m.dtype)
+        if self._host_embed is not None:
+            return self._host_embed.rows(ids.to(dev), m.dtype)
         return self._embed_table[ids.to(dev)]
+
+    def _pin_embed(self) -> HostEmbedding | None:
+        """The model's table registered for the cards (HYBRID_HOST_EMBED, a model dtype the kernel writes). The model
+        then indexes that copy on the host too (the same values), so the file-backed table it replaces is let go."""
+        m = self.model
+        if not host_embed_enabled() or m.dtype not in (torch.float16, torch.float32):
+            return None
+        he = HostEmbedding.pin(owned_copy(m.embed))
+        if he is not None:
+            m.embed = he.table
+        return he
 
     # ---- segments and runners ----------------------------------------------------------------
     def _linked_rule(self):
