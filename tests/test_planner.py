@@ -518,6 +518,22 @@ def test_auto_split_is_the_best_that_fits():
     assert auto.inputs.layer_split == (min(near, key=lambda s: (abs(12 - 2 * s), -fits[s])),)
 
 
+def test_auto_split_compares_the_plans_it_would_make():
+    """A staging reservation the prefill cost model then gives back to the slots (offload off) is not in the
+    candidates' comparison: 30B-A3B in FP8 on two V100s with a long KV, where the split with the most slots with
+    that reservation (23) is not the fastest plan without it (24; the search picked 23, 72.0 vs 77.1 tok/s)."""
+    from hybrid.cli.plan import PREFILL_STAGE_GROUP
+
+    mb = ModelBytes.from_config(ModelConfig.from_dict(Q30), "fp8")
+    prof = load_profile("v100x2-e5v4")
+    req = PlanRequest(gpus=(0, 1), kv_tokens=16384, prefill_stage=PREFILL_STAGE_GROUP, prefill_offload_min=None)
+    auto = make_plan(mb, prof, req)
+    final = {s: make_plan(mb, prof, replace(req, layer_split=(s,))).prediction.tok_s for s in range(20, 29)}
+    assert auto.prefill.offload_min == 0 and auto.cards[0].slots + auto.cards[1].slots < 48 * 128
+    assert auto.prediction.tok_s >= max(final.values()) * (1 - TIE)
+    assert auto.prediction.tok_s == pytest.approx(final[auto.inputs.layer_split[0]])
+
+
 def test_auto_split_near_ties_go_to_the_even_split():
     """Two identical cards calibrated 0.5% apart: the predictions differ by less than TIE, so the
     layers are not piled on the faster one."""

@@ -104,8 +104,9 @@ def make_plan(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, pop: Popu
     offload threshold; req.prefill_chunk None: the chunk too (auto_chunk)."""
     if req.prefill_chunk is None:
         return auto_chunk(mb, prof, req, pop, model, experts_path)
-    if _SEARCHING.get():                      # one of best_plan's candidates: placement only
-        return _placement(mb, prof, req, pop, model, experts_path)
+    if _SEARCHING.get():                      # one of best_plan's candidates, as it would be planned
+        return _with_prefill(_placement(mb, prof, req, pop, model, experts_path), mb, prof, req, pop, model,
+                             experts_path)
     if req.layer_split is None:
         from hybrid.planner.search import best_plan
 
