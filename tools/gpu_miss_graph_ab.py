@@ -239,6 +239,7 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
         if build.L2_ENV in switches:              # read when the QPN module is built: build it again
             build.forget_modules()
         rc.log(f"session {check}: {kw}")
+        torch.cuda.reset_peak_memory_stats()
         s = open_session(path, RuntimeOptions(device="cuda", profile=profile, expert_profile=str(eprof),
                                               **{**kw, **fields}), context=ctx, cpu=cpu)
         try:
@@ -248,6 +249,8 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
                         "plan_split": list(s.plan.inputs.layer_split), **rc.graph_info(s)})
             rec["cuda_calls_per_step"] = cuda_calls(s)
             rec["generate_wall"] = generate_wall(s, tok, prompt=prompt)
+            rec["vram_gib"] = {"allocated": round(torch.cuda.memory_allocated() / 2**30, 3),    # the session's, on GPU 0
+                               "peak": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
             if host_prof:
                 rec["host_profile"] = host_profile(s)
                 rec["generate_profile"] = generate_profile(s, tok)
