@@ -171,6 +171,29 @@ def test_nvfp4_error_within_format_bound():
         assert torch.equal(dequant_nvfp4(packed, scale.view(torch.uint8), s2), dequant_nvfp4(packed, scale, s2))
 
 
+def test_nvfp4_mse_scales_never_worse_per_block():
+    """scales="mse": every block's squared error at most amax's (the amax scale is the first candidate), the total
+    clearly lower, each block's scale one of the candidates, row chunks the same bits, a zero block zero."""
+    from hybrid.checkpoint.formats import E2M1_MAX, E4M3_MAX, SCALE_SEARCH
+
+    w = spread_weights(seed=5)
+    w[3, :GROUP] = 0
+    gs = nvfp4_global_scale(w.abs().max())
+    a, m = quantize_nvfp4(w, gs), quantize_nvfp4(w, gs, scales="mse")
+    block_err = lambda q: (dequant_nvfp4(*q) - w).square().view(w.shape[0], -1, GROUP).sum(-1)  # noqa: E731
+    ea, em = block_err(a), block_err(m)
+    assert bool((em <= ea).all()) and float(em.sum()) < 0.9 * float(ea.sum())
+    assert not torch.equal(a[1].view(torch.uint8), m[1].view(torch.uint8)) and torch.equal(a[2], m[2])
+    base = (w.view(w.shape[0], -1, GROUP).abs().amax(-1) / (E2M1_MAX * gs)).clamp(max=E4M3_MAX)
+    cands = torch.stack([(base * f).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float() for f in SCALE_SEARCH])
+    assert bool((cands == m[1].float()).any(0).all())
+    top = quantize_nvfp4(w[:5], gs, scales="mse")
+    assert torch.equal(top[0], m[0][:5]) and torch.equal(top[1].view(torch.uint8), m[1][:5].view(torch.uint8))
+    assert not m[0][3, :GROUP // 2].any() and float(m[1][3, 0].float()) == 0
+    with pytest.raises(ValueError, match="block scales 'best'"):
+        quantize_nvfp4(w, scales="best")
+
+
 def test_fp8_error_within_format_bound():
     w = spread_weights(seed=7)
     q, scale = quantize_fp8(w)

@@ -42,11 +42,12 @@ def dense_head(v=300, h=64, seed=0):
 
 @pytest.mark.parametrize("to", ["fp8", "nvfp4"])
 def test_chunked_quantization_is_the_whole_tensor_one(to, monkeypatch):
-    """Rows quantized ROWS at a time give the bits of one call over the whole head (its global scale)."""
+    """Rows quantized ROWS at a time give the bits of one call over the whole head (its global scale; NVFP4 with
+    the least-squared-error block scales)."""
     monkeypatch.setattr(head, "ROWS", 128)          # 300 rows: chunks of 128, 128, 44
     w = dense_head()
     q = quantize_head(w, to)
-    whole = (quantize_fp8 if to == "fp8" else quantize_nvfp4)(w.data.float())
+    whole = quantize_fp8(w.data.float()) if to == "fp8" else quantize_nvfp4(w.data.float(), scales="mse")
     assert q.qtype is {"fp8": QType.FP8, "nvfp4": QType.NVFP4}[to] and q.shape == w.shape and q.name == "lm_head"
     assert torch.equal(q.data.view(torch.uint8), whole[0].view(torch.uint8))
     if to == "nvfp4":

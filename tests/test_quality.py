@@ -180,3 +180,22 @@ def test_work_cache_is_keyed_by_the_model(model_dir, tmp_path):
     (copy / "config.json").write_text(json.dumps({**cfg, "rope_theta": 5e5}))
     assert source_fingerprint(copy) != a
     assert CandidateMaker(copy, tmp_path / "w", 64).work != CandidateMaker(model_dir, tmp_path / "w", 64).work
+
+
+def test_nvfp4_mse_candidate_is_its_own_checkpoint(model_dir, tmp_path):
+    """`nvfp4-mse` (and gguf-nvfp4-mse) are hybrid-quantize --nvfp4-scales mse: the nvfp4 layout with other block
+    scales, in a folder of its own, named in the row's weights."""
+    import torch
+
+    from hybrid.baselines.candidates import CandidateMaker
+    from hybrid.checkpoint.reader import Checkpoint
+
+    maker = CandidateMaker(model_dir, tmp_path, 64)
+    a, m = maker.hybrid_checkpoint("nvfp4"), maker.hybrid_checkpoint("nvfp4-mse")
+    assert a != m
+    name = "model.layers.0.self_attn.q_proj.weight_scale"
+    sa, sm = Checkpoint(a).tensor(name), Checkpoint(m).tensor(name)
+    assert sa.shape == sm.shape and not torch.equal(sa.view(torch.uint8), sm.view(torch.uint8))
+    cand = maker.make("nvfp4-mse")
+    assert "--nvfp4-scales mse" in cand.weights and cand.path == m
+    cand.close()

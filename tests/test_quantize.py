@@ -277,6 +277,25 @@ def test_exclude_flag_and_empty_existing_dst(sources, tmp_path):
     assert ck.linear("model.layers.1.self_attn.q_proj", (64, 64)).qtype.value == "nvfp4"
 
 
+def test_nvfp4_scales_flag(sources, tmp_path):
+    """--nvfp4-scales mse: the same layout and global scales, block scales chosen for less error (each linear's
+    weight error lower than with amax, the default)."""
+    from hybrid.checkpoint.reader import Checkpoint
+
+    src = sources["qwen3_moe"]
+    run_ok(src, tmp_path / "amax", "--recipe", "nvfp4")
+    run_ok(src, tmp_path / "mse", "--recipe", "nvfp4", "--nvfp4-scales", "mse")
+    a, m, ref = Checkpoint(tmp_path / "amax"), Checkpoint(tmp_path / "mse"), Checkpoint(src)
+    for name in ("model.layers.1.self_attn.q_proj", "model.layers.0.mlp.experts.3.down_proj"):
+        qa, qm = a.linear(name, ref.tensor(f"{name}.weight").shape), m.linear(name, ref.tensor(f"{name}.weight").shape)
+        assert qa.data.shape == qm.data.shape and torch.equal(qa.scale_2, qm.scale_2)
+        w = ref.tensor(f"{name}.weight").float()
+        assert float((qm.dequantize() - w).norm()) < float((qa.dequantize() - w).norm())
+    with pytest.raises(SystemExit) as exc:                    # argparse: a choice it does not know
+        main([str(src), str(tmp_path / "x"), "--nvfp4-scales", "best"])
+    assert exc.value.code == 2 and not (tmp_path / "x").exists()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fp32_and_fp16_sources(dtype, tmp_path):
     src = write_random_model(tmp_path / "src", "qwen3_moe", seed=5)

@@ -1,6 +1,7 @@
 """Quality-bench candidates: where each one's weights come from and which engine runs them.
 
-- hybrid recipes (bf16, nvfp4, mixed, fp8): `hybrid-quantize` checkpoints run by hybrid's runtime
+- hybrid recipes (bf16, nvfp4, mixed, fp8; nvfp4-mse: `--nvfp4-scales mse`): `hybrid-quantize` checkpoints run by
+  hybrid's runtime
   (`hybrid.runtime.open_session(...).model.forward_logits`), the very path `hybrid-run` uses.
 - gguf-<recipe>: the same hybrid checkpoint re-packed into a GGUF (NVFP4 bit-exact), run by llama.cpp.
 - llama.cpp types (Q8_0, Q4_K_M, IQ4_XS, ...): the BF16 export quantized by llama.cpp's quantizer;
@@ -20,12 +21,14 @@ from hybrid.baselines.quantize import TYPES, quantize_gguf
 from hybrid.errors import HybridError
 from hybrid.model.head import HEAD_TYPES
 
-HYBRID_RECIPES = ("bf16", "nvfp4", "mixed", "fp8")
+HYBRID_RECIPES = ("bf16", "nvfp4", "mixed", "fp8", "nvfp4-mse")
+MSE_SUFFIX = "-mse"        # hybrid-quantize --nvfp4-scales mse
 RECIPE_WEIGHTS = {
     "bf16": "source weights (unquantized)",
     "nvfp4": "hybrid NVFP4: attention + experts + lm_head(if untied) FP4, router/norms/embed BF16",
     "mixed": "hybrid mixed: attention FP8, experts + lm_head NVFP4, router/norms/embed BF16",
     "fp8": "hybrid FP8 per-tensor linears",
+    "nvfp4-mse": "hybrid NVFP4 as nvfp4, each block's scale the least-squared-error one (--nvfp4-scales mse)",
 }
 IMAT_SUFFIX = "-IMAT"
 IMATRIX_CTX, IMATRIX_CHUNKS = 128, 64
@@ -180,7 +183,9 @@ class CandidateMaker:
         if not (dst / "config.json").exists():
             from hybrid.checkpoint.writer import quantize_checkpoint
 
-            quantize_checkpoint(self.src, dst, recipe, progress=False)
+            mse = recipe.endswith(MSE_SUFFIX)
+            quantize_checkpoint(self.src, dst, recipe[: -len(MSE_SUFFIX)] if mse else recipe, progress=False,
+                                nvfp4_scales="mse" if mse else "amax")
         return dst
 
     def imatrix(self) -> dict:

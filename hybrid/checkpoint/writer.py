@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from hybrid.checkpoint import recipes as R
 from hybrid.checkpoint.files import INDEX, SafetensorsFiles
-from hybrid.checkpoint.formats import nvfp4_global_scale, quantize_fp8, quantize_nvfp4
+from hybrid.checkpoint.formats import SCALES, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
 from hybrid.checkpoint.names import Names, shared_scale_groups
 from hybrid.errors import CheckpointError, HybridError
 from hybrid.model.config import ModelConfig
@@ -228,16 +228,17 @@ def plan_units(source: SourceModel, specs: list[R.LinearSpec], plan: dict[str, s
     return units
 
 
-def quantize_nvfp4_rows(w: torch.Tensor, scale_2: float | None = None, rows: int = ROW_CHUNK):
+def quantize_nvfp4_rows(w: torch.Tensor, scale_2: float | None = None, rows: int = ROW_CHUNK, scales: str = "amax"):
     """quantize_nvfp4 over row chunks (same result; bounded fp32 temporaries for e.g. lm_head [V, H])."""
     if scale_2 is None:
         scale_2 = nvfp4_global_scale(float(w.abs().max()))
-    parts = [quantize_nvfp4(w[i:i + rows].float(), scale_2) for i in range(0, w.shape[0], rows)]
+    parts = [quantize_nvfp4(w[i:i + rows].float(), scale_2, scales) for i in range(0, w.shape[0], rows)]
     return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), parts[0][2])
 
 
-def quantize_group(source: SourceModel, linears: tuple[R.LinearSpec, ...], plan, fmt: str):
-    """-> {output tensor name: tensor} for one Linear group (one shared NVFP4 weight_scale_2)."""
+def quantize_group(source: SourceModel, linears: tuple[R.LinearSpec, ...], plan, fmt: str, scales: str = "amax"):
+    """-> {output tensor name: tensor} for one Linear group (one shared NVFP4 weight_scale_2; scales: how NVFP4
+    block scales are chosen, formats.SCALES)."""
     weights = {s.name: source.get(f"{s.name}.weight") for s in linears}   # [N, K] each, source dtype
     scale_2 = None
     if len(linears) > 1:
@@ -246,7 +247,7 @@ def quantize_group(source: SourceModel, linears: tuple[R.LinearSpec, ...], plan,
     for s in linears:
         w, m = weights[s.name], s.name
         if plan[m] == R.NVFP4:
-            packed, scale, s2 = quantize_nvfp4_rows(w, scale_2)
+            packed, scale, s2 = quantize_nvfp4_rows(w, scale_2, scales=scales)
             if fmt == "compressed-tensors":
                 out.update({f"{m}.weight_packed": packed, f"{m}.weight_scale": scale,
                             f"{m}.weight_global_scale": (1.0 / s2.reshape(1)).to(torch.float32)})
@@ -280,8 +281,10 @@ class QuantizeResult:
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: str = "nvfp4", *,
                         shard_mb: float = 4096, fmt: str = "modelopt", exclude=(),
-                        progress: bool | None = None) -> QuantizeResult:
+                        progress: bool | None = None, nvfp4_scales: str = "amax") -> QuantizeResult:
     """Quantize folder `src` into a new folder `dst`. Raises HybridError on bad input (dst untouched).
+
+    nvfp4_scales: how NVFP4 block scales are chosen (formats.SCALES): "amax" as ModelOpt does, or "mse".
 
     progress: tqdm bar on stderr; None = only when stderr is a terminal.
     """
@@ -292,6 +295,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: str = "nvfp4",
         raise HybridError(f"--format {fmt!r}: unknown; expected one of {', '.join(R.FORMATS)}")
     if fmt == "compressed-tensors" and rec.quant_algo != R.NVFP4:
         raise HybridError(f"--format compressed-tensors supports --recipe nvfp4 only, got {recipe!r}")
+    if nvfp4_scales not in SCALES:
+        raise HybridError(f"--nvfp4-scales {nvfp4_scales!r}: expected one of {', '.join(SCALES)}")
     if shard_mb <= 0:
         raise HybridError(f"--shard-size {shard_mb}: expected a positive number of MB")
     if not src.is_dir():
@@ -306,7 +311,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: str = "nvfp4",
 
     tmp = _staging_folder(src, dst)
     try:
-        result = _write(source, units, plan, rec, fmt, exclude, cfg, tmp, int(shard_mb * 2**20), progress)
+        result = _write(source, units, plan, rec, fmt, exclude, cfg, tmp, int(shard_mb * 2**20), progress,
+                        nvfp4_scales)
         if dst.exists():
             dst.rmdir()   # an empty folder the user made beforehand
         os.rename(tmp, dst)
@@ -317,7 +323,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: str = "nvfp4",
     return result
 
 
-def _write(source, units, plan, rec, fmt, exclude, cfg, out: Path, max_bytes: int, progress) -> QuantizeResult:
+def _write(source, units, plan, rec, fmt, exclude, cfg, out: Path, max_bytes: int, progress,
+           scales: str = "amax") -> QuantizeResult:
     from tqdm import tqdm
 
     writer = ShardWriter(out, max_bytes)
@@ -329,7 +336,7 @@ def _write(source, units, plan, rec, fmt, exclude, cfg, out: Path, max_bytes: in
                 writer.add(u.copy, source.get(u.copy))
                 bar.update(source.nbytes(u.copy))
             else:
-                for name, t in quantize_group(source, u.linears, plan, fmt).items():
+                for name, t in quantize_group(source, u.linears, plan, fmt, scales).items():
                     writer.add(name, t)
                 bar.update(sum(source.nbytes(f"{s.name}.weight") for s in u.linears))
             writer.maybe_flush()

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from hybrid.checkpoint.formats import SCALES
 from hybrid.checkpoint.recipes import FORMATS, RECIPES
 from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
 from hybrid.errors import HybridError
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                    help="also keep Linears matching this module name or `*` wildcard unquantized "
                         "(repeatable), e.g. 'model.layers.0.*'")
+    p.add_argument("--nvfp4-scales", choices=SCALES, default="amax",
+                   help="how each 16-value block's scale is chosen: amax (its largest value on E2M1's 6, as ModelOpt "
+                        "does; default) or mse (the least squared error of 8 candidate scales)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_debug_flag(p)
     return p
@@ -57,7 +61,8 @@ def body(args: argparse.Namespace) -> int:
     src = resolve_source(args.src)
     try:
         result = quantize_checkpoint(src, args.dst, args.recipe, shard_mb=args.shard_size, fmt=args.fmt,
-                                     exclude=tuple(args.exclude), progress=False if args.no_progress else None)
+                                     exclude=tuple(args.exclude), progress=False if args.no_progress else None,
+                                     nvfp4_scales=args.nvfp4_scales)
     except OSError as exc:   # disk full, permissions: the environment, not a bug
         raise HybridError(f"{exc.filename or args.dst}: {exc.strerror or exc}") from exc
     print(result.summary())

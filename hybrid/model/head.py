@@ -17,7 +17,8 @@ ROWS = 8192   # rows quantized at a time: the fp32 transient of one chunk, not o
 
 def quantize_head(w: QWeight, to: str, device: torch.device | str | None = None) -> QWeight:
     """A dense head [V, H] -> the same head stored as `to` ("fp8": e4m3 with one per-tensor scale; "nvfp4":
-    E2M1 codes, e4m3 scales per 16 inputs, one global scale), quantized ROWS rows at a time (the same bits as
+    E2M1 codes, e4m3 scales per 16 inputs chosen for the least squared error (formats.SCALES "mse"), one global
+    scale), quantized ROWS rows at a time (the same bits as
     one call over the whole tensor: the per-tensor scale comes from the whole tensor's amax first) on `device`
     (default: where w is; the head's card at load, where a GPU does it in a fraction of the host's time), the
     result there. "keep", or a head already stored quantized: w itself."""
@@ -38,6 +39,6 @@ def quantize_head(w: QWeight, to: str, device: torch.device | str | None = None)
         q = torch.cat([quantize_fp8(rows(i), scale)[0] for i in starts])
         return QWeight(QType.FP8, w.shape, q, torch.tensor(scale, dtype=torch.float32, device=dev), name=w.name)
     gs = nvfp4_global_scale(amax)
-    chunks = [quantize_nvfp4(rows(i), gs) for i in starts]
+    chunks = [quantize_nvfp4(rows(i), gs, scales="mse") for i in starts]
     return QWeight(QType.NVFP4, w.shape, torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]),
                    chunks[0][2].to(dev), name=w.name)
