@@ -18,10 +18,10 @@ ROWS = 8192   # rows quantized at a time: the fp32 transient of one chunk, not o
 def quantize_head(w: QWeight, to: str, device: torch.device | str | None = None) -> QWeight:
     """A dense head [V, H] -> the same head stored as `to` ("fp8": e4m3 with one per-tensor scale; "nvfp4":
     E2M1 codes, e4m3 scales per 16 inputs chosen for the least squared error (formats.SCALES "mse"), one global
-    scale), quantized ROWS rows at a time (the same bits as
-    one call over the whole tensor: the per-tensor scale comes from the whole tensor's amax first) on `device`
-    (default: where w is; the head's card at load, where a GPU does it in a fraction of the host's time), the
-    result there. "keep", or a head already stored quantized: w itself."""
+    scale), quantized ROWS rows at a time (the same bits as one call over the whole tensor: the per-tensor scale
+    comes from the whole tensor's amax first) on `device` (default: where w is; the head's card at load, where a
+    GPU does it in a fraction of the host's time), the result there. "keep", or a head already stored quantized:
+    w itself."""
     if to not in HEAD_TYPES:
         raise ValueError(f"lm_head type {to!r}: expected one of {', '.join(HEAD_TYPES)}")
     if to == "keep" or w.qtype.is_quantized:

@@ -228,7 +228,7 @@ def _card(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, i: int, layer
           cap: int, pop: Popularity | None, warnings: list[str]) -> CardPlan:
     cfg, g = mb.config, req.gpus[i]
     gpu = prof.gpus[g]
-    first, last = i == 0, i == len(req.gpus) - 1
+    last = i == len(req.gpus) - 1
     dense = sum(mb.layer_dense[layers.start:layers.stop])
     if last:                     # the embedding stays on the host (hybrid.runtime.host_embed); a tied head is a copy
         dense += mb.final_norm + mb.head_bytes
