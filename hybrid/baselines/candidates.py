@@ -1,6 +1,6 @@
 """Quality-bench candidates: where each one's weights come from and which engine runs them.
 
-- hybrid recipes (bf16, nvfp4, mixed, fp8; nvfp4-mse: `--nvfp4-scales mse`): `hybrid-quantize` checkpoints run by
+- hybrid recipes (bf16, nvfp4, mixed, fp8; nvfp4-mse / mixed-mse: `--nvfp4-scales mse`): `hybrid-quantize` checkpoints run by
   hybrid's runtime
   (`hybrid.runtime.open_session(...).model.forward_logits`), the very path `hybrid-run` uses.
 - gguf-<recipe>: the same hybrid checkpoint re-packed into a GGUF (NVFP4 bit-exact), run by llama.cpp.
@@ -21,7 +21,7 @@ from hybrid.baselines.quantize import TYPES, quantize_gguf
 from hybrid.errors import HybridError
 from hybrid.model.head import HEAD_TYPES
 
-HYBRID_RECIPES = ("bf16", "nvfp4", "mixed", "fp8", "nvfp4-mse")
+HYBRID_RECIPES = ("bf16", "nvfp4", "mixed", "fp8", "nvfp4-mse", "mixed-mse")
 MSE_SUFFIX = "-mse"        # hybrid-quantize --nvfp4-scales mse
 RECIPE_WEIGHTS = {
     "bf16": "source weights (unquantized)",
@@ -29,6 +29,7 @@ RECIPE_WEIGHTS = {
     "mixed": "hybrid mixed: attention FP8, experts + lm_head NVFP4, router/norms/embed BF16",
     "fp8": "hybrid FP8 per-tensor linears",
     "nvfp4-mse": "hybrid NVFP4 as nvfp4, each block's scale the least-squared-error one (--nvfp4-scales mse)",
+    "mixed-mse": "hybrid mixed as mixed, each NVFP4 block's scale the least-squared-error one (--nvfp4-scales mse)",
 }
 IMAT_SUFFIX = "-IMAT"
 IMATRIX_CTX, IMATRIX_CHUNKS = 128, 64

@@ -27,8 +27,8 @@ REFERENCE = "Q8_0"
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="model folder (BF16 safetensors) or 'tiny' (default)")
     p.add_argument("--against", default=DEFAULT_AGAINST,
-                   help="comma list of candidates: hybrid recipes (bf16, nvfp4, mixed, fp8; nvfp4-mse = hybrid-quantize "
-                        "--nvfp4-scales mse) run by hybrid, "
+                   help="comma list of candidates: hybrid recipes (bf16, nvfp4, mixed, fp8; nvfp4-mse, mixed-mse = "
+                        "hybrid-quantize --nvfp4-scales mse) run by hybrid, "
                         "optionally @slots=N, @split=L or @torch to pick the placement, or @head=fp8 / @head=nvfp4 "
                         "(hybrid-run --lm-head); "
                         "gguf-<recipe> = hybrid's weights exported to GGUF, run by llama.cpp; llama.cpp "
