@@ -142,10 +142,13 @@ def _e2m1_codes(blocks: torch.Tensor, scale_fp8: torch.Tensor, weight_scale_2: f
     return round_to_e2m1(torch.where(scale_f.unsqueeze(-1) > 0, blocks / safe, torch.zeros_like(blocks))), scale_f
 
 
-def _block_error(blocks: torch.Tensor, codes: torch.Tensor, scale_f: torch.Tensor) -> torch.Tensor:
-    """The squared error of the codes' values against blocks, per block [N, G]."""
-    values = torch.from_numpy(E2M1_TABLE).to(blocks.device)[codes.long()] * scale_f.unsqueeze(-1)
-    return (blocks - values).square().sum(dim=-1)
+def _block_error(mags: torch.Tensor, scale_fp8: torch.Tensor, weight_scale_2: float) -> torch.Tensor:
+    """The squared error per block [N, G] of magnitudes [N, G, 16] rounded onto E2M1 at e4m3 block scales [N, G]
+    (round_to_e2m1's rounding; the sign is kept exactly, so magnitudes are enough)."""
+    scale_f = (scale_fp8.to(torch.float32) * weight_scale_2).unsqueeze(-1)
+    a = torch.where(scale_f > 0, mags / torch.where(scale_f > 0, scale_f, 1.0), 0.0).clamp(max=E2M1_MAX)
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return (mags - torch.round(a / step) * step * scale_f).square().sum(dim=-1)
 
 
 def quantize_nvfp4(w: torch.Tensor, weight_scale_2: float | None = None, scales: str = "amax"):
@@ -167,17 +170,16 @@ def quantize_nvfp4(w: torch.Tensor, weight_scale_2: float | None = None, scales:
     blocks = w.view(n, k // GROUP, GROUP)
     base = (blocks.abs().amax(dim=-1) / (E2M1_MAX * weight_scale_2)).clamp(max=E4M3_MAX)
     scale_fp8 = base.to(torch.float8_e4m3fn)
-    codes, scale_f = _e2m1_codes(blocks, scale_fp8, weight_scale_2)
     if scales == "mse":
-        err = _block_error(blocks, codes, scale_f)
+        mags = blocks.abs()
+        err = _block_error(mags, scale_fp8, weight_scale_2)
         for f in SCALE_SEARCH[1:]:
             s = (base * f).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-            c, sf = _e2m1_codes(blocks, s, weight_scale_2)
-            e = _block_error(blocks, c, sf)
+            e = _block_error(mags, s, weight_scale_2)
             take = e < err
             err = torch.where(take, e, err)
             scale_fp8 = torch.where(take, s, scale_fp8)
-            codes = torch.where(take.unsqueeze(-1), c, codes)
+    codes, _ = _e2m1_codes(blocks, scale_fp8, weight_scale_2)
     packed = pack_nibbles(codes.view(n, k))
     return packed, scale_fp8, torch.tensor(weight_scale_2, dtype=torch.float32)
 
