@@ -26,6 +26,7 @@ a numeric or tuple field), e.g. the head's storage (hybrid-run --lm-head):
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import os
 import sys
@@ -239,7 +240,9 @@ def runs(path: Path, deadline: float, tokens: int, profile: str, miss_slots: int
         if build.L2_ENV in switches:              # read when the QPN module is built: build it again
             build.forget_modules()
         rc.log(f"session {check}: {kw}")
-        torch.cuda.reset_peak_memory_stats()
+        gc.collect()                              # the previous session's last references (records, frames)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()   # so vram_gib.peak is this session's
         s = open_session(path, RuntimeOptions(device="cuda", profile=profile, expert_profile=str(eprof),
                                               **{**kw, **fields}), context=ctx, cpu=cpu)
         try:
