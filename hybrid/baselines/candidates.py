@@ -1,8 +1,8 @@
 """Quality-bench candidates: where each one's weights come from and which engine runs them.
 
-- hybrid recipes (bf16, nvfp4, mixed, fp8; nvfp4-mse / mixed-mse: `--nvfp4-scales mse`): `hybrid-quantize` checkpoints run by
-  hybrid's runtime
-  (`hybrid.runtime.open_session(...).model.forward_logits`), the very path `hybrid-run` uses.
+- hybrid recipes (bf16, nvfp4, mixed, fp8; nvfp4-mse / mixed-mse: `--nvfp4-scales mse`, -mse-imat: with `--imatrix`):
+  `hybrid-quantize` checkpoints run by hybrid's runtime (`hybrid.runtime.open_session(...).model.forward_logits`),
+  the very path `hybrid-run` uses.
 - gguf-<recipe>: the same hybrid checkpoint re-packed into a GGUF (NVFP4 bit-exact), run by llama.cpp.
 - llama.cpp types (Q8_0, Q4_K_M, IQ4_XS, ...): the BF16 export quantized by llama.cpp's quantizer;
   `<TYPE>-imat` adds an importance matrix computed by hybrid.baselines.imatrix.
@@ -21,8 +21,9 @@ from hybrid.baselines.quantize import TYPES, quantize_gguf
 from hybrid.errors import HybridError
 from hybrid.model.head import HEAD_TYPES
 
-HYBRID_RECIPES = ("bf16", "nvfp4", "mixed", "fp8", "nvfp4-mse", "mixed-mse")
+HYBRID_RECIPES = ("bf16", "nvfp4", "mixed", "fp8", "nvfp4-mse", "mixed-mse", "nvfp4-mse-imat", "mixed-mse-imat")
 MSE_SUFFIX = "-mse"        # hybrid-quantize --nvfp4-scales mse
+HYBRID_IMAT = "-imat"      # ... --imatrix (CandidateMaker.imatrix: the validation split's statistic)
 RECIPE_WEIGHTS = {
     "bf16": "source weights (unquantized)",
     "nvfp4": "hybrid NVFP4: attention + experts + lm_head(if untied) FP4, router/norms/embed BF16",
@@ -30,6 +31,10 @@ RECIPE_WEIGHTS = {
     "fp8": "hybrid FP8 per-tensor linears",
     "nvfp4-mse": "hybrid NVFP4 as nvfp4, each block's scale the least-squared-error one (--nvfp4-scales mse)",
     "mixed-mse": "hybrid mixed as mixed, each NVFP4 block's scale the least-squared-error one (--nvfp4-scales mse)",
+    "nvfp4-mse-imat": "hybrid NVFP4 as nvfp4-mse, the errors weighed by an importance matrix (--imatrix; 64x128 "
+                      "validation-split tokens)",
+    "mixed-mse-imat": "hybrid mixed as mixed-mse, the errors weighed by an importance matrix (--imatrix; 64x128 "
+                      "validation-split tokens)",
 }
 IMAT_SUFFIX = "-IMAT"
 IMATRIX_CTX, IMATRIX_CHUNKS = 128, 64
@@ -184,9 +189,14 @@ class CandidateMaker:
         if not (dst / "config.json").exists():
             from hybrid.checkpoint.writer import quantize_checkpoint
 
-            mse = recipe.endswith(MSE_SUFFIX)
-            quantize_checkpoint(self.src, dst, recipe[: -len(MSE_SUFFIX)] if mse else recipe, progress=False,
-                                nvfp4_scales="mse" if mse else "amax")
+            from hybrid.baselines.imatrix import module_importance
+            from hybrid.model.config import ModelConfig
+
+            base, imat = (recipe[: -len(HYBRID_IMAT)], True) if recipe.endswith(HYBRID_IMAT) else (recipe, False)
+            base, mse = (base[: -len(MSE_SUFFIX)], True) if base.endswith(MSE_SUFFIX) else (base, False)
+            importance = module_importance(self.imatrix(), ModelConfig.from_folder(self.src)) if imat else None
+            quantize_checkpoint(self.src, dst, base, progress=False, nvfp4_scales="mse" if mse else "amax",
+                                importance=importance)
         return dst
 
     def imatrix(self) -> dict:

@@ -114,6 +114,25 @@ def calibration_chunks(model_dir: str | Path, tokenizer, n_ctx: int, max_chunks:
     return [ids[i:i + n_ctx] for i in range(0, len(ids) - n_ctx + 1, n_ctx)][:max_chunks]
 
 
+def module_importance(imatrix: dict[str, np.ndarray], cfg) -> dict[str, np.ndarray]:
+    """The GGUF-named statistic as {Hugging Face Linear module name: float32 [K]} for hybrid-quantize's NVFP4
+    scale search (--imatrix): attention q/k/v/o and each expert's gate/up/down; tensors it lacks are left out."""
+    from hybrid.checkpoint.names import Names
+
+    names, out = Names(cfg.model_type), {}
+    for L in range(cfg.num_hidden_layers):
+        for attr, gg in ATTN.items():
+            v = imatrix.get(f"blk.{L}.{gg}.weight")
+            if v is not None:
+                out[names.attn(L, f"{attr}_proj")] = np.asarray(v, dtype=np.float32).reshape(-1)
+        for proj in ("gate", "up", "down"):
+            v = imatrix.get(f"blk.{L}.ffn_{proj}_exps.weight")
+            if v is not None:
+                rows = np.asarray(v, dtype=np.float32).reshape(cfg.num_experts, -1)
+                out.update({names.expert(L, e, proj): rows[e] for e in range(cfg.num_experts)})
+    return out
+
+
 def save(path: Path, imatrix: dict[str, np.ndarray]) -> None:
     np.savez(path, **{k.replace(".", "__"): v for k, v in imatrix.items()})
 

@@ -142,26 +142,35 @@ def _e2m1_codes(blocks: torch.Tensor, scale_fp8: torch.Tensor, weight_scale_2: f
     return round_to_e2m1(torch.where(scale_f.unsqueeze(-1) > 0, blocks / safe, torch.zeros_like(blocks))), scale_f
 
 
-def _block_error(mags: torch.Tensor, scale_fp8: torch.Tensor, weight_scale_2: float) -> torch.Tensor:
+def _block_error(mags: torch.Tensor, scale_fp8: torch.Tensor, weight_scale_2: float,
+                 importance: torch.Tensor | None = None) -> torch.Tensor:
     """The squared error per block [N, G] of magnitudes [N, G, 16] rounded onto E2M1 at e4m3 block scales [N, G]
-    (round_to_e2m1's rounding; the sign is kept exactly, so magnitudes are enough)."""
+    (round_to_e2m1's rounding; the sign is kept exactly, so magnitudes are enough), each input column's error
+    weighted by importance [G, 16] when given."""
     scale_f = (scale_fp8.to(torch.float32) * weight_scale_2).unsqueeze(-1)
     a = torch.where(scale_f > 0, mags / torch.where(scale_f > 0, scale_f, 1.0), 0.0).clamp(max=E2M1_MAX)
     step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    return (mags - torch.round(a / step) * step * scale_f).square().sum(dim=-1)
+    err = (mags - torch.round(a / step) * step * scale_f).square()
+    return (err if importance is None else err * importance).sum(dim=-1)
 
 
-def quantize_nvfp4(w: torch.Tensor, weight_scale_2: float | None = None, scales: str = "amax"):
+def quantize_nvfp4(w: torch.Tensor, weight_scale_2: float | None = None, scales: str = "amax",
+                   importance: torch.Tensor | None = None):
     """float [N, K] -> (weight u8 [N, K/2], weight_scale e4m3fn [N, K/16], weight_scale_2 f32 []).
 
     Pass weight_scale_2 to share a global scale between linears that share an input; scales: how each block's
-    scale is chosen (SCALES). Each row's result depends on that row alone (row chunks give the same bits).
+    scale is chosen (SCALES); importance [K] (>= 0: the mean squared input of each column, llama.cpp's imatrix
+    statistic): "mse" then weighs each column's squared error by it. Each row's result depends on that row alone
+    (row chunks give the same bits).
     """
     if w.dim() != 2 or w.shape[1] % GROUP:
         raise ValueError(f"NVFP4 needs a 2-D weight with in-features divisible by {GROUP}, "
                          f"got shape {tuple(w.shape)}")
     if scales not in SCALES:
         raise ValueError(f"NVFP4 block scales {scales!r}: expected one of {', '.join(SCALES)}")
+    if importance is not None and (scales != "mse" or tuple(importance.shape) != (w.shape[1],)):
+        raise ValueError(f"NVFP4 importance: expected [{w.shape[1]}] with scales='mse', got "
+                         f"{list(importance.shape)} with {scales!r}")
     w = w.detach().to(torch.float32)
     n, k = w.shape
     if weight_scale_2 is None:
@@ -172,10 +181,11 @@ def quantize_nvfp4(w: torch.Tensor, weight_scale_2: float | None = None, scales:
     scale_fp8 = base.to(torch.float8_e4m3fn)
     if scales == "mse":
         mags = blocks.abs()
-        err = _block_error(mags, scale_fp8, weight_scale_2)
+        imp = None if importance is None else importance.to(w.device, torch.float32).view(k // GROUP, GROUP)
+        err = _block_error(mags, scale_fp8, weight_scale_2, imp)
         for f in SCALE_SEARCH[1:]:
             s = (base * f).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-            e = _block_error(mags, s, weight_scale_2)
+            e = _block_error(mags, s, weight_scale_2, imp)
             take = e < err
             err = torch.where(take, e, err)
             scale_fp8 = torch.where(take, s, scale_fp8)

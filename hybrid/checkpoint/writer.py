@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -228,17 +229,19 @@ def plan_units(source: SourceModel, specs: list[R.LinearSpec], plan: dict[str, s
     return units
 
 
-def quantize_nvfp4_rows(w: torch.Tensor, scale_2: float | None = None, rows: int = ROW_CHUNK, scales: str = "amax"):
+def quantize_nvfp4_rows(w: torch.Tensor, scale_2: float | None = None, rows: int = ROW_CHUNK, scales: str = "amax",
+                        importance: torch.Tensor | None = None):
     """quantize_nvfp4 over row chunks (same result; bounded fp32 temporaries for e.g. lm_head [V, H])."""
     if scale_2 is None:
         scale_2 = nvfp4_global_scale(float(w.abs().max()))
-    parts = [quantize_nvfp4(w[i:i + rows].float(), scale_2, scales) for i in range(0, w.shape[0], rows)]
+    parts = [quantize_nvfp4(w[i:i + rows].float(), scale_2, scales, importance) for i in range(0, w.shape[0], rows)]
     return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), parts[0][2])
 
 
-def quantize_group(source: SourceModel, linears: tuple[R.LinearSpec, ...], plan, fmt: str, scales: str = "amax"):
+def quantize_group(source: SourceModel, linears: tuple[R.LinearSpec, ...], plan, fmt: str, scales: str = "amax",
+                   importance: dict | None = None):
     """-> {output tensor name: tensor} for one Linear group (one shared NVFP4 weight_scale_2; scales: how NVFP4
-    block scales are chosen, formats.SCALES)."""
+    block scales are chosen, formats.SCALES; importance: module -> [K] column weights of their search)."""
     weights = {s.name: source.get(f"{s.name}.weight") for s in linears}   # [N, K] each, source dtype
     scale_2 = None
     if len(linears) > 1:
@@ -247,7 +250,9 @@ def quantize_group(source: SourceModel, linears: tuple[R.LinearSpec, ...], plan,
     for s in linears:
         w, m = weights[s.name], s.name
         if plan[m] == R.NVFP4:
-            packed, scale, s2 = quantize_nvfp4_rows(w, scale_2, scales=scales)
+            imp = (importance or {}).get(m)
+            packed, scale, s2 = quantize_nvfp4_rows(w, scale_2, scales=scales,
+                                                    importance=None if imp is None else torch.as_tensor(imp))
             if fmt == "compressed-tensors":
                 out.update({f"{m}.weight_packed": packed, f"{m}.weight_scale": scale,
                             f"{m}.weight_global_scale": (1.0 / s2.reshape(1)).to(torch.float32)})
@@ -281,10 +286,12 @@ class QuantizeResult:
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: str = "nvfp4", *,
                         shard_mb: float = 4096, fmt: str = "modelopt", exclude=(),
-                        progress: bool | None = None, nvfp4_scales: str = "amax") -> QuantizeResult:
+                        progress: bool | None = None, nvfp4_scales: str = "amax",
+                        importance: dict | None = None) -> QuantizeResult:
     """Quantize folder `src` into a new folder `dst`. Raises HybridError on bad input (dst untouched).
 
-    nvfp4_scales: how NVFP4 block scales are chosen (formats.SCALES): "amax" as ModelOpt does, or "mse".
+    nvfp4_scales: how NVFP4 block scales are chosen (formats.SCALES): "amax" as ModelOpt does, or "mse";
+    importance: {module name: float [K]} (hybrid.baselines.imatrix.module_importance) weighing "mse"'s errors.
 
     progress: tqdm bar on stderr; None = only when stderr is a terminal.
     """
@@ -307,12 +314,13 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: str = "nvfp4",
     specs = R.linear_specs(cfg)
     validate_source(cfg, source, specs)
     plan = rec.assign(specs, exclude)
+    check_importance(importance, specs, nvfp4_scales)
     units = plan_units(source, specs, plan, cfg)
 
     tmp = _staging_folder(src, dst)
     try:
         result = _write(source, units, plan, rec, fmt, exclude, cfg, tmp, int(shard_mb * 2**20), progress,
-                        nvfp4_scales)
+                        nvfp4_scales, importance)
         if dst.exists():
             dst.rmdir()   # an empty folder the user made beforehand
         os.rename(tmp, dst)
@@ -323,8 +331,23 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: str = "nvfp4",
     return result
 
 
+def check_importance(importance: dict | None, specs: list[R.LinearSpec], scales: str) -> None:
+    """--imatrix: only with --nvfp4-scales mse, every entry a Linear of the model with one weight per input column."""
+    if not importance:
+        return
+    if scales != "mse":
+        raise HybridError("--imatrix weighs the NVFP4 scale search: it needs --nvfp4-scales mse")
+    shapes = {s.name: s.shape for s in specs}
+    for name, imp in importance.items():
+        if name not in shapes:
+            raise HybridError(f"--imatrix: {name} is not a Linear of this model")
+        if tuple(np.shape(imp)) != (shapes[name][1],):
+            raise HybridError(f"--imatrix: {name} has {list(np.shape(imp))} importances, expected "
+                              f"[{shapes[name][1]}] (its in-features)")
+
+
 def _write(source, units, plan, rec, fmt, exclude, cfg, out: Path, max_bytes: int, progress,
-           scales: str = "amax") -> QuantizeResult:
+           scales: str = "amax", importance: dict | None = None) -> QuantizeResult:
     from tqdm import tqdm
 
     writer = ShardWriter(out, max_bytes)
@@ -336,7 +359,7 @@ def _write(source, units, plan, rec, fmt, exclude, cfg, out: Path, max_bytes: in
                 writer.add(u.copy, source.get(u.copy))
                 bar.update(source.nbytes(u.copy))
             else:
-                for name, t in quantize_group(source, u.linears, plan, fmt, scales).items():
+                for name, t in quantize_group(source, u.linears, plan, fmt, scales, importance).items():
                     writer.add(name, t)
                 bar.update(sum(source.nbytes(f"{s.name}.weight") for s in u.linears))
             writer.maybe_flush()

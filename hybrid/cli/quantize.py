@@ -38,9 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                    help="also keep Linears matching this module name or `*` wildcard unquantized "
                         "(repeatable), e.g. 'model.layers.0.*'")
-    p.add_argument("--nvfp4-scales", choices=SCALES, default="amax",
+    p.add_argument("--nvfp4-scales", choices=SCALES, default=None,
                    help="how each 16-value block's scale is chosen: amax (its largest value on E2M1's 6, as ModelOpt "
-                        "does; default) or mse (the least squared error of 8 candidate scales)")
+                        "does; the default) or mse (the least squared error of 8 candidate scales; the default with "
+                        "--imatrix)")
+    p.add_argument("--imatrix", default=None, metavar="FILE.npz",
+                   help="importance matrix from `hybrid-gguf imatrix`: mse weighs each input column's error by its "
+                        "mean squared activation (attention and expert linears)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_debug_flag(p)
     return p
@@ -55,14 +59,37 @@ def resolve_source(name_or_path: str) -> Path:
     return Path(resolve_model_path(name_or_path))
 
 
+def load_importance(path: str, src: Path) -> dict:
+    """--imatrix FILE.npz -> {module: [K]} for the model at src (one-line errors for a missing, unreadable or
+    mismatched file)."""
+    import zipfile
+
+    from hybrid.baselines import imatrix as im
+    from hybrid.model.config import ModelConfig
+
+    if not Path(path).is_file():
+        raise HybridError(f"--imatrix {path}: file not found")
+    try:
+        imatrix = im.load(Path(path))
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise HybridError(f"--imatrix {path}: not an importance matrix from `hybrid-gguf imatrix` ({exc})") from None
+    cfg = ModelConfig.from_folder(src)
+    try:
+        return im.module_importance(imatrix, cfg)
+    except ValueError as exc:
+        raise HybridError(f"--imatrix {path}: does not fit {src.name} ({cfg.num_experts} experts): {exc}") from None
+
+
 def body(args: argparse.Namespace) -> int:
     from hybrid.checkpoint.writer import quantize_checkpoint
 
     src = resolve_source(args.src)
+    scales = args.nvfp4_scales or ("mse" if args.imatrix else "amax")
+    importance = load_importance(args.imatrix, src) if args.imatrix else None
     try:
         result = quantize_checkpoint(src, args.dst, args.recipe, shard_mb=args.shard_size, fmt=args.fmt,
                                      exclude=tuple(args.exclude), progress=False if args.no_progress else None,
-                                     nvfp4_scales=args.nvfp4_scales)
+                                     nvfp4_scales=scales, importance=importance)
     except OSError as exc:   # disk full, permissions: the environment, not a bug
         raise HybridError(f"{exc.filename or args.dst}: {exc.strerror or exc}") from exc
     print(result.summary())
