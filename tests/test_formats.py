@@ -194,6 +194,24 @@ def test_nvfp4_mse_scales_never_worse_per_block():
         quantize_nvfp4(w, scales="best")
 
 
+def test_nvfp4_importance_weighs_the_search():
+    """importance [K]: the weighted error of the chosen scales at most the unweighted choice's, per block; uniform
+    importance the unweighted choice itself; a wrong shape, or importance without "mse", a one-line ValueError."""
+    w = spread_weights(seed=9)
+    k = w.shape[1]
+    gs = nvfp4_global_scale(w.abs().max())
+    imp = torch.rand(k, generator=torch.Generator().manual_seed(3)) ** 4 * 10
+    plain, weighted = quantize_nvfp4(w, gs, "mse"), quantize_nvfp4(w, gs, "mse", importance=imp)
+    werr = lambda q: ((dequant_nvfp4(*q) - w).square() * imp).view(w.shape[0], -1, GROUP).sum(-1)  # noqa: E731
+    assert bool((werr(weighted) <= werr(plain) + 1e-12).all()) and float(werr(weighted).sum()) < float(werr(plain).sum())
+    same = quantize_nvfp4(w, gs, "mse", importance=torch.full((k,), 3.0))
+    assert torch.equal(same[0], plain[0]) and torch.equal(same[1].view(torch.uint8), plain[1].view(torch.uint8))
+    with pytest.raises(ValueError, match=r"importance: expected \[%d\] with scales='mse'" % k):
+        quantize_nvfp4(w, gs, "mse", importance=imp[:-16])
+    with pytest.raises(ValueError, match="with 'amax'"):
+        quantize_nvfp4(w, gs, importance=imp)
+
+
 def test_fp8_error_within_format_bound():
     w = spread_weights(seed=7)
     q, scale = quantize_fp8(w)

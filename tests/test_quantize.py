@@ -296,6 +296,42 @@ def test_nvfp4_scales_flag(sources, tmp_path):
     assert exc.value.code == 2 and not (tmp_path / "x").exists()
 
 
+def test_imatrix_flag(capsys, sources, tmp_path):
+    """--imatrix (hybrid-gguf imatrix's file): implies mse, changes the chosen scales of the linears it covers and
+    only theirs; a missing / corrupt / mismatched file or --nvfp4-scales amax with it: one line, nothing written."""
+    import numpy as np
+
+    from hybrid.baselines import imatrix as im
+    from hybrid.checkpoint.reader import Checkpoint
+    from hybrid.model.config import ModelConfig
+
+    src = sources["qwen3_moe"]
+    cfg = ModelConfig.from_folder(src)
+    rng = np.random.default_rng(0)
+    mat = {"blk.0.attn_q.weight": rng.random(cfg.hidden_size, dtype=np.float32) ** 6 * 100,
+           "blk.1.ffn_down_exps.weight": rng.random(cfg.num_experts * cfg.moe_intermediate_size,
+                                                     dtype=np.float32) ** 6 * 100}
+    f = tmp_path / "imat.npz"
+    im.save(f, mat)
+    run_ok(src, tmp_path / "mse", "--recipe", "nvfp4", "--nvfp4-scales", "mse")
+    run_ok(src, tmp_path / "imat", "--recipe", "nvfp4", "--imatrix", f)
+    m, i = Checkpoint(tmp_path / "mse"), Checkpoint(tmp_path / "imat")
+    scale = lambda ck, name: ck.tensor(f"{name}.weight_scale").view(torch.uint8)  # noqa: E731
+    assert not torch.equal(scale(m, "model.layers.0.self_attn.q_proj"), scale(i, "model.layers.0.self_attn.q_proj"))
+    assert not torch.equal(scale(m, "model.layers.1.mlp.experts.0.down_proj"),
+                           scale(i, "model.layers.1.mlp.experts.0.down_proj"))
+    assert torch.equal(scale(m, "model.layers.0.self_attn.k_proj"), scale(i, "model.layers.0.self_attn.k_proj"))
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip")
+    short = tmp_path / "short.npz"
+    im.save(short, {"blk.0.attn_q.weight": np.ones(8, dtype=np.float32)})
+    for extra, match in ((["--imatrix", tmp_path / "none.npz"], r"--imatrix .*none.npz: file not found"),
+                         (["--imatrix", bad], r"--imatrix .*bad.npz: not an importance matrix"),
+                         (["--imatrix", short], r"--imatrix: model.layers.0.self_attn.q_proj has \[8\] importances"),
+                         (["--imatrix", f, "--nvfp4-scales", "amax"], r"--imatrix .* needs --nvfp4-scales mse")):
+        expect_error(capsys, src, tmp_path / "x", *map(str, extra), match=match)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fp32_and_fp16_sources(dtype, tmp_path):
     src = write_random_model(tmp_path / "src", "qwen3_moe", seed=5)
