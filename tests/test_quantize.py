@@ -332,6 +332,25 @@ def test_imatrix_flag(capsys, sources, tmp_path):
         expect_error(capsys, src, tmp_path / "x", *map(str, extra), match=match)
 
 
+def test_device_flag(capsys, sources, tmp_path):
+    """--device: cpu the default's bytes; a device that does not exist here (or a bad name) one line, nothing written.
+    On a GPU (skipped elsewhere): --device cuda gives amax's bytes exactly."""
+    src = sources["qwen3_moe"]
+    run_ok(src, tmp_path / "a", "--recipe", "mixed")
+    run_ok(src, tmp_path / "b", "--recipe", "mixed", "--device", "cpu")
+    files = sorted(f.name for f in (tmp_path / "a").iterdir())
+    assert files == sorted(f.name for f in (tmp_path / "b").iterdir())
+    assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
+    expect_error(capsys, src, tmp_path / "x", "--device", "tpu", match=r"--device tpu: expected cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        expect_error(capsys, src, tmp_path / "x", "--device", "cuda", match=r"--device cuda: no CUDA GPU is visible")
+    else:
+        expect_error(capsys, src, tmp_path / "x", "--device", "cuda:99", match=r"--device cuda:99: GPU 99 does not")
+        run_ok(src, tmp_path / "c", "--recipe", "mixed", "--device", "cuda")
+        assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "c" / f).read_bytes() for f in files
+                   if f.endswith(".safetensors"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fp32_and_fp16_sources(dtype, tmp_path):
     src = write_random_model(tmp_path / "src", "qwen3_moe", seed=5)

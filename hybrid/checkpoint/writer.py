@@ -239,10 +239,11 @@ def quantize_nvfp4_rows(w: torch.Tensor, scale_2: float | None = None, rows: int
 
 
 def quantize_group(source: SourceModel, linears: tuple[R.LinearSpec, ...], plan, fmt: str, scales: str = "amax",
-                   importance: dict | None = None):
-    """-> {output tensor name: tensor} for one Linear group (one shared NVFP4 weight_scale_2; scales: how NVFP4
-    block scales are chosen, formats.SCALES; importance: module -> [K] column weights of their search)."""
-    weights = {s.name: source.get(f"{s.name}.weight") for s in linears}   # [N, K] each, source dtype
+                   importance: dict | None = None, device: str = "cpu"):
+    """-> {output tensor name: tensor on the CPU} for one Linear group (one shared NVFP4 weight_scale_2; scales: how
+    NVFP4 block scales are chosen, formats.SCALES; importance: module -> [K] column weights of their search),
+    quantized on `device`."""
+    weights = {s.name: source.get(f"{s.name}.weight").to(device) for s in linears}   # [N, K] each, source dtype
     scale_2 = None
     if len(linears) > 1:
         scale_2 = nvfp4_global_scale(max(float(w.abs().max()) for w in weights.values()))
@@ -253,6 +254,7 @@ def quantize_group(source: SourceModel, linears: tuple[R.LinearSpec, ...], plan,
             imp = (importance or {}).get(m)
             packed, scale, s2 = quantize_nvfp4_rows(w, scale_2, scales=scales,
                                                     importance=None if imp is None else torch.as_tensor(imp))
+            packed, scale, s2 = packed.cpu(), scale.cpu(), s2.cpu()
             if fmt == "compressed-tensors":
                 out.update({f"{m}.weight_packed": packed, f"{m}.weight_scale": scale,
                             f"{m}.weight_global_scale": (1.0 / s2.reshape(1)).to(torch.float32)})
@@ -261,6 +263,7 @@ def quantize_group(source: SourceModel, linears: tuple[R.LinearSpec, ...], plan,
                             f"{m}.input_scale": torch.tensor(INPUT_SCALE, dtype=torch.float32)})
         else:
             q, scale = quantize_fp8(w.float())
+            q, scale = q.cpu(), scale.cpu()
             out.update({f"{m}.weight": q, f"{m}.weight_scale": scale,
                         f"{m}.input_scale": torch.tensor(INPUT_SCALE, dtype=torch.float32)})
     return out
@@ -287,11 +290,13 @@ class QuantizeResult:
 def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: str = "nvfp4", *,
                         shard_mb: float = 4096, fmt: str = "modelopt", exclude=(),
                         progress: bool | None = None, nvfp4_scales: str = "amax",
-                        importance: dict | None = None) -> QuantizeResult:
+                        importance: dict | None = None, device: str = "cpu") -> QuantizeResult:
     """Quantize folder `src` into a new folder `dst`. Raises HybridError on bad input (dst untouched).
 
     nvfp4_scales: how NVFP4 block scales are chosen (formats.SCALES): "amax" as ModelOpt does, or "mse";
-    importance: {module name: float [K]} (hybrid.baselines.imatrix.module_importance) weighing "mse"'s errors.
+    importance: {module name: float [K]} (hybrid.baselines.imatrix.module_importance) weighing "mse"'s errors;
+    device: where the quantization runs ("cuda": a GPU, for "mse"'s 8 candidate scales; the output is the same up
+    to the order of floating-point sums).
 
     progress: tqdm bar on stderr; None = only when stderr is a terminal.
     """
@@ -302,6 +307,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: str = "nvfp4",
         raise HybridError(f"--format {fmt!r}: unknown; expected one of {', '.join(R.FORMATS)}")
     if fmt == "compressed-tensors" and rec.quant_algo != R.NVFP4:
         raise HybridError(f"--format compressed-tensors supports --recipe nvfp4 only, got {recipe!r}")
+    device = check_device(device)
     if nvfp4_scales not in SCALES:
         raise HybridError(f"--nvfp4-scales {nvfp4_scales!r}: expected one of {', '.join(SCALES)}")
     if shard_mb <= 0:
@@ -320,7 +326,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: str = "nvfp4",
     tmp = _staging_folder(src, dst)
     try:
         result = _write(source, units, plan, rec, fmt, exclude, cfg, tmp, int(shard_mb * 2**20), progress,
-                        nvfp4_scales, importance)
+                        nvfp4_scales, importance, device)
         if dst.exists():
             dst.rmdir()   # an empty folder the user made beforehand
         os.rename(tmp, dst)
@@ -329,6 +335,23 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: str = "nvfp4",
         raise
     result.dst, result.recipe, result.seconds = dst, rec.name, time.perf_counter() - t0
     return result
+
+
+def check_device(device: str) -> str:
+    """--device cpu|cuda|cuda:N -> the torch device string; one line where it does not exist here."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise HybridError(f"--device {device}: expected cpu, cuda or cuda:N") from None
+    if d.type == "cuda":
+        n = torch.cuda.device_count()
+        if n == 0:
+            raise HybridError(f"--device {device}: no CUDA GPU is visible to torch; use --device cpu")
+        if (d.index or 0) >= n:
+            raise HybridError(f"--device {device}: GPU {d.index} does not exist ({n} visible: 0..{n - 1})")
+    elif d.type != "cpu":
+        raise HybridError(f"--device {device}: expected cpu, cuda or cuda:N")
+    return str(d)
 
 
 def check_importance(importance: dict | None, specs: list[R.LinearSpec], scales: str) -> None:
@@ -347,7 +370,7 @@ def check_importance(importance: dict | None, specs: list[R.LinearSpec], scales:
 
 
 def _write(source, units, plan, rec, fmt, exclude, cfg, out: Path, max_bytes: int, progress,
-           scales: str = "amax", importance: dict | None = None) -> QuantizeResult:
+           scales: str = "amax", importance: dict | None = None, device: str = "cpu") -> QuantizeResult:
     from tqdm import tqdm
 
     writer = ShardWriter(out, max_bytes)
@@ -359,7 +382,7 @@ def _write(source, units, plan, rec, fmt, exclude, cfg, out: Path, max_bytes: in
                 writer.add(u.copy, source.get(u.copy))
                 bar.update(source.nbytes(u.copy))
             else:
-                for name, t in quantize_group(source, u.linears, plan, fmt, scales, importance).items():
+                for name, t in quantize_group(source, u.linears, plan, fmt, scales, importance, device).items():
                     writer.add(name, t)
                 bar.update(sum(source.nbytes(f"{s.name}.weight") for s in u.linears))
             writer.maybe_flush()
