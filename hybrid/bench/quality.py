@@ -19,8 +19,8 @@ from hybrid.errors import HybridError
 from hybrid.metrics.kl import BaseLogProbs, KLAccumulator, chunk_tokens, score_rows, scored_rows
 
 HELP = "same-top-token %, KL divergence and perplexity vs the Q8_0 GGUF, llama.cpp-style"
-DEFAULT_AGAINST = ("bf16,nvfp4,nvfp4-mse,nvfp4@head=fp8,nvfp4@head=nvfp4,mixed,gguf-nvfp4,gguf-mixed,Q4_K_M,IQ4_XS,IQ3_S,"
-                   "MXFP4_MOE,Q4_K_M-imat,IQ4_XS-imat,IQ3_S-imat")
+DEFAULT_AGAINST = ("bf16,nvfp4,nvfp4-mse,nvfp4@head=fp8,nvfp4@head=nvfp4,mixed,mixed-mse,gguf-nvfp4,gguf-mixed,"
+                   "Q4_K_M,IQ4_XS,IQ3_S,MXFP4_MOE,Q4_K_M-imat,IQ4_XS-imat,IQ3_S-imat")
 REFERENCE = "Q8_0"
 
 
