@@ -509,3 +509,25 @@ def test_row_chunked_nvfp4_equals_whole_tensor():
     whole, chunked = quantize_nvfp4(w.float()), quantize_nvfp4_rows(w, rows=96)
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[2], chunked[2])
     assert torch.equal(whole[1].view(torch.uint8), chunked[1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_module_importance_names(model_type, tmp_path):
+    """imatrix.module_importance: the GGUF-named rows under each architecture's Linear names (mixtral's w1/w3/w2),
+    expert e's row of the stacked tensor to expert e; a statistic with another expert count a ValueError."""
+    import numpy as np
+
+    from hybrid.baselines.imatrix import module_importance
+    from hybrid.checkpoint.names import Names
+    from hybrid.model.config import ModelConfig
+
+    cfg = ModelConfig.from_folder(write_random_model(tmp_path / "m", model_type))
+    names, e, k = Names(model_type), cfg.num_experts, cfg.moe_intermediate_size
+    down = np.arange(e * k, dtype=np.float32)
+    mat = {"blk.1.attn_output.weight": np.full(cfg.num_attention_heads * cfg.head_dim, 2.0, dtype=np.float32),
+           "blk.0.ffn_down_exps.weight": down}
+    out = module_importance(mat, cfg)
+    assert set(out) == {names.attn(1, "o_proj")} | {names.expert(0, i, "down") for i in range(e)}
+    assert np.array_equal(out[names.expert(0, 2, "down")], down[2 * k:3 * k])
+    with pytest.raises(ValueError):
+        module_importance({"blk.0.ffn_down_exps.weight": np.ones(e * k + 1, dtype=np.float32)}, cfg)
