@@ -109,14 +109,20 @@ def dequant_fp8(weight: torch.Tensor, weight_scale: torch.Tensor | float) -> tor
     return fp8_to_float(weight) * float(weight_scale)
 
 
+def _e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
+    """Magnitudes (>= 0) rounded onto E2M1's grid as floats, half to even, saturating at 6: step 0.5 below 2, 1
+    below 4, 2 up to 6 (torch.round is half-to-even)."""
+    a = a.clamp(max=E2M1_MAX)
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.round(a / step) * step
+
+
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """float32 -> E2M1 codes (uint8), round half to even, saturating at +-6.
 
     The grid has step 0.5 below 2, 1 below 4 and 2 up to 6; torch.round is half-to-even.
     """
-    a = x.abs().clamp(max=E2M1_MAX)
-    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    v = torch.round(a / step) * step
+    v = _e2m1_magnitude(x.abs())
     code = torch.where(v <= 2, v * 2, torch.where(v == 3, 5.0, torch.where(v == 4, 6.0, 7.0))).to(torch.uint8)
     return code | ((torch.signbit(x) & (code > 0)).to(torch.uint8) << 3)
 
@@ -135,22 +141,21 @@ SCALES = ("amax", "mse")
 SCALE_SEARCH = (1.0, 0.75, 0.8, 0.85, 0.9, 0.95, 1.05, 1.1)
 
 
-def _e2m1_codes(blocks: torch.Tensor, scale_fp8: torch.Tensor, weight_scale_2: float):
-    """blocks [N, G, 16] f32 at e4m3 block scales [N, G] -> (E2M1 codes u8 [N, G, 16], the scales as f32 [N, G])."""
+def _e2m1_codes(blocks: torch.Tensor, scale_fp8: torch.Tensor, weight_scale_2: float) -> torch.Tensor:
+    """blocks [N, G, 16] f32 at e4m3 block scales [N, G] -> E2M1 codes u8 [N, G, 16]."""
     scale_f = scale_fp8.to(torch.float32) * weight_scale_2
     safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f)).unsqueeze(-1)
-    return round_to_e2m1(torch.where(scale_f.unsqueeze(-1) > 0, blocks / safe, torch.zeros_like(blocks))), scale_f
+    return round_to_e2m1(torch.where(scale_f.unsqueeze(-1) > 0, blocks / safe, torch.zeros_like(blocks)))
 
 
 def _block_error(mags: torch.Tensor, scale_fp8: torch.Tensor, weight_scale_2: float,
                  importance: torch.Tensor | None = None) -> torch.Tensor:
     """The squared error per block [N, G] of magnitudes [N, G, 16] rounded onto E2M1 at e4m3 block scales [N, G]
-    (round_to_e2m1's rounding; the sign is kept exactly, so magnitudes are enough), each input column's error
-    weighted by importance [G, 16] when given."""
+    (_e2m1_magnitude: round_to_e2m1's rounding; the sign is kept exactly, so magnitudes are enough), each input
+    column's error weighted by importance [G, 16] when given."""
     scale_f = (scale_fp8.to(torch.float32) * weight_scale_2).unsqueeze(-1)
-    a = torch.where(scale_f > 0, mags / torch.where(scale_f > 0, scale_f, 1.0), 0.0).clamp(max=E2M1_MAX)
-    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    err = (mags - torch.round(a / step) * step * scale_f).square()
+    a = torch.where(scale_f > 0, mags / torch.where(scale_f > 0, scale_f, 1.0), 0.0)
+    err = (mags - _e2m1_magnitude(a) * scale_f).square()
     return (err if importance is None else err * importance).sum(dim=-1)
 
 
@@ -189,7 +194,7 @@ def quantize_nvfp4(w: torch.Tensor, weight_scale_2: float | None = None, scales:
             take = e < err
             err = torch.where(take, e, err)
             scale_fp8 = torch.where(take, s, scale_fp8)
-    codes, _ = _e2m1_codes(blocks, scale_fp8, weight_scale_2)
+    codes = _e2m1_codes(blocks, scale_fp8, weight_scale_2)
     packed = pack_nibbles(codes.view(n, k))
     return packed, scale_fp8, torch.tensor(weight_scale_2, dtype=torch.float32)
 
