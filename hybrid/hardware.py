@@ -169,6 +169,23 @@ def detect_gpus(notes: list[str] | None = None) -> tuple[GPUInfo, ...]:
         return () if nv is None else tuple(_gpu(nv, i) for i in range(nv.nvmlDeviceGetCount()))
 
 
+def require_gpus(device_flag: str, indices=(), gpus_flag: str | None = None) -> int:
+    """The CUDA GPUs torch sees (a count); one-line HybridError where there is none ("<device_flag>: no CUDA GPU is
+    visible to torch; use --device cpu") or an index of `indices` is past them ("<gpus_flag or device_flag>: GPU i
+    does not exist (n visible: 0..n-1)")."""
+    import torch
+
+    from hybrid.errors import HybridError
+
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise HybridError(f"{device_flag}: no CUDA GPU is visible to torch; use --device cpu")
+    bad = [g for g in indices if g >= n]
+    if bad:
+        raise HybridError(f"{gpus_flag or device_flag}: GPU {bad[0]} does not exist ({n} visible: 0..{n - 1})")
+    return n
+
+
 def driver_version() -> str | None:
     """The NVIDIA driver's version as NVML reports it (e.g. "580.159.04"); None without pynvml or a driver.
     Benchmark records carry it: the same code can time differently under another driver (results/cuda_kernels.md,

@@ -37,6 +37,7 @@ from hybrid.checkpoint.files import INDEX, SafetensorsFiles
 from hybrid.checkpoint.formats import SCALES, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
 from hybrid.checkpoint.names import Names, shared_scale_groups
 from hybrid.errors import CheckpointError, HybridError
+from hybrid.hardware import require_gpus
 from hybrid.model.config import ModelConfig
 
 INPUT_SCALE = 1.0
@@ -344,11 +345,7 @@ def check_device(device: str) -> str:
     except (RuntimeError, ValueError):
         raise HybridError(f"--device {device}: expected cpu, cuda or cuda:N") from None
     if d.type == "cuda":
-        n = torch.cuda.device_count()
-        if n == 0:
-            raise HybridError(f"--device {device}: no CUDA GPU is visible to torch; use --device cpu")
-        if (d.index or 0) >= n:
-            raise HybridError(f"--device {device}: GPU {d.index} does not exist ({n} visible: 0..{n - 1})")
+        require_gpus(f"--device {device}", [d.index or 0])
     elif d.type != "cpu":
         raise HybridError(f"--device {device}: expected cpu, cuda or cuda:N")
     return str(d)

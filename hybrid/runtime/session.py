@@ -15,6 +15,7 @@ from hybrid.experts.cache import ExpertCache
 from hybrid.experts.policy import make_policy
 from hybrid.experts.popularity import ExpertProfile, load_profile as load_expert_profile
 from hybrid.experts.trace import TraceHeader, TraceWriter
+from hybrid.hardware import require_gpus
 from hybrid.kernels.driver import carveout
 from hybrid.kernels.fused import attn_w_per_sm, route_rank
 from hybrid.kernels.qpn import moe_gemm_mode, moe_reduce, tb_mode
@@ -213,15 +214,8 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
 
 
 def _check_devices(opts: RuntimeOptions) -> None:
-    if opts.device != "cuda":
-        return
-    n = torch.cuda.device_count()
-    if n == 0:
-        raise HybridError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
-    bad = [g for g in opts.gpus if g >= n]
-    if bad:
-        raise HybridError(f"--gpus {','.join(map(str, opts.gpus))}: GPU {bad[0]} does not exist "
-                          f"({n} visible: 0..{n - 1})")
+    if opts.device == "cuda":
+        require_gpus("--device cuda", opts.gpus, f"--gpus {','.join(map(str, opts.gpus))}")
 
 
 def _expert_profile(path: Path, opts: RuntimeOptions, cfg: ModelConfig, strict: bool):
