@@ -7,7 +7,6 @@ returned: not for each split that --layer-split auto tries.
 """
 from __future__ import annotations
 
-import contextvars
 import math
 from dataclasses import dataclass, replace
 
@@ -22,7 +21,6 @@ from hybrid.planner.profile import HardwareProfile
 
 HUGEPAGE = 2 * MIB
 MAX_PCIE_FRAC = 0.9
-_SEARCHING = contextvars.ContextVar("planner_searching", default=False)   # inside best_plan's candidates
 
 
 @dataclass(frozen=True)
@@ -104,21 +102,11 @@ def make_plan(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, pop: Popu
     offload threshold; req.prefill_chunk None: the chunk too (auto_chunk)."""
     if req.prefill_chunk is None:
         return auto_chunk(mb, prof, req, pop, model, experts_path)
-    if _SEARCHING.get():                      # one of best_plan's candidates, as it would be planned
-        return _with_prefill(_placement(mb, prof, req, pop, model, experts_path), mb, prof, req, pop, model,
-                             experts_path)
-    if req.layer_split is None:
+    if req.layer_split is None:               # every candidate planned in full, as below (prefill included)
         from hybrid.planner.search import best_plan
 
-        token = _SEARCHING.set(True)
-        try:
-            plan = best_plan(mb, prof, req, pop, model, experts_path)
-        finally:
-            _SEARCHING.reset(token)
-        req = replace(req, layer_split=plan.inputs.layer_split)
-    else:
-        plan = _placement(mb, prof, req, pop, model, experts_path)
-    return _with_prefill(plan, mb, prof, req, pop, model, experts_path)
+        return best_plan(mb, prof, req, pop, model, experts_path)
+    return _with_prefill(_placement(mb, prof, req, pop, model, experts_path), mb, prof, req, pop, model, experts_path)
 
 
 def auto_chunk(mb: ModelBytes, prof: HardwareProfile, req: PlanRequest, pop: Popularity | None = None,
