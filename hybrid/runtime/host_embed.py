@@ -87,6 +87,4 @@ class HostEmbedding:
 def owned_copy(table: torch.Tensor) -> torch.Tensor:
     """table in anonymous host memory of its own (a safetensors tensor may be a view of a file mapping, which is
     not registered in place)."""
-    out = torch.empty(table.shape, dtype=table.dtype)
-    out.copy_(table)
-    return out
+    return table.clone(memory_format=torch.contiguous_format)
