@@ -292,7 +292,7 @@ def test_overlap_on_cuda(model_dir, warm, place, reduce, tmp_path, monkeypatch):
 def test_overlap_embeds_from_host_table(model_dir, warm, monkeypatch):
     """Steps that run ahead embed their device-side id from the pinned host table (HYBRID_HOST_EMBED, the default):
     no copy of the table on the card, the same greedy ids as with that copy (HYBRID_HOST_EMBED=0) and as the plain
-    loop."""
+    loop. The session makes either table at load (the decode overlaps by default), not at the second token."""
     tok = tokenizer_for(model_dir)
     ids = tok.encode(PROMPT)
 
@@ -303,13 +303,14 @@ def test_overlap_embeds_from_host_table(model_dir, warm, monkeypatch):
                                                    cache_warm="profile"), context=len(ids) + 16)
         try:
             hm = s.model
+            g = hm.graphs
+            at_load = g._host_embed is not None, g._embed_table is not None
             hm.prompt_tokens = len(ids)
             res = generate(hm, tok, ids, 12, Sampler(SamplerConfig()), overlap=overlap)
-            g = hm.graphs
-            return res.generated_ids, g._host_embed is not None, g._embed_table is not None, g.error
+            return res.generated_ids, g._host_embed is not None, g._embed_table is not None, g.error, at_load
         finally:
             s.close()
 
     host, card, plain = run("1"), run("0"), run("1", overlap=False)
-    assert host[1:] == (True, False, None) and card[1:] == (False, True, None)
+    assert host[1:] == (True, False, None, (True, False)) and card[1:] == (False, True, None, (False, True))
     assert host[0] == card[0] == plain[0]

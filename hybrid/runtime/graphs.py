@@ -32,7 +32,7 @@ after numbers). With capture=False the same pieces run eagerly (CPU tests of the
 A step whose segments are all resident (runs_ahead) needs the host only to launch it: hybrid.generate's
 overlapped decode enqueues it with the sampled id still on the device (HybridModel.enqueue). The id is
 then embedded on the first layer's card by fused_embed_rows reading its row from the host's table, pinned and
-mapped for the cards at the first such step (hybrid.runtime.host_embed: the table never takes card memory; the
+mapped for the cards at load when the decode overlaps, else at the first such step (hybrid.runtime.host_embed: the table never takes card memory; the
 planner keeps it on the host). HYBRID_HOST_EMBED=0, or a table that cannot be pinned: a copy of the table in the
 model dtype on that card instead (vocab x hidden x 2 bytes, not in the plan). Host ids index the host table.
 """
@@ -267,25 +267,27 @@ class DecodeGraphs(SegmentGraphs):
         m = self.model
         if ids.device == m.embed.device:
             return m.embed_tokens(ids)
-        dev = m.layer_devices[0]
         if self._host_embed is None and self._embed_table is None:
-            self._host_embed = self._pin_embed()
-            if self._host_embed is None:
-                self._embed_table = m.embed.to(dev, m.dtype)
+            self.pin_embed()
         if self._host_embed is not None:
             return self._host_embed.rows(ids.to(dev), m.dtype)
-        return self._embed_table[ids.to(dev)]
+        return self._embed_table[ids.to(m.layer_devices[0])]
 
-    def _pin_embed(self) -> HostEmbedding | None:
-        """The model's table registered for the cards (HYBRID_HOST_EMBED, a model dtype the kernel writes). The model
-        then indexes that copy on the host too (the same values), so the file-backed table it replaces is let go."""
+    def pin_embed(self) -> None:
+        """Make the table that steps running ahead read: the model's table registered for the cards
+        (HYBRID_HOST_EMBED, a model dtype the kernel writes; the model then indexes that copy on the host too, the
+        same values, so the file-backed table it replaces is let go), else its copy on the first layer's card.
+        Once; the session calls it at load where the decode overlaps (a copy and registration of the whole table,
+        622 MB for 30B-A3B, which the first run-ahead step would otherwise pay), else the first such step does."""
         m = self.model
-        if not host_embed_enabled() or m.dtype not in (torch.float16, torch.float32):
-            return None
-        he = HostEmbedding.pin(owned_copy(m.embed))
-        if he is not None:
-            m.embed = he.table
-        return he
+        if self._host_embed is not None or self._embed_table is not None:
+            return
+        if host_embed_enabled() and m.dtype in (torch.float16, torch.float32):
+            self._host_embed = HostEmbedding.pin(owned_copy(m.embed))
+        if self._host_embed is not None:
+            m.embed = self._host_embed.table
+        else:
+            self._embed_table = m.embed.to(m.layer_devices[0], m.dtype)
 
     # ---- segments and runners ----------------------------------------------------------------
     def _linked_rule(self):

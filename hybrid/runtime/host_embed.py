@@ -7,8 +7,7 @@ so the card never holds vocab x hidden x 2 bytes for it (622 MB for Qwen3-30B-A3
 expert-cache slots on a 16 GB card). The eager steps index the same host tensor.
 
     HYBRID_HOST_EMBED=1|0   1 (default): as above; 0: a copy of the table in the model dtype on the first layer's
-                            card, made at the first such step (the earlier path, for A/B runs; the planner
-                            does not count it)
+                            card, made at load (the earlier path, for A/B runs; the planner does not count it)
 
 Legend: V vocabulary, H hidden.
 """
