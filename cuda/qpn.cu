@@ -98,6 +98,30 @@ struct __align__(16) u32x4 { u32 x, y, z, w; };
 // chunks per pipeline stage (two stages in registers: loads of the next overlap this one's math)
 #define UNROLL_FOR(NT, MT) (QPN_MMA == 0 ? 2 : ((NT) * (MT) >= 4 ? 2 : 4))
 
+// Timeline probe (tools/qpn_timeline_probe.py): built with QPN_TIMELINE defined, the M = 1 linear kernels, the
+// bulk-ring kernels and qpn_read record, per block, %globaltimer at entry (mark 0), at its first weights landed
+// (1), when thread 0's stream ends (2) and at exit (3), and the SM it ran on (4), in qpn_tl. The default build has
+// none of it.
+#ifdef QPN_TIMELINE
+#define QPN_TL_BLOCKS 65536
+__device__ unsigned long long qpn_tl[QPN_TL_BLOCKS * 5];
+__device__ __forceinline__ void qpn_mark(int i) {
+  if (threadIdx.x == 0 && blockIdx.x < QPN_TL_BLOCKS) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    qpn_tl[blockIdx.x * 5 + i] = t;
+    if (i == 0) {
+      unsigned sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      qpn_tl[blockIdx.x * 5 + 4] = sm;
+    }
+  }
+}
+#define QPN_MARK(i) qpn_mark(i)
+#else
+#define QPN_MARK(i) ((void)0)
+#endif
+
 // L2 policy of the decode weight stream (sm_80+): its loads and copies carry an L2 evict-first policy, so the
 // lines a decode step reads again (kernels' code, activations, norms, slot tables, the KV cache) are not the
 // ones its weights replace (H200, results/runtime.md §32: decode +4%). QPN_L2_NORMAL (hybrid.kernels.build:
@@ -596,6 +620,7 @@ __device__ __forceinline__ void bulk_loop(const u32x4* const (&wt)[NT], const u6
       if (cs < c1) {
         body(cs, rbase + s * BULK_SLOT(NT, U), [&] {
           mbar_wait(bbase + 8 * s, parity);
+          if (cs == c0) QPN_MARK(1);
           if (lane == 0 && cs + (ST - 1) * U < c1)
             bulk_issue<FMT, NT, U>(wt, st, cs + (ST - 1) * U, c1, (s + ST - 1) % ST, rbase, bbase);
         });
@@ -842,6 +867,7 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
   const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int C = K / 64, tiles = (N + 15) >> 4;
   const int t0 = (blockIdx.x * TG + tg) * NT;
+  QPN_MARK(0);
   float tot[NT][4];
   const u32x4* wt[NT];
   const u64* st[NT];
@@ -857,6 +883,7 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
   } else {
     pdl_wait();     // this thread writes y below
   }
+  QPN_MARK(2);
   pdl_trigger();    // late: see pdl_trigger
   __syncthreads();  // red aliases the rings
 #pragma unroll
@@ -876,6 +903,7 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
     for (int k = 0; k < KS; ++k) v += red[grp * KS + k][row];
     if (nrow < N) y[nrow] = f_to_h(v * g);
   }
+  QPN_MARK(3);
 }
 
 extern "C" __global__ void qpn2_linear_m1_as(const u32x4* __restrict__ w, const u64* __restrict__ s,
@@ -2488,16 +2516,29 @@ extern "C" __global__ void qpn_read(const u32x4* __restrict__ p, long long n, u3
   const long long stride = (long long)gridDim.x * blockDim.x;
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   u32 acc = 0;
+  QPN_MARK(0);
+#ifdef QPN_TIMELINE
+  bool first = true;
+#endif
   for (; i + 3 * stride < n; i += 4 * stride) {
     const u32x4 a = ld_stream(p + i), b = ld_stream(p + i + stride), c = ld_stream(p + i + 2 * stride),
                 d = ld_stream(p + i + 3 * stride);
     acc ^= (a.x ^ a.y ^ a.z ^ a.w) ^ (b.x ^ b.y ^ b.z ^ b.w) ^ (c.x ^ c.y ^ c.z ^ c.w) ^ (d.x ^ d.y ^ d.z ^ d.w);
+#ifdef QPN_TIMELINE
+    if (first) {
+      if (acc == 0x9E3779B9u) sink[1] = acc;   // the loads are used before the mark
+      QPN_MARK(1);
+      first = false;
+    }
+#endif
   }
   for (; i < n; i += stride) {
     const u32x4 a = ld_stream(p + i);
     acc ^= a.x ^ a.y ^ a.z ^ a.w;
   }
+  QPN_MARK(2);
   if (acc == 0x9E3779B9u) sink[0] = acc;
+  QPN_MARK(3);
 }
 
 // ---------------------------------------------------------------- stage pack (CPU store slots -> QPN2)
