@@ -270,7 +270,7 @@ class DecodeGraphs(SegmentGraphs):
         if self._host_embed is None and self._embed_table is None:
             self.pin_embed()
         if self._host_embed is not None:
-            return self._host_embed.rows(ids.to(dev), m.dtype)
+            return self._host_embed.rows(ids.to(m.layer_devices[0]), m.dtype)
         return self._embed_table[ids.to(m.layer_devices[0])]
 
     def pin_embed(self) -> None:
