@@ -848,15 +848,14 @@ __device__ __forceinline__ void warp_m1_bulk(float (&tot)[NT][4], const u32x4* c
 #endif
 }
 
-// y[1, N] = x[1, K] . W^T for NVFP4 (same arguments as the LINEAR kernels; M must be 1; P: 1, or SG > 1 for a
-// staggered first wave, below). A warp group (KS warps splitting K) does NT consecutive tiles; grid.x =
-// ceil(tiles / (TG NT)) (staggered: qpn.py's stagger_grid).
+// y[1, N] = x[1, K] . W^T for NVFP4 (same arguments as the LINEAR kernels; M must be 1, P = 1).
+// A warp group (KS warps splitting K) does NT consecutive tiles; grid.x = ceil(tiles / (TG NT)).
 // ST > 0: warp_m1_async's cp.async ring in static shared memory; ST < 0: warp_m1_bulk's ring of -ST slots of U
 // chunks in dynamic shared memory (qpn.py's tb_smem), its mbarriers after the rings.
 template <int ST, int NT, int U = 1>
 __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                                float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                               int N, int K, int KS, int SG) {
+                                               int N, int K, int KS) {
   constexpr int RING = ST > 0 ? ST * NT * 32 * 24 : -ST * BULK_SLOT(NT, U);  // per warp
   constexpr int RED = WARPS * NT * 16 * 4;
   constexpr int RINGS = RING * WARPS > RED ? RING * WARPS : RED;
@@ -865,25 +864,9 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
   unsigned char* const smem = ST < 0 ? smem_dynamic : smem_static;
   float (*red)[NT * 16] = reinterpret_cast<float (*)[NT * 16]>(smem);  // red[warp][row], aliases the rings
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // SG > 1: a staggered first wave (qpn.py's stagger_grid): blocks [0, SG) split K 4x as many ways as KS (at most
-  // WARPS), blocks [SG, 2 SG) 2x, so they end after a quarter / half of the others' time and the blocks that replace
-  // them start at other times than the next ones' (the waves' ends do not fall together); `base` the first warp
-  // group of this block's class, `b` the block's index within it
-  int ks = KS, b = blockIdx.x, base = 0;
-  if (SG > 1) {
-    const int k0 = 4 * KS < WARPS ? 4 * KS : WARPS, k1 = 2 * KS < WARPS ? 2 * KS : WARPS;
-    if (b < SG) {
-      ks = k0;
-    } else if (b < 2 * SG) {
-      ks = k1, b -= SG, base = SG * (WARPS / k0);
-    } else {
-      b -= 2 * SG, base = SG * (WARPS / k0 + WARPS / k1);
-    }
-  }
-  const int TG = WARPS / ks, tg = warp / ks, wk = warp % ks;
+  const int TG = WARPS / KS, tg = warp / KS, wk = warp % KS;
   const int C = K / 64, tiles = (N + 15) >> 4;
-  const int g0 = base + b * TG;  // this block's first warp group
-  const int t0 = (g0 + tg) * NT;
+  const int t0 = (blockIdx.x * TG + tg) * NT;
   QPN_MARK(0);
   float tot[NT][4];
   const u32x4* wt[NT];
@@ -893,9 +876,9 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
   for (int nt = 0; nt < NT; ++nt) tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.f;
   if (t0 < tiles) {
     if constexpr (ST > 0)
-      warp_m1_async<ST, NT>(tot, wt, st, wk * C / ks, (wk + 1) * C / ks, x, lane, smem + warp * RING);
+      warp_m1_async<ST, NT>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, x, lane, smem + warp * RING);
     else
-      warp_m1_bulk<-ST, NT, U>(tot, wt, st, wk * C / ks, (wk + 1) * C / ks, x, lane, smem + warp * RING,
+      warp_m1_bulk<-ST, NT, U>(tot, wt, st, wk * C / KS, (wk + 1) * C / KS, x, lane, smem + warp * RING,
                                reinterpret_cast<unsigned long long*>(smem + RINGS + warp * -ST * 8));
   } else {
     pdl_wait();     // this thread writes y below
@@ -915,9 +898,9 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
   __syncthreads();
   const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
   for (int o = threadIdx.x; o < TG * NT * 16; o += THREADS) {
-    const int row = o % (NT * 16), grp = o / (NT * 16), nrow = (g0 + grp) * NT * 16 + row;
+    const int row = o % (NT * 16), grp = o / (NT * 16), nrow = (blockIdx.x * TG + grp) * NT * 16 + row;
     float v = 0.f;
-    for (int k = 0; k < ks; ++k) v += red[grp * ks + k][row];
+    for (int k = 0; k < KS; ++k) v += red[grp * KS + k][row];
     if (nrow < N) y[nrow] = f_to_h(v * g);
   }
   QPN_MARK(3);
@@ -926,13 +909,13 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
 extern "C" __global__ void qpn2_linear_m1_as(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                              float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                              int M, int N, int K, int KS, int P) {
-  linear_m1_body<6, 1>(w, s, gs, x, y, N, K, KS, P);
+  linear_m1_body<6, 1>(w, s, gs, x, y, N, K, KS);
 }
 // two tiles per warp (4-stage ring: 48 KB of static shared memory per block)
 extern "C" __global__ void qpn2_linear_m1_as2(const u32x4* __restrict__ w, const u64* __restrict__ s,
                                               float gs, const u16* __restrict__ x, u16* __restrict__ y,
                                               int M, int N, int K, int KS, int P) {
-  linear_m1_body<4, 2>(w, s, gs, x, y, N, K, KS, P);
+  linear_m1_body<4, 2>(w, s, gs, x, y, N, K, KS);
 }
 // sm_90+ only: NT tiles per warp through a bulk-copy ring of ST slots of U chunks (warp_m1_bulk); (ST, U, NT) of
 // each: qpn.py's CT_TB_KERNELS
@@ -940,7 +923,7 @@ extern "C" __global__ void qpn2_linear_m1_as2(const u32x4* __restrict__ w, const
   extern "C" __global__ void __launch_bounds__(THREADS, 1)                                           \
   NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x, \
        u16* __restrict__ y, int M, int N, int K, int KS, int P) {                                    \
-    linear_m1_body<-(ST), NT, U>(w, s, gs, x, y, N, K, KS, P);                                       \
+    linear_m1_body<-(ST), NT, U>(w, s, gs, x, y, N, K, KS);                                          \
   }
 LINEAR_M1_TB(qpn2_linear_m1_tbu4, 2, 4, 1)
 LINEAR_M1_TB(qpn2_linear_m1_tbu8, 2, 8, 1)

@@ -14,7 +14,7 @@ import torch
 
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build, layout
-from hybrid.kernels.qpn import CT_TB_KERNELS, TB_KERNELS, ct_tb_m, ct_tb_name, stagger_grid, tb_smem
+from hybrid.kernels.qpn import CT_TB_KERNELS, TB_KERNELS, ct_tb_m, ct_tb_name, tb_smem
 from tests.cuda_emu import GEMM_HELPERS, SHFL_XOR, SHIM, compile_emu, mma_shim, qpn_preamble
 from tests.test_qpn_layout import fp8, nvfp4
 
@@ -106,9 +106,8 @@ def emu_source() -> str:
         f'}}); }}\n'
         for f in (2, 8) for v in TB_KERNELS) + "".join(
         f'extern "C" void emu_2{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
-        f'u16* y, int M, int N, int K, int KS, int P) {{ w_lo = (const char*)w, w_hi = w_lo + wn, '
-        f's_lo = (const char*)s, s_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ '
-        f'{ct_tb_name(v)}(w, s, gs, x, y, M, N, K, KS, P); }}); }}\n'
+        f'u16* y, int M, int N, int K, int KS) {{ w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
+        f's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ {ct_tb_name(v)}(w, s, gs, x, y, M, N, K, KS, 1); }}); }}\n'
         for v in CT_TB_KERNELS)
     return SHIM + "#define __CUDA_ARCH__ 900\n#include <cstdlib>\n" + pre + HELPERS + funcs + tb + entry
 
@@ -118,9 +117,8 @@ def emu(tmp_path_factory):
     return compile_emu(tmp_path_factory, "qpn_bulk_emu", emu_source())
 
 
-def run(lib, x, qw, variant, ks, sms=0):
-    """y[M, N] from an emulated bulk-ring kernel, KS warps splitting K (the launcher's grid; sms > 0: an M = 1 kernel's
-    staggered first wave for that many SMs, qpn.stagger_grid), y poisoned (NaN)."""
+def run(lib, x, qw, variant, ks):
+    """y[M, N] from an emulated bulk-ring kernel, KS warps splitting K (the launcher's grid), y poisoned (NaN)."""
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())   # noqa: E731
     i = ctypes.c_int
     n, k = qw.shape
@@ -135,14 +133,8 @@ def run(lib, x, qw, variant, ks, sms=0):
     units = -(-(-(-n // 16)) // nt)
     y = torch.full((m, n), float("nan")).half()
     nb = lambda t: ctypes.c_long(t.numel() * t.element_size())   # noqa: E731
-    grid, extra = -(-units // (8 // ks)), ()
-    if variant in CT_TB_KERNELS:
-        extra = (i(1),)
-        if sms:
-            grid, sg = stagger_grid(units, ks, sms)
-            extra = (i(sg),)
-    getattr(lib, f"emu_{fmt}{variant}")(i(grid), ptr(words), nb(words), ptr(scales), nb(scales),
-                                        ctypes.c_float(gs), ptr(x), ptr(y), i(m), i(n), i(k), i(ks), *extra)
+    getattr(lib, f"emu_{fmt}{variant}")(i(-(-units // (8 // ks))), ptr(words), nb(words), ptr(scales), nb(scales),
+                                        ctypes.c_float(gs), ptr(x), ptr(y), i(m), i(n), i(k), i(ks))
     return y
 
 
@@ -186,36 +178,3 @@ def test_emulated_bulk_column_trick(emu, variant, n, k, ks):
     ref = x.double() @ qw.dequantize(torch.float64).t()
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-3, f"relative error {err:.2e}"
-
-
-@pytest.mark.parametrize("variant", sorted(v for v in CT_TB_KERNELS if ct_tb_m(v) == 1))
-@pytest.mark.parametrize("n,k,ks,sms", [
-    (16 * 40 + 8, 512, 1, 2),   # 41 tiles: classes of 2 blocks split K 4 / 2 ways, then 8 tiles a block, tiles past N
-    (16 * 70, 1024, 2, 3),      # K split 8 / 4 ways in the short classes (2 chunks a warp), 2 elsewhere
-    (16 * 90, 448, 1, 4),       # 7 chunks: uneven K parts in every class
-])
-def test_emulated_m1_staggered_first_wave(emu, variant, n, k, ks, sms):
-    """qpn.stagger_grid's launch of the M = 1 kernels (P = SG > 1): blocks of the two short classes split K 4x / 2x
-    as many ways, the rest as KS; every row written once, the same sums as the plain launch."""
-    qw = nvfp4(n, k, seed=n + k)
-    units = -(-(-(-n // 16)) // CT_TB_KERNELS[variant][2])
-    if stagger_grid(units, ks, sms) is None:
-        pytest.skip("too few tiles for two classes of this variant")
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(ks)).half()
-    y = run(emu, x, qw, variant, ks, sms=sms)
-    assert not torch.isnan(y).any(), "unwritten outputs"
-    ref = x.double() @ qw.dequantize(torch.float64).t()
-    err = ((y.double() - ref).norm() / ref.norm()).item()
-    assert err < 1e-3, f"relative error {err:.2e}"
-    plain = run(emu, x, qw, variant, ks)
-    assert torch.allclose(y.float(), plain.float(), rtol=2e-3, atol=1e-3)
-
-
-def test_stagger_grid():
-    """Two classes of sms blocks (4x and 2x the K split, at most 8 warps), then blocks of 8 / ks warp groups; None
-    where the split is 8 already or the rest would not fill one block per SM."""
-    assert stagger_grid(9496, 1, 132) == (2 * 132 + -(-(9496 - 132 * 6) // 8), 132)
-    assert stagger_grid(1000, 2, 10) == (20 + -(-(1000 - 10 * 3) // 4), 10)
-    assert stagger_grid(1000, 8, 10) is None
-    assert stagger_grid(132 * 6 + 132 * 8 - 1, 1, 132) is None
-    assert stagger_grid(132 * 6 + 132 * 8, 1, 132) == (2 * 132 + 132, 132)

@@ -91,30 +91,6 @@ def test_linear_matches_reference_all_m(backend, variant, qtype, n, k):
         assert err < 2e-3, f"{backend} {qtype.value} M={m}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("variant_m1", [None, "_m1", "_m1x2", "_m1tbu4", "_m1tbu8", "_m1tb2u4"])
-@pytest.mark.parametrize("k", [2048, 448])
-def test_linear_m1_staggered_first_wave(variant_m1, k, monkeypatch):
-    """HYBRID_QPN_STAGGER=1: the M = 1 kernels launched with their first wave staggered (qpn.stagger_grid) on a grid
-    large enough for it: every row written, the reference's values, the plain launch's within rounding."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    n = 16 * 20 * sms + 24
-    qw = nvfp4(n, k, seed=k)
-    w = QPNWeight.from_qweight(qw, "cuda")
-    x = fresh((1, k))
-    qpn.LINEAR_VARIANT[0] = variant_m1
-    try:
-        ys = {}
-        for mode in ("0", "1"):
-            monkeypatch.setenv(qpn.STAGGER_ENV, mode)
-            out = torch.full((1, n), float("nan"), dtype=torch.float16, device="cuda")
-            ys[mode] = qpn_linear(x.cuda(), w, out=out).cpu()
-    finally:
-        qpn.LINEAR_VARIANT[0] = None
-    assert not torch.isnan(ys["1"]).any(), "unwritten outputs"
-    assert rel_err(ys["1"], x.double() @ qw.dequantize(torch.float64).t()) < 2e-3
-    assert rel_err(ys["1"], ys["0"].double()) < 2e-3
-
-
 @pytest.fixture(params=[None, "mt", "wmma", "128x128", "64x128", "64x64", "32x64", "f128x128", "f64x256",
                         "f64x128"])
 def prefill(request):

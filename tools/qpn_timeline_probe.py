@@ -143,8 +143,6 @@ def main() -> int:
     ap.add_argument("--scales", default="1")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sha", default="unknown")
-    ap.add_argument("--stagger", action="store_true",
-                    help="also the M = 1 kernel with a staggered first wave (HYBRID_QPN_STAGGER=1)")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
     read_bw, copy_bw = bandwidths()
@@ -174,11 +172,7 @@ def main() -> int:
             emit({"series": f"nvfp4_m1{tag}", "n": n, "event_us": round(time_ms(lin, a.reps) * 1e3, 2)})
             emit({"series": f"read{tag}", "n": n, "event_us": round(time_ms(rd, a.reps) * 1e3, 2)})
         mod = qpn._module(dev)
-        for mode in ("0", "1") if a.stagger else ("0",):
-            os.environ[qpn.STAGGER_ENV] = mode
-            run_series(f"nvfp4_m1{' stagger' if mode == '1' else ''} n={n}", lin, base.nbytes, mod, a.reps, read_bw,
-                       emit)
-        os.environ.pop(qpn.STAGGER_ENV)
+        run_series(f"nvfp4_m1 n={n}", lin, base.nbytes, mod, a.reps, read_bw, emit)
         run_series(f"read n={n}", rd, base.nbytes // 16 * 16, mod, a.reps, read_bw, emit)
         build.source = default_source
         build.forget_modules()

@@ -20,7 +20,7 @@ from hybrid.kernels import layout
 from hybrid.kernels.driver import grow_workspace, ptr as _p
 from hybrid.kernels.moe_route import RoutePlan
 from hybrid.kernels.reference import ref_linear, ref_moe, ref_moe_planned
-from hybrid.switches import env_choice, env_flag
+from hybrid.switches import env_choice
 
 THREADS = 256
 WARPS = 8
@@ -181,31 +181,6 @@ def tb_mode() -> str:
     return env_choice(TB_ENV, ("0", "1", "mt"), "1",
                       "1 (the bulk-copy ring kernels where faster), mt (not the NVFP4 M <= 4 column-trick ones) or 0 "
                       "(never)")
-
-
-STAGGER_ENV = "HYBRID_QPN_STAGGER"
-
-
-def stagger_enabled() -> bool:
-    """$HYBRID_QPN_STAGGER (default 0 until measured): the NVFP4 M = 1 column-trick kernels launched with a staggered
-    first wave (stagger_grid). Read at each launch (A/B runs switch it)."""
-    return env_flag(STAGGER_ENV, default=False)
-
-
-def stagger_grid(units: int, ks: int, sms: int) -> tuple[int, int] | None:
-    """(grid, SG) of an M = 1 column-trick launch whose first wave is staggered (qpn.cu's linear_m1_body, SG > 1):
-    blocks [0, SG) split K min(4 ks, 8) ways and [SG, 2 SG) min(2 ks, 8), so, with SG = sms, one block of each SM
-    ends after a quarter and one after half of the time of the rest, and the later waves' blocks start at different
-    times (a plain launch's waves end together: each SM's loads stop while its next blocks fill their rings). None
-    where that cannot change anything (ks 8 already) or the grid is too small for two classes of sms blocks."""
-    k0, k1 = min(4 * ks, WARPS), min(2 * ks, WARPS)
-    if k0 == ks:
-        return None
-    first = sms * (WARPS // k0 + WARPS // k1)          # warp groups of the two short classes
-    rest = units - first
-    if rest < sms * (WARPS // ks):
-        return None
-    return 2 * sms + -(-rest // (WARPS // ks)), sms
 
 
 def ct_tb_choice(m: int, pair: bool, k: int) -> str:
@@ -655,13 +630,8 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     ks = (_linear_ks(units, chunks, sms, mod.occupancy(name, THREADS, smem)) if passes == 1
           else _pick_ks(units * passes, chunks, sms))
     grid = (-(-units // (WARPS // ks)) * passes, 1, 1)
-    p_arg = passes
-    if name.startswith("qpn2_linear_m1_") and stagger_enabled():
-        sg = stagger_grid(units, ks, sms)
-        if sg is not None:
-            grid, p_arg = (sg[0], 1, 1), sg[1]
     args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
-            ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(p_arg)]
+            ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
     mod.launch(name, grid, THREADS, args, smem=smem, pdl=pdl(mod.sm))
     return y
 
