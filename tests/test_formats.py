@@ -194,6 +194,19 @@ def test_nvfp4_mse_scales_never_worse_per_block():
         quantize_nvfp4(w, scales="best")
 
 
+def test_block_error_sums_in_a_fixed_order():
+    """The mse search's block sums are a fixed tree of adds (lane i + lane i + 8, then + 4, + 2, + 1), so a GPU picks
+    the CPU's scales: bit for bit that tree, within rounding of torch's sum."""
+    from hybrid.checkpoint.formats import _sum16
+
+    e = torch.rand(7, 5, 16, generator=torch.Generator().manual_seed(2)) * torch.logspace(-6, 2, 16)
+    want = e.clone()
+    for half in (8, 4, 2, 1):
+        want = torch.stack([want[..., i] + want[..., i + half] for i in range(half)], -1)
+    assert torch.equal(_sum16(e), want[..., 0])
+    assert torch.allclose(_sum16(e), e.sum(-1), rtol=1e-6)
+
+
 def test_nvfp4_importance_weighs_the_search():
     """importance [K]: the weighted error of the chosen scales at most the unweighted choice's, per block; uniform
     importance the unweighted choice itself; a wrong shape, or importance without "mse", a one-line ValueError."""

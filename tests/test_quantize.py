@@ -334,7 +334,7 @@ def test_imatrix_flag(capsys, sources, tmp_path):
 
 def test_device_flag(capsys, sources, tmp_path):
     """--device: cpu the default's bytes; a device that does not exist here (or a bad name) one line, nothing written.
-    On a GPU (skipped elsewhere): --device cuda gives amax's bytes exactly."""
+    On a GPU (skipped elsewhere): --device cuda gives the CPU's bytes exactly, amax's and mse's."""
     src = sources["qwen3_moe"]
     run_ok(src, tmp_path / "a", "--recipe", "mixed")
     run_ok(src, tmp_path / "b", "--recipe", "mixed", "--device", "cpu")
@@ -348,6 +348,10 @@ def test_device_flag(capsys, sources, tmp_path):
         expect_error(capsys, src, tmp_path / "x", "--device", "cuda:99", match=r"--device cuda:99: GPU 99 does not")
         run_ok(src, tmp_path / "c", "--recipe", "mixed", "--device", "cuda")
         assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "c" / f).read_bytes() for f in files
+                   if f.endswith(".safetensors"))
+        run_ok(src, tmp_path / "d", "--recipe", "mixed", "--nvfp4-scales", "mse")
+        run_ok(src, tmp_path / "e", "--recipe", "mixed", "--nvfp4-scales", "mse", "--device", "cuda")
+        assert all((tmp_path / "d" / f).read_bytes() == (tmp_path / "e" / f).read_bytes() for f in files
                    if f.endswith(".safetensors"))
 
 

@@ -163,7 +163,15 @@ def _block_error(mags: torch.Tensor, scale_fp8: torch.Tensor, weight_scale_2: fl
     scale_f = (scale_fp8.to(torch.float32) * weight_scale_2).unsqueeze(-1)
     a = torch.where(scale_f > 0, mags / torch.where(scale_f > 0, scale_f, 1.0), 0.0)
     err = (mags - _e2m1_magnitude(a) * scale_f).square()
-    return (err if importance is None else err * importance).sum(dim=-1)
+    return _sum16(err if importance is None else err * importance)
+
+
+def _sum16(e: torch.Tensor) -> torch.Tensor:
+    """[..., 16] -> [...]: the sum as a fixed tree of elementwise adds, so every device adds in the same order and
+    the mse search picks the same scales on a GPU as on the CPU (torch's sum orders them by device and kernel)."""
+    for half in (8, 4, 2, 1):
+        e = e[..., :half] + e[..., half:2 * half]
+    return e[..., 0]
 
 
 def quantize_nvfp4(w: torch.Tensor, weight_scale_2: float | None = None, scales: str = "amax",
