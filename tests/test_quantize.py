@@ -333,15 +333,19 @@ def test_imatrix_flag(capsys, sources, tmp_path):
 
 
 def test_device_flag(capsys, sources, tmp_path):
-    """--device: cpu the default's bytes; a device that does not exist here (or a bad name) one line, nothing written.
-    On a GPU (skipped elsewhere): --device cuda gives the CPU's bytes exactly, amax's and mse's."""
+    """--device: cpu and auto the default's bytes; a device that does not exist here (or a bad name) one line, nothing
+    written. On a GPU (skipped elsewhere): --device cuda gives the CPU's bytes exactly, amax's and mse's."""
     src = sources["qwen3_moe"]
     run_ok(src, tmp_path / "a", "--recipe", "mixed")
     run_ok(src, tmp_path / "b", "--recipe", "mixed", "--device", "cpu")
     files = sorted(f.name for f in (tmp_path / "a").iterdir())
     assert files == sorted(f.name for f in (tmp_path / "b").iterdir())
     assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
-    expect_error(capsys, src, tmp_path / "x", "--device", "tpu", match=r"--device tpu: expected cpu, cuda or cuda:N")
+    expect_error(capsys, src, tmp_path / "x", "--device", "tpu",
+                 match=r"--device tpu: expected auto, cpu, cuda or cuda:N")
+    run_ok(src, tmp_path / "f", "--recipe", "mixed", "--device", "auto")   # the GPU where there is one: same bytes
+    assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "f" / f).read_bytes() for f in files
+               if f.endswith(".safetensors"))
     if not torch.cuda.is_available():
         expect_error(capsys, src, tmp_path / "x", "--device", "cuda", match=r"--device cuda: no CUDA GPU is visible")
     else:

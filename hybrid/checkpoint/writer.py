@@ -296,8 +296,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: str = "nvfp4",
 
     nvfp4_scales: how NVFP4 block scales are chosen (formats.SCALES): "amax" as ModelOpt does, or "mse";
     importance: {module name: float [K]} (hybrid.baselines.imatrix.module_importance) weighing "mse"'s errors;
-    device: where the quantization runs ("cuda": a GPU, for "mse"'s 8 candidate scales; the output is the same up
-    to the order of floating-point sums).
+    device: where the quantization runs ("cpu", "cuda[:N]", or "auto": the first GPU where torch sees one); the
+    output is the same bytes on either (results/runtime.md section 47).
 
     progress: tqdm bar on stderr; None = only when stderr is a terminal.
     """
@@ -339,15 +339,18 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: str = "nvfp4",
 
 
 def check_device(device: str) -> str:
-    """--device cpu|cuda|cuda:N -> the torch device string; one line where it does not exist here."""
+    """--device auto|cpu|cuda|cuda:N -> the torch device string (auto: "cuda" where torch sees a GPU, else "cpu");
+    one line where it does not exist here."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         d = torch.device(device)
     except (RuntimeError, ValueError):
-        raise HybridError(f"--device {device}: expected cpu, cuda or cuda:N") from None
+        raise HybridError(f"--device {device}: expected auto, cpu, cuda or cuda:N") from None
     if d.type == "cuda":
         require_gpus(f"--device {device}", [d.index or 0])
     elif d.type != "cpu":
-        raise HybridError(f"--device {device}: expected cpu, cuda or cuda:N")
+        raise HybridError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
     return str(d)
 
 

@@ -45,9 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--imatrix", default=None, metavar="FILE.npz",
                    help="importance matrix from `hybrid-gguf imatrix`: mse weighs each input column's error by its "
                         "mean squared activation (attention and expert linears)")
-    p.add_argument("--device", default="cpu", metavar="cpu|cuda[:N]",
-                   help="where the quantization runs (default cpu; cuda for --nvfp4-scales mse's 8 candidate scales "
-                        "on a GPU)")
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]",
+                   help="where the quantization runs (default auto: the first GPU torch sees, else the CPU); the "
+                        "same bytes either way")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_debug_flag(p)
     return p
