@@ -929,6 +929,110 @@ LINEAR_M1_TB(qpn2_linear_m1_tbu4, 2, 4, 1)
 LINEAR_M1_TB(qpn2_linear_m1_tbu8, 2, 8, 1)
 LINEAR_M1_TB(qpn2_linear_m1_tb2u4, 2, 4, 2)
 
+// sm_90+ probe kernels (LINEAR_VARIANT choices only): M = 1 with one wave of resident blocks, each warp streaming its
+// tiles through one bulk ring that runs on from one tile into the next (no block ends, no ring drained and filled
+// between tiles); after a tile's last slot its 16 rows are summed across the lane quads and written. IL = 0: a warp
+// owns the consecutive tiles [tiles gw / GW, tiles (gw + 1) / GW) (the thirty-first session's form); IL = 1: tiles
+// gw, gw + GW, gw + 2 GW, ... (every warp's stream spread over the whole weight, as qpn_read's threads are). Needs
+// C % U == 0 (a slot never straddles two tiles); qpn.py launches it with that only.
+template <int ST, int U, bool IL>
+__device__ __forceinline__ void linear_m1_stream_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                                      float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                                      int N, int K) {
+#if QPN_BULK
+  extern __shared__ __align__(16) unsigned char smem_dynamic[];
+  constexpr int RING = ST * BULK_SLOT(1, U);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = lane >> 2, q = lane & 3;
+  const int C = K / 64, tiles = (N + 15) >> 4;
+  const int gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
+  int first, step, count;
+  if (IL) {
+    first = gw, step = GW, count = gw < tiles ? (tiles - 1 - gw) / GW + 1 : 0;
+  } else {
+    first = (int)((long long)tiles * gw / GW), step = 1;
+    count = (int)((long long)tiles * (gw + 1) / GW) - first;
+  }
+  const int L1 = count * C;  // this warp's chunks, in stream order
+  auto chunk = [&](int l) { return (first + (l / C) * step) * C + l % C; };  // stream position -> weight chunk
+  const u32x4* const wt[1] = {w};
+  const u64* const st[1] = {s};
+  const u32 rbase = smem_addr(smem_dynamic + warp * RING);
+  const u32 bbase = smem_addr(smem_dynamic + WARPS * RING + warp * ST * 8);
+  const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
+  float tot[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  QPN_MARK(0);
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < ST; ++i) mbar_init(bbase + 8 * i);
+    mbar_init_fence();
+  }
+  __syncwarp();
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < ST - 1; ++i)
+      if (i * U < L1) bulk_issue<2, 1, U>(wt, st, chunk(i * U), chunk(i * U) + U, i, rbase, bbase);
+  }
+  pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
+  u32 parity = 0;
+  for (int l = 0; l < L1; l += ST * U) {
+#pragma unroll
+    for (int i = 0; i < ST; ++i) {
+      const int ls = l + i * U;
+      if (ls < L1) {
+        const int ck = ls % C;  // the slot's first chunk within its tile
+        const u32 slot = rbase + i * BULK_SLOT(1, U);
+        u64 xv[U / 2];
+#pragma unroll
+        for (int p = 0; p < U; p += 2) xv[p / 2] = ld_act(x + (size_t)(ck + p) * 64 + n * 16 + 4 * q);
+        mbar_wait(bbase + 8 * i, parity);
+        if (ls == 0) QPN_MARK(1);
+        if (lane == 0 && ls + (ST - 1) * U < L1) {
+          const int c = chunk(ls + (ST - 1) * U);
+          bulk_issue<2, 1, U>(wt, st, c, c + U, (i + ST - 1) % ST, rbase, bbase);
+        }
+#pragma unroll
+        for (int p = 0; p < U; p += 2) {
+          u32 sw[1] = {lds32(slot + U * 512 + (p + (q >> 1)) * 64 + n * 8 + 4 * (q & 1))};
+          float d[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const u32x4 wv[1] = {lds128(slot + (p + h) * 512 + lane * 16)};
+            m1_mmas<1>(d, wv, h, xv[p / 2], n);
+          }
+          m1_scale<1>(tot, d, sw);
+        }
+        if (ck + U == C) {  // the tile's last slot: its rows out
+          float vr = tot[0][0] + tot[0][1], vr8 = tot[0][2] + tot[0][3];
+          vr += __shfl_xor_sync(0xffffffffu, vr, 1);
+          vr += __shfl_xor_sync(0xffffffffu, vr, 2);
+          vr8 += __shfl_xor_sync(0xffffffffu, vr8, 1);
+          vr8 += __shfl_xor_sync(0xffffffffu, vr8, 2);
+          const int row = (first + (ls / C) * step) * 16 + n;
+          if (q == 0 && row < N) y[row] = f_to_h(vr * g);
+          if (q == 0 && row + 8 < N) y[row + 8] = f_to_h(vr8 * g);
+          tot[0][0] = tot[0][1] = tot[0][2] = tot[0][3] = 0.f;
+        }
+      }
+    }
+    parity ^= 1u;
+  }
+  QPN_MARK(2);
+  pdl_trigger();  // late: see pdl_trigger
+  QPN_MARK(3);
+#else
+  __trap();  // never launched below sm_90
+#endif
+}
+#define LINEAR_M1_STREAM(NAME, ST, U, IL)                                                            \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1)                                           \
+  NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x, \
+       u16* __restrict__ y, int M, int N, int K, int KS, int P) {                                    \
+    linear_m1_stream_body<ST, U, IL>(w, s, gs, x, y, N, K);                                          \
+  }
+LINEAR_M1_STREAM(qpn2_linear_m1_sbu8, 2, 8, false)
+LINEAR_M1_STREAM(qpn2_linear_m1_siu8, 2, 8, true)
+LINEAR_M1_STREAM(qpn2_linear_m1_si3u8, 3, 8, true)
+
 // ---------------------------------------------------------------- NVFP4, M = 2..8 as M = 1 does, sm_80+
 // The M = 1 kernel's column trick for MP = 2, 4 or 8 rows: column n of the MMA carries row n % MP of x for
 // group slot n / MP of each set of GS = 8 / MP consecutive groups (zeros otherwise), so after a set's GS MMAs

@@ -143,7 +143,10 @@ def main() -> int:
     ap.add_argument("--scales", default="1")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sha", default="unknown")
+    ap.add_argument("--variants", default="",
+                    help="comma list of LINEAR_VARIANT choices also timed and marked at M = 1 (e.g. _m1siu8)")
     a = ap.parse_args()
+    variants = [None] + [v for v in a.variants.split(",") if v]
     dev = torch.device("cuda", 0)
     read_bw, copy_bw = bandwidths()
     head = {"what": "qpn_timeline_probe", "git_sha": a.sha, "gpu": torch.cuda.get_device_name(dev),
@@ -169,10 +172,16 @@ def main() -> int:
         for tag, src in (("", default_source), ("@tl", timeline_source)):   # the marks' own cost: default build too
             build.source = src
             build.forget_modules()
-            emit({"series": f"nvfp4_m1{tag}", "n": n, "event_us": round(time_ms(lin, a.reps) * 1e3, 2)})
+            for v in variants:
+                qpn.LINEAR_VARIANT[0] = v
+                emit({"series": f"nvfp4_m1{v or ''}{tag}", "n": n, "event_us": round(time_ms(lin, a.reps) * 1e3, 2)})
+            qpn.LINEAR_VARIANT[0] = None
             emit({"series": f"read{tag}", "n": n, "event_us": round(time_ms(rd, a.reps) * 1e3, 2)})
         mod = qpn._module(dev)
-        run_series(f"nvfp4_m1 n={n}", lin, base.nbytes, mod, a.reps, read_bw, emit)
+        for v in variants:
+            qpn.LINEAR_VARIANT[0] = v
+            run_series(f"nvfp4_m1{v or ''} n={n}", lin, base.nbytes, mod, a.reps, read_bw, emit)
+        qpn.LINEAR_VARIANT[0] = None
         run_series(f"read n={n}", rd, base.nbytes // 16 * 16, mod, a.reps, read_bw, emit)
         build.source = default_source
         build.forget_modules()
