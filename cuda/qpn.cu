@@ -1033,6 +1033,106 @@ LINEAR_M1_STREAM(qpn2_linear_m1_sbu8, 2, 8, false)
 LINEAR_M1_STREAM(qpn2_linear_m1_siu8, 2, 8, true)
 LINEAR_M1_STREAM(qpn2_linear_m1_si3u8, 3, 8, true)
 
+// The same stream with tiles handed out as warps ask for them (sm_90+ probe, LINEAR_VARIANT "_m1sdu8"): a warp
+// starts on tile gw; lane 0 asks qpn_stream_ctr for its next tile when it starts a tile (its answer is wanted S - ST + 1
+// slots later, when the ring's issue crosses into that tile), so warps on SMs the memory serves faster take more
+// tiles and the last ones end close together. The last warp out (qpn_stream_ctr[1]) sets both counters back to 0 for
+// the next launch (one launch at a time per module: a probe, not graph- or stream-safe).
+__device__ int qpn_stream_ctr[2];
+template <int ST, int U>
+__device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                                   float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                                   int N, int K) {
+#if QPN_BULK
+  extern __shared__ __align__(16) unsigned char smem_dynamic[];
+  constexpr int RING = ST * BULK_SLOT(1, U);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = lane >> 2, q = lane & 3;
+  const int C = K / 64, S = C / U, tiles = (N + 15) >> 4;
+  const int gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
+  const u32x4* const wt[1] = {w};
+  const u64* const st[1] = {s};
+  const u32 rbase = smem_addr(smem_dynamic + warp * RING);
+  const u32 bbase = smem_addr(smem_dynamic + WARPS * RING + warp * ST * 8);
+  int* const share = reinterpret_cast<int*>(smem_dynamic + WARPS * (RING + ST * 8)) + warp;  // lane 0 -> the warp
+  const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
+  QPN_MARK(0);
+  int cur = gw, nxt = tiles;   // nxt: lane 0's
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < ST; ++i) mbar_init(bbase + 8 * i);
+    mbar_init_fence();
+  }
+  __syncwarp();
+  if (lane == 0 && cur < tiles) {
+#pragma unroll
+    for (int i = 0; i < ST - 1; ++i)
+      if (i < S) bulk_issue<2, 1, U>(wt, st, cur * C + i * U, cur * C + i * U + U, i, rbase, bbase);
+    nxt = GW + atomicAdd(&qpn_stream_ctr[0], 1);
+  }
+  pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
+  int r = 0;
+  u32 parity = 0;
+  bool first = true;
+  while (cur < tiles) {
+    float tot[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+    for (int kk = 0; kk < S; ++kk) {
+      const int ck = kk * U;
+      const u32 slot = rbase + r * BULK_SLOT(1, U);
+      u64 xv[U / 2];
+#pragma unroll
+      for (int p = 0; p < U; p += 2) xv[p / 2] = ld_act(x + (size_t)(ck + p) * 64 + n * 16 + 4 * q);
+      mbar_wait(bbase + 8 * r, parity);
+      if (first) QPN_MARK(1), first = false;
+      if (lane == 0) {  // the slot ST - 1 ahead: this tile's, or the next one's first
+        int ak = kk + ST - 1, at = cur;
+        if (ak >= S) ak -= S, at = nxt;
+        if (at < tiles) bulk_issue<2, 1, U>(wt, st, at * C + ak * U, at * C + ak * U + U, r == 0 ? ST - 1 : r - 1,
+                                            rbase, bbase);
+      }
+#pragma unroll
+      for (int p = 0; p < U; p += 2) {
+        u32 sw[1] = {lds32(slot + U * 512 + (p + (q >> 1)) * 64 + n * 8 + 4 * (q & 1))};
+        float d[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const u32x4 wv[1] = {lds128(slot + (p + h) * 512 + lane * 16)};
+          m1_mmas<1>(d, wv, h, xv[p / 2], n);
+        }
+        m1_scale<1>(tot, d, sw);
+      }
+      if (++r == ST) r = 0, parity ^= 1u;
+    }
+    float vr = tot[0][0] + tot[0][1], vr8 = tot[0][2] + tot[0][3];
+    vr += __shfl_xor_sync(0xffffffffu, vr, 1);
+    vr += __shfl_xor_sync(0xffffffffu, vr, 2);
+    vr8 += __shfl_xor_sync(0xffffffffu, vr8, 1);
+    vr8 += __shfl_xor_sync(0xffffffffu, vr8, 2);
+    const int row = cur * 16 + n;
+    if (q == 0 && row < N) y[row] = f_to_h(vr * g);
+    if (q == 0 && row + 8 < N) y[row + 8] = f_to_h(vr8 * g);
+    if (lane == 0) *share = nxt;
+    __syncwarp();
+    cur = *share;
+    __syncwarp();
+    if (lane == 0 && cur < tiles) nxt = GW + atomicAdd(&qpn_stream_ctr[0], 1);
+  }
+  QPN_MARK(2);
+  if (lane == 0) {  // every fetch of this warp is done: the last warp out resets the counters
+    __threadfence();
+    if (atomicAdd(&qpn_stream_ctr[1], 1) == GW - 1) qpn_stream_ctr[0] = 0, qpn_stream_ctr[1] = 0, __threadfence();
+  }
+  pdl_trigger();  // late: see pdl_trigger
+  QPN_MARK(3);
+#else
+  __trap();  // never launched below sm_90
+#endif
+}
+extern "C" __global__ void __launch_bounds__(THREADS, 3)
+qpn2_linear_m1_sdu8(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x,
+                    u16* __restrict__ y, int M, int N, int K, int KS, int P) {
+  linear_m1_dyn_body<2, 8>(w, s, gs, x, y, N, K);
+}
+
 // ---------------------------------------------------------------- NVFP4, M = 2..8 as M = 1 does, sm_80+
 // The M = 1 kernel's column trick for MP = 2, 4 or 8 rows: column n of the MMA carries row n % MP of x for
 // group slot n / MP of each set of GS = 8 / MP consecutive groups (zeros otherwise), so after a set's GS MMAs

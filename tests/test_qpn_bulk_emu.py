@@ -98,7 +98,7 @@ def emu_source() -> str:
     tb += src[src.index("#define LINEAR_M1_TB("): src.index(RULE + "NVFP4, M = 2..8 as M = 1 does")]
     last = src.index("\n", src.rindex("\nLINEAR_MP_TB(qpn2_") + 1) + 1
     tb += src[src.index("#define LINEAR_MP_TB("): last]
-    assert tb.count(decl) == 1, "linear_m1_stream_body's dynamic shared memory moved"
+    assert tb.count(decl) == 2, "linear_m1_stream_body's / linear_m1_dyn_body's dynamic shared memory moved"
     tb = tb.replace(decl, f"__shared__ __align__(16) unsigned char smem_dynamic[{DYN}];")
     assert "asm" not in pre[pre.index("#define BULK_SLOT"):] + funcs + tb, "an inline-PTX helper the shim does not replace"
     entry = "".join(

@@ -91,6 +91,8 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
         choice = None
     if choice in TB_KERNELS and sm < 90:         # the bulk-copy rings: sm_90+ only, else the default
         choice = None
+    if choice in STREAM_KERNELS:                 # qpn_linear launches them itself where they apply; else the default
+        choice = None
     if choice in ("_mp", "_mpx2"):               # forced where the column-trick kernels apply, else the default
         if mp:
             pair = choice == "_mpx2" or -(-n // 16) >= PAIR_MIN_TILES
@@ -134,13 +136,14 @@ CT_TB_MAX_M = 4   # the column-trick rings serve M = 1..CT_TB_MAX_M (M = 5..8: t
 # LINEAR_VARIANT choices (sm_90+, NVFP4 M = 1, rows of a multiple of U chunks; probes, never picked): one wave of
 # resident blocks whose warps stream their tiles through one bulk ring running on from tile to tile (qpn.cu's
 # LINEAR_M1_STREAM), suffix -> (ST, U)
-STREAM_KERNELS = {"_m1sbu8": (2, 8), "_m1siu8": (2, 8), "_m1si3u8": (3, 8)}
+STREAM_KERNELS = {"_m1sbu8": (2, 8), "_m1siu8": (2, 8), "_m1si3u8": (3, 8), "_m1sdu8": (2, 8)}
 
 
 def stream_smem(suffix: str) -> int:
-    """Dynamic shared memory of a STREAM_KERNELS kernel: WARPS rings of ST slots of U x 576 bytes, ST mbarriers."""
+    """Dynamic shared memory of a STREAM_KERNELS kernel: WARPS rings of ST slots of U x 576 bytes, ST mbarriers (and
+    an int per warp)."""
     st, u = STREAM_KERNELS[suffix]
-    return WARPS * st * u * 576 + WARPS * st * 8
+    return WARPS * st * u * 576 + WARPS * st * 8 + WARPS * 4
 
 
 def ct_tb_name(suffix: str) -> str:
