@@ -50,7 +50,7 @@ def backend(request):
 
 @pytest.fixture(params=[None, "", "_u4", "_as", "_as4", "_m1", "_m1x2", "_mp", "_mpx2", "_t2", "_t2u1", "_tbu2",
                         "_tb1u4", "_m1tbu4", "_m1tbu8", "_m1tb2u4", "_mp2tbu4", "_mp2tbu8", "_mp2tb2u4", "_mp4tbu4",
-                        "_mp4tb2u4", "_m1sbu8", "_m1siu8", "_m1si3u8", "_m1sdu8"])
+                        "_mp4tb2u4"])
 def variant(request):
     from hybrid.kernels import qpn
 

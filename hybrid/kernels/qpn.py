@@ -91,8 +91,6 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
         choice = None
     if choice in TB_KERNELS and sm < 90:         # the bulk-copy rings: sm_90+ only, else the default
         choice = None
-    if choice in STREAM_KERNELS:                 # qpn_linear launches them itself where they apply; else the default
-        choice = None
     if choice in ("_mp", "_mpx2"):               # forced where the column-trick kernels apply, else the default
         if mp:
             pair = choice == "_mpx2" or -(-n // 16) >= PAIR_MIN_TILES
@@ -131,19 +129,6 @@ CT_TB_KERNELS = {f"_{m}{v}": g for m in ("m1", "mp2", "mp4")
                  for v, g in (("tbu4", (2, 4, 1)), ("tbu8", (2, 8, 1)), ("tb2u4", (2, 4, 2)))
                  if (m, v) != ("mp4", "tbu8")}
 CT_TB_MAX_M = 4   # the column-trick rings serve M = 1..CT_TB_MAX_M (M = 5..8: the 8-column kernels)
-
-
-# LINEAR_VARIANT choices (sm_90+, NVFP4 M = 1, rows of a multiple of U chunks; probes, never picked): one wave of
-# resident blocks whose warps stream their tiles through one bulk ring running on from tile to tile (qpn.cu's
-# LINEAR_M1_STREAM), suffix -> (ST, U)
-STREAM_KERNELS = {"_m1sbu8": (2, 8), "_m1siu8": (2, 8), "_m1si3u8": (3, 8), "_m1sdu8": (2, 8)}
-
-
-def stream_smem(suffix: str) -> int:
-    """Dynamic shared memory of a STREAM_KERNELS kernel: WARPS rings of ST slots of U x 576 bytes, ST mbarriers (and
-    an int per warp)."""
-    st, u = STREAM_KERNELS[suffix]
-    return WARPS * st * u * 576 + WARPS * st * 8 + WARPS * 4
 
 
 def ct_tb_name(suffix: str) -> str:
@@ -632,16 +617,7 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     passes = -(-m // (8 * mt))
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
-    sv = LINEAR_VARIANT[0]
-    if (sv in STREAM_KERNELS and fmt == 2 and m == 1 and mod.sm >= 90 and chunks % STREAM_KERNELS[sv][1] == 0
-            and w.scales.data_ptr() % 16 == 0):
-        name, smem = "qpn2_linear_m1_" + sv[3:], stream_smem(sv)
-        grid = (min(_sms(w.device) * mod.occupancy(name, THREADS, smem), -(-tiles // WARPS)), 1, 1)
-        args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
-                ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(1), ctypes.c_int(1)]
-        mod.launch(name, grid, THREADS, args, smem=smem, pdl=pdl(mod.sm))
-        return y
-    name = linear_kernel(fmt, mt, m, mod.sm, sv, n, k)
+    name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n, k)
     geo = bulk_geometry(name)
     if geo and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows: the cp.async / register ones
         pair = "2" if geo[2] == 2 else ""
