@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import platform
 import statistics
 import sys
 
 import torch
 
-from hybrid.bench.cuda_kernels import SHAPES, _clone_weight, bandwidths, copies_for, random_qweight, time_ms
+from hybrid.bench.cuda_kernels import SHAPES, _clone_weight, copies_for, open_probe, random_qweight, time_ms
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import QPNWeight, build, qpn, qpn_linear
 
@@ -50,18 +48,7 @@ def main() -> int:
     ap.add_argument("--sha", default="unknown")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
-    read_bw, copy_bw = bandwidths()
-    head = {"what": "qpn_m8_probe", "git_sha": a.sha, "gpu": torch.cuda.get_device_name(dev),
-            "command": " ".join(["tools/qpn_m8_probe.py", *sys.argv[1:]]),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical cores",
-            "read_gbs": round(read_bw, 1), "copy_gbs": round(copy_bw, 1)}
-    out = open(a.out, "a")
-
-    def emit(r: dict) -> None:
-        print(json.dumps(r), flush=True)
-        out.write(json.dumps(r) + "\n")
-
-    emit(head)
+    emit, read_bw = open_probe("qpn_m8_probe", a.sha, a.out)
     tree_source = build.source
     alts = [f for f in a.alt_source.split(",") if f]
     builds = [("", None)] + [("@alt" if len(alts) == 1 else f"@alt{i + 1}", open(f).read()) for i, f in enumerate(alts)]

@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
-import os
-import platform
 import statistics
 import sys
 
 import numpy as np
 import torch
 
-from hybrid.bench.cuda_kernels import _clone_weight, bandwidths, copies_for, random_qweight, time_ms
+from hybrid.bench.cuda_kernels import _clone_weight, copies_for, open_probe, random_qweight, time_ms
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import QPNWeight, build, qpn, qpn_linear
 from hybrid.kernels.driver import _cuda, check
@@ -148,18 +145,7 @@ def main() -> int:
     a = ap.parse_args()
     variants = [None] + [v for v in a.variants.split(",") if v]
     dev = torch.device("cuda", 0)
-    read_bw, copy_bw = bandwidths()
-    head = {"what": "qpn_timeline_probe", "git_sha": a.sha, "gpu": torch.cuda.get_device_name(dev),
-            "command": " ".join(["tools/qpn_timeline_probe.py", *sys.argv[1:]]),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical cores",
-            "read_gbs": round(read_bw, 1), "copy_gbs": round(copy_bw, 1)}
-    out = open(a.out, "a")
-
-    def emit(r: dict) -> None:
-        print(json.dumps(r), flush=True)
-        out.write(json.dumps(r) + "\n")
-
-    emit(head)
+    emit, read_bw = open_probe("qpn_timeline_probe", a.sha, a.out)
     default_source = DEFAULT_SOURCE
     for sc in (float(s) for s in a.scales.split(",")):
         n = max(16, round(LM_N * sc / 16) * 16)

@@ -149,6 +149,29 @@ def bandwidths() -> tuple[float, float]:
     return read, copy
 
 
+def open_probe(tool: str, sha: str, out: str):
+    """A probe tool's record stream (tools/qpn_*_probe.py): the run's read and copy bandwidths measured, a header
+    record (tool, command line, sha, GPU, machine, bandwidths) printed and appended to `out`; -> (emit, read GB/s),
+    emit(record) printing and appending one more."""
+    import os
+
+    import torch
+
+    read_bw, copy_bw = bandwidths()
+    f = open(out, "a")
+
+    def emit(r: dict) -> None:
+        print(json.dumps(r), flush=True)
+        f.write(json.dumps(r) + "\n")
+        f.flush()
+
+    emit({"what": tool, "git_sha": sha, "gpu": torch.cuda.get_device_name(0),
+          "command": " ".join([f"tools/{tool}.py", *sys.argv[1:]]),
+          "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical cores",
+          "read_gbs": round(read_bw, 1), "copy_gbs": round(copy_bw, 1)})
+    return emit, read_bw
+
+
 def random_qweight(qtype, n: int, k: int, device):
     """Random valid packed weight straight on the device (no NaN codes, realistic scales)."""
     import torch
