@@ -8,9 +8,16 @@ earlier behaviour), sessions alternating; every expert resident on GPU 0 (result
 (8 layers of the Qwen3-30B-A3B-shaped synthetic checkpoint: its 151936 x 2048 table, a short load.) Per session: load
 time and parts (load_s: "embed" is the pin), the first and a second 64-token greedy generation's decode time.
 """
-import gc, json, sys, time
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
 from pathlib import Path
+
 import torch
+
 from hybrid.generate import generate
 from hybrid.model import ModelConfig
 from hybrid.runtime import open_session
@@ -29,14 +36,16 @@ ids = list(range(100, 132))
 for mode in ("load", "first_step", "load", "first_step"):
     skip["on"] = mode == "first_step"
     t = time.perf_counter()
-    s = open_session(path, RuntimeOptions(device="cuda", gpus=(0,), cache_slots=(cfg.num_hidden_layers * cfg.num_experts,), cpu_engine="torch"),
-                     context=len(ids) + 140)
+    opts = RuntimeOptions(device="cuda", gpus=(0,), cache_slots=(cfg.num_hidden_layers * cfg.num_experts,),
+                          cpu_engine="torch")
+    s = open_session(path, opts, context=len(ids) + 140)
     load = time.perf_counter() - t
     skip["on"] = False
     hm = s.model
     hm.prompt_tokens = len(ids)
     gens = [generate(hm, tok, ids, 64, Sampler(SamplerConfig())) for _ in range(2)]
-    print(json.dumps({"mode": mode, "load_s": round(load, 2), "load_parts": {k: round(v, 3) for k, v in s.load_s.items()},
+    print(json.dumps({"mode": mode, "load_s": round(load, 2),
+                      "load_parts": {k: round(v, 3) for k, v in s.load_s.items()},
                       "first_gen": {"decode_s": round(gens[0].decode_s, 4), "tok_s": round(gens[0].decode_tok_s, 1),
                                     "prefill_s": round(gens[0].prefill_s, 4)},
                       "second_gen": {"decode_s": round(gens[1].decode_s, 4), "tok_s": round(gens[1].decode_tok_s, 1)},

@@ -32,9 +32,10 @@ after numbers). With capture=False the same pieces run eagerly (CPU tests of the
 A step whose segments are all resident (runs_ahead) needs the host only to launch it: hybrid.generate's
 overlapped decode enqueues it with the sampled id still on the device (HybridModel.enqueue). The id is
 then embedded on the first layer's card by fused_embed_rows reading its row from the host's table, pinned and
-mapped for the cards at load when the decode overlaps, else at the first such step (hybrid.runtime.host_embed: the table never takes card memory; the
-planner keeps it on the host). HYBRID_HOST_EMBED=0, or a table that cannot be pinned: a copy of the table in the
-model dtype on that card instead (vocab x hidden x 2 bytes, not in the plan). Host ids index the host table.
+mapped for the cards at load when the decode overlaps, else at the first such step (hybrid.runtime.host_embed:
+the table never takes card memory; the planner keeps it on the host). HYBRID_HOST_EMBED=0, or a table that cannot
+be pinned: a copy of the table in the model dtype on that card instead (vocab x hidden x 2 bytes, not in the
+plan). Host ids index the host table.
 """
 from __future__ import annotations
 

@@ -213,8 +213,8 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
     t7 = time.perf_counter()
     hm = HybridModel(model, experts, opts.kv_resident, opts.kv_dtype, graphs, prefill_graphs)
     return Session(hm, placement, plan, cards, cpu, stats, opts, trace, eprof,
-                   {"plan": t1 - t0, "dense": t2 - t1, "cpu_store": t4 - t3, "pin_store": t5 - t4, "expert_cache": t6 - t5,
-                    "embed": t7 - t6},
+                   {"plan": t1 - t0, "dense": t2 - t1, "cpu_store": t4 - t3, "pin_store": t5 - t4,
+                    "expert_cache": t6 - t5, "embed": t7 - t6},
                    owns_cpu, held, counter, (path.resolve().name, cfg.model_type))
 
 
