@@ -353,10 +353,25 @@ def test_device_flag(capsys, sources, tmp_path):
         run_ok(src, tmp_path / "c", "--recipe", "mixed", "--device", "cuda")
         assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "c" / f).read_bytes() for f in files
                    if f.endswith(".safetensors"))
-        run_ok(src, tmp_path / "d", "--recipe", "mixed", "--nvfp4-scales", "mse")
+        run_ok(src, tmp_path / "d", "--recipe", "mixed", "--nvfp4-scales", "mse", "--device", "cpu")
         run_ok(src, tmp_path / "e", "--recipe", "mixed", "--nvfp4-scales", "mse", "--device", "cuda")
         assert all((tmp_path / "d" / f).read_bytes() == (tmp_path / "e" / f).read_bytes() for f in files
                    if f.endswith(".safetensors"))
+
+
+def test_device_out_of_memory(capsys, sources, tmp_path, monkeypatch):
+    """A GPU that runs out of memory mid-checkpoint (--device auto picks the GPU by default): one line naming the
+    Linears and --device cpu, nothing written."""
+    from hybrid.checkpoint import writer
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(writer, "quantize_group", oom)
+    monkeypatch.setattr(writer, "check_device", lambda d: "cuda")      # what auto picks where there is a GPU
+    expect_error(capsys, sources["qwen3_moe"], tmp_path / "x",
+                 match=r"^error: cuda: out of GPU memory quantizing model\.layers\.\d+\.\S+; free the GPU or "
+                       r"pass --device cpu \(the same bytes\)$")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

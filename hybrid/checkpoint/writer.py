@@ -382,7 +382,12 @@ def _write(source, units, plan, rec, fmt, exclude, cfg, out: Path, max_bytes: in
                 writer.add(u.copy, source.get(u.copy))
                 bar.update(source.nbytes(u.copy))
             else:
-                for name, t in quantize_group(source, u.linears, plan, fmt, scales, importance, device).items():
+                try:
+                    parts = quantize_group(source, u.linears, plan, fmt, scales, importance, device)
+                except torch.OutOfMemoryError:
+                    raise HybridError(f"{device}: out of GPU memory quantizing {', '.join(s.name for s in u.linears)}"
+                                      "; free the GPU or pass --device cpu (the same bytes)") from None
+                for name, t in parts.items():
                     writer.add(name, t)
                 bar.update(sum(source.nbytes(f"{s.name}.weight") for s in u.linears))
             writer.maybe_flush()
