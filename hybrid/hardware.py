@@ -183,7 +183,48 @@ def require_gpus(device_flag: str, indices=(), gpus_flag: str | None = None) -> 
     bad = [g for g in indices if g >= n]
     if bad:
         raise HybridError(f"{gpus_flag or device_flag}: GPU {bad[0]} does not exist ({n} visible: 0..{n - 1})")
+    for g in sorted(set(indices)) or [0]:
+        problem = torch_arch_problem(g)
+        if problem:
+            raise HybridError(f"{gpus_flag or device_flag}: {problem}")
     return n
+
+
+def _arch_runs_on(arch: str, major: int, minor: int) -> bool:
+    """Whether code torch was built for (an entry of torch.cuda.get_arch_list(): "sm_86", "sm_90a", "compute_120")
+    runs on a GPU of compute capability major.minor: a CUBIN on its major at a minor up to the GPU's (an "a" / "f"
+    feature-specific one on that exact GPU only), PTX on any GPU at or past its version (the driver compiles it)."""
+    kind, _, num = arch.partition("_")
+    digits = num.rstrip("abf")
+    if not digits.isdigit():
+        return False
+    v = int(digits)
+    am, an = divmod(v, 10)
+    if kind == "compute":
+        return (am, an) <= (major, minor)
+    if kind != "sm":
+        return False
+    if digits != num:                        # sm_90a, sm_100f: that GPU only
+        return (am, an) == (major, minor)
+    return am == major and an <= minor
+
+
+def torch_arch_problem(index: int) -> str | None:
+    """None where the installed torch can run its kernels on CUDA GPU `index` (or does not say what it was built
+    for: CPU builds, tests); else why not, in words that name the fix. The case that matters here: torch's CUDA 12.8+
+    and 13 wheels carry no sm_70 code, so on a V100 every torch operation would fail with "no kernel image is
+    available" mid-run."""
+    import torch
+
+    archs = torch.cuda.get_arch_list()
+    if not archs:
+        return None
+    major, minor = torch.cuda.get_device_capability(index)
+    if any(_arch_runs_on(a, major, minor) for a in archs):
+        return None
+    return (f"GPU {index} ({torch.cuda.get_device_name(index)}, sm_{major}{minor}) cannot run this torch build's "
+            f"kernels (CUDA {torch.version.cuda}, built for {' '.join(archs)}); install a torch wheel with sm_{major}"
+            f"{minor} code{' (V100: the cu126 wheels)' if (major, minor) == (7, 0) else ''}, or use --device cpu")
 
 
 def driver_version() -> str | None:

@@ -158,11 +158,39 @@ def test_device_auto_takes_a_volta_or_newer_gpu(monkeypatch, capsys):
                                              ("cpu", True, (9, 0), "cpu", False), (None, True, (8, 6), "cuda", False)):
         monkeypatch.setattr(torch.cuda, "is_available", lambda v=visible: v)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0, c=cap: c)
+        monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: [])   # a build that runs on each (a GPU host's may not)
         args = argparse.Namespace(max_tokens=4, stats_every=None, device=device, json=False, stats=False)
         _check_args(args)
         assert args.device == want and capsys.readouterr().err == ""
         _print(args, "tiny", res, None, None)
         assert ("sm_61" in capsys.readouterr().err) == note
+
+
+def test_device_auto_on_a_gpu_torch_cannot_run(monkeypatch, capsys):
+    """A V100 under a torch built without sm_70 code (CUDA 12.8+ / 13 wheels): --device auto runs on the CPU and says
+    why, with the fix, in one line after the run; --device cuda is one line up front; so is hybrid-quantize's, whose
+    auto takes the CPU (the same bytes)."""
+    import argparse
+
+    from hybrid.checkpoint.writer import check_device
+    from hybrid.cli.run import _check_args, _print
+    from hybrid.errors import HybridError
+    from hybrid.generate import GenerationResult
+    from tests.test_hardware import CU130_ARCHS, fake_torch_gpu
+
+    fake_torch_gpu(monkeypatch, (7, 0), CU130_ARCHS)
+    args = argparse.Namespace(max_tokens=4, stats_every=None, device="auto", json=False, stats=False)
+    _check_args(args)
+    assert args.device == "cpu" and capsys.readouterr().err == ""
+    _print(args, "tiny", GenerationResult(prompt_ids=[1], generated_ids=[2], text="x", prefill_s=1.0, decode_s=1.0),
+           None, None)
+    note = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("hybrid: ran on the CPU")]
+    assert len(note) == 1 and "sm_70" in note[0] and "cu126" in note[0]
+    with pytest.raises(HybridError, match=r"^--device cuda: GPU 0 \(Tesla V100-SXM2-16GB, sm_70\) cannot run"):
+        _check_args(argparse.Namespace(max_tokens=4, stats_every=None, device="cuda", json=False, stats=False))
+    assert check_device("auto") == "cpu"
+    with pytest.raises(HybridError, match=r"^--device cuda: GPU 0 .* cu126"):
+        check_device("cuda")
 
 
 @pytest.mark.parametrize("free_gib,runtime", [(0.5, True), (64.0, False)])

@@ -173,3 +173,53 @@ def test_calibrate_bad_flag(tmp_path, capsys):
 def test_parsers_tolerate_odd_input(text):
     assert hardware.parse_meminfo(text).total_bytes == 0
     assert hardware.parse_cpuinfo(text)["logical"] == 0
+
+
+CU130_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]   # torch's CUDA 13 wheels
+
+
+def fake_torch_gpu(monkeypatch, cap, archs, n=1):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Tesla V100-SXM2-16GB" if cap == (7, 0) else "GPU")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(archs))
+
+
+def test_arch_runs_on():
+    """CUBINs on their major at a minor up to the GPU's ("a" / "f" ones on that GPU only); PTX on any GPU at or past it."""
+    from hybrid.hardware import _arch_runs_on
+
+    assert _arch_runs_on("sm_70", 7, 0) and _arch_runs_on("sm_80", 8, 6) and not _arch_runs_on("sm_86", 8, 0)
+    assert not _arch_runs_on("sm_75", 7, 0) and not _arch_runs_on("sm_80", 9, 0)
+    assert _arch_runs_on("sm_90a", 9, 0) and not _arch_runs_on("sm_90a", 10, 0) and _arch_runs_on("sm_100", 10, 3)
+    assert _arch_runs_on("compute_70", 9, 0) and not _arch_runs_on("compute_120", 7, 0)
+    assert not _arch_runs_on("gfx90a", 9, 0) and not _arch_runs_on("sm_x", 7, 0)
+
+
+@pytest.mark.parametrize("cap,archs,ok", [
+    ((7, 0), CU130_ARCHS, False),                              # a V100 under a CUDA 13 torch: the case that matters
+    ((7, 0), ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"], True),   # the cu126 wheels
+    ((9, 0), CU130_ARCHS, True),
+    ((12, 1), CU130_ARCHS, True),                              # sm_120 CUBIN, minor 1
+    ((7, 0), [], True),                                        # a build that does not say: not blocked
+])
+def test_torch_arch_problem(monkeypatch, cap, archs, ok):
+    """torch_arch_problem: None where torch's build runs on the GPU (or does not say); else one sentence naming the
+    GPU, the build's CUDA and archs and the fix -- and require_gpus, the runtime's and hybrid-quantize's --device
+    check, raises it as one line."""
+    from hybrid.errors import HybridError
+    from hybrid.hardware import require_gpus, torch_arch_problem
+
+    fake_torch_gpu(monkeypatch, cap, archs)
+    problem = torch_arch_problem(0)
+    assert (problem is None) == ok
+    if ok:
+        assert require_gpus("--device cuda") == 1
+        return
+    assert "GPU 0 (Tesla V100-SXM2-16GB, sm_70) cannot run this torch build's kernels" in problem
+    assert "cu126" in problem and "--device cpu" in problem and "\n" not in problem
+    with pytest.raises(HybridError, match=r"^--gpus 0: GPU 0 \(Tesla V100"):
+        require_gpus("--device cuda", [0], "--gpus 0")

@@ -37,7 +37,7 @@ from hybrid.checkpoint.files import INDEX, SafetensorsFiles
 from hybrid.checkpoint.formats import SCALES, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
 from hybrid.checkpoint.names import Names, shared_scale_groups
 from hybrid.errors import CheckpointError, HybridError
-from hybrid.hardware import require_gpus
+from hybrid.hardware import require_gpus, torch_arch_problem
 from hybrid.model.config import ModelConfig
 
 INPUT_SCALE = 1.0
@@ -339,10 +339,10 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, recipe: str = "nvfp4",
 
 
 def check_device(device: str) -> str:
-    """--device auto|cpu|cuda|cuda:N -> the torch device string (auto: "cuda" where torch sees a GPU, else "cpu");
-    one line where it does not exist here."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+    """--device auto|cpu|cuda|cuda:N -> the torch device string (auto: "cuda" where torch sees a GPU it can run on,
+    else "cpu"); one line where it does not exist here or torch cannot run on it."""
+    if device == "auto":   # the CPU where torch cannot run on the GPU either (the same bytes)
+        return "cuda" if torch.cuda.is_available() and torch_arch_problem(0) is None else "cpu"
     try:
         d = torch.device(device)
     except (RuntimeError, ValueError):

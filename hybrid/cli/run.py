@@ -14,6 +14,7 @@ import json
 import sys
 
 from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
+from hybrid.hardware import torch_arch_problem
 from hybrid.model.head import HEAD_TYPES
 
 RUNTIME_FLAGS = ("gpus", "layer_split", "kv_resident", "cache_slots", "cpu_threads", "hugepages",
@@ -131,16 +132,20 @@ def _check_args(args) -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise HybridError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
-    args.old_gpu = None          # auto on a GPU older than Volta: the CPU, and _print says why after the run
+    if args.device == "cuda" and torch_arch_problem(0):
+        raise HybridError(f"--device cuda: {torch_arch_problem(0)}")
+    args.old_gpu = None          # auto on a GPU it cannot use: the CPU, and _print says why after the run
     args.auto_device = args.device in (None, "auto")
     if args.auto_device:
         args.device = "cpu"
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability(0)
-            if (major, minor) >= (7, 0):
-                args.device = "cuda"
+            if (major, minor) < (7, 0):
+                args.old_gpu = f"the GPU is sm_{major}{minor}, the QPN kernels need sm_70 (Volta) or newer"
+            elif torch_arch_problem(0):
+                args.old_gpu = torch_arch_problem(0)
             else:
-                args.old_gpu = f"sm_{major}{minor}"
+                args.device = "cuda"
 
 
 FIT_MARGIN = 2**30   # bytes a reference-path run needs beside its weights (KV cache, activations, allocator)
@@ -323,8 +328,7 @@ def _print(args, path, res, session, report) -> None:
         print(f"expert profile: this run's routing written to {session.saved_profile} (--expert-profile "
               f"{session.saved_profile} warms the next run from it)", file=sys.stderr)
     if getattr(args, "old_gpu", None):
-        print(f"hybrid: ran on the CPU: the GPU is {args.old_gpu}, the QPN kernels need sm_70 (Volta) or newer",
-              file=sys.stderr)
+        print(f"hybrid: ran on the CPU: {args.old_gpu}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
