@@ -158,7 +158,7 @@ def test_device_auto_takes_a_volta_or_newer_gpu(monkeypatch, capsys):
                                              ("cpu", True, (9, 0), "cpu", False), (None, True, (8, 6), "cuda", False)):
         monkeypatch.setattr(torch.cuda, "is_available", lambda v=visible: v)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0, c=cap: c)
-        monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: [])   # a build that runs on each (a GPU host's may not)
+        monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: [])   # runs on each (a GPU host's build may not)
         args = argparse.Namespace(max_tokens=4, stats_every=None, device=device, json=False, stats=False)
         _check_args(args)
         assert args.device == want and capsys.readouterr().err == ""

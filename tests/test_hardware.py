@@ -189,7 +189,8 @@ def fake_torch_gpu(monkeypatch, cap, archs, n=1):
 
 
 def test_arch_runs_on():
-    """CUBINs on their major at a minor up to the GPU's ("a" / "f" ones on that GPU only); PTX on any GPU at or past it."""
+    """CUBINs on their major at a minor up to the GPU's ("a" / "f" ones on that GPU only); PTX on any GPU at or past
+    its version."""
     from hybrid.hardware import _arch_runs_on
 
     assert _arch_runs_on("sm_70", 7, 0) and _arch_runs_on("sm_80", 8, 6) and not _arch_runs_on("sm_86", 8, 0)
