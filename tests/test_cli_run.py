@@ -213,6 +213,7 @@ def test_device_auto_runs_the_runtime_when_the_checkpoint_does_not_fit(monkeypat
         return f
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (int(free_gib * 2**30), 80 * 2**30))
     monkeypatch.setattr(run, "_open", stop("runtime"))

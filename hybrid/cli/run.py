@@ -14,7 +14,7 @@ import json
 import sys
 
 from hybrid.cli.common import OneLineParser, add_debug_flag, run_cli
-from hybrid.hardware import torch_arch_problem
+from hybrid.hardware import require_gpus, torch_arch_problem
 from hybrid.model.head import HEAD_TYPES
 
 RUNTIME_FLAGS = ("gpus", "layer_split", "kv_resident", "cache_slots", "cpu_threads", "hugepages",
@@ -130,21 +130,17 @@ def _check_args(args) -> None:
         raise HybridError(f"--stats-every must be >= 1 (tokens between reports), got {args.stats_every}")
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise HybridError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
-    if args.device == "cuda" and torch_arch_problem(0):
-        raise HybridError(f"--device cuda: {torch_arch_problem(0)}")
+    if args.device == "cuda":
+        require_gpus("--device cuda")   # one visible, and torch's build runs on it
     args.old_gpu = None          # auto on a GPU it cannot use: the CPU, and _print says why after the run
     args.auto_device = args.device in (None, "auto")
     if args.auto_device:
         args.device = "cpu"
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability(0)
-            if (major, minor) < (7, 0):
-                args.old_gpu = f"the GPU is sm_{major}{minor}, the QPN kernels need sm_70 (Volta) or newer"
-            elif torch_arch_problem(0):
-                args.old_gpu = torch_arch_problem(0)
-            else:
+            args.old_gpu = (f"the GPU is sm_{major}{minor}, the QPN kernels need sm_70 (Volta) or newer"
+                            if (major, minor) < (7, 0) else torch_arch_problem(0))
+            if args.old_gpu is None:
                 args.device = "cuda"
 
 
