@@ -268,8 +268,7 @@ class DecodeGraphs(SegmentGraphs):
         m = self.model
         if ids.device == m.embed.device:
             return m.embed_tokens(ids)
-        if self._host_embed is None and self._embed_table is None:
-            self.pin_embed()
+        self.pin_embed()                     # once (the session's load usually did)
         if self._host_embed is not None:
             return self._host_embed.rows(ids.to(m.layer_devices[0]), m.dtype)
         return self._embed_table[ids.to(m.layer_devices[0])]
