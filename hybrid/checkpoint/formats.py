@@ -148,11 +148,16 @@ SCALES = ("amax", "mse")
 SCALE_SEARCH = (1.0, 0.75, 0.8, 0.85, 0.9, 0.95, 1.05, 1.1)
 
 
+def _in_scale_units(blocks: torch.Tensor, scale_fp8: torch.Tensor, weight_scale_2: float):
+    """blocks [N, G, 16] over their block's whole scale (e4m3 block scale [N, G] x weight_scale_2; 0 where that
+    scale is 0) -> (that [N, G, 16], the scales [N, G, 1] as f32)."""
+    scale_f = (scale_fp8.to(torch.float32) * weight_scale_2).unsqueeze(-1)
+    return torch.where(scale_f > 0, blocks / torch.where(scale_f > 0, scale_f, 1.0), 0.0), scale_f
+
+
 def _e2m1_codes(blocks: torch.Tensor, scale_fp8: torch.Tensor, weight_scale_2: float) -> torch.Tensor:
     """blocks [N, G, 16] f32 at e4m3 block scales [N, G] -> E2M1 codes u8 [N, G, 16]."""
-    scale_f = scale_fp8.to(torch.float32) * weight_scale_2
-    safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f)).unsqueeze(-1)
-    return round_to_e2m1(torch.where(scale_f.unsqueeze(-1) > 0, blocks / safe, torch.zeros_like(blocks)))
+    return round_to_e2m1(_in_scale_units(blocks, scale_fp8, weight_scale_2)[0])
 
 
 def _block_error(mags: torch.Tensor, scale_fp8: torch.Tensor, weight_scale_2: float,
@@ -160,8 +165,7 @@ def _block_error(mags: torch.Tensor, scale_fp8: torch.Tensor, weight_scale_2: fl
     """The squared error per block [N, G] of magnitudes [N, G, 16] rounded onto E2M1 at e4m3 block scales [N, G]
     (_e2m1_magnitude: round_to_e2m1's rounding; the sign is kept exactly, so magnitudes are enough), each input
     column's error weighted by importance [G, 16] when given."""
-    scale_f = (scale_fp8.to(torch.float32) * weight_scale_2).unsqueeze(-1)
-    a = torch.where(scale_f > 0, mags / torch.where(scale_f > 0, scale_f, 1.0), 0.0)
+    a, scale_f = _in_scale_units(mags, scale_fp8, weight_scale_2)
     err = (mags - _e2m1_magnitude(a) * scale_f).square()
     return _sum16(err if importance is None else err * importance)
 
