@@ -929,6 +929,144 @@ LINEAR_M1_TB(qpn2_linear_m1_tbu4, 2, 4, 1)
 LINEAR_M1_TB(qpn2_linear_m1_tbu8, 2, 8, 1)
 LINEAR_M1_TB(qpn2_linear_m1_tb2u4, 2, 4, 2)
 
+// sm_90+ only: NVFP4 M = 1 as one wave of resident blocks whose warps never leave their ring (`_m1dyn`; the
+// thirty-sixth session's timelines: the default kernel's SMs stop reading while each wave of blocks hands over to
+// the next, a ring run on through whole tiles ends unevenly). Warp gw of GW (grid = the resident blocks) streams,
+// through one bulk ring of 2 slots of U chunks, first the whole tiles gw, gw + GW, ... (SW of them: tiles [0, T0),
+// T0 = SW GW, y written by the warp), then items of U chunks of the tiles from T0 (item i: tile T0 + i / P, its
+// chunks (i % P) U ..., P = C / U): item gw first, then those a global counter hands out (ctl[0], fetched one item
+// ahead), each item's 16 row sums stored in part[i] and summed in item order by the tile's last warp to arrive
+// (ctl[2 + tile - T0]), so y is the same bits on every launch. The last warp to finish zeroes the counters
+// (ctl[1] counts finished warps) for the next launch; the counters are touched after the grid-dependency wait only.
+// Needs C % U == 0 (the launcher checks).
+struct DynSlot { int t, c, item; };  // tile, first chunk, dynamic item (-1: a static tile's slot, t < 0: none)
+
+template <int U>
+__device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                                   float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                                   int N, int K, int SW, int* __restrict__ ctl,
+                                                   float* __restrict__ part) {
+#if QPN_BULK
+  constexpr int SLOT = BULK_SLOT(1, U);
+  extern __shared__ __align__(16) unsigned char smem_dynamic[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = lane >> 2, q = lane & 3;
+  const int GW = gridDim.x * WARPS, gw = blockIdx.x * WARPS + warp;
+  const int C = K / 64, tiles = (N + 15) >> 4, P = C / U, T0 = SW * GW, I = (tiles - T0) * P;
+  int* const grab = ctl;
+  int* const done = ctl + 1;
+  int* const tcnt = ctl + 2;
+  const u32 rbase = smem_addr(smem_dynamic + warp * 2 * SLOT);
+  const u32 bbase = smem_addr(smem_dynamic + WARPS * 2 * SLOT + warp * 16);
+  const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
+  QPN_MARK(0);
+  int sj = 0, sc = 0, pend = 0;
+  bool first = true;
+  auto next = [&]() -> DynSlot {
+    if (sj < SW) {
+      const DynSlot d{gw + sj * GW, sc, -1};
+      sc += U;
+      if (sc == C) sc = 0, ++sj;
+      return d;
+    }
+    int item;
+    if (first) {
+      item = gw, first = false;
+    } else {
+      item = GW + __shfl_sync(0xffffffffu, pend, 0);
+      if (item < I && lane == 0) pend = atomicAdd(grab, 1);  // the one after it, needed a slot later
+    }
+    return item < I ? DynSlot{T0 + item / P, (item % P) * U, item} : DynSlot{-1, 0, -1};
+  };
+  auto issue = [&](const DynSlot& d, int sl) {
+    const u32x4* wt[1] = {w + (size_t)d.t * C * 32};
+    const u64* st[1] = {s + (size_t)d.t * C * 8};
+    bulk_issue<2, 1, U>(wt, st, d.c, C, sl, rbase, bbase);
+  };
+  DynSlot cur = next();
+  if (lane == 0) {
+    mbar_init(bbase), mbar_init(bbase + 8);
+    mbar_init_fence();
+  }
+  __syncwarp();
+  if (lane == 0 && cur.t >= 0) issue(cur, 0);
+  pdl_wait();  // x was written by an earlier kernel, the counters by the last launch of this one
+  // the first grab: the item after gw (every warp that reaches its dynamic items has item gw < I)
+  if (lane == 0 && gw < I) pend = atomicAdd(grab, 1);
+  float tot[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  for (int k = 0; cur.t >= 0; ++k) {
+    const int sl = k & 1;
+    const u32 slot = rbase + sl * SLOT;
+    u64 xv[U / 2];  // group 4 p + n of each chunk pair p: this lane's only non-zero B operand
+#pragma unroll
+    for (int p = 0; p < U; p += 2) xv[p / 2] = ld_act(x + (size_t)(cur.c + p) * 64 + n * 16 + 4 * q);
+    mbar_wait(bbase + 8 * sl, (k >> 1) & 1);
+    if (k == 0) QPN_MARK(1);
+    const DynSlot nx = next();
+    if (lane == 0 && nx.t >= 0) issue(nx, sl ^ 1);
+#pragma unroll
+    for (int p = 0; p < U; p += 2) {
+      // scale bytes [s(r,2q') s(r,2q'+1) s(r+8,2q') s(r+8,2q'+1)] of chunk p + q/2, q' = q%2
+      u32 sw[1] = {lds32(slot + U * 512 + (p + (q >> 1)) * 64 + n * 8 + 4 * (q & 1))};
+      float d[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        u32x4 wv[1] = {lds128(slot + (p + h) * 512 + lane * 16)};
+        m1_mmas<1>(d, wv, h, xv[p / 2], n);
+      }
+      m1_scale<1>(tot, d, sw);
+    }
+    if (cur.item >= 0 || cur.c + U == C) {  // a work item ends: its 16 row sums
+      float vr = tot[0][0] + tot[0][1], vr8 = tot[0][2] + tot[0][3];  // sum the lane quad's groups
+      vr += __shfl_xor_sync(0xffffffffu, vr, 1);
+      vr += __shfl_xor_sync(0xffffffffu, vr, 2);
+      vr8 += __shfl_xor_sync(0xffffffffu, vr8, 1);
+      vr8 += __shfl_xor_sync(0xffffffffu, vr8, 2);
+      tot[0][0] = tot[0][1] = tot[0][2] = tot[0][3] = 0.f;
+      const int row = cur.t * 16 + n;
+      if (cur.item < 0) {
+        if (q == 0) {
+          if (row < N) y[row] = f_to_h(vr * g);
+          if (row + 8 < N) y[row + 8] = f_to_h(vr8 * g);
+        }
+      } else {
+        float* const pt = part + (size_t)cur.item * 16;
+        if (q == 0) pt[n] = vr, pt[n + 8] = vr8;
+        __threadfence();  // the partial visible before the count that announces it
+        __syncwarp();
+        int last = 0;
+        if (lane == 0) last = atomicAdd(&tcnt[cur.t - T0], 1) == P - 1;
+        if (__shfl_sync(0xffffffffu, last, 0)) {
+          __threadfence();  // the other warps' partials seen after their counts
+          const float* const pt0 = part + (size_t)(cur.t - T0) * P * 16;
+          if (lane < 16) {
+            float v = 0.f;
+            for (int p = 0; p < P; ++p) v += __ldcg(pt0 + p * 16 + lane);
+            if (cur.t * 16 + lane < N) y[cur.t * 16 + lane] = f_to_h(v * g);
+          }
+          if (lane == 0) tcnt[cur.t - T0] = 0;
+        }
+      }
+    }
+    cur = nx;
+  }
+  QPN_MARK(2);
+  pdl_trigger();  // late: see pdl_trigger
+  if (lane == 0 && atomicAdd(done, 1) == GW - 1) {  // every grab has been answered: the counters back to zero
+    *grab = 0;
+    *done = 0;
+  }
+  QPN_MARK(3);
+#else
+  __trap();  // never launched below sm_90
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+qpn2_linear_m1_dyn(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x,
+                   u16* __restrict__ y, int N, int K, int SW, int* __restrict__ ctl, float* __restrict__ part) {
+  linear_m1_dyn_body<8>(w, s, gs, x, y, N, K, SW, ctl, part);
+}
+
 // ---------------------------------------------------------------- NVFP4, M = 2..8 as M = 1 does, sm_80+
 // The M = 1 kernel's column trick for MP = 2, 4 or 8 rows: column n of the MMA carries row n % MP of x for
 // group slot n / MP of each set of GS = 8 / MP consecutive groups (zeros otherwise), so after a set's GS MMAs

@@ -617,6 +617,10 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     passes = -(-m // (8 * mt))
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
+    dyn = dyn_static(LINEAR_VARIANT[0])
+    if dyn is not None and fmt == 2 and m == 1 and mod.sm >= 90 and chunks % DYN_U == 0 and w.scales.data_ptr() % 16 == 0:
+        _launch_dyn(mod, w, x, y, tiles, chunks, dyn)
+        return y
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n, k)
     geo = bulk_geometry(name)
     if geo and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows: the cp.async / register ones
@@ -634,6 +638,39 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
     mod.launch(name, grid, THREADS, args, smem=smem, pdl=pdl(mod.sm))
     return y
+
+
+DYN_NAME = "qpn2_linear_m1_dyn"
+DYN_U = 8   # chunks per item (qpn.cu's linear_m1_dyn_body<8>)
+
+
+def dyn_static(choice: str | None) -> float | None:
+    """LINEAR_VARIANT "_m1dyn<pct>" (probe): the share of the tiles (in %, default 67) streamed as whole tiles
+    before the dynamic items of qpn2_linear_m1_dyn; None for any other choice."""
+    if not choice or not choice.startswith("_m1dyn"):
+        return None
+    rest = choice[len("_m1dyn"):]
+    return (int(rest) if rest else 67) / 100
+
+
+_DYN_WORK: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _launch_dyn(mod, w: QPNWeight, x: torch.Tensor, y: torch.Tensor, tiles: int, chunks: int, share: float) -> None:
+    """qpn2_linear_m1_dyn over one wave of resident blocks: SW whole tiles per warp, then items of DYN_U chunks."""
+    smem = WARPS * 2 * DYN_U * 576 + WARPS * 16
+    grid = _sms(w.device) * mod.occupancy(DYN_NAME, THREADS, smem)
+    gw = grid * WARPS
+    sw = int(share * tiles / gw)
+    key = (w.device.index, tiles, chunks)
+    if key not in _DYN_WORK:   # counters zeroed once; every launch leaves them zero
+        _DYN_WORK[key] = (torch.zeros(2 + tiles, dtype=torch.int32, device=w.device),
+                          torch.empty(tiles * (chunks // DYN_U) * 16, dtype=torch.float32, device=w.device))
+    ctl, part = _DYN_WORK[key]
+    n, k = w.shape
+    args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(n), ctypes.c_int(k),
+            ctypes.c_int(sw), _p(ctl), _p(part)]
+    mod.launch(DYN_NAME, (grid, 1, 1), THREADS, args, smem=smem, pdl=pdl(mod.sm))
 
 
 def pdl(sm: int, part: str = "qpn") -> bool:
