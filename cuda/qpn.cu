@@ -939,6 +939,11 @@ LINEAR_M1_TB(qpn2_linear_m1_tb2u4, 2, 4, 2)
 // (ctl[2 + tile - T0]), so y is the same bits on every launch. The last warp to finish zeroes the counters
 // (ctl[1] counts finished warps) for the next launch; the counters are touched after the grid-dependency wait only.
 // Needs C % U == 0 (the launcher checks).
+__device__ __forceinline__ u32 atom_add_acq_rel(int* p) {  // *p += 1, the old value; release + acquire at gpu scope
+  u32 old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
+  return old;
+}
 struct DynSlot { int t, c, item; };  // tile, first chunk, dynamic item (-1: a static tile's slot, t < 0: none)
 
 template <int U>
@@ -993,6 +998,25 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
   // the first grab: the item after gw (every warp that reaches its dynamic items has item gw < I)
   if (lane == 0 && gw < I) pend = atomicAdd(grab, 1);
   float tot[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  // a dynamic item's count, checked one item later (no wait on the round trip): tile pk_t (from T0), lane 0's
+  // count before its add in pk_old; the warp whose add completed the tile's P sums them in item order
+  int pk_t = -1;
+  u32 pk_old = 0;
+  auto settle = [&]() {
+    if (pk_t < 0) return;
+    if (__shfl_sync(0xffffffffu, pk_old == (u32)(P - 1), 0)) {
+      __syncwarp();  // lane 0's acquire ordered before every lane's loads
+      const float* const pt0 = part + (size_t)pk_t * P * 16;
+      const int row = (T0 + pk_t) * 16 + lane;
+      if (lane < 16) {
+        float v = 0.f;
+        for (int p = 0; p < P; ++p) v += __ldcg(pt0 + p * 16 + lane);
+        if (row < N) y[row] = f_to_h(v * g);
+      }
+      if (lane == 0) tcnt[pk_t] = 0;
+    }
+    pk_t = -1;
+  };
   for (int k = 0; cur.t >= 0; ++k) {
     const int sl = k & 1;
     const u32 slot = rbase + sl * SLOT;
@@ -1031,24 +1055,15 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
       } else {
         float* const pt = part + (size_t)cur.item * 16;
         if (q == 0) pt[n] = vr, pt[n + 8] = vr8;
-        __threadfence();  // the partial visible before the count that announces it
-        __syncwarp();
-        int last = 0;
-        if (lane == 0) last = atomicAdd(&tcnt[cur.t - T0], 1) == P - 1;
-        if (__shfl_sync(0xffffffffu, last, 0)) {
-          __threadfence();  // the other warps' partials seen after their counts
-          const float* const pt0 = part + (size_t)(cur.t - T0) * P * 16;
-          if (lane < 16) {
-            float v = 0.f;
-            for (int p = 0; p < P; ++p) v += __ldcg(pt0 + p * 16 + lane);
-            if (cur.t * 16 + lane < N) y[cur.t * 16 + lane] = f_to_h(v * g);
-          }
-          if (lane == 0) tcnt[cur.t - T0] = 0;
-        }
+        __syncwarp();  // the lanes' partial stores ordered before lane 0's release below
+        settle();      // the previous item's count has come back by now
+        if (lane == 0) pk_old = atom_add_acq_rel(&tcnt[cur.t - T0]);
+        pk_t = cur.t - T0;
       }
     }
     cur = nx;
   }
+  settle();
   QPN_MARK(2);
   pdl_trigger();  // late: see pdl_trigger
   if (lane == 0 && atomicAdd(done, 1) == GW - 1) {  // every grab has been answered: the counters back to zero
@@ -1061,7 +1076,7 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, 3)
 qpn2_linear_m1_dyn(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x,
                    u16* __restrict__ y, int N, int K, int SW, int* __restrict__ ctl, float* __restrict__ part) {
   linear_m1_dyn_body<8>(w, s, gs, x, y, N, K, SW, ctl, part);

@@ -78,6 +78,8 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     a bulk-ring kernel (sm_90+), where they apply (benchmark, tests)."""
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
+    if dyn_static(choice) is not None:         # qpn_linear launches it itself where it applies, else the default
+        choice = None
     m1 = sm >= 80 and fmt == 2 and m == 1
     mp = sm >= 80 and fmt == 2 and 2 <= m <= 8
     if choice in M1_KERNELS:                     # forced where the M = 1 kernels apply, else the default
