@@ -944,6 +944,7 @@ __device__ __forceinline__ u32 atom_add_acq_rel(int* p) {  // *p += 1, the old v
   asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
   return old;
 }
+#define DYN_GRABS 32  // item counters (one per lane): one address took ~2 ns per atomic, 0.6x the read's rate
 struct DynSlot { int t, c, item; };  // tile, first chunk, dynamic item (-1: a static tile's slot, t < 0: none)
 
 template <int U>
@@ -957,14 +958,14 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = lane >> 2, q = lane & 3;
   const int GW = gridDim.x * WARPS, gw = blockIdx.x * WARPS + warp;
   const int C = K / 64, tiles = (N + 15) >> 4, P = C / U, T0 = SW * GW, I = (tiles - T0) * P;
-  int* const grab = ctl;
-  int* const done = ctl + 1;
-  int* const tcnt = ctl + 2;
+  int* const grab = ctl;        // DYN_GRABS counters: counter j hands out items GW + j + DYN_GRABS c, c = 0, 1, ...
+  int* const done = ctl + DYN_GRABS;
+  int* const tcnt = ctl + DYN_GRABS + 1;
   const u32 rbase = smem_addr(smem_dynamic + warp * 2 * SLOT);
   const u32 bbase = smem_addr(smem_dynamic + WARPS * 2 * SLOT + warp * 16);
   const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
   QPN_MARK(0);
-  int sj = 0, sc = 0, pend = 0;
+  int sj = 0, sc = 0, pend = 0, gj = gw % DYN_GRABS;  // gj: the counter this warp takes items from
   bool first = true;
   auto next = [&]() -> DynSlot {
     if (sj < SW) {
@@ -973,13 +974,20 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
       if (sc == C) sc = 0, ++sj;
       return d;
     }
-    int item;
-    if (first) {
-      item = gw, first = false;
-    } else {
-      item = GW + __shfl_sync(0xffffffffu, pend, 0);
-      if (item < I && lane == 0) pend = atomicAdd(grab, 1);  // the one after it, needed a slot later
+    if (first) {  // item gw, given (the grab after it goes out after the grid-dependency wait)
+      first = false;
+      return gw < I ? DynSlot{T0 + gw / P, (gw % P) * U, gw} : DynSlot{-1, 0, -1};
     }
+    int item = GW + gj + DYN_GRABS * __shfl_sync(0xffffffffu, pend, 0);
+    while (item >= I) {  // counter gj is spent: another one with items left (lane l looks at counter l), or none
+      const u32 left = __ballot_sync(0xffffffffu, GW + lane + DYN_GRABS * __ldcg(grab + lane) < I);
+      if (left == 0) break;
+      const u32 rot = (left >> gj) | (left << ((DYN_GRABS - gj) & 31));  // the first at or after gj
+      gj = (gj + __ffs(rot) - 1) % DYN_GRABS;
+      if (lane == 0) pend = atomicAdd(grab + gj, 1);
+      item = GW + gj + DYN_GRABS * __shfl_sync(0xffffffffu, pend, 0);
+    }
+    if (item < I && lane == 0) pend = atomicAdd(grab + gj, 1);  // the one after it, needed a slot later
     return item < I ? DynSlot{T0 + item / P, (item % P) * U, item} : DynSlot{-1, 0, -1};
   };
   auto issue = [&](const DynSlot& d, int sl) {
@@ -996,7 +1004,7 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
   if (lane == 0 && cur.t >= 0) issue(cur, 0);
   pdl_wait();  // x was written by an earlier kernel, the counters by the last launch of this one
   // the first grab: the item after gw (every warp that reaches its dynamic items has item gw < I)
-  if (lane == 0 && gw < I) pend = atomicAdd(grab, 1);
+  if (lane == 0 && gw < I) pend = atomicAdd(grab + gj, 1);
   float tot[1][4] = {{0.f, 0.f, 0.f, 0.f}};
   // a dynamic item's count, checked one item later (no wait on the round trip): tile pk_t (from T0), lane 0's
   // count before its add in pk_old; the warp whose add completed the tile's P sums them in item order
@@ -1066,8 +1074,9 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
   settle();
   QPN_MARK(2);
   pdl_trigger();  // late: see pdl_trigger
-  if (lane == 0 && atomicAdd(done, 1) == GW - 1) {  // every grab has been answered: the counters back to zero
-    *grab = 0;
+  __syncthreads();  // the block's warps have had their last grab answered
+  if (threadIdx.x == 0 && atomicAdd(done, 1) == gridDim.x - 1) {  // so have every block's: the counters to zero
+    for (int j = 0; j < DYN_GRABS; ++j) grab[j] = 0;
     *done = 0;
   }
   QPN_MARK(3);
