@@ -944,7 +944,8 @@ __device__ __forceinline__ u32 atom_add_acq_rel(int* p) {  // *p += 1, the old v
   asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
   return old;
 }
-#define DYN_GRABS 32  // item counters (one per lane): one address took ~2 ns per atomic, 0.6x the read's rate
+#define DYN_GRABS 32  // item counters (one per lane)
+#define DYN_PAD 32    // ints between two counters: atomics on one L2 line queue behind each other (~2 ns each)
 struct DynSlot { int t, c, item; };  // tile, first chunk, dynamic item (-1: a static tile's slot, t < 0: none)
 
 template <int U>
@@ -958,9 +959,11 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = lane >> 2, q = lane & 3;
   const int GW = gridDim.x * WARPS, gw = blockIdx.x * WARPS + warp;
   const int C = K / 64, tiles = (N + 15) >> 4, P = C / U, T0 = SW * GW, I = (tiles - T0) * P;
-  int* const grab = ctl;        // DYN_GRABS counters: counter j hands out items GW + j + DYN_GRABS c, c = 0, 1, ...
-  int* const done = ctl + DYN_GRABS;
-  int* const tcnt = ctl + DYN_GRABS + 1;
+  // DYN_GRABS counters, DYN_PAD ints apart (one L2 line each): counter j at grab[j DYN_PAD] hands out items
+  // GW + j + DYN_GRABS c, c = 0, 1, ...; then the finished blocks' count; then a count per dynamic tile, DYN_PAD apart
+  int* const grab = ctl;
+  int* const done = ctl + DYN_GRABS * DYN_PAD;
+  int* const tcnt = ctl + (DYN_GRABS + 1) * DYN_PAD;
   const u32 rbase = smem_addr(smem_dynamic + warp * 2 * SLOT);
   const u32 bbase = smem_addr(smem_dynamic + WARPS * 2 * SLOT + warp * 16);
   const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
@@ -980,14 +983,14 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
     }
     int item = GW + gj + DYN_GRABS * __shfl_sync(0xffffffffu, pend, 0);
     while (item >= I) {  // counter gj is spent: another one with items left (lane l looks at counter l), or none
-      const u32 left = __ballot_sync(0xffffffffu, GW + lane + DYN_GRABS * __ldcg(grab + lane) < I);
+      const u32 left = __ballot_sync(0xffffffffu, GW + lane + DYN_GRABS * __ldcg(grab + lane * DYN_PAD) < I);
       if (left == 0) break;
       const u32 rot = (left >> gj) | (left << ((DYN_GRABS - gj) & 31));  // the first at or after gj
       gj = (gj + __ffs(rot) - 1) % DYN_GRABS;
-      if (lane == 0) pend = atomicAdd(grab + gj, 1);
+      if (lane == 0) pend = atomicAdd(grab + gj * DYN_PAD, 1);
       item = GW + gj + DYN_GRABS * __shfl_sync(0xffffffffu, pend, 0);
     }
-    if (item < I && lane == 0) pend = atomicAdd(grab + gj, 1);  // the one after it, needed a slot later
+    if (item < I && lane == 0) pend = atomicAdd(grab + gj * DYN_PAD, 1);  // the one after it, needed a slot later
     return item < I ? DynSlot{T0 + item / P, (item % P) * U, item} : DynSlot{-1, 0, -1};
   };
   auto issue = [&](const DynSlot& d, int sl) {
@@ -1004,7 +1007,7 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
   if (lane == 0 && cur.t >= 0) issue(cur, 0);
   pdl_wait();  // x was written by an earlier kernel, the counters by the last launch of this one
   // the first grab: the item after gw (every warp that reaches its dynamic items has item gw < I)
-  if (lane == 0 && gw < I) pend = atomicAdd(grab + gj, 1);
+  if (lane == 0 && gw < I) pend = atomicAdd(grab + gj * DYN_PAD, 1);
   float tot[1][4] = {{0.f, 0.f, 0.f, 0.f}};
   // a dynamic item's count, checked one item later (no wait on the round trip): tile pk_t (from T0), lane 0's
   // count before its add in pk_old; the warp whose add completed the tile's P sums them in item order
@@ -1021,7 +1024,7 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
         for (int p = 0; p < P; ++p) v += __ldcg(pt0 + p * 16 + lane);
         if (row < N) y[row] = f_to_h(v * g);
       }
-      if (lane == 0) tcnt[pk_t] = 0;
+      if (lane == 0) tcnt[pk_t * DYN_PAD] = 0;
     }
     pk_t = -1;
   };
@@ -1065,7 +1068,7 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
         if (q == 0) pt[n] = vr, pt[n + 8] = vr8;
         __syncwarp();  // the lanes' partial stores ordered before lane 0's release below
         settle();      // the previous item's count has come back by now
-        if (lane == 0) pk_old = atom_add_acq_rel(&tcnt[cur.t - T0]);
+        if (lane == 0) pk_old = atom_add_acq_rel(&tcnt[(cur.t - T0) * DYN_PAD]);
         pk_t = cur.t - T0;
       }
     }
@@ -1076,7 +1079,7 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
   pdl_trigger();  // late: see pdl_trigger
   __syncthreads();  // the block's warps have had their last grab answered
   if (threadIdx.x == 0 && atomicAdd(done, 1) == gridDim.x - 1) {  // so have every block's: the counters to zero
-    for (int j = 0; j < DYN_GRABS; ++j) grab[j] = 0;
+    for (int j = 0; j < DYN_GRABS; ++j) grab[j * DYN_PAD] = 0;
     *done = 0;
   }
   QPN_MARK(3);

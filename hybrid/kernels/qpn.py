@@ -645,6 +645,7 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
 DYN_NAME = "qpn2_linear_m1_dyn"
 DYN_U = 8   # chunks per item (qpn.cu's linear_m1_dyn_body<8>)
 DYN_GRABS = 32   # qpn.cu's item counters
+DYN_PAD = 32     # ints between two of its counters
 
 
 def dyn_static(choice: str | None) -> float | None:
@@ -667,7 +668,7 @@ def _launch_dyn(mod, w: QPNWeight, x: torch.Tensor, y: torch.Tensor, tiles: int,
     sw = int(share * tiles / gw)
     key = (w.device.index, tiles, chunks)
     if key not in _DYN_WORK:   # counters zeroed once; every launch leaves them zero
-        _DYN_WORK[key] = (torch.zeros(DYN_GRABS + 1 + tiles, dtype=torch.int32, device=w.device),
+        _DYN_WORK[key] = (torch.zeros((DYN_GRABS + 1 + tiles) * DYN_PAD, dtype=torch.int32, device=w.device),
                           torch.empty(tiles * (chunks // DYN_U) * 16, dtype=torch.float32, device=w.device))
     ctl, part = _DYN_WORK[key]
     n, k = w.shape
