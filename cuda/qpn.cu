@@ -929,105 +929,87 @@ LINEAR_M1_TB(qpn2_linear_m1_tbu4, 2, 4, 1)
 LINEAR_M1_TB(qpn2_linear_m1_tbu8, 2, 8, 1)
 LINEAR_M1_TB(qpn2_linear_m1_tb2u4, 2, 4, 2)
 
-// sm_90+ only: NVFP4 M = 1 as one wave of resident blocks whose warps never leave their ring (`_m1dyn`; the
+// sm_90+ only: NVFP4 M = 1 as one wave of resident blocks whose warps never leave their ring (`_m1it`; the
 // thirty-sixth session's timelines: the default kernel's SMs stop reading while each wave of blocks hands over to
-// the next, a ring run on through whole tiles ends unevenly). Warp gw of GW (grid = the resident blocks) streams,
-// through one bulk ring of 2 slots of U chunks, first the whole tiles gw, gw + GW, ... (SW of them: tiles [0, T0),
-// T0 = SW GW, y written by the warp), then items of U chunks of the tiles from T0 (item i: tile T0 + i / P, its
-// chunks (i % P) U ..., P = C / U): item gw first, then those a global counter hands out (ctl[0], fetched one item
-// ahead), each item's 16 row sums stored in part[i] and summed in item order by the tile's last warp to arrive
-// (ctl[2 + tile - T0]), so y is the same bits on every launch. The last warp to finish zeroes the counters
-// (ctl[1] counts finished warps) for the next launch; the counters are touched after the grid-dependency wait only.
-// Needs C % U == 0 (the launcher checks).
-__device__ __forceinline__ u32 atom_add_acq_rel(int* p) {  // *p += 1, the old value; release + acquire at gpu scope
-  u32 old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
-  return old;
+// the next). Warp gw of GW (grid = the resident blocks) streams through one bulk ring of 2 slots of U chunks, first
+// the whole tiles gw, gw + GW, ... (SW of them: tiles [0, T0), T0 = SW GW; y written by the warp), then the items
+// gw, gw + GW, ... of U chunks of the tiles from T0 (item i: tile T0 + i / P, chunks (i % P) U ..., P = C / U), each
+// item's 16 row sums stored in part[i] and summed in item order by the tile's last warp to arrive (ctl[(tile - T0)
+// IT_PAD]), so y is the same bits on every launch. No fence: the counts are relaxed atomics, checked two items later,
+// and the summing warp waits for each partial to differ from IT_EMPTY (the launcher fills part with it once; the
+// summing warp puts it back, and zeroes the count). Needs C % U == 0 (the launcher checks).
+#define IT_PAD 32               // ints between two counts: atomics on one L2 line queue behind each other (~2 ns each)
+#define IT_EMPTY 0x7FBADBADu    // a NaN no arithmetic makes: a partial not yet written
+__device__ __forceinline__ void st_relaxed(float* p, float v) {
+  asm volatile("st.relaxed.gpu.global.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
 }
-#define DYN_GRABS 32  // item counters (one per lane)
-#define DYN_PAD 32    // ints between two counters: atomics on one L2 line queue behind each other (~2 ns each)
-struct DynSlot { int t, c, item; };  // tile, first chunk, dynamic item (-1: a static tile's slot, t < 0: none)
+__device__ __forceinline__ u32 ld_relaxed(const float* p) {
+  u32 v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+struct ItSlot { int t, c, item; };  // tile, first chunk, item (-1: a whole tile's slot); t < 0: none
 
 template <int U>
-__device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
-                                                   float gs, const u16* __restrict__ x, u16* __restrict__ y,
-                                                   int N, int K, int SW, int* __restrict__ ctl,
-                                                   float* __restrict__ part) {
+__device__ __forceinline__ void linear_m1_it_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                                  float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                                  int N, int K, int SW, int* __restrict__ cnt,
+                                                  float* __restrict__ part) {
 #if QPN_BULK
   constexpr int SLOT = BULK_SLOT(1, U);
   extern __shared__ __align__(16) unsigned char smem_dynamic[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = lane >> 2, q = lane & 3;
   const int GW = gridDim.x * WARPS, gw = blockIdx.x * WARPS + warp;
   const int C = K / 64, tiles = (N + 15) >> 4, P = C / U, T0 = SW * GW, I = (tiles - T0) * P;
-  // DYN_GRABS counters, DYN_PAD ints apart (one L2 line each): counter j at grab[j DYN_PAD] hands out items
-  // GW + j + DYN_GRABS c, c = 0, 1, ...; then the finished blocks' count; then a count per dynamic tile, DYN_PAD apart
-  int* const grab = ctl;
-  int* const done = ctl + DYN_GRABS * DYN_PAD;
-  int* const tcnt = ctl + (DYN_GRABS + 1) * DYN_PAD;
   const u32 rbase = smem_addr(smem_dynamic + warp * 2 * SLOT);
   const u32 bbase = smem_addr(smem_dynamic + WARPS * 2 * SLOT + warp * 16);
   const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
   QPN_MARK(0);
-  int sj = 0, sc = 0, pend = 0, gj = gw % DYN_GRABS;  // gj: the counter this warp takes items from
-  bool first = true;
-  auto next = [&]() -> DynSlot {
+  int sj = 0, sc = 0, item = gw;
+  auto next = [&]() -> ItSlot {
     if (sj < SW) {
-      const DynSlot d{gw + sj * GW, sc, -1};
+      const ItSlot d{gw + sj * GW, sc, -1};
       sc += U;
       if (sc == C) sc = 0, ++sj;
       return d;
     }
-    if (first) {  // item gw, given (the grab after it goes out after the grid-dependency wait)
-      first = false;
-      return gw < I ? DynSlot{T0 + gw / P, (gw % P) * U, gw} : DynSlot{-1, 0, -1};
-    }
-    int item = GW + gj + DYN_GRABS * __shfl_sync(0xffffffffu, pend, 0);
-    while (item >= I) {  // counter gj is spent: another one with items left (lane l looks at counter l), or none
-      const u32 left = __ballot_sync(0xffffffffu, GW + lane + DYN_GRABS * __ldcg(grab + lane * DYN_PAD) < I);
-      if (left == 0) break;
-      const u32 rot = (left >> gj) | (left << ((DYN_GRABS - gj) & 31));  // the first at or after gj
-      gj = (gj + __ffs(rot) - 1) % DYN_GRABS;
-      if (lane == 0) pend = atomicAdd(grab + gj * DYN_PAD, 1);
-      item = GW + gj + DYN_GRABS * __shfl_sync(0xffffffffu, pend, 0);
-    }
-    if (item < I && lane == 0) pend = atomicAdd(grab + gj * DYN_PAD, 1);  // the one after it, needed a slot later
-    return item < I ? DynSlot{T0 + item / P, (item % P) * U, item} : DynSlot{-1, 0, -1};
+    const int i = item;
+    item += GW;
+    return i < I ? ItSlot{T0 + i / P, (i % P) * U, i} : ItSlot{-1, 0, -1};
   };
-  auto issue = [&](const DynSlot& d, int sl) {
+  auto issue = [&](const ItSlot& d, int sl) {
     const u32x4* wt[1] = {w + (size_t)d.t * C * 32};
     const u64* st[1] = {s + (size_t)d.t * C * 8};
     bulk_issue<2, 1, U>(wt, st, d.c, C, sl, rbase, bbase);
   };
-  DynSlot cur = next();
+  // counts in flight, checked two items after their add: tile (from T0) and lane 0's count before its add
+  int pa = -1, pb = -1;
+  u32 oa = 0, ob = 0;
+  auto settle = [&](int pt, u32 old) {
+    if (pt < 0 || !__shfl_sync(0xffffffffu, old == (u32)(P - 1), 0)) return;
+    float* const p0 = part + (size_t)pt * P * 16;
+    const int row = (T0 + pt) * 16 + lane;
+    if (lane < 16) {
+      float v = 0.f;
+      for (int p = 0; p < P; ++p) {
+        u32 e;
+        while ((e = ld_relaxed(p0 + p * 16 + lane)) == IT_EMPTY) {}
+        v += __uint_as_float(e);
+      }
+      if (row < N) y[row] = f_to_h(v * g);
+      for (int p = 0; p < P; ++p) st_relaxed(p0 + p * 16 + lane, __uint_as_float(IT_EMPTY));
+    }
+    if (lane == 0) cnt[pt * IT_PAD] = 0;
+  };
+  ItSlot cur = next();
   if (lane == 0) {
     mbar_init(bbase), mbar_init(bbase + 8);
     mbar_init_fence();
   }
   __syncwarp();
   if (lane == 0 && cur.t >= 0) issue(cur, 0);
-  pdl_wait();  // x was written by an earlier kernel, the counters by the last launch of this one
-  // the first grab: the item after gw (every warp that reaches its dynamic items has item gw < I)
-  if (lane == 0 && gw < I) pend = atomicAdd(grab + gj * DYN_PAD, 1);
+  pdl_wait();  // x was written by an earlier kernel, the counts and partials by the last launch of this one
   float tot[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-  // a dynamic item's count, checked one item later (no wait on the round trip): tile pk_t (from T0), lane 0's
-  // count before its add in pk_old; the warp whose add completed the tile's P sums them in item order
-  int pk_t = -1;
-  u32 pk_old = 0;
-  auto settle = [&]() {
-    if (pk_t < 0) return;
-    if (__shfl_sync(0xffffffffu, pk_old == (u32)(P - 1), 0)) {
-      __syncwarp();  // lane 0's acquire ordered before every lane's loads
-      const float* const pt0 = part + (size_t)pk_t * P * 16;
-      const int row = (T0 + pk_t) * 16 + lane;
-      if (lane < 16) {
-        float v = 0.f;
-        for (int p = 0; p < P; ++p) v += __ldcg(pt0 + p * 16 + lane);
-        if (row < N) y[row] = f_to_h(v * g);
-      }
-      if (lane == 0) tcnt[pk_t * DYN_PAD] = 0;
-    }
-    pk_t = -1;
-  };
   for (int k = 0; cur.t >= 0; ++k) {
     const int sl = k & 1;
     const u32 slot = rbase + sl * SLOT;
@@ -1036,7 +1018,7 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
     for (int p = 0; p < U; p += 2) xv[p / 2] = ld_act(x + (size_t)(cur.c + p) * 64 + n * 16 + 4 * q);
     mbar_wait(bbase + 8 * sl, (k >> 1) & 1);
     if (k == 0) QPN_MARK(1);
-    const DynSlot nx = next();
+    const ItSlot nx = next();
     if (lane == 0 && nx.t >= 0) issue(nx, sl ^ 1);
 #pragma unroll
     for (int p = 0; p < U; p += 2) {
@@ -1065,23 +1047,18 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
         }
       } else {
         float* const pt = part + (size_t)cur.item * 16;
-        if (q == 0) pt[n] = vr, pt[n + 8] = vr8;
-        __syncwarp();  // the lanes' partial stores ordered before lane 0's release below
-        settle();      // the previous item's count has come back by now
-        if (lane == 0) pk_old = atom_add_acq_rel(&tcnt[(cur.t - T0) * DYN_PAD]);
-        pk_t = cur.t - T0;
+        if (q == 0) st_relaxed(pt + n, vr), st_relaxed(pt + n + 8, vr8);
+        settle(pa, oa);
+        pa = pb, oa = ob, pb = cur.t - T0;
+        if (lane == 0) ob = atomicAdd(&cnt[pb * IT_PAD], 1);
       }
     }
     cur = nx;
   }
-  settle();
+  settle(pa, oa);
+  settle(pb, ob);
   QPN_MARK(2);
   pdl_trigger();  // late: see pdl_trigger
-  __syncthreads();  // the block's warps have had their last grab answered
-  if (threadIdx.x == 0 && atomicAdd(done, 1) == gridDim.x - 1) {  // so have every block's: the counters to zero
-    for (int j = 0; j < DYN_GRABS; ++j) grab[j * DYN_PAD] = 0;
-    *done = 0;
-  }
   QPN_MARK(3);
 #else
   __trap();  // never launched below sm_90
@@ -1089,9 +1066,9 @@ __device__ __forceinline__ void linear_m1_dyn_body(const u32x4* __restrict__ w, 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 3)
-qpn2_linear_m1_dyn(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x,
-                   u16* __restrict__ y, int N, int K, int SW, int* __restrict__ ctl, float* __restrict__ part) {
-  linear_m1_dyn_body<8>(w, s, gs, x, y, N, K, SW, ctl, part);
+qpn2_linear_m1_it(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x,
+                  u16* __restrict__ y, int N, int K, int SW, int* __restrict__ cnt, float* __restrict__ part) {
+  linear_m1_it_body<8>(w, s, gs, x, y, N, K, SW, cnt, part);
 }
 
 // ---------------------------------------------------------------- NVFP4, M = 2..8 as M = 1 does, sm_80+

@@ -50,7 +50,7 @@ def backend(request):
 
 @pytest.fixture(params=[None, "", "_u4", "_as", "_as4", "_m1", "_m1x2", "_mp", "_mpx2", "_t2", "_t2u1", "_tbu2",
                         "_tb1u4", "_m1tbu4", "_m1tbu8", "_m1tb2u4", "_mp2tbu4", "_mp2tbu8", "_mp2tb2u4", "_mp4tbu4",
-                        "_mp4tb2u4", "_m1dyn", "_m1dyn0"])
+                        "_mp4tb2u4", "_m1it", "_m1it0"])
 def variant(request):
     from hybrid.kernels import qpn
 
@@ -91,17 +91,17 @@ def test_linear_matches_reference_all_m(backend, variant, qtype, n, k):
         assert err < 2e-3, f"{backend} {qtype.value} M={m}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("choice,n,k", [("_m1dyn", 151936 // 2 + 5, 1024), ("_m1dyn0", 151936 // 2 + 5, 1024),
-                                         ("_m1dyn", 1024, 25600)])
-def test_m1_dyn_static_and_dynamic_items_repeat_bit_for_bit(choice, n, k):
-    """qpn2_linear_m1_dyn (sm_90+): whole tiles, then items handed out by a counter and summed by a tile's last
-    warp; right against the reference, the same bits on every launch (the counters left zero each time), also
-    queued back to back and in a CUDA graph."""
+@pytest.mark.parametrize("choice,n,k", [("_m1it", 151936 // 2 + 5, 1024), ("_m1it0", 151936 // 2 + 5, 1024),
+                                         ("_m1it", 1024, 25600)])
+def test_m1_it_whole_tiles_and_items_repeat_bit_for_bit(choice, n, k):
+    """qpn2_linear_m1_it (sm_90+): whole tiles, then items whose partials a tile's last warp sums; right against
+    the reference, the same bits on every launch (counts and partials left as found each time), also queued back
+    to back and in a CUDA graph."""
     from hybrid.kernels import build
 
     dev = torch.device("cuda", torch.cuda.current_device())
     if build.module(dev).sm < 90:
-        pytest.skip("qpn2_linear_m1_dyn is sm_90+")
+        pytest.skip("qpn2_linear_m1_it is sm_90+")
     qw = nvfp4(n, k, seed=n + k)
     w = QPNWeight.from_qweight(qw, "cuda")
     x = fresh((1, k))
