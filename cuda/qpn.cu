@@ -991,10 +991,17 @@ __device__ __forceinline__ void linear_m1_it_body(const u32x4* __restrict__ w, c
     const int row = (T0 + pt) * 16 + lane;
     if (lane < 16) {
       float v = 0.f;
-      for (int p = 0; p < P; ++p) {
-        u32 e;
-        while ((e = ld_relaxed(p0 + p * 16 + lane)) == IT_EMPTY) {}
-        v += __uint_as_float(e);
+      for (int pb = 0; pb < P; pb += 16) {  // 16 loads in flight, then the (rare) re-reads of unwritten ones
+        u32 e[16];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) e[j] = pb + j < P ? ld_relaxed(p0 + (pb + j) * 16 + lane) : 0u;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          if (pb + j < P) {
+            while (e[j] == IT_EMPTY) e[j] = ld_relaxed(p0 + (pb + j) * 16 + lane);
+            v += __uint_as_float(e[j]);
+          }
+        }
       }
       if (row < N) y[row] = f_to_h(v * g);
       for (int p = 0; p < P; ++p) st_relaxed(p0 + p * 16 + lane, __uint_as_float(IT_EMPTY));
