@@ -78,8 +78,6 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     a bulk-ring kernel (sm_90+), where they apply (benchmark, tests)."""
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
-    if it_share(choice) is not None:         # qpn_linear launches it itself where it applies, else the default
-        choice = None
     m1 = sm >= 80 and fmt == 2 and m == 1
     mp = sm >= 80 and fmt == 2 and 2 <= m <= 8
     if choice in M1_KERNELS:                     # forced where the M = 1 kernels apply, else the default
@@ -619,10 +617,6 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     passes = -(-m // (8 * mt))
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
-    share = it_share(LINEAR_VARIANT[0])
-    if share is not None and fmt == 2 and m == 1 and mod.sm >= 90 and chunks % IT_U == 0 and w.scales.data_ptr() % 16 == 0:
-        _launch_it(mod, w, x, y, tiles, chunks, share)
-        return y
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n, k)
     geo = bulk_geometry(name)
     if geo and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows: the cp.async / register ones
@@ -640,40 +634,6 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
     mod.launch(name, grid, THREADS, args, smem=smem, pdl=pdl(mod.sm))
     return y
-
-
-IT_NAME = "qpn2_linear_m1_it"
-IT_U = 8        # chunks per item (qpn.cu's linear_m1_it_body<8>)
-IT_PAD = 32     # ints between two of its counts
-IT_EMPTY = 0x7FBADBAD   # its partials' "not yet written"
-
-
-def it_share(choice: str | None) -> float | None:
-    """LINEAR_VARIANT "_m1it<pct>" (probe): the share of the tiles (in %, default 67) streamed as whole tiles before
-    the items of qpn2_linear_m1_it; None for any other choice."""
-    if not choice or not choice.startswith("_m1it"):
-        return None
-    rest = choice[len("_m1it"):]
-    return (int(rest) if rest else 67) / 100
-
-
-_IT_WORK: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _launch_it(mod, w: QPNWeight, x: torch.Tensor, y: torch.Tensor, tiles: int, chunks: int, share: float) -> None:
-    """qpn2_linear_m1_it over one wave of resident blocks: SW whole tiles per warp, then items of IT_U chunks."""
-    smem = WARPS * 2 * IT_U * 576 + WARPS * 16
-    grid = _sms(w.device) * mod.occupancy(IT_NAME, THREADS, smem)
-    sw = int(share * tiles / (grid * WARPS))
-    key = (w.device.index, tiles, chunks)
-    if key not in _IT_WORK:   # counts zero, partials empty, once: every launch leaves them so
-        part = torch.full((tiles * (chunks // IT_U) * 16,), IT_EMPTY, dtype=torch.int32, device=w.device)
-        _IT_WORK[key] = (torch.zeros(tiles * IT_PAD, dtype=torch.int32, device=w.device), part.view(torch.float32))
-    cnt, part = _IT_WORK[key]
-    n, k = w.shape
-    args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(n), ctypes.c_int(k),
-            ctypes.c_int(sw), _p(cnt), _p(part)]
-    mod.launch(IT_NAME, (grid, 1, 1), THREADS, args, smem=smem, pdl=pdl(mod.sm))
 
 
 def pdl(sm: int, part: str = "qpn") -> bool:
