@@ -929,6 +929,92 @@ LINEAR_M1_TB(qpn2_linear_m1_tbu4, 2, 4, 1)
 LINEAR_M1_TB(qpn2_linear_m1_tbu8, 2, 8, 1)
 LINEAR_M1_TB(qpn2_linear_m1_tb2u4, 2, 4, 2)
 
+// sm_90+ only: NVFP4 M = 1 on a weight of at least two waves of warps' tiles (lm_head; `_m1seq`). The first wave's
+// warps each stream two tiles, gw and gw + GW0 (GW0 = the first wave's warps, B0 blocks), through one bulk ring that
+// runs on from the first into the second; a second wave of blocks takes the tiles from 2 GW0, one per warp. Each SM
+// hands its blocks over once instead of twice: the thirty-sixth session's timelines showed every hand-over costing
+// the SM ~2 µs of reading while the next blocks fill their rings. A warp owns whole tiles and writes their 16 rows.
+template <int U>
+__device__ __forceinline__ void linear_m1_seq_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                                   float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                                   int N, int K, int B0) {
+#if QPN_BULK
+  constexpr int SLOT = BULK_SLOT(1, U);
+  extern __shared__ __align__(16) unsigned char smem_dynamic[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = lane >> 2, q = lane & 3;
+  const int GW0 = B0 * WARPS, gw = blockIdx.x * WARPS + warp;
+  const int C = K / 64, tiles = (N + 15) >> 4;
+  const bool first = (int)blockIdx.x < B0;
+  const int t0 = first ? gw : 2 * GW0 + (gw - GW0);                     // this warp's tiles: t0 (+ GW0)
+  const int nt = t0 >= tiles ? 0 : first && t0 + GW0 < tiles ? 2 : 1;
+  const int slots = nt * (C / U);
+  const u32 rbase = smem_addr(smem_dynamic + warp * 2 * SLOT);
+  const u32 bbase = smem_addr(smem_dynamic + WARPS * 2 * SLOT + warp * 16);
+  const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
+  QPN_MARK(0);
+  auto issue = [&](int k, int sl) {  // slot k of the warp's sequence: tile t0 + (k / (C / U)) GW0, its chunks from c
+    const int t = t0 + (k / (C / U)) * GW0, c = (k % (C / U)) * U;
+    const u32x4* wt[1] = {w + (size_t)t * C * 32};
+    const u64* st[1] = {s + (size_t)t * C * 8};
+    bulk_issue<2, 1, U>(wt, st, c, C, sl, rbase, bbase);
+  };
+  if (lane == 0) {
+    mbar_init(bbase), mbar_init(bbase + 8);
+    mbar_init_fence();
+  }
+  __syncwarp();
+  if (lane == 0 && slots > 0) issue(0, 0);
+  pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
+  float tot[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  for (int k = 0; k < slots; ++k) {
+    const int sl = k & 1, c = (k % (C / U)) * U;
+    const u32 slot = rbase + sl * SLOT;
+    u64 xv[U / 2];  // group 4 p + n of each chunk pair p: this lane's only non-zero B operand
+#pragma unroll
+    for (int p = 0; p < U; p += 2) xv[p / 2] = ld_act(x + (size_t)(c + p) * 64 + n * 16 + 4 * q);
+    mbar_wait(bbase + 8 * sl, (k >> 1) & 1);
+    if (k == 0) QPN_MARK(1);
+    if (lane == 0 && k + 1 < slots) issue(k + 1, sl ^ 1);
+#pragma unroll
+    for (int p = 0; p < U; p += 2) {
+      // scale bytes [s(r,2q') s(r,2q'+1) s(r+8,2q') s(r+8,2q'+1)] of chunk p + q/2, q' = q%2
+      u32 sw[1] = {lds32(slot + U * 512 + (p + (q >> 1)) * 64 + n * 8 + 4 * (q & 1))};
+      float d[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        u32x4 wv[1] = {lds128(slot + (p + h) * 512 + lane * 16)};
+        m1_mmas<1>(d, wv, h, xv[p / 2], n);
+      }
+      m1_scale<1>(tot, d, sw);
+    }
+    if (c + U == C) {  // a tile ends: its 16 row sums to y
+      float vr = tot[0][0] + tot[0][1], vr8 = tot[0][2] + tot[0][3];  // sum the lane quad's groups
+      vr += __shfl_xor_sync(0xffffffffu, vr, 1);
+      vr += __shfl_xor_sync(0xffffffffu, vr, 2);
+      vr8 += __shfl_xor_sync(0xffffffffu, vr8, 1);
+      vr8 += __shfl_xor_sync(0xffffffffu, vr8, 2);
+      tot[0][0] = tot[0][1] = tot[0][2] = tot[0][3] = 0.f;
+      const int row = (t0 + (k / (C / U)) * GW0) * 16 + n;
+      if (q == 0) {
+        if (row < N) y[row] = f_to_h(vr * g);
+        if (row + 8 < N) y[row + 8] = f_to_h(vr8 * g);
+      }
+    }
+  }
+  QPN_MARK(2);
+  pdl_trigger();  // late: see pdl_trigger
+  QPN_MARK(3);
+#else
+  __trap();  // never launched below sm_90
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 3)
+qpn2_linear_m1_seq(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x,
+                   u16* __restrict__ y, int N, int K, int B0) {
+  linear_m1_seq_body<8>(w, s, gs, x, y, N, K, B0);
+}
+
 // ---------------------------------------------------------------- NVFP4, M = 2..8 as M = 1 does, sm_80+
 // The M = 1 kernel's column trick for MP = 2, 4 or 8 rows: column n of the MMA carries row n % MP of x for
 // group slot n / MP of each set of GS = 8 / MP consecutive groups (zeros otherwise), so after a set's GS MMAs

@@ -50,7 +50,7 @@ def backend(request):
 
 @pytest.fixture(params=[None, "", "_u4", "_as", "_as4", "_m1", "_m1x2", "_mp", "_mpx2", "_t2", "_t2u1", "_tbu2",
                         "_tb1u4", "_m1tbu4", "_m1tbu8", "_m1tb2u4", "_mp2tbu4", "_mp2tbu8", "_mp2tb2u4", "_mp4tbu4",
-                        "_mp4tb2u4"])
+                        "_mp4tb2u4", "_m1seq"])
 def variant(request):
     from hybrid.kernels import qpn
 
@@ -89,6 +89,33 @@ def test_linear_matches_reference_all_m(backend, variant, qtype, n, k):
         assert not torch.isnan(y).any(), f"M={m}: unwritten or NaN outputs"
         err = rel_err(y, ref)
         assert err < 2e-3, f"{backend} {qtype.value} M={m}: relative error {err:.2e}"
+
+
+def test_m1_seq_two_waves_of_tiles():
+    """qpn2_linear_m1_seq (sm_90+, LINEAR_VARIANT "_m1seq"): a first wave of warps streaming two tiles each, then one
+    tile per warp, on lm_head's shape with its rows cut short of a tile; right against the reference, every row
+    written, the same bits on the next launch and as the default kernel's (one warp per tile there too, the same
+    order of sums)."""
+    from hybrid.kernels import build
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if build.module(dev).sm < 90:
+        pytest.skip("qpn2_linear_m1_seq is sm_90+")
+    n, k = 151936 - 5, 2048
+    qw = nvfp4(n, k, seed=7)
+    w = QPNWeight.from_qweight(qw, "cuda")
+    x = fresh((1, k))
+    qpn.LINEAR_VARIANT[0] = "_m1seq"
+    try:
+        outs = [qpn_linear(x.cuda(), w, out=torch.full((1, n), float("nan"), dtype=torch.float16, device="cuda"))
+                for _ in range(2)]
+    finally:
+        qpn.LINEAR_VARIANT[0] = None
+    y = outs[0].cpu()
+    assert not torch.isnan(y).any(), "unwritten outputs"
+    assert rel_err(y, x.double() @ qw.dequantize(torch.float64).t()) < 2e-3
+    assert torch.equal(outs[1].cpu(), y)
+    assert torch.equal(qpn_linear(x.cuda(), w).cpu(), y)
 
 
 @pytest.fixture(params=[None, "mt", "wmma", "128x128", "64x128", "64x64", "32x64", "f128x128", "f64x256",

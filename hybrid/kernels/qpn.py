@@ -78,6 +78,8 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     a bulk-ring kernel (sm_90+), where they apply (benchmark, tests)."""
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
+    if choice == "_m1seq":                       # qpn_linear launches it itself where it applies, else the default
+        choice = None
     m1 = sm >= 80 and fmt == 2 and m == 1
     mp = sm >= 80 and fmt == 2 and 2 <= m <= 8
     if choice in M1_KERNELS:                     # forced where the M = 1 kernels apply, else the default
@@ -617,6 +619,8 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     passes = -(-m // (8 * mt))
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
+    if LINEAR_VARIANT[0] == "_m1seq" and _launch_seq(mod, w, x, y, fmt, m, tiles, chunks):
+        return y
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n, k)
     geo = bulk_geometry(name)
     if geo and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows: the cp.async / register ones
@@ -634,6 +638,28 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
     mod.launch(name, grid, THREADS, args, smem=smem, pdl=pdl(mod.sm))
     return y
+
+
+SEQ_NAME = "qpn2_linear_m1_seq"
+SEQ_U = 8   # chunks per ring slot (qpn.cu's linear_m1_seq_body<8>)
+
+
+def _launch_seq(mod, w: QPNWeight, x: torch.Tensor, y: torch.Tensor, fmt: int, m: int, tiles: int,
+                chunks: int) -> bool:
+    """qpn2_linear_m1_seq (LINEAR_VARIANT "_m1seq", probe) where it applies: NVFP4, M = 1, sm_90+, at least two
+    tiles per warp of a wave; a first wave of B0 blocks whose warps stream two tiles each, then one tile per warp."""
+    if not (fmt == 2 and m == 1 and mod.sm >= 90 and chunks % SEQ_U == 0 and w.scales.data_ptr() % 16 == 0):
+        return False
+    smem = WARPS * 2 * SEQ_U * 576 + WARPS * 16
+    b0 = _sms(w.device) * mod.occupancy(SEQ_NAME, THREADS, smem)
+    rest = tiles - 2 * b0 * WARPS
+    if rest < 0:
+        return False
+    n, k = w.shape
+    args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(n), ctypes.c_int(k),
+            ctypes.c_int(b0)]
+    mod.launch(SEQ_NAME, (b0 + -(-rest // WARPS), 1, 1), THREADS, args, smem=smem, pdl=pdl(mod.sm))
+    return True
 
 
 def pdl(sm: int, part: str = "qpn") -> bool:
