@@ -91,11 +91,11 @@ def test_linear_matches_reference_all_m(backend, variant, qtype, n, k):
         assert err < 2e-3, f"{backend} {qtype.value} M={m}: relative error {err:.2e}"
 
 
-def test_m1_seq_two_waves_of_tiles():
-    """qpn2_linear_m1_seq (sm_90+, LINEAR_VARIANT "_m1seq"): a first wave of warps streaming two tiles each, then one
-    tile per warp, on lm_head's shape with its rows cut short of a tile; right against the reference, every row
-    written, the same bits on the next launch and as the default kernel's (one warp per tile there too, the same
-    order of sums)."""
+def test_m1_seq_two_waves_of_tiles(monkeypatch):
+    """qpn2_linear_m1_seq (sm_90+; the default there for lm_head, LINEAR_VARIANT "_m1seq" forces it): a first wave of
+    warps streaming two tiles each, then one tile per warp, on lm_head's shape with its rows cut short of a tile;
+    right against the reference, every row written, the same bits on the next launch, by default, and as the
+    kernel it replaces (qpn2_linear_m1_tbu8, with HYBRID_QPN_SEQ=0: one warp per tile there too, the same sums)."""
     from hybrid.kernels import build
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -115,6 +115,8 @@ def test_m1_seq_two_waves_of_tiles():
     assert not torch.isnan(y).any(), "unwritten outputs"
     assert rel_err(y, x.double() @ qw.dequantize(torch.float64).t()) < 2e-3
     assert torch.equal(outs[1].cpu(), y)
+    assert torch.equal(qpn_linear(x.cuda(), w).cpu(), y)
+    monkeypatch.setenv("HYBRID_QPN_SEQ", "0")
     assert torch.equal(qpn_linear(x.cuda(), w).cpu(), y)
 
 

@@ -412,6 +412,37 @@ def test_tb_kernel_choice(monkeypatch):
     assert tb_smem("_mp2tb2u4") == 8 * 2 * 2 * 4 * 576 + 8 * 2 * 8
 
 
+def test_seq_kernel_choice(monkeypatch):
+    """qpn2_linear_m1_seq: NVFP4 M = 1 on sm_90+ by default (HYBRID_QPN_TB and HYBRID_QPN_SEQ at 1) or forced
+    ("_m1seq"), on weights of at least two tiles per warp of a wave whose rows are whole ring slots; its grid a
+    first wave of sms x per_sm blocks and a block per 8 further tiles; a bad switch value is one line."""
+    from hybrid.errors import HybridError
+    from hybrid.kernels.qpn import linear_kernel, seq_grid, use_seq
+
+    monkeypatch.delenv("HYBRID_QPN_TB", raising=False)
+    monkeypatch.delenv("HYBRID_QPN_SEQ", raising=False)
+    assert use_seq(2, 1, 90, None)
+    assert not use_seq(8, 1, 90, None) and not use_seq(2, 2, 90, None) and not use_seq(2, 1, 80, None)
+    assert not use_seq(2, 1, 90, "_m1tbu8")            # another forced kernel keeps its own
+    assert seq_grid(9496, 32, 132, 3) == (396, 396 + 395)   # lm_head 151936 x 2048 on an H200: 6336 + 3160 tiles
+    assert seq_grid(2 * 396 * 8, 32, 132, 3) == (396, 396)  # exactly two tiles per warp: no second wave
+    assert seq_grid(2 * 396 * 8 - 1, 32, 132, 3) is None    # fewer: ct_tb_choice's kernel
+    assert seq_grid(1600, 80, 132, 3) is None               # dense_up
+    assert seq_grid(9496, 30, 132, 3) is None               # rows not whole slots of 8 chunks
+    assert seq_grid(9496, 32, 132, 0) is None
+    assert linear_kernel(2, 1, 1, 90, "_m1seq", n=151936, k=2048) == "qpn2_linear_m1_tbu8"   # where it does not fit
+    monkeypatch.setenv("HYBRID_QPN_SEQ", "0")
+    assert not use_seq(2, 1, 90, None)
+    assert use_seq(2, 1, 90, "_m1seq")                 # forced: still tried
+    monkeypatch.setenv("HYBRID_QPN_SEQ", "1")
+    monkeypatch.setenv("HYBRID_QPN_TB", "mt")          # no bulk-ring column trick at M = 1: not this one either
+    assert not use_seq(2, 1, 90, None)
+    monkeypatch.setenv("HYBRID_QPN_TB", "1")
+    monkeypatch.setenv("HYBRID_QPN_SEQ", "2")
+    with pytest.raises(HybridError, match="HYBRID_QPN_SEQ='2'"):
+        use_seq(2, 1, 90, None)
+
+
 def test_pdl_launch_config_layout_and_switch(monkeypatch):
     """cuLaunchKernelEx's CUlaunchConfig / CUlaunchAttribute as the driver lays them out (x86-64), and the
     programmatic dependent launch only on sm_90+ and as $HYBRID_PDL says."""

@@ -619,8 +619,13 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     passes = -(-m // (8 * mt))
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
-    if LINEAR_VARIANT[0] == "_m1seq" and _launch_seq(mod, w, x, y, fmt, m, tiles, chunks):
-        return y
+    if use_seq(fmt, m, mod.sm, LINEAR_VARIANT[0]) and w.scales.data_ptr() % 16 == 0:
+        geo = seq_grid(tiles, chunks, _sms(w.device), mod.occupancy(SEQ_NAME, THREADS, SEQ_SMEM))
+        if geo is not None:
+            args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(n),
+                    ctypes.c_int(k), ctypes.c_int(geo[0])]
+            mod.launch(SEQ_NAME, (geo[1], 1, 1), THREADS, args, smem=SEQ_SMEM, pdl=pdl(mod.sm))
+            return y
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n, k)
     geo = bulk_geometry(name)
     if geo and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows: the cp.async / register ones
@@ -640,26 +645,40 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     return y
 
 
+# NVFP4 M = 1 on sm_90+ for a weight of at least two tiles per warp of a wave (lm_head): qpn2_linear_m1_seq, whose
+# first wave's warps stream two tiles each through one bulk ring, then one tile per warp. H200, lm_head NVFP4 M = 1
+# (results/cuda_kernels.md, thirty-seventh session, 5 rounds alternating): 46.42-46.51 us (84.6-84.7% of the read)
+# against 49.97-50.42 for ct_tb_choice's qpn2_linear_m1_tbu8, the same bits (one warp per tile in both, the same sums)
+SEQ_ENV = "HYBRID_QPN_SEQ"
 SEQ_NAME = "qpn2_linear_m1_seq"
-SEQ_U = 8   # chunks per ring slot (qpn.cu's linear_m1_seq_body<8>)
+SEQ_U = 8                                     # chunks per ring slot (qpn.cu's linear_m1_seq_body<8>)
+SEQ_SMEM = WARPS * 2 * SEQ_U * 576 + WARPS * 16   # two slots per warp, then two 8-byte mbarriers per warp
 
 
-def _launch_seq(mod, w: QPNWeight, x: torch.Tensor, y: torch.Tensor, fmt: int, m: int, tiles: int,
-                chunks: int) -> bool:
-    """qpn2_linear_m1_seq (LINEAR_VARIANT "_m1seq", probe) where it applies: NVFP4, M = 1, sm_90+, at least two
-    tiles per warp of a wave; a first wave of B0 blocks whose warps stream two tiles each, then one tile per warp."""
-    if not (fmt == 2 and m == 1 and mod.sm >= 90 and chunks % SEQ_U == 0 and w.scales.data_ptr() % 16 == 0):
+def seq_mode() -> str:
+    """$HYBRID_QPN_SEQ (default 1): on sm_90+ with tb_mode 1, NVFP4 at M = 1 on a weight of at least two tiles per
+    warp of a wave (seq_grid) runs qpn2_linear_m1_seq; 0 keeps ct_tb_choice's kernel there. Read at each launch (A/B
+    runs switch it); HybridError naming the variable on anything else (checked when a CUDA session opens)."""
+    return env_choice(SEQ_ENV, ("0", "1"), "1", "1 (the two-tile first wave where it applies) or 0 (never)")
+
+
+def use_seq(fmt: int, m: int, sm: int, choice: str | None) -> bool:
+    """Whether qpn_linear launches qpn2_linear_m1_seq where seq_grid says it fits: NVFP4 at M = 1 on sm_90+, by
+    default (tb_mode 1 and seq_mode 1) or forced (LINEAR_VARIANT "_m1seq"); any other forced choice keeps its own."""
+    if fmt != 2 or m != 1 or sm < 90:
         return False
-    smem = WARPS * 2 * SEQ_U * 576 + WARPS * 16
-    b0 = _sms(w.device) * mod.occupancy(SEQ_NAME, THREADS, smem)
+    return choice == "_m1seq" or (choice is None and tb_mode() == "1" and seq_mode() == "1")
+
+
+def seq_grid(tiles: int, chunks: int, sms: int, per_sm: int) -> tuple[int, int] | None:
+    """(B0, grid) of qpn2_linear_m1_seq for `tiles` 16-row tiles of `chunks` chunks, per_sm of its blocks resident per
+    SM: a first wave of B0 = sms x per_sm blocks whose warps take two tiles each, then a block per 8 further tiles.
+    None where it does not apply: fewer tiles than two per warp of the first wave, or rows not whole ring slots."""
+    b0 = sms * per_sm
     rest = tiles - 2 * b0 * WARPS
-    if rest < 0:
-        return False
-    n, k = w.shape
-    args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(n), ctypes.c_int(k),
-            ctypes.c_int(b0)]
-    mod.launch(SEQ_NAME, (b0 + -(-rest // WARPS), 1, 1), THREADS, args, smem=smem, pdl=pdl(mod.sm))
-    return True
+    if chunks % SEQ_U or b0 < 1 or rest < 0:
+        return None
+    return b0, b0 + -(-rest // WARPS)
 
 
 def pdl(sm: int, part: str = "qpn") -> bool:
