@@ -56,6 +56,8 @@
 //                              bandwidth, is served by the register pipeline)
 //   qpn{2,8}_linear_mt1_tb1u4, _tbu2  sm_90+: the M <= 8 kernel with one / two tiles per warp fed by a ring of
 //                              bulk async copies (cp.async.bulk on mbarriers, 2 slots of 4 / 2 chunks; warp_gemm_bulk)
+//   qpn2_linear_m1_seq         sm_90+: NVFP4 M = 1 on lm_head-sized weights, the first wave's warps streaming two
+//                              tiles each through one bulk ring, then one tile per warp (linear_m1_seq_body)
 //   qpn{2,8}_gemm_<BM>x<BN>    prefill (M > 16): shared-memory tiled GEMM, weights decoded once per
 //                              block tile into double-buffered fp16 shared memory, WMMA over BM rows;
 //                              grid (ceil(M/BM), ceil(N/BN), K splits); tiles 128x128, 64x128, 64x64,

@@ -30,7 +30,8 @@ MAX_SLOTS = 1024
 # the H200 for M = 2..8); "", "_u4" (deeper register pipeline), "_as", "_as4" (6- and 4-stage
 # cp.async rings, sm_80+), "_m1", "_m1x2" (the M = 1 NVFP4 kernels, one or two tiles per warp; see
 # linear_kernel), "_t2", "_t2u1" (register pipeline, two tiles per warp, 2 or 1 chunks per stage), "_tb1u4",
-# "_tbu2" (TB_KERNELS: one or two tiles per warp fed by bulk async copies, sm_90+): benchmark, tests.
+# "_tbu2" (TB_KERNELS: one or two tiles per warp fed by bulk async copies, sm_90+), "_m1seq" (qpn2_linear_m1_seq where
+# seq_grid fits; use_seq): benchmark, tests.
 LINEAR_VARIANT: list[str | None] = [None]
 MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
 # M > PREFILL_MIN linear kernel: None = on sm_80+ the register-fragment GEMM (qpn{2,8}_gemmf_*,
@@ -75,7 +76,8 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     K >= TB_PAIR_MIN_K, qpn{fmt}_linear_mt1_tbu2 (bulk-copy rings; see tb_mode), M <= 8 otherwise
     qpn{fmt}_linear_mt1_t2u1 (else qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2" (M1_KERNELS) forces one of the
     M = 1 NVFP4 cp.async-ring kernels, "_mp" / "_mpx2" the column-trick ones, a TB_KERNELS or CT_TB_KERNELS suffix
-    a bulk-ring kernel (sm_90+), where they apply (benchmark, tests)."""
+    a bulk-ring kernel (sm_90+), where they apply (benchmark, tests). qpn_linear launches qpn2_linear_m1_seq before
+    asking this (use_seq, seq_grid): "_m1seq" here is the default's pick."""
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
     if choice == "_m1seq":                       # qpn_linear launches it itself where it applies, else the default
