@@ -186,8 +186,8 @@ def test_emulated_bulk_column_trick(emu, variant, n, k, ks):
 
 
 @pytest.mark.parametrize("n,k,sms", [
-    (600, 1024, 2),    # 38 tiles, the last cut short: 2 blocks' warps take 2 tiles each, 6 more one each; 2 slots a tile
-    (16 * 40, 512, 2), # one slot a tile: the ring's phases run across the tiles; 8 tiles in the second wave
+    (600, 1024, 2),       # 38 tiles, the last cut short: 2 blocks' warps take 2 tiles each, 6 more one each
+    (16 * 40, 512, 2),    # one slot a tile: the ring's phases run across the tiles; 8 tiles in the second wave
     (16 * 16, 1024, 1),   # exactly two tiles per warp: no second wave
 ])
 def test_emulated_seq(emu, n, k, sms):
@@ -207,4 +207,3 @@ def test_emulated_seq(emu, n, k, sms):
     ref = x.double() @ qw.dequantize(torch.float64).t()
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-3, f"relative error {err:.2e}"
-
