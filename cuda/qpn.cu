@@ -800,6 +800,31 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* 
 #endif
 }
 
+// chunks p, p + 1 (two: the second is there) of a bulk-ring slot of NT tiles x U chunks through the column trick into
+// tot: the scale bytes [s(r,2q') s(r,2q'+1) s(r+8,2q') s(r+8,2q'+1)] of chunk p + q/2 (q' = q%2), the chunks' MMAs with
+// xv (group 4 p + n of the pair) in column n, their sums scaled in fp32
+template <int NT, int U>
+__device__ __forceinline__ void m1_slot_pair(float (&tot)[NT][4], u32 slot, int p, bool two, u64 xv, int lane) {
+  const int n = lane >> 2, q = lane & 3;
+  u32 sw[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    sw[nt] = two || q < 2 ? lds32(slot + NT * U * 512 + (nt * U + p + (q >> 1)) * 64 + n * 8 + 4 * (q & 1)) : 0u;
+  float d[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (h == 0 || two) {
+      u32x4 wv[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) wv[nt] = lds128(slot + (nt * U + p + h) * 512 + lane * 16);
+      m1_mmas<NT>(d, wv, h, xv, n);
+    }
+  }
+  m1_scale<NT>(tot, d, sw);
+}
+
 // sm_90+: the same column trick fed by bulk copies (warp_gemm_bulk's ring: ST slots of U chunks per tile, lane 0
 // copying a slot's U x 512 bytes of words and U x 64 of scales per tile against the slot's mbarrier). A slot holds
 // U / 2 chunk pairs (U even: a pair never straddles two slots); the x words of a slot's pairs are loaded before its
@@ -821,29 +846,8 @@ __device__ __forceinline__ void warp_m1_bulk(float (&tot)[NT][4], const u32x4* c
       xv[p / 2] = cs + p < c1 && (n < 4 || cs + p + 1 < c1) ? ld_act(x + (size_t)(cs + p) * 64 + n * 16 + 4 * q) : 0ull;
     ready();
 #pragma unroll
-    for (int p = 0; p < U; p += 2) {
-      if (cs + p < c1) {
-        const bool two = cs + p + 1 < c1;
-        // scale bytes [s(r,2q') s(r,2q'+1) s(r+8,2q') s(r+8,2q'+1)] of chunk cs + p + q/2, q' = q%2
-        u32 sw[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          sw[nt] = two || q < 2 ? lds32(slot + NT * U * 512 + (nt * U + p + (q >> 1)) * 64 + n * 8 + 4 * (q & 1)) : 0u;
-        float d[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (h == 0 || two) {
-            u32x4 wv[NT];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) wv[nt] = lds128(slot + (nt * U + p + h) * 512 + lane * 16);
-            m1_mmas<NT>(d, wv, h, xv[p / 2], n);
-          }
-        }
-        m1_scale<NT>(tot, d, sw);
-      }
-    }
+    for (int p = 0; p < U; p += 2)
+      if (cs + p < c1) m1_slot_pair<NT, U>(tot, slot, p, cs + p + 1 < c1, xv[p / 2], lane);
   });
 #else
   __trap();  // never launched below sm_90 (the launchers pick these kernels on sm_90+ only)
@@ -978,17 +982,7 @@ __device__ __forceinline__ void linear_m1_seq_body(const u32x4* __restrict__ w, 
     if (k == 0) QPN_MARK(1);
     if (lane == 0 && k + 1 < slots) issue(k + 1, sl ^ 1);
 #pragma unroll
-    for (int p = 0; p < U; p += 2) {
-      // scale bytes [s(r,2q') s(r,2q'+1) s(r+8,2q') s(r+8,2q'+1)] of chunk p + q/2, q' = q%2
-      u32 sw[1] = {lds32(slot + U * 512 + (p + (q >> 1)) * 64 + n * 8 + 4 * (q & 1))};
-      float d[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        u32x4 wv[1] = {lds128(slot + (p + h) * 512 + lane * 16)};
-        m1_mmas<1>(d, wv, h, xv[p / 2], n);
-      }
-      m1_scale<1>(tot, d, sw);
-    }
+    for (int p = 0; p < U; p += 2) m1_slot_pair<1, U>(tot, slot, p, true, xv[p / 2], lane);
     if (c + U == C) {  // a tile ends: its 16 row sums to y
       float vr = tot[0][0] + tot[0][1], vr8 = tot[0][2] + tot[0][3];  // sum the lane quad's groups
       vr += __shfl_xor_sync(0xffffffffu, vr, 1);
