@@ -464,11 +464,9 @@ def bench(args) -> int:
                                 qpn.PREFILL_SPLIT[0])
         if plan is not None:
             return plan.label
-        if qpn.use_seq(fmt, r["m"], env["sm"], qpn.LINEAR_VARIANT[0]):   # qpn_linear tries it before linear_kernel
-            per_sm = qpn._module(torch.device("cuda", torch.cuda.current_device())).occupancy(
-                qpn.SEQ_NAME, qpn.THREADS, qpn.SEQ_SMEM)
-            if qpn.seq_grid(-(-r["n"] // 16), r["k"] // 64, sms, per_sm) is not None:
-                return "m1_seq"
+        mod = qpn._module(torch.device("cuda", torch.cuda.current_device()))
+        if qpn.seq_plan(mod, fmt, r["m"], -(-r["n"] // 16), r["k"] // 64, sms) is not None:   # before linear_kernel
+            return "m1_seq"
         return qpn.linear_kernel(fmt, qpn._mt(r["m"], env["sm"]), r["m"], env["sm"], n=r["n"], k=r["k"]).split("linear_")[1]
 
     sms = torch_sms()

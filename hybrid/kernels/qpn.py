@@ -621,8 +621,8 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     passes = -(-m // (8 * mt))
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
-    if use_seq(fmt, m, mod.sm, LINEAR_VARIANT[0]) and w.scales.data_ptr() % 16 == 0:
-        geo = seq_grid(tiles, chunks, _sms(w.device), mod.occupancy(SEQ_NAME, THREADS, SEQ_SMEM))
+    if w.scales.data_ptr() % 16 == 0:   # bulk copies read 16-byte-aligned scale rows
+        geo = seq_plan(mod, fmt, m, tiles, chunks, _sms(w.device))
         if geo is not None:
             args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(n),
                     ctypes.c_int(k), ctypes.c_int(geo[0])]
@@ -670,6 +670,14 @@ def use_seq(fmt: int, m: int, sm: int, choice: str | None) -> bool:
     if fmt != 2 or m != 1 or sm < 90:
         return False
     return choice == "_m1seq" or (choice is None and tb_mode() == "1" and seq_mode() == "1")
+
+
+def seq_plan(mod, fmt: int, m: int, tiles: int, chunks: int, sms: int) -> tuple[int, int] | None:
+    """(B0, grid) of the qpn2_linear_m1_seq launch qpn_linear makes for M rows of a weight of `tiles` tiles x `chunks`
+    chunks on mod's device (use_seq, then seq_grid at the kernel's occupancy there), else None."""
+    if not use_seq(fmt, m, mod.sm, LINEAR_VARIANT[0]):
+        return None
+    return seq_grid(tiles, chunks, sms, mod.occupancy(SEQ_NAME, THREADS, SEQ_SMEM))
 
 
 def seq_grid(tiles: int, chunks: int, sms: int, per_sm: int) -> tuple[int, int] | None:
