@@ -4,7 +4,7 @@ stream done, exit, SM id), read back after every launch.
 
     PYTHONPATH=. HYBRID_CACHE_DIR=.qpncache python3 tools/qpn_timeline_probe.py --out $OUT/timeline.jsonl
 
-Per series (qpn_linear at M = 1 on an NVFP4 weight of N = lm_head's rows x each of --scales, K = 2048, and
+Per series (qpn_linear at M = 1, or --m rows, on an NVFP4 weight of N = lm_head's rows x each of --scales, K = 2048, and
 qpn_read over as many bytes), --reps launches queued behind a GPU sleep with copies rotated past the L2 as
 hybrid-bench cuda-kernels times them; after each launch (outside its events) the marks are copied aside and
 cleared. Per launch: the event time; the span from the first block's entry to the last block's exit; the first
@@ -140,8 +140,9 @@ def main() -> int:
     ap.add_argument("--scales", default="1")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sha", default="unknown")
+    ap.add_argument("--m", type=int, default=1, help="rows of x (1..8; series named nvfp4_m<M>)")
     ap.add_argument("--variants", default="",
-                    help="comma list of LINEAR_VARIANT choices also timed and marked at M = 1 (e.g. _m1siu8)")
+                    help="comma list of LINEAR_VARIANT choices also timed and marked at --m (e.g. _seq)")
     a = ap.parse_args()
     variants = [None] + [v for v in a.variants.split(",") if v]
     dev = torch.device("cuda", 0)
@@ -152,7 +153,7 @@ def main() -> int:
         base = QPNWeight.from_qweight(random_qweight(QType.NVFP4, n, K, dev), dev)
         ws = [base] + [_clone_weight(base) for _ in range(copies_for(base.nbytes) - 1)]
         bufs = [torch.empty(base.nbytes // 16 * 16, dtype=torch.uint8, device=dev) for _ in ws]
-        x = torch.randn(1, K, device=dev, dtype=torch.float16)
+        x = torch.randn(a.m, K, device=dev, dtype=torch.float16)
         lin = [lambda w=w: qpn_linear(x, w) for w in ws]
         rd = [lambda b=b: qpn.read_bytes(b) for b in bufs]
         for tag, src in (("", default_source), ("@tl", timeline_source)):   # the marks' own cost: default build too
@@ -160,13 +161,13 @@ def main() -> int:
             build.forget_modules()
             for v in variants:
                 qpn.LINEAR_VARIANT[0] = v
-                emit({"series": f"nvfp4_m1{v or ''}{tag}", "n": n, "event_us": round(time_ms(lin, a.reps) * 1e3, 2)})
+                emit({"series": f"nvfp4_m{a.m}{v or ''}{tag}", "n": n, "event_us": round(time_ms(lin, a.reps) * 1e3, 2)})
             qpn.LINEAR_VARIANT[0] = None
             emit({"series": f"read{tag}", "n": n, "event_us": round(time_ms(rd, a.reps) * 1e3, 2)})
         mod = qpn._module(dev)
         for v in variants:
             qpn.LINEAR_VARIANT[0] = v
-            run_series(f"nvfp4_m1{v or ''} n={n}", lin, base.nbytes, mod, a.reps, read_bw, emit)
+            run_series(f"nvfp4_m{a.m}{v or ''} n={n}", lin, base.nbytes, mod, a.reps, read_bw, emit)
         qpn.LINEAR_VARIANT[0] = None
         run_series(f"read n={n}", rd, base.nbytes // 16 * 16, mod, a.reps, read_bw, emit)
         build.source = default_source
