@@ -56,8 +56,8 @@
 //                              bandwidth, is served by the register pipeline)
 //   qpn{2,8}_linear_mt1_tb1u4, _tbu2  sm_90+: the M <= 8 kernel with one / two tiles per warp fed by a ring of
 //                              bulk async copies (cp.async.bulk on mbarriers, 2 slots of 4 / 2 chunks; warp_gemm_bulk)
-//   qpn2_linear_{m1,mp<MP>}_seq  sm_90+: NVFP4 M <= MP on lm_head-sized weights, the first wave's warps streaming
-//                              two tiles each through one bulk ring, then one tile per warp (linear_seq_body)
+//   qpn2_linear_m1_seq         sm_90+: NVFP4 M = 1 on lm_head-sized weights, the first wave's warps streaming two
+//                              tiles each through one bulk ring, then one tile per warp (linear_m1_seq_body)
 //   qpn{2,8}_gemm_<BM>x<BN>    prefill (M > 16): shared-memory tiled GEMM, weights decoded once per
 //                              block tile into double-buffered fp16 shared memory, WMMA over BM rows;
 //                              grid (ceil(M/BM), ceil(N/BN), K splits); tiles 128x128, 64x128, 64x64,
@@ -935,6 +935,82 @@ LINEAR_M1_TB(qpn2_linear_m1_tbu4, 2, 4, 1)
 LINEAR_M1_TB(qpn2_linear_m1_tbu8, 2, 8, 1)
 LINEAR_M1_TB(qpn2_linear_m1_tb2u4, 2, 4, 2)
 
+// sm_90+ only: NVFP4 M = 1 on a weight of at least two waves of warps' tiles (lm_head; `_m1seq`). The first wave's
+// warps each stream two tiles, gw and gw + GW0 (GW0 = the first wave's warps, B0 blocks), through one bulk ring that
+// runs on from the first into the second; a second wave of blocks takes the tiles from 2 GW0, one per warp. Each SM
+// hands its blocks over once instead of twice: the thirty-sixth session's timelines showed every hand-over costing
+// the SM ~2 µs of reading while the next blocks fill their rings. A warp owns whole tiles and writes their 16 rows.
+template <int U>
+__device__ __forceinline__ void linear_m1_seq_body(const u32x4* __restrict__ w, const u64* __restrict__ s,
+                                                   float gs, const u16* __restrict__ x, u16* __restrict__ y,
+                                                   int N, int K, int B0) {
+#if QPN_BULK
+  constexpr int SLOT = BULK_SLOT(1, U);
+  extern __shared__ __align__(16) unsigned char smem_dynamic[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = lane >> 2, q = lane & 3;
+  const int GW0 = B0 * WARPS, gw = blockIdx.x * WARPS + warp;
+  const int C = K / 64, tiles = (N + 15) >> 4;
+  const bool first = (int)blockIdx.x < B0;
+  const int t0 = first ? gw : 2 * GW0 + (gw - GW0);                     // this warp's tiles: t0 (+ GW0)
+  const int nt = t0 >= tiles ? 0 : first && t0 + GW0 < tiles ? 2 : 1;
+  const int slots = nt * (C / U);
+  const u32 rbase = smem_addr(smem_dynamic + warp * 2 * SLOT);
+  const u32 bbase = smem_addr(smem_dynamic + WARPS * 2 * SLOT + warp * 16);
+  const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
+  QPN_MARK(0);
+  auto issue = [&](int k, int sl) {  // slot k of the warp's sequence: tile t0 + (k / (C / U)) GW0, its chunks from c
+    const int t = t0 + (k / (C / U)) * GW0, c = (k % (C / U)) * U;
+    const u32x4* wt[1] = {w + (size_t)t * C * 32};
+    const u64* st[1] = {s + (size_t)t * C * 8};
+    bulk_issue<2, 1, U>(wt, st, c, C, sl, rbase, bbase);
+  };
+  if (lane == 0) {
+    mbar_init(bbase), mbar_init(bbase + 8);
+    mbar_init_fence();
+  }
+  __syncwarp();
+  if (lane == 0 && slots > 0) issue(0, 0);
+  pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
+  float tot[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  for (int k = 0; k < slots; ++k) {
+    const int sl = k & 1, c = (k % (C / U)) * U;
+    const u32 slot = rbase + sl * SLOT;
+    u64 xv[U / 2];  // group 4 p + n of each chunk pair p: this lane's only non-zero B operand
+#pragma unroll
+    for (int p = 0; p < U; p += 2) xv[p / 2] = ld_act(x + (size_t)(c + p) * 64 + n * 16 + 4 * q);
+    mbar_wait(bbase + 8 * sl, (k >> 1) & 1);
+    if (k == 0) QPN_MARK(1);
+    if (lane == 0 && k + 1 < slots) issue(k + 1, sl ^ 1);
+#pragma unroll
+    for (int p = 0; p < U; p += 2) m1_slot_pair<1, U>(tot, slot, p, true, xv[p / 2], lane);
+    if (c + U == C) {  // a tile ends: its 16 row sums to y
+      float vr = tot[0][0] + tot[0][1], vr8 = tot[0][2] + tot[0][3];  // sum the lane quad's groups
+      vr += __shfl_xor_sync(0xffffffffu, vr, 1);
+      vr += __shfl_xor_sync(0xffffffffu, vr, 2);
+      vr8 += __shfl_xor_sync(0xffffffffu, vr8, 1);
+      vr8 += __shfl_xor_sync(0xffffffffu, vr8, 2);
+      tot[0][0] = tot[0][1] = tot[0][2] = tot[0][3] = 0.f;
+      const int row = (t0 + (k / (C / U)) * GW0) * 16 + n;
+      if (q == 0) {
+        if (row < N) y[row] = f_to_h(vr * g);
+        if (row + 8 < N) y[row + 8] = f_to_h(vr8 * g);
+      }
+    }
+  }
+  QPN_MARK(2);
+  pdl_trigger();  // late: see pdl_trigger
+  QPN_MARK(3);
+#else
+  __trap();  // never launched below sm_90
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 3)
+qpn2_linear_m1_seq(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x,
+                   u16* __restrict__ y, int N, int K, int B0) {
+  linear_m1_seq_body<8>(w, s, gs, x, y, N, K, B0);
+}
+
 // ---------------------------------------------------------------- NVFP4, M = 2..8 as M = 1 does, sm_80+
 // The M = 1 kernel's column trick for MP = 2, 4 or 8 rows: column n of the MMA carries row n % MP of x for
 // group slot n / MP of each set of GS = 8 / MP consecutive groups (zeros otherwise), so after a set's GS MMAs
@@ -1140,122 +1216,6 @@ LINEAR_MP_TB(qpn2_linear_mp2_tbu8, 2, 2, 8, 1)
 LINEAR_MP_TB(qpn2_linear_mp2_tb2u4, 2, 2, 4, 2)
 LINEAR_MP_TB(qpn2_linear_mp4_tbu4, 4, 2, 4, 1)
 LINEAR_MP_TB(qpn2_linear_mp4_tb2u4, 4, 2, 4, 2)
-
-// sm_90+ only: NVFP4 M <= MP (1, 2, 4, 8) on a weight of at least two waves of warps' tiles (lm_head; `_seq`). The
-// first wave's warps each stream two tiles, gw and gw + GW0 (GW0 = the first wave's warps, B0 blocks), through one
-// bulk ring that runs on from the first into the second; a second wave of blocks takes the tiles from 2 GW0, one per
-// warp. Each SM hands its blocks over once instead of twice: the thirty-sixth session's timelines showed every
-// hand-over costing the SM ~2 µs of reading while the next blocks fill their rings. A warp owns whole tiles and
-// writes their 16 rows: MP = 1 through m1_slot_pair (the sums of qpn2_linear_m1_tbu8), MP > 1 through mp_chunk (those
-// of qpn2_linear_mp<MP>_tb*: column n carries x row n % MP, rows past M re-reading row M - 1).
-template <int MP, int U>
-__device__ __forceinline__ void linear_seq_body(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,
-                                                const u16* __restrict__ x, u16* __restrict__ y, int M, int N, int K,
-                                                int B0) {
-#if QPN_BULK
-  constexpr int SLOT = BULK_SLOT(1, U);
-  constexpr int GS = MP == 1 ? 8 : 8 / MP, SETS = MP == 1 ? 1 : 4 / GS;  // mp_chunk's groups per set, sets per chunk
-  extern __shared__ __align__(16) unsigned char smem_dynamic[];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = lane >> 2, q = lane & 3;
-  const int GW0 = B0 * WARPS, gw = blockIdx.x * WARPS + warp;
-  const int C = K / 64, tiles = (N + 15) >> 4;
-  const bool first = (int)blockIdx.x < B0;
-  const int t0 = first ? gw : 2 * GW0 + (gw - GW0);                     // this warp's tiles: t0 (+ GW0)
-  const int nt = t0 >= tiles ? 0 : first && t0 + GW0 < tiles ? 2 : 1;
-  const int slots = nt * (C / U);
-  const u32 rbase = smem_addr(smem_dynamic + warp * 2 * SLOT);
-  const u32 bbase = smem_addr(smem_dynamic + WARPS * 2 * SLOT + warp * 16);
-  const int gslot = n / MP, gq = 2 * q / MP, xm = n % MP;                // MP > 1: mp_chunk's lane roles
-  const u16* const xt = MP == 1 ? x + n * 16 + 4 * q : x + (size_t)(xm < M ? xm : M - 1) * K + gslot * 16 + 4 * q;
-  const float g = gs * 128.f;  // codes were decoded * 2^-14 and gs holds scale_2 * 2^7
-  QPN_MARK(0);
-  auto issue = [&](int k, int sl) {  // slot k of the warp's sequence: tile t0 + (k / (C / U)) GW0, its chunks from c
-    const int t = t0 + (k / (C / U)) * GW0, c = (k % (C / U)) * U;
-    const u32x4* wt[1] = {w + (size_t)t * C * 32};
-    const u64* st[1] = {s + (size_t)t * C * 8};
-    bulk_issue<2, 1, U>(wt, st, c, C, sl, rbase, bbase);
-  };
-  if (lane == 0) {
-    mbar_init(bbase), mbar_init(bbase + 8);
-    mbar_init_fence();
-  }
-  __syncwarp();
-  if (lane == 0 && slots > 0) issue(0, 0);
-  pdl_wait();  // x was written by an earlier kernel; the weights in flight were not
-  float tot[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-  for (int k = 0; k < slots; ++k) {
-    const int sl = k & 1, c = (k % (C / U)) * U;
-    const u32 slot = rbase + sl * SLOT;
-    // this lane's x of the slot, loaded before its wait. MP = 1: group 4 p + n of each chunk pair p; MP > 1: group
-    // slot gslot of each set of each chunk
-    u64 xv[MP == 1 ? U / 2 : U][SETS];
-#pragma unroll
-    for (int u = 0; u < (MP == 1 ? U / 2 : U); ++u)
-#pragma unroll
-      for (int j = 0; j < SETS; ++j) xv[u][j] = ld_act(xt + (size_t)(c + (MP == 1 ? 2 : 1) * u) * 64 + j * GS * 16);
-    mbar_wait(bbase + 8 * sl, (k >> 1) & 1);
-    if (k == 0) QPN_MARK(1);
-    if (lane == 0 && k + 1 < slots) issue(k + 1, sl ^ 1);
-    if constexpr (MP == 1) {
-#pragma unroll
-      for (int p = 0; p < U; p += 2) m1_slot_pair<1, U>(tot, slot, p, true, xv[p / 2][0], lane);
-    } else {
-      slot_chunks<2, 1, U>(c, C, slot, lane, [&](int u, const u32x4 (&wv)[1], const u64 (&sv)[1]) {
-        mp_chunk<1, MP>(tot, wv, sv, xv[u], gslot, gq);
-      });
-    }
-    if (c + U == C) {  // a tile ends: its 16 rows (x MP) to y
-      const int row = (t0 + (k / (C / U)) * GW0) * 16 + n;
-      if constexpr (MP == 1) {
-        float vr = tot[0][0] + tot[0][1], vr8 = tot[0][2] + tot[0][3];  // sum the lane quad's groups
-        vr += __shfl_xor_sync(0xffffffffu, vr, 1);
-        vr += __shfl_xor_sync(0xffffffffu, vr, 2);
-        vr8 += __shfl_xor_sync(0xffffffffu, vr8, 1);
-        vr8 += __shfl_xor_sync(0xffffffffu, vr8, 2);
-        if (q == 0) {
-          if (row < N) y[row] = f_to_h(vr * g);
-          if (row + 8 < N) y[row + 8] = f_to_h(vr8 * g);
-        }
-      } else {
-        float v[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {  // sum over the lanes of the quad that hold the same x rows' other groups
-          v[i] = tot[0][i];
-          if (MP <= 4) v[i] += __shfl_xor_sync(0xffffffffu, v[i], 2);
-          if (MP <= 2) v[i] += __shfl_xor_sync(0xffffffffu, v[i], 1);
-        }
-        const int xr = 2 * q % MP;  // x rows xr, xr + 1 of v
-        if (2 * q < MP) {
-          if (row < N && xr < M) y[(size_t)xr * N + row] = f_to_h(v[0] * g);
-          if (row < N && xr + 1 < M) y[(size_t)(xr + 1) * N + row] = f_to_h(v[1] * g);
-          if (row + 8 < N && xr < M) y[(size_t)xr * N + row + 8] = f_to_h(v[2] * g);
-          if (row + 8 < N && xr + 1 < M) y[(size_t)(xr + 1) * N + row + 8] = f_to_h(v[3] * g);
-        }
-      }
-      tot[0][0] = tot[0][1] = tot[0][2] = tot[0][3] = 0.f;
-    }
-  }
-  QPN_MARK(2);
-  pdl_trigger();  // late: see pdl_trigger
-  QPN_MARK(3);
-#else
-  __trap();  // never launched below sm_90
-#endif
-}
-
-// (MP, U, blocks per SM) of each: qpn.py's SEQ_KERNELS
-#define LINEAR_SEQ(NAME, MP, U, MINB)                                                                    \
-  extern "C" __global__ void __launch_bounds__(THREADS, MINB)                                            \
-  NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs, const u16* __restrict__ x,     \
-       u16* __restrict__ y, int M, int N, int K, int B0) {                                               \
-    linear_seq_body<MP, U>(w, s, gs, x, y, M, N, K, B0);                                                 \
-  }
-LINEAR_SEQ(qpn2_linear_m1_seq, 1, 8, 3)
-LINEAR_SEQ(qpn2_linear_mp2_seq, 2, 8, 3)
-LINEAR_SEQ(qpn2_linear_mp4_seq, 4, 8, 2)
-LINEAR_SEQ(qpn2_linear_mp4_sequ4, 4, 4, 3)
-LINEAR_SEQ(qpn2_linear_mp8_seq, 8, 4, 3)
-LINEAR_SEQ(qpn2_linear_mp8_sequ2, 8, 2, 3)
 
 // shared memory of one block: the partials (red) and, for ST > 0, the rings, which red aliases
 // (a barrier separates the last ring read from the first partial written)

@@ -14,15 +14,12 @@ import torch
 
 from hybrid.checkpoint.formats import QType
 from hybrid.kernels import build, layout
-from hybrid.kernels.qpn import (CT_TB_KERNELS, SEQ_KERNELS, TB_KERNELS, ct_tb_m, ct_tb_name, seq_grid, seq_smem,
-                                tb_smem)
+from hybrid.kernels.qpn import CT_TB_KERNELS, SEQ_SMEM, TB_KERNELS, ct_tb_m, ct_tb_name, seq_grid, tb_smem
 from tests.cuda_emu import GEMM_HELPERS, SHFL_XOR, SHIM, compile_emu, mma_shim, qpn_preamble
 from tests.test_qpn_layout import fp8, nvfp4
 
 RULE = "// " + "-" * 64 + " "
 DYN = 80 * 1024   # the emulation's dynamic shared memory (each kernel's tb_smem is checked below it)
-SEQ = sorted({pick for kernels in SEQ_KERNELS.values() for pick in kernels.values()})   # (kernel, U) of each
-SEQ_NAMES = [name for name, _ in SEQ]
 
 HELPERS = GEMM_HELPERS + SHFL_XOR + r"""
 #include <chrono>
@@ -99,10 +96,10 @@ def emu_source() -> str:
     funcs = funcs.replace(decl, f"__shared__ __align__(16) unsigned char smem_dynamic[{DYN}];")
     tb = src[src.index("#define LINEAR_TB("): src.index(RULE + "prefill: shared-memory tiled GEMM")]
     tb += src[src.index("#define LINEAR_M1_TB("): src.index(RULE + "NVFP4, M = 2..8 as M = 1 does")]
-    last = src.index("\n", src.rindex("\nLINEAR_SEQ(qpn2_") + 1) + 1
-    tb += src[src.index("#define LINEAR_MP_TB("): last]
-    assert tb.count(decl) == 1, "linear_seq_body's dynamic shared memory moved"
+    assert tb.count(decl) == 1, "linear_m1_seq_body's dynamic shared memory moved"
     tb = tb.replace(decl, f"__shared__ __align__(16) unsigned char smem_dynamic[{DYN}];")
+    last = src.index("\n", src.rindex("\nLINEAR_MP_TB(qpn2_") + 1) + 1
+    tb += src[src.index("#define LINEAR_MP_TB("): last]
     assert "asm" not in pre[pre.index("#define BULK_SLOT"):] + funcs + tb, "an inline-PTX helper the shim does not replace"
     entry = "".join(
         f'extern "C" void emu_{f}{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
@@ -113,11 +110,10 @@ def emu_source() -> str:
         f'extern "C" void emu_2{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
         f'u16* y, int M, int N, int K, int KS) {{ w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
         f's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ {ct_tb_name(v)}(w, s, gs, x, y, M, N, K, KS, 1); }}); }}\n'
-        for v in CT_TB_KERNELS) + "".join(
-        f'extern "C" void emu_{name}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
-        f'u16* y, int M, int N, int K, int B0) {{ w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
-        f's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ {name}(w, s, gs, x, y, M, N, K, B0); }}); }}\n'
-        for name in SEQ_NAMES)
+        for v in CT_TB_KERNELS) + (
+        'extern "C" void emu_seq(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
+        'u16* y, int N, int K, int B0) { w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
+        's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] { qpn2_linear_m1_seq(w, s, gs, x, y, N, K, B0); }); }\n')
     return SHIM + "#define __CUDA_ARCH__ 900\n#include <cstdlib>\n" + pre + HELPERS + funcs + tb + entry
 
 
@@ -148,7 +144,7 @@ def run(lib, x, qw, variant, ks):
 
 
 def test_emulated_dynamic_shared_memory_fits():
-    assert max(max(tb_smem(v) for v in [*TB_KERNELS, *CT_TB_KERNELS]), max(seq_smem(u) for _, u in SEQ)) <= DYN
+    assert max(max(tb_smem(v) for v in [*TB_KERNELS, *CT_TB_KERNELS]), SEQ_SMEM) <= DYN
 
 
 @pytest.mark.parametrize("variant", sorted(TB_KERNELS))
@@ -189,30 +185,25 @@ def test_emulated_bulk_column_trick(emu, variant, n, k, ks):
     assert err < 1e-3, f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("name,u", SEQ)
 @pytest.mark.parametrize("n,k,sms", [
     (600, 1024, 2),       # 38 tiles, the last cut short: 2 blocks' warps take 2 tiles each, 6 more one each
-    (16 * 40, 512, 2),    # one slot a tile (U = 8): the ring's phases run across the tiles; 8 tiles in the second wave
+    (16 * 40, 512, 2),    # one slot a tile: the ring's phases run across the tiles; 8 tiles in the second wave
     (16 * 16, 1024, 1),   # exactly two tiles per warp: no second wave
 ])
-def test_emulated_seq(emu, name, u, n, k, sms):
-    """The seq kernels (NVFP4 M <= MP, sm_90+): a first wave whose warps stream two tiles each through one ring, then
-    one tile per warp, on the grid qpn.seq_grid gives (one resident block per SM here); MP > 1 at all MP rows (case 1),
-    one (2) and all but one (3): the columns past M re-read row M - 1, and their rows are not written."""
+def test_emulated_seq(emu, n, k, sms):
+    """qpn2_linear_m1_seq (NVFP4 M = 1, sm_90+): a first wave whose warps stream two tiles each through one ring, then
+    one tile per warp, on the grid qpn.seq_grid gives (one resident block per SM here)."""
     qw = nvfp4(n, k, seed=n + k)
     words, scales = layout.pack_nvfp4(qw)
-    b0, grid = seq_grid(-(-n // 16), k // 64, sms, 1, u)
-    mp = 1 if "_m1_" in name else int(name.split("_mp")[1].split("_")[0])
-    m = {2: mp, 1: max(1, mp - 1)}[sms] if n != 16 * 40 else 1
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n)).half()
-    y = torch.full((mp, n), float("nan")).half()
+    b0, grid = seq_grid(-(-n // 16), k // 64, sms, 1)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(n)).half()
+    y = torch.full((1, n), float("nan")).half()
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())   # noqa: E731
     nb = lambda t: ctypes.c_long(t.numel() * t.element_size())   # noqa: E731
-    getattr(emu, f"emu_{name}")(ctypes.c_int(grid), ptr(words), nb(words), ptr(scales), nb(scales),
-                                ctypes.c_float(layout.global_scale(qw)), ptr(x), ptr(y), ctypes.c_int(m),
-                                ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(b0))
-    assert not torch.isnan(y[:m]).any(), "unwritten outputs"
-    assert torch.isnan(y[m:]).all(), "rows past M written"
+    emu.emu_seq(ctypes.c_int(grid), ptr(words), nb(words), ptr(scales), nb(scales),
+                ctypes.c_float(layout.global_scale(qw)), ptr(x), ptr(y), ctypes.c_int(n), ctypes.c_int(k),
+                ctypes.c_int(b0))
+    assert not torch.isnan(y).any(), "unwritten outputs"
     ref = x.double() @ qw.dequantize(torch.float64).t()
-    err = ((y[:m].double() - ref).norm() / ref.norm()).item()
+    err = ((y.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-3, f"relative error {err:.2e}"

@@ -50,7 +50,7 @@ def backend(request):
 
 @pytest.fixture(params=[None, "", "_u4", "_as", "_as4", "_m1", "_m1x2", "_mp", "_mpx2", "_t2", "_t2u1", "_tbu2",
                         "_tb1u4", "_m1tbu4", "_m1tbu8", "_m1tb2u4", "_mp2tbu4", "_mp2tbu8", "_mp2tb2u4", "_mp4tbu4",
-                        "_mp4tb2u4", "_seq"])
+                        "_mp4tb2u4", "_m1seq"])
 def variant(request):
     from hybrid.kernels import qpn
 
@@ -91,45 +91,33 @@ def test_linear_matches_reference_all_m(backend, variant, qtype, n, k):
         assert err < 2e-3, f"{backend} {qtype.value} M={m}: relative error {err:.2e}"
 
 
-@pytest.fixture(scope="module")
-def lm_head_weight():
-    """An NVFP4 weight of lm_head's shape with its rows cut short of a tile (151931 x 2048): (QPNWeight, its float64
-    dequantization on the GPU), built once for the seq kernels' tests."""
-    qw = nvfp4(151936 - 5, 2048, seed=7)
-    return QPNWeight.from_qweight(qw, "cuda"), qw.dequantize(torch.float64).cuda()
-
-
-@pytest.mark.parametrize("choice,m", [("_seq", m) for m in range(1, 9)] + [("_sequ", m) for m in (3, 4, 5, 8)])
-def test_seq_two_waves_of_tiles(monkeypatch, lm_head_weight, choice, m):
-    """The seq kernels (sm_90+; qpn2_linear_m1_seq the default there for lm_head at M = 1; a SEQ_KERNELS choice forces
-    them): a first wave of warps streaming two tiles each, then one tile per warp, on lm_head's shape with its rows cut
-    short of a tile; right against the reference at every M of each kernel (rows past M re-read row M - 1 and are not
-    written), every row written, the same bits on the next launch; at M = 1 also by default, and as the kernel it
-    replaces (qpn2_linear_m1_tbu8, with HYBRID_QPN_SEQ=0: one warp per tile there too, the same sums)."""
+def test_m1_seq_two_waves_of_tiles(monkeypatch):
+    """qpn2_linear_m1_seq (sm_90+; the default there for lm_head, LINEAR_VARIANT "_m1seq" forces it): a first wave of
+    warps streaming two tiles each, then one tile per warp, on lm_head's shape with its rows cut short of a tile;
+    right against the reference, every row written, the same bits on the next launch, by default, and as the
+    kernel it replaces (qpn2_linear_m1_tbu8, with HYBRID_QPN_SEQ=0: one warp per tile there too, the same sums)."""
     from hybrid.kernels import build
 
     dev = torch.device("cuda", torch.cuda.current_device())
     if build.module(dev).sm < 90:
-        pytest.skip("the seq kernels are sm_90+")
-    w, wref = lm_head_weight
-    n, k = w.shape
-    x = fresh((m, k)).cuda()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    qpn.LINEAR_VARIANT[0] = choice
+        pytest.skip("qpn2_linear_m1_seq is sm_90+")
+    n, k = 151936 - 5, 2048
+    qw = nvfp4(n, k, seed=7)
+    w = QPNWeight.from_qweight(qw, "cuda")
+    x = fresh((1, k))
+    qpn.LINEAR_VARIANT[0] = "_m1seq"
     try:
-        assert qpn.seq_plan(build.module(dev), 2, m, -(-n // 16), k // 64, sms) is not None, "the seq kernel fits"
-        outs = [qpn_linear(x, w, out=torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda"))
+        outs = [qpn_linear(x.cuda(), w, out=torch.full((1, n), float("nan"), dtype=torch.float16, device="cuda"))
                 for _ in range(2)]
     finally:
         qpn.LINEAR_VARIANT[0] = None
-    y = outs[0]
+    y = outs[0].cpu()
     assert not torch.isnan(y).any(), "unwritten outputs"
-    assert rel_err(y.cpu(), (x.double() @ wref.t()).cpu()) < 2e-3
-    assert torch.equal(outs[1], y)
-    if m == 1:
-        assert torch.equal(qpn_linear(x, w), y)
-        monkeypatch.setenv("HYBRID_QPN_SEQ", "0")
-        assert torch.equal(qpn_linear(x, w), y)
+    assert rel_err(y, x.double() @ qw.dequantize(torch.float64).t()) < 2e-3
+    assert torch.equal(outs[1].cpu(), y)
+    assert torch.equal(qpn_linear(x.cuda(), w).cpu(), y)
+    monkeypatch.setenv("HYBRID_QPN_SEQ", "0")
+    assert torch.equal(qpn_linear(x.cuda(), w).cpu(), y)
 
 
 @pytest.fixture(params=[None, "mt", "wmma", "128x128", "64x128", "64x64", "32x64", "f128x128", "f64x256",

@@ -413,44 +413,34 @@ def test_tb_kernel_choice(monkeypatch):
 
 
 def test_seq_kernel_choice(monkeypatch):
-    """The seq kernels (qpn2_linear_m1_seq, qpn2_linear_mp<MP>_seq): NVFP4 on sm_90+, by default at M = 1..
-    SEQ_DEFAULT_MAX_M (HYBRID_QPN_TB and HYBRID_QPN_SEQ at 1), forced at any M <= 8 that the choice has a kernel for,
-    on weights of at least two tiles per warp of a wave whose rows are whole ring slots; their grid a first wave of
-    sms x per_sm blocks and a block per 8 further tiles; a bad switch value is one line."""
+    """qpn2_linear_m1_seq: NVFP4 M = 1 on sm_90+ by default (HYBRID_QPN_TB and HYBRID_QPN_SEQ at 1) or forced
+    ("_m1seq"), on weights of at least two tiles per warp of a wave whose rows are whole ring slots; its grid a
+    first wave of sms x per_sm blocks and a block per 8 further tiles; a bad switch value is one line."""
     from hybrid.errors import HybridError
-    from hybrid.kernels import build
-    from hybrid.kernels.qpn import SEQ_DEFAULT_MAX_M, SEQ_KERNELS, linear_kernel, seq_grid, seq_kernel, seq_smem
+    from hybrid.kernels.qpn import linear_kernel, seq_grid, use_seq
 
     monkeypatch.delenv("HYBRID_QPN_TB", raising=False)
     monkeypatch.delenv("HYBRID_QPN_SEQ", raising=False)
-    assert seq_kernel(2, 1, 90, None) == ("qpn2_linear_m1_seq", 8)
-    assert seq_kernel(8, 1, 90, None) is None and seq_kernel(2, 1, 80, None) is None
-    assert seq_kernel(2, SEQ_DEFAULT_MAX_M + 1, 90, None) is None      # past the measured M: ct_tb_choice's kernels
-    assert seq_kernel(2, 9, 90, "_seq") is None
-    assert seq_kernel(2, 1, 90, "_m1tbu8") is None      # another forced kernel keeps its own
-    assert seq_kernel(2, 3, 90, "_seq") == ("qpn2_linear_mp4_seq", 8)        # M = 3 on the MP = 4 kernel
-    assert seq_kernel(2, 5, 90, "_sequ") == ("qpn2_linear_mp8_sequ2", 2)
-    assert seq_kernel(2, 1, 90, "_sequ") == ("qpn2_linear_m1_seq", 8)        # no M = 1 kernel there: the default's
-    assert {name for ks in SEQ_KERNELS.values() for name, _ in ks.values()} <= set(build.KERNELS)
-    assert seq_smem(8) == 8 * 2 * 8 * 576 + 8 * 16
-    assert seq_grid(9496, 32, 132, 3, 8) == (396, 396 + 395)   # lm_head 151936 x 2048 on an H200: 6336 + 3160 tiles
-    assert seq_grid(2 * 396 * 8, 32, 132, 3, 8) == (396, 396)  # exactly two tiles per warp: no second wave
-    assert seq_grid(2 * 396 * 8 - 1, 32, 132, 3, 8) is None    # fewer: ct_tb_choice's kernel
-    assert seq_grid(1600, 80, 132, 3, 8) is None               # dense_up
-    assert seq_grid(9496, 30, 132, 3, 8) is None               # rows not whole slots of 8 chunks ...
-    assert seq_grid(9496, 30, 132, 3, 2) == (396, 791)         # ... but of 2
-    assert seq_grid(9496, 32, 132, 0, 8) is None
-    assert linear_kernel(2, 1, 1, 90, "_seq", n=151936, k=2048) == "qpn2_linear_m1_tbu8"   # where it does not fit
+    assert use_seq(2, 1, 90, None)
+    assert not use_seq(8, 1, 90, None) and not use_seq(2, 2, 90, None) and not use_seq(2, 1, 80, None)
+    assert not use_seq(2, 1, 90, "_m1tbu8")            # another forced kernel keeps its own
+    assert seq_grid(9496, 32, 132, 3) == (396, 396 + 395)   # lm_head 151936 x 2048 on an H200: 6336 + 3160 tiles
+    assert seq_grid(2 * 396 * 8, 32, 132, 3) == (396, 396)  # exactly two tiles per warp: no second wave
+    assert seq_grid(2 * 396 * 8 - 1, 32, 132, 3) is None    # fewer: ct_tb_choice's kernel
+    assert seq_grid(1600, 80, 132, 3) is None               # dense_up
+    assert seq_grid(9496, 30, 132, 3) is None               # rows not whole slots of 8 chunks
+    assert seq_grid(9496, 32, 132, 0) is None
+    assert linear_kernel(2, 1, 1, 90, "_m1seq", n=151936, k=2048) == "qpn2_linear_m1_tbu8"   # where it does not fit
     monkeypatch.setenv("HYBRID_QPN_SEQ", "0")
-    assert seq_kernel(2, 1, 90, None) is None
-    assert seq_kernel(2, 1, 90, "_seq") == ("qpn2_linear_m1_seq", 8)    # forced: still tried
+    assert not use_seq(2, 1, 90, None)
+    assert use_seq(2, 1, 90, "_m1seq")                 # forced: still tried
     monkeypatch.setenv("HYBRID_QPN_SEQ", "1")
     monkeypatch.setenv("HYBRID_QPN_TB", "mt")          # no bulk-ring column trick at M = 1: not this one either
-    assert seq_kernel(2, 1, 90, None) is None
+    assert not use_seq(2, 1, 90, None)
     monkeypatch.setenv("HYBRID_QPN_TB", "1")
     monkeypatch.setenv("HYBRID_QPN_SEQ", "2")
     with pytest.raises(HybridError, match="HYBRID_QPN_SEQ='2'"):
-        seq_kernel(2, 1, 90, None)
+        use_seq(2, 1, 90, None)
 
 
 def test_pdl_launch_config_layout_and_switch(monkeypatch):
@@ -477,10 +467,10 @@ def test_every_forced_linear_variant_resolves():
     """Every LINEAR_VARIANT choice the GPU tests and the benchmark force names a kernel qpn.cu builds, for both
     formats, M = 1..8, sm_70 / 80 / 90, small and large grids (a choice that does not apply falls back)."""
     from hybrid.kernels.build import KERNELS
-    from hybrid.kernels.qpn import CT_TB_KERNELS, M1_KERNELS, PAIR_MIN_TILES, SEQ_KERNELS, TB_KERNELS, linear_kernel
+    from hybrid.kernels.qpn import CT_TB_KERNELS, M1_KERNELS, PAIR_MIN_TILES, TB_KERNELS, linear_kernel
 
     choices = [None, "", "_u4", "_as", "_as4", "_mp", "_mpx2", "_t2", "_t2u1", *M1_KERNELS, *TB_KERNELS,
-               *CT_TB_KERNELS, *SEQ_KERNELS]
+               *CT_TB_KERNELS]
     for choice, fmt, m, sm, n, k in itertools.product(choices, (2, 8), range(1, 9), (70, 80, 90),
                                                       (16 * PAIR_MIN_TILES - 16, 16 * PAIR_MIN_TILES), (2048, 5120)):
         assert linear_kernel(fmt, 1, m, sm, choice, n=n, k=k) in KERNELS, (choice, fmt, m, sm, n, k)

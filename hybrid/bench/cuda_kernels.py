@@ -465,9 +465,8 @@ def bench(args) -> int:
         if plan is not None:
             return plan.label
         mod = qpn._module(torch.device("cuda", torch.cuda.current_device()))
-        seq = qpn.seq_plan(mod, fmt, r["m"], -(-r["n"] // 16), r["k"] // 64, sms)   # qpn_linear asks it first
-        if seq is not None:
-            return seq[0].split("linear_")[1]
+        if qpn.seq_plan(mod, fmt, r["m"], -(-r["n"] // 16), r["k"] // 64, sms) is not None:   # before linear_kernel
+            return "m1_seq"
         return qpn.linear_kernel(fmt, qpn._mt(r["m"], env["sm"]), r["m"], env["sm"], n=r["n"], k=r["k"]).split("linear_")[1]
 
     sms = torch_sms()

@@ -29,9 +29,7 @@ KERNELS = tuple(
     + [f"qpn{f}_linear_mt1{v}" for f in (2, 8) for v in ("_u4", "_as", "_as4", "_t2", "_t2u1", "_tbu2", "_tb1u4")]
     + ["qpn2_linear_m1_as", "qpn2_linear_m1_as2"]
     + [f"qpn2_linear_{m}_{v}" for m in ("m1", "mp2") for v in ("tbu4", "tbu8", "tb2u4")]
-    + ["qpn2_linear_mp4_tbu4", "qpn2_linear_mp4_tb2u4"]
-    + ["qpn2_linear_m1_seq", "qpn2_linear_mp2_seq", "qpn2_linear_mp4_seq", "qpn2_linear_mp4_sequ4", "qpn2_linear_mp8_seq",
-       "qpn2_linear_mp8_sequ2"]
+    + ["qpn2_linear_mp4_tbu4", "qpn2_linear_mp4_tb2u4", "qpn2_linear_m1_seq"]
     + [f"qpn2_linear_mp{m}_as{t}" for m in (2, 4, 8) for t in ("", "2")]
     + [f"qpn{f}_gemm_{t}" for f in (2, 8) for t in ("128x128", "64x128", "64x64", "32x64")]
     + [f"qpn{f}_gemmf_{t}" for f in (2, 8) for t in ("128x128", "64x256", "64x128")]

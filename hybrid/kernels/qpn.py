@@ -30,8 +30,8 @@ MAX_SLOTS = 1024
 # the H200 for M = 2..8); "", "_u4" (deeper register pipeline), "_as", "_as4" (6- and 4-stage
 # cp.async rings, sm_80+), "_m1", "_m1x2" (the M = 1 NVFP4 kernels, one or two tiles per warp; see
 # linear_kernel), "_t2", "_t2u1" (register pipeline, two tiles per warp, 2 or 1 chunks per stage), "_tb1u4",
-# "_tbu2" (TB_KERNELS: one or two tiles per warp fed by bulk async copies, sm_90+), "_seq", "_sequ" (SEQ_KERNELS:
-# the two-tile first wave where seq_grid fits; seq_kernel): benchmark, tests.
+# "_tbu2" (TB_KERNELS: one or two tiles per warp fed by bulk async copies, sm_90+), "_m1seq" (qpn2_linear_m1_seq where
+# seq_grid fits; use_seq): benchmark, tests.
 LINEAR_VARIANT: list[str | None] = [None]
 MOE_VARIANT: list[str | None] = [None]  # M <= 8 MoE kernels: None (default: "_as" on sm_80+), "" or "_as"
 # M > PREFILL_MIN linear kernel: None = on sm_80+ the register-fragment GEMM (qpn{2,8}_gemmf_*,
@@ -76,11 +76,11 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     K >= TB_PAIR_MIN_K, qpn{fmt}_linear_mt1_tbu2 (bulk-copy rings; see tb_mode), M <= 8 otherwise
     qpn{fmt}_linear_mt1_t2u1 (else qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2" (M1_KERNELS) forces one of the
     M = 1 NVFP4 cp.async-ring kernels, "_mp" / "_mpx2" the column-trick ones, a TB_KERNELS or CT_TB_KERNELS suffix
-    a bulk-ring kernel (sm_90+), where they apply (benchmark, tests). qpn_linear launches a seq kernel before asking
-    this (seq_plan): a SEQ_KERNELS choice here is the default's pick."""
+    a bulk-ring kernel (sm_90+), where they apply (benchmark, tests). qpn_linear launches qpn2_linear_m1_seq before
+    asking this (use_seq, seq_grid): "_m1seq" here is the default's pick."""
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
-    if choice in SEQ_KERNELS:                    # qpn_linear launches it itself where it applies, else the default
+    if choice == "_m1seq":                       # qpn_linear launches it itself where it applies, else the default
         choice = None
     m1 = sm >= 80 and fmt == 2 and m == 1
     mp = sm >= 80 and fmt == 2 and 2 <= m <= 8
@@ -622,12 +622,11 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
     if w.scales.data_ptr() % 16 == 0:   # bulk copies read 16-byte-aligned scale rows
-        seq = seq_plan(mod, fmt, m, tiles, chunks, _sms(w.device))
-        if seq is not None:
-            name, b0, grid, smem = seq
-            args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(m),
-                    ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(b0)]
-            mod.launch(name, (grid, 1, 1), THREADS, args, smem=smem, pdl=pdl(mod.sm))
+        geo = seq_plan(mod, fmt, m, tiles, chunks, _sms(w.device))
+        if geo is not None:
+            args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(n),
+                    ctypes.c_int(k), ctypes.c_int(geo[0])]
+            mod.launch(SEQ_NAME, (geo[1], 1, 1), THREADS, args, smem=SEQ_SMEM, pdl=pdl(mod.sm))
             return y
     name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n, k)
     geo = bulk_geometry(name)
@@ -648,71 +647,46 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     return y
 
 
-# NVFP4 M <= 8 on sm_90+ for a weight of at least two tiles per warp of a wave (lm_head): qpn2_linear_m1_seq /
-# qpn2_linear_mp<MP>_seq, whose first wave's warps stream two tiles each through one bulk ring, then one tile per warp.
-# H200, lm_head NVFP4 M = 1 (results/cuda_kernels.md, thirty-seventh session, 5 rounds alternating): 46.42-46.51 us
-# (84.6-84.7% of the read) against 49.97-50.42 for ct_tb_choice's qpn2_linear_m1_tbu8, the same bits (one warp per
-# tile in both, the same sums)
+# NVFP4 M = 1 on sm_90+ for a weight of at least two tiles per warp of a wave (lm_head): qpn2_linear_m1_seq, whose
+# first wave's warps stream two tiles each through one bulk ring, then one tile per warp. H200, lm_head NVFP4 M = 1
+# (results/cuda_kernels.md, thirty-seventh session, 5 rounds alternating): 46.42-46.51 us (84.6-84.7% of the read)
+# against 49.97-50.42 for ct_tb_choice's qpn2_linear_m1_tbu8, the same bits (one warp per tile in both, the same sums)
 SEQ_ENV = "HYBRID_QPN_SEQ"
-# LINEAR_VARIANT choice -> {MP rows: (kernel, U chunks per ring slot)} as qpn.cu's LINEAR_SEQ lines build them; "_seq"
-# is the default's set
-SEQ_KERNELS = {
-    "_seq": {1: ("qpn2_linear_m1_seq", 8), 2: ("qpn2_linear_mp2_seq", 8), 4: ("qpn2_linear_mp4_seq", 8),
-             8: ("qpn2_linear_mp8_seq", 4)},
-    "_sequ": {4: ("qpn2_linear_mp4_sequ4", 4), 8: ("qpn2_linear_mp8_sequ2", 2)},
-}
-SEQ_DEFAULT_MAX_M = 1   # the default launches the seq kernels at M = 1..this (measured faster there)
-
-
-def seq_smem(u: int) -> int:
-    """Dynamic shared memory of a seq kernel of U chunks per slot: two slots per warp, then two 8-byte mbarriers per
-    warp."""
-    return WARPS * 2 * u * 576 + WARPS * 16
+SEQ_NAME = "qpn2_linear_m1_seq"
+SEQ_U = 8                                     # chunks per ring slot (qpn.cu's linear_m1_seq_body<8>)
+SEQ_SMEM = WARPS * 2 * SEQ_U * 576 + WARPS * 16   # two slots per warp, then two 8-byte mbarriers per warp
 
 
 def seq_mode() -> str:
-    """$HYBRID_QPN_SEQ (default 1): on sm_90+ with tb_mode 1, NVFP4 at M = 1..SEQ_DEFAULT_MAX_M on a weight of at
-    least two tiles per warp of a wave (seq_grid) runs the seq kernel of its rows; 0 keeps ct_tb_choice's kernel there.
-    Read at each launch (A/B runs switch it); HybridError naming the variable on anything else (checked when a CUDA
-    session opens)."""
+    """$HYBRID_QPN_SEQ (default 1): on sm_90+ with tb_mode 1, NVFP4 at M = 1 on a weight of at least two tiles per
+    warp of a wave (seq_grid) runs qpn2_linear_m1_seq; 0 keeps ct_tb_choice's kernel there. Read at each launch (A/B
+    runs switch it); HybridError naming the variable on anything else (checked when a CUDA session opens)."""
     return env_choice(SEQ_ENV, ("0", "1"), "1", "1 (the two-tile first wave where it applies) or 0 (never)")
 
 
-def seq_kernel(fmt: int, m: int, sm: int, choice: str | None) -> tuple[str, int] | None:
-    """(kernel, U) of the seq kernel qpn_linear tries for M rows where seq_grid says it fits: NVFP4 at M <= 8 on sm_90+,
-    by default ("_seq" at M <= SEQ_DEFAULT_MAX_M, with tb_mode 1 and seq_mode 1) or forced (a SEQ_KERNELS choice that
-    has a kernel of M's rows); any other forced choice keeps its own."""
-    if fmt != 2 or not 1 <= m <= 8 or sm < 90:
+def use_seq(fmt: int, m: int, sm: int, choice: str | None) -> bool:
+    """Whether qpn_linear launches qpn2_linear_m1_seq where seq_grid says it fits: NVFP4 at M = 1 on sm_90+, by
+    default (tb_mode 1 and seq_mode 1) or forced (LINEAR_VARIANT "_m1seq"); any other forced choice keeps its own."""
+    if fmt != 2 or m != 1 or sm < 90:
+        return False
+    return choice == "_m1seq" or (choice is None and tb_mode() == "1" and seq_mode() == "1")
+
+
+def seq_plan(mod, fmt: int, m: int, tiles: int, chunks: int, sms: int) -> tuple[int, int] | None:
+    """(B0, grid) of the qpn2_linear_m1_seq launch qpn_linear makes for M rows of a weight of `tiles` tiles x `chunks`
+    chunks on mod's device (use_seq, then seq_grid at the kernel's occupancy there), else None."""
+    if not use_seq(fmt, m, mod.sm, LINEAR_VARIANT[0]):
         return None
-    rows = 1 if m == 1 else mp_rows(m)
-    if choice in SEQ_KERNELS:                    # forced where it has a kernel of these rows, else the default
-        if rows in SEQ_KERNELS[choice]:
-            return SEQ_KERNELS[choice][rows]
-        choice = None
-    if choice is None and m <= SEQ_DEFAULT_MAX_M and tb_mode() == "1" and seq_mode() == "1":
-        return SEQ_KERNELS["_seq"][rows]
-    return None
+    return seq_grid(tiles, chunks, sms, mod.occupancy(SEQ_NAME, THREADS, SEQ_SMEM))
 
 
-def seq_plan(mod, fmt: int, m: int, tiles: int, chunks: int, sms: int) -> tuple[str, int, int, int] | None:
-    """(kernel, B0, grid, dynamic shared memory) of the seq launch qpn_linear makes for M rows of a weight of `tiles`
-    tiles x `chunks` chunks on mod's device (seq_kernel, then seq_grid at the kernel's occupancy there), else None."""
-    pick = seq_kernel(fmt, m, mod.sm, LINEAR_VARIANT[0])
-    if pick is None:
-        return None
-    name, u = pick
-    geo = seq_grid(tiles, chunks, sms, mod.occupancy(name, THREADS, seq_smem(u)), u)
-    return None if geo is None else (name, *geo, seq_smem(u))
-
-
-def seq_grid(tiles: int, chunks: int, sms: int, per_sm: int, u: int) -> tuple[int, int] | None:
-    """(B0, grid) of a seq kernel of U chunks per slot for `tiles` 16-row tiles of `chunks` chunks, per_sm of its
-    blocks resident per SM: a first wave of B0 = sms x per_sm blocks whose warps take two tiles each, then a block per
-    8 further tiles. None where it does not apply: fewer tiles than two per warp of the first wave, or rows not whole
-    ring slots."""
+def seq_grid(tiles: int, chunks: int, sms: int, per_sm: int) -> tuple[int, int] | None:
+    """(B0, grid) of qpn2_linear_m1_seq for `tiles` 16-row tiles of `chunks` chunks, per_sm of its blocks resident per
+    SM: a first wave of B0 = sms x per_sm blocks whose warps take two tiles each, then a block per 8 further tiles.
+    None where it does not apply: fewer tiles than two per warp of the first wave, or rows not whole ring slots."""
     b0 = sms * per_sm
     rest = tiles - 2 * b0 * WARPS
-    if chunks % u or b0 < 1 or rest < 0:
+    if chunks % SEQ_U or b0 < 1 or rest < 0:
         return None
     return b0, b0 + -(-rest // WARPS)
 
