@@ -61,6 +61,19 @@ def test_markdown_names_driver_and_clock():
             in md)
 
 
+def test_render_skips_records_that_are_not_kernel_rows(tmp_path):
+    """results/cuda_kernels.jsonl also holds other records (MoE decode notes, no 'm' or 'shape'): the render takes the
+    last run of kernel rows and lists the earlier ones, skipping the rest."""
+    path = tmp_path / "r.jsonl"
+    old = [{**rec("lm_head", "nvfp4", 1, 50.0, 0.7, 0.9), "git_sha": "aaaa"}]
+    other = [{"git_sha": "bbbb", "command": "x", "active_experts": 8}]
+    new = [{**rec("lm_head", "nvfp4", 1, 46.0, 0.8, 0.9), "git_sha": "cccc"}]
+    path.write_text("\n".join(json.dumps(r) for r in old + new + other))
+    assert main(["cuda-kernels", "--from-jsonl", str(path), "--out", str(tmp_path / "o")]) == 0
+    text = (tmp_path / "o.md").read_text()
+    assert "git sha: `cccc`" in text and "| `aaaa` | lm_head | nvfp4 | 50.0 |" in text
+
+
 def test_render_missing_file_is_a_user_error(tmp_path, capsys):
     assert main(["cuda-kernels", "--from-jsonl", str(tmp_path / "none.jsonl")]) == 2
     assert "not found" in capsys.readouterr().err

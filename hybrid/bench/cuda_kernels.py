@@ -488,8 +488,8 @@ def render(args) -> int:
     if not args.from_jsonl.exists():
         raise HybridError(f"--from-jsonl: {args.from_jsonl} not found")
     allr = [json.loads(line) for line in args.from_jsonl.read_text().splitlines() if line.strip()]
-    sha = args.git_sha or allr[-1]["git_sha"]
-    recs = [r for r in allr if r["git_sha"] == sha]
+    sha = args.git_sha or next((r["git_sha"] for r in reversed(allr) if "m" in r and "git_sha" in r), None)
+    recs = [r for r in allr if r.get("git_sha") == sha and "m" in r and "shape" in r]   # kernel rows, not other records
     if not recs:
         raise HybridError(f"--git-sha: no records of {sha} in {args.from_jsonl}")
     env = {k: recs[0].get(k) for k in ("gpu", "sm", "torch", "nvrtc", "driver", "clocks", "git_sha", "command",
@@ -523,7 +523,7 @@ def promote(recs: list[dict], new: str, old: str) -> list[dict]:
 
 
 def history(allr: list[dict], sha: str) -> str:
-    rows = [r for r in allr if r["git_sha"] != sha and r["m"] == 1 and "[" not in r["shape"]
+    rows = [r for r in allr if r.get("git_sha") != sha and r.get("m") == 1 and "[" not in r.get("shape", "[")
             and r["shape"] in ("lm_head", "dense_up", "dense_down", "moe_8_experts")]
     if not rows:
         return ""
