@@ -4,8 +4,8 @@ stream done, exit, SM id), read back after every launch.
 
     PYTHONPATH=. HYBRID_CACHE_DIR=.qpncache python3 tools/qpn_timeline_probe.py --out $OUT/timeline.jsonl
 
-Per series (qpn_linear at M = 1, or --m rows, on an NVFP4 weight of N = lm_head's rows x each of --scales, K = 2048, and
-qpn_read over as many bytes), --reps launches queued behind a GPU sleep with copies rotated past the L2 as
+Per series (qpn_linear at M = 1, or --m rows, on an NVFP4 weight of N = lm_head's rows x each of --scales,
+K = 2048, and qpn_read over as many bytes), --reps launches queued behind a GPU sleep with copies rotated past the L2 as
 hybrid-bench cuda-kernels times them; after each launch (outside its events) the marks are copied aside and
 cleared. Per launch: the event time; the span from the first block's entry to the last block's exit; the first
 weights' latency (first block's entry to the first landed weights, and the median over blocks of the first wave);
@@ -143,7 +143,8 @@ def main() -> int:
     ap.add_argument("--scales", default="1")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sha", default="unknown")
-    ap.add_argument("--m", type=int, default=1, help="rows of x (1..8; series named nvfp4_m<M>)")
+    ap.add_argument("--m", type=int, default=1, choices=range(1, 9), metavar="1..8",
+                    help="rows of x (series named nvfp4_m<M>)")
     ap.add_argument("--variants", default="",
                     help="comma list of LINEAR_VARIANT choices also timed and marked at --m (e.g. _seq)")
     a = ap.parse_args()
@@ -164,7 +165,8 @@ def main() -> int:
             build.forget_modules()
             for v in variants:
                 qpn.LINEAR_VARIANT[0] = v
-                emit({"series": f"nvfp4_m{a.m}{v or ''}{tag}", "n": n, "event_us": round(time_ms(lin, a.reps) * 1e3, 2)})
+                emit({"series": f"nvfp4_m{a.m}{v or ''}{tag}", "n": n,
+                      "event_us": round(time_ms(lin, a.reps) * 1e3, 2)})
             qpn.LINEAR_VARIANT[0] = None
             emit({"series": f"read{tag}", "n": n, "event_us": round(time_ms(rd, a.reps) * 1e3, 2)})
         mod = qpn._module(dev)

@@ -489,6 +489,8 @@ def render(args) -> int:
         raise HybridError(f"--from-jsonl: {args.from_jsonl} not found")
     allr = [json.loads(line) for line in args.from_jsonl.read_text().splitlines() if line.strip()]
     sha = args.git_sha or next((r["git_sha"] for r in reversed(allr) if "m" in r and "git_sha" in r), None)
+    if sha is None:
+        raise HybridError(f"--from-jsonl: no kernel timing rows in {args.from_jsonl}")
     recs = [r for r in allr if r.get("git_sha") == sha and "m" in r and "shape" in r]   # kernel rows, not other records
     if not recs:
         raise HybridError(f"--git-sha: no records of {sha} in {args.from_jsonl}")
