@@ -77,6 +77,10 @@ def test_render_skips_records_that_are_not_kernel_rows(tmp_path):
 def test_render_missing_file_is_a_user_error(tmp_path, capsys):
     assert main(["cuda-kernels", "--from-jsonl", str(tmp_path / "none.jsonl")]) == 2
     assert "not found" in capsys.readouterr().err
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"git_sha": "bbbb", "command": "x", "active_experts": 8}))
+    assert main(["cuda-kernels", "--from-jsonl", str(other)]) == 2
+    assert "no kernel timing rows" in capsys.readouterr().err
 
 
 def test_plain_read_reference():

@@ -146,7 +146,7 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=1, choices=range(1, 9), metavar="1..8",
                     help="rows of x (series named nvfp4_m<M>)")
     ap.add_argument("--variants", default="",
-                    help="comma list of LINEAR_VARIANT choices also timed and marked at --m (e.g. _seq)")
+                    help="comma list of LINEAR_VARIANT choices also timed and marked at --m (e.g. _m1seq)")
     a = ap.parse_args()
     variants = [None] + [v for v in a.variants.split(",") if v]
     dev = torch.device("cuda", 0)

@@ -488,10 +488,11 @@ def render(args) -> int:
     if not args.from_jsonl.exists():
         raise HybridError(f"--from-jsonl: {args.from_jsonl} not found")
     allr = [json.loads(line) for line in args.from_jsonl.read_text().splitlines() if line.strip()]
-    sha = args.git_sha or next((r["git_sha"] for r in reversed(allr) if "m" in r and "git_sha" in r), None)
-    if sha is None:
+    allr = [r for r in allr if {"git_sha", "shape", "m"} <= r.keys()]   # kernel rows, not the file's other records
+    if not allr:
         raise HybridError(f"--from-jsonl: no kernel timing rows in {args.from_jsonl}")
-    recs = [r for r in allr if r.get("git_sha") == sha and "m" in r and "shape" in r]   # kernel rows, not other records
+    sha = args.git_sha or allr[-1]["git_sha"]
+    recs = [r for r in allr if r["git_sha"] == sha]
     if not recs:
         raise HybridError(f"--git-sha: no records of {sha} in {args.from_jsonl}")
     env = {k: recs[0].get(k) for k in ("gpu", "sm", "torch", "nvrtc", "driver", "clocks", "git_sha", "command",
@@ -525,7 +526,7 @@ def promote(recs: list[dict], new: str, old: str) -> list[dict]:
 
 
 def history(allr: list[dict], sha: str) -> str:
-    rows = [r for r in allr if r.get("git_sha") != sha and r.get("m") == 1 and "[" not in r.get("shape", "[")
+    rows = [r for r in allr if r["git_sha"] != sha and r["m"] == 1 and "[" not in r["shape"]
             and r["shape"] in ("lm_head", "dense_up", "dense_down", "moe_8_experts")]
     if not rows:
         return ""
