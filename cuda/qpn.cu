@@ -800,6 +800,16 @@ __device__ __forceinline__ void warp_m1_async(float (&tot)[NT][4], const u32x4* 
 #endif
 }
 
+// a tile's two row sums from the column trick's tot (rows r and r + 8, r = lane / 4): the lane's groups, then the
+// lane quad's, in every lane of the quad
+__device__ __forceinline__ void m1_row_sums(const float (&t)[4], float& vr, float& vr8) {
+  vr = t[0] + t[1], vr8 = t[2] + t[3];
+  vr += __shfl_xor_sync(0xffffffffu, vr, 1);
+  vr += __shfl_xor_sync(0xffffffffu, vr, 2);
+  vr8 += __shfl_xor_sync(0xffffffffu, vr8, 1);
+  vr8 += __shfl_xor_sync(0xffffffffu, vr8, 2);
+}
+
 // chunks p, p + 1 (two: the second is there) of a bulk-ring slot of NT tiles x U chunks through the column trick into
 // tot: the scale bytes [s(r,2q') s(r,2q'+1) s(r+8,2q') s(r+8,2q'+1)] of chunk p + q/2 (q' = q%2), the chunks' MMAs with
 // xv (group 4 p + n of the pair) in column n, their sums scaled in fp32
@@ -894,11 +904,8 @@ __device__ __forceinline__ void linear_m1_body(const u32x4* __restrict__ w, cons
   __syncthreads();  // red aliases the rings
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    float vr = tot[nt][0] + tot[nt][1], vr8 = tot[nt][2] + tot[nt][3];  // sum the lane quad's groups
-    vr += __shfl_xor_sync(0xffffffffu, vr, 1);
-    vr += __shfl_xor_sync(0xffffffffu, vr, 2);
-    vr8 += __shfl_xor_sync(0xffffffffu, vr8, 1);
-    vr8 += __shfl_xor_sync(0xffffffffu, vr8, 2);
+    float vr, vr8;
+    m1_row_sums(tot[nt], vr, vr8);
     if ((lane & 3) == 0) red[warp][nt * 16 + (lane >> 2)] = vr, red[warp][nt * 16 + (lane >> 2) + 8] = vr8;
   }
   __syncthreads();
@@ -984,11 +991,8 @@ __device__ __forceinline__ void linear_m1_seq_body(const u32x4* __restrict__ w, 
 #pragma unroll
     for (int p = 0; p < U; p += 2) m1_slot_pair<1, U>(tot, slot, p, true, xv[p / 2], lane);
     if (c + U == C) {  // a tile ends: its 16 row sums to y
-      float vr = tot[0][0] + tot[0][1], vr8 = tot[0][2] + tot[0][3];  // sum the lane quad's groups
-      vr += __shfl_xor_sync(0xffffffffu, vr, 1);
-      vr += __shfl_xor_sync(0xffffffffu, vr, 2);
-      vr8 += __shfl_xor_sync(0xffffffffu, vr8, 1);
-      vr8 += __shfl_xor_sync(0xffffffffu, vr8, 2);
+      float vr, vr8;
+      m1_row_sums(tot[0], vr, vr8);
       tot[0][0] = tot[0][1] = tot[0][2] = tot[0][3] = 0.f;
       const int row = (t0 + (k / (C / U)) * GW0) * 16 + n;
       if (q == 0) {

@@ -82,9 +82,9 @@ void warp_mp_async(float (&)[NT][4], const u32x4* const (&)[NT], const u64* cons
 """ + mma_shim("mma_tile")
 
 FUNCS = ["dec_fp4", "dec_fp8", "lane_tok", "lane_k", "mma_group", "group_fp4", "group_fp8", "load_x", "chunk",
-         "bulk_issue", "bulk_start", "bulk_loop", "slot_chunk", "slot_chunks", "warp_gemm_bulk", "tile_ptrs", "store_partials", "red_sum",
-         "zero_acc", "linear_body", "e4m3_mag_f32", "m1_mmas", "m1_scale", "m1_slot_pair", "warp_m1_bulk",
-         "linear_m1_body", "mp_chunk", "warp_mp_bulk", "linear_mp_body"]
+         "bulk_issue", "bulk_start", "bulk_loop", "slot_chunk", "slot_chunks", "warp_gemm_bulk", "tile_ptrs",
+         "store_partials", "red_sum", "zero_acc", "linear_body", "e4m3_mag_f32", "m1_mmas", "m1_scale", "m1_row_sums",
+         "m1_slot_pair", "warp_m1_bulk", "linear_m1_body", "mp_chunk", "warp_mp_bulk", "linear_mp_body"]
 
 
 def emu_source() -> str:
