@@ -1372,18 +1372,26 @@ LINEAR2(qpn2_linear_mt1_t2, 2, 2)
 LINEAR2(qpn8_linear_mt1_t2, 8, 2)
 LINEAR2(qpn2_linear_mt1_t2u1, 2, 1)
 LINEAR2(qpn8_linear_mt1_t2u1, 8, 1)
-// sm_90+ only: NT tiles per warp through a bulk-copy ring of ST slots of U chunks (warp_gemm_bulk)
-#define LINEAR_TB(NAME, FMT, ST, U, NT, MINB)                                                     \
+// sm_90+ only: MT 8-row tiles of x times NT tiles per warp through a bulk-copy ring of ST slots of U chunks
+// (warp_gemm_bulk); MT = 2 serves M = 9..16
+#define LINEAR_TB(NAME, FMT, MT, ST, U, NT, MINB)                                                 \
   extern "C" __global__ void __launch_bounds__(THREADS, MINB)                                       \
   NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,                            \
        const u16* __restrict__ x, u16* __restrict__ y, int M, int N, int K, int KS, int P) {        \
-    linear_body<FMT, 1, U, -(ST), NT>(w, s, gs, x, y, M, N, K, KS, P);                             \
+    linear_body<FMT, MT, U, -(ST), NT>(w, s, gs, x, y, M, N, K, KS, P);                            \
   }
+#ifndef MT2_TB_MINB
+#define MT2_TB_MINB 3   // blocks per SM the MT = 2 rings are built for
+#endif
 // (ST, U, NT) of each: qpn.py's TB_KERNELS
-LINEAR_TB(qpn2_linear_mt1_tbu2, 2, 2, 2, 2, 4)
-LINEAR_TB(qpn8_linear_mt1_tbu2, 8, 2, 2, 2, 4)
-LINEAR_TB(qpn2_linear_mt1_tb1u4, 2, 2, 4, 1, 4)
-LINEAR_TB(qpn8_linear_mt1_tb1u4, 8, 2, 4, 1, 4)
+LINEAR_TB(qpn2_linear_mt1_tbu2, 2, 1, 2, 2, 2, 4)
+LINEAR_TB(qpn8_linear_mt1_tbu2, 8, 1, 2, 2, 2, 4)
+LINEAR_TB(qpn2_linear_mt1_tb1u4, 2, 1, 2, 4, 1, 4)
+LINEAR_TB(qpn8_linear_mt1_tb1u4, 8, 1, 2, 4, 1, 4)
+LINEAR_TB(qpn2_linear_mt2_tbu2, 2, 2, 2, 2, 2, MT2_TB_MINB)
+LINEAR_TB(qpn8_linear_mt2_tbu2, 8, 2, 2, 2, 2, MT2_TB_MINB)
+LINEAR_TB(qpn2_linear_mt2_tb1u4, 2, 2, 2, 4, 1, MT2_TB_MINB)
+LINEAR_TB(qpn8_linear_mt2_tb1u4, 8, 2, 2, 4, 1, MT2_TB_MINB)
 
 // ---------------------------------------------------------------- prefill: shared-memory tiled GEMM
 // y[M, N] = x[M, K] . W^T for M > 16. Block tile BM activation rows x BN weight rows. Global loads
