@@ -1373,7 +1373,7 @@ LINEAR2(qpn8_linear_mt1_t2, 8, 2)
 LINEAR2(qpn2_linear_mt1_t2u1, 2, 1)
 LINEAR2(qpn8_linear_mt1_t2u1, 8, 1)
 // sm_90+ only: MT 8-row tiles of x times NT tiles per warp through a bulk-copy ring of ST slots of U chunks
-// (warp_gemm_bulk); MT = 2 serves M = 9..16
+// (warp_gemm_bulk); MT = 2 serves M = 9..16, MT = 4 (one tile per warp: two spill) M = 17..32
 #define LINEAR_TB(NAME, FMT, MT, ST, U, NT, MINB)                                                 \
   extern "C" __global__ void __launch_bounds__(THREADS, MINB)                                       \
   NAME(const u32x4* __restrict__ w, const u64* __restrict__ s, float gs,                            \
@@ -1392,6 +1392,8 @@ LINEAR_TB(qpn2_linear_mt2_tbu2, 2, 2, 2, 2, 2, MT2_TB_MINB)
 LINEAR_TB(qpn8_linear_mt2_tbu2, 8, 2, 2, 2, 2, MT2_TB_MINB)
 LINEAR_TB(qpn2_linear_mt2_tb1u4, 2, 2, 2, 4, 1, MT2_TB_MINB)
 LINEAR_TB(qpn8_linear_mt2_tb1u4, 8, 2, 2, 4, 1, MT2_TB_MINB)
+LINEAR_TB(qpn2_linear_mt4_tb1u4, 2, 4, 2, 4, 1, 2)
+LINEAR_TB(qpn8_linear_mt4_tb1u4, 8, 4, 2, 4, 1, 2)
 
 // ---------------------------------------------------------------- prefill: shared-memory tiled GEMM
 // y[M, N] = x[M, K] . W^T for M > 16. Block tile BM activation rows x BN weight rows. Global loads

@@ -1,4 +1,4 @@
-"""The sm_90+ M <= 16 linear kernels fed by bulk-copy rings (qpn{2,8}_linear_mt{1,2}_tb1u4 / _tbu2: warp_gemm_bulk in
+"""The sm_90+ linear kernels fed by bulk-copy rings (qpn{2,8}_linear_mt{1,2,4}_tb1u4 / mt{1,2}_tbu2: warp_gemm_bulk in
 cuda/qpn.cu) run on the CPU: their CUDA source compiled as C++ under the shim of tests/cuda_emu.py with QPN_MMA = 2,
 the inline-PTX helpers in C++ -- a bulk copy as an immediate copy that counts its bytes off the slot's mbarrier, the
 mbarrier as (completed phases, arrivals, bytes owed) with try_wait.parity's rule (a wait that could never end aborts;
@@ -102,11 +102,11 @@ def emu_source() -> str:
     tb += src[src.index("#define LINEAR_MP_TB("): last]
     assert "asm" not in pre[pre.index("#define BULK_SLOT"):] + funcs + tb, "an inline-PTX helper the shim does not replace"
     entry = "".join(
-        f'extern "C" void emu_{f}{"" if mt == 1 else "_mt2"}{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
+        f'extern "C" void emu_{f}{"" if mt == 1 else f"_mt{mt}"}{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
         f'u16* y, int M, int N, int K, int KS) {{ w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
         f's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ qpn{f}_linear_mt{mt}{v}(w, s, gs, x, y, M, N, K, KS, 1); '
         f'}}); }}\n'
-        for f in (2, 8) for v in TB_KERNELS for mt in (1, 2)) + "".join(
+        for f in (2, 8) for v in TB_KERNELS for mt in (1, 2, 4) if mt < 4 or v == "_tb1u4") + "".join(
         f'extern "C" void emu_2{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
         f'u16* y, int M, int N, int K, int KS) {{ w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
         f's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ {ct_tb_name(v)}(w, s, gs, x, y, M, N, K, KS, 1); }}); }}\n'
@@ -138,13 +138,15 @@ def run(lib, x, qw, variant, ks):
     units = -(-(-(-n // 16)) // nt)
     y = torch.full((m, n), float("nan")).half()
     nb = lambda t: ctypes.c_long(t.numel() * t.element_size())   # noqa: E731
-    getattr(lib, f"emu_{fmt}{'_mt2' if m > 8 and variant in TB_KERNELS else ''}{variant}")(i(-(-units // (8 // ks))), ptr(words), nb(words), ptr(scales), nb(scales),
+    mt = "" if m <= 8 or variant not in TB_KERNELS else "_mt2" if m <= 16 else "_mt4"
+    getattr(lib, f"emu_{fmt}{mt}{variant}")(i(-(-units // (8 // ks))), ptr(words), nb(words), ptr(scales), nb(scales),
                                         ctypes.c_float(gs), ptr(x), ptr(y), i(m), i(n), i(k), i(ks))
     return y
 
 
 def test_emulated_dynamic_shared_memory_fits():
-    names = [*TB_KERNELS, *CT_TB_KERNELS] + [f"qpn{f}_linear_mt2{v}" for f in (2, 8) for v in TB_KERNELS]
+    names = ([*TB_KERNELS, *CT_TB_KERNELS] + [f"qpn{f}_linear_mt2{v}" for f in (2, 8) for v in TB_KERNELS]
+             + [f"qpn{f}_linear_mt4_tb1u4" for f in (2, 8)])
     assert max(max(tb_smem(v) for v in names), SEQ_SMEM) <= DYN
 
 
@@ -158,8 +160,12 @@ def test_emulated_dynamic_shared_memory_fits():
     (QType.NVFP4, 200, 320, 16, 1),    # M = 9..16: the two 8-row tiles of x (qpn2_linear_mt2_*)
     (QType.NVFP4, 48, 1024, 11, 4),    # rows past M in the second tile re-read row M - 1, never written
     (QType.FP8, 72, 352, 9, 2),
+    (QType.NVFP4, 200, 320, 32, 1),    # M = 17..32: four 8-row tiles (qpn2_linear_mt4_tb1u4; one tile per warp)
+    (QType.FP8, 48, 1024, 19, 4),
 ])
 def test_emulated_bulk_linear(emu, variant, qtype, n, k, m, ks):
+    if m > 16 and variant != "_tb1u4":
+        pytest.skip("MT = 4: one tile per warp only")
     qw = {QType.NVFP4: nvfp4, QType.FP8: fp8}[qtype](n, k, seed=n + k + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + ks)).half()
     y = run(emu, x, qw, variant, ks)

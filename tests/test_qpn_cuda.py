@@ -153,6 +153,26 @@ def test_prefill_gemm_matches_reference(backend, prefill, qtype, n, k):
         _check_linear(w, wref, m, k, n, f"{backend} {prefill} {qtype.value}")
 
 
+@pytest.mark.parametrize("tb", ["_tbu2", "_tb1u4"])
+@pytest.mark.parametrize("qtype,n,k", [(QType.NVFP4, 200, 320), (QType.FP8, 200, 352), (QType.NVFP4, 1000, 2048)])
+def test_tb_tiles_of_x_match_reference(tb, qtype, n, k):
+    """sm_90+: the bulk-ring kernels over passes of MT = 2 (M = 9..16) and 4 (M > 16 with PREFILL_VARIANT "mt")
+    8-row tiles of x, rows past M re-read and never written, several passes."""
+    from hybrid.kernels import build
+
+    if build.module(torch.device("cuda", torch.cuda.current_device())).sm < 90:
+        pytest.skip("bulk-copy rings are sm_90+")
+    qw = MAKE[qtype](n, k, seed=n + k + 3)
+    w = QPNWeight.from_qweight(qw, "cuda")
+    wref = qw.dequantize(torch.float64)
+    qpn.LINEAR_VARIANT[0], qpn.PREFILL_VARIANT[0] = tb, "mt"
+    try:
+        for m in (9, 13, 16, 17, 31, 100):
+            _check_linear(w, wref, m, k, n, f"{tb} {qtype.value}")
+    finally:
+        qpn.LINEAR_VARIANT[0] = qpn.PREFILL_VARIANT[0] = None
+
+
 @pytest.fixture(params=[None, 3, 16])
 def split(request):
     from hybrid.kernels import qpn

@@ -29,10 +29,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="m8.jsonl")
     ap.add_argument("--variants", default="default,_t2u1,_t2",
-                    help="comma list of LINEAR_VARIANT choices ('default' = the launcher's pick)")
+                    help="comma list of LINEAR_VARIANT choices ('default' = the launcher's pick; a '+mt' suffix also "
+                         "sets PREFILL_VARIANT 'mt': M > 16 through the 8-row-tile kernels)")
     ap.add_argument("--shapes", default="lm_head,dense_down,dense_up,q_proj,o_proj")
     ap.add_argument("--formats", default="nvfp4,fp8")
-    ap.add_argument("--m", default="8", help="comma list of M (2..8) timed per variant")
+    ap.add_argument("--m", default="8", help="comma list of M timed per variant")
     ap.add_argument("--alt-source", default="",
                     help="other qpn.cu files, comma-separated: every cell is also timed with the kernels built from "
                          "each, each round alternating the builds (variant labels get '@alt', or '@alt1', '@alt2', ... "
@@ -74,12 +75,13 @@ def main() -> int:
                 t1 = time_ms([lambda w=w: qpn_linear(xs[1], w) for w in ws], a.reps)
                 cells = [(None, 1, t1)]
                 for v in variants:
-                    qpn.LINEAR_VARIANT[0] = v
+                    qpn.LINEAR_VARIANT[0] = (v or "").removesuffix("+mt") or None
+                    qpn.PREFILL_VARIANT[0] = "mt" if v and v.endswith("+mt") else None
                     try:
                         for m in ms:
                             cells.append((v, m, time_ms([lambda w=w, x=xs[m]: qpn_linear(x, w) for w in ws], a.reps)))
                     finally:
-                        qpn.LINEAR_VARIANT[0] = None
+                        qpn.LINEAR_VARIANT[0] = qpn.PREFILL_VARIANT[0] = None
                 for v, m, t in cells:
                     label = (v or "default") + tag
                     r = {"shape": shape, "format": fmt, "variant": label, "m": m, "round": rnd,

@@ -28,6 +28,7 @@ KERNELS = tuple(
     [f"qpn{f}_linear_mt{m}" for f in (2, 8) for m in (1, 2, 4)]
     + [f"qpn{f}_linear_mt1{v}" for f in (2, 8) for v in ("_u4", "_as", "_as4", "_t2", "_t2u1", "_tbu2", "_tb1u4")]
     + [f"qpn{f}_linear_mt2{v}" for f in (2, 8) for v in ("_tbu2", "_tb1u4")]
+    + [f"qpn{f}_linear_mt4_tb1u4" for f in (2, 8)]
     + ["qpn2_linear_m1_as", "qpn2_linear_m1_as2"]
     + [f"qpn2_linear_{m}_{v}" for m in ("m1", "mp2") for v in ("tbu4", "tbu8", "tb2u4")]
     + ["qpn2_linear_mp4_tbu4", "qpn2_linear_mp4_tb2u4", "qpn2_linear_m1_seq"]

@@ -78,11 +78,13 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     M = 1 NVFP4 cp.async-ring kernels, "_mp" / "_mpx2" the column-trick ones, a TB_KERNELS or CT_TB_KERNELS suffix
     a bulk-ring kernel (sm_90+), where they apply (benchmark, tests). qpn_linear launches qpn2_linear_m1_seq before
     asking this (use_seq, seq_grid): "_m1seq" here is the default's pick."""
-    if mt == 2 and sm >= 90 and (choice in TB_KERNELS or choice is None and tb_mode() == "1" and MT2_TB[0]):
-        if choice is None:   # as M <= 8 picks its ring: two tiles per warp on large grids of long rows (and FP8)
+    if mt > 1 and sm >= 90 and (choice in TB_KERNELS or choice is None and tb_mode() == "1" and mt <= MT_TB_MAX[0]):
+        if mt == 4:          # one tile per warp (two spill)
+            choice = "_tb1u4"
+        elif choice is None:   # as M <= 8 picks its ring: two tiles per warp on large grids of long rows (and FP8)
             pair = -(-n // 16) >= PAIR_MIN_TILES and (fmt == 8 or k >= TB_PAIR_MIN_K)
             choice = "_tbu2" if pair else "_tb1u4"
-        return f"qpn{fmt}_linear_mt2{choice}"
+        return f"qpn{fmt}_linear_mt{mt}{choice}"
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
     if choice == "_m1seq":                       # qpn_linear launches it itself where it applies, else the default
@@ -126,9 +128,10 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
 
 
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
-# M = 9..16 on sm_90+ with tb_mode 1: the bulk-ring kernels of two 8-row tiles of x (qpn{2,8}_linear_mt2_tbu2 /
-# _tb1u4) instead of the register-pipeline qpn{2,8}_linear_mt2; a forced TB_KERNELS choice picks one of them
-MT2_TB = [False]
+# On sm_90+ with tb_mode 1, passes of MT = 2 (M = 9..16) or 4 8-row tiles of x up to MT_TB_MAX go through the
+# bulk-ring kernels (qpn{2,8}_linear_mt2_tbu2 / _tb1u4, qpn{2,8}_linear_mt4_tb1u4) instead of the register-pipeline
+# qpn{2,8}_linear_mt{2,4}; a forced TB_KERNELS choice picks one of them at any MT
+MT_TB_MAX = [1]
 M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2"}  # LINEAR_VARIANT choices
 PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2")  # two tiles per warp (+ bulk NT 2)
 # LINEAR_VARIANT choices: the M <= 8 kernels fed by bulk-copy rings (sm_90+), suffix -> (ST slots, U chunks per
@@ -159,7 +162,7 @@ def bulk_geometry(name: str) -> tuple[int, int, int, int] | None:
     """(ST slots, U chunks per slot, NT tiles per warp, fp32 partials per tile per warp) of a bulk-ring linear kernel,
     else None."""
     for suffix, g in TB_KERNELS.items():
-        for mt in (1, 2):
+        for mt in (1, 2, 4):
             if name.endswith(f"_mt{mt}" + suffix):
                 return (*g, 8 * mt * 16)
     for suffix, g in CT_TB_KERNELS.items():
@@ -642,7 +645,7 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     if geo and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows: the cp.async / register ones
         pair = "2" if geo[2] == 2 else ""
         name = (f"qpn2_linear_m1_as{pair}" if "_m1_" in name else f"qpn2_linear_mp2_as{pair}" if "_mp2_" in name
-                else f"qpn{fmt}_linear_mt2" if mt == 2 else f"qpn{fmt}_linear_mt1{'_t2u1' if pair else ''}")
+                else f"qpn{fmt}_linear_mt{mt}" if mt > 1 else f"qpn{fmt}_linear_mt1{'_t2u1' if pair else ''}")
         geo = None
     smem = tb_smem(name) if geo else 0
     units = -(-tiles // tiles_per_warp(name))   # warp work units
