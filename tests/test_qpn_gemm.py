@@ -391,7 +391,14 @@ def test_tb_kernel_choice(monkeypatch):
     assert linear_kernel(8, 1, 1, 80, n=small) == "qpn8_linear_mt1"        # sm_80: no bulk copies
     assert linear_kernel(2, 1, 5, 70, n=small) == "qpn2_linear_mt1"
     assert linear_kernel(8, 1, 4, 80, "_tb1u4", n=small) == "qpn8_linear_mt1"   # forced below sm_90: the default
-    assert linear_kernel(2, 2, 9, 90, n=big) == "qpn2_linear_mt2"
+    # M = 9..16: the rings of two 8-row tiles of x, two 16-row tiles per warp on large grids or long rows
+    assert linear_kernel(2, 2, 9, 90, n=big, k=2048) == "qpn2_linear_mt2_tbu2"
+    assert linear_kernel(8, 2, 16, 90, n=small, k=25600) == "qpn8_linear_mt2_tbu2"
+    assert linear_kernel(2, 2, 16, 90, n=small, k=4096) == "qpn2_linear_mt2_tb1u4"
+    assert linear_kernel(2, 2, 16, 90, "_tbu2", n=small, k=4096) == "qpn2_linear_mt2_tbu2"   # forced
+    assert linear_kernel(2, 2, 16, 80, "_tbu2", n=small) == "qpn2_linear_mt2"   # below sm_90: the register pipeline
+    assert linear_kernel(2, 4, 32, 90, n=big) == "qpn2_linear_mt4"            # MT = 4 (PREFILL_VARIANT mt): not by default
+    assert linear_kernel(8, 4, 32, 90, "_tbu2", n=big) == "qpn8_linear_mt4_tb1u4"   # forced: its one ring
     monkeypatch.setenv("HYBRID_QPN_TB", "mt")   # all but the NVFP4 M <= 4 column-trick rings
     assert linear_kernel(2, 1, 1, 90, n=small, k=4096) == "qpn2_linear_m1_as"
     assert linear_kernel(2, 1, 1, 90, n=big, k=2048) == "qpn2_linear_m1_as2"
@@ -408,6 +415,8 @@ def test_tb_kernel_choice(monkeypatch):
     # dynamic shared memory: 8 warps x 2 slots x NT x U x 576 bytes + 8-byte barriers
     assert tb_smem("_tb1u4") == 8 * 2 * 4 * 576 + 8 * 2 * 8
     assert tb_smem("_tbu2") == 8 * 2 * 2 * 2 * 576 + 8 * 2 * 8
+    assert tb_smem("qpn2_linear_mt2_tbu2") == 8 * 2 * 2 * 2 * 576 + 8 * 2 * 8
+    assert tb_smem("qpn8_linear_mt4_tb1u4") == 8 * 2 * 4 * 576 + 8 * 2 * 8   # its partials (16 KiB) fit in the rings
     assert tb_smem("_m1tbu8") == tb_smem("qpn2_linear_m1_tbu8") == 8 * 2 * 8 * 576 + 8 * 2 * 8
     assert tb_smem("_mp2tb2u4") == 8 * 2 * 2 * 4 * 576 + 8 * 2 * 8
 

@@ -81,9 +81,8 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     if mt > 1 and sm >= 90 and (choice in TB_KERNELS or choice is None and tb_mode() == "1" and mt <= MT_TB_MAX[0]):
         if mt == 4:          # one tile per warp (two spill)
             choice = "_tb1u4"
-        elif choice is None:   # as M <= 8 picks its ring: two tiles per warp on large grids of long rows (and FP8)
-            pair = -(-n // 16) >= PAIR_MIN_TILES and (fmt == 8 or k >= TB_PAIR_MIN_K)
-            choice = "_tbu2" if pair else "_tb1u4"
+        elif choice is None:   # two tiles per warp on large grids or long rows
+            choice = "_tbu2" if -(-n // 16) >= PAIR_MIN_TILES or k >= CT_U8_MIN_K else "_tb1u4"
         return f"qpn{fmt}_linear_mt{mt}{choice}"
     if mt != 1:
         return f"qpn{fmt}_linear_mt{mt}"
@@ -130,8 +129,12 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
 # On sm_90+ with tb_mode 1, passes of MT = 2 (M = 9..16) or 4 8-row tiles of x up to MT_TB_MAX go through the
 # bulk-ring kernels (qpn{2,8}_linear_mt2_tbu2 / _tb1u4, qpn{2,8}_linear_mt4_tb1u4) instead of the register-pipeline
-# qpn{2,8}_linear_mt{2,4}; a forced TB_KERNELS choice picks one of them at any MT
-MT_TB_MAX = [1]
+# qpn{2,8}_linear_mt{2,4}; a forced TB_KERNELS choice picks one of them at any MT. H200, M = 16 (results/
+# cuda_kernels.md, thirty-ninth session, call 1; NVFP4 / FP8 us): two tiles per warp from PAIR_MIN_TILES tiles or
+# CT_U8_MIN_K k -- lm_head 86.8 / 93.0 against 128.0 / 135.8 for mt2, dense_up 51.5 / 54.4 vs 70.7 / 83.6,
+# dense_down 54.1 / 58.8 vs 77.9 / 74.7 -- else one: o_proj 9.2 / 10.5 vs 9.0 / 11.5, q_proj 9.2 / 9.6 vs 9.0 / 10.2,
+# one expert's gate_up 6.7 / 7.2 vs 6.8 / 7.7
+MT_TB_MAX = [2]
 M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2"}  # LINEAR_VARIANT choices
 PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2")  # two tiles per warp (+ bulk NT 2)
 # LINEAR_VARIANT choices: the M <= 8 kernels fed by bulk-copy rings (sm_90+), suffix -> (ST slots, U chunks per
