@@ -397,7 +397,16 @@ def test_tb_kernel_choice(monkeypatch):
     assert linear_kernel(2, 2, 16, 90, n=small, k=4096) == "qpn2_linear_mt2_tb1u4"
     assert linear_kernel(2, 2, 16, 90, "_tbu2", n=small, k=4096) == "qpn2_linear_mt2_tbu2"   # forced
     assert linear_kernel(2, 2, 16, 80, "_tbu2", n=small) == "qpn2_linear_mt2"   # below sm_90: the register pipeline
-    assert linear_kernel(2, 4, 32, 90, n=big) == "qpn2_linear_mt4"            # MT = 4 (PREFILL_VARIANT mt): not by default
+    assert linear_kernel(2, 4, 32, 90, n=big) == "qpn2_linear_mt4_tb1u4"      # MT = 4: one tile per warp
+    # prefill of 17..32 rows through the 8-row tiles (not the GEMMs) on weights below PAIR_MIN_TILES tiles, sm_90+
+    from hybrid.kernels.qpn import tile_prefill
+
+    assert tile_prefill(17, small, 90, None) and tile_prefill(32, 512, 90, None)
+    assert not tile_prefill(16, small, 90, None)          # M <= 16: the 8-row-tile kernels anyway
+    assert not tile_prefill(33, small, 90, None)
+    assert not tile_prefill(24, big, 90, None)            # large weights: the GEMMs
+    assert not tile_prefill(24, small, 80, None)          # sm_80: the GEMMs
+    assert not tile_prefill(24, small, 90, "f64x128")     # a forced prefill kernel
     assert linear_kernel(8, 4, 32, 90, "_tbu2", n=big) == "qpn8_linear_mt4_tb1u4"   # forced: its one ring
     monkeypatch.setenv("HYBRID_QPN_TB", "mt")   # all but the NVFP4 M <= 4 column-trick rings
     assert linear_kernel(2, 1, 1, 90, n=small, k=4096) == "qpn2_linear_m1_as"
@@ -407,6 +416,8 @@ def test_tb_kernel_choice(monkeypatch):
     assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1_tb1u4"
     monkeypatch.setenv("HYBRID_QPN_TB", "0")
     assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1"
+    assert linear_kernel(2, 2, 16, 90, n=big) == "qpn2_linear_mt2"
+    assert not tile_prefill(24, small, 90, None)
     assert linear_kernel(2, 1, 1, 90, n=small, k=4096) == "qpn2_linear_m1_as"
     assert linear_kernel(8, 1, 4, 90, "_tbu2", n=small) == "qpn8_linear_mt1_tbu2"   # forced: still the ring
     monkeypatch.setenv("HYBRID_QPN_TB", "yes")

@@ -127,14 +127,30 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
 
 
 PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per warp
+# Prefill of PREFILL_MIN < M <= TILE_PREFILL_MAX rows on sm_90+ (tb_mode 1, no PREFILL_VARIANT) through one pass of
+# four 8-row tiles of x (qpn{2,8}_linear_mt4_tb1u4) instead of the tiled GEMMs, for weights below PAIR_MIN_TILES
+# 16-row tiles. H200 (results/cuda_kernels.md, thirty-ninth session, call 2), M = 17 / 24 / 32, NVFP4 us: q_proj
+# 10.4 / 11.9 / 15.5 vs 15.8 / 16.1 / 16.9, o_proj 10.4 / 11.1 / 13.3 vs 18.0 / 18.5 / 19.9, k_proj 7.5 / 7.8 / 8.1
+# vs 11.7 / 12.0 / 13.0, expert gate_up 7.5 / 7.9 / 8.2 vs 12.1 / 12.8 / 13.5 (FP8 alike); not on large weights
+# (lm_head M = 24: 172.7 vs 108.2 through wgmma; call 1)
+TILE_PREFILL_MAX = 32
+
+
+def tile_prefill(m: int, n: int, sm: int, choice: str | None) -> bool:
+    """Whether qpn_linear takes M > PREFILL_MIN rows of an N-row weight through the 8-row-tile kernels by default."""
+    return (sm >= 90 and choice is None and PREFILL_MIN < m <= TILE_PREFILL_MAX and -(-n // 16) < PAIR_MIN_TILES
+            and tb_mode() == "1")
+
+
 # On sm_90+ with tb_mode 1, passes of MT = 2 (M = 9..16) or 4 8-row tiles of x up to MT_TB_MAX go through the
 # bulk-ring kernels (qpn{2,8}_linear_mt2_tbu2 / _tb1u4, qpn{2,8}_linear_mt4_tb1u4) instead of the register-pipeline
 # qpn{2,8}_linear_mt{2,4}; a forced TB_KERNELS choice picks one of them at any MT. H200, M = 16 (results/
 # cuda_kernels.md, thirty-ninth session, call 1; NVFP4 / FP8 us): two tiles per warp from PAIR_MIN_TILES tiles or
 # CT_U8_MIN_K k -- lm_head 86.8 / 93.0 against 128.0 / 135.8 for mt2, dense_up 51.5 / 54.4 vs 70.7 / 83.6,
 # dense_down 54.1 / 58.8 vs 77.9 / 74.7 -- else one: o_proj 9.2 / 10.5 vs 9.0 / 11.5, q_proj 9.2 / 9.6 vs 9.0 / 10.2,
-# one expert's gate_up 6.7 / 7.2 vs 6.8 / 7.7
-MT_TB_MAX = [2]
+# one expert's gate_up 6.7 / 7.2 vs 6.8 / 7.7. MT = 4 (tile_prefill, or PREFILL_VARIANT mt): M = 24 / 32 lm_head
+# 172.7 / 203.4 vs 177.9 / 206.7, dense_up 99.2 / 136.4 vs 102.6 / 137.4 (FP8 98.9 / 131.9 vs 120.3 / 147.0)
+MT_TB_MAX = [4]
 M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2"}  # LINEAR_VARIANT choices
 PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2")  # two tiles per warp (+ bulk NT 2)
 # LINEAR_VARIANT choices: the M <= 8 kernels fed by bulk-copy rings (sm_90+), suffix -> (ST slots, U chunks per
@@ -624,11 +640,12 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
         return y
     mod = _module(w.device)
     fmt = _fmt(w.qtype)
-    if m > PREFILL_MIN and use_sm90(mod.sm, PREFILL_VARIANT[0], fmt, m, n, k, _sms(w.device)):
+    tiled = tile_prefill(m, n, mod.sm, PREFILL_VARIANT[0])
+    if m > PREFILL_MIN and not tiled and use_sm90(mod.sm, PREFILL_VARIANT[0], fmt, m, n, k, _sms(w.device)):
         from hybrid.kernels import sm90
 
         return sm90.linear(x, w, y)
-    plan = prefill_plan(fmt, m, n, k, _sms(w.device), mod.sm, PREFILL_VARIANT[0], PREFILL_SPLIT[0])
+    plan = None if tiled else prefill_plan(fmt, m, n, k, _sms(w.device), mod.sm, PREFILL_VARIANT[0], PREFILL_SPLIT[0])
     if plan is not None:
         _launch_gemm(mod, plan, w, x, y)
         return y
