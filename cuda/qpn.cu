@@ -2269,6 +2269,8 @@ MOE(8, 4, , 0, 0)
 #define MOE_AS_DOWN_ST 6
 MOE(2, 1, _as, 3, MOE_AS_DOWN_ST)
 MOE(8, 1, _as, 3, MOE_AS_DOWN_ST)
+MOE(2, 2, _as, 3, MOE_AS_DOWN_ST)   // steps of 9..16 tokens: two 8-row tiles of x per pass
+MOE(8, 2, _as, 3, MOE_AS_DOWN_ST)
 MOE_DOWN(qpn2_moe_down_mt1_ord, 2, 1, 0, true)
 MOE_DOWN(qpn8_moe_down_mt1_ord, 8, 1, 0, true)
 MOE_DOWN(qpn2_moe_down_mt1_as_ord, 2, 1, MOE_AS_DOWN_ST, true)

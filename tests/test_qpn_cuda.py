@@ -307,6 +307,25 @@ def test_moe_matches_reference(backend, moe_variant, moe_reduce, qtype, t):
     assert err < 3e-3, f"{backend} {qtype.value} T={t}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+@pytest.mark.parametrize("t", [9, 13, 16])
+def test_moe_two_tiles_match_reference(backend, qtype, t, monkeypatch):
+    """HYBRID_MOE_MT2=1: steps of 9..16 tokens through the two-8-row-tile ring kernels (sm_80+; below, the mt4
+    ones): a slot with rows of the second tile, one with fewer than 8."""
+    monkeypatch.setenv("HYBRID_MOE_MT2", "1")
+    s, h, i, topk = 6, 256, 128, 4
+    slots, experts = make_slots(qtype, s, h, i, t, stride=11)
+    g = torch.Generator().manual_seed(t)
+    ids = torch.stack([torch.randperm(s, generator=g)[:topk] for _ in range(t)]).flatten().int()
+    tok = torch.arange(t, dtype=torch.int32).repeat_interleave(topk)
+    rw = torch.rand(t * topk, generator=g)
+    x = fresh((t, h)) * 4
+    y = qpn_moe(x.cuda(), slots, ids.cuda(), tok.cuda(), rw.cuda()).cpu()
+    assert not torch.isnan(y).any()
+    err = rel_err(y, ref_moe(x, experts, ids, tok, rw).double())
+    assert err < 3e-3, f"{backend} {qtype.value} T={t}: relative error {err:.2e}"
+
+
 def test_moe_many_idle_slots(moe_variant, moe_reduce):
     """Decode shape: a few routed experts among many cached slots (the kernels launch one block
     row per active slot, listed by the route kernel)."""

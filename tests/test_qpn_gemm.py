@@ -463,6 +463,20 @@ def test_seq_kernel_choice(monkeypatch):
         use_seq(2, 1, 90, None)
 
 
+def test_moe_mt2_switch(monkeypatch):
+    """$HYBRID_MOE_MT2: 0 or 1, read at each launch; anything else is one line naming it."""
+    from hybrid.errors import HybridError
+    from hybrid.kernels.qpn import moe_mt2
+
+    monkeypatch.delenv("HYBRID_MOE_MT2", raising=False)
+    assert moe_mt2() in ("0", "1")
+    monkeypatch.setenv("HYBRID_MOE_MT2", "1")
+    assert moe_mt2() == "1"
+    monkeypatch.setenv("HYBRID_MOE_MT2", "yes")
+    with pytest.raises(HybridError, match="HYBRID_MOE_MT2='yes'"):
+        moe_mt2()
+
+
 def test_pdl_launch_config_layout_and_switch(monkeypatch):
     """cuLaunchKernelEx's CUlaunchConfig / CUlaunchAttribute as the driver lays them out (x86-64), and the
     programmatic dependent launch only on sm_90+ and as $HYBRID_PDL says."""

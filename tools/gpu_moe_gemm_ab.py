@@ -66,13 +66,14 @@ def use_module(mode, dev):
     from hybrid.kernels import build
 
     name, _, alt = (mode or "0").partition("+")
+    os.environ["HYBRID_MOE_MT2"] = "1" if name == "mt2" else "0"   # "mt2": the two-tile ring kernels at 9..16 tokens
     key = (dev.index, None)
     if not MODULES:
         MODULES[""] = build.module(dev)
     if alt and alt not in MODULES:
         raise SystemExit(f"error: mode {mode!r} needs --alt-src")
     build._MODULES[key] = MODULES[alt]
-    return None if name == "0" else name
+    return None if name == "0" else "auto" if name == "mt2" else name
 
 
 def time_mode(mode, x, slots, ids, tok, rw, reps):
@@ -93,7 +94,8 @@ def time_mode(mode, x, slots, ids, tok, rw, reps):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="32,64,128,256,512,1024,2048")
-    p.add_argument("--modes", default="0,1,f", help="comma list of HYBRID_MOE_GEMM values (0, 1, f, auto); "
+    p.add_argument("--modes", default="0,1,f", help="comma list of HYBRID_MOE_GEMM values (0, 1, f, auto, or mt2: "
+                   "auto with HYBRID_MOE_MT2=1); "
                    "a value + \"+alt\" runs it on the kernels of --alt-src")
     p.add_argument("--alt-src", default=None, help="another qpn.cu (e.g. the previous commit's) for the +alt modes")
     p.add_argument("--qtypes", default="nvfp4,fp8")
@@ -168,7 +170,8 @@ def main(argv=None) -> int:
                     # weight bytes read once per active expert (packed words + scales), for a GB/s figure
                     active = int(torch.unique(ids).numel())
                     rec = dict(meta, qtype=qname, tokens=t, skew=skew, rows_busiest=busiest,
-                               rows_mean=len(ids) / a.experts, mode=m, kernel=(plan[str(m)] or ["mt4"])[0],
+                               rows_mean=len(ids) / a.experts, mode=m,
+                               kernel=("mt2_as" if m.startswith("mt2") and 8 < t <= 16 else (plan[str(m)] or ["mt4"])[0]),
                                us_median=round(statistics.median(us), 1), us_min=round(min(us), 1),
                                us_max=round(max(us), 1), rounds=a.rounds, reps=a.reps, active_experts=active,
                                weight_gbs=round(active * slots.nbytes_per_slot / (statistics.median(us) * 1e3), 1),

@@ -37,7 +37,7 @@ KERNELS = tuple(
     + [f"qpn{f}_gemmf_{t}" for f in (2, 8) for t in ("128x128", "64x256", "64x128")]
     + ["qpn_moe_route"]
     + [f"qpn{f}_moe_{p}_mt{m}" for f in (2, 8) for p in ("gateup", "down") for m in (1, 4)]
-    + [f"qpn{f}_moe_{p}_mt1_as" for f in (2, 8) for p in ("gateup", "down")]
+    + [f"qpn{f}_moe_{p}_mt{m}_as" for f in (2, 8) for p in ("gateup", "down") for m in (1, 2)]
     + [f"qpn{f}_moe_down_mt1{v}_ord" for f in (2, 8) for v in ("", "_as")]
     + [f"qpn{f}_moe_gemm_{p}_{t}" for f in (2, 8) for p in ("gateup", "down") for t in ("64x128", "32x128")]
     + [f"qpn{f}_moe_gemmf_{p}" for f in (2, 8) for p in ("gateup_64x256", "down_64x128", "gateup_32x256",

@@ -914,6 +914,14 @@ MOE_REDUCES = ("atomic", "ordered")
 MOE_ORDERED_MIN_PAIRS = 256   # the ordered reduction's partials: room for this many pairs at first use
 
 
+def moe_mt2() -> str:
+    """$HYBRID_MOE_MT2, read at each launch: on sm_80+ steps of 9..16 tokens run the MoE layer through the
+    two-8-row-tile ring kernels (qpn{2,8}_moe_{gateup,down}_mt2_as: each slot's rows in one pass, its weights
+    decoded once) with "1"; "0" (the default) keeps the grouped GEMM there (moe_gemm_plan; with MOE_GEMM off, the
+    mt4 kernels). HybridError naming the variable on anything else (checked when a CUDA session opens)."""
+    return env_choice("HYBRID_MOE_MT2", ("0", "1"), "0", "1 (the two-tile ring kernels at 9..16 tokens) or 0")
+
+
 def moe_reduce() -> str:
     """$HYBRID_MOE_REDUCE, read at each launch: how the M <= 8 MoE down kernel (decode, verify steps) sums the
     experts of a token. "atomic" (the default): fp32 atomic adds into y in the order the blocks happen to run (two
@@ -1038,8 +1046,8 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
         mod.launch("qpn_moe_route", (1, 1, 1), 1024,
                    [_p(slot_ids), ctypes.c_int(a), ctypes.c_int(s), _p(offsets), _p(perm), _p(slot_list), _p(y),
                     ctypes.c_int(nzero)])
-    mt = 1 if t <= 8 else 4
-    sfx = variant(MOE_VARIANT[0], mod.sm) if mt == 1 else ""
+    mt = 1 if t <= 8 else 2 if t <= 16 and mod.sm >= 80 and moe_mt2() == "1" else 4
+    sfx = variant(MOE_VARIANT[0], mod.sm) if mt == 1 else "_as" if mt == 2 else ""
     fmt, ck, sms = _fmt(slots.qtype), layout.CHUNK[slots.qtype], _sms(dev)
     active = min(a, s)
     ws13, ws2 = slots.w13[0].numel() // 4, slots.w2[0].numel() // 4

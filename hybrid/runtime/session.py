@@ -18,7 +18,7 @@ from hybrid.experts.trace import TraceHeader, TraceWriter
 from hybrid.hardware import require_gpus
 from hybrid.kernels.driver import carveout
 from hybrid.kernels.fused import attn_w_per_sm, route_rank
-from hybrid.kernels.qpn import moe_gemm_mode, moe_reduce, seq_mode, tb_mode
+from hybrid.kernels.qpn import moe_gemm_mode, moe_mt2, moe_reduce, seq_mode, tb_mode
 from hybrid.model.config import ModelConfig
 from hybrid.model.layers import sdpa_gqa_mode
 from hybrid.runtime.cpu_card import hold_dense
@@ -179,12 +179,13 @@ def open_session(path: str | Path, opts: RuntimeOptions, context: int = 1024, me
         stage_kernel_enabled()                # _STAGE_KERNEL / HYBRID_MOE_GEMM / HYBRID_SDPA_GQA /
         moe_gemm_mode()                       # HYBRID_SMEM_CARVEOUT / HYBRID_ATT_W_PER_SM /
         sdpa_gqa_mode()                       # HYBRID_ROUTE_RANK / HYBRID_QPN_TB /
-        carveout(None)                        # HYBRID_QPN_SEQ / HYBRID_MOE_REDUCE: one line, now
+        carveout(None)                        # HYBRID_QPN_SEQ / HYBRID_MOE_REDUCE / _MOE_MT2: one line, now
         attn_w_per_sm()
         route_rank()
         tb_mode()
         seq_mode()
         moe_reduce()
+        moe_mt2()
         from_store = promote_mode() == "store" and any(c.slots for c in placement.cards)   # slots to fill
         if hasattr(cpu, "store_source") and (offload_min or from_store):
             source = cpu.store_source()       # prefill offload / promotions read the pinned store
