@@ -463,18 +463,30 @@ def test_seq_kernel_choice(monkeypatch):
         use_seq(2, 1, 90, None)
 
 
-def test_moe_mt2_switch(monkeypatch):
-    """$HYBRID_MOE_MT2: 0 or 1, read at each launch; anything else is one line naming it."""
+def test_moe_path_and_mt2_switch(monkeypatch):
+    """qpn_moe's kernels: the mt1 rings up to 8 tokens; at 9..16 on sm_80+ the two-tile rings where the active slots
+    average MOE_MT2_MIN_ROWS rows ($HYBRID_MOE_MT2 auto), always (1) or never (0), else the grouped GEMM; a bad
+    value is one line naming the variable."""
     from hybrid.errors import HybridError
-    from hybrid.kernels.qpn import moe_mt2
+    from hybrid.kernels.qpn import MOE_MT2_MIN_ROWS, moe_path
 
+    h, i = 2048, 768
     monkeypatch.delenv("HYBRID_MOE_MT2", raising=False)
-    assert moe_mt2() in ("0", "1")
+    assert moe_path(8, 64, 8, 2, 90, h, i) == (1, "_as", None)
+    assert moe_path(16, 128, 8, 2, 90, h, i) == (2, "_as", None)                 # 16 rows a slot
+    assert moe_path(9, 8 * MOE_MT2_MIN_ROWS, 8, 8, 90, h, i)[:2] == (2, "_as")   # at the rule's edge
+    mt, _, plan = moe_path(16, 128, 128, 2, 90, h, i)                            # one row a slot: the GEMM
+    assert mt == 4 and plan[0] == "qpn2_moe_gemmf_gateup_32x256"
+    assert moe_path(17, 136, 8, 2, 90, h, i)[0] == 4                             # past 16 tokens
+    assert moe_path(16, 128, 8, 2, 70, h, i)[0] == 4                             # Volta: no rings
     monkeypatch.setenv("HYBRID_MOE_MT2", "1")
-    assert moe_mt2() == "1"
+    assert moe_path(16, 128, 128, 8, 90, h, i) == (2, "_as", None)
+    monkeypatch.setenv("HYBRID_MOE_MT2", "0")
+    assert moe_path(16, 128, 8, 2, 90, h, i)[0] == 4
+    assert moe_path(8, 64, 8, 2, 90, h, i)[0] == 1                               # not read below 9 tokens
     monkeypatch.setenv("HYBRID_MOE_MT2", "yes")
     with pytest.raises(HybridError, match="HYBRID_MOE_MT2='yes'"):
-        moe_mt2()
+        moe_path(16, 128, 8, 2, 90, h, i)
 
 
 def test_pdl_launch_config_layout_and_switch(monkeypatch):

@@ -452,16 +452,20 @@ def bench(args) -> int:
     env["clocks"] = sm_clocks(torch.cuda.current_device())   # right after the timings (not always their clock)
 
     def kernel(r):
-        if r["shape"] == "moe_8_experts":
-            return "moe" + (qpn.variant(None, env["sm"]) or " reg")
         fmt = 2 if r["format"] == "nvfp4" else 8
-        if r["m"] > qpn.PREFILL_MIN and qpn.use_sm90(env["sm"], qpn.PREFILL_VARIANT[0], fmt, r["m"], r["n"],
-                                                      r["k"], sms):
+        if r["shape"] == "moe_8_experts":   # bench_moe: every token to the same 8 experts in 8 slots
+            mt, sfx, plan = qpn.moe_path(r["m"], 8 * r["m"], 8, fmt, env["sm"], r["n"], r["k"])
+            if plan:
+                return "moe_" + plan[0].split("_moe_")[1]
+            return ("moe" if mt == 1 else "moe_mt2") + (sfx or " reg")
+        tiled = qpn.tile_prefill(r["m"], r["n"], env["sm"], qpn.PREFILL_VARIANT[0])
+        if r["m"] > qpn.PREFILL_MIN and not tiled and qpn.use_sm90(env["sm"], qpn.PREFILL_VARIANT[0], fmt, r["m"],
+                                                                   r["n"], r["k"], sms):
             from hybrid.kernels import sm90     # qpn_linear takes the wgmma GEMM before prefill_plan
 
             return sm90.plan(fmt, r["m"], r["n"], r["k"], sms).label
-        plan = qpn.prefill_plan(fmt, r["m"], r["n"], r["k"], sms, env["sm"], qpn.PREFILL_VARIANT[0],
-                                qpn.PREFILL_SPLIT[0])
+        plan = None if tiled else qpn.prefill_plan(fmt, r["m"], r["n"], r["k"], sms, env["sm"],
+                                                   qpn.PREFILL_VARIANT[0], qpn.PREFILL_SPLIT[0])
         if plan is not None:
             return plan.label
         mod = qpn._module(torch.device("cuda", torch.cuda.current_device()))

@@ -915,11 +915,30 @@ MOE_ORDERED_MIN_PAIRS = 256   # the ordered reduction's partials: room for this 
 
 
 def moe_mt2() -> str:
-    """$HYBRID_MOE_MT2, read at each launch: on sm_80+ steps of 9..16 tokens run the MoE layer through the
+    """$HYBRID_MOE_MT2, read at each launch: whether on sm_80+ steps of 9..16 tokens run the MoE layer through the
     two-8-row-tile ring kernels (qpn{2,8}_moe_{gateup,down}_mt2_as: each slot's rows in one pass, its weights
-    decoded once) with "1"; "0" (the default) keeps the grouped GEMM there (moe_gemm_plan; with MOE_GEMM off, the
-    mt4 kernels). HybridError naming the variable on anything else (checked when a CUDA session opens)."""
-    return env_choice("HYBRID_MOE_MT2", ("0", "1"), "0", "1 (the two-tile ring kernels at 9..16 tokens) or 0")
+    decoded once) instead of the grouped GEMM (moe_gemm_plan; with MOE_GEMM off, the mt4 kernels): "auto" (the
+    default) where the active slots average at least MOE_MT2_MIN_ROWS rows, "1" always, "0" never. HybridError
+    naming the variable on anything else (checked when a CUDA session opens)."""
+    return env_choice("HYBRID_MOE_MT2", ("auto", "0", "1"), "auto",
+                      "auto (the two-tile ring kernels at 9..16 tokens where slots average 8 rows), 1 or 0")
+
+
+# H200 (results/cuda_kernels.md, thirty-ninth session, call 3), one 30B-A3B layer's experts: the 8 experts every
+# token of a 12- / 16-token step routes to (12 / 16 rows a slot) NVFP4 32.8 / 35.7 us against 45.3 / 45.6 through
+# the grouped GEMM, FP8 36.1 / 37.0 vs 63.3 / 64.0; 128 experts, top-8 of 9..16 tokens (1-2 rows a slot): NVFP4
+# 164.9-165.6 vs 144.7-146.8, FP8 157.4 / 161.1 / 160.0 vs 143.2 / 171.3 / 182.2. Averages between were not timed.
+MOE_MT2_MIN_ROWS = 8
+
+
+def moe_path(t: int, a: int, s: int, fmt: int, sm: int, h: int, i: int) -> tuple[int, str, tuple | None]:
+    """(MT 8-row tiles of x per pass, kernel suffix, grouped-GEMM plan or None) of qpn_moe's launch for T tokens,
+    A assignments over S slots on an sm_<sm> device."""
+    mode = moe_mt2() if 8 < t <= 16 and sm >= 80 else "0"
+    two = mode == "1" or mode == "auto" and a / min(a, s) >= MOE_MT2_MIN_ROWS
+    mt = 1 if t <= 8 else 2 if two else 4
+    sfx = variant(MOE_VARIANT[0], sm) if mt == 1 else "_as" if mt == 2 else ""
+    return mt, sfx, moe_gemm_plan(a, s, fmt, sm, h, i) if mt == 4 else None
 
 
 def moe_reduce() -> str:
@@ -1046,14 +1065,12 @@ def qpn_moe(x: torch.Tensor, slots: QPNExpertSlots, slot_ids: torch.Tensor, toke
         mod.launch("qpn_moe_route", (1, 1, 1), 1024,
                    [_p(slot_ids), ctypes.c_int(a), ctypes.c_int(s), _p(offsets), _p(perm), _p(slot_list), _p(y),
                     ctypes.c_int(nzero)])
-    mt = 1 if t <= 8 else 2 if t <= 16 and mod.sm >= 80 and moe_mt2() == "1" else 4
-    sfx = variant(MOE_VARIANT[0], mod.sm) if mt == 1 else "_as" if mt == 2 else ""
     fmt, ck, sms = _fmt(slots.qtype), layout.CHUNK[slots.qtype], _sms(dev)
+    mt, sfx, plan = moe_path(t, a, s, fmt, mod.sm, h, i)
     active = min(a, s)
     ws13, ws2 = slots.w13[0].numel() // 4, slots.w2[0].numel() // 4
     ss13 = slots.s13[0].numel() // 8 if slots.s13.dim() > 1 else 0
     ss2 = slots.s2[0].numel() // 8 if slots.s2.dim() > 1 else 0
-    plan = moe_gemm_plan(a, s, fmt, mod.sm, h, i) if mt == 4 else None
     if plan is not None:
         z = moe_gemm_splits(t, a, plan[4])
         mod.launch(plan[0], (plan[1], rows, z), THREADS,
