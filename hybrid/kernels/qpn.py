@@ -132,14 +132,16 @@ PAIR_MIN_TILES = 1024  # 16-row tiles from which the M <= 8 kernels take two per
 # 16-row tiles. H200 (results/cuda_kernels.md, thirty-ninth session, call 2), M = 17 / 24 / 32, NVFP4 us: q_proj
 # 10.4 / 11.9 / 15.5 vs 15.8 / 16.1 / 16.9, o_proj 10.4 / 11.1 / 13.3 vs 18.0 / 18.5 / 19.9, k_proj 7.5 / 7.8 / 8.1
 # vs 11.7 / 12.0 / 13.0, expert gate_up 7.5 / 7.9 / 8.2 vs 12.1 / 12.8 / 13.5 (FP8 alike); not on large weights
-# (lm_head M = 24: 172.7 vs 108.2 through wgmma; call 1)
+# (lm_head M = 24: 172.7 vs 108.2 through wgmma; call 1), nor on a long-row one below PAIR_MIN_TILES tiles:
+# dense_down (5120 x 25600) M = 24 110.4 vs 63.2 (call 4), hence the weight size too (q_proj's and o_proj's)
 TILE_PREFILL_MAX = 32
+TILE_PREFILL_MAX_WEIGHT = 4096 * 2048
 
 
-def tile_prefill(m: int, n: int, sm: int, choice: str | None) -> bool:
-    """Whether qpn_linear takes M > PREFILL_MIN rows of an N-row weight through the 8-row-tile kernels by default."""
+def tile_prefill(m: int, n: int, sm: int, choice: str | None, k: int = 0) -> bool:
+    """Whether qpn_linear takes M > PREFILL_MIN rows of an N x K weight through the 8-row-tile kernels by default."""
     return (sm >= 90 and choice is None and PREFILL_MIN < m <= TILE_PREFILL_MAX and -(-n // 16) < PAIR_MIN_TILES
-            and tb_mode() == "1")
+            and n * k <= TILE_PREFILL_MAX_WEIGHT and tb_mode() == "1")
 
 
 # On sm_90+ with tb_mode 1, passes of MT = 2 (M = 9..16) or 4 8-row tiles of x up to MT_TB_MAX go through the
@@ -640,7 +642,7 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
         return y
     mod = _module(w.device)
     fmt = _fmt(w.qtype)
-    tiled = tile_prefill(m, n, mod.sm, PREFILL_VARIANT[0])
+    tiled = tile_prefill(m, n, mod.sm, PREFILL_VARIANT[0], k)
     if m > PREFILL_MIN and not tiled and use_sm90(mod.sm, PREFILL_VARIANT[0], fmt, m, n, k, _sms(w.device)):
         from hybrid.kernels import sm90
 
@@ -921,14 +923,15 @@ def moe_mt2() -> str:
     default) where the active slots average at least MOE_MT2_MIN_ROWS rows, "1" always, "0" never. HybridError
     naming the variable on anything else (checked when a CUDA session opens)."""
     return env_choice("HYBRID_MOE_MT2", ("auto", "0", "1"), "auto",
-                      "auto (the two-tile ring kernels at 9..16 tokens where slots average 8 rows), 1 or 0")
+                      "auto (the two-tile ring kernels at 9..16 tokens where slots average 12 rows), 1 or 0")
 
 
-# H200 (results/cuda_kernels.md, thirty-ninth session, call 3), one 30B-A3B layer's experts: the 8 experts every
+# H200 (results/cuda_kernels.md, thirty-ninth session, calls 3, 4), a 30B-A3B layer's experts: the 8 experts every
 # token of a 12- / 16-token step routes to (12 / 16 rows a slot) NVFP4 32.8 / 35.7 us against 45.3 / 45.6 through
-# the grouped GEMM, FP8 36.1 / 37.0 vs 63.3 / 64.0; 128 experts, top-8 of 9..16 tokens (1-2 rows a slot): NVFP4
-# 164.9-165.6 vs 144.7-146.8, FP8 157.4 / 161.1 / 160.0 vs 143.2 / 171.3 / 182.2. Averages between were not timed.
-MOE_MT2_MIN_ROWS = 8
+# the grouped GEMM, FP8 36.1 / 37.0 vs 63.3 / 64.0; random top-k routing over 8..128 resident experts at 9 and 16
+# tokens (1.1-8 rows a slot on average): slower in every case but FP8 at 12 and 16 tokens over 128 experts (NVFP4
+# 16 experts top-8 at 16 tokens, 8 rows a slot: 146.4 vs 127.4)
+MOE_MT2_MIN_ROWS = 12
 
 
 def moe_path(t: int, a: int, s: int, fmt: int, sm: int, h: int, i: int) -> tuple[int, str, tuple | None]:
