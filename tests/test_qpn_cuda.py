@@ -290,31 +290,10 @@ def make_slots(qtype, s, h, i, seed, stride=7):
     return slots, experts
 
 
-@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
-@pytest.mark.parametrize("t", [1, 3, 8, 20])
-def test_moe_matches_reference(backend, moe_variant, moe_reduce, qtype, t):
+def check_moe(backend, qtype, t, stride):
+    """T tokens, each routed to 4 of 6 random experts, through qpn_moe against the reference (outputs written)."""
     s, h, i, topk = 6, 256, 128, 4
-    slots, experts = make_slots(qtype, s, h, i, t, stride=10)
-    g = torch.Generator().manual_seed(t)
-    ids = torch.stack([torch.randperm(s, generator=g)[:topk] for _ in range(t)]).flatten().int()
-    tok = torch.arange(t, dtype=torch.int32).repeat_interleave(topk)
-    rw = torch.rand(t * topk, generator=g)
-    x = fresh((t, h)) * 4
-    y = qpn_moe(x.cuda(), slots, ids.cuda(), tok.cuda(), rw.cuda()).cpu()
-    ref = ref_moe(x, experts, ids, tok, rw).double()
-    assert not torch.isnan(y).any()
-    err = rel_err(y, ref)
-    assert err < 3e-3, f"{backend} {qtype.value} T={t}: relative error {err:.2e}"
-
-
-@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
-@pytest.mark.parametrize("t", [9, 13, 16])
-def test_moe_two_tiles_match_reference(backend, qtype, t, monkeypatch):
-    """HYBRID_MOE_MT2=1: steps of 9..16 tokens through the two-8-row-tile ring kernels (sm_80+; below, the mt4
-    ones): a slot with rows of the second tile, one with fewer than 8."""
-    monkeypatch.setenv("HYBRID_MOE_MT2", "1")
-    s, h, i, topk = 6, 256, 128, 4
-    slots, experts = make_slots(qtype, s, h, i, t, stride=11)
+    slots, experts = make_slots(qtype, s, h, i, t, stride=stride)
     g = torch.Generator().manual_seed(t)
     ids = torch.stack([torch.randperm(s, generator=g)[:topk] for _ in range(t)]).flatten().int()
     tok = torch.arange(t, dtype=torch.int32).repeat_interleave(topk)
@@ -324,6 +303,21 @@ def test_moe_two_tiles_match_reference(backend, qtype, t, monkeypatch):
     assert not torch.isnan(y).any()
     err = rel_err(y, ref_moe(x, experts, ids, tok, rw).double())
     assert err < 3e-3, f"{backend} {qtype.value} T={t}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+@pytest.mark.parametrize("t", [1, 3, 8, 20])
+def test_moe_matches_reference(backend, moe_variant, moe_reduce, qtype, t):
+    check_moe(backend, qtype, t, stride=10)
+
+
+@pytest.mark.parametrize("qtype", [QType.NVFP4, QType.FP8])
+@pytest.mark.parametrize("t", [9, 13, 16])
+def test_moe_two_tiles_match_reference(backend, qtype, t, monkeypatch):
+    """HYBRID_MOE_MT2=1: steps of 9..16 tokens through the two-8-row-tile ring kernels (sm_80+; below, the mt4
+    ones): a slot with rows of the second tile, one with fewer than 8."""
+    monkeypatch.setenv("HYBRID_MOE_MT2", "1")
+    check_moe(backend, qtype, t, stride=11)
 
 
 def test_moe_many_idle_slots(moe_variant, moe_reduce):
