@@ -102,7 +102,8 @@ def emu_source() -> str:
     tb += src[src.index("#define LINEAR_MP_TB("): last]
     assert "asm" not in pre[pre.index("#define BULK_SLOT"):] + funcs + tb, "an inline-PTX helper the shim does not replace"
     entry = "".join(
-        f'extern "C" void emu_{f}{"" if mt == 1 else f"_mt{mt}"}{v}(int gx, const u32x4* w, long wn, const u64* s, long sn, float gs, const u16* x, '
+        f'extern "C" void emu_{f}{"" if mt == 1 else f"_mt{mt}"}{v}(int gx, const u32x4* w, long wn, const u64* s, '
+        f'long sn, float gs, const u16* x, '
         f'u16* y, int M, int N, int K, int KS) {{ w_lo = (const char*)w, w_hi = w_lo + wn, s_lo = (const char*)s, '
         f's_hi = s_lo + sn; run_grid(gx, 1, THREADS, [&] {{ qpn{f}_linear_mt{mt}{v}(w, s, gs, x, y, M, N, K, KS, 1); '
         f'}}); }}\n'

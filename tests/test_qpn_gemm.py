@@ -401,13 +401,13 @@ def test_tb_kernel_choice(monkeypatch):
     # prefill of 17..32 rows through the 8-row tiles (not the GEMMs) on weights below PAIR_MIN_TILES tiles, sm_90+
     from hybrid.kernels.qpn import tile_prefill
 
-    assert tile_prefill(17, 2048, 90, None, 4096) and tile_prefill(32, 512, 90, None, 2048)
-    assert not tile_prefill(16, 2048, 90, None, 4096)        # M <= 16: the 8-row-tile kernels anyway
-    assert not tile_prefill(33, 2048, 90, None, 4096)
-    assert not tile_prefill(24, big, 90, None, 2048)         # large weights: the GEMMs
-    assert not tile_prefill(24, 5120, 90, None, 25600)       # long rows below PAIR_MIN_TILES tiles too
-    assert not tile_prefill(24, 2048, 80, None, 4096)        # sm_80: the GEMMs
-    assert not tile_prefill(24, 2048, 90, "f64x128", 4096)   # a forced prefill kernel
+    assert tile_prefill(17, 2048, 4096, 90, None) and tile_prefill(32, 512, 2048, 90, None)
+    assert not tile_prefill(16, 2048, 4096, 90, None)        # M <= 16: the 8-row-tile kernels anyway
+    assert not tile_prefill(33, 2048, 4096, 90, None)
+    assert not tile_prefill(24, big, 2048, 90, None)         # large weights: the GEMMs
+    assert not tile_prefill(24, 5120, 25600, 90, None)       # long rows below PAIR_MIN_TILES tiles too
+    assert not tile_prefill(24, 2048, 4096, 80, None)        # sm_80: the GEMMs
+    assert not tile_prefill(24, 2048, 4096, 90, "f64x128")   # a forced prefill kernel
     assert linear_kernel(8, 4, 32, 90, "_tbu2", n=big) == "qpn8_linear_mt4_tb1u4"   # forced: its one ring
     monkeypatch.setenv("HYBRID_QPN_TB", "mt")   # all but the NVFP4 M <= 4 column-trick rings
     assert linear_kernel(2, 1, 1, 90, n=small, k=4096) == "qpn2_linear_m1_as"
@@ -418,7 +418,7 @@ def test_tb_kernel_choice(monkeypatch):
     monkeypatch.setenv("HYBRID_QPN_TB", "0")
     assert linear_kernel(8, 1, 1, 90, n=small) == "qpn8_linear_mt1"
     assert linear_kernel(2, 2, 16, 90, n=big) == "qpn2_linear_mt2"
-    assert not tile_prefill(24, 2048, 90, None, 4096)
+    assert not tile_prefill(24, 2048, 4096, 90, None)
     assert linear_kernel(2, 1, 1, 90, n=small, k=4096) == "qpn2_linear_m1_as"
     assert linear_kernel(8, 1, 4, 90, "_tbu2", n=small) == "qpn8_linear_mt1_tbu2"   # forced: still the ring
     monkeypatch.setenv("HYBRID_QPN_TB", "yes")

@@ -171,7 +171,8 @@ def main(argv=None) -> int:
                     active = int(torch.unique(ids).numel())
                     rec = dict(meta, qtype=qname, tokens=t, skew=skew, rows_busiest=busiest,
                                rows_mean=len(ids) / a.experts, mode=m,
-                               kernel=("mt2_as" if m.startswith("mt2") and 8 < t <= 16 else (plan[str(m)] or ["mt4"])[0]),
+                               kernel=("mt2_as" if m.startswith("mt2") and 8 < t <= 16
+                                       else (plan[str(m)] or ["mt4"])[0]),
                                us_median=round(statistics.median(us), 1), us_min=round(min(us), 1),
                                us_max=round(max(us), 1), rounds=a.rounds, reps=a.reps, active_experts=active,
                                weight_gbs=round(active * slots.nbytes_per_slot / (statistics.median(us) * 1e3), 1),

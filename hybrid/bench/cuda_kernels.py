@@ -458,7 +458,7 @@ def bench(args) -> int:
             if plan:
                 return "moe_" + plan[0].split("_moe_")[1]
             return ("moe" if mt == 1 else "moe_mt2") + (sfx or " reg")
-        tiled = qpn.tile_prefill(r["m"], r["n"], env["sm"], qpn.PREFILL_VARIANT[0], r["k"])
+        tiled = qpn.tile_prefill(r["m"], r["n"], r["k"], env["sm"], qpn.PREFILL_VARIANT[0])
         if r["m"] > qpn.PREFILL_MIN and not tiled and qpn.use_sm90(env["sm"], qpn.PREFILL_VARIANT[0], fmt, r["m"],
                                                                    r["n"], r["k"], sms):
             from hybrid.kernels import sm90     # qpn_linear takes the wgmma GEMM before prefill_plan

@@ -77,7 +77,9 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     qpn{fmt}_linear_mt1_t2u1 (else qpn{fmt}_linear_mt1). choice "_m1" / "_m1x2" (M1_KERNELS) forces one of the
     M = 1 NVFP4 cp.async-ring kernels, "_mp" / "_mpx2" the column-trick ones, a TB_KERNELS or CT_TB_KERNELS suffix
     a bulk-ring kernel (sm_90+), where they apply (benchmark, tests). qpn_linear launches qpn2_linear_m1_seq before
-    asking this (use_seq, seq_grid): "_m1seq" here is the default's pick."""
+    asking this (use_seq, seq_grid): "_m1seq" here is the default's pick. mt = 2, 4 (M > 8) on sm_90+: the bulk-ring
+    kernels of MT 8-row tiles of x up to MT_TB_MAX by default (tb_mode 1) or with a forced TB_KERNELS choice, else
+    the register-pipeline qpn{fmt}_linear_mt{mt}."""
     if mt > 1 and sm >= 90 and (choice in TB_KERNELS or choice is None and tb_mode() == "1" and mt <= MT_TB_MAX[0]):
         if mt == 4:          # one tile per warp (two spill)
             choice = "_tb1u4"
@@ -138,7 +140,7 @@ TILE_PREFILL_MAX = 32
 TILE_PREFILL_MAX_WEIGHT = 4096 * 2048
 
 
-def tile_prefill(m: int, n: int, sm: int, choice: str | None, k: int = 0) -> bool:
+def tile_prefill(m: int, n: int, k: int, sm: int, choice: str | None) -> bool:
     """Whether qpn_linear takes M > PREFILL_MIN rows of an N x K weight through the 8-row-tile kernels by default."""
     return (sm >= 90 and choice is None and PREFILL_MIN < m <= TILE_PREFILL_MAX and -(-n // 16) < PAIR_MIN_TILES
             and n * k <= TILE_PREFILL_MAX_WEIGHT and tb_mode() == "1")
@@ -642,7 +644,7 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
         return y
     mod = _module(w.device)
     fmt = _fmt(w.qtype)
-    tiled = tile_prefill(m, n, mod.sm, PREFILL_VARIANT[0], k)
+    tiled = tile_prefill(m, n, k, mod.sm, PREFILL_VARIANT[0])
     if m > PREFILL_MIN and not tiled and use_sm90(mod.sm, PREFILL_VARIANT[0], fmt, m, n, k, _sms(w.device)):
         from hybrid.kernels import sm90
 
