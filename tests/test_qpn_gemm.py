@@ -398,7 +398,7 @@ def test_tb_kernel_choice(monkeypatch):
     assert linear_kernel(2, 2, 16, 90, "_tbu2", n=small, k=4096) == "qpn2_linear_mt2_tbu2"   # forced
     assert linear_kernel(2, 2, 16, 80, "_tbu2", n=small) == "qpn2_linear_mt2"   # below sm_90: the register pipeline
     assert linear_kernel(2, 4, 32, 90, n=big) == "qpn2_linear_mt4_tb1u4"      # MT = 4: one tile per warp
-    # prefill of 17..32 rows through the 8-row tiles (not the GEMMs) on weights below PAIR_MIN_TILES tiles, sm_90+
+    # prefill of 17..32 rows through the 8-row tiles (not the GEMMs) on weights of at most 4096 x 2048, sm_90+
     from hybrid.kernels.qpn import tile_prefill
 
     assert tile_prefill(17, 2048, 4096, 90, None) and tile_prefill(32, 512, 2048, 90, None)
