@@ -464,6 +464,33 @@ def test_seq_kernel_choice(monkeypatch):
         use_seq(2, 1, 90, None)
 
 
+def test_linear_route(monkeypatch):
+    """qpn_linear's launch (and hybrid-bench's kernel column) on an sm_90 / sm_80 device: the two-tile first wave
+    for lm_head at M = 1, the rings of two / four 8-row tiles at M = 16 / 24 on a small weight, wgmma for lm_head at
+    M = 24, the tiled GEMM on sm_80; with scale rows not 16-byte aligned, no bulk-copy kernel."""
+    from hybrid.kernels.qpn import SEQ_NAME, linear_route
+
+    class Mod:
+        def __init__(self, sm):
+            self.sm = sm
+
+        def occupancy(self, name, threads, smem):
+            assert name == SEQ_NAME
+            return 2
+
+    for var in ("HYBRID_QPN_TB", "HYBRID_QPN_SEQ", "HYBRID_QPN_SM90"):
+        monkeypatch.delenv(var, raising=False)
+    kind, geo = linear_route(Mod(90), 2, 1, 151936, 2048, 132)
+    assert kind == "seq" and geo[0] == 132 * 2
+    assert linear_route(Mod(90), 2, 1, 151936, 2048, 132, aligned=False) == ("linear", "qpn2_linear_m1_as")
+    assert linear_route(Mod(90), 2, 16, 2048, 4096, 132) == ("linear", "qpn2_linear_mt2_tb1u4")
+    assert linear_route(Mod(90), 2, 16, 2048, 4096, 132, aligned=False) == ("linear", "qpn2_linear_mt2")
+    assert linear_route(Mod(90), 8, 24, 2048, 4096, 132) == ("linear", "qpn8_linear_mt4_tb1u4")
+    assert linear_route(Mod(90), 2, 24, 151936, 2048, 132) == ("wgmma", None)
+    kind, plan = linear_route(Mod(80), 2, 64, 4096, 2048, 108)
+    assert kind == "gemm" and plan.label.startswith("gemm")
+
+
 def test_moe_path_and_mt2_switch(monkeypatch):
     """qpn_moe's kernels: the mt1 rings up to 8 tokens; at 9..16 on sm_80+ the two-tile rings where the active slots
     average MOE_MT2_MIN_ROWS rows ($HYBRID_MOE_MT2 auto), always (1) or never (0), else the grouped GEMM; a bad

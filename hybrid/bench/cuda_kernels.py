@@ -458,23 +458,14 @@ def bench(args) -> int:
             if plan:
                 return "moe_" + plan[0].split("_moe_")[1]
             return ("moe" if mt == 1 else "moe_mt2") + (sfx or " reg")
-        tiled = qpn.tile_prefill(r["m"], r["n"], r["k"], env["sm"], qpn.PREFILL_VARIANT[0])
-        if r["m"] > qpn.PREFILL_MIN and not tiled and qpn.use_sm90(env["sm"], qpn.PREFILL_VARIANT[0], fmt, r["m"],
-                                                                   r["n"], r["k"], sms):
-            from hybrid.kernels import sm90     # qpn_linear takes the wgmma GEMM before prefill_plan
+        kind, what = qpn.linear_route(mod, fmt, r["m"], r["n"], r["k"], sms)   # what qpn_linear launched
+        if kind == "wgmma":
+            from hybrid.kernels import sm90
 
             return sm90.plan(fmt, r["m"], r["n"], r["k"], sms).label
-        plan = None if tiled else qpn.prefill_plan(fmt, r["m"], r["n"], r["k"], sms, env["sm"],
-                                                   qpn.PREFILL_VARIANT[0], qpn.PREFILL_SPLIT[0])
-        if plan is not None:
-            return plan.label
-        mod = qpn._module(torch.device("cuda", torch.cuda.current_device()))
-        if qpn.seq_plan(mod, fmt, r["m"], -(-r["n"] // 16), r["k"] // 64, sms) is not None:   # before linear_kernel
-            return "m1_seq"
-        return qpn.linear_kernel(fmt, qpn._mt(r["m"], env["sm"]), r["m"], env["sm"], n=r["n"], k=r["k"]).split("linear_")[1]
+        return what.label if kind == "gemm" else "m1_seq" if kind == "seq" else what.split("linear_")[1]
 
-    sms = torch_sms()
-
+    sms, mod = torch_sms(), qpn._module(torch.device("cuda", torch.cuda.current_device()))
     recs = [{**r, "kernel": kernel(r)} for r in recs]
     recs += bench_prefill_variants(fmts, shapes, [m for m in ms if m > qpn.PREFILL_MIN],
                                    [v for v in args.prefill_variants.split(",") if v], args.reps,

@@ -78,9 +78,9 @@ def linear_kernel(fmt: int, mt: int, m: int, sm: int, choice: str | None = None,
     M = 1 NVFP4 cp.async-ring kernels, "_mp" / "_mpx2" the column-trick ones, a TB_KERNELS or CT_TB_KERNELS suffix
     a bulk-ring kernel (sm_90+), where they apply (benchmark, tests). qpn_linear launches qpn2_linear_m1_seq before
     asking this (use_seq, seq_grid): "_m1seq" here is the default's pick. mt = 2, 4 (M > 8) on sm_90+: the bulk-ring
-    kernels of MT 8-row tiles of x up to MT_TB_MAX by default (tb_mode 1) or with a forced TB_KERNELS choice, else
+    kernels of MT 8-row tiles of x by default (tb_mode 1) or with a forced TB_KERNELS choice, else
     the register-pipeline qpn{fmt}_linear_mt{mt}."""
-    if mt > 1 and sm >= 90 and (choice in TB_KERNELS or choice is None and tb_mode() == "1" and mt <= MT_TB_MAX[0]):
+    if mt > 1 and sm >= 90 and (choice in TB_KERNELS or choice is None and tb_mode() == "1"):
         if mt == 4:          # one tile per warp (two spill)
             choice = "_tb1u4"
         elif choice is None:   # two tiles per warp on large grids or long rows
@@ -146,7 +146,7 @@ def tile_prefill(m: int, n: int, k: int, sm: int, choice: str | None) -> bool:
             and n * k <= TILE_PREFILL_MAX_WEIGHT and tb_mode() == "1")
 
 
-# On sm_90+ with tb_mode 1, passes of MT = 2 (M = 9..16) or 4 8-row tiles of x up to MT_TB_MAX go through the
+# On sm_90+ with tb_mode 1, passes of MT = 2 (M = 9..16) or 4 8-row tiles of x go through the
 # bulk-ring kernels (qpn{2,8}_linear_mt2_tbu2 / _tb1u4, qpn{2,8}_linear_mt4_tb1u4) instead of the register-pipeline
 # qpn{2,8}_linear_mt{2,4}; a forced TB_KERNELS choice picks one of them at any MT. H200, M = 16 (results/
 # cuda_kernels.md, thirty-ninth session, call 1; NVFP4 / FP8 us): two tiles per warp from PAIR_MIN_TILES tiles or
@@ -154,7 +154,6 @@ def tile_prefill(m: int, n: int, k: int, sm: int, choice: str | None) -> bool:
 # dense_down 54.1 / 58.8 vs 77.9 / 74.7 -- else one: o_proj 9.2 / 10.5 vs 9.0 / 11.5, q_proj 9.2 / 9.6 vs 9.0 / 10.2,
 # one expert's gate_up 6.7 / 7.2 vs 6.8 / 7.7. MT = 4 (tile_prefill, or PREFILL_VARIANT mt): M = 24 / 32 lm_head
 # 172.7 / 203.4 vs 177.9 / 206.7, dense_up 99.2 / 136.4 vs 102.6 / 137.4 (FP8 98.9 / 131.9 vs 120.3 / 147.0)
-MT_TB_MAX = [4]
 M1_KERNELS = {"_m1": "qpn2_linear_m1_as", "_m1x2": "qpn2_linear_m1_as2"}  # LINEAR_VARIANT choices
 PAIR_KERNELS = ("_m1_as2", "_mt1_t2", "_mt1_t2u1", "_mp2_as2", "_mp4_as2", "_mp8_as2")  # two tiles per warp (+ bulk NT 2)
 # LINEAR_VARIANT choices: the M <= 8 kernels fed by bulk-copy rings (sm_90+), suffix -> (ST slots, U chunks per
@@ -643,37 +642,27 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
     if m == 0:
         return y
     mod = _module(w.device)
-    fmt = _fmt(w.qtype)
-    tiled = tile_prefill(m, n, k, mod.sm, PREFILL_VARIANT[0])
-    if m > PREFILL_MIN and not tiled and use_sm90(mod.sm, PREFILL_VARIANT[0], fmt, m, n, k, _sms(w.device)):
+    fmt, sms = _fmt(w.qtype), _sms(w.device)
+    kind, what = linear_route(mod, fmt, m, n, k, sms, w.scales.data_ptr() % 16 == 0)
+    if kind == "wgmma":
         from hybrid.kernels import sm90
 
         return sm90.linear(x, w, y)
-    plan = None if tiled else prefill_plan(fmt, m, n, k, _sms(w.device), mod.sm, PREFILL_VARIANT[0], PREFILL_SPLIT[0])
-    if plan is not None:
-        _launch_gemm(mod, plan, w, x, y)
+    if kind == "gemm":
+        _launch_gemm(mod, what, w, x, y)
         return y
-    mt = _mt(m, mod.sm)
-    passes = -(-m // (8 * mt))
+    if kind == "seq":
+        args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(n),
+                ctypes.c_int(k), ctypes.c_int(what[0])]
+        mod.launch(SEQ_NAME, (what[1], 1, 1), THREADS, args, smem=SEQ_SMEM, pdl=pdl(mod.sm))
+        return y
+    name = what
+    passes = -(-m // (8 * _mt(m, mod.sm)))
     tiles = -(-n // 16)
     chunks = k // layout.CHUNK[w.qtype]
-    if w.scales.data_ptr() % 16 == 0:   # bulk copies read 16-byte-aligned scale rows
-        geo = seq_plan(mod, fmt, m, tiles, chunks, _sms(w.device))
-        if geo is not None:
-            args = [_p(w.words), _p(w.scales), ctypes.c_float(w.gscale), _p(x), _p(y), ctypes.c_int(n),
-                    ctypes.c_int(k), ctypes.c_int(geo[0])]
-            mod.launch(SEQ_NAME, (geo[1], 1, 1), THREADS, args, smem=SEQ_SMEM, pdl=pdl(mod.sm))
-            return y
-    name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n, k)
     geo = bulk_geometry(name)
-    if geo and w.scales.data_ptr() % 16:   # bulk copies read 16-byte-aligned scale rows: the cp.async / register ones
-        pair = "2" if geo[2] == 2 else ""
-        name = (f"qpn2_linear_m1_as{pair}" if "_m1_" in name else f"qpn2_linear_mp2_as{pair}" if "_mp2_" in name
-                else f"qpn{fmt}_linear_mt{mt}" if mt > 1 else f"qpn{fmt}_linear_mt1{'_t2u1' if pair else ''}")
-        geo = None
     smem = tb_smem(name) if geo else 0
     units = -(-tiles // tiles_per_warp(name))   # warp work units
-    sms = _sms(w.device)
     ks = (_linear_ks(units, chunks, sms, mod.occupancy(name, THREADS, smem)) if passes == 1
           else _pick_ks(units * passes, chunks, sms))
     grid = (-(-units // (WARPS // ks)) * passes, 1, 1)
@@ -681,6 +670,30 @@ def qpn_linear(x: torch.Tensor, w: QPNWeight, out: torch.Tensor | None = None) -
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(ks), ctypes.c_int(passes)]
     mod.launch(name, grid, THREADS, args, smem=smem, pdl=pdl(mod.sm))
     return y
+
+
+def linear_route(mod, fmt: int, m: int, n: int, k: int, sms: int, aligned: bool = True) -> tuple[str, object]:
+    """What qpn_linear launches for M rows of an N x K weight on mod's device (aligned: the weight's scales 16-byte
+    aligned, as the bulk copies read them): ("wgmma", None) the sm_90 GEMM, ("gemm", GemmPlan) the tiled GEMM,
+    ("seq", (B0, grid)) qpn2_linear_m1_seq, or ("linear", name) an 8-row-tile kernel (hybrid-bench's kernel column)."""
+    tiled = tile_prefill(m, n, k, mod.sm, PREFILL_VARIANT[0])
+    if m > PREFILL_MIN and not tiled and use_sm90(mod.sm, PREFILL_VARIANT[0], fmt, m, n, k, sms):
+        return "wgmma", None
+    plan = None if tiled else prefill_plan(fmt, m, n, k, sms, mod.sm, PREFILL_VARIANT[0], PREFILL_SPLIT[0])
+    if plan is not None:
+        return "gemm", plan
+    mt = _mt(m, mod.sm)
+    if aligned:
+        geo = seq_plan(mod, fmt, m, -(-n // 16), k // layout.CHUNK[QType.NVFP4 if fmt == 2 else QType.FP8], sms)
+        if geo is not None:
+            return "seq", geo
+    name = linear_kernel(fmt, mt, m, mod.sm, LINEAR_VARIANT[0], n, k)
+    geo = bulk_geometry(name)
+    if geo and not aligned:   # the bulk-ring kernels: the cp.async / register-pipeline ones instead
+        pair = "2" if geo[2] == 2 else ""
+        name = (f"qpn2_linear_m1_as{pair}" if "_m1_" in name else f"qpn2_linear_mp2_as{pair}" if "_mp2_" in name
+                else f"qpn{fmt}_linear_mt{mt}" if mt > 1 else f"qpn{fmt}_linear_mt1{'_t2u1' if pair else ''}")
+    return "linear", name
 
 
 # NVFP4 M = 1 on sm_90+ for a weight of at least two tiles per warp of a wave (lm_head): qpn2_linear_m1_seq, whose
