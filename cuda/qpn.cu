@@ -1380,18 +1380,15 @@ LINEAR2(qpn8_linear_mt1_t2u1, 8, 1)
        const u16* __restrict__ x, u16* __restrict__ y, int M, int N, int K, int KS, int P) {        \
     linear_body<FMT, MT, U, -(ST), NT>(w, s, gs, x, y, M, N, K, KS, P);                            \
   }
-#ifndef MT2_TB_MINB
-#define MT2_TB_MINB 3   // blocks per SM the MT = 2 rings are built for
-#endif
-// (ST, U, NT) of each: qpn.py's TB_KERNELS
+// (ST, U, NT) of each: qpn.py's TB_KERNELS; the MT = 2 rings built for 3 blocks per SM, MT = 4 for 2
 LINEAR_TB(qpn2_linear_mt1_tbu2, 2, 1, 2, 2, 2, 4)
 LINEAR_TB(qpn8_linear_mt1_tbu2, 8, 1, 2, 2, 2, 4)
 LINEAR_TB(qpn2_linear_mt1_tb1u4, 2, 1, 2, 4, 1, 4)
 LINEAR_TB(qpn8_linear_mt1_tb1u4, 8, 1, 2, 4, 1, 4)
-LINEAR_TB(qpn2_linear_mt2_tbu2, 2, 2, 2, 2, 2, MT2_TB_MINB)
-LINEAR_TB(qpn8_linear_mt2_tbu2, 8, 2, 2, 2, 2, MT2_TB_MINB)
-LINEAR_TB(qpn2_linear_mt2_tb1u4, 2, 2, 2, 4, 1, MT2_TB_MINB)
-LINEAR_TB(qpn8_linear_mt2_tb1u4, 8, 2, 2, 4, 1, MT2_TB_MINB)
+LINEAR_TB(qpn2_linear_mt2_tbu2, 2, 2, 2, 2, 2, 3)
+LINEAR_TB(qpn8_linear_mt2_tbu2, 8, 2, 2, 2, 2, 3)
+LINEAR_TB(qpn2_linear_mt2_tb1u4, 2, 2, 2, 4, 1, 3)
+LINEAR_TB(qpn8_linear_mt2_tb1u4, 8, 2, 2, 4, 1, 3)
 LINEAR_TB(qpn2_linear_mt4_tb1u4, 2, 4, 2, 4, 1, 2)
 LINEAR_TB(qpn8_linear_mt4_tb1u4, 8, 4, 2, 4, 1, 2)
 
